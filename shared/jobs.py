@@ -1,0 +1,227 @@
+"""The job lifecycle, one story for the API and the worker. The SQL job row decides whether a job runs.
+
+    queued --claim--> running --finish--> succeeded | failed | cancelled
+       |                 |  \--requeue (deploy, lost lease)--> queued
+       \--cancel---------+--> cancelled
+
+A worker *claims* a job with a compare-and-set UPDATE: it succeeds only on a queued job, or on a
+running one whose lease expired. A duplicate or redelivered message for a job another worker
+holds, or that has finished, therefore claims nothing and is a no-op. The running worker renews
+the lease each time it reports progress; every write it makes is conditional on still holding it.
+"""
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import and_, or_, select, update
+
+from shared.base_models import resolve_model
+from shared.datasets import read_table, validate_job_data
+from shared.db import session_scope
+from shared.errors import NotFound, UserError
+from shared.models import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
+from shared.schemas import Hyperparameters, JobCreate, JobOut, Progress
+from shared.settings import get_settings
+
+
+def to_out(job: Job) -> JobOut:
+    """The API view of a job row."""
+    spec = job.spec
+    fraction = min(1.0, job.step / job.total_steps) if job.total_steps else 0.0
+    if job.status == JobStatus.SUCCEEDED:
+        fraction = 1.0
+    return JobOut(
+        id=job.id,
+        status=job.status,
+        base_model=job.base_model,
+        task=job.task,
+        training_dataset=job.training_dataset_id,
+        validation_dataset=job.validation_dataset_id,
+        validation_split=spec.get("validation_split"),
+        text_column=spec["text_column"],
+        text_pair_column=spec.get("text_pair_column"),
+        label_column=spec["label_column"],
+        label_names=job.label_names,
+        hyperparameters=Hyperparameters(**spec["hyperparameters"]),
+        metadata=spec.get("metadata"),
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        progress=Progress(
+            step=job.step, total_steps=job.total_steps, epoch=job.epoch, fraction=fraction, eta_seconds=job.eta_seconds
+        ),
+        train_metrics=job.train_metrics,
+        validation_metrics=job.validation_metrics,
+        device=job.device,
+        attempts=job.attempts,
+        error=job.error,
+    )
+
+
+def _dataset(s, dataset_id: str, param: str) -> Dataset:
+    dataset = s.get(Dataset, dataset_id)
+    if dataset is None:
+        raise UserError("unknown_dataset", f"{param} {dataset_id!r} does not exist; upload it with POST /datasets",
+                        param)
+    return dataset
+
+
+def create_job(spec: JobCreate) -> Job:
+    """Validate a job spec against its model and data, then insert it as ``queued``.
+
+    The caller enqueues the job id once this returns (the row is committed by then).
+
+    Raises:
+        UserError: unknown model or dataset, missing column, unusable labels (see
+            ``shared.datasets.validate_job_data``).
+    """
+    resolve_model(spec.base_model)
+    with session_scope() as s:
+        train = _dataset(s, spec.training_dataset, "training_dataset")
+        val = _dataset(s, spec.validation_dataset, "validation_dataset") if spec.validation_dataset else None
+    names = validate_job_data(
+        spec.task, spec.text_column, spec.text_pair_column, spec.label_column,
+        (read_table(Path(train.path), train.format, train.filename), train.filename),
+        (read_table(Path(val.path), val.format, val.filename), val.filename) if val else None,
+    )
+    with session_scope() as s:
+        job = Job(id=new_id("job"), base_model=spec.base_model, task=spec.task, training_dataset_id=train.id,
+                  validation_dataset_id=val.id if val else None, spec=spec.model_dump(mode="json"), label_names=names)
+        s.add(job)
+        s.add(JobEvent(job_id=job.id, code="created", level="info", message="job created and queued"))
+        return job
+
+
+def get_job(job_id: str) -> Job:
+    with session_scope() as s:
+        job = s.get(Job, job_id)
+        if job is None:
+            raise NotFound("job", job_id)
+        return job
+
+
+def cancel_requested(job_id: str) -> bool:
+    with session_scope() as s:
+        return bool(s.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
+
+
+def add_event(job_id: str, code: str, message: str, level: str = "info") -> None:
+    with session_scope() as s:
+        s.add(JobEvent(job_id=job_id, code=code, message=message, level=level))
+
+
+def mark_enqueued(job_id: str) -> None:
+    """Record that the broker accepted the job's message (the sweeper re-sends jobs without it)."""
+    with session_scope() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
+
+
+def request_cancel(job_id: str) -> Job:
+    """Cancel a job: a queued one ends ``cancelled`` now; a running one is flagged and stops at its
+    next optimizer step. A finished job is left as it is.
+
+    Raises:
+        NotFound: no such job.
+    """
+    now = utcnow()
+    with session_scope() as s:
+        job = s.get(Job, job_id)
+        if job is None:
+            raise NotFound("job", job_id)
+        if job.status == JobStatus.QUEUED:
+            job.status, job.finished_at = JobStatus.CANCELLED, now
+            s.add(JobEvent(job_id=job_id, code="cancelled", level="info", message="cancelled before it started"))
+        elif job.status == JobStatus.RUNNING and not job.cancel_requested:
+            job.cancel_requested = True
+            s.add(JobEvent(job_id=job_id, code="cancel_requested", level="info", message="cancel requested"))
+        return job
+
+
+def _lease_expiry() -> datetime:
+    return utcnow() + timedelta(seconds=get_settings().lease_seconds)
+
+
+def claim(job_id: str, worker_id: str) -> Job | None:
+    """Take the job for ``worker_id`` if it is queued or its holder's lease expired.
+
+    Returns:
+        The claimed job, or None when another worker holds it or it has finished (a no-op).
+    """
+    now = utcnow()
+    with session_scope() as s:
+        claimable = or_(
+            Job.status == JobStatus.QUEUED,
+            and_(Job.status == JobStatus.RUNNING, Job.lease_expires_at < now),
+        )
+        result = s.execute(
+            update(Job)
+            .where(Job.id == job_id, claimable)
+            .values(
+                status=JobStatus.RUNNING,
+                lease_owner=worker_id,
+                lease_expires_at=_lease_expiry(),
+                attempts=Job.attempts + 1,
+                error=None,
+            )
+        )
+        if result.rowcount != 1:
+            return None
+        job = s.get(Job, job_id, populate_existing=True)
+        job.started_at = job.started_at or now
+        return job
+
+
+@dataclass
+class Control:
+    """What the running worker must do after reporting: carry on, stop for a cancel, or stop
+    because it no longer holds the job (its lease expired and another worker took it)."""
+
+    cancel_requested: bool
+    lease_lost: bool
+
+
+def report(
+    job_id: str,
+    worker_id: str,
+    progress: dict[str, Any] | None = None,
+    metrics: list[tuple[int, float, str, float, datetime]] = (),
+) -> Control:
+    """One short transaction from the running worker: renew the lease, update progress fields,
+    append metric rows ``(step, epoch, name, value, time)``, and read the cancel flag."""
+    with session_scope() as s:
+        result = s.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
+            .values(lease_expires_at=_lease_expiry(), **(progress or {}))
+        )
+        if result.rowcount != 1:
+            return Control(cancel_requested=False, lease_lost=True)
+        s.add_all(
+            JobMetric(job_id=job_id, step=st, epoch=ep, name=n, value=v, time=t) for st, ep, n, v, t in metrics
+        )
+        cancel = s.scalar(select(Job.cancel_requested).where(Job.id == job_id))
+        return Control(cancel_requested=bool(cancel), lease_lost=False)
+
+
+def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any] | None) -> None:
+    """Point the store at a checkpoint; call only once it is completely written."""
+    with session_scope() as s:
+        s.add(Checkpoint(job_id=job_id, step=step, path=path, metrics=metrics))
+
+
+def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | None = None) -> bool:
+    """End a running job held by ``worker_id``. Returns False if it no longer holds it."""
+    with session_scope() as s:
+        result = s.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
+            .values(status=status, error=error, finished_at=utcnow(), lease_owner=None, lease_expires_at=None,
+                    eta_seconds=0.0 if status == JobStatus.SUCCEEDED else None)
+        )
+        if result.rowcount == 1:
+            level = "info" if status != JobStatus.FAILED else "error"
+            message = status if error is None else f"{status}: {error['message']}"
+            s.add(JobEvent(job_id=job_id, code=status, level=level, message=message))
+        return result.rowcount == 1

@@ -1,0 +1,129 @@
+"""SQLAlchemy 2.0 models of the job store: datasets, jobs, job metrics, checkpoints and job events.
+
+The job row is the source of truth for a job's lifecycle (see ``shared.jobs``); the broker only
+carries job ids.
+"""
+
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+class UTCDateTime(TypeDecorator):
+    """Stores naive UTC (SQLite has no time zones), returns timezone-aware UTC datetimes."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect):
+        return value.astimezone(UTC).replace(tzinfo=None) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect):
+        return value.replace(tzinfo=UTC) if value is not None else None
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class JobStatus:
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    FINISHED = (SUCCEEDED, FAILED, CANCELLED)
+
+
+class Dataset(Base):
+    __tablename__ = "datasets"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("ds"))
+    filename: Mapped[str] = mapped_column(String(255))  # the uploader's name, for display only
+    format: Mapped[str] = mapped_column(String(16))
+    path: Mapped[str] = mapped_column(Text)  # server-chosen, under the data directory
+    rows: Mapped[int] = mapped_column(Integer)
+    columns: Mapped[list[Any]]
+    bytes: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_status_created", "status", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("job"))
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED)
+    base_model: Mapped[str] = mapped_column(String(255))
+    task: Mapped[str] = mapped_column(String(16))
+    training_dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"))
+    validation_dataset_id: Mapped[str | None] = mapped_column(ForeignKey("datasets.id"))
+    spec: Mapped[dict[str, Any]]  # the validated POST /jobs body
+    label_names: Mapped[list[Any] | None]  # classification: index -> label name
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    enqueued_at: Mapped[datetime | None]  # the broker accepted the message
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    cancel_requested: Mapped[bool] = mapped_column(default=False)
+    step: Mapped[int] = mapped_column(default=0)
+    total_steps: Mapped[int | None]
+    epoch: Mapped[float] = mapped_column(Float, default=0.0)
+    eta_seconds: Mapped[float | None]
+    device: Mapped[str | None] = mapped_column(String(64))
+    train_metrics: Mapped[dict[str, Any] | None]
+    validation_metrics: Mapped[dict[str, Any] | None]
+    error: Mapped[dict[str, Any] | None]  # {"code", "message"}
+    # Lease: which worker holds the job and until when (renewed by its heartbeat).
+    lease_owner: Mapped[str | None] = mapped_column(String(255))
+    lease_expires_at: Mapped[datetime | None]
+    attempts: Mapped[int] = mapped_column(default=0)
+
+
+class JobMetric(Base):
+    __tablename__ = "job_metrics"
+    __table_args__ = (Index("ix_job_metrics_job_step", "job_id", "step"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int]
+    epoch: Mapped[float] = mapped_column(Float)
+    name: Mapped[str] = mapped_column(String(64))
+    value: Mapped[float] = mapped_column(Float)
+    time: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (Index("ix_checkpoints_job_step", "job_id", "step"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int]
+    path: Mapped[str] = mapped_column(Text)
+    metrics: Mapped[dict[str, Any] | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_job_events_job_time", "job_id", "time"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    time: Mapped[datetime] = mapped_column(default=utcnow)
+    level: Mapped[str] = mapped_column(String(16))
+    code: Mapped[str] = mapped_column(String(64))
+    message: Mapped[str] = mapped_column(Text)

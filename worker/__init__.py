@@ -1,0 +1,1 @@
+"""The Celery worker: claims jobs from the store and fine-tunes encoders on one device."""

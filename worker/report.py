@@ -1,0 +1,48 @@
+"""Streams a running job's progress, metrics and events to the job store in short, batched writes."""
+
+import time
+from datetime import datetime
+
+from shared import jobs
+from shared.models import utcnow
+from shared.settings import get_settings
+
+
+class Reporter:
+    """The running worker's line to the job row.
+
+    Metrics are buffered and written together at most every ``metrics_flush_seconds``; each write
+    also renews the worker's lease. ``should_stop()`` is asked once per optimizer step.
+    """
+
+    def __init__(self, job_id: str, worker_id: str):
+        self.job_id, self.worker_id = job_id, worker_id
+        self.flush_seconds = get_settings().metrics_flush_seconds
+        self._metrics: list[tuple[int, float, str, float, datetime]] = []
+        self._progress: dict = {}
+        self._last_flush = time.monotonic()
+        self.lease_lost = False
+
+    def event(self, code: str, message: str, level: str = "info") -> None:
+        jobs.add_event(self.job_id, code, message, level)
+
+    def log(self, step: int, epoch: float, values: dict[str, float]) -> None:
+        now = utcnow()
+        self._metrics.extend((step, epoch, name, float(v), now) for name, v in values.items())
+
+    def progress(self, **fields) -> None:
+        """Set job-row fields (step, epoch, total_steps, eta_seconds, train/validation metrics, device)."""
+        self._progress.update(fields)
+        if time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        control = jobs.report(self.job_id, self.worker_id, self._progress, self._metrics)
+        self._metrics, self._progress, self._last_flush = [], {}, time.monotonic()
+        self.lease_lost = self.lease_lost or control.lease_lost
+
+    def should_stop(self) -> str | None:
+        """``"cancelled"`` if a cancel was requested, ``"lease_lost"`` if another worker holds the job."""
+        if self.lease_lost:
+            return "lease_lost"
+        return "cancelled" if jobs.cancel_requested(self.job_id) else None

@@ -1,0 +1,466 @@
+"""The training recipe for one job, top to bottom: setup, train, evaluate, save_checkpoint, save_model.
+
+Techniques and their sources:
+- smart batching / dynamic padding: ``worker.data`` (seed notebooks 002 and 003);
+- mixed precision with ``torch.autocast`` and a GradScaler for fp16, gradient accumulation,
+  gradient checkpointing, frozen embeddings, DataLoader workers and pinned memory: seed notebooks
+  000 and 001, PyTorch AMP docs;
+- AdamW with linear warmup and decay: ``transformers.get_linear_schedule_with_warmup``.
+"""
+
+import itertools
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from scipy.stats import pearsonr
+from sqlalchemy import select
+from sklearn.metrics import accuracy_score, f1_score, mean_squared_error
+from torch.utils.data import DataLoader
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
+from transformers import logging as hf_logging
+from transformers import set_seed
+
+from shared import jobs
+from shared.base_models import resolve_model
+from shared.db import session_scope
+from shared.models import Checkpoint, Dataset, Job
+from shared.schemas import Hyperparameters
+from shared.settings import get_settings
+from worker.data import BatchPlan, BatchStats, TokenizedDataset, load_table, make_collator, split_train_validation, tokenize
+from worker.device import autocast_dtype, describe
+from worker.report import Reporter
+
+hf_logging.set_verbosity_error()
+CHECKPOINTS_KEPT = 2
+
+
+@dataclass
+class TrainState:
+    """Where training stands; saved in every checkpoint so a run resumes exactly."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of ``epoch`` already trained
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    unrounded_tokens: int = 0
+    train_seconds: float = 0.0
+    last_eval: dict | None = None  # latest validation metrics
+
+    def add(self, micro_batches: int, stats: "BatchStats", seconds: float) -> None:
+        """Account for one finished optimizer step."""
+        self.step += 1
+        self.batch_in_epoch += micro_batches
+        self.real_tokens += stats.real
+        self.padded_tokens += stats.padded
+        self.unrounded_tokens += stats.unrounded
+        self.train_seconds += seconds
+
+    def throughput(self) -> dict[str, float]:
+        """Real tokens/s over training time and padding efficiency (real / padded tokens) so far."""
+        return {
+            "tokens_per_second": self.real_tokens / self.train_seconds,
+            "padding_efficiency": self.real_tokens / self.padded_tokens,
+            "padding_efficiency_unrounded": self.real_tokens / self.unrounded_tokens,
+            "real_tokens": self.real_tokens,
+            "train_seconds": self.train_seconds,
+        }
+
+
+class StepTimer:
+    """ETA from the mean wall time per optimizer step of this attempt (evaluation included)."""
+
+    def __init__(self, first_step: int):
+        self.start, self.first_step = time.perf_counter(), first_step
+
+    def eta(self, step: int, total_steps: int) -> float:
+        return (time.perf_counter() - self.start) / max(1, step - self.first_step) * (total_steps - step)
+
+
+@dataclass
+class Run:
+    """Everything ``setup`` builds for one job."""
+
+    job: Job
+    hp: Hyperparameters
+    device: torch.device
+    dtype: torch.dtype | None  # autocast dtype, None for fp32
+    tokenizer: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    train_set: TokenizedDataset
+    val_set: TokenizedDataset | None
+    plan: BatchPlan
+    collator: object
+    total_steps: int
+    out_dir: Path
+    state: TrainState = field(default_factory=TrainState)
+
+
+def fine_tune(job: Job, datasets: dict[str, Dataset], device: torch.device, reporter: Reporter) -> str:
+    """Run one job to its end. Returns ``"succeeded"``, ``"cancelled"`` or ``"lease_lost"``.
+
+    Raises:
+        shared.errors.UserError: bad data or an unknown model (the job fails without retry).
+    """
+    run = setup(job, datasets, device, reporter)
+    outcome = train(run, reporter)
+    if outcome != "completed":
+        return outcome
+    if run.val_set is not None:
+        run.state.last_eval = evaluate(run)
+        log_eval(run, reporter, run.state.last_eval)
+    save_model(run, run.state.last_eval or {})
+    reporter.flush()
+    return "succeeded"
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def setup(job: Job, datasets: dict[str, Dataset], device: torch.device, reporter: Reporter) -> Run:
+    """Tokenize the data, build the model, optimizer and schedule; resume from the latest checkpoint."""
+    hp = Hyperparameters(**job.spec["hyperparameters"])
+    spec = job.spec
+    set_seed(hp.seed)
+    model_dir = resolve_model(job.base_model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    train_ds = datasets[job.training_dataset_id]
+    train_df = load_table(train_ds.path, train_ds.format)
+    if job.validation_dataset_id:
+        val_ds = datasets[job.validation_dataset_id]
+        val_df, val_name = load_table(val_ds.path, val_ds.format), val_ds.filename
+    else:
+        train_df, val_df = split_train_validation(
+            train_df, spec["label_column"], spec.get("validation_split") or 0.0, hp.seed, job.task == "classification"
+        )
+        val_name = train_ds.filename
+
+    def encode(df, filename):
+        return tokenize(tokenizer, df, spec["text_column"], spec.get("text_pair_column"), spec["label_column"],
+                        job.label_names, hp.max_length, filename)
+
+    train_set = encode(train_df, train_ds.filename)
+    val_set = encode(val_df, val_name) if val_df is not None and len(val_df) else None
+
+    checkpoint = latest_checkpoint(job.id)
+    model = load_model(checkpoint or model_dir, job).to(device)
+    if hp.freeze_embeddings:
+        model.base_model.embeddings.requires_grad_(False)
+    if hp.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    plan = BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed)
+    total_steps = plan.count_steps(hp.epochs, hp.gradient_accumulation_steps)
+    optimizer = make_optimizer(model, hp, device)
+    scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(hp.warmup_ratio * total_steps), total_steps)
+    dtype = autocast_dtype(hp.precision, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+    run = Run(job, hp, device, dtype, tokenizer, model, optimizer, scheduler, scaler, train_set, val_set, plan,
+              make_collator(tokenizer, hp.batching, hp.max_length, pad_to_multiple_of=8),
+              total_steps, get_settings().path("checkpoints", job.id, "x").parent)
+    if checkpoint:
+        load_training_state(run, checkpoint)
+        reporter.event("resumed", f"resumed from the checkpoint at step {run.state.step}")
+    reporter.progress(total_steps=total_steps, device=describe(device), step=run.state.step)
+    reporter.flush()
+    return run
+
+
+def load_model(path: Path, job: Job) -> torch.nn.Module:
+    """A sequence-classification model from a base model or checkpoint directory (safetensors only)."""
+    if job.task == "regression":
+        labels = {"num_labels": 1, "problem_type": "regression"}
+    else:
+        names = job.label_names
+        labels = {"num_labels": len(names), "id2label": dict(enumerate(names)),
+                  "label2id": {n: i for i, n in enumerate(names)}, "problem_type": "single_label_classification"}
+    return AutoModelForSequenceClassification.from_pretrained(
+        path, use_safetensors=True, ignore_mismatched_sizes=True, trust_remote_code=False, **labels
+    )
+
+
+def make_optimizer(model: torch.nn.Module, hp: Hyperparameters, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over trainable parameters, no weight decay on biases and LayerNorm weights (BERT recipe);
+    the fused kernel on CUDA."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=hp.learning_rate, fused=device.type == "cuda")
+
+
+def make_loader(run: Run, dataset: TokenizedDataset, plan: BatchPlan) -> DataLoader:
+    return DataLoader(dataset, batch_sampler=plan, collate_fn=run.collator, num_workers=run.hp.dataloader_num_workers,
+                      pin_memory=run.device.type == "cuda")
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def train(run: Run, reporter: Reporter) -> str:
+    """The training loop. One optimizer step per ``gradient_accumulation_steps`` micro-batches;
+    evaluation and checkpoints every ``eval_every_steps``/``save_every_steps`` (default: at the end
+    of each epoch); the cancel flag is read after every step.
+
+    Returns ``"completed"``, ``"cancelled"`` or ``"lease_lost"``.
+    """
+    hp, st = run.hp, run.state
+    trainable = [p for p in run.model.parameters() if p.requires_grad]
+    timer = StepTimer(st.step)
+    run.model.train()
+    while st.step < run.total_steps:
+        for group in step_groups(run):
+            t0 = time.perf_counter()
+            step, stats = train_step(run, group, trainable)
+            step["seconds"] = time.perf_counter() - t0
+            st.add(len(group), stats, step["seconds"])
+            log_step(run, reporter, step, stats, timer)
+            if st.step >= run.total_steps:
+                return "completed"
+            end_of_epoch = st.batch_in_epoch == len(run.plan.batches)
+            if run.val_set is not None and due(st.step, hp.eval_every_steps, end_of_epoch):
+                st.last_eval = evaluate(run)
+                log_eval(run, reporter, st.last_eval)
+                run.model.train()
+            if due(st.step, hp.save_every_steps, end_of_epoch):
+                save_checkpoint(run)
+            stop = reporter.should_stop()
+            if stop:
+                return stop
+        st.epoch, st.batch_in_epoch = st.epoch + 1, 0
+    return "completed"
+
+
+def due(step: int, every: int | None, end_of_epoch: bool) -> bool:
+    return step % every == 0 if every else end_of_epoch
+
+
+def step_groups(run: Run) -> Iterator[list[dict]]:
+    """The rest of the current epoch as groups of ``gradient_accumulation_steps`` padded micro-batches."""
+    run.plan.set_epoch(run.state.epoch, skip=run.state.batch_in_epoch)
+    micro_batches = iter(make_loader(run, run.train_set, run.plan))
+    while group := list(itertools.islice(micro_batches, run.hp.gradient_accumulation_steps)):
+        yield group
+
+
+def train_step(run: Run, group: list[dict], trainable: list[torch.nn.Parameter]) -> tuple[dict, BatchStats]:
+    """Forward and backward over the micro-batches of one optimizer step, then clip and step.
+
+    The loss of each micro-batch is summed over its examples and divided by the number of
+    examples in the whole step, so micro-batches of unequal size weigh correctly and the gradient
+    equals that of one batch of all of them.
+
+    Returns:
+        ({"loss", "grad_norm", "learning_rate"}, token counts of the step).
+    """
+    n_examples = sum(len(b["labels"]) for b in group)
+    stats = BatchStats(0, 0, 0)
+    loss_sum = torch.zeros((), device=run.device)
+    for batch in group:
+        s = BatchStats.of(batch, padded_to_longest=run.hp.batching != "fixed")
+        stats = BatchStats(stats.real + s.real, stats.unrounded + s.unrounded, stats.padded + s.padded)
+        batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        with torch.autocast(run.device.type, dtype=run.dtype or torch.float32, enabled=run.dtype is not None):
+            logits = run.model(**batch).logits
+        loss = loss_sum_of(logits, labels, run.job.task) / n_examples
+        run.scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    run.scaler.unscale_(run.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+    learning_rate = run.scheduler.get_last_lr()[0]
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "learning_rate": learning_rate}, stats
+
+
+def loss_sum_of(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
+    """Summed loss of a micro-batch: cross-entropy (logits ``[n, classes]``, labels ``[n]`` int64)
+    or squared error (logits ``[n, 1]``, labels ``[n]`` float), computed in fp32."""
+    if task == "regression":
+        return F.mse_loss(logits.float().squeeze(-1), labels.float(), reduction="sum")
+    return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def log_step(run: Run, reporter: Reporter, step: dict, stats: BatchStats, timer: StepTimer) -> None:
+    """Buffer this step's metrics and update the job's progress, ETA and running totals."""
+    st = run.state
+    epoch = st.epoch + st.batch_in_epoch / max(1, len(run.plan.batches))
+    peak = peak_memory_mb(run.device)
+    reporter.log(st.step, epoch, {
+        "train_loss": step["loss"],
+        "learning_rate": step["learning_rate"],
+        "grad_norm": step["grad_norm"],
+        "tokens_per_second": stats.real / step["seconds"],
+        "padding_efficiency": stats.real / stats.padded,
+        "padding_efficiency_unrounded": stats.real / stats.unrounded,
+        "peak_memory_mb": peak,
+    })
+    totals = {"loss": step["loss"], "learning_rate": step["learning_rate"], "peak_memory_mb": peak, **st.throughput()}
+    reporter.progress(step=st.step, epoch=epoch, eta_seconds=timer.eta(st.step, run.total_steps), train_metrics=totals)
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """Validation loss plus accuracy and macro-F1 (classification) or MSE and Pearson r (regression)."""
+    model, task = run.model, run.job.task
+    model.eval()
+    plan = BatchPlan(run.val_set.lengths, run.hp.batch_size * 2, "smart", run.hp.seed)
+    loss_total, predictions, targets = 0.0, [], []
+    for batch in make_loader(run, run.val_set, plan):
+        batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        with torch.autocast(run.device.type, dtype=run.dtype or torch.float32, enabled=run.dtype is not None):
+            logits = model(**batch).logits.float()
+        loss_total += loss_sum_of(logits, labels, task).item()
+        predictions.append(logits.squeeze(-1) if task == "regression" else logits.argmax(-1))
+        targets.append(labels)
+    y_pred, y_true = torch.cat(predictions).cpu().numpy(), torch.cat(targets).cpu().numpy()
+    metrics = {"loss": loss_total / len(y_true)}
+    if task == "regression":
+        metrics["mse"] = float(mean_squared_error(y_true, y_pred))
+        metrics["pearson_r"] = float(pearsonr(y_true, y_pred).statistic) if len(y_true) > 1 else float("nan")
+    else:
+        metrics["accuracy"] = float(accuracy_score(y_true, y_pred))
+        metrics["f1_macro"] = float(f1_score(y_true, y_pred, average="macro"))
+    return metrics
+
+
+def log_eval(run: Run, reporter: Reporter, metrics: dict[str, float]) -> None:
+    st = run.state
+    reporter.log(st.step, st.epoch, {f"eval_{k}": v for k, v in metrics.items() if math.isfinite(v)})
+    reporter.progress(validation_metrics=metrics)
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _write_atomically(final_dir: Path, write) -> None:
+    """Write a directory under a temporary name, fsync its files, then rename it into place."""
+    tmp = final_dir.with_name(f".{final_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.replace(tmp, final_dir)
+    dir_fd = os.open(final_dir.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(run: Run) -> None:
+    """Save model weights (safetensors) and the full training state, atomically, then record it.
+
+    Only the newest ``CHECKPOINTS_KEPT`` checkpoint directories are kept on disk.
+    """
+    st = run.state
+    path = run.out_dir / f"step-{st.step:08d}"
+
+    def write(tmp: Path) -> None:
+        run.model.save_pretrained(tmp, safe_serialization=True)
+        torch.save(training_state(run), tmp / "training_state.pt")
+
+    _write_atomically(path, write)
+    jobs.record_checkpoint(run.job.id, st.step, str(path), st.last_eval)
+    for old in sorted(run.out_dir.glob("step-*"))[:-CHECKPOINTS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def training_state(run: Run) -> dict:
+    """Optimizer, schedule, scaler, RNG states and loop position: all ``torch.load(weights_only=True)`` safe."""
+    np_state = np.random.get_state()
+    return {
+        "train_state": vars(run.state).copy(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "rng": {
+            "python": random.getstate(),
+            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        },
+    }
+
+
+def load_training_state(run: Run, checkpoint: Path) -> None:
+    state = torch.load(checkpoint / "training_state.pt", weights_only=True, map_location="cpu")
+    run.state = TrainState(**state["train_state"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.scaler.load_state_dict(state["scaler"])
+    rng = state["rng"]
+    random.setstate(rng["python"])
+    np.random.set_state((rng["numpy"][0], np.array(rng["numpy"][1], dtype=np.uint32), *rng["numpy"][2:]))
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def latest_checkpoint(job_id: str) -> Path | None:
+    """The newest complete checkpoint recorded for the job, if its directory still exists."""
+    with session_scope() as s:
+        paths = s.scalars(select(Checkpoint.path).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()))
+        return next((Path(p) for p in paths if Path(p).is_dir()), None)
+
+
+def save_model(run: Run, final_metrics: dict[str, float]) -> Path:
+    """Save the model in Hugging Face format (safetensors, config with id2label, tokenizer files,
+    ``training_args.json``, ``metrics.json``) and pack it as ``artifacts/<job>/model.tar.gz``."""
+    st = run.state
+    metrics = {
+        "step": st.step,
+        "validation": final_metrics,
+        "train": st.throughput(),
+    }
+    model_dir = get_settings().path("artifacts", run.job.id, "model")
+
+    def write(tmp: Path) -> None:
+        run.model.save_pretrained(tmp, safe_serialization=True)
+        run.tokenizer.save_pretrained(tmp)
+        (tmp / "training_args.json").write_text(json.dumps(run.job.spec, indent=2))
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
+
+    _write_atomically(model_dir, write)
+    archive = model_dir.parent / "model.tar.gz"
+    tmp_archive = archive.with_name(".model.tar.gz.tmp")
+    with tarfile.open(tmp_archive, "w:gz") as tar:
+        for f in sorted(model_dir.iterdir()):
+            tar.add(f, arcname=f.name)
+    os.replace(tmp_archive, archive)
+    shutil.copyfile(model_dir / "metrics.json", model_dir.parent / "metrics.json")
+    return archive
