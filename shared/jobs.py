@@ -1,4 +1,4 @@
-"""The job lifecycle, one story for the API and the worker. The SQL job row decides whether a job runs.
+r"""The job lifecycle, one story for the API and the worker. The SQL job row decides whether a job runs.
 
     queued --claim--> running --finish--> succeeded | failed | cancelled
        |                 |  \--requeue (deploy, lost lease)--> queued
@@ -209,6 +209,13 @@ def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any]
     """Point the store at a checkpoint; call only once it is completely written."""
     with session_scope() as s:
         s.add(Checkpoint(job_id=job_id, step=step, path=path, metrics=metrics))
+
+
+def latest_checkpoint(job_id: str) -> Path | None:
+    """The newest complete checkpoint recorded for the job whose directory still exists."""
+    with session_scope() as s:
+        paths = s.scalars(select(Checkpoint.path).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()))
+        return next((Path(p) for p in paths if Path(p).is_dir()), None)
 
 
 def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | None = None) -> bool:

@@ -18,6 +18,7 @@ from torch.utils.data import Dataset, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from shared.datasets import read_table, regression_targets
+from shared.models import Dataset
 
 
 def split_train_validation(
@@ -35,8 +36,26 @@ def split_train_validation(
     return train, val
 
 
-def load_table(path: str, fmt: str) -> pd.DataFrame:
-    return read_table(Path(path), fmt)
+@dataclass
+class JobData:
+    """A job's training and validation tables, with the file names used in error messages."""
+
+    train: pd.DataFrame
+    validation: pd.DataFrame | None
+    train_name: str
+    validation_name: str | None
+
+
+def load_job_data(spec: dict, train: Dataset, validation: Dataset | None) -> JobData:
+    """Read a job's uploaded tables; without a validation dataset, hold out ``validation_split``
+    of the training table (stratified for classification, seeded by ``hyperparameters.seed``)."""
+    train_df = read_table(Path(train.path), train.format, train.filename)
+    if validation is not None:
+        val_df = read_table(Path(validation.path), validation.format, validation.filename)
+        return JobData(train_df, val_df, train.filename, validation.filename)
+    train_df, val_df = split_train_validation(train_df, spec["label_column"], spec.get("validation_split") or 0.0,
+                                              spec["hyperparameters"]["seed"], spec["task"] == "classification")
+    return JobData(train_df, val_df, train.filename, train.filename)
 
 
 class TokenizedDataset(Dataset):

@@ -2,6 +2,7 @@
 
 import time
 from datetime import datetime
+from pathlib import Path
 
 from shared import jobs
 from shared.models import utcnow
@@ -40,6 +41,10 @@ class Reporter:
         control = jobs.report(self.job_id, self.worker_id, self._progress, self._metrics)
         self._metrics, self._progress, self._last_flush = [], {}, time.monotonic()
         self.lease_lost = self.lease_lost or control.lease_lost
+
+    def checkpoint(self, step: int, path: Path, metrics: dict | None) -> None:
+        """Point the store at a checkpoint that is completely written."""
+        jobs.record_checkpoint(self.job_id, step, str(path), metrics)
 
     def should_stop(self) -> str | None:
         """``"cancelled"`` if a cancel was requested, ``"lease_lost"`` if another worker holds the job."""

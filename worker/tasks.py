@@ -24,7 +24,8 @@ def run_job(job_id: str) -> str:
     if job is None:
         log.info("job %s: not claimable (finished, cancelled or held by another worker); skipped", job_id)
         return "skipped"
-    from worker.device import resolve_device  # torch is imported only when a job runs
+    from worker.data import load_job_data  # torch is imported only when a job runs
+    from worker.device import resolve_device
     from worker.report import Reporter
     from worker.train import fine_tune
 
@@ -35,9 +36,10 @@ def run_job(job_id: str) -> str:
         if note:
             reporter.event("device", note, level="warning")
         with session_scope() as s:
-            datasets = {d.id: d for d in s.query(Dataset).filter(
-                Dataset.id.in_([job.training_dataset_id, job.validation_dataset_id]))}
-        outcome = fine_tune(job, datasets, device, reporter)
+            train = s.get(Dataset, job.training_dataset_id)
+            validation = s.get(Dataset, job.validation_dataset_id) if job.validation_dataset_id else None
+        data = load_job_data(job.spec, train, validation)
+        outcome = fine_tune(job, data, device, reporter, jobs.latest_checkpoint(job_id))
     except UserError as e:
         jobs.finish(job_id, worker_id, JobStatus.FAILED, {"code": e.code, "message": e.message})
         return JobStatus.FAILED

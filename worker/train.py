@@ -25,20 +25,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from scipy.stats import pearsonr
-from sqlalchemy import select
 from sklearn.metrics import accuracy_score, f1_score, mean_squared_error
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 from transformers import logging as hf_logging
 from transformers import set_seed
 
-from shared import jobs
 from shared.base_models import resolve_model
-from shared.db import session_scope
-from shared.models import Checkpoint, Dataset, Job
+from shared.models import Job
 from shared.schemas import Hyperparameters
 from shared.settings import get_settings
-from worker.data import BatchPlan, BatchStats, TokenizedDataset, load_table, make_collator, split_train_validation, tokenize
+from worker.data import BatchPlan, BatchStats, JobData, TokenizedDataset, make_collator, tokenize
 from worker.device import autocast_dtype, describe
 from worker.report import Reporter
 
@@ -111,13 +108,15 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
 
 
-def fine_tune(job: Job, datasets: dict[str, Dataset], device: torch.device, reporter: Reporter) -> str:
-    """Run one job to its end. Returns ``"succeeded"``, ``"cancelled"`` or ``"lease_lost"``.
+def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter, checkpoint: Path | None = None) -> str:
+    """Run one job to its end, resuming from ``checkpoint`` if given.
+
+    Returns ``"succeeded"``, ``"cancelled"`` or ``"lease_lost"``.
 
     Raises:
         shared.errors.UserError: bad data or an unknown model (the job fails without retry).
     """
-    run = setup(job, datasets, device, reporter)
+    run = setup(job, data, device, reporter, checkpoint)
     outcome = train(run, reporter)
     if outcome != "completed":
         return outcome
@@ -132,33 +131,25 @@ def fine_tune(job: Job, datasets: dict[str, Dataset], device: torch.device, repo
 # ----------------------------------------------------------------------------- setup
 
 
-def setup(job: Job, datasets: dict[str, Dataset], device: torch.device, reporter: Reporter) -> Run:
-    """Tokenize the data, build the model, optimizer and schedule; resume from the latest checkpoint."""
+def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, checkpoint: Path | None = None) -> Run:
+    """Tokenize the data, build the model, optimizer and schedule; restore ``checkpoint`` if given.
+
+    ``job`` needs only ``id``, ``task``, ``base_model``, ``label_names`` and ``spec``; it may be a
+    transient ``Job`` that is not in the store (the benchmark does this).
+    """
     hp = Hyperparameters(**job.spec["hyperparameters"])
     spec = job.spec
     set_seed(hp.seed)
     model_dir = resolve_model(job.base_model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
-    train_ds = datasets[job.training_dataset_id]
-    train_df = load_table(train_ds.path, train_ds.format)
-    if job.validation_dataset_id:
-        val_ds = datasets[job.validation_dataset_id]
-        val_df, val_name = load_table(val_ds.path, val_ds.format), val_ds.filename
-    else:
-        train_df, val_df = split_train_validation(
-            train_df, spec["label_column"], spec.get("validation_split") or 0.0, hp.seed, job.task == "classification"
-        )
-        val_name = train_ds.filename
-
     def encode(df, filename):
         return tokenize(tokenizer, df, spec["text_column"], spec.get("text_pair_column"), spec["label_column"],
                         job.label_names, hp.max_length, filename)
 
-    train_set = encode(train_df, train_ds.filename)
-    val_set = encode(val_df, val_name) if val_df is not None and len(val_df) else None
+    train_set = encode(data.train, data.train_name)
+    val_set = encode(data.validation, data.validation_name) if data.validation is not None else None
 
-    checkpoint = latest_checkpoint(job.id)
     model = load_model(checkpoint or model_dir, job).to(device)
     if hp.freeze_embeddings:
         model.base_model.embeddings.requires_grad_(False)
@@ -241,7 +232,7 @@ def train(run: Run, reporter: Reporter) -> str:
                 log_eval(run, reporter, st.last_eval)
                 run.model.train()
             if due(st.step, hp.save_every_steps, end_of_epoch):
-                save_checkpoint(run)
+                save_checkpoint(run, reporter)
             stop = reporter.should_stop()
             if stop:
                 return stop
@@ -382,7 +373,7 @@ def _write_atomically(final_dir: Path, write) -> None:
         os.close(dir_fd)
 
 
-def save_checkpoint(run: Run) -> None:
+def save_checkpoint(run: Run, reporter: Reporter) -> None:
     """Save model weights (safetensors) and the full training state, atomically, then record it.
 
     Only the newest ``CHECKPOINTS_KEPT`` checkpoint directories are kept on disk.
@@ -395,7 +386,7 @@ def save_checkpoint(run: Run) -> None:
         torch.save(training_state(run), tmp / "training_state.pt")
 
     _write_atomically(path, write)
-    jobs.record_checkpoint(run.job.id, st.step, str(path), st.last_eval)
+    reporter.checkpoint(st.step, path, st.last_eval)
     for old in sorted(run.out_dir.glob("step-*"))[:-CHECKPOINTS_KEPT]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -429,13 +420,6 @@ def load_training_state(run: Run, checkpoint: Path) -> None:
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-def latest_checkpoint(job_id: str) -> Path | None:
-    """The newest complete checkpoint recorded for the job, if its directory still exists."""
-    with session_scope() as s:
-        paths = s.scalars(select(Checkpoint.path).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()))
-        return next((Path(p) for p in paths if Path(p).is_dir()), None)
 
 
 def save_model(run: Run, final_metrics: dict[str, float]) -> Path:

@@ -1,0 +1,146 @@
+"""Test fixtures: a tiny BERT built at test time, and the service stacks the API tests run on.
+
+``stack`` runs each API test module twice: on the embedded default (SQLite + kombu's filesystem
+broker) and on PostgreSQL + Redis. The second skips, with the reason, when those services are not
+reachable, unless ``TUNEJOB_REQUIRE_SERVICES=1`` (set by ``.ci/run``), which makes it fail instead.
+"""
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import psycopg
+import pytest
+import redis
+from celery.contrib.testing.worker import start_worker
+from fastapi.testclient import TestClient
+
+POSTGRES_URL = os.environ.get("TUNEJOB_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("TUNEJOB_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+REQUIRE_SERVICES = os.environ.get("TUNEJOB_REQUIRE_SERVICES") == "1"
+TINY_MODEL = "tiny-bert"
+
+
+def build_tiny_bert(path: Path) -> Path:
+    """A 2-layer, 32-wide BERT with random weights and the real all-MiniLM-L6-v2 WordPiece vocab."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from shared.base_models import available_models
+
+    tokenizer = AutoTokenizer.from_pretrained(available_models()["all-MiniLM-L6-v2"][0])
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=512)
+    BertForSequenceClassification(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    build_tiny_bert(root / TINY_MODEL)
+    return root
+
+
+def services_unavailable() -> str | None:
+    """Why PostgreSQL or Redis cannot be used, or None when both answer."""
+    try:
+        psycopg.connect(POSTGRES_URL, connect_timeout=2).close()
+    except psycopg.Error as e:
+        return f"PostgreSQL at {POSTGRES_URL} is not reachable ({e.__class__.__name__})"
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    except redis.RedisError as e:
+        return f"Redis at {REDIS_URL} is not reachable ({e.__class__.__name__})"
+    return None
+
+
+def require_services() -> None:
+    reason = services_unavailable()
+    if reason is None:
+        return
+    if REQUIRE_SERVICES:
+        pytest.fail(f"{reason}, and TUNEJOB_REQUIRE_SERVICES=1 makes these tests mandatory")
+    pytest.skip(f"{reason}; set TUNEJOB_REQUIRE_SERVICES=1 to make this a failure")
+
+
+def fresh_postgres_database() -> tuple[str, callable]:
+    """Create an empty database for one test module; returns its SQLAlchemy URL and a drop function."""
+    name = f"tunejob_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = POSTGRES_URL.rsplit("/", 1)[0]
+
+    def drop() -> None:
+        from shared.db import engine_for
+
+        engine_for(f"postgresql+psycopg://{base.split('://', 1)[1]}/{name}").dispose()
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return f"postgresql+psycopg://{base.split('://', 1)[1]}/{name}", drop
+
+
+@dataclass
+class Stack:
+    name: str
+    client: TestClient
+    data_dir: Path
+
+
+def configure(env: dict[str, str]) -> None:
+    """Point settings, the job store and the Celery app at ``env`` (TUNEJOB_* variables)."""
+    for key in [k for k in os.environ if k.startswith("TUNEJOB_") and k != "TUNEJOB_REQUIRE_SERVICES"]:
+        del os.environ[key]
+    os.environ.update(env)
+    from shared.settings import get_settings
+    from worker.celery_app import app, celery_config
+
+    get_settings.cache_clear()
+    app.conf.update(celery_config(get_settings()))
+    app._pool = None  # drop broker connections made for the previous stack
+    app.amqp._producer_pool = None
+
+
+@pytest.fixture(scope="module", params=["embedded", "postgres+redis"])
+def stack(request, tmp_path_factory, models_dir) -> Iterator[Stack]:
+    """The API (in-process, over HTTP via TestClient) and a real Celery worker thread."""
+    cleanup = None
+    data_dir = tmp_path_factory.mktemp("data")
+    env = {"TUNEJOB_DATA_DIR": str(data_dir), "TUNEJOB_MODELS_DIR": str(models_dir), "TUNEJOB_DEVICE": "cpu",
+           "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2"}
+    if request.param == "postgres+redis":
+        require_services()
+        database_url, cleanup = fresh_postgres_database()
+        redis.Redis.from_url(REDIS_URL).flushdb()
+        env.update(TUNEJOB_DATABASE_URL=database_url, TUNEJOB_BROKER_URL=REDIS_URL)
+    configure(env)
+    from api.main import create_app
+    from worker.tasks import app as celery_app
+
+    try:
+        with TestClient(create_app()) as client, start_worker(
+            celery_app, pool="solo", perform_ping_check=False, loglevel="WARNING", shutdown_timeout=60
+        ):
+            yield Stack(request.param, client, data_dir)
+    finally:
+        if cleanup:
+            cleanup()
+
+
+def wait_for_status(client: TestClient, job_id: str, statuses: set[str], timeout: float = 180) -> dict:
+    """Poll ``GET /jobs/{id}`` until the job reaches one of ``statuses``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.get(f"/jobs/{job_id}").json()
+        if job["status"] in statuses:
+            return job
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} still {job['status']} after {timeout}s: {job}")
+        time.sleep(0.2)
