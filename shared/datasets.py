@@ -8,6 +8,7 @@ import codecs
 from pathlib import Path
 
 import pandas as pd
+from sklearn.model_selection import train_test_split
 
 from shared.errors import UserError
 
@@ -170,3 +171,18 @@ def validate_job_data(
                 "validation_dataset",
             )
     return names
+
+
+def split_train_validation(
+    df: pd.DataFrame, label_column: str, fraction: float, seed: int, stratify: bool
+) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """Hold out ``fraction`` of ``df`` for validation, stratified by label when every class has
+    at least two rows (scikit-learn ``train_test_split``)."""
+    if not fraction:
+        return df, None
+    labels = df[label_column].astype(str)
+    can_stratify = stratify and labels.value_counts().min() >= 2 and round(len(df) * fraction) >= labels.nunique()
+    train, val = train_test_split(
+        df, test_size=fraction, random_state=seed, stratify=labels if can_stratify else None
+    )
+    return train, val

@@ -205,10 +205,17 @@ def report(
         return Control(cancel_requested=bool(cancel), lease_lost=False)
 
 
-def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any] | None) -> None:
-    """Point the store at a checkpoint; call only once it is completely written."""
+def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any] | None, keep: int) -> list[Path]:
+    """Point the store at a checkpoint (call only once it is completely written) and forget all but
+    the newest ``keep``. Returns the forgotten checkpoints' directories, for the caller to delete."""
     with session_scope() as s:
         s.add(Checkpoint(job_id=job_id, step=step, path=path, metrics=metrics))
+        s.flush()
+        old = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                        .order_by(Checkpoint.step.desc()).offset(keep)).all()
+        for checkpoint in old:
+            s.delete(checkpoint)
+        return [Path(c.path) for c in old]
 
 
 def latest_checkpoint(job_id: str) -> Path | None:

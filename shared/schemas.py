@@ -21,11 +21,22 @@ class Hyperparameters(BaseModel):
     gradient_accumulation_steps: int = Field(1, ge=1, le=1024)
     max_length: int = Field(256, ge=8, le=8192)
     precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
-    batching: Literal["smart", "dynamic", "fixed"] = "smart"
+    batching: Literal["smart", "dynamic", "fixed", "token_budget"] = "smart"
+    max_tokens_per_batch: int | None = Field(
+        None, ge=8, description="token_budget: padded tokens per micro-batch. Default batch_size * max_length.")
+    pad_to_multiple_of: int | None = Field(
+        None, ge=1, le=512, description="Round padded lengths up to a multiple of this. Default: 8 on CUDA, 1 on the CPU.")
     gradient_checkpointing: bool = False
     freeze_embeddings: bool = False
+    torch_compile: bool = Field(False, description="torch.compile the model; lengths are padded to multiples of 64.")
     eval_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
     save_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
+    save_total_limit: int = Field(2, ge=1, le=1000, description="Checkpoints kept on disk (the newest).")
+    metric_for_best_model: Literal["loss", "accuracy", "f1_macro", "mse", "pearson_r"] = "loss"
+    early_stopping_patience: int | None = Field(
+        None, ge=1, description="Stop after this many evaluations without improving metric_for_best_model.")
+    max_nonfinite_steps: int = Field(
+        25, ge=1, description="Fail after this many consecutive optimizer steps with a non-finite loss or gradient.")
     warmup_ratio: float = Field(0.1, ge=0, lt=1)
     weight_decay: float = Field(0.01, ge=0, le=1)
     seed: int = Field(42, ge=0, le=2**32 - 1)
@@ -49,11 +60,18 @@ class JobCreate(BaseModel):
     metadata: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _one_validation_source(self) -> "JobCreate":
+    def _consistent(self) -> "JobCreate":
         if self.validation_dataset and self.validation_split:
             raise ValueError("give validation_dataset or validation_split, not both")
         if self.validation_dataset is None and self.validation_split is None:
             self.validation_split = 0.1
+        hp = self.hyperparameters
+        allowed = {"classification": ("loss", "accuracy", "f1_macro"), "regression": ("loss", "mse", "pearson_r")}
+        if hp.metric_for_best_model not in allowed[self.task]:
+            raise ValueError(f"hyperparameters.metric_for_best_model {hp.metric_for_best_model!r} does not apply to "
+                             f"{self.task}; use one of {allowed[self.task]}")
+        if hp.early_stopping_patience and not (self.validation_dataset or self.validation_split):
+            raise ValueError("hyperparameters.early_stopping_patience needs a validation set")
         return self
 
 

@@ -64,8 +64,12 @@ def test_upload_submit_poll_download_predict(stack, tmp_path):
     later = client.get(f"/jobs/{job['id']}/metrics", params={"after_step": 3}).json()["data"]
     assert later and min(m["step"] for m in later) == 4
 
+    total = job["progress"]["total_steps"]
     checkpoints = client.get(f"/jobs/{job['id']}/checkpoints").json()["data"]
-    assert [c["step"] for c in checkpoints][:1] == [3]
+    saved = [s for s in range(3, total, 3)]
+    assert [c["step"] for c in checkpoints] == saved[-2:]  # save_total_limit defaults to 2
+    on_disk = sorted(p.name for p in (stack.data_dir / "checkpoints" / job["id"]).glob("step-*"))
+    assert on_disk == [f"step-{s:08d}" for s in saved[-2:]]
     events = [e["code"] for e in client.get(f"/jobs/{job['id']}/events").json()["data"]]
     assert events[0] == "created" and events[-1] == "succeeded"
 

@@ -1,39 +1,19 @@
 """Data for one job: load and split the tables, tokenize once, plan batches, pad per batch.
 
-Smart batching (dynamic padding + uniform-length batching) follows the seed notebooks
-(McCormick, "Smart Batching Tutorial"; Benesty, "Divide Hugging Face Transformers training time
-by 2 or more"): sequences of similar length share a micro-batch, each batch is padded only to its
-longest member, and the batch order is shuffled every epoch.
+Which examples share a micro-batch is planned by ``shared.batching.BatchPlan``; this module pads
+each micro-batch to its longest member (dynamic padding).
 """
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
-from sklearn.model_selection import train_test_split
-from torch.utils.data import Dataset, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from shared.datasets import read_table, regression_targets
+from shared.datasets import read_table, regression_targets, split_train_validation
 from shared.models import Dataset
-
-
-def split_train_validation(
-    df: pd.DataFrame, label_column: str, fraction: float, seed: int, stratify: bool
-) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    """Hold out ``fraction`` of ``df`` for validation, stratified by label when every class has
-    at least two rows (scikit-learn ``train_test_split``)."""
-    if not fraction:
-        return df, None
-    labels = df[label_column].astype(str)
-    can_stratify = stratify and labels.value_counts().min() >= 2 and round(len(df) * fraction) >= labels.nunique()
-    train, val = train_test_split(
-        df, test_size=fraction, random_state=seed, stratify=labels if can_stratify else None
-    )
-    return train, val
 
 
 @dataclass
@@ -58,7 +38,7 @@ def load_job_data(spec: dict, train: Dataset, validation: Dataset | None) -> Job
     return JobData(train_df, val_df, train.filename, train.filename)
 
 
-class TokenizedDataset(Dataset):
+class TokenizedDataset(torch.utils.data.Dataset):
     """Examples tokenized once, without padding, truncated to ``max_length``.
 
     Each item is a dict of Python lists (``input_ids``, ``attention_mask`` and, when the tokenizer
@@ -103,59 +83,6 @@ def tokenize(
         labels = [index[str(v)] for v in df[label_column]]
     keep = [k for k in tokenizer.model_input_names if k in enc]
     return TokenizedDataset({k: enc[k] for k in keep}, labels)
-
-
-class BatchPlan(Sampler[list[int]]):
-    """Yields the micro-batches (lists of example indices) of one epoch.
-
-    Strategies:
-        smart: sort by length (ties broken at random), cut into ``batch_size`` chunks starting at a
-            random offset, shuffle the chunk order. Each epoch's randomness comes from
-            ``seed + epoch``, so batch composition changes between epochs while a given seed
-            always gives the same order.
-        dynamic, fixed: a random permutation cut into chunks (``fixed`` is padded to
-            ``max_length`` by the collator).
-
-    Every example appears exactly once per epoch. The micro-batch with the most tokens is moved to
-    the front so an out-of-memory error shows at the first step. ``set_epoch(epoch, skip)`` selects
-    the epoch and skips its first ``skip`` micro-batches (to resume mid-epoch).
-    """
-
-    def __init__(self, lengths: np.ndarray, batch_size: int, strategy: str, seed: int):
-        self.lengths, self.batch_size, self.strategy, self.seed = lengths, batch_size, strategy, seed
-        self.set_epoch(0)
-
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        self.epoch, self.skip = epoch, skip
-        self.batches = self.epoch_batches(epoch)
-
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        rng = np.random.default_rng(self.seed + epoch)
-        order = rng.permutation(len(self.lengths))
-        bs = self.batch_size
-        if self.strategy == "smart":
-            order = order[np.argsort(self.lengths[order], kind="stable")]
-            offset = int(rng.integers(0, bs)) if len(order) > bs else 0
-            cuts = [0, *range(offset or bs, len(order), bs), len(order)]
-            batches = [order[a:b].tolist() for a, b in zip(cuts, cuts[1:]) if b > a]
-            batches = [batches[i] for i in rng.permutation(len(batches))]
-        else:
-            batches = [order[i : i + bs].tolist() for i in range(0, len(order), bs)]
-        tokens = [len(b) * int(self.lengths[b].max()) for b in batches]
-        batches.insert(0, batches.pop(int(np.argmax(tokens))))
-        return batches
-
-    def __iter__(self):
-        yield from self.batches[self.skip :]
-
-    def __len__(self) -> int:
-        return len(self.batches) - self.skip
-
-    def count_steps(self, epochs: float, gradient_accumulation_steps: int) -> int:
-        """Optimizer steps in ``epochs`` epochs (a fractional last epoch is cut short)."""
-        full, fraction = int(epochs), epochs - int(epochs)
-        per_epoch = [math.ceil(len(self.epoch_batches(e)) / gradient_accumulation_steps) for e in range(full + 1)]
-        return max(1, sum(per_epoch[:full]) + math.ceil(fraction * per_epoch[full]))
 
 
 def make_collator(

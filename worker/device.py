@@ -52,3 +52,14 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return None
+
+
+def pad_multiple(hp, device: torch.device) -> int:
+    """Round padded lengths up to this multiple: ``pad_to_multiple_of`` if set; 64 under
+    ``torch_compile`` (a few shapes, few recompiles); else 8 on CUDA (tensor-core tiles) and 1 on
+    the CPU, where rounding only adds pad tokens (see docs/benchmarks.md)."""
+    if hp.pad_to_multiple_of:
+        return hp.pad_to_multiple_of
+    if hp.torch_compile:
+        return 64
+    return 8 if device.type == "cuda" else 1

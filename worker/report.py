@@ -34,6 +34,10 @@ class Reporter:
     def progress(self, **fields) -> None:
         """Set job-row fields (step, epoch, total_steps, eta_seconds, train/validation metrics, device)."""
         self._progress.update(fields)
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Write what is buffered, and so renew the lease, if ``metrics_flush_seconds`` have passed."""
         if time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
@@ -42,9 +46,10 @@ class Reporter:
         self._metrics, self._progress, self._last_flush = [], {}, time.monotonic()
         self.lease_lost = self.lease_lost or control.lease_lost
 
-    def checkpoint(self, step: int, path: Path, metrics: dict | None) -> None:
-        """Point the store at a checkpoint that is completely written."""
-        jobs.record_checkpoint(self.job_id, step, str(path), metrics)
+    def checkpoint(self, step: int, path: Path, metrics: dict | None, keep: int) -> list[Path]:
+        """Point the store at a completely written checkpoint; returns the older checkpoint
+        directories, beyond the newest ``keep``, that the store no longer lists (to delete)."""
+        return jobs.record_checkpoint(self.job_id, step, str(path), metrics, keep)
 
     def should_stop(self) -> str | None:
         """``"cancelled"`` if a cancel was requested, ``"lease_lost"`` if another worker holds the job."""

@@ -1,11 +1,14 @@
 """The training recipe for one job, top to bottom: setup, train, evaluate, save_checkpoint, save_model.
 
 Techniques and their sources:
-- smart batching / dynamic padding: ``worker.data`` (seed notebooks 002 and 003);
+- smart and token-budget batching: ``shared.batching`` (seed notebooks 002 and 003); dynamic
+  padding per micro-batch: ``worker.data``;
 - mixed precision with ``torch.autocast`` and a GradScaler for fp16, gradient accumulation,
   gradient checkpointing, frozen embeddings, DataLoader workers and pinned memory: seed notebooks
   000 and 001, PyTorch AMP docs;
-- AdamW with linear warmup and decay: ``transformers.get_linear_schedule_with_warmup``.
+- AdamW (fused on CUDA) with linear warmup and decay: ``transformers.get_linear_schedule_with_warmup``;
+- best model and early stopping as in the Hugging Face Trainer (``metric_for_best_model``,
+  ``EarlyStoppingCallback``).
 """
 
 import itertools
@@ -32,31 +35,38 @@ from transformers import logging as hf_logging
 from transformers import set_seed
 
 from shared.base_models import resolve_model
+from shared.batching import BatchPlan
+from shared.errors import UserError
 from shared.models import Job
 from shared.schemas import Hyperparameters
 from shared.settings import get_settings
-from worker.data import BatchPlan, BatchStats, JobData, TokenizedDataset, make_collator, tokenize
-from worker.device import autocast_dtype, describe
+from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
+from worker.device import autocast_dtype, describe, pad_multiple
 from worker.report import Reporter
 
 hf_logging.set_verbosity_error()
-CHECKPOINTS_KEPT = 2
+GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True}
 
 
 @dataclass
 class TrainState:
-    """Where training stands; saved in every checkpoint so a run resumes exactly."""
+    """Where training stands; saved in every checkpoint so that a run resumes exactly."""
 
     step: int = 0  # optimizer steps done
     epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches of ``epoch`` already trained
+    batch_in_epoch: int = 0  # planned micro-batches of ``epoch`` already trained
+    micro_split: int = 1  # each planned micro-batch runs as this many pieces (out-of-memory backoff)
     real_tokens: int = 0
     padded_tokens: int = 0
     unrounded_tokens: int = 0
     train_seconds: float = 0.0
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
+    nonfinite_run: int = 0  # consecutive skipped steps
     last_eval: dict | None = None  # latest validation metrics
+    best: dict | None = None  # {"step", "value", "metrics"} of the best evaluation so far
+    evals_since_best: int = 0
 
-    def add(self, micro_batches: int, stats: "BatchStats", seconds: float) -> None:
+    def add(self, micro_batches: int, stats: BatchStats, seconds: float, skipped: bool) -> None:
         """Account for one finished optimizer step."""
         self.step += 1
         self.batch_in_epoch += micro_batches
@@ -64,6 +74,8 @@ class TrainState:
         self.padded_tokens += stats.padded
         self.unrounded_tokens += stats.unrounded
         self.train_seconds += seconds
+        self.skipped_steps += skipped
+        self.nonfinite_run = self.nonfinite_run + 1 if skipped else 0
 
     def throughput(self) -> dict[str, float]:
         """Real tokens/s over training time and padding efficiency (real / padded tokens) so far."""
@@ -73,6 +85,7 @@ class TrainState:
             "padding_efficiency_unrounded": self.real_tokens / self.unrounded_tokens,
             "real_tokens": self.real_tokens,
             "train_seconds": self.train_seconds,
+            "skipped_steps": self.skipped_steps,
         }
 
 
@@ -104,7 +117,8 @@ class Run:
     plan: BatchPlan
     collator: object
     total_steps: int
-    out_dir: Path
+    out_dir: Path  # this job's checkpoint directory
+    forward_model: torch.nn.Module  # ``model``, or its ``torch.compile`` wrapper
     state: TrainState = field(default_factory=TrainState)
 
 
@@ -114,16 +128,16 @@ def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter,
     Returns ``"succeeded"``, ``"cancelled"`` or ``"lease_lost"``.
 
     Raises:
-        shared.errors.UserError: bad data or an unknown model (the job fails without retry).
+        shared.errors.UserError: bad data, an unknown model, out of memory at micro-batch 1, or
+            ``max_nonfinite_steps`` non-finite steps in a row (the job fails without retry).
     """
     run = setup(job, data, device, reporter, checkpoint)
     outcome = train(run, reporter)
     if outcome != "completed":
         return outcome
     if run.val_set is not None:
-        run.state.last_eval = evaluate(run)
-        log_eval(run, reporter, run.state.last_eval)
-    save_model(run, run.state.last_eval or {})
+        run_evaluation(run, reporter)
+    save_model(run)
     reporter.flush()
     return "succeeded"
 
@@ -156,16 +170,17 @@ def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, che
     if hp.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    plan = BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed)
+    plan = BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch)
     total_steps = plan.count_steps(hp.epochs, hp.gradient_accumulation_steps)
     optimizer = make_optimizer(model, hp, device)
     scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(hp.warmup_ratio * total_steps), total_steps)
     dtype = autocast_dtype(hp.precision, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    collator = make_collator(tokenizer, hp.batching, hp.max_length, pad_multiple(hp, device))
 
     run = Run(job, hp, device, dtype, tokenizer, model, optimizer, scheduler, scaler, train_set, val_set, plan,
-              make_collator(tokenizer, hp.batching, hp.max_length, pad_to_multiple_of=8),
-              total_steps, get_settings().path("checkpoints", job.id, "x").parent)
+              collator, total_steps, get_settings().path("checkpoints", job.id, "x").parent,
+              torch.compile(model) if hp.torch_compile else model)
     if checkpoint:
         load_training_state(run, checkpoint)
         reporter.event("resumed", f"resumed from the checkpoint at step {run.state.step}")
@@ -175,32 +190,37 @@ def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, che
 
 
 def load_model(path: Path, job: Job) -> torch.nn.Module:
-    """A sequence-classification model from a base model or checkpoint directory (safetensors only)."""
+    """A sequence-classification model from a base model or checkpoint directory: safetensors only,
+    no remote code, SDPA attention where the architecture supports it."""
     if job.task == "regression":
         labels = {"num_labels": 1, "problem_type": "regression"}
     else:
         names = job.label_names
         labels = {"num_labels": len(names), "id2label": dict(enumerate(names)),
                   "label2id": {n: i for i, n in enumerate(names)}, "problem_type": "single_label_classification"}
-    return AutoModelForSequenceClassification.from_pretrained(
-        path, use_safetensors=True, ignore_mismatched_sizes=True, trust_remote_code=False, **labels
-    )
+    kwargs = dict(use_safetensors=True, ignore_mismatched_sizes=True, trust_remote_code=False, **labels)
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(path, attn_implementation="sdpa", **kwargs)
+    except (ValueError, ImportError):  # the architecture has no SDPA implementation
+        return AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
 
 
 def make_optimizer(model: torch.nn.Module, hp: Hyperparameters, device: torch.device) -> torch.optim.AdamW:
     """AdamW over trainable parameters, no weight decay on biases and LayerNorm weights (BERT recipe);
     the fused kernel on CUDA."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=hp.learning_rate, fused=device.type == "cuda")
 
 
-def make_loader(run: Run, dataset: TokenizedDataset, plan: BatchPlan) -> DataLoader:
+def make_loader(run: Run, dataset: TokenizedDataset, plan: BatchPlan, epoch: int) -> DataLoader:
+    """A DataLoader over ``plan``; it draws worker seeds from its own generator so that the global
+    RNG (dropout) advances the same whether or not a run was resumed."""
     return DataLoader(dataset, batch_sampler=plan, collate_fn=run.collator, num_workers=run.hp.dataloader_num_workers,
-                      pin_memory=run.device.type == "cuda")
+                      pin_memory=run.device.type == "cuda", generator=torch.Generator().manual_seed(run.hp.seed + epoch))
 
 
 # ----------------------------------------------------------------------------- train
@@ -211,7 +231,7 @@ def train(run: Run, reporter: Reporter) -> str:
     evaluation and checkpoints every ``eval_every_steps``/``save_every_steps`` (default: at the end
     of each epoch); the cancel flag is read after every step.
 
-    Returns ``"completed"``, ``"cancelled"`` or ``"lease_lost"``.
+    Returns ``"completed"`` (also after early stopping), ``"cancelled"`` or ``"lease_lost"``.
     """
     hp, st = run.hp, run.state
     trainable = [p for p in run.model.parameters() if p.requires_grad]
@@ -220,18 +240,20 @@ def train(run: Run, reporter: Reporter) -> str:
     while st.step < run.total_steps:
         for group in step_groups(run):
             t0 = time.perf_counter()
-            step, stats = train_step(run, group, trainable)
+            step, stats = train_step_with_backoff(run, reporter, group, trainable)
             step["seconds"] = time.perf_counter() - t0
-            st.add(len(group), stats, step["seconds"])
+            st.add(len(group), stats, step["seconds"], step["skipped"])
             log_step(run, reporter, step, stats, timer)
+            check_finite(run)
             if st.step >= run.total_steps:
                 return "completed"
             end_of_epoch = st.batch_in_epoch == len(run.plan.batches)
             if run.val_set is not None and due(st.step, hp.eval_every_steps, end_of_epoch):
-                st.last_eval = evaluate(run)
-                log_eval(run, reporter, st.last_eval)
+                run_evaluation(run, reporter)
+                if should_stop_early(run, reporter):
+                    return "completed"
                 run.model.train()
-            if due(st.step, hp.save_every_steps, end_of_epoch):
+            if st.nonfinite_run == 0 and due(st.step, hp.save_every_steps, end_of_epoch):
                 save_checkpoint(run, reporter)
             stop = reporter.should_stop()
             if stop:
@@ -247,9 +269,41 @@ def due(step: int, every: int | None, end_of_epoch: bool) -> bool:
 def step_groups(run: Run) -> Iterator[list[dict]]:
     """The rest of the current epoch as groups of ``gradient_accumulation_steps`` padded micro-batches."""
     run.plan.set_epoch(run.state.epoch, skip=run.state.batch_in_epoch)
-    micro_batches = iter(make_loader(run, run.train_set, run.plan))
+    micro_batches = iter(make_loader(run, run.train_set, run.plan, run.state.epoch))
     while group := list(itertools.islice(micro_batches, run.hp.gradient_accumulation_steps)):
         yield group
+
+
+def train_step_with_backoff(run: Run, reporter: Reporter, group: list[dict],
+                            trainable: list[torch.nn.Parameter]) -> tuple[dict, BatchStats]:
+    """``train_step``, retried after an out-of-memory error with each micro-batch cut in half (and so
+    twice the accumulation): the effective batch, and the step's gradient, stay the same.
+
+    Raises:
+        UserError: ``out_of_memory`` when a micro-batch of one example does not fit.
+    """
+    st = run.state
+    while True:
+        try:
+            return train_step(run, group, trainable)
+        except torch.OutOfMemoryError as e:
+            run.optimizer.zero_grad(set_to_none=True)
+            if run.device.type == "cuda":
+                torch.cuda.empty_cache()
+            largest = max(len(b["labels"]) for b in group)
+            if math.ceil(largest / st.micro_split) <= 1:
+                raise UserError("out_of_memory", f"out of memory at step {st.step + 1} with a micro-batch of one "
+                                "example; lower max_length or turn on gradient_checkpointing",
+                                "hyperparameters.max_length") from e
+            st.micro_split *= 2
+            micro, accumulation = micro_batch_size(run), run.hp.gradient_accumulation_steps * st.micro_split
+            reporter.event("out_of_memory", f"out of memory at step {st.step + 1}: micro-batch cut to {micro}, "
+                           f"gradient_accumulation_steps raised to {accumulation}; the effective batch is unchanged",
+                           level="warning")
+
+
+def micro_batch_size(run: Run) -> int:
+    return math.ceil(run.hp.batch_size / run.state.micro_split)
 
 
 def train_step(run: Run, group: list[dict], trainable: list[torch.nn.Parameter]) -> tuple[dict, BatchStats]:
@@ -257,32 +311,51 @@ def train_step(run: Run, group: list[dict], trainable: list[torch.nn.Parameter])
 
     The loss of each micro-batch is summed over its examples and divided by the number of
     examples in the whole step, so micro-batches of unequal size weigh correctly and the gradient
-    equals that of one batch of all of them.
+    equals that of one batch of all of them. A step whose loss or gradient is not finite is
+    skipped (by the GradScaler under fp16, here otherwise).
 
     Returns:
-        ({"loss", "grad_norm", "learning_rate"}, token counts of the step).
+        ({"loss", "grad_norm", "learning_rate", "skipped"}, token counts of the step).
     """
     n_examples = sum(len(b["labels"]) for b in group)
     stats = BatchStats(0, 0, 0)
     loss_sum = torch.zeros((), device=run.device)
-    for batch in group:
-        s = BatchStats.of(batch, padded_to_longest=run.hp.batching != "fixed")
+    for planned in group:
+        s = BatchStats.of(planned, padded_to_longest=run.hp.batching != "fixed")
         stats = BatchStats(stats.real + s.real, stats.unrounded + s.unrounded, stats.padded + s.padded)
-        batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
-        labels = batch.pop("labels")
-        with torch.autocast(run.device.type, dtype=run.dtype or torch.float32, enabled=run.dtype is not None):
-            logits = run.model(**batch).logits
-        loss = loss_sum_of(logits, labels, run.job.task) / n_examples
-        run.scaler.scale(loss).backward()
-        loss_sum += loss.detach()
+        for batch in split_batch(planned, run.state.micro_split):
+            batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            with torch.autocast(run.device.type, dtype=run.dtype or torch.float32, enabled=run.dtype is not None):
+                logits = run.forward_model(**batch).logits
+            loss = loss_sum_of(logits, labels, run.job.task) / n_examples
+            run.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
     run.scaler.unscale_(run.optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
     learning_rate = run.scheduler.get_last_lr()[0]
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
+    finite = bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+    if run.scaler.is_enabled():
+        scale = run.scaler.get_scale()
+        run.scaler.step(run.optimizer)  # skips the update itself when the gradient has inf/NaN
+        run.scaler.update()
+        skipped = run.scaler.get_scale() < scale or not finite
+    else:
+        if finite:
+            run.optimizer.step()
+        skipped = not finite
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "learning_rate": learning_rate}, stats
+    return {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "learning_rate": learning_rate,
+            "skipped": skipped}, stats
+
+
+def split_batch(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, torch.Tensor]]:
+    """Cut a padded batch into ``pieces`` row-wise chunks (out-of-memory backoff)."""
+    if pieces == 1:
+        return [batch]
+    chunks = {k: v.tensor_split(pieces) for k, v in batch.items()}
+    return [{k: c[i] for k, c in chunks.items()} for i in range(pieces) if len(chunks["labels"][i])]
 
 
 def loss_sum_of(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
@@ -291,6 +364,16 @@ def loss_sum_of(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.
     if task == "regression":
         return F.mse_loss(logits.float().squeeze(-1), labels.float(), reduction="sum")
     return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+
+def check_finite(run: Run) -> None:
+    """Fail the job after ``max_nonfinite_steps`` consecutive non-finite steps; the checkpoints
+    written before them (only finite steps are checkpointed) are kept."""
+    st, limit = run.state, run.hp.max_nonfinite_steps
+    if st.nonfinite_run >= limit:
+        raise UserError("nonfinite_loss", f"{limit} consecutive optimizer steps (up to step {st.step}) had a "
+                        "non-finite loss or gradient; lower the learning_rate or use bf16/fp32 precision; "
+                        "the last good checkpoint is kept", "hyperparameters.learning_rate")
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -312,8 +395,11 @@ def log_step(run: Run, reporter: Reporter, step: dict, stats: BatchStats, timer:
         "padding_efficiency": stats.real / stats.padded,
         "padding_efficiency_unrounded": stats.real / stats.unrounded,
         "peak_memory_mb": peak,
+        "skipped_steps": st.skipped_steps,
     })
-    totals = {"loss": step["loss"], "learning_rate": step["learning_rate"], "peak_memory_mb": peak, **st.throughput()}
+    totals = {"loss": step["loss"], "learning_rate": step["learning_rate"], "peak_memory_mb": peak,
+              "micro_batch_size": micro_batch_size(run),
+              "gradient_accumulation_steps": run.hp.gradient_accumulation_steps * st.micro_split, **st.throughput()}
     reporter.progress(step=st.step, epoch=epoch, eta_seconds=timer.eta(st.step, run.total_steps), train_metrics=totals)
 
 
@@ -321,13 +407,16 @@ def log_step(run: Run, reporter: Reporter, step: dict, stats: BatchStats, timer:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> dict[str, float]:
-    """Validation loss plus accuracy and macro-F1 (classification) or MSE and Pearson r (regression)."""
-    model, task = run.model, run.job.task
+def evaluate(run: Run, reporter: Reporter | None = None) -> dict[str, float]:
+    """Validation loss plus accuracy and macro-F1 (classification) or MSE and Pearson r (regression).
+
+    ``reporter``, if given, renews the job's lease while a long evaluation runs.
+    """
+    model, task = run.forward_model, run.job.task
     model.eval()
     plan = BatchPlan(run.val_set.lengths, run.hp.batch_size * 2, "smart", run.hp.seed)
     loss_total, predictions, targets = 0.0, [], []
-    for batch in make_loader(run, run.val_set, plan):
+    for batch in make_loader(run, run.val_set, plan, epoch=0):
         batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
         labels = batch.pop("labels")
         with torch.autocast(run.device.type, dtype=run.dtype or torch.float32, enabled=run.dtype is not None):
@@ -335,6 +424,8 @@ def evaluate(run: Run) -> dict[str, float]:
         loss_total += loss_sum_of(logits, labels, task).item()
         predictions.append(logits.squeeze(-1) if task == "regression" else logits.argmax(-1))
         targets.append(labels)
+        if reporter is not None:
+            reporter.heartbeat()
     y_pred, y_true = torch.cat(predictions).cpu().numpy(), torch.cat(targets).cpu().numpy()
     metrics = {"loss": loss_total / len(y_true)}
     if task == "regression":
@@ -346,10 +437,32 @@ def evaluate(run: Run) -> dict[str, float]:
     return metrics
 
 
-def log_eval(run: Run, reporter: Reporter, metrics: dict[str, float]) -> None:
+def run_evaluation(run: Run, reporter: Reporter) -> None:
+    """Evaluate, log, and keep the best model so far (in ``<checkpoints>/best``)."""
     st = run.state
+    metrics = st.last_eval = evaluate(run, reporter)
     reporter.log(st.step, st.epoch, {f"eval_{k}": v for k, v in metrics.items() if math.isfinite(v)})
     reporter.progress(validation_metrics=metrics)
+    name = run.hp.metric_for_best_model
+    value = metrics.get(name, float("nan"))
+    better = GREATER_IS_BETTER[name]
+    improved = math.isfinite(value) and (st.best is None or (value > st.best["value"] if better else
+                                                              value < st.best["value"]))
+    if improved:
+        st.best, st.evals_since_best = {"step": st.step, "value": value, "metrics": metrics}, 0
+        _write_atomically(run.out_dir / "best", lambda tmp: run.model.save_pretrained(tmp, safe_serialization=True))
+    else:
+        st.evals_since_best += 1
+
+
+def should_stop_early(run: Run, reporter: Reporter) -> bool:
+    """Early stopping: ``early_stopping_patience`` evaluations in a row without a new best."""
+    patience, st = run.hp.early_stopping_patience, run.state
+    if patience and st.evals_since_best >= patience:
+        reporter.event("early_stopping", f"stopped at step {st.step}: {patience} evaluations without improving "
+                       f"{run.hp.metric_for_best_model} (best {st.best['value']:.4f} at step {st.best['step']})")
+        return True
+    return False
 
 
 # ----------------------------------------------------------------------------- save
@@ -374,10 +487,8 @@ def _write_atomically(final_dir: Path, write) -> None:
 
 
 def save_checkpoint(run: Run, reporter: Reporter) -> None:
-    """Save model weights (safetensors) and the full training state, atomically, then record it.
-
-    Only the newest ``CHECKPOINTS_KEPT`` checkpoint directories are kept on disk.
-    """
+    """Save model weights (safetensors) and the full training state atomically, then record it;
+    the store keeps the newest ``save_total_limit`` and their directories, and deletes the rest."""
     st = run.state
     path = run.out_dir / f"step-{st.step:08d}"
 
@@ -386,8 +497,7 @@ def save_checkpoint(run: Run, reporter: Reporter) -> None:
         torch.save(training_state(run), tmp / "training_state.pt")
 
     _write_atomically(path, write)
-    reporter.checkpoint(st.step, path, st.last_eval)
-    for old in sorted(run.out_dir.glob("step-*"))[:-CHECKPOINTS_KEPT]:
+    for old in reporter.checkpoint(st.step, path, st.last_eval, keep=run.hp.save_total_limit):
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -409,6 +519,7 @@ def training_state(run: Run) -> dict:
 
 
 def load_training_state(run: Run, checkpoint: Path) -> None:
+    """Restore what ``training_state`` saved (the weights are loaded with the model)."""
     state = torch.load(checkpoint / "training_state.pt", weights_only=True, map_location="cpu")
     run.state = TrainState(**state["train_state"])
     run.optimizer.load_state_dict(state["optimizer"])
@@ -422,19 +533,21 @@ def load_training_state(run: Run, checkpoint: Path) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def save_model(run: Run, final_metrics: dict[str, float]) -> Path:
-    """Save the model in Hugging Face format (safetensors, config with id2label, tokenizer files,
-    ``training_args.json``, ``metrics.json``) and pack it as ``artifacts/<job>/model.tar.gz``."""
+def save_model(run: Run) -> Path:
+    """Save the best model (by ``metric_for_best_model``; the final one without validation) in
+    Hugging Face format: safetensors, config with id2label, tokenizer files, ``training_args.json``
+    and ``metrics.json`` (which says the step it came from). Pack it as
+    ``artifacts/<job>/model.tar.gz``."""
     st = run.state
-    metrics = {
-        "step": st.step,
-        "validation": final_metrics,
-        "train": st.throughput(),
-    }
+    best = st.best or {"step": st.step, "value": None, "metrics": st.last_eval or {}}
+    model = run.model if best["step"] == st.step else load_model(run.out_dir / "best", run.job)
+    metrics = {"best_step": best["step"], "final_step": st.step, "metric_for_best_model": run.hp.metric_for_best_model,
+               "best_value": best["value"], "validation": best["metrics"], "final_validation": st.last_eval,
+               "train": st.throughput()}
     model_dir = get_settings().path("artifacts", run.job.id, "model")
 
     def write(tmp: Path) -> None:
-        run.model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True)
         run.tokenizer.save_pretrained(tmp)
         (tmp / "training_args.json").write_text(json.dumps(run.job.spec, indent=2))
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
