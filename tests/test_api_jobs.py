@@ -45,7 +45,7 @@ def test_upload_submit_poll_download_predict(stack, tmp_path):
     dataset = upload(client, labelled_csv())
     assert dataset["rows"] == 48 and dataset["columns"] == ["text", "label"] and dataset["format"] == "csv"
     job = submit(client, dataset["id"], save_every_steps=3)
-    assert job["status"] == "queued"
+    assert job["status"] in {"queued", "running"}  # the worker may claim it before the response
 
     job = wait_for_status(client, job["id"], {"succeeded", "failed", "cancelled"})
     assert job["status"] == "succeeded", job["error"]
