@@ -1,5 +1,7 @@
-"""The FastAPI application: thin routers over ``shared``; migrations run on start-up."""
+"""The FastAPI application: thin routers over ``shared``. On start-up it runs the migrations and
+starts the recovery loop (reaper and sweeper, ``shared.jobs.recover``)."""
 
+import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -7,12 +9,18 @@ from fastapi import FastAPI
 from api.errors import install_error_handlers
 from api.routers import datasets, jobs, models
 from shared.db import upgrade_database
+from worker.celery_app import recovery_loop
 
 
 @asynccontextmanager
 async def lifespan(_: FastAPI):
     upgrade_database()
+    stop = threading.Event()
+    recovery = threading.Thread(target=recovery_loop, args=(stop,), name="tunejob-recover", daemon=True)
+    recovery.start()
     yield
+    stop.set()
+    recovery.join(timeout=10)
 
 
 def create_app() -> FastAPI:

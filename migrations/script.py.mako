@@ -8,7 +8,7 @@ Create Date: ${create_date}
 import sqlalchemy as sa
 from alembic import op
 
-
+import shared.models  # custom column types (UTCDateTime)
 
 ${imports if imports else ""}
 revision = ${repr(up_revision)}

@@ -33,20 +33,25 @@ def detect_format(filename: str) -> str:
 
 
 def check_utf8(path: Path, filename: str) -> None:
-    """Raise ``UserError(invalid_encoding)`` naming the line and byte offset of the first non-UTF-8 byte."""
+    """Raise ``UserError(invalid_encoding)`` naming the line and byte offset of the first non-UTF-8 byte
+    (the first byte of the invalid or truncated sequence)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
+    offset = 0  # bytes read so far
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
+            # The decoder holds back an incomplete sequence from the previous chunk and decodes it
+            # together with this one, so e.start counts from the first held-back byte.
+            pending = len(decoder.getstate()[0])
             try:
                 decoder.decode(chunk)
             except UnicodeDecodeError as e:
-                _raise_encoding_error(path, filename, offset + e.start)
+                _raise_encoding_error(path, filename, offset - pending + e.start)
             offset += len(chunk)
+    pending = len(decoder.getstate()[0])
     try:
         decoder.decode(b"", final=True)
-    except UnicodeDecodeError:
-        _raise_encoding_error(path, filename, offset - 1)
+    except UnicodeDecodeError:  # the file ends inside a multi-byte sequence
+        _raise_encoding_error(path, filename, offset - pending)
 
 
 def _raise_encoding_error(path: Path, filename: str, position: int) -> None:

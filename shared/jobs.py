@@ -1,13 +1,16 @@
 r"""The job lifecycle, one story for the API and the worker. The SQL job row decides whether a job runs.
 
     queued --claim--> running --finish--> succeeded | failed | cancelled
-       |                 |  \--requeue (deploy, lost lease)--> queued
+       ^                 |
+       +--requeue--------+  (SIGTERM on deploy; lease expired; unexpected error, up to max_restarts)
        \--cancel---------+--> cancelled
 
 A worker *claims* a job with a compare-and-set UPDATE: it succeeds only on a queued job, or on a
 running one whose lease expired. A duplicate or redelivered message for a job another worker
 holds, or that has finished, therefore claims nothing and is a no-op. The running worker renews
-the lease each time it reports progress; every write it makes is conditional on still holding it.
+its lease with a heartbeat; every write it makes is conditional on still holding it. ``recover``
+(run periodically by the API and by every worker) re-queues jobs whose lease expired and re-sends
+the message of queued jobs that never reached the broker.
 """
 
 from dataclasses import dataclass
@@ -15,7 +18,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, delete, or_, select, update
 
 from shared.base_models import resolve_model
 from shared.datasets import read_table, validate_job_data
@@ -170,7 +173,78 @@ def claim(job_id: str, worker_id: str) -> Job | None:
             return None
         job = s.get(Job, job_id, populate_existing=True)
         job.started_at = job.started_at or now
+        s.add(JobEvent(job_id=job_id, code="started", level="info",
+                       message=f"attempt {job.attempts} started on worker {worker_id}"))
         return job
+
+
+def heartbeat(job_id: str, worker_id: str) -> bool:
+    """Renew the lease of a running job. Returns False if ``worker_id`` no longer holds it."""
+    with session_scope() as s:
+        result = s.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
+            .values(lease_expires_at=_lease_expiry())
+        )
+        return result.rowcount == 1
+
+
+def discard_metrics_after(job_id: str, step: int) -> None:
+    """Drop metric rows past ``step``: an attempt that died after its last checkpoint logged them,
+    and the resumed attempt trains those steps again."""
+    with session_scope() as s:
+        s.execute(delete(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > step))
+
+
+def requeue(job_id: str, worker_id: str, code: str, message: str, restart: bool) -> bool:
+    """Give a running job back to the queue (the caller then enqueues it).
+
+    ``restart`` counts it against ``max_restarts`` (the worker failed), as opposed to a deploy's
+    SIGTERM. A job out of restarts ends ``failed`` instead. Returns True if it was re-queued.
+    """
+    with session_scope() as s:
+        job = s.get(Job, job_id)
+        if job is None or job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
+            return False
+        return _requeue_or_fail(s, job, code, message, restart)
+
+
+def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> bool:
+    job.lease_owner, job.lease_expires_at, job.enqueued_at = None, None, None
+    if restart and job.restarts >= get_settings().max_restarts:
+        job.status, job.finished_at = JobStatus.FAILED, utcnow()
+        job.error = {"code": "too_many_restarts",
+                     "message": f"gave up after {job.restarts} restarts; last: {message}"}
+        s.add(JobEvent(job_id=job.id, code="failed", level="error", message=job.error["message"]))
+        return False
+    job.status = JobStatus.QUEUED
+    job.restarts += restart
+    s.add(JobEvent(job_id=job.id, code=code, level="warning", message=message))
+    return True
+
+
+def recover() -> list[str]:
+    """The reaper and the sweeper, safe to run from any number of processes at once.
+
+    Re-queues running jobs whose lease expired (``job_restarted``; ``failed`` after
+    ``max_restarts``), and returns the ids of queued jobs whose message must be (re-)sent: never
+    sent, or sent over ``resend_after_seconds`` ago (a broker that lost it). The caller sends
+    them and calls ``mark_enqueued``; a duplicate message is harmless (see ``claim``).
+    """
+    settings, now = get_settings(), utcnow()
+    with session_scope() as s:
+        expired = s.scalars(select(Job).where(Job.status == JobStatus.RUNNING, Job.lease_expires_at < now)
+                            .with_for_update(skip_locked=True)).all()
+        for job in expired:
+            _requeue_or_fail(s, job, "job_restarted",
+                             f"lease of worker {job.lease_owner} expired at {job.lease_expires_at:%H:%M:%S}; "
+                             "resuming from the latest checkpoint", restart=True)
+        grace = now - timedelta(seconds=settings.sweep_seconds)
+        stale = now - timedelta(seconds=settings.resend_after_seconds)
+        return list(s.scalars(select(Job.id).where(
+            Job.status == JobStatus.QUEUED,
+            or_(and_(Job.enqueued_at.is_(None), Job.updated_at < grace), Job.enqueued_at < stale),
+        )))
 
 
 @dataclass
@@ -218,11 +292,11 @@ def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any]
         return [Path(c.path) for c in old]
 
 
-def latest_checkpoint(job_id: str) -> Path | None:
+def latest_checkpoint(job_id: str) -> Checkpoint | None:
     """The newest complete checkpoint recorded for the job whose directory still exists."""
     with session_scope() as s:
-        paths = s.scalars(select(Checkpoint.path).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()))
-        return next((Path(p) for p in paths if Path(p).is_dir()), None)
+        rows = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()))
+        return next((c for c in rows if Path(c.path).is_dir()), None)
 
 
 def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | None = None) -> bool:

@@ -89,7 +89,8 @@ class Job(Base):
     # Lease: which worker holds the job and until when (renewed by its heartbeat).
     lease_owner: Mapped[str | None] = mapped_column(String(255))
     lease_expires_at: Mapped[datetime | None]
-    attempts: Mapped[int] = mapped_column(default=0)
+    attempts: Mapped[int] = mapped_column(default=0)  # times a worker claimed the job
+    restarts: Mapped[int] = mapped_column(default=0)  # re-queued after its worker died or failed unexpectedly
 
 
 class JobMetric(Base):

@@ -24,10 +24,13 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     max_upload_bytes: int = 2 * 1024**3
-    max_job_seconds: int = 7 * 24 * 3600  # hard time limit of one training task
+    max_job_seconds: int = 7 * 24 * 3600  # time limit of one training attempt
+    visibility_timeout: int | None = None  # Redis: redeliver unacked messages after this; default max_job_seconds + 1h
     lease_seconds: int = 120  # a running job's lease; renewed by the worker's heartbeat
-    max_restarts: int = 3  # times a job is resumed after its worker died
+    max_restarts: int = 3  # times a job is resumed after its worker died or failed unexpectedly
     metrics_flush_seconds: float = 2.0  # metrics are buffered and written at most this often
+    sweep_seconds: float = 15.0  # how often API and workers run the reaper/sweeper (shared.jobs.recover)
+    resend_after_seconds: float = 600.0  # re-send a queued job's message after this long (lost messages)
 
     @property
     def data_path(self) -> Path:

@@ -5,9 +5,15 @@ transport (a folder of message files under the data directory) so that nothing n
 production points ``TUNEJOB_BROKER_URL`` at Redis.
 """
 
+import logging
+import threading
+
 from celery import Celery
 
+from shared import jobs
 from shared.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
 
 RUN_JOB = "tunejob.run_job"
 QUEUE = "tunejob"
@@ -16,7 +22,7 @@ QUEUE = "tunejob"
 def celery_config(settings: Settings) -> dict:
     """Celery settings for long, single-GPU training tasks (names checked against Celery 5.7)."""
     hard_limit = settings.max_job_seconds
-    transport_options: dict = {"visibility_timeout": hard_limit + 3600}
+    transport_options: dict = {"visibility_timeout": settings.visibility_timeout or hard_limit + 3600}
     if settings.uses_filesystem_broker:
         folder = str(settings.path("broker", "queue", "x").parent)
         transport_options.update(
@@ -54,6 +60,22 @@ def make_celery(settings: Settings | None = None) -> Celery:
 app = make_celery()
 
 
-def enqueue(job_id: str) -> None:
-    """Send the job's id to the queue (call only after the job row is committed)."""
+def send(job_id: str) -> None:
+    """Send a queued job's id to the broker (only after its row is committed) and record that the
+    broker has it."""
     app.send_task(RUN_JOB, args=[job_id], queue=QUEUE)
+    jobs.mark_enqueued(job_id)
+
+
+def recovery_loop(stop: threading.Event) -> None:
+    """Every ``sweep_seconds`` until ``stop`` is set: re-queue jobs whose lease expired and
+    (re-)send the messages of queued jobs (``shared.jobs.recover``). Runs in the API and in every
+    worker; any number of copies may run at once."""
+    while True:
+        try:
+            for job_id in jobs.recover():
+                send(job_id)
+        except Exception:
+            log.exception("recovery pass failed; trying again in %ss", get_settings().sweep_seconds)
+        if stop.wait(get_settings().sweep_seconds):
+            return

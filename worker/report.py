@@ -1,5 +1,6 @@
 """Streams a running job's progress, metrics and events to the job store in short, batched writes."""
 
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -16,9 +17,11 @@ class Reporter:
     also renews the worker's lease. ``should_stop()`` is asked once per optimizer step.
     """
 
-    def __init__(self, job_id: str, worker_id: str):
+    def __init__(self, job_id: str, worker_id: str, stop_flags: dict[str, threading.Event] | None = None):
         self.job_id, self.worker_id = job_id, worker_id
+        self.stop_flags = stop_flags or {}  # e.g. {"shutdown": <SIGTERM seen>, "lease_lost": <heartbeat lost it>}
         self.flush_seconds = get_settings().metrics_flush_seconds
+        self.deadline = time.monotonic() + get_settings().max_job_seconds
         self._metrics: list[tuple[int, float, str, float, datetime]] = []
         self._progress: dict = {}
         self._last_flush = time.monotonic()
@@ -52,7 +55,13 @@ class Reporter:
         return jobs.record_checkpoint(self.job_id, step, str(path), metrics, keep)
 
     def should_stop(self) -> str | None:
-        """``"cancelled"`` if a cancel was requested, ``"lease_lost"`` if another worker holds the job."""
+        """Why training must stop now, if it must: ``"shutdown"`` (the worker is shutting down),
+        ``"lease_lost"`` (another worker holds the job), ``"cancelled"`` or ``"time_limit"``."""
         if self.lease_lost:
             return "lease_lost"
-        return "cancelled" if jobs.cancel_requested(self.job_id) else None
+        for reason, flag in self.stop_flags.items():
+            if flag.is_set():
+                return reason
+        if jobs.cancel_requested(self.job_id):
+            return "cancelled"
+        return "time_limit" if time.monotonic() > self.deadline else None

@@ -125,7 +125,7 @@ class Run:
 def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter, checkpoint: Path | None = None) -> str:
     """Run one job to its end, resuming from ``checkpoint`` if given.
 
-    Returns ``"succeeded"``, ``"cancelled"`` or ``"lease_lost"``.
+    Returns ``"succeeded"``, or why it stopped early (``Reporter.should_stop``).
 
     Raises:
         shared.errors.UserError: bad data, an unknown model, out of memory at micro-batch 1, or
@@ -231,7 +231,8 @@ def train(run: Run, reporter: Reporter) -> str:
     evaluation and checkpoints every ``eval_every_steps``/``save_every_steps`` (default: at the end
     of each epoch); the cancel flag is read after every step.
 
-    Returns ``"completed"`` (also after early stopping), ``"cancelled"`` or ``"lease_lost"``.
+    Returns ``"completed"`` (also after early stopping) or why it stopped (see
+    ``Reporter.should_stop``); on ``"shutdown"`` it saves a checkpoint first.
     """
     hp, st = run.hp, run.state
     trainable = [p for p in run.model.parameters() if p.requires_grad]
@@ -256,6 +257,8 @@ def train(run: Run, reporter: Reporter) -> str:
             if st.nonfinite_run == 0 and due(st.step, hp.save_every_steps, end_of_epoch):
                 save_checkpoint(run, reporter)
             stop = reporter.should_stop()
+            if stop == "shutdown" and st.nonfinite_run == 0:
+                save_checkpoint(run, reporter)  # the next worker resumes from here
             if stop:
                 return stop
         st.epoch, st.batch_in_epoch = st.epoch + 1, 0

@@ -11,7 +11,7 @@ from shared.errors import NotFound, UserError
 from shared.models import Checkpoint, Job, JobEvent, JobMetric
 from shared.schemas import ArtifactOut, CheckpointOut, EventOut, JobCreate, JobList, JobOut, MetricOut
 from shared.settings import get_settings
-from worker.celery_app import enqueue
+from worker.celery_app import send
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 log = logging.getLogger("tunejob.api")
@@ -23,8 +23,7 @@ def create_job(spec: JobCreate) -> JobOut:
     """Validate the spec against its model and data, store the job, then queue its id."""
     job = jobs.create_job(spec)
     try:
-        enqueue(job.id)
-        jobs.mark_enqueued(job.id)
+        send(job.id)
     except Exception:  # the broker is down: the job stays queued and the sweeper re-sends it
         log.exception("job %s stored but not yet sent to the broker", job.id)
     return jobs.to_out(jobs.get_job(job.id))

@@ -2,13 +2,13 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-21 05:40:25.931225
+Create Date: 2026-11-21 05:53:05.936014
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-import shared.models
+import shared.models  # custom column types (UTCDateTime)
 
 
 revision = '0001'
@@ -56,6 +56,7 @@ def upgrade() -> None:
     sa.Column('lease_owner', sa.String(length=255), nullable=True),
     sa.Column('lease_expires_at', shared.models.UTCDateTime(), nullable=True),
     sa.Column('attempts', sa.Integer(), nullable=False),
+    sa.Column('restarts', sa.Integer(), nullable=False),
     sa.ForeignKeyConstraint(['training_dataset_id'], ['datasets.id'], ),
     sa.ForeignKeyConstraint(['validation_dataset_id'], ['datasets.id'], ),
     sa.PrimaryKeyConstraint('id')
