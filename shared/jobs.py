@@ -20,11 +20,10 @@ from typing import Any
 
 from sqlalchemy import and_, delete, or_, select, update
 
-from shared.base_models import resolve_model
-from shared.datasets import read_table, validate_job_data
 from shared.db import session_scope
-from shared.errors import NotFound, UserError
-from shared.models import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
+from shared.errors import NotFound
+from shared.models import Checkpoint, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
+from shared.planning import check_spec
 from shared.schemas import Hyperparameters, JobCreate, JobOut, Progress
 from shared.settings import get_settings
 
@@ -63,35 +62,19 @@ def to_out(job: Job) -> JobOut:
     )
 
 
-def _dataset(s, dataset_id: str, param: str) -> Dataset:
-    dataset = s.get(Dataset, dataset_id)
-    if dataset is None:
-        raise UserError("unknown_dataset", f"{param} {dataset_id!r} does not exist; upload it with POST /datasets",
-                        param)
-    return dataset
-
-
 def create_job(spec: JobCreate) -> Job:
     """Validate a job spec against its model and data, then insert it as ``queued``.
 
     The caller enqueues the job id once this returns (the row is committed by then).
 
     Raises:
-        UserError: unknown model or dataset, missing column, unusable labels (see
-            ``shared.datasets.validate_job_data``).
+        UserError: see ``shared.planning.check_spec``.
     """
-    resolve_model(spec.base_model)
+    checked = check_spec(spec)
     with session_scope() as s:
-        train = _dataset(s, spec.training_dataset, "training_dataset")
-        val = _dataset(s, spec.validation_dataset, "validation_dataset") if spec.validation_dataset else None
-    names = validate_job_data(
-        spec.task, spec.text_column, spec.text_pair_column, spec.label_column,
-        (read_table(Path(train.path), train.format, train.filename), train.filename),
-        (read_table(Path(val.path), val.format, val.filename), val.filename) if val else None,
-    )
-    with session_scope() as s:
-        job = Job(id=new_id("job"), base_model=spec.base_model, task=spec.task, training_dataset_id=train.id,
-                  validation_dataset_id=val.id if val else None, spec=spec.model_dump(mode="json"), label_names=names)
+        job = Job(id=new_id("job"), base_model=spec.base_model, task=spec.task, training_dataset_id=checked.train.id,
+                  validation_dataset_id=checked.validation.id if checked.validation else None,
+                  spec=spec.model_dump(mode="json"), label_names=checked.label_names)
         s.add(job)
         s.add(JobEvent(job_id=job.id, code="created", level="info", message="job created and queued"))
         return job

@@ -2,13 +2,14 @@ import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
 from sqlalchemy import select, tuple_
 
 from shared import jobs
 from shared.db import session_scope
 from shared.errors import NotFound, UserError
 from shared.models import Checkpoint, Job, JobEvent, JobMetric
+from shared.planning import check_spec, plan_job
 from shared.schemas import ArtifactOut, CheckpointOut, EventOut, JobCreate, JobList, JobOut, MetricOut
 from shared.settings import get_settings
 from worker.celery_app import send
@@ -18,9 +19,18 @@ log = logging.getLogger("tunejob.api")
 Status = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")]
 
 
-@router.post("", status_code=201)
-def create_job(spec: JobCreate) -> JobOut:
-    """Validate the spec against its model and data, store the job, then queue its id."""
+@router.post("", status_code=201, response_model=JobOut,
+             responses={200: {"description": "dry_run=true: the job's plan; nothing is stored or queued"}})
+def create_job(spec: JobCreate, dry_run: bool = False):
+    """Validate the spec against its model and data, store the job, then queue its id.
+
+    With ``dry_run=true`` nothing is stored or queued: the response (200) is the job's plan:
+    token-length histogram, padding efficiency of each batching strategy, steps per epoch, the
+    fraction of examples truncated at ``max_length``, and an estimated duration where a past job
+    on the same base model gives the throughput.
+    """
+    if dry_run:
+        return JSONResponse({"dry_run": True, "plan": plan_job(check_spec(spec))})
     job = jobs.create_job(spec)
     try:
         send(job.id)
