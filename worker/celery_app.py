@@ -42,6 +42,8 @@ def celery_config(settings: Settings) -> dict:
         "task_default_queue": QUEUE,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
+        # Enforced only by the prefork pool. tunejob runs the solo pool (see shared/cli.py), where
+        # the training loop enforces TUNEJOB_MAX_JOB_SECONDS itself (worker/report.py).
         "task_time_limit": hard_limit,
         "task_soft_time_limit": max(1, hard_limit - 60),
         "worker_prefetch_multiplier": 1,
