@@ -1,0 +1,324 @@
+"""Batch planning (``shared.batching.BatchPlan``), tokenization and per-batch padding
+(``worker.data``): pure unit tests, no service stack."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from shared.batching import BatchPlan
+from tests.conftest import TINY_MODEL
+from worker.data import BatchStats, make_collator, tokenize
+
+STRATEGIES = ["smart", "dynamic", "fixed", "token_budget"]
+SIZED = ["smart", "dynamic", "fixed"]  # strategies that cut by batch_size
+
+
+def ragged_lengths(n: int = 403, seed: int = 0) -> np.ndarray:
+    """Token counts with a long tail, like real text: log-normal, clipped to [3, 512]."""
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(mean=3.5, sigma=0.8, size=n).astype(int), 3, 512)
+
+
+def efficiency(batches: list[list[int]], lengths: np.ndarray) -> float:
+    """Real tokens / tokens after padding each batch to its longest member."""
+    real = sum(int(lengths[b].sum()) for b in batches)
+    padded = sum(len(b) * int(lengths[b].max()) for b in batches)
+    return real / padded
+
+
+def compositions(batches: list[list[int]]) -> set[frozenset[int]]:
+    return {frozenset(b) for b in batches}
+
+
+# ----------------------------------------------------------------------------- BatchPlan
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("n, batch_size", [(403, 16), (64, 8), (5, 8), (1, 4), (17, 1)])
+def test_every_example_exactly_once_per_epoch(strategy, n, batch_size):
+    lengths = ragged_lengths(n)
+    plan = BatchPlan(lengths, batch_size, strategy, seed=7)
+    for epoch in range(4):
+        plan.set_epoch(epoch)
+        batches = list(plan)
+        assert batches == plan.epoch_batches(epoch)
+        assert all(batches), "no empty micro-batch"
+        flat = [i for b in batches for i in b]
+        assert sorted(flat) == list(range(n))
+        assert all(isinstance(i, int) for i in flat)
+        if strategy in SIZED:
+            assert max(len(b) for b in batches) <= batch_size
+            assert sum(len(b) < batch_size for b in batches) <= (2 if strategy == "smart" else 1)
+        if strategy in ("dynamic", "fixed"):
+            assert len(batches) == math.ceil(n / batch_size)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_batch_composition_changes_between_epochs(strategy):
+    plan = BatchPlan(ragged_lengths(), 16, strategy, seed=1)
+    epochs = [compositions(plan.epoch_batches(e)) for e in range(5)]
+    for a in range(5):
+        for b in range(a + 1, 5):
+            assert epochs[a] != epochs[b], (a, b)
+    # The order of batches changes too, not only their membership.
+    firsts = [tuple(plan.epoch_batches(e)[1]) for e in range(5)]
+    assert len(set(firsts)) > 1
+
+
+def test_smart_batches_change_even_when_all_lengths_tie():
+    """Ties are broken at random: equal lengths must not freeze the batches."""
+    plan = BatchPlan(np.full(96, 20), 8, "smart", seed=3)
+    a, b = compositions(plan.epoch_batches(0)), compositions(plan.epoch_batches(1))
+    assert a != b
+    assert len(a & b) < len(a) // 2
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_same_seed_same_plan_other_seed_other_plan(strategy):
+    lengths = ragged_lengths()
+    one, two = BatchPlan(lengths, 16, strategy, seed=42), BatchPlan(lengths.copy(), 16, strategy, seed=42)
+    other = BatchPlan(lengths, 16, strategy, seed=43)
+    for epoch in range(3):
+        assert one.epoch_batches(epoch) == two.epoch_batches(epoch)
+        assert one.epoch_batches(epoch) != other.epoch_batches(epoch)
+        assert compositions(one.epoch_batches(epoch)) != compositions(other.epoch_batches(epoch))
+
+
+def test_smart_batching_pads_far_less_than_random_batching():
+    lengths = ragged_lengths(n=2000, seed=5)
+    smart = BatchPlan(lengths, 32, "smart", seed=0)
+    dynamic = BatchPlan(lengths, 32, "dynamic", seed=0)
+    for epoch in range(3):
+        smart_eff = efficiency(smart.epoch_batches(epoch), lengths)
+        dynamic_eff = efficiency(dynamic.epoch_batches(epoch), lengths)
+        assert smart_eff > 0.9, smart_eff
+        assert dynamic_eff < 0.6, dynamic_eff
+        assert smart_eff > 1.5 * dynamic_eff
+        # The plan's own estimate agrees with the one computed here.
+        assert smart.padding_efficiency(epoch) == pytest.approx(smart_eff)
+        assert dynamic.padding_efficiency(epoch) == pytest.approx(dynamic_eff)
+    # Each smart batch spans a narrow band of lengths: its members are neighbours in sorted order.
+    ranks = np.empty(len(lengths), dtype=int)
+    ranks[np.argsort(lengths, kind="stable")] = np.arange(len(lengths))
+    sorted_lengths = np.sort(lengths)
+    for batch in smart.epoch_batches(0):
+        lo, hi = int(lengths[batch].min()), int(lengths[batch].max())
+        # no example outside the batch lies strictly between its shortest and longest
+        between = np.count_nonzero((sorted_lengths > lo) & (sorted_lengths < hi))
+        inside = np.count_nonzero((lengths[batch] > lo) & (lengths[batch] < hi))
+        assert between == inside
+
+
+def test_fixed_padding_efficiency_is_against_max_length():
+    lengths = ragged_lengths()
+    plan = BatchPlan(lengths, 16, "fixed", seed=0)
+    assert plan.padding_efficiency(0, max_length=512) == pytest.approx(lengths.sum() / (len(lengths) * 512))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_batch_with_most_tokens_comes_first(strategy):
+    lengths = ragged_lengths()
+    plan = BatchPlan(lengths, 16, strategy, seed=11)
+    for epoch in range(5):
+        batches = plan.epoch_batches(epoch)
+        tokens = [len(b) * int(lengths[b].max()) for b in batches]
+        assert tokens[0] == max(tokens), epoch
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("accumulation", [1, 3])
+@pytest.mark.parametrize("epochs", [1, 3, 2.5, 0.3])
+def test_count_steps_agrees_with_iterating_the_epochs(strategy, accumulation, epochs):
+    """Replays the training loop: epochs of micro-batches, one optimizer step per ``accumulation``
+    micro-batches (a short group at an epoch's end), stopping part-way into a fractional epoch."""
+    plan = BatchPlan(ragged_lengths(203), 16, strategy, seed=9)
+    total = plan.count_steps(epochs, accumulation)
+    steps_per_epoch = []
+    for epoch in range(math.ceil(epochs)):
+        plan.set_epoch(epoch)
+        steps_per_epoch.append(math.ceil(len(list(plan)) / accumulation))
+    full = int(epochs)
+    expected = sum(steps_per_epoch[:full])
+    if epochs > full:
+        expected += math.ceil((epochs - full) * steps_per_epoch[full])
+    assert total == max(1, expected)
+    assert total >= 1
+
+
+def test_smart_epochs_can_differ_in_batch_count_and_count_steps_follows():
+    """The random first cut makes some epochs one batch longer; count_steps must count each epoch."""
+    lengths = ragged_lengths(203)
+    plan = BatchPlan(lengths, 16, "smart", seed=0)
+    counts = [len(plan.epoch_batches(e)) for e in range(20)]
+    assert set(counts) <= {math.ceil(203 / 16), math.ceil(203 / 16) + 1}
+    assert plan.count_steps(20, 1) == sum(counts)
+
+
+def test_set_epoch_skip_resumes_mid_epoch():
+    plan = BatchPlan(ragged_lengths(), 16, "smart", seed=2)
+    full = plan.epoch_batches(3)
+    resumed = BatchPlan(ragged_lengths(), 16, "smart", seed=2)  # a fresh process after a restart
+    resumed.set_epoch(3, skip=5)
+    assert len(resumed) == len(full) - 5
+    assert list(resumed) == full[5:]
+
+
+def test_unknown_strategy_is_refused():
+    with pytest.raises(ValueError, match="batching"):
+        BatchPlan(ragged_lengths(), 16, "sorted", seed=0)
+
+
+# ----------------------------------------------------------------------------- tokenize and collate
+
+
+@pytest.fixture
+def tokenizer(models_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(models_dir / TINY_MODEL)
+
+
+TEXTS = ["goal", "the coach praised the team after a long league match",
+         "shares rose", "bank profit and market sales were up again this quarter, said the bank",
+         "a", "team team team team team team team team team team team team team team team team team team"]
+
+
+def frame(n: int = len(TEXTS)) -> pd.DataFrame:
+    return pd.DataFrame({"text": TEXTS[:n], "other": [t[::-1] for t in TEXTS[:n]],
+                         "label": ["sports", "sports", "business", "business", "sports", "sports"][:n]})
+
+
+def encode(tokenizer, max_length: int = 64, **kw):
+    return tokenize(tokenizer, frame(), "text", kw.get("pair"), "label", ["business", "sports"], max_length, "f.csv")
+
+
+def check_padding(batch: dict, dataset, indices: list[int], pad_id: int) -> None:
+    """Each row holds its example's tokens, then ``pad_id`` with attention 0 exactly on the pads."""
+    mask, ids = batch["attention_mask"], batch["input_ids"]
+    assert mask.dtype == torch.int64 and ids.dtype == torch.int64
+    for row, i in enumerate(indices):
+        n = int(dataset.lengths[i])
+        assert mask[row].tolist() == [1] * n + [0] * (mask.shape[1] - n)
+        assert ids[row, :n].tolist() == dataset[i]["input_ids"]
+        assert (ids[row, n:] == pad_id).all()
+        if "token_type_ids" in batch:
+            assert batch["token_type_ids"][row, :n].tolist() == dataset[i]["token_type_ids"]
+            assert (batch["token_type_ids"][row, n:] == 0).all()
+
+
+def test_tokenize_once_without_padding_and_map_labels(tokenizer):
+    ds = encode(tokenizer, max_length=12)
+    assert len(ds) == len(TEXTS)
+    assert set(ds.encodings) == {"input_ids", "token_type_ids", "attention_mask"}
+    assert ds.lengths.tolist() == [len(ids) for ids in ds.encodings["input_ids"]]
+    assert ds.lengths.max() == 12 and ds.lengths.min() == 3  # [CLS] a [SEP]
+    assert all(ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id
+               for ids in ds.encodings["input_ids"])
+    assert ds.labels == [1, 1, 0, 0, 1, 1]
+    assert ds[3]["labels"] == 0 and len(ds[3]["input_ids"]) == 12  # truncated to max_length
+
+
+@pytest.mark.parametrize("batching", ["smart", "dynamic"])
+@pytest.mark.parametrize("pad_token", [None, "[unused0]"])
+def test_collator_pads_to_longest_rounded_up_with_the_tokenizers_pad_id(tokenizer, batching, pad_token):
+    if pad_token:
+        tokenizer.pad_token = pad_token
+        assert tokenizer.pad_token_id == 1
+    pad_id = tokenizer.pad_token_id
+    assert pad_id == (1 if pad_token else 0)
+    ds = encode(tokenizer)
+    assert not any(pad_id in ids for ids in ds.encodings["input_ids"])  # pads are recognisable
+    collate = make_collator(tokenizer, batching, max_length=64, pad_to_multiple_of=8)
+    for indices in [[0, 1, 2], [4, 0], [5, 3, 1, 0], [4]]:
+        batch = collate([ds[i] for i in indices])
+        longest = int(ds.lengths[indices].max())
+        assert batch["input_ids"].shape == (len(indices), 8 * math.ceil(longest / 8))
+        assert batch["input_ids"].shape[1] % 8 == 0
+        check_padding(batch, ds, indices, pad_id)
+        assert batch["labels"].tolist() == [ds.labels[i] for i in indices]
+        assert batch["labels"].dtype == torch.int64
+
+
+def test_collator_without_rounding_pads_to_exactly_the_longest(tokenizer):
+    ds = encode(tokenizer)
+    for multiple in (None, 1):
+        batch = make_collator(tokenizer, "smart", 64, multiple)([ds[i] for i in [0, 2, 4]])
+        assert batch["input_ids"].shape[1] == int(ds.lengths[[0, 2, 4]].max())
+        check_padding(batch, ds, [0, 2, 4], 0)
+
+
+@pytest.mark.parametrize("max_length", [64, 30])
+def test_fixed_collator_pads_to_exactly_max_length(tokenizer, max_length):
+    tokenizer.pad_token = "[unused0]"
+    ds = encode(tokenizer, max_length=max_length)
+    collate = make_collator(tokenizer, "fixed", max_length=max_length, pad_to_multiple_of=8)
+    for indices in [[0, 4], [1, 3, 5]]:
+        batch = collate([ds[i] for i in indices])
+        assert batch["input_ids"].shape == (len(indices), max_length)
+        check_padding(batch, ds, indices, 1)
+
+
+def test_text_pairs_keep_their_segment_ids(tokenizer):
+    ds = encode(tokenizer, pair="other")
+    assert all(1 in t for t in ds.encodings["token_type_ids"])
+    batch = make_collator(tokenizer, "smart", 64, 8)([ds[i] for i in range(len(ds))])
+    check_padding(batch, ds, list(range(len(ds))), 0)
+
+
+def test_tokenizer_without_token_type_ids_gives_batches_without_them(tokenizer):
+    """MPNet/RoBERTa-style tokenizers have no segment ids; neither must the batches."""
+    tokenizer.model_input_names = ["input_ids", "attention_mask"]
+    ds = encode(tokenizer)
+    assert set(ds.encodings) == {"input_ids", "attention_mask"}
+    assert set(ds[0]) == {"input_ids", "attention_mask", "labels"}
+    for batching in ["smart", "fixed"]:
+        batch = make_collator(tokenizer, batching, 64, 8)([ds[i] for i in [0, 1, 3]])
+        assert set(batch) == {"input_ids", "attention_mask", "labels"}
+        check_padding(batch, ds, [0, 1, 3], 0)
+
+
+def test_regression_labels_are_float(tokenizer):
+    df = frame().assign(score=[0.5, 1, -2, 3.25, 0, 1e-3])
+    ds = tokenize(tokenizer, df, "text", None, "score", None, 64, "f.csv")
+    batch = make_collator(tokenizer, "smart", 64, 8)([ds[i] for i in range(6)])
+    assert batch["labels"].dtype == torch.float32
+    assert batch["labels"].tolist() == pytest.approx([0.5, 1, -2, 3.25, 0, 1e-3])
+
+
+# ----------------------------------------------------------------------------- BatchStats
+
+
+def test_batch_stats_count_real_unrounded_and_padded_tokens(tokenizer):
+    ds = encode(tokenizer)
+    indices = [0, 2, 1]
+    lengths = ds.lengths[indices]
+    batch = make_collator(tokenizer, "smart", 64, 8)([ds[i] for i in indices])
+    width = batch["input_ids"].shape[1]
+    assert width == 8 * math.ceil(lengths.max() / 8) and width > lengths.max()  # rounding did add pads
+    stats = BatchStats.of(batch)
+    assert stats == BatchStats(real=int(lengths.sum()), unrounded=3 * int(lengths.max()), padded=3 * width)
+    assert stats.real <= stats.unrounded <= stats.padded
+
+    fixed = make_collator(tokenizer, "fixed", 64, 8)([ds[i] for i in indices])
+    stats = BatchStats.of(fixed, padded_to_longest=False)
+    assert stats == BatchStats(real=int(lengths.sum()), unrounded=3 * 64, padded=3 * 64)
+
+
+def test_batch_stats_by_hand():
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]])
+    assert BatchStats.of({"attention_mask": mask}) == BatchStats(real=9, unrounded=15, padded=24)
+    assert BatchStats.of({"attention_mask": mask}, padded_to_longest=False) == BatchStats(9, 24, 24)
+
+
+def test_pad_multiple_defaults():
+    from shared.schemas import Hyperparameters
+    from worker.device import pad_multiple
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert pad_multiple(Hyperparameters(), cpu) == 1
+    assert pad_multiple(Hyperparameters(), cuda) == 8
+    assert pad_multiple(Hyperparameters(torch_compile=True), cpu) == 64
+    assert pad_multiple(Hyperparameters(pad_to_multiple_of=16, torch_compile=True), cuda) == 16

@@ -1,0 +1,168 @@
+"""POST /jobs/{id}/cancel on every stack: a queued job never starts, a running one stops at its next
+optimizer step without producing a model, and a finished one is left as it is.
+
+The stack's worker runs one job at a time, so a job submitted while a long one runs stays queued.
+"""
+
+import time
+
+import pytest
+
+from tests.conftest import wait_for_status
+from tests.test_api_jobs import labelled_csv, submit, upload
+
+FINISHED = {"succeeded", "failed", "cancelled"}
+# Hundreds of epochs of 6 micro-batches: far longer than any test waits, so it only ends by cancel.
+# No per-epoch evaluation or checkpoint, so that steps follow each other quickly.
+LONG = {"epochs": 500, "eval_every_steps": 10**6, "save_every_steps": 10**6}
+
+
+def get(client, job_id: str) -> dict:
+    r = client.get(f"/jobs/{job_id}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_until_training(client, job_id: str, timeout: float = 120) -> dict:
+    """Poll until the job is running and has reported at least one optimizer step."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = get(client, job_id)
+        assert job["status"] in {"queued", "running"}, job
+        if job["status"] == "running" and job["progress"]["step"] >= 1:
+            return job
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} did not start training within {timeout}s: {job}")
+        time.sleep(0.1)
+
+
+def event_codes(client, job_id: str) -> list[str]:
+    return [e["code"] for e in client.get(f"/jobs/{job_id}/events").json()["data"]]
+
+
+def artifact_names(client, job_id: str) -> set[str]:
+    return {a["name"] for a in client.get(f"/jobs/{job_id}/artifacts").json()["data"]}
+
+
+def cancel(client, job_id: str) -> dict:
+    r = client.post(f"/jobs/{job_id}/cancel")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def dataset(stack) -> dict:
+    return upload(stack.client, labelled_csv(rows=48, seed=3))
+
+
+def assert_cancelled_mid_training(client, job_id: str) -> dict:
+    job = wait_for_status(client, job_id, FINISHED, timeout=120)
+    assert job["status"] == "cancelled", job
+    assert job["error"] is None
+    assert job["started_at"] is not None and job["finished_at"] is not None
+    assert job["finished_at"] >= job["started_at"]
+    assert 1 <= job["progress"]["step"] < job["progress"]["total_steps"]
+    assert job["progress"]["fraction"] < 1.0
+    codes = event_codes(client, job_id)
+    assert codes[0] == "created" and "started" in codes
+    assert codes.count("cancel_requested") == 1
+    assert codes.index("cancel_requested") < codes.index("cancelled")
+    assert codes[-1] == "cancelled" and "succeeded" not in codes and "failed" not in codes
+    assert "model.tar.gz" not in artifact_names(client, job_id)
+    return job
+
+
+def test_queued_job_is_cancelled_at_once_and_never_starts(stack, dataset):
+    client = stack.client
+    running = submit(client, dataset["id"], **LONG)
+    wait_until_training(client, running["id"])
+
+    queued = submit(client, dataset["id"], epochs=1)
+    assert queued["status"] == "queued"  # the single worker is busy with the long job
+    cancelled = cancel(client, queued["id"])
+    assert cancelled["status"] == "cancelled"
+    assert cancelled["finished_at"] is not None and cancelled["started_at"] is None
+
+    # The long job carries on until it too is cancelled; it stops at a step short of the end.
+    assert get(client, running["id"])["status"] == "running"
+    assert cancel(client, running["id"])["status"] in {"running", "cancelled"}  # stops at its next step
+    assert_cancelled_mid_training(client, running["id"])
+
+    # The cancelled job's message is still in the queue, behind nothing but this one: once a job
+    # submitted after it has run, the worker has seen it, and must have skipped it.
+    after = submit(client, dataset["id"], epochs=1)
+    assert wait_for_status(client, after["id"], FINISHED)["status"] == "succeeded"
+    job = get(client, queued["id"])
+    assert job["status"] == "cancelled"
+    assert job["started_at"] is None and job["attempts"] == 0 and job["progress"]["step"] == 0
+    assert job["finished_at"] == cancelled["finished_at"]
+    assert event_codes(client, queued["id"]) == ["created", "cancelled"]
+    assert artifact_names(client, queued["id"]) == set()
+    assert client.get(f"/jobs/{queued['id']}/metrics").json()["data"] == []
+
+
+def test_running_job_stops_before_the_end_without_a_model(stack, dataset):
+    client = stack.client
+    job = submit(client, dataset["id"], epochs=200)  # per-epoch evaluation and checkpoints, as by default
+    wait_until_training(client, job["id"])
+    cancel(client, job["id"])
+    again = cancel(client, job["id"])  # a second request changes nothing
+    assert again["status"] in {"running", "cancelled"}
+    final = assert_cancelled_mid_training(client, job["id"])
+
+    metrics = client.get(f"/jobs/{job['id']}/metrics").json()["data"]
+    assert metrics and max(m["step"] for m in metrics) < final["progress"]["total_steps"]
+    # The worker is free again: a short job after it runs to the end.
+    short = submit(client, dataset["id"], epochs=1)
+    assert wait_for_status(client, short["id"], FINISHED)["status"] == "succeeded"
+    assert get(client, job["id"])["status"] == "cancelled"
+
+
+def test_cancelling_a_finished_job_leaves_it_as_it_is(stack, dataset):
+    client = stack.client
+    job = wait_for_status(client, submit(client, dataset["id"], epochs=1)["id"], FINISHED)
+    assert job["status"] == "succeeded", job["error"]
+    events = event_codes(client, job["id"])
+    artifacts = artifact_names(client, job["id"])
+    assert "model.tar.gz" in artifacts
+
+    after = cancel(client, job["id"])
+    assert after == job  # status, finished_at, progress and metrics all unchanged
+    assert get(client, job["id"]) == job
+    assert event_codes(client, job["id"]) == events  # no cancel_requested recorded
+    assert artifact_names(client, job["id"]) == artifacts
+
+    # A cancelled job, cancelled again, stays as it was too.
+    long = submit(client, dataset["id"], **LONG)
+    wait_until_training(client, long["id"])
+    cancel(client, long["id"])
+    cancelled = wait_for_status(client, long["id"], FINISHED)
+    assert cancelled["status"] == "cancelled"
+    codes = event_codes(client, long["id"])
+    assert cancel(client, long["id"]) == cancelled
+    assert event_codes(client, long["id"]) == codes
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "worker.train.fine_tune returns 'cancelled' without reporter.flush(), so the progress and metrics "
+    "buffered since the last flush (up to metrics_flush_seconds of them) are dropped: the cancelled job "
+    "reports an older step than it trained, and its last metrics are missing"))
+def test_cancelled_job_keeps_the_progress_and_metrics_of_every_step_it_trained(stack, dataset, monkeypatch):
+    from shared.settings import get_settings
+
+    # Buffer everything: only explicit flushes reach the store. Checkpoints are recorded directly,
+    # so they show how far training got.
+    monkeypatch.setattr(get_settings(), "metrics_flush_seconds", 3600.0)
+    client = stack.client
+    job = submit(client, dataset["id"], epochs=500, eval_every_steps=10**6, save_every_steps=1)
+    deadline = time.monotonic() + 120
+    while not client.get(f"/jobs/{job['id']}/checkpoints").json()["data"]:
+        assert time.monotonic() < deadline, get(client, job["id"])
+        time.sleep(0.1)
+    cancel(client, job["id"])
+    final = wait_for_status(client, job["id"], FINISHED, timeout=120)
+    assert final["status"] == "cancelled"
+    checkpoint_steps = [c["step"] for c in client.get(f"/jobs/{job['id']}/checkpoints").json()["data"]]
+    losses = [m for m in client.get(f"/jobs/{job['id']}/metrics").json()["data"] if m["name"] == "train_loss"]
+    assert final["progress"]["step"] >= max(checkpoint_steps) >= 1
+    assert sorted(m["step"] for m in losses) == list(range(1, final["progress"]["step"] + 1))

@@ -1,0 +1,372 @@
+"""The training recipe (``worker.train``) driven directly, without the job store or a broker: a
+transient ``Job``, DataFrames, and a reporter that only records what it is told."""
+
+import math
+import os
+import random
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.models import Job
+from shared.schemas import JobCreate
+from tests.conftest import TINY_MODEL
+from worker.data import BatchStats, JobData
+from worker.train import evaluate, loss_sum_of, setup, train, train_step
+
+CPU = torch.device("cpu")
+WORDS = {"sports": ["match", "goal", "team", "coach", "league"],
+         "business": ["shares", "market", "profit", "bank", "sales"]}
+
+
+class FakeReporter:
+    """Records metrics, progress, events and checkpoints; never asks the loop to stop."""
+
+    def __init__(self):
+        self.logged: list[tuple[int, float, dict]] = []
+        self.fields: dict = {}
+        self.events: list[str] = []
+        self.checkpoints: list[int] = []
+
+    def log(self, step, epoch, values):
+        self.logged.append((step, epoch, dict(values)))
+
+    def progress(self, **fields):
+        self.fields.update(fields)
+
+    def heartbeat(self):
+        pass
+
+    def flush(self):
+        pass
+
+    def event(self, code, message, level="info"):
+        self.events.append(code)
+
+    def checkpoint(self, step, path, metrics, keep=2):
+        self.checkpoints.append(step)
+        return []
+
+    def should_stop(self):
+        return None
+
+    def series(self, name: str) -> list[float]:
+        return [values[name] for _, _, values in self.logged if name in values]
+
+
+@pytest.fixture
+def env(models_dir, tmp_path, monkeypatch):
+    """Settings for a worker process: the tiny model, a private data directory, the CPU."""
+    from shared.settings import get_settings
+
+    for key in [k for k in os.environ if k.startswith("TUNEJOB_") and k != "TUNEJOB_REQUIRE_SERVICES"]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("TUNEJOB_MODELS_DIR", str(models_dir))
+    monkeypatch.setenv("TUNEJOB_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("TUNEJOB_DEVICE", "cpu")
+    get_settings.cache_clear()
+    yield tmp_path / "data"
+    get_settings.cache_clear()
+
+
+def texts_frame(rows: int, seed: int = 0) -> pd.DataFrame:
+    """Two word-list classes, 3-30 words each, plus a numeric ``score`` (the share of sports words)."""
+    rng = random.Random(seed)
+    data = []
+    for i in range(rows):
+        label = ["sports", "business"][i % 2]
+        words = rng.choices(WORDS[label], k=rng.randint(3, 30))
+        noise = rng.choices(WORDS["business" if label == "sports" else "sports"], k=rng.randint(0, 10))
+        sports = sum(w in WORDS["sports"] for w in words + noise)
+        data.append({"text": " ".join(words + noise), "label": label, "score": sports / len(words + noise)})
+    return pd.DataFrame(data)
+
+
+def make_job(task: str = "classification", **hyperparameters) -> Job:
+    hp = {"epochs": 1, "batch_size": 8, "max_length": 48, "learning_rate": 1e-3, "precision": "fp32",
+          **hyperparameters}
+    spec = JobCreate(base_model=TINY_MODEL, task=task, training_dataset="ds_test", text_column="text",
+                     label_column="label" if task == "classification" else "score", hyperparameters=hp)
+    return Job(id="t", task=task, base_model=TINY_MODEL, spec=spec.model_dump(mode="json"),
+               label_names=["business", "sports"] if task == "classification" else None)
+
+
+def make_run(job: Job, train_rows: int = 40, validation_rows: int = 0, reporter=None):
+    train_df = texts_frame(train_rows, seed=1)
+    val_df = texts_frame(validation_rows, seed=2) if validation_rows else None
+    return setup(job, JobData(train_df, val_df, "train.csv", "val.csv" if validation_rows else None), CPU,
+                 reporter or FakeReporter())
+
+
+def no_dropout(model: torch.nn.Module) -> None:
+    """Dropout off in every module, whatever mode the training code puts the model in."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+
+
+def capture_gradients(run) -> list[list[torch.Tensor]]:
+    """Record the (clipped) gradients of the trainable parameters each time the optimizer steps."""
+    captured = []
+    trainable = [p for p in run.model.parameters() if p.requires_grad]
+
+    def before_step(optimizer, args, kwargs):
+        captured.append([p.grad.detach().clone() for p in trainable])
+
+    run.optimizer.register_step_pre_hook(before_step)
+    return captured
+
+
+def micro_batches(run, sizes: list[int]) -> list[dict]:
+    """Collated micro-batches of consecutive training examples, of the given sizes."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(run.collator([run.train_set[i] for i in range(start, start + size)]))
+        start += size
+    return out
+
+
+def direct_gradient(run, init: dict, sizes: list[int]) -> list[torch.Tensor]:
+    """The mean over micro-batches (of ``sizes`` consecutive examples) of each one's mean
+    cross-entropy, differentiated at ``init``: one micro-batch gives the true mean-loss gradient."""
+    run.model.load_state_dict(init)
+    run.model.zero_grad(set_to_none=True)
+    start = 0
+    for size in sizes:
+        batch = run.collator([run.train_set[i] for i in range(start, start + size)])
+        labels = batch.pop("labels")
+        (F.cross_entropy(run.model(**batch).logits, labels) / len(sizes)).backward()
+        start += size
+    grads = [p.grad.detach().clone() for p in run.model.parameters() if p.requires_grad]
+    run.model.zero_grad(set_to_none=True)
+    return grads
+
+
+def norm(tensors: list[torch.Tensor]) -> float:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors])).item()
+
+
+def step_from(run, init: dict, group: list[dict]):
+    run.model.load_state_dict(init)
+    trainable = [p for p in run.model.parameters() if p.requires_grad]
+    return train_step(run, group, trainable)
+
+
+def mean_loss(run, init: dict, n: int) -> float:
+    """Cross-entropy averaged over the first ``n`` training examples, at weights ``init``."""
+    run.model.load_state_dict(init)
+    batch = run.collator([run.train_set[i] for i in range(n)])
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        return F.cross_entropy(run.model(**batch).logits, labels).item()
+
+
+# ----------------------------------------------------------------------------- gradient accumulation
+
+
+@pytest.mark.parametrize("sizes", [[8, 8, 8, 8], [8, 8, 8, 5], [3, 12, 1, 9]])
+def test_accumulated_micro_batches_give_the_gradient_of_one_batch(env, sizes):
+    run = make_run(make_job(gradient_accumulation_steps=len(sizes), weight_decay=0.0, warmup_ratio=0.0))
+    no_dropout(run.model)
+    run.model.train()
+    captured = capture_gradients(run)
+    init = {k: v.clone() for k, v in run.model.state_dict().items()}
+    n = sum(sizes)
+
+    # Sanity: with dropout off a step is deterministic, so any difference below is the recipe's.
+    whole, whole_stats = step_from(run, init, micro_batches(run, [n]))
+    again, _ = step_from(run, init, micro_batches(run, [n]))
+    assert again["loss"] == whole["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(captured[0], captured[1]))
+
+    group = micro_batches(run, sizes)
+    assert [len(b["labels"]) for b in group] == sizes
+    accumulated, stats = step_from(run, init, group)
+    assert len(captured) == 3  # exactly one optimizer step per train_step
+
+    # The loss reported is the mean over every example of the step...
+    assert whole["loss"] == pytest.approx(mean_loss(run, init, n), rel=1e-5)
+    assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+    # The reference, by autograd here: the gradient of the mean loss over all n examples. Its
+    # norm is the step's grad_norm (taken before clipping).
+    reference = direct_gradient(run, init, [n])
+    assert whole["grad_norm"] == pytest.approx(norm(reference), rel=1e-4)
+    if len(set(sizes)) > 1:
+        # Averaging the micro-batch means instead weighs a short micro-batch too much; the
+        # tolerance used below tells that apart.
+        wrong = direct_gradient(run, init, sizes)
+        with pytest.raises(AssertionError):
+            for a, b in zip(wrong, reference):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+    # The gradient (norm before clipping, and every clipped tensor) is that of the single batch.
+    assert accumulated["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-4)
+    for a, b in zip(captured[2], captured[0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+    # Token accounting covers every micro-batch of the step.
+    assert stats.real == whole_stats.real == int(run.train_set.lengths[:n].sum())
+    assert stats.padded == sum(b["input_ids"].numel() for b in group)
+
+
+def test_gradient_is_unchanged_when_micro_batches_are_split_for_memory(env):
+    """The out-of-memory backoff cuts each micro-batch into pieces; the step's gradient must not move."""
+    run = make_run(make_job(weight_decay=0.0, warmup_ratio=0.0))
+    no_dropout(run.model)
+    run.model.train()
+    captured = capture_gradients(run)
+    init = {k: v.clone() for k, v in run.model.state_dict().items()}
+    reference, _ = step_from(run, init, micro_batches(run, [8, 7]))
+    for split in (2, 4):
+        run.state.micro_split = split
+        out, _ = step_from(run, init, micro_batches(run, [8, 7]))
+        assert out["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert out["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+        for a, b in zip(captured[-1], captured[0]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- frozen embeddings
+
+
+def test_frozen_embeddings_with_gradient_checkpointing_train_the_rest(env):
+    run = make_run(make_job(epochs=2, freeze_embeddings=True, gradient_checkpointing=True, learning_rate=5e-3))
+    model = run.model
+    checkpointing = getattr(type(model), "is_activation_checkpointing", None)
+    assert (model.is_activation_checkpointing if checkpointing is not None else model.is_gradient_checkpointing)
+
+    # Count the checkpointed layer calls, to prove the recompute path really ran.
+    calls = {"n": 0}
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)
+              and hasattr(m, "_gradient_checkpointing_func")]
+    assert layers
+    for layer in layers:
+        inner = layer._gradient_checkpointing_func
+
+        def counted(*args, _inner=inner, **kwargs):
+            calls["n"] += 1
+            return _inner(*args, **kwargs)
+
+        layer._gradient_checkpointing_func = counted
+
+    embeddings = dict(model.base_model.embeddings.named_parameters())
+    assert embeddings and not any(p.requires_grad for p in embeddings.values())
+    optimized = {id(p) for g in run.optimizer.param_groups for p in g["params"]}
+    assert not optimized & {id(p) for p in embeddings.values()}
+    frozen_before = {n: p.detach().clone() for n, p in embeddings.items()}
+    prefix = f"{model.base_model_prefix}.embeddings."
+    rest_before = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith(prefix)}
+    assert len(rest_before) == len(list(model.parameters())) - len(embeddings)
+
+    reporter = FakeReporter()
+    assert train(run, reporter) == "completed"
+    assert run.state.step == run.total_steps > 1
+    assert calls["n"] > 0
+    assert all(math.isfinite(v) for v in reporter.series("train_loss"))
+
+    for name, p in model.base_model.embeddings.named_parameters():
+        assert torch.equal(p, frozen_before[name]), name  # bit-identical
+    # Every other parameter moved, the first encoder layer's included: with frozen inputs, reentrant
+    # checkpointing would have left the checkpointed layers without gradients.
+    unchanged = [n for n, p in model.named_parameters() if not n.startswith(prefix) and torch.equal(p, rest_before[n])]
+    assert unchanged == []
+
+
+# ----------------------------------------------------------------------------- regression
+
+
+def test_regression_trains_on_mse_and_evaluates_mse_and_pearson(env):
+    run = make_run(make_job(task="regression", epochs=2, learning_rate=2e-3), train_rows=48, validation_rows=16)
+    assert run.model.config.num_labels == 1
+    assert run.model.config.problem_type == "regression"
+    assert run.train_set.labels == pytest.approx(texts_frame(48, seed=1)["score"].tolist())
+
+    # The loss is the squared error, summed; the training step divides it by the examples.
+    batch = run.collator([run.val_set[i] for i in range(8)])
+    labels = batch.pop("labels")
+    assert labels.dtype == torch.float32
+    with torch.no_grad():
+        logits = run.model(**batch).logits
+    assert logits.shape == (8, 1)
+    expected = ((logits.squeeze(-1) - labels) ** 2).sum()
+    torch.testing.assert_close(loss_sum_of(logits, labels, "regression"), expected)
+    torch.testing.assert_close(loss_sum_of(logits, labels, "regression") / 8, F.mse_loss(logits.squeeze(-1), labels))
+
+    reporter = FakeReporter()
+    assert train(run, reporter) == "completed"
+    losses = reporter.series("train_loss")
+    assert losses and all(math.isfinite(v) and v >= 0 for v in losses)
+
+    metrics = evaluate(run)
+    assert set(metrics) == {"loss", "mse", "pearson_r"}
+    assert metrics["loss"] == pytest.approx(metrics["mse"], rel=1e-5)
+    assert -1.0 <= metrics["pearson_r"] <= 1.0
+    # evaluate() agrees with predictions made here, in eval mode.
+    run.model.eval()
+    batch = run.collator([run.val_set[i] for i in range(len(run.val_set))])
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        predictions = run.model(**batch).logits.squeeze(-1)
+    assert metrics["mse"] == pytest.approx(F.mse_loss(predictions, labels).item(), rel=1e-4)
+    assert metrics["pearson_r"] == pytest.approx(float(np.corrcoef(predictions.numpy(), labels.numpy())[0, 1]),
+                                                 abs=1e-4)
+    # The per-epoch evaluations were logged under eval_ names.
+    assert reporter.series("eval_mse") and reporter.series("eval_pearson_r")
+
+
+def test_classification_evaluates_accuracy_and_macro_f1(env):
+    run = make_run(make_job(epochs=1), train_rows=32, validation_rows=10)
+    metrics = evaluate(run)
+    assert set(metrics) == {"loss", "accuracy", "f1_macro"}
+    run.model.eval()
+    batch = run.collator([run.val_set[i] for i in range(len(run.val_set))])
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        logits = run.model(**batch).logits
+    assert metrics["loss"] == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-4)
+    assert metrics["accuracy"] == pytest.approx((logits.argmax(-1) == labels).float().mean().item())
+
+
+# ----------------------------------------------------------------------------- precision
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", None), ("bf16", torch.bfloat16)])
+def test_cpu_precisions_train_with_finite_losses(env, precision, dtype):
+    reporter = FakeReporter()
+    run = make_run(make_job(precision=precision, epochs=2), train_rows=32, validation_rows=8, reporter=reporter)
+    assert run.dtype == dtype
+    assert not run.scaler.is_enabled()  # a GradScaler is for fp16 only
+    assert train(run, reporter) == "completed"
+    losses = reporter.series("train_loss")
+    assert len(losses) == run.total_steps and all(math.isfinite(v) for v in losses)
+    assert all(math.isfinite(v) for v in reporter.series("grad_norm"))
+    assert run.state.skipped_steps == 0
+    metrics = evaluate(run)
+    assert all(math.isfinite(v) for v in metrics.values())
+    # Autocast leaves the master weights in fp32.
+    assert all(p.dtype == torch.float32 for p in run.model.parameters())
+
+
+def test_bf16_first_step_loss_matches_fp32(env):
+    """Same seed, same data, same initial weights: bf16 autocast changes the first loss only by rounding."""
+    first = {}
+    for precision in ["fp32", "bf16"]:
+        run = make_run(make_job(precision=precision), train_rows=32)
+        no_dropout(run.model)
+        run.model.train()
+        trainable = [p for p in run.model.parameters() if p.requires_grad]
+        out, _ = train_step(run, micro_batches(run, [16]), trainable)
+        first[precision] = out["loss"]
+    assert first["bf16"] == pytest.approx(first["fp32"], rel=0.05)
+
+
+def test_batch_stats_of_a_step_are_summed_over_micro_batches(env):
+    run = make_run(make_job())
+    group = micro_batches(run, [4, 4, 2])
+    _, stats = train_step(run, group, [p for p in run.model.parameters() if p.requires_grad])
+    parts = [BatchStats.of(b) for b in group]
+    assert stats == BatchStats(sum(p.real for p in parts), sum(p.unrounded for p in parts),
+                               sum(p.padded for p in parts))
