@@ -1,6 +1,7 @@
 """Checking a job spec against its model and data, and planning it before it runs
 (``POST /jobs?dry_run=true``). Needs the tokenizer, not torch."""
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,14 +39,33 @@ def _dataset(s, dataset_id: str, param: str) -> Dataset:
     return dataset
 
 
+def max_input_length(model_dir: Path) -> int | None:
+    """Longest input the model takes, in tokens: the tokenizer's ``model_max_length`` when it is
+    real (some tokenizers store a huge sentinel), else the config's ``max_position_embeddings``."""
+    def read(name: str) -> dict:
+        try:
+            return json.loads((model_dir / name).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    tokenizer_limit = read("tokenizer_config.json").get("model_max_length")
+    if isinstance(tokenizer_limit, int) and tokenizer_limit < 1_000_000:
+        return tokenizer_limit
+    return read("config.json").get("max_position_embeddings")
+
+
 def check_spec(spec: JobCreate) -> CheckedSpec:
     """Check a spec against its model and data before anything is stored or queued.
 
     Raises:
-        UserError: unknown model or dataset, missing column, unusable labels (see
-            ``shared.datasets.validate_job_data``).
+        UserError: unknown model or dataset, ``max_length`` beyond the model's, missing column,
+            unusable labels (see ``shared.datasets.validate_job_data``).
     """
     model_dir = resolve_model(spec.base_model)
+    limit = max_input_length(model_dir)
+    if limit and spec.hyperparameters.max_length > limit:
+        raise UserError("max_length_too_long", f"hyperparameters.max_length {spec.hyperparameters.max_length} is "
+                        f"longer than {spec.base_model!r} accepts ({limit} tokens)", "hyperparameters.max_length")
     with session_scope() as s:
         train = _dataset(s, spec.training_dataset, "training_dataset")
         val = _dataset(s, spec.validation_dataset, "validation_dataset") if spec.validation_dataset else None

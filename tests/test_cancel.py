@@ -143,10 +143,6 @@ def test_cancelling_a_finished_job_leaves_it_as_it_is(stack, dataset):
     assert event_codes(client, long["id"]) == codes
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "worker.train.fine_tune returns 'cancelled' without reporter.flush(), so the progress and metrics "
-    "buffered since the last flush (up to metrics_flush_seconds of them) are dropped: the cancelled job "
-    "reports an older step than it trained, and its last metrics are missing"))
 def test_cancelled_job_keeps_the_progress_and_metrics_of_every_step_it_trained(stack, dataset, monkeypatch):
     from shared.settings import get_settings
 

@@ -52,6 +52,7 @@ class Reporter:
     def checkpoint(self, step: int, path: Path, metrics: dict | None, keep: int) -> list[Path]:
         """Point the store at a completely written checkpoint; returns the older checkpoint
         directories, beyond the newest ``keep``, that the store no longer lists (to delete)."""
+        self.flush()  # the steps up to the checkpoint are never trained again: write their metrics first
         return jobs.record_checkpoint(self.job_id, step, str(path), metrics, keep)
 
     def should_stop(self) -> str | None:

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 from celery import signals
+from celery.exceptions import Reject
 
 from shared import jobs
 from shared.db import session_scope
@@ -62,6 +63,8 @@ class Heartbeat(threading.Thread):
 def run_job(job_id: str) -> str:
     """Train job ``job_id`` if this worker can claim it; a no-op when another worker holds it or it
     has finished (duplicate or redelivered messages). Returns how it ended."""
+    if stopping.is_set():  # Celery may deliver one more message during warm shutdown
+        raise Reject(f"worker shutting down; job {job_id} left for another worker", requeue=True)
     worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     job = jobs.claim(job_id, worker_id)
     if job is None:

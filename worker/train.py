@@ -134,6 +134,8 @@ def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter,
     run = setup(job, data, device, reporter, checkpoint)
     outcome = train(run, reporter)
     if outcome != "completed":
+        if outcome != "lease_lost":
+            reporter.flush()  # the job's last steps and progress, before it ends or is re-queued
         return outcome
     if run.val_set is not None:
         run_evaluation(run, reporter)
