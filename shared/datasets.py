@@ -77,10 +77,12 @@ def read_table(path: Path, fmt: str, filename: str | None = None) -> pd.DataFram
     if fmt in TEXT_FORMATS:
         check_utf8(path, name)
     try:
+        # Every CSV/TSV cell is read as text, as written: labels are names ("01" stays "01", as it
+        # does in JSONL), and regression targets are converted by ``regression_targets``.
         if fmt == "csv":
-            df = pd.read_csv(path, keep_default_na=False, na_values=[""])
+            df = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
         elif fmt == "tsv":
-            df = pd.read_csv(path, sep="\t", keep_default_na=False, na_values=[""], quoting=3)
+            df = pd.read_csv(path, sep="\t", dtype=str, keep_default_na=False, na_values=[""], quoting=3)
         elif fmt == "jsonl":
             df = pd.read_json(path, lines=True, dtype=False)
         else:

@@ -405,6 +405,20 @@ def test_upload_each_format_is_recorded_exactly(stack, fmt, tmp_path):
     assert job["status"] == "succeeded", job["error"]
 
 
+def test_label_codes_keep_their_spelling_across_formats(stack):
+    """Labels are names: a CSV's "01"/"02" must not become 1/2, or a JSONL validation set that
+    spells them the same way is refused for labels the training set "lacks"."""
+    train = upload(stack.client, b"text,label\ngoal team,01\nbank sales,02\ncoach,01\nmarket,02\n", "codes.csv")
+    val = upload(stack.client, b'{"text": "goal", "label": "01"}\n{"text": "bank", "label": "02"}\n', "codes.jsonl")
+    r = stack.client.post("/jobs", params={"dry_run": "true"}, json=job_body(train["id"], validation_dataset=val["id"]))
+    assert r.status_code == 200, r.text
+    r = stack.client.post("/jobs", json=job_body(train["id"], validation_dataset=val["id"]))
+    assert r.status_code == 201, r.text
+    assert r.json()["label_names"] == ["01", "02"]
+    job = wait_for_status(stack.client, r.json()["id"], FINISHED)
+    assert job["status"] == "succeeded", job["error"]
+
+
 def test_upload_path_in_filename_is_not_followed(stack):
     dataset = upload(stack.client, labelled_csv(rows=4), "../../../etc/evil.csv")
     assert dataset["filename"] == "evil.csv"
