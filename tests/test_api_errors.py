@@ -474,10 +474,6 @@ def test_list_jobs_filters_by_status_and_pages_newest_first(stack):
     assert [j["id"] for j in page["data"]] == [created[1]]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shared.planning.check_spec does not check max_length against the base model's position embeddings "
-    "(512 for BERT): the job is accepted with 201, its first step raises a RuntimeError in the worker, "
-    "which is retried max_restarts times before the job fails as too_many_restarts"))
 def test_max_length_beyond_the_models_positions_is_refused(stack):
     words = ["goal", "bank"]
     long_texts = pd.DataFrame({"text": [" ".join([words[i % 2]] * 700) for i in range(8)],
@@ -487,8 +483,14 @@ def test_max_length_beyond_the_models_positions_is_refused(stack):
     body = job_body(dataset["id"])
     body["hyperparameters"]["max_length"] = 1024
     r = stack.client.post("/jobs", json=body)
-    if r.status_code == 201:  # what happens instead: the worker fails the job
+    if r.status_code == 201:  # the bug this guards against: accepted, then a RuntimeError in the worker
         job = wait_for_status(stack.client, r.json()["id"], FINISHED)
-        print("job ended", job["status"], job["error"])
-    assert_error(r, 422, None, "hyperparameters.max_length", "512")
+        pytest.fail(f"max_length 1024 was accepted; the job ended {job['status']}: {job['error']}")
+    assert_error(r, 422, "max_length_too_long", "hyperparameters.max_length", "1024", "512", f"'{TINY_MODEL}'")
+    r = stack.client.post("/jobs", params={"dry_run": "true"}, json=body)
+    assert_error(r, 422, "max_length_too_long", "hyperparameters.max_length")
     before.assert_unchanged()
+    body["hyperparameters"]["max_length"] = 512  # the model's own limit is accepted
+    r = stack.client.post("/jobs", params={"dry_run": "true"}, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["plan"]["truncated_fraction"] == 1.0  # 700-word texts are all cut at 512
