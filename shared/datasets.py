@@ -5,6 +5,7 @@ worker (to load the same table the API validated).
 """
 
 import codecs
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -184,11 +185,26 @@ def split_train_validation(
     df: pd.DataFrame, label_column: str, fraction: float, seed: int, stratify: bool
 ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """Hold out ``fraction`` of ``df`` for validation, stratified by label when every class has
-    at least two rows (scikit-learn ``train_test_split``)."""
+    at least two rows and both parts can hold every class (scikit-learn ``train_test_split``).
+
+    Raises:
+        UserError: ``too_few_rows`` when the held-out part would leave no row for training.
+    """
     if not fraction:
         return df, None
+    n = len(df)
+    n_val = math.ceil(n * fraction)  # as scikit-learn sizes the held-out part
+    if n_val >= n:
+        raise UserError(
+            "too_few_rows",
+            f"validation_split {fraction} of {n} row(s) leaves no row for training; upload more rows, "
+            "lower validation_split (0 for none) or give a validation_dataset",
+            "validation_split",
+        )
     labels = df[label_column].astype(str)
-    can_stratify = stratify and labels.value_counts().min() >= 2 and round(len(df) * fraction) >= labels.nunique()
+    classes = labels.nunique()
+    can_stratify = (stratify and labels.value_counts().min() >= 2 and round(n * fraction) >= classes
+                    and n - n_val >= classes)
     train, val = train_test_split(
         df, test_size=fraction, random_state=seed, stratify=labels if can_stratify else None
     )

@@ -333,6 +333,65 @@ def test_dry_run_stores_nothing_and_refuses_the_same_bad_input(stack, train_ds):
     before.assert_unchanged()
 
 
+@pytest.fixture(scope="module")
+def one_row(stack) -> dict:
+    return upload(stack.client, b"text,score\nhello,1.5\n", "one_row.csv")
+
+
+def test_dry_run_of_a_split_leaving_no_training_row_is_refused(stack, one_row):
+    before = Snapshot(stack)
+    body = job_body(one_row["id"], task="regression", label_column="score")
+    r = stack.client.post("/jobs", params={"dry_run": "true"}, json=body)  # was a 500 (sklearn ValueError)
+    assert_error(r, 422, "too_few_rows", "validation_split", "validation_split 0.1", "1 row")
+    before.assert_unchanged()
+
+
+def test_job_whose_split_leaves_no_training_row_fails_at_once_without_retries(stack, one_row):
+    body = job_body(one_row["id"], task="regression", label_column="score")
+    r = stack.client.post("/jobs", json=body)
+    if r.status_code == 422:  # refused up front (see the xfail below): as good
+        assert_error(r, 422, "too_few_rows", "validation_split")
+        return
+    assert r.status_code == 201, r.text
+    job = wait_for_status(stack.client, r.json()["id"], FINISHED)
+    assert job["status"] == "failed"
+    assert job["error"]["code"] == "too_few_rows", job["error"]  # a user error, not a retried crash
+    assert job["attempts"] == 1
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "shared.planning.check_spec does not split the training table, so a validation_split that leaves "
+    "no training row is accepted (201) and only fails in the worker; calling "
+    "shared.datasets.split_train_validation in check_spec when there is no validation_dataset refuses it"))
+def test_job_whose_split_leaves_no_training_row_is_refused_at_submission(stack, one_row):
+    before = Snapshot(stack)
+    body = job_body(one_row["id"], task="regression", label_column="score")
+    r = stack.client.post("/jobs", json=body)
+    if r.status_code == 201:
+        wait_for_status(stack.client, r.json()["id"], FINISHED)
+    assert_error(r, 422, "too_few_rows", "validation_split")
+    before.assert_unchanged()
+
+
+def test_split_train_validation_edges():
+    from shared.datasets import split_train_validation
+    from shared.errors import UserError
+
+    def frame(n, classes):
+        return pd.DataFrame({"text": [f"t{i}" for i in range(n)], "label": [f"c{i % classes}" for i in range(n)]})
+
+    with pytest.raises(UserError) as e:
+        split_train_validation(frame(10, 2), "label", 0.95, 0, True)
+    assert e.value.code == "too_few_rows" and e.value.param == "validation_split"
+    # Too few rows per part to stratify 6 classes: split unstratified rather than crash.
+    train, val = split_train_validation(frame(12, 6), "label", 0.9, 0, True)
+    assert (len(train), len(val)) == (1, 11)
+    # Stratified where it can be: each of 5 classes keeps its share in validation.
+    train, val = split_train_validation(frame(200, 5), "label", 0.1, 0, True)
+    assert val["label"].value_counts().tolist() == [4] * 5 and len(train) == 180
+    assert split_train_validation(frame(5, 2), "label", 0.0, 0, True)[1] is None
+
+
 def test_unknown_job_and_dataset_are_404(stack):
     for path in ["/jobs/job_0123456789abcdef", "/jobs/job_0123456789abcdef/metrics",
                  "/jobs/job_0123456789abcdef/events", "/jobs/job_0123456789abcdef/checkpoints",
