@@ -431,6 +431,12 @@ def choose_window(block: Block, cfg: Config, batches: list[list[int]], warmup: i
     return [batches[i] for i in warm], [batches[i] for i in sorted(timed)]
 
 
+def epoch_tokens(block: Block, epoch: list[list[int]], multiple: int, fixed_width: int | None = None) -> dict:
+    """Token counts of the whole epoch the window was sampled from (exact, from the plan)."""
+    real, unrounded, padded = batch_tokens(block.lengths, epoch, multiple, fixed_width)
+    return {"epoch_real_tokens": real, "epoch_unrounded_tokens": unrounded, "epoch_padded_tokens": padded}
+
+
 class SampledPlan(BatchPlan):
     """A run's plan cut down to the chosen batches: every epoch is exactly ``batches``."""
 
@@ -473,7 +479,7 @@ def time_engine(block: Block, cfg: Config, args, device, warmup: int, steps: int
         "outcome": outcome, "engine_step_seconds": measured["extra"], "hook_real": hook["real"],
         "hook_padded": hook["padded"], "squares": hook["extra"], "steps_per_epoch": len(epoch),
         "expected_real": batch_tokens(block.lengths, timed, cfg.pad_multiple, fixed_width)[0],
-        "epoch_padded_tokens": batch_tokens(block.lengths, epoch, cfg.pad_multiple, fixed_width)[2],
+        **epoch_tokens(block, epoch, cfg.pad_multiple, fixed_width),
         "peak_memory_mib": peak, "peak_reset": reset_ok,
         "dtype": str(run.dtype).replace("torch.", "") if run.dtype else "fp32", **model_shape(run.model), **measured,
     }
@@ -584,13 +590,11 @@ def time_trainer(block: Block, cfg: Config, args, device, warmup: int, steps: in
     trainer.train()
     peak = peak_memory_mib(device)
     measured = window(clock.marks, len(warm), "hook")
-    sim = trainer_epochs(block.lengths, block.batch_size, args.plan_epochs)
-    epoch_padded = float(np.mean([batch_tokens(block.lengths, b, TRAINER_PAD_MULTIPLE)[2] for b in sim]))
     result = {
         "outcome": "stopped", "hook_real": measured["real"], "hook_padded": measured["padded"],
         "squares": measured["extra"], "steps_per_epoch": len(epoch),
         "expected_real": batch_tokens(block.lengths, timed, TRAINER_PAD_MULTIPLE)[0],
-        "epoch_padded_tokens": epoch_padded, "peak_memory_mib": peak, "peak_reset": reset_ok,
+        **epoch_tokens(block, epoch, TRAINER_PAD_MULTIPLE), "peak_memory_mib": peak, "peak_reset": reset_ok,
         "optimizer": f"Trainer default optim={getattr(trainer.args.optim, 'value', trainer.args.optim)}",
         "dtype": str(dtype).replace("torch.", "") if dtype else "fp32", **model_shape(model), **measured,
     }
@@ -644,11 +648,11 @@ def summarize(block: Block, configs: list[Config], results: dict, args, device) 
     by_name = {cfg.name: results[cfg.name] for cfg in configs if results.get(cfg.name)}
     repeats = min(len(v) for v in by_name.values())
 
-    def tps(m):
-        return m["real"] / m["seconds"]
-
     def epoch_seconds(m):  # extrapolated: measured seconds per step x steps per epoch
         return m["seconds"] / m["steps"] * m["steps_per_epoch"]
+
+    def tps(m):  # every example once: the epoch's real tokens (exact) / its extrapolated time
+        return m["epoch_real_tokens"] / epoch_seconds(m)
 
     for cfg in configs:
         ms = by_name.get(cfg.name)
@@ -660,7 +664,11 @@ def summarize(block: Block, configs: list[Config], results: dict, args, device) 
             "kind": cfg.kind, "pad_multiple": cfg.pad_multiple, "repeats": len(ms), "steps": m0["steps"],
             "tokens_per_second": statistics.median(tps(m) for m in ms),
             "tokens_per_second_all": [tps(m) for m in ms],
-            "efficiency_unrounded": m0["real"] / m0["unrounded"], "efficiency_rounded": m0["real"] / m0["padded"],
+            "window_tokens_per_second": statistics.median(m["real"] / m["seconds"] for m in ms),
+            "efficiency_unrounded": m0["epoch_real_tokens"] / m0["epoch_unrounded_tokens"],
+            "efficiency_rounded": m0["epoch_real_tokens"] / m0["epoch_padded_tokens"],
+            "window_efficiency_unrounded": m0["real"] / m0["unrounded"],
+            "window_efficiency_rounded": m0["real"] / m0["padded"],
             "seconds_per_step": statistics.median(m["seconds"] / m["steps"] for m in ms),
             "steps_per_epoch": m0["steps_per_epoch"], "epoch_seconds": statistics.median(epoch_seconds(m) for m in ms),
             # how well the timed sample stands for the epoch: its computed tokens per step / the epoch's
@@ -766,10 +774,10 @@ def accuracy_section(args, device, scratch: Path, log) -> list[dict]:
 # ----------------------------------------------------------------------------- markdown
 
 
-def fmt(x, spec: str = ".3f", none: str = "n/a") -> str:
+def fmt(x, spec: str = ".3f", none: str = "n/a", suffix: str = "") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return none
-    return format(x, spec)
+    return format(x, spec) + suffix
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -811,22 +819,26 @@ def render_timing(rows: list[dict], meta: dict, device) -> str:
              "stratified sample of the same epoch's batches (the quantiles of padded width). Time is wall time "
              "from step end to step end, fetching and collating each batch included. Medians over repeats; "
              "ratios are paired within a repeat, then the median. **Epoch time is extrapolated, not measured**: "
-             "median seconds per timed step x steps per epoch. Token bound = computed tokens of a fixed-padded "
-             "epoch / this configuration's (from the plan). CPU use = process CPU seconds / (wall seconds x "
-             "torch threads) over the window: well below its usual value, other processes had the cores.", ""]
+             "median seconds per timed step x steps per epoch. Real tokens/s (epoch) = the epoch's real tokens "
+             "(every training text once, the same for all) / that epoch time; \"vs Trainer\" compares these. "
+             "Real tokens/s (timed steps) = what the timed steps themselves did. Efficiency: the whole epoch's, "
+             "from the plan. Token bound = computed tokens of a fixed-padded epoch / this configuration's. "
+             "CPU use = process CPU seconds / (wall seconds x torch threads) over the window: well below its "
+             "usual value, other processes had the cores.", ""]
     mem = "peak GPU MiB (allocated)" if device.type == "cuda" else "peak RSS MiB (process)"
     for key in dict.fromkeys(r["block"] for r in rows):
         rs = [r for r in rows if r["block"] == key]
         parts.append(f"**{key}** ({rs[0]['steps']} timed steps per window)\n")
-        header = ["config", "real tokens/s", "vs Trainer", "efficiency (before rounding)", "efficiency (rounded)",
-                  "s/step", "steps/epoch", "s/epoch (extrapolated)", "speedup vs fixed", "token bound",
-                  "speedup / bound", mem, "CPU use"]
+        header = ["config", "real tokens/s (epoch)", "vs Trainer", "real tokens/s (timed steps)",
+                  "efficiency (before rounding)", "efficiency (rounded)", "s/step", "steps/epoch",
+                  "s/epoch (extrapolated)", "speedup vs fixed", "token bound", "speedup / bound", mem, "CPU use"]
         if device.type == "cuda":
             header.append("MFU")
         body = []
         for r in rs:
-            line = [r["config"], f"{r['tokens_per_second']:,.0f}", fmt(r["vs_trainer"], ".2f") + "x",
-                    f"{r['efficiency_unrounded']:.3f}", f"{r['efficiency_rounded']:.3f}",
+            line = [r["config"], f"{r['tokens_per_second']:,.0f}", fmt(r["vs_trainer"], ".2f", suffix="x"),
+                    f"{r['window_tokens_per_second']:,.0f}", f"{r['efficiency_unrounded']:.3f}",
+                    f"{r['efficiency_rounded']:.3f}",
                     f"{r['seconds_per_step']:.3f}", str(r["steps_per_epoch"]), f"{r['epoch_seconds']:.0f}",
                     fmt(r.get("speedup_vs_fixed"), ".2f"), fmt(r.get("token_bound"), ".2f"),
                     fmt(r.get("speedup_of_bound"), ".0%"), f"{r['peak_memory_mib']:,.0f}", f"{r['cpu_use']:.0%}"]
@@ -849,7 +861,7 @@ def render_accuracy(rows: list[dict], meta: dict) -> str:
          "real tokens/s", "vs Trainer", "efficiency (rounded)", "speedup vs fixed", "token bound", "speedup / bound"],
         [[r["config"], f"{r['accuracy']:.4f}", fmt(r["delta_vs_fixed_points"], "+.2f"), f"{r['f1_macro']:.4f}",
           str(r["steps"]), f"{r['epoch_seconds']:.0f}", f"{r['tokens_per_second']:,.0f}",
-          fmt(r["vs_trainer"], ".2f") + "x", f"{r['efficiency_rounded']:.3f}", fmt(r.get("wall_speedup_vs_fixed"), ".2f"),
+          fmt(r["vs_trainer"], ".2f", suffix="x"), f"{r['efficiency_rounded']:.3f}", fmt(r.get("wall_speedup_vs_fixed"), ".2f"),
           fmt(r.get("token_bound"), ".2f"),
           fmt(r["wall_speedup_vs_fixed"] / r["token_bound"] if r.get("token_bound") else None, ".0%")] for r in rows])
 

@@ -82,7 +82,11 @@ def test_harness_runs_engine_and_trainer(tiny_models, tmp_path):
     assert timing["smart"]["efficiency_unrounded"] > timing["fixed"]["efficiency_unrounded"]
     assert timing["smart"]["token_bound"] > 1
     assert timing["trainer"]["efficiency_rounded"] <= timing["trainer"]["efficiency_unrounded"]
-    trainer_windows = results["raw"]["rotten_tomatoes b8"]["trainer"]
+    # Every configuration's epoch holds each training text once: the same real tokens for all.
+    raw = results["raw"]["rotten_tomatoes b8"]
+    assert len({m["epoch_real_tokens"] for ms in raw.values() for m in ms}) == 1
+    assert all(r["window_tokens_per_second"] > 0 for r in timing.values())
+    trainer_windows = raw["trainer"]
     assert all(m["padded"] % 8 == 0 and m["real"] > 0 for m in trainer_windows)  # pad_to_multiple_of=8
 
     accuracy = {r["config"]: r for r in results["accuracy"]}
