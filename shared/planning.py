@@ -27,7 +27,7 @@ class CheckedSpec:
     model_dir: Path
     train: Dataset
     validation: Dataset | None
-    train_table: pd.DataFrame
+    train_part: pd.DataFrame  # the rows the job trains on (after any validation_split)
     label_names: list[str] | None
 
 
@@ -59,7 +59,8 @@ def check_spec(spec: JobCreate) -> CheckedSpec:
 
     Raises:
         UserError: unknown model or dataset, ``max_length`` beyond the model's, missing column,
-            unusable labels (see ``shared.datasets.validate_job_data``).
+            unusable labels (see ``shared.datasets.validate_job_data``), a ``validation_split`` that
+            leaves no training row.
     """
     model_dir = resolve_model(spec.base_model)
     limit = max_input_length(model_dir)
@@ -74,7 +75,9 @@ def check_spec(spec: JobCreate) -> CheckedSpec:
         spec.task, spec.text_column, spec.text_pair_column, spec.label_column, (train_table, train.filename),
         (read_table(Path(val.path), val.format, val.filename), val.filename) if val else None,
     )
-    return CheckedSpec(spec, model_dir, train, val, train_table, names)
+    train_part, _ = split_train_validation(train_table, spec.label_column, spec.validation_split or 0.0,
+                                           spec.hyperparameters.seed, spec.task == "classification")
+    return CheckedSpec(spec, model_dir, train, val, train_part, names)
 
 
 def plan_job(checked: CheckedSpec) -> dict:
@@ -91,9 +94,7 @@ def plan_job(checked: CheckedSpec) -> dict:
     from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # no warning for texts longer than max_length: we count them
-    spec, hp = checked.spec, checked.spec.hyperparameters
-    train, _ = split_train_validation(checked.train_table, spec.label_column, spec.validation_split or 0.0, hp.seed,
-                                      spec.task == "classification")
+    spec, hp, train = checked.spec, checked.spec.hyperparameters, checked.train_part
     tokenizer = AutoTokenizer.from_pretrained(checked.model_dir)
     texts = train[spec.text_column].astype(str).tolist()
     pairs = train[spec.text_pair_column].astype(str).tolist() if spec.text_pair_column else None

@@ -359,10 +359,6 @@ def test_job_whose_split_leaves_no_training_row_fails_at_once_without_retries(st
     assert job["attempts"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shared.planning.check_spec does not split the training table, so a validation_split that leaves "
-    "no training row is accepted (201) and only fails in the worker; calling "
-    "shared.datasets.split_train_validation in check_spec when there is no validation_dataset refuses it"))
 def test_job_whose_split_leaves_no_training_row_is_refused_at_submission(stack, one_row):
     before = Snapshot(stack)
     body = job_body(one_row["id"], task="regression", label_column="score")
