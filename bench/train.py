@@ -624,11 +624,25 @@ def step_seconds(n: int, width: int, scale: tuple[float, float]) -> float:
     return EST_OVERHEAD_S * scale[0] + n * width * (EST_PER_TOKEN_S * scale[0] + EST_PER_TOKEN_WIDTH_S * width * scale[1])
 
 
-def estimate_window(block: Block, cfg: Config, warmup: int, scale) -> float:
+def estimate_window(block: Block, cfg: Config, warmup: int, steps: int, scale) -> float:
     """Estimated seconds of one window (CPU cost model), its setup included."""
-    warm, timed = choose_window(block, cfg, epoch_batches_of(block, cfg), warmup, block.steps)
+    warm, timed = choose_window(block, cfg, epoch_batches_of(block, cfg), warmup, steps)
     seconds = sum(step_seconds(len(b), batch_width(block, cfg, b), scale) for b in warm + timed)
     return seconds * (EST_BF16_FACTOR if block.bf16 else 1.0) + EST_SETUP_S[block.dataset]
+
+
+def window_steps(block: Block, cfg: Config, warmup: int, scale, min_seconds: float) -> int:
+    """``block.steps``, raised (for configurations with short steps) until the timed steps take about
+    ``min_seconds`` by the cost model, so that a short burst of load cannot dominate a window."""
+    batches = epoch_batches_of(block, cfg)
+    steps = block.steps
+    while steps < len(batches) - warmup:
+        _, timed = choose_window(block, cfg, batches, warmup, steps)
+        seconds = sum(step_seconds(len(b), batch_width(block, cfg, b), scale) for b in timed)
+        if seconds * (EST_BF16_FACTOR if block.bf16 else 1.0) >= min_seconds:
+            break
+        steps += max(1, steps // 4)
+    return min(steps, max(1, len(batches) - warmup))
 
 
 def estimate_accuracy(block: Block, configs: list[Config], scale) -> float:
@@ -828,15 +842,15 @@ def render_timing(rows: list[dict], meta: dict, device) -> str:
     mem = "peak GPU MiB (allocated)" if device.type == "cuda" else "peak RSS MiB (process)"
     for key in dict.fromkeys(r["block"] for r in rows):
         rs = [r for r in rows if r["block"] == key]
-        parts.append(f"**{key}** ({rs[0]['steps']} timed steps per window)\n")
-        header = ["config", "real tokens/s (epoch)", "vs Trainer", "real tokens/s (timed steps)",
+        parts.append(f"**{key}**\n")
+        header = ["config", "timed steps", "real tokens/s (epoch)", "vs Trainer", "real tokens/s (timed steps)",
                   "efficiency (before rounding)", "efficiency (rounded)", "s/step", "steps/epoch",
                   "s/epoch (extrapolated)", "speedup vs fixed", "token bound", "speedup / bound", mem, "CPU use"]
         if device.type == "cuda":
             header.append("MFU")
         body = []
         for r in rs:
-            line = [r["config"], f"{r['tokens_per_second']:,.0f}", fmt(r["vs_trainer"], ".2f", suffix="x"),
+            line = [r["config"], str(r["steps"]), f"{r['tokens_per_second']:,.0f}", fmt(r["vs_trainer"], ".2f", suffix="x"),
                     f"{r['window_tokens_per_second']:,.0f}", f"{r['efficiency_unrounded']:.3f}",
                     f"{r['efficiency_rounded']:.3f}",
                     f"{r['seconds_per_step']:.3f}", str(r["steps_per_epoch"]), f"{r['epoch_seconds']:.0f}",
@@ -952,6 +966,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="timed optimizer steps per window (default: enough for --window-tokens fixed-padded tokens)")
     p.add_argument("--window-tokens", type=int, default=32768,
                    help="default --steps: batch_size x max_length x steps ~ this (clamped to 2..30)")
+    p.add_argument("--min-window-seconds", type=float, default=6.0,
+                   help="without --steps, configurations with short steps time more of them, up to about this "
+                        "many seconds per window by the CPU cost model")
     p.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps before each window (>= 1)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-sizes", default="16,32")
@@ -1088,7 +1105,11 @@ def main(argv: list[str] | None = None) -> int:
         for b in blocks:
             b.bf16 = dtype == torch.bfloat16
         scale = model_scale(args.model)
-        est = {(b.key, c.name): estimate_window(b, c, args.warmup, scale) for b in blocks for c in block_configs[b.key]}
+        steps = {(b.key, c.name): b.steps if args.steps or device.type == "cuda" else
+                 window_steps(b, c, args.warmup, scale, args.min_window_seconds)
+                 for b in blocks for c in block_configs[b.key]}
+        est = {(b.key, c.name): estimate_window(b, c, args.warmup, steps[(b.key, c.name)], scale)
+               for b in blocks for c in block_configs[b.key]}
         est_timing = args.repeats * sum(est.values())
         acc_block = build_block(args, args.accuracy_dataset, args.accuracy_batch_size, steps=0) if args.accuracy else None
         acc_configs = [Config(n, "trainer" if n == "trainer" else "engine", None if n == "trainer" else n,
@@ -1100,7 +1121,8 @@ def main(argv: list[str] | None = None) -> int:
         where = "this 2-core CPU" if device.type == "cpu" else "the CPU cost model (a GPU run is far shorter)"
         log(f"Estimated time on {where}: timing {est_timing / 60:.1f} min "
             f"({len(est)} block configurations x {args.repeats} repeats; warm-up + timed steps per window: "
-            + ", ".join(f"{b.key}: {args.warmup}+{b.steps} x {len(block_configs[b.key])}" for b in blocks) + ")"
+            + "; ".join(f"{b.key}: " + ", ".join(f"{c.name} {args.warmup}+{steps[(b.key, c.name)]}"
+                                                 for c in block_configs[b.key]) for b in blocks) + ")"
             + (f", accuracy {est_acc / 60:.1f} min" if args.accuracy else "")
             + f"; total about {(est_timing + est_acc) / 60 + 0.5:.0f} min on a quiet machine.")
         if args.estimate_only:
@@ -1113,10 +1135,11 @@ def main(argv: list[str] | None = None) -> int:
                 configs = block_configs[block.key]
                 order = configs[r % len(configs):] + configs[: r % len(configs)]  # rotate who goes first
                 for cfg in order:
+                    n = steps[(block.key, cfg.name)]
                     if cfg.kind == "trainer":
-                        m = time_trainer(block, cfg, args, device, args.warmup, block.steps, scratch)
+                        m = time_trainer(block, cfg, args, device, args.warmup, n, scratch)
                     else:
-                        m = time_engine(block, cfg, args, device, args.warmup, block.steps)
+                        m = time_engine(block, cfg, args, device, args.warmup, n)
                     raw[block.key][cfg.name].append(m)
                     done_est += est[(block.key, cfg.name)]
                     elapsed = time.perf_counter() - timing_started
