@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo test bench-smoke clean
+.PHONY: install demo test clean
 
 install: $(STAMP)
 

