@@ -144,3 +144,67 @@ def wait_for_status(client: TestClient, job_id: str, statuses: set[str], timeout
         if time.monotonic() > deadline:
             raise AssertionError(f"job {job_id} still {job['status']} after {timeout}s: {job}")
         time.sleep(0.2)
+
+
+class RecordingReporter:
+    """Stands in for ``worker.report.Reporter`` when tests drive ``worker.train`` directly: keeps
+    what the engine reports, and asks it to stop (``stop_reason``) once ``stop_after_step`` is logged."""
+
+    def __init__(self, stop_after_step: int | None = None, stop_reason: str = "shutdown"):
+        self.logged: list[tuple[int, float, dict]] = []
+        self.fields: dict = {}
+        self.events: list[str] = []
+        self.checkpoints: list[tuple[int, Path]] = []
+        self.stop_after_step, self.stop_reason = stop_after_step, stop_reason
+
+    def log(self, step, epoch, values):
+        self.logged.append((step, epoch, dict(values)))
+
+    def progress(self, **fields):
+        self.fields.update(fields)
+
+    def heartbeat(self):
+        pass
+
+    def flush(self):
+        pass
+
+    def event(self, code, message, level="info"):
+        self.events.append(code)
+
+    def checkpoint(self, step, path, metrics, keep=2):
+        self.checkpoints.append((step, path))
+        return []
+
+    def should_stop(self):
+        last = self.logged[-1][0] if self.logged else 0
+        return self.stop_reason if self.stop_after_step is not None and last >= self.stop_after_step else None
+
+    def series(self, name: str) -> dict[int, float]:
+        """Metric ``name`` by step."""
+        return {step: values[name] for step, _, values in self.logged if name in values}
+
+
+@pytest.fixture
+def engine_env(models_dir, tmp_path, monkeypatch) -> Path:
+    """Settings for driving the training engine in-process: the tiny model, a private data
+    directory, the CPU. Returns the data directory."""
+    from shared.settings import get_settings
+
+    for key in [k for k in os.environ if k.startswith("TUNEJOB_") and k != "TUNEJOB_REQUIRE_SERVICES"]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("TUNEJOB_MODELS_DIR", str(models_dir))
+    monkeypatch.setenv("TUNEJOB_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("TUNEJOB_DEVICE", "cpu")
+    get_settings.cache_clear()
+    yield tmp_path / "data"
+    get_settings.cache_clear()
+
+
+def no_dropout(model) -> None:
+    """Dropout off in every module, whatever mode the training code puts the model in."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0

@@ -13,56 +13,11 @@ from safetensors.torch import load_file
 from shared.errors import UserError
 from shared.models import Job
 from shared.schemas import JobCreate
-from tests.conftest import TINY_MODEL
+from tests.conftest import TINY_MODEL, RecordingReporter, no_dropout
 from worker import train as engine
 from worker.data import JobData, TokenizedDataset
 
 WORDS = ["alpha", "beta", "gamma", "delta", "market", "goal", "team", "profit"]
-
-
-class RecordingReporter:
-    """Stands in for ``worker.report.Reporter``: keeps what the engine reports; stops on request."""
-
-    def __init__(self, stop_after_step: int | None = None, stop_reason: str = "shutdown"):
-        self.metrics, self.events, self.checkpoints = [], [], []
-        self.stop_after_step, self.stop_reason, self.step = stop_after_step, stop_reason, 0
-
-    def log(self, step, epoch, values):
-        self.step = step
-        self.metrics.extend((step, name, value) for name, value in values.items())
-
-    def progress(self, **fields):
-        pass
-
-    def heartbeat(self):
-        pass
-
-    def flush(self):
-        pass
-
-    def event(self, code, message, level="info"):
-        self.events.append(code)
-
-    def checkpoint(self, step, path, metrics, keep):
-        self.checkpoints.append((step, path))
-        return []
-
-    def should_stop(self):
-        return self.stop_reason if self.stop_after_step is not None and self.step >= self.stop_after_step else None
-
-    def series(self, name: str) -> dict[int, float]:
-        return {step: value for step, n, value in self.metrics if n == name}
-
-
-@pytest.fixture
-def settings_env(monkeypatch, tmp_path, models_dir):
-    from shared.settings import get_settings
-
-    monkeypatch.setenv("TUNEJOB_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("TUNEJOB_MODELS_DIR", str(models_dir))
-    get_settings.cache_clear()
-    yield
-    get_settings.cache_clear()
 
 
 def make_job(job_id: str, **hyperparameters) -> tuple[Job, JobData]:
@@ -78,13 +33,7 @@ def make_job(job_id: str, **hyperparameters) -> tuple[Job, JobData]:
     return job, JobData(df.iloc[:32], df.iloc[32:], "train.csv", "train.csv")
 
 
-def no_dropout(run: engine.Run) -> None:
-    for module in run.model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
-def test_resume_gives_the_same_losses_and_each_example_once_per_epoch(settings_env, monkeypatch):
+def test_resume_gives_the_same_losses_and_each_example_once_per_epoch(engine_env, monkeypatch):
     seen: list[int] = []
     original_getitem = TokenizedDataset.__getitem__
 
@@ -131,7 +80,7 @@ def test_resume_gives_the_same_losses_and_each_example_once_per_epoch(settings_e
     assert sum(batches_per_epoch) == total  # one optimizer step per micro-batch here
 
 
-def test_out_of_memory_halves_the_micro_batch_and_keeps_the_step(settings_env):
+def test_out_of_memory_halves_the_micro_batch_and_keeps_the_step(engine_env):
     class OutOfMemoryAbove(torch.nn.Module):
         """Raises CUDA's out-of-memory error for micro-batches larger than ``rows``."""
 
@@ -148,14 +97,14 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_step(settings_env):
     job, data = make_job("reference", epochs=1)
     reference = RecordingReporter()
     run = engine.setup(job, data, cpu, reference)
-    no_dropout(run)
+    no_dropout(run.model)
     engine.train(run, reference)
     reference_weights = {k: v.clone() for k, v in run.model.state_dict().items()}
 
     job, data = make_job("oom", epochs=1)
     reporter = RecordingReporter()
     run = engine.setup(job, data, cpu, reporter)
-    no_dropout(run)
+    no_dropout(run.model)
     run.forward_model = OutOfMemoryAbove(run.model, rows=2)
     assert engine.train(run, reporter) == "completed"
     assert reporter.events.count("out_of_memory") == 2  # 8 -> 4 -> 2
@@ -176,7 +125,7 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_step(settings_env):
     assert error.value.code == "out_of_memory"
 
 
-def test_nonfinite_steps_are_skipped_counted_and_fail_after_a_run(settings_env):
+def test_nonfinite_steps_are_skipped_counted_and_fail_after_a_run(engine_env):
     class NaNLogits(torch.nn.Module):
         """Returns NaN logits on the steps in ``bad_calls`` (counted per forward call)."""
 
@@ -213,7 +162,7 @@ def test_nonfinite_steps_are_skipped_counted_and_fail_after_a_run(settings_env):
     assert run.state.step == 5 and run.state.skipped_steps == 3
 
 
-def test_early_stopping_and_the_artifact_is_the_best_model(settings_env, monkeypatch):
+def test_early_stopping_and_the_artifact_is_the_best_model(engine_env, monkeypatch):
     scripted = iter([1.0, 0.5, 0.7, 0.8, 0.9, 0.95])  # best at the 2nd evaluation, then worse
 
     def scripted_evaluate(run, reporter=None):

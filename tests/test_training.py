@@ -2,7 +2,6 @@
 transient ``Job``, DataFrames, and a reporter that only records what it is told."""
 
 import math
-import os
 import random
 
 import numpy as np
@@ -13,63 +12,13 @@ import torch.nn.functional as F
 
 from shared.models import Job
 from shared.schemas import JobCreate
-from tests.conftest import TINY_MODEL
+from tests.conftest import TINY_MODEL, RecordingReporter, no_dropout
 from worker.data import BatchStats, JobData
 from worker.train import evaluate, loss_sum_of, setup, train, train_step
 
 CPU = torch.device("cpu")
 WORDS = {"sports": ["match", "goal", "team", "coach", "league"],
          "business": ["shares", "market", "profit", "bank", "sales"]}
-
-
-class FakeReporter:
-    """Records metrics, progress, events and checkpoints; never asks the loop to stop."""
-
-    def __init__(self):
-        self.logged: list[tuple[int, float, dict]] = []
-        self.fields: dict = {}
-        self.events: list[str] = []
-        self.checkpoints: list[int] = []
-
-    def log(self, step, epoch, values):
-        self.logged.append((step, epoch, dict(values)))
-
-    def progress(self, **fields):
-        self.fields.update(fields)
-
-    def heartbeat(self):
-        pass
-
-    def flush(self):
-        pass
-
-    def event(self, code, message, level="info"):
-        self.events.append(code)
-
-    def checkpoint(self, step, path, metrics, keep=2):
-        self.checkpoints.append(step)
-        return []
-
-    def should_stop(self):
-        return None
-
-    def series(self, name: str) -> list[float]:
-        return [values[name] for _, _, values in self.logged if name in values]
-
-
-@pytest.fixture
-def env(models_dir, tmp_path, monkeypatch):
-    """Settings for a worker process: the tiny model, a private data directory, the CPU."""
-    from shared.settings import get_settings
-
-    for key in [k for k in os.environ if k.startswith("TUNEJOB_") and k != "TUNEJOB_REQUIRE_SERVICES"]:
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("TUNEJOB_MODELS_DIR", str(models_dir))
-    monkeypatch.setenv("TUNEJOB_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("TUNEJOB_DEVICE", "cpu")
-    get_settings.cache_clear()
-    yield tmp_path / "data"
-    get_settings.cache_clear()
 
 
 def texts_frame(rows: int, seed: int = 0) -> pd.DataFrame:
@@ -98,14 +47,7 @@ def make_run(job: Job, train_rows: int = 40, validation_rows: int = 0, reporter=
     train_df = texts_frame(train_rows, seed=1)
     val_df = texts_frame(validation_rows, seed=2) if validation_rows else None
     return setup(job, JobData(train_df, val_df, "train.csv", "val.csv" if validation_rows else None), CPU,
-                 reporter or FakeReporter())
-
-
-def no_dropout(model: torch.nn.Module) -> None:
-    """Dropout off in every module, whatever mode the training code puts the model in."""
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+                 reporter or RecordingReporter())
 
 
 def capture_gradients(run) -> list[list[torch.Tensor]]:
@@ -168,7 +110,7 @@ def mean_loss(run, init: dict, n: int) -> float:
 
 
 @pytest.mark.parametrize("sizes", [[8, 8, 8, 8], [8, 8, 8, 5], [3, 12, 1, 9]])
-def test_accumulated_micro_batches_give_the_gradient_of_one_batch(env, sizes):
+def test_accumulated_micro_batches_give_the_gradient_of_one_batch(engine_env, sizes):
     run = make_run(make_job(gradient_accumulation_steps=len(sizes), weight_decay=0.0, warmup_ratio=0.0))
     no_dropout(run.model)
     run.model.train()
@@ -212,7 +154,7 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_batch(env, sizes):
     assert stats.padded == sum(b["input_ids"].numel() for b in group)
 
 
-def test_gradient_is_unchanged_when_micro_batches_are_split_for_memory(env):
+def test_gradient_is_unchanged_when_micro_batches_are_split_for_memory(engine_env):
     """The out-of-memory backoff cuts each micro-batch into pieces; the step's gradient must not move."""
     run = make_run(make_job(weight_decay=0.0, warmup_ratio=0.0))
     no_dropout(run.model)
@@ -232,7 +174,7 @@ def test_gradient_is_unchanged_when_micro_batches_are_split_for_memory(env):
 # ----------------------------------------------------------------------------- frozen embeddings
 
 
-def test_frozen_embeddings_with_gradient_checkpointing_train_the_rest(env):
+def test_frozen_embeddings_with_gradient_checkpointing_train_the_rest(engine_env):
     run = make_run(make_job(epochs=2, freeze_embeddings=True, gradient_checkpointing=True, learning_rate=5e-3))
     model = run.model
     checkpointing = getattr(type(model), "is_activation_checkpointing", None)
@@ -261,11 +203,11 @@ def test_frozen_embeddings_with_gradient_checkpointing_train_the_rest(env):
     rest_before = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith(prefix)}
     assert len(rest_before) == len(list(model.parameters())) - len(embeddings)
 
-    reporter = FakeReporter()
+    reporter = RecordingReporter()
     assert train(run, reporter) == "completed"
     assert run.state.step == run.total_steps > 1
     assert calls["n"] > 0
-    assert all(math.isfinite(v) for v in reporter.series("train_loss"))
+    assert all(math.isfinite(v) for v in list(reporter.series("train_loss").values()))
 
     for name, p in model.base_model.embeddings.named_parameters():
         assert torch.equal(p, frozen_before[name]), name  # bit-identical
@@ -278,7 +220,7 @@ def test_frozen_embeddings_with_gradient_checkpointing_train_the_rest(env):
 # ----------------------------------------------------------------------------- regression
 
 
-def test_regression_trains_on_mse_and_evaluates_mse_and_pearson(env):
+def test_regression_trains_on_mse_and_evaluates_mse_and_pearson(engine_env):
     run = make_run(make_job(task="regression", epochs=2, learning_rate=2e-3), train_rows=48, validation_rows=16)
     assert run.model.config.num_labels == 1
     assert run.model.config.problem_type == "regression"
@@ -295,9 +237,9 @@ def test_regression_trains_on_mse_and_evaluates_mse_and_pearson(env):
     torch.testing.assert_close(loss_sum_of(logits, labels, "regression"), expected)
     torch.testing.assert_close(loss_sum_of(logits, labels, "regression") / 8, F.mse_loss(logits.squeeze(-1), labels))
 
-    reporter = FakeReporter()
+    reporter = RecordingReporter()
     assert train(run, reporter) == "completed"
-    losses = reporter.series("train_loss")
+    losses = list(reporter.series("train_loss").values())
     assert losses and all(math.isfinite(v) and v >= 0 for v in losses)
 
     metrics = evaluate(run)
@@ -317,7 +259,7 @@ def test_regression_trains_on_mse_and_evaluates_mse_and_pearson(env):
     assert reporter.series("eval_mse") and reporter.series("eval_pearson_r")
 
 
-def test_classification_evaluates_accuracy_and_macro_f1(env):
+def test_classification_evaluates_accuracy_and_macro_f1(engine_env):
     run = make_run(make_job(epochs=1), train_rows=32, validation_rows=10)
     metrics = evaluate(run)
     assert set(metrics) == {"loss", "accuracy", "f1_macro"}
@@ -334,15 +276,15 @@ def test_classification_evaluates_accuracy_and_macro_f1(env):
 
 
 @pytest.mark.parametrize("precision, dtype", [("fp32", None), ("bf16", torch.bfloat16)])
-def test_cpu_precisions_train_with_finite_losses(env, precision, dtype):
-    reporter = FakeReporter()
+def test_cpu_precisions_train_with_finite_losses(engine_env, precision, dtype):
+    reporter = RecordingReporter()
     run = make_run(make_job(precision=precision, epochs=2), train_rows=32, validation_rows=8, reporter=reporter)
     assert run.dtype == dtype
     assert not run.scaler.is_enabled()  # a GradScaler is for fp16 only
     assert train(run, reporter) == "completed"
-    losses = reporter.series("train_loss")
+    losses = list(reporter.series("train_loss").values())
     assert len(losses) == run.total_steps and all(math.isfinite(v) for v in losses)
-    assert all(math.isfinite(v) for v in reporter.series("grad_norm"))
+    assert all(math.isfinite(v) for v in list(reporter.series("grad_norm").values()))
     assert run.state.skipped_steps == 0
     metrics = evaluate(run)
     assert all(math.isfinite(v) for v in metrics.values())
@@ -350,7 +292,7 @@ def test_cpu_precisions_train_with_finite_losses(env, precision, dtype):
     assert all(p.dtype == torch.float32 for p in run.model.parameters())
 
 
-def test_bf16_first_step_loss_matches_fp32(env):
+def test_bf16_first_step_loss_matches_fp32(engine_env):
     """Same seed, same data, same initial weights: bf16 autocast changes the first loss only by rounding."""
     first = {}
     for precision in ["fp32", "bf16"]:
@@ -363,7 +305,7 @@ def test_bf16_first_step_loss_matches_fp32(env):
     assert first["bf16"] == pytest.approx(first["fp32"], rel=0.05)
 
 
-def test_batch_stats_of_a_step_are_summed_over_micro_batches(env):
+def test_batch_stats_of_a_step_are_summed_over_micro_batches(engine_env):
     run = make_run(make_job())
     group = micro_batches(run, [4, 4, 2])
     _, stats = train_step(run, group, [p for p in run.model.parameters() if p.requires_grad])
