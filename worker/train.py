@@ -264,11 +264,10 @@ def train(run: Run, reporter: Reporter) -> str:
                 if should_stop_early(run, reporter):
                     return "completed"
                 run.model.train()
-            if st.nonfinite_run == 0 and due(st.step, hp.save_every_steps, end_of_epoch):
-                save_checkpoint(run, reporter)
             stop = reporter.should_stop()
-            if stop == "shutdown" and st.nonfinite_run == 0:
-                save_checkpoint(run, reporter)  # the next worker resumes from here
+            checkpoint_due = due(st.step, hp.save_every_steps, end_of_epoch) if stop is None else stop == "shutdown"
+            if checkpoint_due and st.nonfinite_run == 0:  # on shutdown: the next worker resumes from here
+                save_checkpoint(run, reporter)
             if stop:
                 return stop
         st.epoch, st.batch_in_epoch = st.epoch + 1, 0
