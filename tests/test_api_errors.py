@@ -349,7 +349,7 @@ def test_dry_run_of_a_split_leaving_no_training_row_is_refused(stack, one_row):
 def test_job_whose_split_leaves_no_training_row_fails_at_once_without_retries(stack, one_row):
     body = job_body(one_row["id"], task="regression", label_column="score")
     r = stack.client.post("/jobs", json=body)
-    if r.status_code == 422:  # refused up front (see the xfail below): as good
+    if r.status_code == 422:  # refused up front (the test below): better still
         assert_error(r, 422, "too_few_rows", "validation_split")
         return
     assert r.status_code == 201, r.text
