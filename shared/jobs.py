@@ -113,7 +113,9 @@ def request_cancel(job_id: str) -> Job:
     """
     now = utcnow()
     with session_scope() as s:
-        job = s.get(Job, job_id)
+        # Locked (PostgreSQL; SQLite's BEGIN IMMEDIATE already serializes writers), so that a claim
+        # cannot slip in between reading the status and acting on it.
+        job = s.get(Job, job_id, with_for_update=True)
         if job is None:
             raise NotFound("job", job_id)
         if job.status == JobStatus.QUEUED:
