@@ -3,6 +3,7 @@
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 
@@ -22,6 +23,8 @@ def serve_api(host: str, port: int) -> None:
 
 def serve(host: str, port: int) -> None:
     """Run the API and one worker process; Ctrl-C (or SIGTERM) stops both."""
+    # uvicorn re-raises the signal that stopped it; as SystemExit it reaches the `finally` below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     worker = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker"])
     try:
         serve_api(host, port)
