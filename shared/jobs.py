@@ -13,7 +13,6 @@ its lease with a heartbeat; every write it makes is conditional on still holding
 the message of queued jobs that never reached the broker.
 """
 
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -232,23 +231,15 @@ def recover() -> list[str]:
         )))
 
 
-@dataclass
-class Control:
-    """What the running worker must do after reporting: carry on, stop for a cancel, or stop
-    because it no longer holds the job (its lease expired and another worker took it)."""
-
-    cancel_requested: bool
-    lease_lost: bool
-
-
 def report(
     job_id: str,
     worker_id: str,
     progress: dict[str, Any] | None = None,
     metrics: list[tuple[int, float, str, float, datetime]] = (),
-) -> Control:
-    """One short transaction from the running worker: renew the lease, update progress fields,
-    append metric rows ``(step, epoch, name, value, time)``, and read the cancel flag."""
+) -> bool:
+    """One short transaction from the running worker: renew the lease, update progress fields and
+    append metric rows ``(step, epoch, name, value, time)``. Returns False (and writes nothing) if
+    ``worker_id`` no longer holds the job."""
     with session_scope() as s:
         result = s.execute(
             update(Job)
@@ -256,12 +247,11 @@ def report(
             .values(lease_expires_at=_lease_expiry(), **(progress or {}))
         )
         if result.rowcount != 1:
-            return Control(cancel_requested=False, lease_lost=True)
+            return False
         s.add_all(
             JobMetric(job_id=job_id, step=st, epoch=ep, name=n, value=v, time=t) for st, ep, n, v, t in metrics
         )
-        cancel = s.scalar(select(Job.cancel_requested).where(Job.id == job_id))
-        return Control(cancel_requested=bool(cancel), lease_lost=False)
+        return True
 
 
 def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any] | None, keep: int) -> list[Path]:

@@ -45,9 +45,9 @@ class Reporter:
             self.flush()
 
     def flush(self) -> None:
-        control = jobs.report(self.job_id, self.worker_id, self._progress, self._metrics)
+        held = jobs.report(self.job_id, self.worker_id, self._progress, self._metrics)
         self._metrics, self._progress, self._last_flush = [], {}, time.monotonic()
-        self.lease_lost = self.lease_lost or control.lease_lost
+        self.lease_lost = self.lease_lost or not held
 
     def checkpoint(self, step: int, path: Path, metrics: dict | None, keep: int) -> list[Path]:
         """Point the store at a completely written checkpoint; returns the older checkpoint
