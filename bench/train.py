@@ -803,7 +803,8 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 def provenance(meta: dict) -> str:
     return (f"_Measured {meta['date']} on {meta['machine']} with `{meta['command']}` "
             f"(torch {meta['torch']}, transformers {meta['transformers']}, model {meta['model']}, "
-            f"precision {meta['precision']})._")
+            f"precision {meta['precision']}" + (f", CPU memory {meta['cpu_memory']}" if meta.get("cpu_memory") else "")
+            + ")._")
 
 
 def render_plan(plan: list[dict], meta: dict) -> str:
@@ -964,9 +965,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="all-MiniLM-L6-v2", help="a built-in model or a directory name under TUNEJOB_MODELS_DIR")
     p.add_argument("--steps", type=int, default=None,
                    help="timed optimizer steps per window (default: enough for --window-tokens fixed-padded tokens)")
-    p.add_argument("--window-tokens", type=int, default=32768,
+    p.add_argument("--window-tokens", type=int, default=65536,
                    help="default --steps: batch_size x max_length x steps ~ this (clamped to 2..30)")
-    p.add_argument("--min-window-seconds", type=float, default=6.0,
+    p.add_argument("--min-window-seconds", type=float, default=10.0,
                    help="without --steps, configurations with short steps time more of them, up to about this "
                         "many seconds per window by the CPU cost model")
     p.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps before each window (>= 1)")
@@ -984,6 +985,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", default="fixed,dynamic,smart,token_budget,trainer")
     p.add_argument("--learning-rate", type=float, default=5e-5)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--cpu-memory", choices=["reuse", "default"], default="reuse",
+                   help="on the CPU, for the whole process (engine and Trainer alike): reuse = keep freed memory "
+                        "for reuse, as the worker does (worker.device.reuse_freed_cpu_memory); default = glibc's")
     p.add_argument("--peak-flops", type=float, default=989e12, help="peak dense bf16 FLOP/s for MFU (H100 SXM: 989e12)")
     p.add_argument("--accuracy", action="store_true", help="also train fixed/smart/token_budget/trainer one epoch each")
     p.add_argument("--accuracy-dataset", choices=["bbc", "rotten_tomatoes"], default="rotten_tomatoes")
@@ -1052,7 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import logging as hf_logging
 
     from shared.settings import get_settings
-    from worker.device import autocast_dtype, describe, resolve_device
+    from worker.device import autocast_dtype, describe, resolve_device, reuse_freed_cpu_memory
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -1066,6 +1070,8 @@ def main(argv: list[str] | None = None) -> int:
         device, note = resolve_device(args.device)
         if note:
             log(note)
+        if device.type == "cpu" and args.cpu_memory == "reuse" and not reuse_freed_cpu_memory():
+            args.cpu_memory = "default (mallopt unavailable)"
         default_pad = 8 if device.type == "cuda" else 1
         if args.pad_to_multiple_of == "auto":
             args.pad = [default_pad, 1 if default_pad == 8 else 8]
@@ -1076,7 +1082,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "command": "python -m bench.train " +
                 " ".join(sys.argv[1:] if argv is None else argv), "machine": f"{describe(device)}; {machine()}",
                 "torch": torch.__version__, "transformers": transformers.__version__, "model": args.model,
-                "precision": precision, "repeats": args.repeats, "warmup": args.warmup}
+                "precision": precision, "repeats": args.repeats, "warmup": args.warmup,
+                "cpu_memory": args.cpu_memory if device.type == "cpu" else None}
         results: dict = {"meta": meta, "plan": [], "timing": [], "accuracy": [], "raw": {}}
         sections: dict[str, str] = {}
 

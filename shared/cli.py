@@ -40,13 +40,15 @@ def run_worker(gpu: int | None) -> None:
     """One Celery worker running one job at a time (solo pool, prefetch 1), pinned to GPU ``gpu``."""
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before torch is imported anywhere
-    from worker.device import resolve_device
+    from worker.device import resolve_device, reuse_freed_cpu_memory
 
     settings = get_settings()
     try:
         device, note = resolve_device(settings.device)
     except RuntimeError as e:
         sys.exit(f"tunejob worker: {e}")
+    if device.type == "cpu" and settings.cpu_reuse_freed_memory:
+        reuse_freed_cpu_memory()
     print(f"tunejob worker: training on {device}" + (f" ({note})" if note else ""), flush=True)
     from shared.db import upgrade_database
     from worker.tasks import app

@@ -21,6 +21,7 @@ class Settings(BaseSettings):
     broker_url: str | None = None  # default: filesystem:// under <data_dir>/broker
     models_dir: Path | None = None  # extra Hugging Face model directories, one per model
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    cpu_reuse_freed_memory: bool = True  # CPU workers: keep freed memory in the heap (worker.device)
     host: str = "127.0.0.1"
     port: int = 8000
     max_upload_bytes: int = 2 * 1024**3
