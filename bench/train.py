@@ -23,6 +23,8 @@ Sections:
 """
 
 import argparse
+import ctypes
+import ctypes.util
 import gc
 import json
 import math
@@ -284,7 +286,9 @@ class TokenCounter:
 
 def reset_peak_memory(device) -> bool:
     """Reset the peak-memory mark: the CUDA allocator's, or the process's peak RSS (``ru_maxrss``
-    and VmHWM, through ``/proc/self/clear_refs``). Returns False if it could not be reset."""
+    and VmHWM, through ``/proc/self/clear_refs``), after handing the memory that malloc keeps for
+    reuse back to the kernel (``malloc_trim``: under ``--cpu-memory reuse`` the heap would still
+    hold the previous window's peak). Returns False if it could not be reset."""
     import torch
 
     gc.collect()
@@ -293,6 +297,10 @@ def reset_peak_memory(device) -> bool:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         return True
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing is kept
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
