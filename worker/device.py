@@ -60,9 +60,9 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 def pad_multiple(hp, device: torch.device) -> int:
     """Round padded lengths up to this multiple: ``pad_to_multiple_of`` if set; 64 under
     ``torch_compile`` (a few shapes, few recompiles); else 8 on CUDA (tensor-core tiles) and 1 on
-    the CPU, where rounding adds about 12% pad tokens on short texts and has no tensor cores to feed.
-    The one-repeat benchmark was inconclusive (Rotten Tomatoes, smart: batch 32 ran 2,066 real
-    tokens/s unrounded vs 1,721 rounded to 8, batch 16 ran 1,516 vs 1,698; docs/benchmarks.md)."""
+    the CPU, where rounding adds about 12% pad tokens on short texts and has no tensor cores to feed:
+    measured with 3 repeats on Rotten Tomatoes, smart ran 1,613 real tokens/s unrounded vs 1,468
+    rounded to 8 at batch 16, and 1,785 vs 1,652 at batch 32 (docs/benchmarks.md)."""
     if hp.pad_to_multiple_of:
         return hp.pad_to_multiple_of
     if hp.torch_compile:
