@@ -118,7 +118,7 @@ def main() -> int:
     print(f"\nheld-out test accuracy     {accuracy:.4f}  ({len(test)} BBC News articles)")
     print(f"validation accuracy        {val.get('accuracy', float('nan')):.4f}")
     print(f"padding efficiency         {train_metrics['padding_efficiency']:.3f} "
-          f"(before rounding to a multiple of 8: {train_metrics['padding_efficiency_unrounded']:.3f})")
+          f"(before the pad_to_multiple_of rounding: {train_metrics['padding_efficiency_unrounded']:.3f})")
     print(f"training throughput        {train_metrics['tokens_per_second']:.0f} real tokens/s on {job['device']}")
     print(f"training time              {train_metrics['train_seconds']:.0f} s for {job['progress']['step']} steps")
     print(f"demo wall time             {time.perf_counter() - started:.0f} s")
