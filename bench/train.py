@@ -23,8 +23,6 @@ Sections:
 """
 
 import argparse
-import ctypes
-import ctypes.util
 import gc
 import json
 import math
@@ -291,16 +289,17 @@ def reset_peak_memory(device) -> bool:
     hold the previous window's peak). Returns False if it could not be reset."""
     import torch
 
+    from worker.device import glibc_function
+
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         return True
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing is kept
+    malloc_trim = glibc_function("malloc_trim")
+    if malloc_trim is not None:  # not glibc: nothing is kept
+        malloc_trim(0)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

@@ -90,9 +90,14 @@ def reuse_freed_cpu_memory() -> bool:
     Process-wide and irreversible; ``TUNEJOB_CPU_REUSE_FREED_MEMORY=false`` keeps the defaults.
     Returns False where the C library is not glibc (nothing changes there).
     """
+    mallopt = glibc_function("mallopt")
+    return mallopt is not None and bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def glibc_function(name: str):
+    """A function of the C library through ``ctypes`` (e.g. ``mallopt``, ``malloc_trim``), or None
+    where the C library has no such function (not glibc)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+        return None
