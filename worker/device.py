@@ -84,7 +84,7 @@ def reuse_freed_cpu_memory() -> bool:
     PyTorch CPU performance tuning guide recommends, without a library to install. Measured on the
     2-core CPU (all-MiniLM-L6-v2, smart batching, fp32; docs/benchmarks.md, "CPU memory"): BBC
     News at max_length 512 trained 1.44x (batch 16) and 1.33x (batch 32) more real tokens/s, peak
-    RSS 9.7 GB instead of 6.7 GB at batch 16 (freed memory is kept); on short Rotten Tomatoes texts
+    RSS 9,682 MiB instead of 6,659 MiB at batch 16 (freed memory is kept); on short Rotten Tomatoes texts
     (tensors under 32 MiB) the difference was within noise.
 
     Process-wide and irreversible; ``TUNEJOB_CPU_REUSE_FREED_MEMORY=false`` keeps the defaults.
