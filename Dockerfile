@@ -43,14 +43,20 @@ COPY alembic.ini ./
 COPY migrations/ migrations/
 COPY shared/ shared/
 COPY api/ api/
+COPY client/ client/
 COPY worker/ worker/
 COPY bench/ bench/
 # Editable on purpose: shared/db.py finds the Alembic scripts at <repo>/migrations, next to the
 # `shared` package, and a regular install would put `shared` in site-packages without them.
-# The import check proves the api needs nothing outside the base dependencies (no torch); it runs
-# with a throwaway data dir so that nothing root-owned is left under /data.
+# The import check proves the api needs nothing outside the base dependencies (no torch), and that
+# the Swagger UI and ReDoc assets that /docs and /redoc load (from the fastapi-offline package, a
+# base dependency: no CDN) are in the image; it runs with a throwaway data dir so that nothing
+# root-owned is left under /data.
 RUN pip install --no-deps -e . \
-    && TUNEJOB_DATA_DIR=/tmp/tunejob-check python -c "import api.main" \
+    && TUNEJOB_DATA_DIR=/tmp/tunejob-check python -c "from fastapi.testclient import TestClient; import api.main; \
+client = TestClient(api.main.app); \
+assert all(client.get(p).status_code == 200 for p in ['/docs', '/redoc', '/docs/static/swagger-ui-bundle.js', \
+'/docs/static/swagger-ui.css', '/docs/static/redoc.standalone.js', '/docs/static/favicon.png'])" \
     && rm -rf /tmp/tunejob-check
 
 # tunejob (numeric, so that runtimes can check it is not root without reading /etc/passwd)

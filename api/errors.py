@@ -1,41 +1,205 @@
-"""Every error leaves the API as ``{"error": {"code", "message", "param"}}``; never a stack trace."""
+"""Every error leaves the API as ``{"error": {"code", "message", "param"}}`` (plus ``problems``, a
+data validation report, where there is one); never a stack trace, a server path or NaN.
 
+The OpenAPI schema says so too, from one place: ``install_error_handlers`` makes the app's schema
+document ``ErrorBody`` for every 4xx an operation can return. Every operation gets 422 when it
+takes parameters or a body, 400 when it takes a body (one that cannot be decoded), and 404 when
+its path names a resource (``{...}``); every operation that needs an API key gets 401, 429 and
+503; a router or route adds its own with ``responses=error_responses(413, ...)``. Routes added
+later inherit this.
+"""
+
+import json
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
+from api.auth import PUBLIC_PATHS
 from shared.errors import UserError
+from shared.schemas import json_safe
 
 log = logging.getLogger("tunejob.api")
 
+ERROR_STATUSES = {
+    400: "The request is malformed.",
+    401: "No valid API key.",
+    403: "The API key may not do this (e.g. an admin key is needed), or the request came from a foreign Origin.",
+    404: "The id in the path names nothing that exists.",
+    405: "The method is not allowed on this path.",
+    409: "The request conflicts with the resource's state.",
+    413: "The upload, or the dataset once decompressed, is larger than the service accepts.",
+    415: "The body is not in a media type this operation accepts.",
+    422: "The request or its data is invalid: `error.param` names the field, `error.problems` lists up to 20 "
+         "problems in the data (row, column, value, message).",
+    429: "Too many requests for this API key, or too many active jobs: retry after `Retry-After` seconds.",
+    503: "The job store is busy (SQLite's write lock was not free in time): retry after `Retry-After` seconds.",
+}
+STORE_RETRY_AFTER_S = 1
 
-def error_response(status: int, code: str, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message, "param": param}}, status_code=status)
+
+class SafeJSONResponse(JSONResponse):
+    """A JSON response that never contains NaN or Infinity (they become null)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(json_safe(content), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+class ProblemOut(BaseModel):
+    row: int | None = Field(description="1-based data row (a CSV header is not a row); null for the header or a "
+                                        "whole column")
+    column: str | None
+    value: str | None = Field(description="the cell, truncated to 80 characters")
+    message: str
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="stable machine-readable code, e.g. `missing_value`")
+    message: str = Field(description="what is wrong, naming the file, row, column or value")
+    param: str | None = Field(description="the request field at fault")
+    problems: list[ProblemOut] | None = Field(None, description="data validation report: up to 20 problems, the "
+                                                                "first of which is also `message`")
+
+
+class ErrorBody(BaseModel):
+    """The body of every 4xx response."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"error": {
+        "code": "missing_value", "param": "text_column",
+        "message": "'reviews.csv' row 3: column 'text' is empty (and 1 more problem(s), listed in error.problems)",
+        "problems": [
+            {"row": 3, "column": "text", "value": "", "message": "is empty"},
+            {"row": 7, "column": "label", "value": "inf", "message": "is not a finite number (float32)"}],
+    }}]})
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """OpenAPI ``responses`` for these 4xx statuses, each with the ``ErrorBody`` schema."""
+    return {status: {"model": ErrorBody, "description": ERROR_STATUSES[status]} for status in statuses}
+
+
+def error_response(status: int, code: str, message: str, param: str | None = None,
+                   problems: list[dict] | None = None, headers: dict | None = None) -> JSONResponse:
+    error = {"code": code, "message": message, "param": param, **({"problems": problems} if problems else {})}
+    return SafeJSONResponse({"error": error}, status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Error handlers for every exception, and the app's OpenAPI schema documenting them."""
+
     @app.exception_handler(UserError)
     async def _user_error(_: Request, e: UserError):
-        return error_response(e.status, e.code, e.message, e.param)
+        return error_response(e.status, e.code, e.message, e.param, e.problems, e.headers)
+
+    @app.exception_handler(OperationalError)  # SQLite: the write lock was not free within the busy timeout
+    @app.exception_handler(PoolTimeout)  # no pooled connection became free in time
+    async def _store_busy(_: Request, e: Exception):
+        log.warning("job store busy or unreachable: %s", e)
+        return error_response(503, "store_busy", "the job store is busy or unreachable; retry shortly", None,
+                              headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
         first = e.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
-        param = ".".join(loc) or None
-        value = f" (got {first['input']!r})" if "input" in first and not isinstance(first["input"], dict) else ""
+        param = ".".join(field_path(first, e.body)) or None
+        value = f" (got {show(first['input'])})" if "input" in first and not isinstance(first["input"], dict) else ""
         message = f"{param}: {first['msg']}{value}" if param else first["msg"]
         return error_response(422, "invalid_request", message, param)
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, e: HTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
-        return error_response(e.status_code, code, str(e.detail))
+    async def _http_error(request: Request, e: HTTPException):
+        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        headers = {"Allow": ", ".join(allowed_methods(request))} if e.status_code == 405 else e.headers
+        return error_response(e.status_code, code, str(e.detail), headers=headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, e: Exception):
         log.exception("unhandled error")
         return error_response(500, "internal_error", "internal server error; see the service log")
+
+    app.openapi = lambda: _openapi(app)
+
+
+def field_path(error: dict, body: Any) -> list[str]:
+    """The request field a pydantic error is about, as path parts (``["hyperparameters",
+    "n_epochs"]``). Pydantic adds the member's tag to the location of an error in a union
+    (``n_epochs.literal['auto']``): the path stops at the first part that is not in the request's
+    body (a missing field's own name is kept)."""
+    source, *loc = error.get("loc", ()) or ("",)
+    if source not in ("body", "query", "path", "header", "cookie"):
+        loc = [source, *loc]
+    if source != "body":
+        return [str(p) for p in loc]
+    path, current = [], body
+    for i, part in enumerate(loc):
+        if isinstance(current, dict) and part in current or isinstance(current, list) and isinstance(part, int) \
+                and -len(current) <= part < len(current):
+            current = current[part]
+        elif not (i == len(loc) - 1 and error.get("type") == "missing"):
+            break
+        path.append(str(part))
+    return path
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette's own 405 names only the first route's)."""
+    methods = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
+
+
+def show(value: Any) -> str:
+    """A rejected input as an error message quotes it: its repr, truncated."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "…"
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema, with ``ErrorBody`` for each 4xx (and the store's 503) of each operation
+    (see the module doc)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    error_schema = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+    for name, definition in {**error_schema.pop("$defs"), "ErrorBody": error_schema}.items():
+        components.setdefault(name, definition)
+    ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    for path, operations in schema.get("paths", {}).items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            if "4XX" in responses:  # documents its own error bodies (the /v1 facade's OpenAI shape)
+                continue
+            statuses = [int(s) for s in responses if s.startswith("4")]
+            if path in PUBLIC_PATHS:
+                operation["security"] = []  # no key needed (the app-wide dependency lists the scheme everywhere)
+            else:
+                statuses += [401, 429, 503]  # no valid key; the key's request rate; the store's write lock
+            if operation.get("parameters") or operation.get("requestBody"):
+                statuses.append(422)
+            if operation.get("requestBody"):
+                statuses.append(400)  # a body that cannot be decoded at all
+            if "{" in path:
+                statuses.append(404)
+            for status in sorted(set(statuses)):
+                entry = responses.setdefault(str(status), {"description": ERROR_STATUSES.get(status, "Client error.")})
+                if entry.get("description") == "Validation Error":
+                    entry["description"] = ERROR_STATUSES[422]
+                entry["content"] = ref
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    app.openapi_schema = schema
+    return schema

@@ -1,15 +1,32 @@
 """The FastAPI application: thin routers over ``shared``. On start-up it runs the migrations and
-starts the recovery loop (reaper and sweeper, ``shared.jobs.recover``)."""
+starts the recovery loop (reaper and sweeper, ``shared.jobs.recover``).
+
+Swagger UI (``/docs``) and ReDoc (``/redoc``) load their scripts and styles from this service
+(``/docs/static``, the files bundled in the fastapi-offline package), not from a CDN, so they work
+on a machine without internet.
+
+Every route requires an API key except those in ``api.auth.PUBLIC_PATHS`` (``/healthz``);
+requests for a Host the server does not serve are refused (``api.security``).
+"""
 
 import threading
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from fastapi_offline import FastAPIOffline
 
+from api.auth import authenticate
 from api.errors import install_error_handlers
-from api.routers import datasets, jobs, models
+from api.feeds import Feeds
+from api.metrics import install_metrics
+from api.routers import datasets, jobs, live, models, openai_v1
+from api.security import HostAndOriginCheck, allowed_hosts
 from shared.db import upgrade_database
+from shared.settings import get_settings
 from worker.celery_app import recovery_loop
+
+
+DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the public /docs pages
 
 
 @asynccontextmanager
@@ -23,16 +40,25 @@ async def lifespan(_: FastAPI):
     recovery.join(timeout=10)
 
 
-def create_app() -> FastAPI:
-    app = FastAPI(title="tunejob", version="0.1.0", lifespan=lifespan,
-                  description="Fine-tune Hugging Face encoders for text classification and regression.")
+def create_app(bound_host: str | None = None) -> FastAPI:
+    """The application, for a server listening on ``bound_host`` (default ``TUNEJOB_HOST``)."""
+    app = FastAPIOffline(title="tunejob", version="0.1.0", lifespan=lifespan, static_url=DOCS_STATIC_URL,
+                         dependencies=[Depends(authenticate)],
+                         description="Fine-tune Hugging Face encoders for text classification and regression. "
+                                     "Send `Authorization: Bearer <API key>` with every request but `/healthz`.")
     install_error_handlers(app)
+    app.add_middleware(HostAndOriginCheck, allowed_hosts=allowed_hosts(bound_host or get_settings().host))
+    app.state.feeds = Feeds()  # one store reader per streamed job (GET /jobs/{id}/stream)
     app.include_router(datasets.router)
     app.include_router(models.router)
     app.include_router(jobs.router)
+    app.include_router(live.router)
+    app.include_router(openai_v1.router)
+    install_metrics(app)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict:
+        """Liveness; needs no API key."""
         return {"status": "ok"}
 
     return app

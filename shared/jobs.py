@@ -11,20 +11,30 @@ holds, or that has finished, therefore claims nothing and is a no-op. The runnin
 its lease with a heartbeat; every write it makes is conditional on still holding it. ``recover``
 (run periodically by the API and by every worker) re-queues jobs whose lease expired and re-sends
 the message of queued jobs that never reached the broker.
+
+Files follow the rows: ``delete_job`` (and ``shared.uploads.delete_dataset``) leave a tombstone row (the id answers
+404 saying it was deleted) and remove the files; a succeeded job's step checkpoints are deleted
+(``discard_checkpoints``); ``sweep_files`` applies ``artifact_retention_days`` and removes whatever
+a process that died between its commit and its clean-up left behind.
 """
 
+import os
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import and_, delete, or_, select, update
 
-from shared.db import session_scope
-from shared.errors import NotFound
-from shared.models import Checkpoint, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
+from shared import artifacts, idempotency, quotas
+from shared.db import keyset_page, read_session, session_scope
+from shared.errors import Conflict, NotFound, UserError, without_paths
+from shared.models import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
 from shared.planning import check_spec
-from shared.schemas import Hyperparameters, JobCreate, JobOut, Progress
+from shared.schemas import Hyperparameters, JobCreate, JobOut, Progress, Timings, json_safe
 from shared.settings import get_settings
+from shared.tenancy import Caller, lock_tenant, owned_job, scoped
+
+ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
 
 
 def to_out(job: Job) -> JobOut:
@@ -47,6 +57,7 @@ def to_out(job: Job) -> JobOut:
         label_names=job.label_names,
         hyperparameters=Hyperparameters(**spec["hyperparameters"]),
         metadata=spec.get("metadata"),
+        suffix=spec.get("suffix"),
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
@@ -58,43 +69,111 @@ def to_out(job: Job) -> JobOut:
         device=job.device,
         attempts=job.attempts,
         error=job.error,
+        timings=Timings(**(job.timings or {})),
+        files_deleted_at=job.files_deleted_at,
     )
 
 
-def create_job(spec: JobCreate) -> Job:
-    """Validate a job spec against its model and data, then insert it as ``queued``.
+def create_job(spec: JobCreate, caller: Caller, claim: idempotency.Claim | None = None) -> Job:
+    """Validate a job spec against its model and data, then insert it as ``queued`` for the caller's
+    tenant. With an idempotency ``claim``, the response (``to_out``) is recorded in the same
+    transaction (``shared.idempotency``).
 
-    The caller enqueues the job id once this returns (the row is committed by then).
+    The caller enqueues the job id once this returns (the row is committed by then). The job's
+    ``created_at`` is when this was called, so its ``queued`` time includes the checks.
 
     Raises:
-        UserError: see ``shared.planning.check_spec``.
+        UserError: see ``shared.planning.check_spec``; ``unknown_dataset`` if a dataset was deleted
+            while the spec was checked; 429 ``too_many_active_jobs`` and 413
+            ``storage_quota_exceeded`` (``shared.quotas``).
     """
-    checked = check_spec(spec)
+    received = utcnow()
+    checked = check_spec(spec, caller)
+    with read_session() as s:
+        quotas.check_storage(s, caller.tenant)
     with session_scope() as s:
-        job = Job(id=new_id("job"), base_model=spec.base_model, task=spec.task, training_dataset_id=checked.train.id,
+        lock_tenant(s, caller.tenant)
+        quotas.check_active_jobs(s, caller.tenant)
+        for dataset in filter(None, [checked.train, checked.validation]):
+            # Locked against a concurrent DELETE /datasets/{id}, which locks it to check for active jobs.
+            row = s.get(Dataset, dataset.id, with_for_update={"read": True}, populate_existing=True)
+            if row is None or row.deleted_at is not None:
+                raise UserError("unknown_dataset", f"dataset {dataset.id!r} was deleted", "training_dataset")
+        job = Job(id=new_id("job"), tenant=caller.tenant, base_model=spec.base_model, task=spec.task,
+                  training_dataset_id=checked.train.id,
                   validation_dataset_id=checked.validation.id if checked.validation else None,
-                  spec=spec.model_dump(mode="json"), label_names=checked.label_names)
+                  spec=spec.model_dump(mode="json"), label_names=checked.label_names, created_at=received)
         s.add(job)
         s.add(JobEvent(job_id=job.id, code="created", level="info", message="job created and queued"))
+        s.flush()
+        if claim is not None:
+            idempotency.complete(s, claim, 201, to_out(job).model_dump(mode="json"))
         return job
 
 
-def get_job(job_id: str) -> Job:
-    with session_scope() as s:
-        job = s.get(Job, job_id)
-        if job is None:
-            raise NotFound("job", job_id)
-        return job
+def get_job(job_id: str, caller: Caller) -> Job:
+    """The job, if ``caller`` may see it.
+
+    Raises:
+        NotFound: no such job, or another tenant's. Deleted: the job was deleted (``delete_job``).
+    """
+    with read_session() as s:
+        return owned_job(s, job_id, caller)
+
+
+def list_jobs(caller: Caller, limit: int, after: str | None = None, status: str | None = None,
+              param: str = "after") -> tuple[list[Job], bool]:
+    """The caller's jobs (an admin's: all), newest first, ``limit`` at a time after job ``after``,
+    optionally of one ``status``.
+
+    Returns:
+        (jobs, has_more).
+
+    Raises:
+        UserError: ``invalid_cursor`` (naming ``param``) when ``after`` is not one of those jobs.
+    """
+    mine = scoped(select(Job), Job, caller)
+    with read_session() as s:
+        query = mine.where(Job.status == status) if status else mine
+        return keyset_page(s, query, Job, after, limit, param=param, within=mine)
+
+
+def list_events(job_id: str, caller: Caller) -> list[JobEvent]:
+    """The job's events, oldest first.
+
+    Raises:
+        NotFound: no such job, or another tenant's.
+    """
+    with read_session() as s:
+        owned_job(s, job_id, caller)
+        return list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.time, JobEvent.id)))
+
+
+def list_checkpoints(job_id: str, caller: Caller) -> list[Checkpoint]:
+    """The job's recorded checkpoints, by step.
+
+    Raises:
+        NotFound: no such job, or another tenant's.
+    """
+    with read_session() as s:
+        owned_job(s, job_id, caller)
+        return list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+
+
+def _end(job: Job, status: str, now: datetime) -> None:
+    """Set a job's final status, end time and ``timings.total`` (POST to now)."""
+    job.status, job.finished_at = status, now
+    job.timings = {**(job.timings or {}), "total": round((now - job.created_at).total_seconds(), 3)}
 
 
 def cancel_requested(job_id: str) -> bool:
-    with session_scope() as s:
+    with read_session() as s:
         return bool(s.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
 
 
 def add_event(job_id: str, code: str, message: str, level: str = "info") -> None:
     with session_scope() as s:
-        s.add(JobEvent(job_id=job_id, code=code, message=message, level=level))
+        s.add(JobEvent(job_id=job_id, code=code, message=without_paths(message), level=level))
 
 
 def mark_enqueued(job_id: str) -> None:
@@ -103,22 +182,20 @@ def mark_enqueued(job_id: str) -> None:
         s.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
 
 
-def request_cancel(job_id: str) -> Job:
+def request_cancel(job_id: str, caller: Caller) -> Job:
     """Cancel a job: a queued one ends ``cancelled`` now; a running one is flagged and stops at its
     next optimizer step. A finished job is left as it is.
 
     Raises:
-        NotFound: no such job.
+        NotFound: no such job, or another tenant's.
     """
     now = utcnow()
     with session_scope() as s:
         # Locked (PostgreSQL; SQLite's BEGIN IMMEDIATE already serializes writers), so that a claim
         # cannot slip in between reading the status and acting on it.
-        job = s.get(Job, job_id, with_for_update=True)
-        if job is None:
-            raise NotFound("job", job_id)
+        job = owned_job(s, job_id, caller, for_update=True)
         if job.status == JobStatus.QUEUED:
-            job.status, job.finished_at = JobStatus.CANCELLED, now
+            _end(job, JobStatus.CANCELLED, now)
             s.add(JobEvent(job_id=job_id, code="cancelled", level="info", message="cancelled before it started"))
         elif job.status == JobStatus.RUNNING and not job.cancel_requested:
             job.cancel_requested = True
@@ -156,7 +233,11 @@ def claim(job_id: str, worker_id: str) -> Job | None:
         if result.rowcount != 1:
             return None
         job = s.get(Job, job_id, populate_existing=True)
-        job.started_at = job.started_at or now
+        if job.started_at is None:
+            job.started_at = now
+            job.timings = {"queued": round((now - job.created_at).total_seconds(), 3)}
+        else:  # a later attempt: its phases replace those of the one before
+            job.timings = {"queued": (job.timings or {}).get("queued")}
         s.add(JobEvent(job_id=job_id, code="started", level="info",
                        message=f"attempt {job.attempts} started on worker {worker_id}"))
         return job
@@ -194,9 +275,10 @@ def requeue(job_id: str, worker_id: str, code: str, message: str, restart: bool)
 
 
 def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> bool:
+    message = without_paths(message)  # often a library's exception: no server path in any response
     job.lease_owner, job.lease_expires_at, job.enqueued_at = None, None, None
     if restart and job.restarts >= get_settings().max_restarts:
-        job.status, job.finished_at = JobStatus.FAILED, utcnow()
+        _end(job, JobStatus.FAILED, utcnow())
         job.error = {"code": "too_many_restarts",
                      "message": f"gave up after {job.restarts} restarts; last: {message}"}
         s.add(JobEvent(job_id=job.id, code="failed", level="error", message=job.error["message"]))
@@ -238,18 +320,20 @@ def report(
     metrics: list[tuple[int, float, str, float, datetime]] = (),
 ) -> bool:
     """One short transaction from the running worker: renew the lease, update progress fields and
-    append metric rows ``(step, epoch, name, value, time)``. Returns False (and writes nothing) if
+    append metric rows ``(step, epoch, name, value, time)``. Non-finite values (NaN, Infinity) are
+    stored as null: JSON and SQLite have no NaN. Returns False (and writes nothing) if
     ``worker_id`` no longer holds the job."""
     with session_scope() as s:
         result = s.execute(
             update(Job)
             .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
-            .values(lease_expires_at=_lease_expiry(), **(progress or {}))
+            .values(lease_expires_at=_lease_expiry(), **json_safe(progress or {}))
         )
         if result.rowcount != 1:
             return False
         s.add_all(
-            JobMetric(job_id=job_id, step=st, epoch=ep, name=n, value=v, time=t) for st, ep, n, v, t in metrics
+            JobMetric(job_id=job_id, step=st, epoch=ep, name=n, value=json_safe(v), time=t)
+            for st, ep, n, v, t in metrics
         )
         return True
 
@@ -258,7 +342,7 @@ def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any]
     """Point the store at a checkpoint (call only once it is completely written) and forget all but
     the newest ``keep``. Returns the forgotten checkpoints' directories, for the caller to delete."""
     with session_scope() as s:
-        s.add(Checkpoint(job_id=job_id, step=step, path=path, metrics=metrics))
+        s.add(Checkpoint(job_id=job_id, step=step, path=path, metrics=json_safe(metrics)))
         s.flush()
         old = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
                         .order_by(Checkpoint.step.desc()).offset(keep)).all()
@@ -269,22 +353,138 @@ def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any]
 
 def latest_checkpoint(job_id: str) -> Checkpoint | None:
     """The newest complete checkpoint recorded for the job whose directory still exists."""
-    with session_scope() as s:
+    with read_session() as s:
         rows = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()))
         return next((c for c in rows if Path(c.path).is_dir()), None)
 
 
 def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | None = None) -> bool:
-    """End a running job held by ``worker_id``. Returns False if it no longer holds it."""
+    """End a running job held by ``worker_id``, with a ``timings`` event. A succeeded job's
+    checkpoints are forgotten (its model is in the artifacts; the caller then deletes their
+    directory, ``discard_checkpoints``). Returns False if ``worker_id`` no longer holds it."""
+    if error is not None:
+        error = {**error, "message": without_paths(error["message"])}
     with session_scope() as s:
-        result = s.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
-            .values(status=status, error=error, finished_at=utcnow(), lease_owner=None, lease_expires_at=None,
-                    eta_seconds=0.0 if status == JobStatus.SUCCEEDED else None)
-        )
-        if result.rowcount == 1:
-            level = "info" if status != JobStatus.FAILED else "error"
-            message = status if error is None else f"{status}: {error['message']}"
-            s.add(JobEvent(job_id=job_id, code=status, level=level, message=message))
-        return result.rowcount == 1
+        job = s.get(Job, job_id, with_for_update=True, populate_existing=True)
+        if job is None or job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
+            return False
+        _end(job, status, utcnow())
+        job.error, job.lease_owner, job.lease_expires_at = error, None, None
+        job.eta_seconds = 0.0 if status == JobStatus.SUCCEEDED else None
+        level = "info" if status != JobStatus.FAILED else "error"
+        message = status if error is None else f"{status}: {error['message']}"
+        s.add(JobEvent(job_id=job_id, code="timings", level="info", message=describe_timings(job.timings)))
+        s.add(JobEvent(job_id=job_id, code=status, level=level, message=message))  # the last event: how it ended
+        if status == JobStatus.SUCCEEDED:
+            s.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id))
+        return True
+
+
+def describe_timings(timings: dict[str, float | None]) -> str:
+    """One line, e.g. ``seconds: queued 0.21, load 1.05, ..., total 15.4``."""
+    return "seconds: " + ", ".join(f"{name} {timings[name]:.2f}" for name in Timings.model_fields
+                                   if timings.get(name) is not None)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def get_checkpoint(job_id: str, step: int, caller: Caller) -> Path:
+    """The directory of a job's checkpoint at ``step``.
+
+    Raises:
+        NotFound: no such job (or another tenant's), or no checkpoint at that step (never saved,
+            or rotated away). Deleted: the job was deleted.
+    """
+    with read_session() as s:
+        owned_job(s, job_id, caller)
+        path = s.scalar(select(Checkpoint.path).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
+    if path is None or not Path(path).is_dir():
+        raise NotFound("checkpoint", f"{job_id} step {step}", "step")
+    return Path(path)
+
+
+def model_files(job_id: str, caller: Caller) -> dict[str, Path]:
+    """A succeeded job's model files by name (``shared.artifacts.listing`` names what is
+    downloadable). Empty before the job has succeeded, and after its files were deleted.
+
+    Raises:
+        NotFound, Deleted: see ``get_job``.
+    """
+    get_job(job_id, caller)
+    return artifacts.files_of(artifacts.model_dir(job_id))
+
+
+def discard_checkpoints(job_id: str) -> None:
+    """Delete the checkpoint directory of a job that ``finish`` recorded as succeeded: its step
+    checkpoints and best-model links (the artifact has the model). A directory left by a worker
+    that died before this is removed by ``sweep_files``."""
+    artifacts.remove_tree(artifacts.checkpoints_dir(job_id))
+
+
+def delete_job(job_id: str, caller: Caller) -> None:
+    """``DELETE /jobs/{id}``: remove a finished job's checkpoints, artifacts, metrics and events,
+    and keep its row as a tombstone, so that its id answers 404 saying it was deleted.
+
+    Raises:
+        NotFound, Deleted: see ``get_job``. Conflict: the job is queued or running (409).
+    """
+    now = utcnow()
+    with session_scope() as s:
+        job = owned_job(s, job_id, caller, for_update=True)
+        if job.status in ACTIVE:
+            raise Conflict("job_not_finished", f"job {job_id!r} is {job.status}; cancel it first "
+                           f"(POST /jobs/{job_id}/cancel), then delete it once it has stopped")
+        job.deleted_at, job.files_deleted_at = now, job.files_deleted_at or now
+        for child in (JobMetric, JobEvent, Checkpoint):
+            s.execute(delete(child).where(child.job_id == job_id))
+    artifacts.remove_tree(artifacts.checkpoints_dir(job_id))
+    artifacts.remove_tree(artifacts.artifacts_dir(job_id))
+
+
+def sweep_files() -> None:
+    """Retention and clean-up of files, safe to run from any number of processes at once.
+
+    Marks the files of jobs that finished more than ``artifact_retention_days`` ago as deleted
+    (with a ``files_deleted`` event; the job itself stays listed), then removes every file the
+    store says should be gone: checkpoints and artifacts of jobs whose files were deleted, step
+    checkpoints of succeeded jobs, uploads and tokenization caches of deleted datasets. Those are
+    normally removed at once; this catches what a process that died in between left behind.
+    """
+    settings, now = get_settings(), utcnow()
+    if settings.artifact_retention_days is not None:
+        cutoff = now - timedelta(days=settings.artifact_retention_days)
+        with session_scope() as s:
+            expired = s.scalars(select(Job).where(Job.status.in_(JobStatus.FINISHED), Job.finished_at < cutoff,
+                                                  Job.files_deleted_at.is_(None))
+                                .with_for_update(skip_locked=True)).all()
+            for job in expired:
+                job.files_deleted_at = now
+                s.execute(delete(Checkpoint).where(Checkpoint.job_id == job.id))
+                s.add(JobEvent(job_id=job.id, code="files_deleted", level="info",
+                               message=f"checkpoints and artifacts removed: finished over "
+                                       f"{settings.artifact_retention_days:g} days ago (TUNEJOB_ARTIFACT_RETENTION_DAYS)"))
+    for folder, gone in [("checkpoints", or_(Job.status == JobStatus.SUCCEEDED, Job.files_deleted_at.isnot(None))),
+                         ("artifacts", Job.files_deleted_at.isnot(None))]:
+        for job_id in _jobs_on_disk(folder, gone):
+            artifacts.remove_tree(settings.data_path / folder / job_id)
+    with session_scope() as s:
+        deleted = s.execute(select(Dataset.path, Dataset.sha256).where(Dataset.deleted_at.isnot(None))).all()
+        live = set(s.scalars(select(Dataset.sha256).where(Dataset.deleted_at.is_(None))))
+    for path, _ in deleted:
+        Path(path).unlink(missing_ok=True)
+    for sha256 in {sha for _, sha in deleted} - live:
+        artifacts.remove_tree(artifacts.tokenized_cache_dir(sha256))
+
+
+def _jobs_on_disk(folder: str, condition) -> list[str]:
+    """Ids of the jobs that have a directory under ``<data>/<folder>`` and match ``condition``."""
+    try:
+        names = [n for n in os.listdir(get_settings().data_path / folder) if not n.startswith(".")]
+    except FileNotFoundError:
+        return []
+    found = []
+    with session_scope() as s:
+        for i in range(0, len(names), 500):
+            found += s.scalars(select(Job.id).where(Job.id.in_(names[i:i + 500]), condition)).all()
+    return found

@@ -1,15 +1,20 @@
-"""SQLAlchemy 2.0 models of the job store: datasets, jobs, job metrics, checkpoints and job events.
+"""SQLAlchemy 2.0 models of the job store: datasets, jobs, job metrics, checkpoints and job events;
+API keys and idempotency records.
 
 The job row is the source of truth for a job's lifecycle (see ``shared.jobs``); the broker only
-carries job ids.
+carries job ids. Datasets and jobs belong to a tenant (the tenant of the API key that created
+them); metrics, events, checkpoints and artifacts belong to their job's tenant (``shared.tenancy``).
 """
 
 import secrets
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+DEFAULT_TENANT = "default"  # owns the rows created before API keys existed, and the local key of `tunejob serve`
 
 
 def utcnow() -> datetime:
@@ -48,8 +53,10 @@ class JobStatus:
 
 class Dataset(Base):
     __tablename__ = "datasets"
+    __table_args__ = (Index("ix_datasets_tenant_created", "tenant", "created_at"),)
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("ds"))
+    tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, server_default=DEFAULT_TENANT)
     filename: Mapped[str] = mapped_column(String(255))  # the uploader's name, for display only
     format: Mapped[str] = mapped_column(String(16))
     path: Mapped[str] = mapped_column(Text)  # server-chosen, under the data directory
@@ -58,13 +65,17 @@ class Dataset(Base):
     bytes: Mapped[int] = mapped_column(Integer)
     sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[datetime | None]  # DELETE /datasets/{id}: the file is gone, the row is a tombstone
 
 
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_status_created", "status", "created_at"),)
+    __table_args__ = (Index("ix_jobs_status_created", "status", "created_at"),
+                      Index("ix_jobs_tenant_created", "tenant", "created_at"),
+                      Index("ix_jobs_tenant_status", "tenant", "status"))
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("job"))
+    tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, server_default=DEFAULT_TENANT)
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED)
     base_model: Mapped[str] = mapped_column(String(255))
     task: Mapped[str] = mapped_column(String(16))
@@ -91,6 +102,9 @@ class Job(Base):
     lease_expires_at: Mapped[datetime | None]
     attempts: Mapped[int] = mapped_column(default=0)  # times a worker claimed the job
     restarts: Mapped[int] = mapped_column(default=0)  # re-queued after its worker died or failed unexpectedly
+    timings: Mapped[dict[str, Any] | None]  # seconds per phase (shared.schemas.Timings)
+    files_deleted_at: Mapped[datetime | None]  # checkpoints and artifacts removed (DELETE or retention)
+    deleted_at: Mapped[datetime | None]  # DELETE /jobs/{id}: the row is a tombstone, the id answers 404
 
 
 class JobMetric(Base):
@@ -102,7 +116,7 @@ class JobMetric(Base):
     step: Mapped[int]
     epoch: Mapped[float] = mapped_column(Float)
     name: Mapped[str] = mapped_column(String(64))
-    value: Mapped[float] = mapped_column(Float)
+    value: Mapped[float | None] = mapped_column(Float)  # null: the value was NaN or Infinity
     time: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -128,3 +142,39 @@ class JobEvent(Base):
     level: Mapped[str] = mapped_column(String(16))
     code: Mapped[str] = mapped_column(String(64))
     message: Mapped[str] = mapped_column(Text)
+
+
+class ApiKey(Base):
+    """An API key. Only its SHA-256 is stored; ``prefix`` (its first characters, not enough to use
+    it) finds the row and names the key in ``tunejob keys list``."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("key"))
+    tenant: Mapped[str] = mapped_column(String(64))
+    admin: Mapped[bool] = mapped_column(default=False)  # sees every tenant's datasets and jobs
+    prefix: Mapped[str] = mapped_column(String(16), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # hex SHA-256 of the whole key
+    name: Mapped[str | None] = mapped_column(String(255))  # a label for people
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]
+
+
+class IdempotencyRecord(Base):
+    """The first outcome of a POST sent with an ``Idempotency-Key`` (``shared.idempotency``).
+
+    The unique constraint decides which of two concurrent requests with the same key does the work.
+    ``status_code`` is None while that request is still in progress.
+    """
+
+    __tablename__ = "idempotency_records"
+    __table_args__ = (UniqueConstraint("tenant", "route", "key", name="uq_idempotency_tenant_route_key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    route: Mapped[str] = mapped_column(String(64))  # e.g. "POST /jobs"
+    key: Mapped[str] = mapped_column(String(255))
+    fingerprint: Mapped[str] = mapped_column(String(64))  # SHA-256 of the request body
+    status_code: Mapped[int | None]
+    response: Mapped[dict[str, Any] | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)

@@ -7,16 +7,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 from sqlalchemy import select
 
+from shared import quotas
 from shared.base_models import resolve_model
-from shared.batching import STRATEGIES, BatchPlan
-from shared.datasets import read_table, split_train_validation, validate_job_data
-from shared.db import session_scope
+from shared.batching import STRATEGIES, BatchPlan, job_ladder
+from shared.datasets import (ClassIndex, JobColumns, LabelSummary, Problems, job_batches, scan_job_data,
+                             split_train_validation, validation_size)
+from shared.db import read_session
 from shared.errors import UserError
 from shared.models import Dataset, Job, JobStatus
 from shared.schemas import JobCreate
+from shared.tenancy import Caller, scoped
 
 
 @dataclass
@@ -27,15 +29,20 @@ class CheckedSpec:
     model_dir: Path
     train: Dataset
     validation: Dataset | None
-    train_part: pd.DataFrame  # the rows the job trains on (after any validation_split)
     label_names: list[str] | None
+    caller: Caller
+
+    @property
+    def columns(self) -> JobColumns:
+        return JobColumns.of(self.spec)
 
 
-def _dataset(s, dataset_id: str, param: str) -> Dataset:
+def _dataset(s, dataset_id: str, param: str, caller: Caller) -> Dataset:
     dataset = s.get(Dataset, dataset_id)
-    if dataset is None:
-        raise UserError("unknown_dataset", f"{param} {dataset_id!r} does not exist; upload it with POST /datasets",
-                        param)
+    if dataset is None or not caller.sees(dataset.tenant) or dataset.deleted_at is not None:
+        deleted = dataset is not None and caller.sees(dataset.tenant)
+        raise UserError("unknown_dataset", f"{param} {dataset_id!r} does not exist"
+                        f"{' any more (it was deleted)' if deleted else ''}; upload it with POST /datasets", param)
     return dataset
 
 
@@ -54,30 +61,58 @@ def max_input_length(model_dir: Path) -> int | None:
     return read("config.json").get("max_position_embeddings")
 
 
-def check_spec(spec: JobCreate) -> CheckedSpec:
-    """Check a spec against its model and data before anything is stored or queued.
+def _require_columns(dataset: Dataset, cols: JobColumns) -> None:
+    for column, param in cols.texts + [(cols.label, "label_column")]:
+        if column not in dataset.columns:
+            raise UserError("missing_column", f"column {column!r} ({param}) not found in {dataset.filename!r}; "
+                            f"its columns are {dataset.columns}", param)
+
+
+def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
+    """Check a spec against its model and data (datasets that ``caller`` may see) before anything
+    is stored or queued, reading the data in batches (``shared.datasets.scan_job_data``) and keeping only row counts and classes.
 
     Raises:
         UserError: unknown model or dataset, ``max_length`` beyond the model's, missing column,
-            unusable labels (see ``shared.datasets.validate_job_data``), a ``validation_split`` that
-            leaves no training row.
+            a validation report of unusable cells (``missing_value``, ``invalid_text``,
+            ``invalid_label``, ...), ``single_class``, more classes than ``max_classes``,
+            ``unknown_label``, a ``validation_split`` that leaves no training row.
     """
+    quotas.check_metadata(spec.metadata)
     model_dir = resolve_model(spec.base_model)
     limit = max_input_length(model_dir)
     if limit and spec.hyperparameters.max_length > limit:
         raise UserError("max_length_too_long", f"hyperparameters.max_length {spec.hyperparameters.max_length} is "
                         f"longer than {spec.base_model!r} accepts ({limit} tokens)", "hyperparameters.max_length")
-    with session_scope() as s:
-        train = _dataset(s, spec.training_dataset, "training_dataset")
-        val = _dataset(s, spec.validation_dataset, "validation_dataset") if spec.validation_dataset else None
-    train_table = read_table(Path(train.path), train.format, train.filename)
-    names = validate_job_data(
-        spec.task, spec.text_column, spec.text_pair_column, spec.label_column, (train_table, train.filename),
-        (read_table(Path(val.path), val.format, val.filename), val.filename) if val else None,
-    )
-    train_part, _ = split_train_validation(train_table, spec.label_column, spec.validation_split or 0.0,
-                                           spec.hyperparameters.seed, spec.task == "classification")
-    return CheckedSpec(spec, model_dir, train, val, train_part, names)
+    with read_session() as s:
+        train = _dataset(s, spec.training_dataset, "training_dataset", caller)
+        val = _dataset(s, spec.validation_dataset, "validation_dataset", caller) if spec.validation_dataset else None
+    cols = JobColumns.of(spec)
+    for dataset in [train] + ([val] if val else []):
+        _require_columns(dataset, cols)
+    summary = scan_job_data(Path(train.path), train.format, train.filename, cols)
+    if spec.task == "classification" and len(summary.names) < 2:
+        raise UserError("single_class", f"label column {cols.label!r} in {train.filename!r} has a single class "
+                        f"({summary.names[0]!r}); classification needs at least 2", "label_column")
+    if val:
+        val_summary = scan_job_data(Path(val.path), val.format, val.filename, cols)
+        _check_validation_labels(summary.names, val_summary, val.filename, cols.label)
+    validation_size(summary.rows, spec.validation_split or 0.0)
+    return CheckedSpec(spec, model_dir, train, val, summary.names, caller)
+
+
+def _check_validation_labels(names: list[str] | None, val: LabelSummary, filename: str, column: str) -> None:
+    """A validation set may only hold classes the training set has; the report gives the first row
+    of each unseen class."""
+    if names is None:
+        return
+    unseen = sorted(set(val.names) - set(names), key=lambda n: val.first_row[n])
+    if unseen:
+        problems = Problems(filename)
+        for name in unseen:
+            problems.add(val.first_row[name], column, name, "is a class the training set lacks", "unknown_label",
+                         "validation_dataset")
+        raise problems.error(f"{filename!r} has labels the training set lacks: {sorted(unseen)[:10]}")
 
 
 def plan_job(checked: CheckedSpec) -> dict:
@@ -86,7 +121,11 @@ def plan_job(checked: CheckedSpec) -> dict:
     Returns a dict with: ``examples``; ``token_lengths`` (histogram of real tokens per example,
     after truncation: ``bin_edges``, ``counts``, ``mean``, ``max``); ``truncated_fraction`` (share of
     examples longer than ``max_length``); ``padding_efficiency`` (real / padded tokens) of each
-    batching strategy, before rounding and rounded to multiples of 8; ``micro_batches_per_epoch``,
+    batching strategy, ``unrounded`` (each micro-batch padded to its longest member: smart
+    batching's own, and what a CPU worker computes by default) and ``bucketed`` (padded up to the
+    CUDA workers' bucket widths); ``buckets`` for the chosen batching on a CUDA worker: the
+    ``ladder`` of widths, the ``widths`` its micro-batches use (width, micro-batches over the
+    job's epochs), and their ``padding_efficiency``; ``micro_batches_per_epoch``,
     ``steps_per_epoch`` and ``total_steps`` for the chosen batching; ``estimated_seconds`` from the
     throughput of the newest succeeded job on the same base model (None when there is none).
     """
@@ -94,12 +133,11 @@ def plan_job(checked: CheckedSpec) -> dict:
     from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # no warning for texts longer than max_length: we count them
-    spec, hp, train = checked.spec, checked.spec.hyperparameters, checked.train_part
+    spec, hp = checked.spec, checked.spec.hyperparameters
     tokenizer = AutoTokenizer.from_pretrained(checked.model_dir)
-    texts = train[spec.text_column].astype(str).tolist()
-    pairs = train[spec.text_pair_column].astype(str).tolist() if spec.text_pair_column else None
-    full = np.array([len(ids) for ids in tokenizer(texts, pairs, truncation=False)["input_ids"]])
+    full = training_lengths(tokenizer, checked)
     lengths = np.minimum(full, hp.max_length)
+    ladder = job_ladder(hp.max_length, hp.pad_to_multiple_of, hp.torch_compile, cuda=True)
 
     def plan_for(strategy: str) -> BatchPlan:
         return BatchPlan(lengths, hp.batch_size, strategy, hp.seed, hp.max_tokens_per_batch)
@@ -109,10 +147,11 @@ def plan_job(checked: CheckedSpec) -> dict:
         plan = plan_for(strategy)
         fixed_width = hp.max_length if strategy == "fixed" else None
         efficiency[strategy] = {"unrounded": plan.padding_efficiency(0, fixed_width, 1),
-                                "multiple_of_8": plan.padding_efficiency(0, fixed_width, 8)}
+                                "bucketed": plan.padding_efficiency(0, fixed_width, ladder=ladder)}
     plan = plan_for(hp.batching)
     micro_batches = len(plan.batches)
     total_steps = plan.count_steps(hp.epochs, hp.gradient_accumulation_steps)
+    used = plan.width_counts([hp.max_length] if hp.batching == "fixed" else ladder, hp.epochs)
     counts, edges = np.histogram(lengths, bins=min(16, max(1, int(lengths.max()) // 8)))
     return {
         "examples": len(lengths),
@@ -120,19 +159,49 @@ def plan_job(checked: CheckedSpec) -> dict:
                           "mean": float(lengths.mean()), "max": int(lengths.max())},
         "truncated_fraction": float((full > hp.max_length).mean()),
         "padding_efficiency": efficiency,
+        "buckets": {"ladder": ladder, "widths": [{"width": w, "micro_batches": n} for w, n in used.items()],
+                    "padding_efficiency": efficiency[hp.batching]["bucketed"]},
         "micro_batches_per_epoch": micro_batches,
         "steps_per_epoch": math.ceil(micro_batches / hp.gradient_accumulation_steps),
         "total_steps": total_steps,
-        **estimate_seconds(spec.base_model, int(lengths.sum()) * hp.epochs / efficiency[hp.batching]["unrounded"]),
+        **estimate_seconds(spec.base_model, int(lengths.sum()) * hp.epochs / efficiency[hp.batching]["unrounded"],
+                           checked.caller),
     }
 
 
-def estimate_seconds(base_model: str, padded_tokens: float) -> dict:
+TOKENIZE_ROWS = 4096  # texts per tokenizer call in a dry run
+
+
+def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
+    """Tokens per example (text pairs as the tokenizer's pair input, no truncation) of the rows the
+    job trains on: the training file tokenized ``TOKENIZE_ROWS`` texts at a time, then split as
+    the worker splits it (``split_train_validation``). Memory holds one batch of texts and an
+    int32 or two per row (length, class)."""
+    spec, train, parts = checked.spec, checked.train, []
+    cols, problems = checked.columns, Problems(train.filename)
+    classes = ClassIndex(train.filename, cols.label) if cols.task == "classification" else None
+    for batch in job_batches(Path(train.path), train.format, train.filename, cols, problems):
+        if classes is not None:
+            classes.add(batch)
+        for a in range(0, len(batch.texts), TOKENIZE_ROWS):
+            pairs = batch.pairs[a:a + TOKENIZE_ROWS] if batch.pairs is not None else None
+            ids = tokenizer(batch.texts[a:a + TOKENIZE_ROWS], pairs, truncation=False, return_attention_mask=False,
+                            return_token_type_ids=False)["input_ids"]
+            parts.append(np.fromiter(map(len, ids), dtype=np.int32, count=len(ids)))
+    problems.raise_if_any()  # the file changed since check_spec read it
+    lengths = np.concatenate(parts)
+    codes = classes.summary().codes if classes is not None else None
+    train_rows, _ = split_train_validation(len(lengths), codes, spec.validation_split or 0.0, spec.hyperparameters.seed)
+    return lengths[train_rows]
+
+
+def estimate_seconds(base_model: str, padded_tokens: float, caller: Caller) -> dict:
     """Training time for ``padded_tokens`` at the padded-token throughput of the newest succeeded
-    job on ``base_model`` (throughput depends on the worker's device, so this is a guide)."""
-    with session_scope() as s:
-        job = s.scalars(select(Job).where(Job.status == JobStatus.SUCCEEDED, Job.base_model == base_model)
-                        .order_by(Job.finished_at.desc()).limit(1)).first()
+    job of ``caller``'s tenant on ``base_model`` (throughput depends on the worker's device, so
+    this is a guide)."""
+    with read_session() as s:
+        query = select(Job).where(Job.status == JobStatus.SUCCEEDED, Job.base_model == base_model)
+        job = s.scalars(scoped(query, Job, caller).order_by(Job.finished_at.desc()).limit(1)).first()
     metrics = (job.train_metrics or {}) if job else {}
     if not metrics.get("tokens_per_second"):
         return {"estimated_seconds": None, "estimate_basis": f"no succeeded job on {base_model} yet"}

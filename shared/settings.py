@@ -1,10 +1,13 @@
 """The one settings object, read from ``TUNEJOB_*`` environment variables (pydantic-settings)."""
 
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from shared.schemas import MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS
 
 
 class Settings(BaseSettings):
@@ -22,9 +25,12 @@ class Settings(BaseSettings):
     models_dir: Path | None = None  # extra Hugging Face model directories, one per model
     device: Literal["auto", "cuda", "cpu"] = "auto"
     cpu_reuse_freed_memory: bool = True  # CPU workers: keep freed memory in the heap (worker.device)
+    cuda_graphs: bool = True  # CUDA workers replay captured training steps (worker.graphs); off: eager
+    cuda_graph_cache: int = 1  # captured models (with their graphs, weights, optimizer) a worker keeps
     host: str = "127.0.0.1"
     port: int = 8000
-    max_upload_bytes: int = 2 * 1024**3
+    max_upload_bytes: int = 2 * 1024**3  # largest upload, checked while it streams in
+    max_dataset_bytes: int = 2 * 1024**3  # largest dataset once decompressed (Parquet), checked in batches
     max_job_seconds: int = 7 * 24 * 3600  # time limit of one training attempt
     visibility_timeout: int | None = None  # Redis: redeliver unacked messages after this; default max_job_seconds + 1h
     lease_seconds: int = 120  # a running job's lease; renewed by the worker's heartbeat
@@ -32,12 +38,42 @@ class Settings(BaseSettings):
     metrics_flush_seconds: float = 2.0  # metrics are buffered and written at most this often
     sweep_seconds: float = 15.0  # how often API and workers run the reaper/sweeper (shared.jobs.recover)
     resend_after_seconds: float = 600.0  # re-send a queued job's message after this long (lost messages)
+    stream_poll_seconds: float = 0.5  # GET /jobs/{id}/stream: how often the one reader per job reads the store
+    stream_heartbeat_seconds: float = 15.0  # GET /jobs/{id}/stream: a comment line this often keeps proxies open
+    # Security (README "Security"): Host names the API answers besides the bound host and the
+    # localhost forms (comma-separated; "*" turns the check off), and the request rate per API key
+    # in the notation of the `limits` library ("100/second", "20/second;1000/minute").
+    allowed_hosts: Annotated[list[str], NoDecode] = []
+    rate_limit: str = "100/second"
+    rate_limit_storage_url: str = "memory://"  # `limits` storage; e.g. redis://… to share it across API processes
+    # Caps and quotas (README "Limits"). metadata: the OpenAI limits.
+    max_metadata_keys: int = MAX_METADATA_KEYS
+    max_metadata_key_chars: int = MAX_METADATA_KEY_CHARS
+    max_metadata_value_chars: int = MAX_METADATA_VALUE_CHARS
+    max_classes: int = 1000
+    max_columns: int = 256
+    max_active_jobs_per_tenant: int = 50  # queued + running
+    max_storage_bytes_per_tenant: int = 100 * 1024**3  # uploads + checkpoints + artifacts
+    # Timeouts. A request that cannot get SQLite's write lock in sqlite_busy_timeout_seconds is
+    # answered 503 with Retry-After. HTTP: idle keep-alive connections are closed after
+    # http_keep_alive_seconds; a connection must deliver a request's headers within
+    # http_header_timeout_seconds of opening (or of its previous response).
+    sqlite_busy_timeout_seconds: float = 5.0
+    http_keep_alive_seconds: int = 5
+    http_header_timeout_seconds: float = 10.0
+    artifact_retention_days: float | None = None  # remove finished jobs' files this long after they end; None: keep
+    broker_polling_seconds: float = 0.1  # filesystem broker: how often an idle worker looks for a message
 
-    @property
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        return [h.strip() for h in value.split(",") if h.strip()] if isinstance(value, str) else value
+
+    @cached_property  # resolving walks the file system: once per settings object, not per query
     def data_path(self) -> Path:
         return self.data_dir.expanduser().resolve()
 
-    @property
+    @cached_property
     def sqlalchemy_url(self) -> str:
         return self.database_url or f"sqlite:///{self.data_path / 'tunejob.db'}"
 

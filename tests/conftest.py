@@ -3,6 +3,8 @@
 ``stack`` runs each API test module twice: on the embedded default (SQLite + kombu's filesystem
 broker) and on PostgreSQL + Redis. The second skips, with the reason, when those services are not
 reachable, unless ``TUNEJOB_REQUIRE_SERVICES=1`` (set by ``.ci/run``), which makes it fail instead.
+Its ``client`` sends a (non-admin) API key of the tenant ``stack.tenant``; ``stack.client_for``
+makes clients with keys of other tenants, or admin keys.
 """
 
 import os
@@ -19,12 +21,14 @@ import psycopg
 import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 POSTGRES_URL = os.environ.get("TUNEJOB_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("TUNEJOB_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 REQUIRE_SERVICES = os.environ.get("TUNEJOB_REQUIRE_SERVICES") == "1"
 TINY_MODEL = "tiny-bert"
+BASE_URL = "http://localhost"  # a Host the API answers (TestClient's default, "testserver", is refused)
 
 
 def build_tiny_bert(path: Path) -> Path:
@@ -90,8 +94,22 @@ def fresh_postgres_database() -> tuple[str, callable]:
 @dataclass
 class Stack:
     name: str
-    client: TestClient
+    client: TestClient  # sends a key of ``tenant``
     data_dir: Path
+    app: FastAPI
+    tenant: str = "tenant-a"
+
+    def client_for(self, tenant: str, admin: bool = False) -> TestClient:
+        """A client of the same app with a new API key for ``tenant`` (an admin key if ``admin``)."""
+        return TestClient(self.app, base_url=BASE_URL, headers=auth_header(tenant, admin))
+
+
+def auth_header(tenant: str, admin: bool = False) -> dict[str, str]:
+    """``Authorization`` with a new API key for ``tenant`` in the configured store."""
+    from shared.keys import create_key
+
+    key, _ = create_key(tenant, admin)
+    return {"Authorization": f"Bearer {key}"}
 
 
 def configure(env: dict[str, str]) -> None:
@@ -108,30 +126,40 @@ def configure(env: dict[str, str]) -> None:
     app.amqp._producer_pool = None
 
 
-@pytest.fixture(scope="module", params=["embedded", "postgres+redis"])
-def stack(request, tmp_path_factory, models_dir) -> Iterator[Stack]:
-    """The API (in-process, over HTTP via TestClient) and a real Celery worker thread."""
-    cleanup = None
-    data_dir = tmp_path_factory.mktemp("data")
-    env = {"TUNEJOB_DATA_DIR": str(data_dir), "TUNEJOB_MODELS_DIR": str(models_dir), "TUNEJOB_DEVICE": "cpu",
-           "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2"}
-    if request.param == "postgres+redis":
+def configure_stack(kind: str, env: dict[str, str]) -> callable:
+    """``configure`` ``env`` on the stack ``kind`` ("embedded", or "postgres+redis": a fresh
+    database and an empty Redis database); returns what drops the database afterwards (or does nothing).
+    An in-process client sends requests faster than any default rate limit allows; the limit itself
+    is tested in test_auth.py."""
+    env, drop = {"TUNEJOB_DEVICE": "cpu", "TUNEJOB_RATE_LIMIT": "1000000/second", **env}, (lambda: None)
+    if kind == "postgres+redis":
         require_services()
-        database_url, cleanup = fresh_postgres_database()
+        database_url, drop = fresh_postgres_database()
         redis.Redis.from_url(REDIS_URL).flushdb()
         env.update(TUNEJOB_DATABASE_URL=database_url, TUNEJOB_BROKER_URL=REDIS_URL)
     configure(env)
+    return drop
+
+
+@pytest.fixture(scope="module", params=["embedded", "postgres+redis"])
+def stack(request, tmp_path_factory, models_dir) -> Iterator[Stack]:
+    """The API (in-process, over HTTP via TestClient) and a real Celery worker thread."""
+    data_dir = tmp_path_factory.mktemp("data")
+    cleanup = configure_stack(request.param, {"TUNEJOB_DATA_DIR": str(data_dir), "TUNEJOB_MODELS_DIR": str(models_dir),
+                                              "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2"})
     from api.main import create_app
     from worker.tasks import app as celery_app
 
+    app = create_app()
     try:
-        with TestClient(create_app()) as client, start_worker(
+        with TestClient(app, base_url=BASE_URL) as client, start_worker(
             celery_app, pool="solo", perform_ping_check=False, loglevel="WARNING", shutdown_timeout=60
         ):
-            yield Stack(request.param, client, data_dir)
+            stack = Stack(request.param, client, data_dir, app)
+            client.headers.update(auth_header(stack.tenant))  # the store is migrated once the client started
+            yield stack
     finally:
-        if cleanup:
-            cleanup()
+        cleanup()
 
 
 def wait_for_status(client: TestClient, job_id: str, statuses: set[str], timeout: float = 180) -> dict:
@@ -144,6 +172,15 @@ def wait_for_status(client: TestClient, job_id: str, statuses: set[str], timeout
         if time.monotonic() > deadline:
             raise AssertionError(f"job {job_id} still {job['status']} after {timeout}s: {job}")
         time.sleep(0.2)
+
+
+def wait_until(condition, what: str, timeout: float = 30) -> None:
+    """Poll ``condition()`` until it is true (e.g. a clean-up that follows a status change)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true after {timeout}s: {what}")
+        time.sleep(0.1)
 
 
 class RecordingReporter:

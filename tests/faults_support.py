@@ -1,5 +1,6 @@
 """Real processes for the fault tests (``tests/test_faults.py``): the API and Celery workers as
 subprocesses (``python -m shared.cli api|worker``), a private ``redis-server``, and bounded waits.
+``Cluster.http`` sends the local API key that the API process writes to ``<data dir>/api_key``.
 
 Every process writes stdout and stderr to its own log file; ``Cluster.diagnostics()`` returns the
 tails of all of them, and every timed-out wait puts them in its assertion message.
@@ -142,9 +143,11 @@ class Cluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         base = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_") or k == "TUNEJOB_REQUIRE_SERVICES"}
         # One thread per process: two workers and the API share two cores, and the model is tiny.
+        # The tests poll every few milliseconds, faster than the default rate limit per API key.
         self.env = {**base, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
                     "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                    "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1", **env}
+                    "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1", "TUNEJOB_RATE_LIMIT": "1000000/second",
+                    **env}
         self.processes: list[Process] = []
         self.extra_logs: list[Callable[[], str]] = []
         self.api: Process | None = None
@@ -178,6 +181,9 @@ class Cluster:
                 return False
 
         self.wait_for("the API to answer /healthz", healthy, timeout)
+        # On 127.0.0.1 with no key in the store, the API wrote a local key before it listened.
+        key = Path(self.env["TUNEJOB_DATA_DIR"]) / "api_key"
+        self.http.headers["Authorization"] = f"Bearer {key.read_text().strip()}"
         return started
 
     def start_worker(self) -> Process:

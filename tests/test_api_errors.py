@@ -37,8 +37,13 @@ def assert_error(r, status: int, code: str | None = None, param: str | None = "<
     payload = r.json()
     assert set(payload) == {"error"}, payload
     error = payload["error"]
-    assert set(error) == {"code", "message", "param"}, error
+    openai = {"type"} if r.request.url.path.startswith("/v1/") else set()  # the /v1 facade adds OpenAI's `type`
+    assert set(error) - openai in ({"code", "message", "param"}, {"code", "message", "param", "problems"}), error
     assert isinstance(error["message"], str) and error["message"], error
+    if "problems" in error:  # a validation report: 1 to 20 problems, the first one also in the message
+        assert 1 <= len(error["problems"]) <= 20, error
+        assert all(set(p) == {"row", "column", "value", "message"} for p in error["problems"]), error
+        assert error["problems"][0]["message"] in error["message"] or error["code"] == "unknown_label", error
     assert "Traceback" not in error["message"]
     if code is not None:
         assert error["code"] == code, error
@@ -370,22 +375,29 @@ def test_job_whose_split_leaves_no_training_row_is_refused_at_submission(stack, 
 
 
 def test_split_train_validation_edges():
+    import numpy as np
+
     from shared.datasets import split_train_validation
     from shared.errors import UserError
 
-    def frame(n, classes):
-        return pd.DataFrame({"text": [f"t{i}" for i in range(n)], "label": [f"c{i % classes}" for i in range(n)]})
+    def codes(n, classes):
+        return np.arange(n, dtype=np.int32) % classes
 
     with pytest.raises(UserError) as e:
-        split_train_validation(frame(10, 2), "label", 0.95, 0, True)
+        split_train_validation(10, codes(10, 2), 0.95, 0)
     assert e.value.code == "too_few_rows" and e.value.param == "validation_split"
     # Too few rows per part to stratify 6 classes: split unstratified rather than crash.
-    train, val = split_train_validation(frame(12, 6), "label", 0.9, 0, True)
+    train, val = split_train_validation(12, codes(12, 6), 0.9, 0)
     assert (len(train), len(val)) == (1, 11)
     # Stratified where it can be: each of 5 classes keeps its share in validation.
-    train, val = split_train_validation(frame(200, 5), "label", 0.1, 0, True)
-    assert val["label"].value_counts().tolist() == [4] * 5 and len(train) == 180
-    assert split_train_validation(frame(5, 2), "label", 0.0, 0, True)[1] is None
+    train, val = split_train_validation(200, codes(200, 5), 0.1, 0)
+    assert np.bincount(codes(200, 5)[val]).tolist() == [4] * 5 and len(train) == 180
+    assert sorted(np.concatenate([train, val]).tolist()) == list(range(200))  # every row in exactly one part
+    train, val = split_train_validation(5, codes(5, 2), 0.0, 0)
+    assert val is None and train.tolist() == [0, 1, 2, 3, 4]
+    # Seeded: the API's dry run and the worker hold out the same rows.
+    assert split_train_validation(200, codes(200, 5), 0.1, 7)[1].tolist() == \
+        split_train_validation(200, codes(200, 5), 0.1, 7)[1].tolist()
 
 
 def test_unknown_job_and_dataset_are_404(stack):
@@ -450,8 +462,8 @@ def test_upload_each_format_is_recorded_exactly(stack, fmt, tmp_path):
     assert Snapshot(stack).uploads == before.uploads | {stored.name}  # no temporary file left over
 
     # The stored table is what a job reads: the non-ASCII text survives, and a job on it is accepted.
-    from shared.datasets import read_table
-    table = read_table(stored, fmt, filename)
+    from shared.datasets import JobColumns, read_job_table
+    table, _ = read_job_table(stored, fmt, filename, JobColumns("classification", "text", None, "label"))
     assert table["text"].tolist() == FRAME["text"].tolist()
     r = stack.client.post("/jobs", json=job_body(dataset["id"], validation_split=0.5))
     assert r.status_code == 201, r.text

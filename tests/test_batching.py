@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from shared.batching import BatchPlan
+from shared.batching import BatchPlan, bucket_ladder, bucket_width
 from tests.conftest import TINY_MODEL
 from worker.data import BatchStats, make_collator, tokenize
 
@@ -171,6 +171,83 @@ def test_unknown_strategy_is_refused():
         BatchPlan(ragged_lengths(), 16, "sorted", seed=0)
 
 
+# ----------------------------------------------------------------------------- bucket ladder
+
+
+@pytest.mark.parametrize("max_length", [8, 48, 64, 128, 300, 512, 1000, 4096])
+def test_bucket_ladder_is_short_ascending_and_pads_at_most_a_fifth_beyond_64(max_length):
+    ladder = bucket_ladder(max_length)
+    assert ladder == sorted(set(ladder)) and ladder[-1] == max_length and ladder[0] >= 1
+    assert all(w % 16 == 0 for w in ladder[:-1])  # tensor-core friendly, except max_length itself
+    assert len(ladder) <= 8 + 4 * max(0, math.ceil(math.log2(max_length / 128)))
+    for longest in range(1, max_length + 1):
+        width = bucket_width(ladder, longest)
+        assert width in ladder and width >= longest
+        assert ladder.index(width) == 0 or ladder[ladder.index(width) - 1] < longest  # the first that fits
+        if longest > 64:
+            assert width <= 1.25 * longest  # at most a fifth of the width is padding
+
+
+def test_bucket_ladder_for_max_length_512_and_multiples():
+    assert bucket_ladder(512) == [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    assert bucket_ladder(20, 8) == [8, 16, 20]
+    assert bucket_ladder(5, 1) == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError):
+        bucket_ladder(0)
+
+
+def test_bucket_efficiency_and_the_widths_a_plan_uses():
+    lengths = ragged_lengths(n=2000, seed=5)
+    ladder = bucket_ladder(512)
+    plan = BatchPlan(lengths, 32, "smart", seed=0)
+    for epoch in range(3):
+        batches = plan.epoch_batches(epoch)
+        real = sum(int(lengths[b].sum()) for b in batches)
+        bucketed = sum(len(b) * bucket_width(ladder, int(lengths[b].max())) for b in batches)
+        assert plan.padding_efficiency(epoch, ladder=ladder) == pytest.approx(real / bucketed)
+        assert plan.padding_efficiency(epoch, ladder=ladder) < plan.padding_efficiency(epoch) <= 1
+        assert plan.padding_efficiency(epoch, ladder=bucket_ladder(512, 1)) == pytest.approx(
+            plan.padding_efficiency(epoch))
+    counts = plan.width_counts(ladder, epochs=2.5)
+    assert set(counts) <= set(ladder) and list(counts) == sorted(counts)
+    assert sum(counts.values()) == sum(len(plan.epoch_batches(e)) for e in range(3))
+    # The bucket widths add at most a quarter beyond 64 tokens and at most 15 tokens a row below.
+    batches = plan.epoch_batches(0)
+    unrounded = sum(len(b) * int(lengths[b].max()) for b in batches)
+    real = int(lengths.sum())
+    assert real / plan.padding_efficiency(0, ladder=ladder) <= 1.25 * unrounded + 15 * len(lengths)
+
+
+def test_training_batches_have_ladder_widths_and_every_example_once_per_epoch(engine_env):
+    from shared.models import Job
+    from shared.schemas import JobCreate
+    from tests.conftest import RecordingReporter
+    from worker.data import JobData
+    from worker.train import make_loader, setup
+
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "market", "goal"]
+    df = pd.DataFrame({"text": [" ".join(rng.choice(words, size=rng.integers(1, 60))) for _ in range(90)],
+                       "label": ["a", "b", "c"] * 30})
+    spec = JobCreate(base_model=TINY_MODEL, training_dataset="ds", validation_split=0.0,
+                     hyperparameters={"batch_size": 8, "max_length": 64, "pad_to_multiple_of": None})
+    job = Job(id="buckets", task="classification", base_model=TINY_MODEL, label_names=["a", "b", "c"],
+              spec=spec.model_dump(mode="json"))
+    run = setup(job, JobData(df, None), torch.device("cpu"), RecordingReporter())
+    ladder = bucket_ladder(64)
+    run.collator.ladder = ladder  # as on a CUDA worker
+    for epoch in range(3):
+        run.plan.set_epoch(epoch)
+        seen, widths = [], set()
+        for planned, batch in zip(run.plan.epoch_batches(epoch), make_loader(run, run.train_set, run.plan, epoch)):
+            width = batch["input_ids"].shape[1]
+            assert width == bucket_width(ladder, int(run.train_set.lengths[planned].max()))
+            widths.add(width)
+            seen += planned
+        assert sorted(seen) == list(range(len(df)))
+        assert widths <= set(ladder) and len(widths) > 1
+
+
 # ----------------------------------------------------------------------------- tokenize and collate
 
 
@@ -192,7 +269,7 @@ def frame(n: int = len(TEXTS)) -> pd.DataFrame:
 
 
 def encode(tokenizer, max_length: int = 64, **kw):
-    return tokenize(tokenizer, frame(), "text", kw.get("pair"), "label", ["business", "sports"], max_length, "f.csv")
+    return tokenize(tokenizer, frame(), "text", kw.get("pair"), "label", ["business", "sports"], max_length)
 
 
 def check_padding(batch: dict, dataset, indices: list[int], pad_id: int) -> None:
@@ -231,7 +308,7 @@ def test_collator_pads_to_longest_rounded_up_with_the_tokenizers_pad_id(tokenize
     assert pad_id == (1 if pad_token else 0)
     ds = encode(tokenizer)
     assert not any(pad_id in ids for ids in ds.encodings["input_ids"])  # pads are recognisable
-    collate = make_collator(tokenizer, batching, max_length=64, pad_to_multiple_of=8)
+    collate = make_collator(tokenizer, batching, 64, bucket_ladder(64, 8))
     for indices in [[0, 1, 2], [4, 0], [5, 3, 1, 0], [4]]:
         batch = collate([ds[i] for i in indices])
         longest = int(ds.lengths[indices].max())
@@ -244,8 +321,8 @@ def test_collator_pads_to_longest_rounded_up_with_the_tokenizers_pad_id(tokenize
 
 def test_collator_without_rounding_pads_to_exactly_the_longest(tokenizer):
     ds = encode(tokenizer)
-    for multiple in (None, 1):
-        batch = make_collator(tokenizer, "smart", 64, multiple)([ds[i] for i in [0, 2, 4]])
+    for ladder in (None, bucket_ladder(64, 1)):
+        batch = make_collator(tokenizer, "smart", 64, ladder)([ds[i] for i in [0, 2, 4]])
         assert batch["input_ids"].shape[1] == int(ds.lengths[[0, 2, 4]].max())
         check_padding(batch, ds, [0, 2, 4], 0)
 
@@ -254,7 +331,7 @@ def test_collator_without_rounding_pads_to_exactly_the_longest(tokenizer):
 def test_fixed_collator_pads_to_exactly_max_length(tokenizer, max_length):
     tokenizer.pad_token = "[unused0]"
     ds = encode(tokenizer, max_length=max_length)
-    collate = make_collator(tokenizer, "fixed", max_length=max_length, pad_to_multiple_of=8)
+    collate = make_collator(tokenizer, "fixed", max_length, bucket_ladder(max_length, 8))
     for indices in [[0, 4], [1, 3, 5]]:
         batch = collate([ds[i] for i in indices])
         assert batch["input_ids"].shape == (len(indices), max_length)
@@ -264,7 +341,7 @@ def test_fixed_collator_pads_to_exactly_max_length(tokenizer, max_length):
 def test_text_pairs_keep_their_segment_ids(tokenizer):
     ds = encode(tokenizer, pair="other")
     assert all(1 in t for t in ds.encodings["token_type_ids"])
-    batch = make_collator(tokenizer, "smart", 64, 8)([ds[i] for i in range(len(ds))])
+    batch = make_collator(tokenizer, "smart", 64, bucket_ladder(64, 8))([ds[i] for i in range(len(ds))])
     check_padding(batch, ds, list(range(len(ds))), 0)
 
 
@@ -275,15 +352,15 @@ def test_tokenizer_without_token_type_ids_gives_batches_without_them(tokenizer):
     assert set(ds.encodings) == {"input_ids", "attention_mask"}
     assert set(ds[0]) == {"input_ids", "attention_mask", "labels"}
     for batching in ["smart", "fixed"]:
-        batch = make_collator(tokenizer, batching, 64, 8)([ds[i] for i in [0, 1, 3]])
+        batch = make_collator(tokenizer, batching, 64, bucket_ladder(64, 8))([ds[i] for i in [0, 1, 3]])
         assert set(batch) == {"input_ids", "attention_mask", "labels"}
         check_padding(batch, ds, [0, 1, 3], 0)
 
 
 def test_regression_labels_are_float(tokenizer):
     df = frame().assign(score=[0.5, 1, -2, 3.25, 0, 1e-3])
-    ds = tokenize(tokenizer, df, "text", None, "score", None, 64, "f.csv")
-    batch = make_collator(tokenizer, "smart", 64, 8)([ds[i] for i in range(6)])
+    ds = tokenize(tokenizer, df, "text", None, "score", None, 64)
+    batch = make_collator(tokenizer, "smart", 64, bucket_ladder(64, 8))([ds[i] for i in range(6)])
     assert batch["labels"].dtype == torch.float32
     assert batch["labels"].tolist() == pytest.approx([0.5, 1, -2, 3.25, 0, 1e-3])
 
@@ -295,14 +372,14 @@ def test_batch_stats_count_real_unrounded_and_padded_tokens(tokenizer):
     ds = encode(tokenizer)
     indices = [0, 2, 1]
     lengths = ds.lengths[indices]
-    batch = make_collator(tokenizer, "smart", 64, 8)([ds[i] for i in indices])
+    batch = make_collator(tokenizer, "smart", 64, bucket_ladder(64, 8))([ds[i] for i in indices])
     width = batch["input_ids"].shape[1]
     assert width == 8 * math.ceil(lengths.max() / 8) and width > lengths.max()  # rounding did add pads
     stats = BatchStats.of(batch)
     assert stats == BatchStats(real=int(lengths.sum()), unrounded=3 * int(lengths.max()), padded=3 * width)
     assert stats.real <= stats.unrounded <= stats.padded
 
-    fixed = make_collator(tokenizer, "fixed", 64, 8)([ds[i] for i in indices])
+    fixed = make_collator(tokenizer, "fixed", 64, bucket_ladder(64, 8))([ds[i] for i in indices])
     stats = BatchStats.of(fixed, padded_to_longest=False)
     assert stats == BatchStats(real=int(lengths.sum()), unrounded=3 * 64, padded=3 * 64)
 
@@ -313,12 +390,40 @@ def test_batch_stats_by_hand():
     assert BatchStats.of({"attention_mask": mask}, padded_to_longest=False) == BatchStats(9, 24, 24)
 
 
-def test_pad_multiple_defaults():
+def test_padding_ladder_defaults():
     from shared.schemas import Hyperparameters
-    from worker.device import pad_multiple
+    from worker.device import padding_ladder
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert pad_multiple(Hyperparameters(), cpu) == 1
-    assert pad_multiple(Hyperparameters(), cuda) == 8
-    assert pad_multiple(Hyperparameters(torch_compile=True), cpu) == 64
-    assert pad_multiple(Hyperparameters(pad_to_multiple_of=16, torch_compile=True), cuda) == 16
+    assert padding_ladder(Hyperparameters(max_length=128), cpu) == list(range(1, 129))  # the longest member
+    assert padding_ladder(Hyperparameters(max_length=128), cuda) == [16, 32, 48, 64, 80, 96, 112, 128]
+    assert padding_ladder(Hyperparameters(max_length=200, torch_compile=True), cpu) == [64, 128, 192, 200]
+    assert padding_ladder(Hyperparameters(max_length=40, pad_to_multiple_of=16, torch_compile=True), cuda) == [
+        16, 32, 40]
+
+
+def test_dry_run_plan_shows_smart_and_bucket_efficiency_and_the_buckets(models_dir, monkeypatch, tmp_path):
+    from shared import planning
+    from shared.models import Dataset
+    from shared.schemas import JobCreate
+    from shared.tenancy import Caller
+
+    monkeypatch.setattr(planning, "estimate_seconds", lambda model, tokens, caller: {"estimated_seconds": None})
+    rng = np.random.default_rng(1)
+    texts = [" ".join(["market"] * int(n)) for n in rng.integers(1, 200, size=300)]
+    train = pd.DataFrame({"text": texts, "label": ["a", "b"] * 150})
+    spec = JobCreate(base_model=TINY_MODEL, training_dataset="ds", hyperparameters={
+        "batch_size": 16, "max_length": 128, "epochs": 2})
+    train.to_csv(tmp_path / "train.csv", index=False)
+    dataset = Dataset(id="ds", filename="train.csv", format="csv", path=str(tmp_path / "train.csv"))
+    plan = planning.plan_job(planning.CheckedSpec(spec, models_dir / TINY_MODEL, dataset, None, ["a", "b"],
+                                                  Caller("tenant-a")))
+    ladder = bucket_ladder(128)
+    assert plan["buckets"]["ladder"] == ladder
+    widths = plan["buckets"]["widths"]
+    used = [w["width"] for w in widths]
+    assert used == sorted(used) and set(used) <= set(ladder)
+    assert sum(w["micro_batches"] for w in widths) == plan["total_steps"]  # every micro-batch of the 2 epochs
+    smart = plan["padding_efficiency"]["smart"]
+    assert plan["buckets"]["padding_efficiency"] == smart["bucketed"] < smart["unrounded"] <= 1
+    assert plan["padding_efficiency"]["fixed"]["bucketed"] == plan["padding_efficiency"]["fixed"]["unrounded"]

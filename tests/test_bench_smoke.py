@@ -1,100 +1,181 @@
-"""Smoke test of the training benchmark (``bench/train.py``): the plan section on ragged lengths,
-then the whole harness for a couple of steps on a tiny BERT built at test time. It checks what the
-harness computes and writes, never how fast anything ran."""
+"""Smoke test of the training benchmark (``bench/``) on a tiny BERT built at test time: the harness
+end to end (each configuration in its own process, two epochs, two jobs per process, held-out
+accuracy), one-epoch runs of the engine runner and the Trainer peer in this process, and the
+pieces the tables rest on. It checks that the rows are well-formed and consistent, never how fast
+anything ran."""
 
 import json
 
-import numpy as np
 import pytest
+import torch
+from transformers import AutoTokenizer
 
 from bench import train as bench
+from bench.cold import RunSpec
+from bench.corpora import load_split
+from bench.engine import engine_hyperparameters, make_job, run_engine
+from bench.measure import Mark, epoch_figures, steady_from
+from bench.peers import load_model as peer_model
+from bench.peers import run_peer
+from bench.report import render, summarize, update_markdown
+from shared.base_models import resolve_model
 from shared.settings import get_settings
+
+TEXTS, HELD_OUT, BATCH, MAX_LENGTH = 64, 32, 8, 64
 
 
 @pytest.fixture
-def tiny_models(models_dir, monkeypatch):
+def tiny_models(models_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TUNEJOB_MODELS_DIR", str(models_dir))
+    monkeypatch.setenv("TUNEJOB_DATA_DIR", str(tmp_path / "data"))
     get_settings.cache_clear()
     yield models_dir
     monkeypatch.undo()
     get_settings.cache_clear()
 
 
-def test_plan_section_on_ragged_lengths():
-    lengths = np.random.default_rng(0).integers(5, 120, size=300)
-    rows = bench.plan_rows("ragged", lengths, 16, 128, epochs=3)
-    by = {r["strategy"]: r for r in rows}
-    assert set(by) == {"fixed", "dynamic", "smart", "token_budget", "trainer"}
-    for r in rows:
-        assert 0 < r["efficiency_rounded"] <= r["efficiency_unrounded"] <= 1
-    assert by["fixed"]["efficiency_unrounded"] == pytest.approx(lengths.mean() / 128)
-    # Length grouping pads far less than a random permutation; the plan's strategies at least as
-    # well as the Trainer's mega-batch sort.
-    assert by["smart"]["efficiency_unrounded"] > by["dynamic"]["efficiency_unrounded"] + 0.2
-    assert by["token_budget"]["efficiency_unrounded"] > by["dynamic"]["efficiency_unrounded"] + 0.2
-    assert by["smart"]["efficiency_unrounded"] >= by["trainer"]["efficiency_unrounded"]
-    # The composition of smart batches changes between epochs, and a token budget of
-    # batch_size x mean length gives about batch_size examples per micro-batch.
-    assert by["smart"]["changed_batches"] > 0 and by["smart"]["pairs_kept"] < 1
-    assert by["token_budget"]["max_tokens_per_batch"] == round(16 * lengths.mean())
-    assert by["token_budget"]["examples_per_batch"] == pytest.approx(16, rel=0.25)
+def real_tokens_per_epoch() -> int:
+    """Every training text once: what each configuration's epoch must count, from the tokenizer alone."""
+    train, _ = load_split("rotten_tomatoes", TEXTS, HELD_OUT)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny-bert"))
+    return sum(len(ids) for ids in tokenizer(train["text"].tolist(), truncation=True, max_length=MAX_LENGTH)["input_ids"])
+
+
+def test_engine_configuration_names():
+    assert engine_hyperparameters("smart") == {"batching": "smart"}
+    assert engine_hyperparameters("smart:pad_to_multiple_of=8:torch_compile=true") == {
+        "batching": "smart", "pad_to_multiple_of": 8, "torch_compile": True}
+    for bad in ("trainerx", "smart:pad_to_multiple_of", "smart:=8"):
+        with pytest.raises(ValueError):
+            engine_hyperparameters(bad)
+
+
+def test_harness_rejects_unknown_configurations(tiny_models):
+    with pytest.raises(SystemExit, match="pad_to_multiple_off"):
+        bench.main(["--model", "tiny-bert", "--device", "cpu", "--configs", "smart:pad_to_multiple_off=8"])
+
+
+def test_epoch_figures_from_marks():
+    # two epochs of 4 steps: steady state is the last epoch
+    ends = [Mark(13.0, 4, 100, 120, 160), Mark(15.0, 8, 200, 240, 320)]
+    f = epoch_figures(10.0, ends, None)
+    assert f["epoch_seconds"] == [3.0, 2.0] and f["epoch_real_tokens"] == [100, 100]
+    assert f["steady_steps"] == 4 and f["steady_tokens_per_second"] == 50.0
+    assert f["efficiency_unrounded"] == 200 / 240 and f["efficiency_padded"] == 200 / 320
+    # one epoch: steady state from the half-way mark
+    f = epoch_figures(10.0, [ends[0]], Mark(12.0, 2, 40, 48, 64))
+    assert f["steady_steps"] == 2 and f["steady_tokens_per_second"] == 60.0
+
+
+def cuda_row(config: str, repeat: int, train_seconds: float, mfu_steady: float) -> dict:
+    return {"dataset": "bbc", "batch_size": 32, "max_length": 512, "config": config, "job": 1, "repeat": repeat,
+            "train_examples": 1780, "epoch_real_tokens": [716_000], "flops_per_real_token": 6.6e8,
+            "non_embedding_params": 85e6, "load_seconds": 2.0, "epoch_seconds": [train_seconds],
+            "train_seconds": train_seconds, "steady_tokens_per_second": 1e5, "mfu_epoch": mfu_steady / 2,
+            "mfu_steady": mfu_steady, "efficiency_unrounded": 0.99, "efficiency_padded": 0.95,
+            "peak_memory_mib": 9000.0, "process_seconds": 30.0}
+
+
+def test_summary_medians_ratios_and_targets():
+    rows = [cuda_row("smart", 1, 3.0, 0.30), cuda_row("smart", 2, 4.0, 0.40), cuda_row("smart", 3, 9.0, 0.50),
+            cuda_row("trainer", 1, 12.0, 0.1), cuda_row("trainer_cudnn_off", 1, 6.0, 0.2),
+            {"dataset": "bbc", "batch_size": 32, "config": "fixed", "repeat": 1, "error": "exit status 1"}]
+    summary = {r["config"]: r for r in summarize(rows)}
+    assert set(summary) == {"smart", "trainer", "trainer_cudnn_off"}  # the failed process is left out
+    smart = summary["smart"]
+    assert smart["repeats"] == 3 and smart["train_seconds"] == 4.0 and smart["epoch_seconds"] == [4.0]
+    assert smart["vs_trainer"] == 3.0 and smart["vs_trainer_cudnn_off"] == 1.5 and smart["vs_trainer_compile"] is None
+    meta = {"date": "d", "device": "cuda:0 (NVIDIA H100 80GB HBM3)", "device_type": "cuda", "command": "c",
+            "torch": "t", "transformers": "x", "model": "bert-base-rand", "dtype": "bf16", "epochs": 1,
+            "repeats": 3, "cpu_memory": "reuse"}
+    text = render(list(summary.values()), meta)
+    assert "716,000 real tokens per epoch, the same for every configuration" in text
+    assert "| vs trainer | vs trainer_cudnn_off |" in text and "vs trainer_compile" not in text  # peers that ran
+    # issue 9 on BBC News: 1/3 of the Trainer (met at 3.0x), 1/2 with cuDNN off (missed at 1.5x), MFU 35% (met at 40%)
+    assert "| epoch <= 1/3 of trainer train_runtime, BBC News @512, batch 32 | 3.00x | met |" in text
+    assert "| epoch <= 1/2 of trainer_cudnn_off train_runtime, BBC News @512, batch 32 | 1.50x | missed |" in text
+    assert "| steady MFU >= 35%, BBC News @512, batch 32 | 40.0% | met |" in text
 
 
 def test_markdown_sections_are_replaced_in_place(tmp_path):
     md = tmp_path / "b.md"
-    md.write_text("intro\n\n<!-- bench:plan -->\nold table\n<!-- /bench:plan -->\n\ntrailer\n")
-    assert bench.update_markdown(md, {"plan": "new table", "timing": "timing table"}) == ["plan", "timing"]
+    md.write_text("intro\n\n<!-- bench:epochs-cpu -->\nold table\n<!-- /bench:epochs-cpu -->\n\ntrailer\n")
+    assert update_markdown(md, {"epochs-cpu": "new table", "epochs-cuda": "gpu table"}) == ["epochs-cpu", "epochs-cuda"]
     text = md.read_text()
     assert "old table" not in text and "new table" in text
     assert text.startswith("intro") and "trailer" in text
-    assert "<!-- bench:timing -->\ntiming table\n<!-- /bench:timing -->" in text
-    # Tagged runs (e.g. --tag bf16) only fill sections the document already has.
-    assert bench.update_markdown(md, {"plan-bf16": "x", "timing": "again"}, append_missing=False) == ["timing"]
-    assert "plan-bf16" not in md.read_text()
+    assert "<!-- bench:epochs-cuda -->\ngpu table\n<!-- /bench:epochs-cuda -->" in text
 
 
-def test_harness_runs_engine_and_trainer(tiny_models, tmp_path):
+def test_trainer_starts_from_the_engines_initial_weights(tiny_models):
+    from transformers import set_seed
+
+    from worker.train import load_model
+
+    spec = RunSpec(dataset="bbc", config="smart", model="tiny-bert", device="cpu", precision="auto",
+                   batch_size=BATCH, max_length=MAX_LENGTH, train_size=TEXTS, val_size=HELD_OUT)
+    labels = ["business", "entertainment", "politics", "sport", "tech"]
+    peer = peer_model(resolve_model("tiny-bert"), labels, seed=42).state_dict()
+    set_seed(42)  # as worker.train.setup does before it loads the model
+    engine = load_model(resolve_model("tiny-bert"), make_job("smart", spec, labels)).state_dict()
+    assert peer.keys() == engine.keys() and all(torch.equal(peer[k], engine[k]) for k in peer)
+
+
+def test_one_epoch_engine_and_trainer_in_process(tiny_models):
+    """One epoch: the steady window is the second half of it, on both sides."""
+    spec = RunSpec(dataset="rotten_tomatoes", config="smart", model="tiny-bert", device="cpu", precision="auto",
+                   batch_size=BATCH, max_length=MAX_LENGTH, train_size=TEXTS, val_size=HELD_OUT)
+    train, _ = load_split("rotten_tomatoes", TEXTS, HELD_OUT)
+    labels = sorted(train["label"].unique())
+    cpu = torch.device("cpu")
+    engine = run_engine("smart", spec, train, None, labels, cpu)
+    peer = run_peer("trainer", spec, train, None, labels, cpu, str(tiny_models / "trainer-out"))
+    for row in engine, peer:
+        assert row["steps"] == row["steps_per_epoch"] >= 8
+        assert row["steady_steps"] == row["steps"] - steady_from(row["steps"])
+        assert row["steady_tokens_per_second"] > 0 and "accuracy" not in row
+    assert engine["epoch_real_tokens"] == peer["epoch_real_tokens"] == [real_tokens_per_epoch()]
+
+
+def test_harness_runs_every_configuration_cold(tiny_models, tmp_path):
     out, md = tmp_path / "results.json", tmp_path / "bench.md"
     rc = bench.main([
-        "--model", "tiny-bert", "--dataset", "rotten_tomatoes", "--train-size", "64", "--val-size", "32",
-        "--batch-sizes", "8", "--max-length", "64", "--steps", "2", "--warmup", "1", "--repeats", "1",
-        "--configs", "fixed,smart,trainer", "--pad-to-multiple-of", "1", "--plan-epochs", "2", "--device", "cpu",
-        "--accuracy", "--accuracy-batch-size", "8", "--json", str(out), "--markdown", str(md),
+        "--model", "tiny-bert", "--dataset", "rotten_tomatoes", "--train-size", str(TEXTS), "--val-size", str(HELD_OUT),
+        "--batch-sizes", str(BATCH), "--max-length", str(MAX_LENGTH), "--configs", "fixed,smart,trainer",
+        "--epochs", "2", "--jobs", "2", "--accuracy", "--device", "cpu", "--json", str(out), "--markdown", str(md),
     ])
     assert rc == 0
-    results = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["config"], r["job"]) for r in rows) == [(c, j) for c in ("fixed", "smart", "trainer") for j in (1, 2)]
+    assert len({r["process_seconds"] for r in rows}) == 3  # one process per configuration, both its jobs in it
 
-    plan = {r["strategy"]: r for r in results["plan"]}
-    assert set(plan) == {"fixed", "dynamic", "smart", "token_budget", "trainer"}
-    assert plan["smart"]["efficiency_unrounded"] > plan["dynamic"]["efficiency_unrounded"]
-
-    timing = {r["config"]: r for r in results["timing"]}
-    assert set(timing) == {"fixed", "smart", "trainer"}
-    for r in timing.values():
-        assert r["steps"] == 2 and r["tokens_per_second"] > 0 and r["seconds_per_step"] > 0
-        assert r["epoch_seconds"] > 0 and r["vs_trainer"] > 0
-        # Each window trained exactly the sampled batches (engine plan or Trainer sampler).
-        assert r["counted_as_expected"]
-    for name in ("fixed", "smart"):
-        # The engine's own token accounting equals what the model was fed (counted by a hook).
-        assert timing[name]["hook_matches_engine"]
-    assert timing["fixed"]["efficiency_unrounded"] == timing["fixed"]["efficiency_rounded"] < 1
-    assert timing["smart"]["efficiency_unrounded"] > timing["fixed"]["efficiency_unrounded"]
-    assert timing["smart"]["token_bound"] > 1
-    assert timing["trainer"]["efficiency_rounded"] <= timing["trainer"]["efficiency_unrounded"]
-    # Every configuration's epoch holds each training text once: the same real tokens for all.
-    raw = results["raw"]["rotten_tomatoes b8"]
-    assert len({m["epoch_real_tokens"] for ms in raw.values() for m in ms}) == 1
-    assert all(r["window_tokens_per_second"] > 0 for r in timing.values())
-    trainer_windows = raw["trainer"]
-    assert all(m["padded"] % 8 == 0 and m["real"] > 0 for m in trainer_windows)  # pad_to_multiple_of=8
-
-    accuracy = {r["config"]: r for r in results["accuracy"]}
-    assert set(accuracy) == {"fixed", "smart", "trainer"}
-    for r in accuracy.values():
-        assert 0 <= r["accuracy"] <= 1 and r["val_examples"] == 32 and r["steps"] >= 8
+    real = real_tokens_per_epoch()
+    for r in rows:
+        assert "error" not in r
+        assert r["kind"] == ("peer" if r["config"] == "trainer" else "engine")
+        # every epoch holds each training text once: the same real tokens for every configuration
+        assert r["epoch_real_tokens"] == [real, real] and r["real_tokens"] == 2 * real
+        assert 0 < r["efficiency_padded"] <= r["efficiency_unrounded"] <= 1
+        assert len(r["epoch_seconds"]) == 2 and all(s > 0 for s in r["epoch_seconds"])
+        assert r["steady_steps"] == r["steps"] - r["steps_per_epoch"] > 0 and r["steady_tokens_per_second"] > 0
+        assert r["load_seconds"] > 0 and r["train_seconds"] > 0
+        assert r["mfu_epoch"] is None and r["peak_memory_mib"] > 0  # no MFU without a peak (the CPU)
+        assert r["device_type"] == "cpu" and r["dtype"] == "fp32" and r["torch"] and r["transformers"]
+        assert r["flops_per_real_token"] > 6 * r["non_embedding_params"] > 0
+        assert 0 <= r["accuracy"] <= 1 and 0 <= r["f1_macro"] <= 1 and r["val_examples"] == HELD_OUT
+    for config in ("fixed", "smart", "trainer"):
+        jobs = [r for r in rows if r["config"] == config]
+        # the process ran both jobs: its wall time holds their loads and epochs
+        assert jobs[0]["process_seconds"] >= sum(r["load_seconds"] + sum(r["epoch_seconds"]) for r in jobs)
+    by = {r["config"]: r for r in rows if r["job"] == 1}
+    assert by["smart"]["train_seconds"] == pytest.approx(sum(by["smart"]["epoch_seconds"]))
+    assert by["fixed"]["efficiency_padded"] == pytest.approx(real / (TEXTS * MAX_LENGTH))  # every text padded to 64
+    assert by["smart"]["efficiency_unrounded"] > by["fixed"]["efficiency_unrounded"]
+    assert by["trainer"]["padded_tokens"] % 8 == 0  # pad_to_multiple_of=8
+    assert by["fixed"]["efficiency_unrounded"] == by["fixed"]["efficiency_padded"]
 
     text = md.read_text()
-    for section in ("plan", "timing", "accuracy", "targets"):
-        assert f"<!-- bench:{section} -->" in text and f"<!-- /bench:{section} -->" in text
-    assert "| trainer |" in text and "| smart |" in text
+    assert "<!-- bench:epochs-cpu -->" in text and "<!-- /bench:epochs-cpu -->" in text
+    for label in ("| fixed |", "| smart |", "| trainer |", "| smart (job 2 in its process) |"):
+        assert label in text
+    assert f"{real:,} real tokens per epoch, the same for every configuration" in text

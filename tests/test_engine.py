@@ -30,7 +30,35 @@ def make_job(job_id: str, **hyperparameters) -> tuple[Job, JobData]:
                                       **hyperparameters})
     job = Job(id=job_id, task="classification", base_model=TINY_MODEL, label_names=["a", "b"],
               spec=spec.model_dump(mode="json"))
-    return job, JobData(df.iloc[:32], df.iloc[32:], "train.csv", "train.csv")
+    return job, JobData(df.iloc[:32], df.iloc[32:])
+
+
+class NaNLogits(torch.nn.Module):
+    """Returns NaN logits on the forward calls in ``bad_calls`` (counted from 1)."""
+
+    def __init__(self, model, bad_calls):
+        super().__init__()
+        self.model, self.bad_calls, self.calls = model, bad_calls, 0
+
+    def forward(self, **batch):
+        self.calls += 1
+        out = self.model(**batch)
+        if self.calls in self.bad_calls:
+            out.logits = out.logits * float("nan")
+        return out
+
+
+class OutOfMemoryAbove(torch.nn.Module):
+    """Raises CUDA's out-of-memory error for micro-batches larger than ``rows``."""
+
+    def __init__(self, model, rows):
+        super().__init__()
+        self.model, self.rows = model, rows
+
+    def forward(self, **batch):
+        if batch["input_ids"].shape[0] > self.rows:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return self.model(**batch)
 
 
 def test_resume_gives_the_same_losses_and_each_example_once_per_epoch(engine_env, monkeypatch):
@@ -81,18 +109,6 @@ def test_resume_gives_the_same_losses_and_each_example_once_per_epoch(engine_env
 
 
 def test_out_of_memory_halves_the_micro_batch_and_keeps_the_step(engine_env):
-    class OutOfMemoryAbove(torch.nn.Module):
-        """Raises CUDA's out-of-memory error for micro-batches larger than ``rows``."""
-
-        def __init__(self, model, rows):
-            super().__init__()
-            self.model, self.rows = model, rows
-
-        def forward(self, **batch):
-            if batch["input_ids"].shape[0] > self.rows:
-                raise torch.OutOfMemoryError("injected: CUDA out of memory")
-            return self.model(**batch)
-
     cpu = torch.device("cpu")
     job, data = make_job("reference", epochs=1)
     reference = RecordingReporter()
@@ -126,20 +142,6 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_step(engine_env):
 
 
 def test_nonfinite_steps_are_skipped_counted_and_fail_after_a_run(engine_env):
-    class NaNLogits(torch.nn.Module):
-        """Returns NaN logits on the steps in ``bad_calls`` (counted per forward call)."""
-
-        def __init__(self, model, bad_calls):
-            super().__init__()
-            self.model, self.bad_calls, self.calls = model, bad_calls, 0
-
-        def forward(self, **batch):
-            self.calls += 1
-            out = self.model(**batch)
-            if self.calls in self.bad_calls:
-                out.logits = out.logits * float("nan")
-            return out
-
     cpu = torch.device("cpu")
     job, data = make_job("nan-once", epochs=1, save_every_steps=1, max_nonfinite_steps=3)
     reporter = RecordingReporter()
@@ -178,10 +180,10 @@ def test_early_stopping_and_the_artifact_is_the_best_model(engine_env, monkeypat
     assert run.state.best["step"] == 4 and run.state.best["value"] == 0.5
 
     best_weights = load_file(run.out_dir / "best" / "model.safetensors")
-    archive = engine.save_model(run)
-    metrics = json.loads((archive.parent / "metrics.json").read_text())
+    model_dir = engine.save_model(run)
+    metrics = json.loads((model_dir / "metrics.json").read_text())
     assert metrics["best_step"] == 4 and metrics["final_step"] == 8 and metrics["best_value"] == 0.5
-    saved = load_file(archive.parent / "model" / "model.safetensors")
+    saved = load_file(model_dir / "model.safetensors")
     assert saved.keys() == best_weights.keys()
     assert all(torch.equal(saved[k], best_weights[k]) for k in saved)
     final = run.model.state_dict()

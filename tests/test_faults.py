@@ -161,7 +161,7 @@ def assert_ran_once(cluster: Cluster, job: dict) -> None:
     assert job["status"] == "succeeded", (job, codes)
     assert job["attempts"] == 1, (job["attempts"], codes)
     assert codes.count("started") == 1, codes
-    assert codes == ["created", "started", "succeeded"], codes
+    assert codes == ["created", "started", "tokenized", "timings", "succeeded"], codes
 
 
 def assert_never_twice_at_once(codes: list[str]) -> None:
@@ -232,7 +232,8 @@ def test_kill_9_mid_training_resumes_once_from_checkpoint(stacks, kind):
     assert job["status"] == "succeeded", (job, codes)
     assert job["attempts"] == 2, (job["attempts"], codes)
     # The lease expired and the reaper re-queued it; exactly one success.
-    assert codes == ["created", "started", "job_restarted", "started", "resumed", "succeeded"], codes
+    assert codes == ["created", "started", "tokenized", "job_restarted", "started", "tokenized", "resumed", "timings",
+                     "succeeded"], codes
     assert resumed_step(c, job_id) == checkpoint
     assert_steps_once(c, job)
 
@@ -363,7 +364,7 @@ def test_sigterm_checkpoints_requeues_and_resumes(stacks, kind):
     assert wait_exit(c, first, 60) == 0
     job = c.job(job_id)
     codes = c.codes(job_id)
-    assert job["status"] == "queued" and codes == ["created", "started", "requeued"], (job, codes)
+    assert job["status"] == "queued" and codes == ["created", "started", "tokenized", "requeued"], (job, codes)
     checkpoints = [cp["step"] for cp in c.checkpoints(job_id)]
     assert len(checkpoints) == 1 and 30 <= checkpoints[0] < job["progress"]["total_steps"], checkpoints
     stopped_at = checkpoints[0]
@@ -373,7 +374,8 @@ def test_sigterm_checkpoints_requeues_and_resumes(stacks, kind):
     job = c.wait_finished(job_id, timeout=150)
     codes = c.codes(job_id)
     assert job["status"] == "succeeded" and job["attempts"] == 2, (job, codes)
-    assert codes == ["created", "started", "requeued", "started", "resumed", "succeeded"], codes
+    assert codes == ["created", "started", "tokenized", "requeued", "started", "tokenized", "resumed", "timings",
+                     "succeeded"], codes
     assert resumed_step(c, job_id) == stopped_at
     assert_steps_once(c, job)
 
@@ -406,7 +408,7 @@ def test_cancel_queued_and_running_jobs(stacks, kind):
     assert job["status"] == "cancelled", job
     assert 1 <= job["progress"]["step"] < job["progress"]["total_steps"]
     codes = c.codes(running_id)
-    assert codes == ["created", "started", "cancel_requested", "cancelled"], codes
+    assert codes == ["created", "started", "tokenized", "cancel_requested", "timings", "cancelled"], codes
 
     # The worker lives on and takes the next job.
     next_job = c.wait_finished(c.submit(dataset["id"], **TINY)["id"], timeout=90)
@@ -444,7 +446,8 @@ def test_duplicate_message_runs_job_once(stacks, kind):
 def test_api_and_worker_hammer_one_sqlite_store(stacks):
     """A job writes metrics at every optimizer step while four clients upload, submit, cancel and
     read for 15 s. Every response is the expected 2xx/4xx and nobody sees "database is locked"."""
-    c = stacks.make("embedded", TUNEJOB_METRICS_FLUSH_SECONDS="0")
+    # The store is what is hammered here, not the quota of active jobs (tests/test_auth.py checks it).
+    c = stacks.make("embedded", TUNEJOB_METRICS_FLUSH_SECONDS="0", TUNEJOB_MAX_ACTIVE_JOBS_PER_TENANT="100000")
     [worker] = c.start(workers=1)
     dataset = c.upload(labelled_csv(rows=48))
     training_id = c.submit(dataset["id"], epochs=500, batch_size=4, save_every_steps=25)["id"]
@@ -458,7 +461,7 @@ def test_api_and_worker_hammer_one_sqlite_store(stacks):
     def client(seed: int) -> None:
         rng = random.Random(seed)
         mine: list[str] = []
-        http = httpx.Client(base_url=c.http.base_url, timeout=60)
+        http = httpx.Client(base_url=c.http.base_url, headers=c.http.headers, timeout=60)
 
         def check(op: str, r, expected: set[int]) -> None:
             counts[op] += 1

@@ -10,7 +10,10 @@ import threading
 
 from celery import Celery
 
-from shared import jobs
+from shared import idempotency, jobs
+from shared.models import Job
+from shared.schemas import JobCreate
+from shared.tenancy import Caller
 from shared.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -30,6 +33,7 @@ def celery_config(settings: Settings) -> dict:
             data_folder_out=folder,
             control_folder=str(settings.path("broker", "control", "x").parent),
             store_processed=False,
+            polling_interval=settings.broker_polling_seconds,  # kombu's default, 1 s, delays every job's start
         )
     return {
         "broker_url": settings.celery_broker_url,
@@ -69,15 +73,38 @@ def send(job_id: str) -> None:
     jobs.mark_enqueued(job_id)
 
 
+def submit(spec: JobCreate, caller: Caller, claim: idempotency.Claim | None = None) -> Job:
+    """Check and store a job for ``caller`` (``shared.jobs.create_job``, which records the response
+    under an idempotency ``claim``), then send its id to the broker. When the broker is down the job
+    stays queued and ``recovery_loop`` sends it later.
+
+    Raises:
+        UserError: the spec does not fit its model or data (see ``shared.planning.check_spec``), or
+            a quota (``shared.quotas``).
+    """
+    job = jobs.create_job(spec, caller, claim)
+    try:
+        send(job.id)
+    except Exception:
+        log.exception("job %s stored but not yet sent to the broker", job.id)
+    return jobs.get_job(job.id, caller)
+
+
+def resend_recovered() -> None:
+    for job_id in jobs.recover():
+        send(job_id)
+
+
 def recovery_loop(stop: threading.Event) -> None:
     """Every ``sweep_seconds`` until ``stop`` is set: re-queue jobs whose lease expired and
-    (re-)send the messages of queued jobs (``shared.jobs.recover``). Runs in the API and in every
-    worker; any number of copies may run at once."""
+    (re-)send the messages of queued jobs (``shared.jobs.recover``), apply the artifact retention
+    and remove leftover files (``shared.jobs.sweep_files``), and delete expired idempotency records.
+    Runs in the API and in every worker; any number of copies may run at once."""
     while True:
-        try:
-            for job_id in jobs.recover():
-                send(job_id)
-        except Exception:
-            log.exception("recovery pass failed; trying again in %ss", get_settings().sweep_seconds)
+        for sweep in (resend_recovered, jobs.sweep_files, idempotency.purge_expired):
+            try:
+                sweep()
+            except Exception:
+                log.exception("%s failed; trying again in %ss", sweep.__name__, get_settings().sweep_seconds)
         if stop.wait(get_settings().sweep_seconds):
             return

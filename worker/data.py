@@ -1,41 +1,65 @@
-"""Data for one job: load and split the tables, tokenize once, plan batches, pad per batch.
+"""Data for one job: load and split the tables, tokenize once (cached), plan batches, pad per batch.
 
 Which examples share a micro-batch is planned by ``shared.batching.BatchPlan``; this module pads
-each micro-batch to its longest member (dynamic padding).
+each micro-batch up to the bucket width that holds its longest member (dynamic padding).
 """
 
+import hashlib
+import json
+import logging
+import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from shared.datasets import read_table, regression_targets, split_train_validation
+from shared.artifacts import tokenized_cache_dir
+from shared.batching import bucket_ladder, bucket_width
+from shared.datasets import JobColumns, read_job_table, split_train_validation
 from shared.models import Dataset
+
+log = logging.getLogger(__name__)
+TOKENIZE_BATCH = 8192  # texts per call of the fast tokenizer: bounds the memory of its intermediate encodings
+CACHE_FORMAT = 1  # bump when the cached layout or what tokenize() does changes
 
 
 @dataclass
 class JobData:
-    """A job's training and validation tables, with the file names used in error messages."""
+    """A job's training and validation tables (the job's columns, labels as class names or float32
+    targets)."""
 
     train: pd.DataFrame
     validation: pd.DataFrame | None
-    train_name: str
-    validation_name: str | None
+    # sha256 of the uploaded files the tables come from: tokenizations are cached under them
+    # (None: not cached, e.g. tables built in memory)
+    train_sha256: str | None = None
+    validation_sha256: str | None = None
 
 
 def load_job_data(spec: dict, train: Dataset, validation: Dataset | None) -> JobData:
-    """Read a job's uploaded tables; without a validation dataset, hold out ``validation_split``
-    of the training table (stratified for classification, seeded by ``hyperparameters.seed``)."""
-    train_df = read_table(Path(train.path), train.format, train.filename)
+    """Read a job's uploaded tables through the API's checks (``shared.datasets.read_job_table``:
+    only the job's columns, labels as class names or float32 targets); without a validation
+    dataset, hold out ``validation_split`` of the training table exactly as the API's dry run did
+    (stratified for classification, seeded by ``hyperparameters.seed``).
+
+    Raises:
+        UserError: bad data (the job fails at once, without retries).
+    """
+    cols = JobColumns.of(spec)
+    train_df, summary = read_job_table(Path(train.path), train.format, train.filename, cols)
     if validation is not None:
-        val_df = read_table(Path(validation.path), validation.format, validation.filename)
-        return JobData(train_df, val_df, train.filename, validation.filename)
-    train_df, val_df = split_train_validation(train_df, spec["label_column"], spec.get("validation_split") or 0.0,
-                                              spec["hyperparameters"]["seed"], spec["task"] == "classification")
-    return JobData(train_df, val_df, train.filename, train.filename)
+        val_df, _ = read_job_table(Path(validation.path), validation.format, validation.filename, cols)
+        return JobData(train_df, val_df, train.sha256, validation.sha256)
+    train_rows, val_rows = split_train_validation(summary.rows, summary.codes, spec.get("validation_split") or 0.0,
+                                                  spec["hyperparameters"]["seed"])
+    val_df = train_df.iloc[val_rows].reset_index(drop=True) if val_rows is not None else None
+    return JobData(train_df.iloc[train_rows].reset_index(drop=True), val_df, train.sha256, train.sha256)
 
 
 class TokenizedDataset(torch.utils.data.Dataset):
@@ -43,11 +67,12 @@ class TokenizedDataset(torch.utils.data.Dataset):
 
     Each item is a dict of Python lists (``input_ids``, ``attention_mask`` and, when the tokenizer
     produces them, ``token_type_ids``) plus ``labels`` (class index or float target).
-    ``lengths[i]`` is the number of real tokens of example i.
+    ``lengths[i]`` is the number of real tokens of example i. ``from_cache``: the encodings came
+    from the tokenization cache.
     """
 
-    def __init__(self, encodings: dict[str, list[list[int]]], labels: list):
-        self.encodings, self.labels = encodings, labels
+    def __init__(self, encodings: dict[str, list[list[int]]], labels: list, from_cache: bool = False):
+        self.encodings, self.labels, self.from_cache = encodings, labels, from_cache
         self.lengths = np.array([len(ids) for ids in encodings["input_ids"]], dtype=np.int64)
 
     def __len__(self) -> int:
@@ -67,32 +92,120 @@ def tokenize(
     label_column: str,
     label_names: list[str] | None,
     max_length: int,
-    filename: str = "dataset",
+    dataset_sha256: str | None = None,
 ) -> TokenizedDataset:
-    """Tokenize a table once with the fast tokenizer (pairs as the tokenizer's pair input).
+    """Tokenize a table once with the fast tokenizer (pairs as the tokenizer's pair input), in
+    batches of ``TOKENIZE_BATCH`` texts, truncating to ``max_length``, without padding.
+
+    With ``dataset_sha256`` (the uploaded file's), the encodings are cached under the data
+    directory (``shared.artifacts.tokenized_cache_dir``) and a later job on the same texts with the
+    same tokenizer and ``max_length`` reads them instead (see ``cache_key``).
 
     Classification labels are mapped to indices of ``label_names``; regression labels to float32.
     """
     texts = df[text_column].astype(str).tolist()
     pairs = df[text_pair_column].astype(str).tolist() if text_pair_column else None
-    enc = tokenizer(texts, pairs, truncation=True, max_length=max_length, padding=False)
+    cache = (tokenized_cache_dir(dataset_sha256) / f"{cache_key(tokenizer, texts, pairs, max_length)}.safetensors"
+             if dataset_sha256 and tokenizer.is_fast else None)
+    encodings = read_cached(cache, len(texts)) if cache else None
+    from_cache = encodings is not None
+    if encodings is None:
+        encodings = {}
+        for start in range(0, len(texts), TOKENIZE_BATCH):
+            end = start + TOKENIZE_BATCH
+            enc = tokenizer(texts[start:end], pairs[start:end] if pairs else None, truncation=True,
+                            max_length=max_length, padding=False)
+            for k in tokenizer.model_input_names:
+                if k in enc:
+                    encodings.setdefault(k, []).extend(enc[k])
+        if cache:
+            write_cached(cache, encodings)
     if label_names is None:
-        labels = regression_targets(df[label_column], filename, label_column).tolist()
+        labels = df[label_column].astype("float32").tolist()
     else:
         index = {name: i for i, name in enumerate(label_names)}
         labels = [index[str(v)] for v in df[label_column]]
-    keep = [k for k in tokenizer.model_input_names if k in enc]
-    return TokenizedDataset({k: enc[k] for k in keep}, labels)
+    return TokenizedDataset(encodings, labels, from_cache)
 
 
-def make_collator(
-    tokenizer: PreTrainedTokenizerBase, batching: str, max_length: int, pad_to_multiple_of: int | None
-) -> DataCollatorWithPadding:
-    """Pad per batch with the tokenizer's own pad id and inputs (``DataCollatorWithPadding``):
-    to the longest member (``smart``/``dynamic``) or to ``max_length`` (``fixed``)."""
+def cache_key(tokenizer: PreTrainedTokenizerBase, texts: list[str], pairs: list[str] | None, max_length: int) -> str:
+    """sha256 of everything the encodings depend on: the texts and text pairs themselves (so the
+    columns, the validation split and the rows all count), the tokenizer's full definition
+    (``tokenizer.json``: vocabulary, normalizer, pre-tokenizer, post-processor), its truncation
+    side and input names, and ``max_length``. Roughly, on the 2-core CPU while other work ran: 0.08 s
+    for all of BBC News (2,225 articles, 5 MB of text), which took 1.3 s to tokenize at max_length 128."""
+    h = hashlib.sha256(json.dumps({
+        "format": CACHE_FORMAT, "max_length": max_length, "truncation_side": tokenizer.truncation_side,
+        "inputs": list(tokenizer.model_input_names), "pairs": pairs is not None,
+    }).encode())
+    definition = json.loads(tokenizer.backend_tokenizer.to_str())
+    for call_state in ("truncation", "padding"):  # set by each call; max_length is in the key already
+        definition.pop(call_state, None)
+    h.update(json.dumps(definition, sort_keys=True).encode())
+    for column in (texts, pairs or []):
+        for text in column:
+            data = text.encode("utf-8", "surrogatepass")
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+    return h.hexdigest()
+
+
+def read_cached(path: Path, n: int) -> dict[str, list[list[int]]] | None:
+    """Encodings from a cache file (safetensors: each input flattened to int32, plus ``lengths``),
+    or None if there is none or it does not hold ``n`` examples."""
+    try:
+        arrays = load_file(path)
+    except (OSError, SafetensorError):
+        return None
+    lengths = arrays.pop("lengths")
+    if len(lengths) != n:
+        return None
+    cuts = np.cumsum(lengths)[:-1]
+    return {k: [row.tolist() for row in np.split(flat, cuts)] for k, flat in arrays.items()}
+
+
+def write_cached(path: Path, encodings: dict[str, list[list[int]]]) -> None:
+    """Write encodings atomically (temporary file, then rename); a failure only costs the cache."""
+    lengths = np.array([len(ids) for ids in encodings["input_ids"]], dtype=np.int64)
+    arrays = {k: np.fromiter((i for row in rows for i in row), dtype=np.int32, count=int(lengths.sum()))
+              for k, rows in encodings.items()}
+    tmp = path.with_name(f".{uuid.uuid4().hex}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({**arrays, "lengths": lengths}, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("tokenization cache not written to %s: %s", path, e)
+        tmp.unlink(missing_ok=True)
+
+
+class BucketCollator:
+    """Pads each micro-batch to the first width of ``ladder`` that holds its longest member, with
+    the tokenizer's own pad id and inputs (``transformers.DataCollatorWithPadding``), so RoBERTa-
+    style (pad id 1) and MPNet-style (no ``token_type_ids``) encoders work.
+
+    Returns a dict of int64 ``[rows, width]`` tensors (``input_ids``, ``attention_mask``, and
+    ``token_type_ids`` when the tokenizer makes them) plus ``labels`` ``[rows]``.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, ladder: list[int]):
+        self.tokenizer, self.ladder = tokenizer, ladder
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        width = bucket_width(self.ladder, max(len(f["input_ids"]) for f in features))
+        return DataCollatorWithPadding(self.tokenizer, padding="max_length", max_length=width)(features)
+
+
+def make_collator(tokenizer: PreTrainedTokenizerBase, batching: str, max_length: int,
+                  pad_to: list[int] | int | None) -> BucketCollator:
+    """The collator of a job: ``fixed`` pads everything to ``max_length``; the other strategies pad
+    each micro-batch up to a width of the ladder ``pad_to`` (``shared.batching.bucket_ladder``), or
+    to a multiple of ``pad_to`` when it is a number (None: to the longest member)."""
     if batching == "fixed":
-        return DataCollatorWithPadding(tokenizer, padding="max_length", max_length=max_length)
-    return DataCollatorWithPadding(tokenizer, padding="longest", pad_to_multiple_of=pad_to_multiple_of)
+        return BucketCollator(tokenizer, [max_length])
+    if isinstance(pad_to, list):
+        return BucketCollator(tokenizer, pad_to)
+    return BucketCollator(tokenizer, bucket_ladder(max_length, pad_to or 1))
 
 
 @dataclass

@@ -5,6 +5,7 @@ import ctypes.util
 
 import torch
 
+from shared.batching import job_ladder
 from shared.errors import UserError
 
 
@@ -57,17 +58,9 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
-def pad_multiple(hp, device: torch.device) -> int:
-    """Round padded lengths up to this multiple: ``pad_to_multiple_of`` if set; 64 under
-    ``torch_compile`` (a few shapes, few recompiles); else 8 on CUDA (tensor-core tiles) and 1 on
-    the CPU, where rounding adds about 12% pad tokens on short texts and has no tensor cores to feed:
-    measured with 3 repeats on Rotten Tomatoes, smart ran 1,613 real tokens/s unrounded vs 1,468
-    rounded to 8 at batch 16, and 1,785 vs 1,652 at batch 32 (docs/benchmarks.md)."""
-    if hp.pad_to_multiple_of:
-        return hp.pad_to_multiple_of
-    if hp.torch_compile:
-        return 64
-    return 8 if device.type == "cuda" else 1
+def padding_ladder(hp, device: torch.device) -> list[int]:
+    """The widths this job's micro-batches are padded to on ``device`` (``shared.batching.job_ladder``)."""
+    return job_ladder(hp.max_length, hp.pad_to_multiple_of, hp.torch_compile, device.type == "cuda")
 
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters, glibc <malloc.h>

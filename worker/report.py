@@ -1,12 +1,17 @@
-"""Streams a running job's progress, metrics and events to the job store in short, batched writes."""
+"""Streams a running job's progress, metrics, events and phase timings to the job store in short,
+batched writes."""
 
+import functools
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
 from shared import jobs
 from shared.models import utcnow
+from shared.schemas import PHASES
 from shared.settings import get_settings
 
 
@@ -14,8 +19,11 @@ class Reporter:
     """The running worker's line to the job row.
 
     Metrics are buffered and written together at most every ``metrics_flush_seconds``; each write
-    also renews the worker's lease. ``should_stop()`` is asked once per optimizer step.
+    also renews the worker's lease. ``should_stop()`` is asked once per optimizer step; it reads the
+    job's cancel flag from the store at most every ``CANCEL_CHECK_SECONDS``, not once per step.
     """
+
+    CANCEL_CHECK_SECONDS = 1.0
 
     def __init__(self, job_id: str, worker_id: str, stop_flags: dict[str, threading.Event] | None = None):
         self.job_id, self.worker_id = job_id, worker_id
@@ -25,7 +33,9 @@ class Reporter:
         self._metrics: list[tuple[int, float, str, float, datetime]] = []
         self._progress: dict = {}
         self._last_flush = time.monotonic()
+        self._wrote_metrics = False
         self.lease_lost = False
+        self._cancelled, self._next_cancel_check = False, time.monotonic()
 
     def event(self, code: str, message: str, level: str = "info") -> None:
         jobs.add_event(self.job_id, code, message, level)
@@ -35,9 +45,13 @@ class Reporter:
         self._metrics.extend((step, epoch, name, float(v), now) for name, v in values.items())
 
     def progress(self, **fields) -> None:
-        """Set job-row fields (step, epoch, total_steps, eta_seconds, train/validation metrics, device)."""
+        """Set job-row fields (step, epoch, total_steps, eta_seconds, train/validation metrics, device,
+        timings). The first optimizer step's are written at once, so that a user sees training start."""
         self._progress.update(fields)
-        self.heartbeat()
+        if self._metrics and not self._wrote_metrics:
+            self.flush()
+        else:
+            self.heartbeat()
 
     def heartbeat(self) -> None:
         """Write what is buffered, and so renew the lease, if ``metrics_flush_seconds`` have passed."""
@@ -46,6 +60,7 @@ class Reporter:
 
     def flush(self) -> None:
         held = jobs.report(self.job_id, self.worker_id, self._progress, self._metrics)
+        self._wrote_metrics = self._wrote_metrics or bool(self._metrics)
         self._metrics, self._progress, self._last_flush = [], {}, time.monotonic()
         self.lease_lost = self.lease_lost or not held
 
@@ -57,12 +72,70 @@ class Reporter:
 
     def should_stop(self) -> str | None:
         """Why training must stop now, if it must: ``"shutdown"`` (the worker is shutting down),
-        ``"lease_lost"`` (another worker holds the job), ``"cancelled"`` or ``"time_limit"``."""
+        ``"lease_lost"`` (another worker holds the job), ``"cancelled"`` or ``"time_limit"``.
+
+        The stop flags are in-process events (SIGTERM, the heartbeat thread losing the lease); the
+        cancel flag is a store query, made at most every ``CANCEL_CHECK_SECONDS``, so a cancel is
+        seen within that time plus one optimizer step."""
         if self.lease_lost:
             return "lease_lost"
         for reason, flag in self.stop_flags.items():
             if flag.is_set():
                 return reason
-        if jobs.cancel_requested(self.job_id):
+        now = time.monotonic()
+        if not self._cancelled and now >= self._next_cancel_check:
+            self._cancelled = jobs.cancel_requested(self.job_id)
+            self._next_cancel_check = now + self.CANCEL_CHECK_SECONDS
+        if self._cancelled:
             return "cancelled"
-        return "time_limit" if time.monotonic() > self.deadline else None
+        return "time_limit" if now > self.deadline else None
+
+
+class PhaseTimer:
+    """Wall seconds per phase of a job (``shared.schemas.Timings``), reported as ``timings``.
+
+    Phases nest: time always counts for the innermost open phase, so an evaluation inside
+    training counts as ``evaluate``, not ``train``, and the phases never overlap. Each phase's end
+    is reported through ``reporter`` (buffered like the metrics).
+    """
+
+    def __init__(self, reporter=None, queued: float | None = None):
+        self.reporter, self.queued = reporter, queued
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._open: list[str] = []
+        self._since = 0.0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Count the wall time of the ``with`` block (less any phase nested in it) as ``name``."""
+        self._charge()
+        self._open.append(name)
+        try:
+            yield
+        finally:
+            self._charge()
+            self._open.pop()
+            if self.reporter is not None:
+                self.reporter.progress(timings=self.timings())
+
+    def _charge(self) -> None:
+        now = time.perf_counter()
+        if self._open:
+            self.seconds[self._open[-1]] += now - self._since
+        self._since = now
+
+    def timings(self) -> dict[str, float | None]:
+        """``queued`` and the phases so far, in seconds (rounded to milliseconds)."""
+        return {"queued": self.queued, **{name: round(s, 3) for name, s in self.seconds.items()}}
+
+
+def timed(phase: str):
+    """Decorator: time a function whose first argument is a ``worker.train.Run`` as ``phase`` of
+    ``run.timer``."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(run, *args, **kwargs):
+            with run.timer.phase(phase):
+                return fn(run, *args, **kwargs)
+        return wrapper
+    return decorate

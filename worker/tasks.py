@@ -3,6 +3,8 @@
 While a job trains, a heartbeat thread renews its lease. SIGTERM (a deploy) makes the training
 loop save a checkpoint at its next optimizer step and give the job back to the queue; the worker
 then exits. Every worker also runs ``shared.jobs.recover`` periodically (the reaper and sweeper).
+
+A worker process imports the training stack once, when it starts (``preload``), not per job.
 """
 
 import gc
@@ -17,7 +19,8 @@ from celery import signals
 from celery.exceptions import Reject
 
 from shared import jobs
-from shared.db import session_scope
+from shared.base_models import available_models
+from shared.db import read_session
 from shared.errors import UserError
 from shared.models import Dataset, JobStatus
 from shared.settings import get_settings
@@ -29,10 +32,30 @@ stopping = threading.Event()  # this worker is shutting down: the running job ch
 
 @signals.worker_init.connect
 def _on_worker_init(**_) -> None:
-    """A fresh stop flag per worker, and its recovery loop (reaper and sweeper)."""
+    """A fresh stop flag per worker, its recovery loop (reaper and sweeper), and the training stack
+    loaded before the worker takes its first job."""
     global stopping
     stopping = threading.Event()
     threading.Thread(target=recovery_loop, args=(stopping,), name="tunejob-recover", daemon=True).start()
+    preload()
+
+
+def preload() -> None:
+    """Import what every job needs once per worker process: torch, transformers, scikit-learn and
+    SciPy (through ``worker.train``) and the model class of each available base model. On the
+    2-core CPU, with other test suites running, that was about 9 s the first job of a worker used
+    to pay: 7 s of imports beyond torch (which the worker already loads to pick its device) and
+    2 s for the BERT modeling module."""
+    import transformers
+
+    import worker.train  # noqa: F401
+
+    for path, _ in available_models().values():
+        try:
+            config = transformers.AutoConfig.from_pretrained(path)
+            transformers.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(config)]
+        except (OSError, ValueError, KeyError) as e:  # the job that uses it fails with the reason
+            log.warning("base model %s not preloaded: %s", path.name, e)
 
 
 @signals.worker_shutting_down.connect  # warm shutdown: SIGTERM or SIGINT
@@ -73,43 +96,55 @@ def run_job(job_id: str) -> str:
     heartbeat = Heartbeat(job_id, worker_id)
     heartbeat.start()
     try:
-        outcome = train_claimed_job(job, worker_id, heartbeat)
+        try:
+            outcome = train_claimed_job(job, worker_id, heartbeat)
+        finally:
+            heartbeat.stopped.set()
+        record_outcome(job_id, worker_id, outcome)
     finally:
-        heartbeat.stopped.set()
-        release_device_memory()
+        release_device_memory()  # after the job is recorded: the user does not wait for it
+    return outcome
+
+
+def record_outcome(job_id: str, worker_id: str, outcome: str) -> None:
+    """End the job in the store as ``train_claimed_job`` left it (or hand it back to the queue); a
+    succeeded job's checkpoints are deleted, its model is in the artifacts."""
     if outcome in (JobStatus.SUCCEEDED, JobStatus.CANCELLED):
-        jobs.finish(job_id, worker_id, outcome)
+        if jobs.finish(job_id, worker_id, outcome) and outcome == JobStatus.SUCCEEDED:
+            jobs.discard_checkpoints(job_id)
     elif outcome == "time_limit":
         jobs.finish(job_id, worker_id, JobStatus.FAILED, {
             "code": "time_limit", "message": f"ran past TUNEJOB_MAX_JOB_SECONDS={get_settings().max_job_seconds}"})
     elif outcome == "shutdown" and jobs.requeue(job_id, worker_id, "requeued", "worker shut down (SIGTERM); "
                                                  "resumes from the checkpoint it saved", restart=False):
         send(job_id)
-    return outcome
 
 
 def train_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
     """Load the job's data and train it; map errors to the job's end (failed now, or re-queued)."""
-    from worker.data import load_job_data  # torch is imported only when a job runs
+    from worker.data import load_job_data  # imported by ``preload``; the API imports this module without torch
     from worker.device import resolve_device
-    from worker.report import Reporter
+    from worker.report import PhaseTimer, Reporter
     from worker.train import fine_tune
 
     reporter = Reporter(job.id, worker_id, stop_flags={"shutdown": stopping,
                                                         "lease_lost": heartbeat.lease_lost})
+    timer = PhaseTimer(reporter, queued=(job.timings or {}).get("queued"))
     try:
         device, note = resolve_device(get_settings().device)
         if note:
             reporter.event("device", note, level="warning")
-        with session_scope() as s:
+        with read_session() as s:
             train = s.get(Dataset, job.training_dataset_id)
             validation = s.get(Dataset, job.validation_dataset_id) if job.validation_dataset_id else None
         checkpoint = jobs.latest_checkpoint(job.id)
         jobs.discard_metrics_after(job.id, checkpoint.step if checkpoint else 0)
-        return fine_tune(job, load_job_data(job.spec, train, validation), device, reporter,
-                         Path(checkpoint.path) if checkpoint else None)
+        with timer.phase("load"):
+            data = load_job_data(job.spec, train, validation)
+        return fine_tune(job, data, device, reporter, Path(checkpoint.path) if checkpoint else None, timer)
     except UserError as e:  # deterministic: the same input fails the same way, so no retry
-        jobs.finish(job.id, worker_id, JobStatus.FAILED, {"code": e.code, "message": e.message})
+        jobs.finish(job.id, worker_id, JobStatus.FAILED, {"code": e.code, "message": e.message,
+                                                          **({"problems": e.problems} if e.problems else {})})
         return JobStatus.FAILED
     except Exception as e:
         log.exception("job %s failed unexpectedly", job.id)

@@ -1,8 +1,14 @@
-"""The training recipe for one job, top to bottom: setup, train, evaluate, save_checkpoint, save_model.
+"""The training recipe for one job, top to bottom: setup, warm_up, train, evaluate, save_checkpoint,
+save_model.
+
+Each phase is timed once, by ``worker.report.PhaseTimer`` (``run.timer``): ``setup`` times
+``tokenize`` and ``load``, and ``@timed`` marks ``warm_up``, ``train``, ``run_evaluation`` and the saves.
 
 Techniques and their sources:
 - smart and token-budget batching: ``shared.batching`` (seed notebooks 002 and 003); dynamic
-  padding per micro-batch: ``worker.data``;
+  padding per micro-batch up to a bucket width: ``worker.data``;
+- the step without host synchronisation, bf16 with fp32 master weights: ``worker.steps``; the step
+  as CUDA graphs, captured once per worker: ``worker.graphs`` (PyTorch docs, "CUDA Graphs");
 - mixed precision with ``torch.autocast`` and a GradScaler for fp16, gradient accumulation,
   gradient checkpointing, frozen embeddings, DataLoader workers and pinned memory: seed notebooks
   000 and 001, PyTorch AMP docs;
@@ -13,39 +19,46 @@ Techniques and their sources:
 
 import itertools
 import json
+import logging
 import math
 import os
 import random
 import resource
 import shutil
-import tarfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
-import torch.nn.functional as F
 from scipy.stats import pearsonr
 from sklearn.metrics import accuracy_score, f1_score, mean_squared_error
 from torch.utils.data import DataLoader
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers import logging as hf_logging
 from transformers import set_seed
 
+from shared import artifacts
 from shared.base_models import resolve_model
 from shared.batching import BatchPlan
 from shared.errors import UserError
 from shared.models import Job
-from shared.schemas import Hyperparameters
-from shared.settings import get_settings
+from shared.schemas import Hyperparameters, json_safe
 from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
-from worker.device import autocast_dtype, describe, pad_multiple
-from worker.report import Reporter
+from worker.device import autocast_dtype, describe, padding_ladder
+from worker.graphs import CapturedSteps, capture_steps, clear_cache, eager_reason
+from worker.report import PhaseTimer, Reporter, timed
+from worker.run_logs import write_run_logs
+from worker.steps import (Steps, StepValues, bf16_copy, example_losses, make_optimizer, make_scheduler,
+                          uses_bf16_copy)
 
 hf_logging.set_verbosity_error()
+log = logging.getLogger(__name__)
 GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True}
+READ_EVERY_SECONDS = 1.0  # CUDA: copy the per-step values to the host this often (``read_every_seconds``)
 
 
 @dataclass
@@ -66,14 +79,16 @@ class TrainState:
     best: dict | None = None  # {"step", "value", "metrics"} of the best evaluation so far
     evals_since_best: int = 0
 
-    def add(self, micro_batches: int, stats: BatchStats, seconds: float, skipped: bool) -> None:
-        """Account for one finished optimizer step."""
+    def add(self, micro_batches: int, stats: BatchStats) -> None:
+        """Account for one optimizer step as it is queued (what the host knows without waiting)."""
         self.step += 1
         self.batch_in_epoch += micro_batches
         self.real_tokens += stats.real
         self.padded_tokens += stats.padded
         self.unrounded_tokens += stats.unrounded
-        self.train_seconds += seconds
+
+    def count_skip(self, skipped: bool) -> None:
+        """Account for whether a step was skipped, once its values reach the host."""
         self.skipped_steps += skipped
         self.nonfinite_run = self.nonfinite_run + 1 if skipped else 0
 
@@ -90,13 +105,34 @@ class TrainState:
 
 
 class StepTimer:
-    """ETA from the mean wall time per optimizer step of this attempt (evaluation included)."""
+    """ETA from the mean wall time per optimizer step of this attempt (evaluation included), and
+    the training time of each window of steps whose values are read back together (``lap``;
+    evaluation and checkpoints are left out by ``restart``)."""
 
     def __init__(self, first_step: int):
         self.start, self.first_step = time.perf_counter(), first_step
+        self.window_start = self.start
 
     def eta(self, step: int, total_steps: int) -> float:
         return (time.perf_counter() - self.start) / max(1, step - self.first_step) * (total_steps - step)
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self.window_start = now - self.window_start, now
+        return seconds
+
+    def restart(self) -> None:
+        self.window_start = time.perf_counter()
+
+
+@dataclass
+class StepRecord:
+    """What the host knows about an optimizer step when it queues it."""
+
+    step: int
+    epoch: float
+    learning_rate: float
+    stats: BatchStats
 
 
 @dataclass
@@ -118,12 +154,18 @@ class Run:
     collator: object
     total_steps: int
     out_dir: Path  # this job's checkpoint directory
-    forward_model: torch.nn.Module  # ``model``, or its ``torch.compile`` wrapper
+    forward_model: torch.nn.Module  # what trains: ``model``, its bf16 copy, or a ``torch.compile`` wrapper
     state: TrainState = field(default_factory=TrainState)
+    steps: Steps | None = None  # how optimizer steps run (eager or CUDA graphs); set by ``warm_up``
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
 
 
-def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter, checkpoint: Path | None = None) -> str:
+def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter, checkpoint: Path | None = None,
+              timer: PhaseTimer | None = None) -> str:
     """Run one job to its end, resuming from ``checkpoint`` if given.
+
+    ``timer`` times the phases and reports them as the job's ``timings`` (default: a new one
+    reporting to ``reporter``; the worker passes its own, which has already timed ``load_job_data``).
 
     Returns ``"succeeded"``, or why it stopped early (``Reporter.should_stop``).
 
@@ -131,7 +173,8 @@ def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter,
         shared.errors.UserError: bad data, an unknown model, out of memory at micro-batch 1, or
             ``max_nonfinite_steps`` non-finite steps in a row (the job fails without retry).
     """
-    run = setup(job, data, device, reporter, checkpoint)
+    run = setup(job, data, device, reporter, checkpoint, timer or PhaseTimer(reporter))
+    warm_up(run, reporter)
     outcome = train(run, reporter)
     if outcome != "completed":
         if outcome != "lease_lost":
@@ -139,72 +182,95 @@ def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter,
         return outcome
     if run.val_set is not None:
         run_evaluation(run, reporter)
+    reporter.flush()  # every metric row in the store: save_model draws the training curves from them
     save_model(run)
-    reporter.flush()
     return "succeeded"
 
 
 # ----------------------------------------------------------------------------- setup
 
 
-def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, checkpoint: Path | None = None) -> Run:
+def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, checkpoint: Path | None = None,
+          timer: PhaseTimer | None = None) -> Run:
     """Tokenize the data, build the model, optimizer and schedule; restore ``checkpoint`` if given.
 
     ``job`` needs only ``id``, ``task``, ``base_model``, ``label_names`` and ``spec``; it may be a
-    transient ``Job`` that is not in the store (the benchmark does this).
+    transient ``Job`` that is not in the store (the benchmark does this). ``timer`` (default: a new,
+    silent one) times ``tokenize`` and ``load`` and goes on timing the run's phases.
     """
+    timer = timer or PhaseTimer()
     hp = Hyperparameters(**job.spec["hyperparameters"])
     spec = job.spec
     set_seed(hp.seed)
     model_dir = resolve_model(job.base_model)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as e:
-        raise UserError("model_load_failed", f"tokenizer of {job.base_model!r} could not be loaded: {e}",
-                        "base_model") from e
 
-    def encode(df, filename):
+    def encode(df, sha256):
         return tokenize(tokenizer, df, spec["text_column"], spec.get("text_pair_column"), spec["label_column"],
-                        job.label_names, hp.max_length, filename)
+                        job.label_names, hp.max_length, sha256)
 
-    train_set = encode(data.train, data.train_name)
-    val_set = encode(data.validation, data.validation_name) if data.validation is not None else None
+    with timer.phase("tokenize"):
+        tokenizer = load_tokenizer(model_dir, job.base_model, hp.max_length)
+        train_set = encode(data.train, data.train_sha256)
+        val_set = (encode(data.validation, data.validation_sha256)
+                   if data.validation is not None else None)
+    cached = [part.from_cache for part in (train_set, val_set) if part is not None]
+    reporter.event("tokenized", f"{len(train_set)} training and {len(val_set) if val_set else 0} validation texts at "
+                   f"max_length {hp.max_length}: " + ("read from the tokenization cache" if all(cached) else
+                                                      "tokenized" + (" and cached" if data.train_sha256 else "")))
 
-    model = load_model(checkpoint or model_dir, job).to(device)
-    if hp.freeze_embeddings:
-        model.base_model.embeddings.requires_grad_(False)
-    if hp.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with timer.phase("load"):
+        model = load_model(checkpoint or model_dir, job, device)
+        if hp.freeze_embeddings:
+            model.base_model.embeddings.requires_grad_(False)
+        if hp.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    plan = BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch)
-    total_steps = plan.count_steps(hp.epochs, hp.gradient_accumulation_steps)
-    optimizer = make_optimizer(model, hp, device)
-    scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(hp.warmup_ratio * total_steps), total_steps)
-    dtype = autocast_dtype(hp.precision, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    collator = make_collator(tokenizer, hp.batching, hp.max_length, pad_multiple(hp, device))
+        plan = BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch)
+        total_steps = plan.count_steps(hp.epochs, hp.gradient_accumulation_steps)
+        optimizer = make_optimizer(model, hp, device)
+        scheduler = make_scheduler(optimizer, hp, total_steps)
+        dtype = autocast_dtype(hp.precision, device)
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        collator = make_collator(tokenizer, hp.batching, hp.max_length, padding_ladder(hp, device))
 
-    run = Run(job, hp, device, dtype, tokenizer, model, optimizer, scheduler, scaler, train_set, val_set, plan,
-              collator, total_steps, get_settings().path("checkpoints", job.id, "x").parent,
-              torch.compile(model) if hp.torch_compile else model)
-    if checkpoint:
-        load_training_state(run, checkpoint)
-        reporter.event("resumed", f"resumed from the checkpoint at step {run.state.step}")
+        run = Run(job, hp, device, dtype, tokenizer, model, optimizer, scheduler, scaler, train_set, val_set, plan,
+                  collator, total_steps, artifacts.checkpoints_dir(job.id),
+                  torch.compile(model) if hp.torch_compile else model, timer=timer)
+        if checkpoint:
+            load_training_state(run, checkpoint)
+            reporter.event("resumed", f"resumed from the checkpoint at step {run.state.step}")
     reporter.progress(total_steps=total_steps, device=describe(device), step=run.state.step)
     reporter.flush()
     return run
 
 
-def load_model(path: Path, job: Job) -> torch.nn.Module:
+def load_tokenizer(model_dir: Path, name: str, max_length: int):
+    """The base model's tokenizer, its ``model_max_length`` set to the job's ``max_length``: saved
+    with the model, it makes ``truncation=True`` (without ``max_length``) cut where training did.
+
+    Raises:
+        UserError: ``model_load_failed``.
+    """
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError("model_load_failed", f"tokenizer of {name!r} could not be loaded: {e}", "base_model") from e
+    tokenizer.model_max_length = max_length
+    return tokenizer
+
+
+def load_model(path: Path, job: Job, device: torch.device | None = None) -> torch.nn.Module:
     """A sequence-classification model from a base model or checkpoint directory: safetensors only,
-    no remote code, SDPA attention where the architecture supports it."""
+    no remote code, SDPA attention where the architecture supports it, its weights read straight
+    onto ``device`` (``device_map``; no copy through host memory first)."""
     if job.task == "regression":
         labels = {"num_labels": 1, "problem_type": "regression"}
     else:
         names = job.label_names
         labels = {"num_labels": len(names), "id2label": dict(enumerate(names)),
                   "label2id": {n: i for i, n in enumerate(names)}, "problem_type": "single_label_classification"}
-    kwargs = dict(use_safetensors=True, ignore_mismatched_sizes=True, trust_remote_code=False, **labels)
+    kwargs = dict(use_safetensors=True, ignore_mismatched_sizes=True, trust_remote_code=False,
+                  device_map=device or "cpu", **labels)
     try:
         try:
             return AutoModelForSequenceClassification.from_pretrained(path, attn_implementation="sdpa", **kwargs)
@@ -214,16 +280,11 @@ def load_model(path: Path, job: Job) -> torch.nn.Module:
         raise UserError("model_load_failed", f"model {job.base_model!r} could not be loaded: {e}", "base_model") from e
 
 
-def make_optimizer(model: torch.nn.Module, hp: Hyperparameters, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over trainable parameters, no weight decay on biases and LayerNorm weights (BERT recipe),
-    with the fused kernel (CUDA and CPU; on the 2-core CPU one MiniLM step took 0.020 s fused
-    against 0.108 s with the default for-each kernel)."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=hp.learning_rate, fused=device.type in ("cuda", "cpu"))
+def learning_rate(run: Run) -> float:
+    """The learning rate of the next optimizer step, computed on the host (the optimizer's own may
+    be a device tensor)."""
+    scheduler = run.scheduler
+    return scheduler.base_lrs[0] * scheduler.lr_lambdas[0](scheduler.last_epoch)
 
 
 def make_loader(run: Run, dataset: TokenizedDataset, plan: BatchPlan, epoch: int) -> DataLoader:
@@ -233,45 +294,116 @@ def make_loader(run: Run, dataset: TokenizedDataset, plan: BatchPlan, epoch: int
                       pin_memory=run.device.type == "cuda", generator=torch.Generator().manual_seed(run.hp.seed + epoch))
 
 
+# ----------------------------------------------------------------------------- warm_up
+
+
+@timed("warmup")
+def warm_up(run: Run, reporter: Reporter | None = None) -> None:
+    """Prepare how the job's optimizer steps run (``run.steps``), before the first one, so that no
+    shape is first seen mid-epoch.
+
+    On CUDA: turn off the cuDNN attention backend, which plans every new shape (0.2-0.7 s each,
+    also inside a capture; the memory-efficient SDPA kernel plans nothing: ../shared/gpu/README.md),
+    then capture the step as CUDA graphs, one per bucket width the job's plan uses, or reuse those
+    an earlier job of the same model shape captured in this worker (``worker.graphs``). Where the
+    job cannot be captured, or capture fails (out of memory included), it trains eagerly and an
+    event (``cuda_graphs_off``) says why. Elsewhere (the CPU) the steps run eagerly, with the same
+    bodies. ``train`` calls this itself if it has not run. ``reporter``, if given, gets the events.
+    """
+    if run.device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    reason = eager_reason(run)
+    if reason is None:
+        widths = list(run.plan.width_counts(run.collator.ladder, run.hp.epochs))
+        try:
+            run.steps, message = capture_steps(run, micro_batch_size(run), widths)
+            notify(reporter, "cuda_graphs", message)
+            return
+        except Exception as e:  # any failure to capture: train this job eagerly, with the same bodies
+            log.exception("job %s: CUDA graph capture failed; training eagerly", run.job.id)
+            if run.device.type == "cuda":
+                torch.cuda.empty_cache()
+            notify(reporter, "cuda_graphs_off", f"training eagerly: capture failed ({type(e).__name__}: "
+                   f"{str(e)[:300]})", "warning")
+    elif run.device.type == "cuda":
+        notify(reporter, "cuda_graphs_off", f"training eagerly: {reason}", "info")
+    run.steps = eager_steps(run)
+
+
+def notify(reporter: Reporter | None, code: str, message: str, level: str = "info") -> None:
+    """An event on the job, when there is a reporter to take it."""
+    if reporter is not None:
+        reporter.event(code, message, level=level)
+
+
+def eager_steps(run: Run) -> Steps:
+    """Eager steps for ``run``; bf16 trains a bf16 copy of the model (``worker.steps``)."""
+    if uses_bf16_copy(run) and next(run.forward_model.parameters()).dtype != torch.bfloat16:
+        compute = bf16_copy(run.model)
+        run.forward_model = torch.compile(compute) if run.hp.torch_compile else compute
+    return Steps(run)
+
+
 # ----------------------------------------------------------------------------- train
 
 
+@timed("train")
 def train(run: Run, reporter: Reporter) -> str:
     """The training loop. One optimizer step per ``gradient_accumulation_steps`` micro-batches;
     evaluation and checkpoints every ``eval_every_steps``/``save_every_steps`` (default: at the end
-    of each epoch); the cancel flag is read after every step.
+    of each epoch); ``reporter.should_stop()`` is asked after every step.
+
+    No step waits for the device: each step's loss, gradient norm and skip flag stay on it and
+    are read back in bulk (on CUDA about once a second; on the CPU, where reading costs nothing,
+    after every step), and always before an evaluation, a checkpoint or a stop. Every step's
+    metrics are logged then; ``max_nonfinite_steps`` is checked then too.
 
     Returns ``"completed"`` (also after early stopping) or why it stopped (see
     ``Reporter.should_stop``); on ``"shutdown"`` it saves a checkpoint first.
     """
     hp, st = run.hp, run.state
-    trainable = [p for p in run.model.parameters() if p.requires_grad]
+    if run.steps is None:
+        warm_up(run, reporter)
     timer = StepTimer(st.step)
+    values = StepValues(run.device, read_every_seconds(run.device))
     run.model.train()
+    run.forward_model.train()
     while st.step < run.total_steps:
         for group in step_groups(run):
-            t0 = time.perf_counter()
-            step, stats = train_step_with_backoff(run, reporter, group, trainable)
-            step["seconds"] = time.perf_counter() - t0
-            st.add(len(group), stats, step["seconds"], step["skipped"])
-            log_step(run, reporter, step, stats, timer)
-            check_finite(run)
+            lr = learning_rate(run)
+            step_values, stats = train_step_with_backoff(run, reporter, group)
+            st.add(len(group), stats)
+            epoch = st.epoch + st.batch_in_epoch / max(1, len(run.plan.batches))
+            values.add(step_values, StepRecord(st.step, epoch, lr, stats))
             if st.step >= run.total_steps:
+                log_steps(run, reporter, values.poll(wait=True), timer)
                 return "completed"
+            log_steps(run, reporter, values.poll(), timer)
             end_of_epoch = st.batch_in_epoch == len(run.plan.batches)
-            if run.val_set is not None and due(st.step, hp.eval_every_steps, end_of_epoch):
+            evaluate_now = run.val_set is not None and due(st.step, hp.eval_every_steps, end_of_epoch)
+            stop = reporter.should_stop()
+            checkpoint_due = due(st.step, hp.save_every_steps, end_of_epoch) if stop is None else stop == "shutdown"
+            if evaluate_now or checkpoint_due or stop:  # these need every step's values: wait for them
+                log_steps(run, reporter, values.poll(wait=True), timer)
+            if evaluate_now:
                 run_evaluation(run, reporter)
                 if should_stop_early(run, reporter):
                     return "completed"
                 run.model.train()
-            stop = reporter.should_stop()
-            checkpoint_due = due(st.step, hp.save_every_steps, end_of_epoch) if stop is None else stop == "shutdown"
+                timer.restart()
             if checkpoint_due and st.nonfinite_run == 0:  # on shutdown: the next worker resumes from here
                 save_checkpoint(run, reporter)
+                timer.restart()
             if stop:
                 return stop
         st.epoch, st.batch_in_epoch = st.epoch + 1, 0
     return "completed"
+
+
+def read_every_seconds(device: torch.device) -> float:
+    """How often per-step values are copied to the host: about once a second on CUDA, where a read
+    waits for the GPU; after every step on the CPU, where it costs nothing."""
+    return READ_EVERY_SECONDS if device.type == "cuda" else 0.0
 
 
 def due(step: int, every: int | None, end_of_epoch: bool) -> bool:
@@ -286,10 +418,11 @@ def step_groups(run: Run) -> Iterator[list[dict]]:
         yield group
 
 
-def train_step_with_backoff(run: Run, reporter: Reporter, group: list[dict],
-                            trainable: list[torch.nn.Parameter]) -> tuple[dict, BatchStats]:
+def train_step_with_backoff(run: Run, reporter: Reporter, group: list[dict]) -> tuple[torch.Tensor, BatchStats]:
     """``train_step``, retried after an out-of-memory error with each micro-batch cut in half (and so
-    twice the accumulation): the effective batch, and the step's gradient, stay the same.
+    twice the accumulation): the effective batch, and the step's gradient, stay the same. After an
+    out-of-memory error a job on CUDA graphs drops them (and the worker's cached graphs, to free
+    their memory) and trains on eagerly.
 
     Raises:
         UserError: ``out_of_memory`` when a micro-batch of one example does not fit.
@@ -297,9 +430,14 @@ def train_step_with_backoff(run: Run, reporter: Reporter, group: list[dict],
     st = run.state
     while True:
         try:
-            return train_step(run, group, trainable)
+            return train_step(run, group)
         except torch.OutOfMemoryError as e:
-            run.optimizer.zero_grad(set_to_none=True)
+            run.steps.discard_step()
+            if isinstance(run.steps, CapturedSteps):
+                clear_cache()
+                run.steps = Steps(run)
+                reporter.event("cuda_graphs_off", "out of memory: dropped the CUDA graphs, training eagerly",
+                               level="warning")
             if run.device.type == "cuda":
                 torch.cuda.empty_cache()
             largest = max(len(b["labels"]) for b in group)
@@ -318,48 +456,30 @@ def micro_batch_size(run: Run) -> int:
     return math.ceil(run.hp.batch_size / run.state.micro_split)
 
 
-def train_step(run: Run, group: list[dict], trainable: list[torch.nn.Parameter]) -> tuple[dict, BatchStats]:
-    """Forward and backward over the micro-batches of one optimizer step, then clip and step.
+def train_step(run: Run, group: list[dict]) -> tuple[torch.Tensor, BatchStats]:
+    """Forward and backward over the micro-batches of one optimizer step, then clip and step
+    (``run.steps``; ``warm_up`` first if it has not run).
 
     The loss of each micro-batch is summed over its examples and divided by the number of
     examples in the whole step, so micro-batches of unequal size weigh correctly and the gradient
     equals that of one batch of all of them. A step whose loss or gradient is not finite is
-    skipped (by the GradScaler under fp16, here otherwise).
+    skipped (the fused AdamW leaves weights and moments alone).
 
     Returns:
-        ({"loss", "grad_norm", "learning_rate", "skipped"}, token counts of the step).
+        (``[loss, grad_norm, skipped]`` as a device tensor, not yet read; token counts of the step,
+        filler rows of CUDA graphs included in ``padded``).
     """
+    if run.steps is None:
+        warm_up(run)
     n_examples = sum(len(b["labels"]) for b in group)
     stats = BatchStats(0, 0, 0)
-    loss_sum = torch.zeros((), device=run.device)
     for planned in group:
         s = BatchStats.of(planned, padded_to_longest=run.hp.batching != "fixed")
         stats = BatchStats(stats.real + s.real, stats.unrounded + s.unrounded, stats.padded + s.padded)
-        for batch in split_batch(planned, run.state.micro_split):
-            batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
-            labels = batch.pop("labels")
-            with torch.autocast(run.device.type, dtype=run.dtype or torch.float32, enabled=run.dtype is not None):
-                logits = run.forward_model(**batch).logits
-            loss = loss_sum_of(logits, labels, run.job.task) / n_examples
-            run.scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-    run.scaler.unscale_(run.optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-    learning_rate = run.scheduler.get_last_lr()[0]
-    finite = bool(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
-    if run.scaler.is_enabled():
-        scale = run.scaler.get_scale()
-        run.scaler.step(run.optimizer)  # skips the update itself when the gradient has inf/NaN
-        run.scaler.update()
-        skipped = run.scaler.get_scale() < scale or not finite
-    else:
-        if finite:
-            run.optimizer.step()
-        skipped = not finite
+    pieces = [piece for planned in group for piece in split_batch(planned, run.state.micro_split)]
+    values, filler_tokens = run.steps.step(pieces, n_examples)
     run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "learning_rate": learning_rate,
-            "skipped": skipped}, stats
+    return values, BatchStats(stats.real, stats.unrounded, stats.padded + filler_tokens)
 
 
 def split_batch(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, torch.Tensor]]:
@@ -373,17 +493,15 @@ def split_batch(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, t
 def loss_sum_of(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
     """Summed loss of a micro-batch: cross-entropy (logits ``[n, classes]``, labels ``[n]`` int64)
     or squared error (logits ``[n, 1]``, labels ``[n]`` float), computed in fp32."""
-    if task == "regression":
-        return F.mse_loss(logits.float().squeeze(-1), labels.float(), reduction="sum")
-    return F.cross_entropy(logits.float(), labels, reduction="sum")
+    return example_losses(logits, labels, task).sum()
 
 
-def check_finite(run: Run) -> None:
-    """Fail the job after ``max_nonfinite_steps`` consecutive non-finite steps; the checkpoints
-    written before them (only finite steps are checkpointed) are kept."""
+def check_finite(run: Run, step: int) -> None:
+    """Fail the job after ``max_nonfinite_steps`` consecutive non-finite steps (the last one being
+    ``step``); the checkpoints written before them (only finite steps are checkpointed) are kept."""
     st, limit = run.state, run.hp.max_nonfinite_steps
     if st.nonfinite_run >= limit:
-        raise UserError("nonfinite_loss", f"{limit} consecutive optimizer steps (up to step {st.step}) had a "
+        raise UserError("nonfinite_loss", f"{limit} consecutive optimizer steps (up to step {step}) had a "
                         "non-finite loss or gradient; lower the learning_rate or use bf16/fp32 precision; "
                         "the last good checkpoint is kept", "hyperparameters.learning_rate")
 
@@ -394,25 +512,47 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def log_step(run: Run, reporter: Reporter, step: dict, stats: BatchStats, timer: StepTimer) -> None:
-    """Buffer this step's metrics and update the job's progress, ETA and running totals."""
+def memory_in_use_mb(device: torch.device) -> float:
+    """Memory held now, in MiB: CUDA tensors on a GPU, the worker's resident set (psutil) on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def log_steps(run: Run, reporter: Reporter, landed: list[tuple[StepRecord, list[float]]], timer: StepTimer) -> None:
+    """Account for and log the steps whose values reached the host (oldest first): each step's
+    metrics, then the job's progress, ETA and running totals. Their time is the wall time since the
+    previous read (evaluation and checkpoints left out), shared by their real tokens.
+
+    Raises:
+        UserError: ``nonfinite_loss`` (``check_finite``).
+    """
+    if not landed:
+        return
     st = run.state
-    epoch = st.epoch + st.batch_in_epoch / max(1, len(run.plan.batches))
+    seconds = timer.lap()
+    st.train_seconds += seconds
+    tokens_per_second = sum(record.stats.real for record, _ in landed) / seconds
     peak = peak_memory_mb(run.device)
-    reporter.log(st.step, epoch, {
-        "train_loss": step["loss"],
-        "learning_rate": step["learning_rate"],
-        "grad_norm": step["grad_norm"],
-        "tokens_per_second": stats.real / step["seconds"],
-        "padding_efficiency": stats.real / stats.padded,
-        "padding_efficiency_unrounded": stats.real / stats.unrounded,
-        "peak_memory_mb": peak,
-        "skipped_steps": st.skipped_steps,
-    })
-    totals = {"loss": step["loss"], "learning_rate": step["learning_rate"], "peak_memory_mb": peak,
+    for record, (loss, grad_norm, skipped) in landed:
+        st.count_skip(skipped > 0)
+        reporter.log(record.step, record.epoch, {
+            "train_loss": loss,
+            "learning_rate": record.learning_rate,
+            "grad_norm": grad_norm,
+            "tokens_per_second": tokens_per_second,
+            "padding_efficiency": record.stats.real / record.stats.padded,
+            "padding_efficiency_unrounded": record.stats.real / record.stats.unrounded,
+            "peak_memory_mb": peak,
+            "skipped_steps": st.skipped_steps,
+        })
+        check_finite(run, record.step)
+    totals = {"loss": loss, "learning_rate": record.learning_rate, "peak_memory_mb": peak,
+              "memory_mb": memory_in_use_mb(run.device),
               "micro_batch_size": micro_batch_size(run),
               "gradient_accumulation_steps": run.hp.gradient_accumulation_steps * st.micro_split, **st.throughput()}
-    reporter.progress(step=st.step, epoch=epoch, eta_seconds=timer.eta(st.step, run.total_steps), train_metrics=totals)
+    reporter.progress(step=record.step, epoch=record.epoch, eta_seconds=timer.eta(record.step, run.total_steps),
+                      train_metrics=totals)
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -422,24 +562,26 @@ def log_step(run: Run, reporter: Reporter, step: dict, stats: BatchStats, timer:
 def evaluate(run: Run, reporter: Reporter | None = None) -> dict[str, float]:
     """Validation loss plus accuracy and macro-F1 (classification) or MSE and Pearson r (regression).
 
-    ``reporter``, if given, renews the job's lease while a long evaluation runs.
+    Runs eagerly on ``run.model`` (the fp32 master weights, under autocast with the job's dtype):
+    it never touches the training step's CUDA graphs or their inputs. ``reporter``, if given,
+    renews the job's lease while a long evaluation runs.
     """
-    model, task = run.forward_model, run.job.task
+    model, task = run.model, run.job.task
     model.eval()
     plan = BatchPlan(run.val_set.lengths, run.hp.batch_size * 2, "smart", run.hp.seed)
-    loss_total, predictions, targets = 0.0, [], []
+    loss_total, predictions, targets = torch.zeros((), device=run.device), [], []
     for batch in make_loader(run, run.val_set, plan, epoch=0):
         batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
         labels = batch.pop("labels")
         with torch.autocast(run.device.type, dtype=run.dtype or torch.float32, enabled=run.dtype is not None):
             logits = model(**batch).logits.float()
-        loss_total += loss_sum_of(logits, labels, task).item()
+        loss_total += loss_sum_of(logits, labels, task)
         predictions.append(logits.squeeze(-1) if task == "regression" else logits.argmax(-1))
         targets.append(labels)
         if reporter is not None:
             reporter.heartbeat()
     y_pred, y_true = torch.cat(predictions).cpu().numpy(), torch.cat(targets).cpu().numpy()
-    metrics = {"loss": loss_total / len(y_true)}
+    metrics = {"loss": loss_total.item() / len(y_true)}
     if task == "regression":
         metrics["mse"] = float(mean_squared_error(y_true, y_pred))
         metrics["pearson_r"] = float(pearsonr(y_true, y_pred).statistic) if len(y_true) > 1 else float("nan")
@@ -449,6 +591,7 @@ def evaluate(run: Run, reporter: Reporter | None = None) -> dict[str, float]:
     return metrics
 
 
+@timed("evaluate")
 def run_evaluation(run: Run, reporter: Reporter) -> None:
     """Evaluate, log, and keep the best model so far (in ``<checkpoints>/best``)."""
     st = run.state
@@ -462,7 +605,7 @@ def run_evaluation(run: Run, reporter: Reporter) -> None:
                                                               value < st.best["value"]))
     if improved:
         st.best, st.evals_since_best = {"step": st.step, "value": value, "metrics": metrics}, 0
-        _write_atomically(run.out_dir / "best", lambda tmp: run.model.save_pretrained(tmp, safe_serialization=True))
+        save_best(run)
     else:
         st.evals_since_best += 1
 
@@ -486,9 +629,10 @@ def _write_atomically(final_dir: Path, write) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write(tmp)
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     shutil.rmtree(final_dir, ignore_errors=True)
     os.replace(tmp, final_dir)
     dir_fd = os.open(final_dir.parent, os.O_RDONLY)
@@ -498,15 +642,30 @@ def _write_atomically(final_dir: Path, write) -> None:
         os.close(dir_fd)
 
 
+@timed("save")
+def save_best(run: Run) -> None:
+    """Write the model as the best so far, to ``<checkpoints>/best`` (weights and config). These
+    are the weights the artifact gets: ``save_model`` links them instead of saving them again."""
+    _write_atomically(run.out_dir / "best", lambda tmp: run.model.save_pretrained(tmp, safe_serialization=True))
+
+
+@timed("save")
 def save_checkpoint(run: Run, reporter: Reporter) -> None:
-    """Save model weights (safetensors) and the full training state atomically, then record it;
-    the store keeps the newest ``save_total_limit`` and their directories, and deletes the rest."""
+    """Save model weights (safetensors), tokenizer and the full training state atomically, then
+    record it; the store keeps the newest ``save_total_limit`` and their directories, and deletes
+    the rest. A checkpoint is a complete model directory (``GET /jobs/{id}/checkpoints/{step}/model.tar``).
+    At a step whose evaluation was the best so far, the weights are hard-linked from ``save_best``'s
+    directory instead of being written a second time."""
     st = run.state
     path = run.out_dir / f"step-{st.step:08d}"
 
     def write(tmp: Path) -> None:
-        run.model.save_pretrained(tmp, safe_serialization=True)
-        torch.save(training_state(run), tmp / "training_state.pt")
+        if st.best and st.best["step"] == st.step:  # save_best has just written these weights: link them
+            artifacts.link_or_copy_files(run.out_dir / "best", tmp)
+        else:
+            run.model.save_pretrained(tmp, safe_serialization=True)
+        run.tokenizer.save_pretrained(tmp)
+        torch.save(training_state(run), tmp / artifacts.TRAINING_STATE)
 
     _write_atomically(path, write)
     for old in reporter.checkpoint(st.step, path, st.last_eval, keep=run.hp.save_total_limit):
@@ -518,7 +677,7 @@ def training_state(run: Run) -> dict:
     np_state = np.random.get_state()
     return {
         "train_state": vars(run.state).copy(),
-        "optimizer": run.optimizer.state_dict(),
+        "optimizer": portable_state_dict(run.optimizer),
         "scheduler": run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict(),
         "rng": {
@@ -530,9 +689,18 @@ def training_state(run: Run) -> dict:
     }
 
 
+def portable_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with plain-float learning rates and ``capturable`` off, so that
+    any optimizer ``make_optimizer`` builds (CPU or CUDA, eager or captured) can load it."""
+    state = optimizer.state_dict()
+    for group in state["param_groups"]:
+        group["lr"], group["capturable"] = float(group["lr"]), False
+    return state
+
+
 def load_training_state(run: Run, checkpoint: Path) -> None:
     """Restore what ``training_state`` saved (the weights are loaded with the model)."""
-    state = torch.load(checkpoint / "training_state.pt", weights_only=True, map_location="cpu")
+    state = torch.load(checkpoint / artifacts.TRAINING_STATE, weights_only=True, map_location="cpu")
     run.state = TrainState(**state["train_state"])
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
@@ -545,31 +713,46 @@ def load_training_state(run: Run, checkpoint: Path) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
+@timed("save")
 def save_model(run: Run) -> Path:
-    """Save the best model (by ``metric_for_best_model``; the final one without validation) in
-    Hugging Face format: safetensors, config with id2label, tokenizer files, ``training_args.json``
-    and ``metrics.json`` (which says the step it came from). Pack it as
-    ``artifacts/<job>/model.tar.gz``."""
+    """Write the job's model to ``artifacts/<job>/model`` in Hugging Face format: safetensors and
+    config (with id2label), tokenizer files (``model_max_length`` = the job's ``max_length``),
+    ``training_args.json``, ``training_curves.png`` and TensorBoard event files under ``runs/``
+    (``worker.run_logs``), ``metrics.json`` (the best and final evaluations, training totals and
+    the ``timings`` so far) and ``manifest.json`` (each file's size and sha256).
+
+    The weights are those of the best evaluation by ``metric_for_best_model``, hard-linked from
+    ``save_best``'s directory, so they are written once; without validation, the final weights are
+    saved here. Written under a temporary name, fsynced, then renamed into place. Returns the
+    model directory.
+    """
     st = run.state
     best = st.best or {"step": st.step, "value": None, "metrics": st.last_eval or {}}
-    model = run.model if best["step"] == st.step else load_model(run.out_dir / "best", run.job)
     metrics = {"best_step": best["step"], "final_step": st.step, "metric_for_best_model": run.hp.metric_for_best_model,
                "best_value": best["value"], "validation": best["metrics"], "final_validation": st.last_eval,
                "train": st.throughput()}
-    model_dir = get_settings().path("artifacts", run.job.id, "model")
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if st.best:
+            artifacts.link_or_copy_files(run.out_dir / "best", tmp)
+        else:
+            run.model.save_pretrained(tmp, safe_serialization=True)
         run.tokenizer.save_pretrained(tmp)
         (tmp / "training_args.json").write_text(json.dumps(run.job.spec, indent=2))
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        write_run_logs(tmp, run.job)  # training_curves.png and runs/ (TensorBoard)
+        hashed = artifacts.manifest_entries(artifacts.files_of(tmp))
+        metrics_json = json.dumps(json_safe({**metrics, "timings": timings_so_far(run)}), indent=2, allow_nan=False)
+        (tmp / artifacts.METRICS).write_text(metrics_json)
+        artifacts.write_manifest(tmp, hashed)
 
+    model_dir = artifacts.model_dir(run.job.id)
     _write_atomically(model_dir, write)
-    archive = model_dir.parent / "model.tar.gz"
-    tmp_archive = archive.with_name(".model.tar.gz.tmp")
-    with tarfile.open(tmp_archive, "w:gz") as tar:
-        for f in sorted(model_dir.iterdir()):
-            tar.add(f, arcname=f.name)
-    os.replace(tmp_archive, archive)
-    shutil.copyfile(model_dir / "metrics.json", model_dir.parent / "metrics.json")
-    return archive
+    return model_dir
+
+
+def timings_so_far(run: Run) -> dict[str, float | None]:
+    """The run's phase timings, with ``total`` = POST to now when the job is in the store."""
+    timings = run.timer.timings()
+    if run.job.created_at is not None:
+        timings["total"] = round((datetime.now(UTC) - run.job.created_at).total_seconds(), 3)
+    return timings

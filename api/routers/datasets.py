@@ -1,71 +1,48 @@
-import hashlib
-import os
-import uuid
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 
-from fastapi import APIRouter, UploadFile
-from sqlalchemy import select
-
-from shared.datasets import detect_format, read_table
-from shared.db import session_scope
-from shared.errors import NotFound, UserError
-from shared.models import Dataset, new_id
+from api.auth import CallerDep
+from api.errors import error_responses
+from api.headers import IdempotencyKey
+from api.uploads import store_upload, upload_body
+from shared import idempotency, uploads
 from shared.schemas import DatasetOut
-from shared.settings import get_settings
 
 router = APIRouter(tags=["datasets"])
 
 
-@router.post("/datasets", status_code=201)
-def upload_dataset(file: UploadFile) -> DatasetOut:
+@router.post("/datasets", status_code=201, openapi_extra=upload_body(), responses=error_responses(409, 413, 415, 422))
+async def upload_dataset(request: Request, caller: CallerDep, idempotency_key: IdempotencyKey = None) -> DatasetOut:
     """Upload a CSV, TSV, JSONL or Parquet file (multipart field ``file``).
 
-    The file is validated (UTF-8, parses, at least one row) before anything is recorded; a
-    rejected file leaves no row and no file behind.
+    The body is streamed to disk and refused with 413 as soon as it passes
+    ``TUNEJOB_MAX_UPLOAD_BYTES`` (at once when ``Content-Length`` says so). The file is then checked
+    in batches (UTF-8, parses, unique header, no ragged row, at least one row, Parquet's expanded
+    size) before anything is recorded; a rejected file leaves no row and no file behind, and the
+    error lists up to 20 problems (row, column, value, message). With an ``Idempotency-Key``
+    header, a retry of the same file under the same name (within 24 h) gets the first response back.
     """
-    settings = get_settings()
-    filename = os.path.basename(file.filename or "upload")
-    fmt = detect_format(filename)
-    dataset_id = new_id("ds")
-    tmp = settings.path("uploads", f".{uuid.uuid4().hex}.tmp")
-    final = settings.path("uploads", f"{dataset_id}.{fmt}")
-    try:
-        size, sha256 = _save(file, tmp, settings.max_upload_bytes, filename)
-        table = read_table(tmp, fmt, filename)
-        os.replace(tmp, final)
-        with session_scope() as s:
-            dataset = Dataset(id=dataset_id, filename=filename, format=fmt, path=str(final), rows=len(table),
-                              columns=list(table.columns), bytes=size, sha256=sha256)
-            s.add(dataset)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        final.unlink(missing_ok=True)
-        raise
+    dataset = await store_upload(request, caller, idempotency_key)
+    if isinstance(dataset, idempotency.Replay):
+        return JSONResponse(dataset.body, status_code=dataset.status_code)
     return DatasetOut.model_validate(dataset)
 
 
-def _save(file: UploadFile, path, max_bytes: int, filename: str) -> tuple[int, str]:
-    digest, size = hashlib.sha256(), 0
-    with open(path, "wb") as out:
-        while chunk := file.file.read(1 << 20):
-            size += len(chunk)
-            if size > max_bytes:
-                raise UserError("file_too_large", f"{filename!r} is larger than {max_bytes} bytes", "file", 413)
-            digest.update(chunk)
-            out.write(chunk)
-    return size, digest.hexdigest()
-
-
 @router.get("/datasets")
-def list_datasets() -> dict[str, list[DatasetOut]]:
-    with session_scope() as s:
-        rows = s.scalars(select(Dataset).order_by(Dataset.created_at.desc(), Dataset.id.desc())).all()
-        return {"data": [DatasetOut.model_validate(d) for d in rows]}
+def list_datasets(caller: CallerDep) -> dict[str, list[DatasetOut]]:
+    datasets, _ = uploads.list_datasets(caller)
+    return {"data": [DatasetOut.model_validate(d) for d in datasets]}
 
 
 @router.get("/datasets/{dataset_id}")
-def get_dataset(dataset_id: str) -> DatasetOut:
-    with session_scope() as s:
-        dataset = s.get(Dataset, dataset_id)
-        if dataset is None:
-            raise NotFound("dataset", dataset_id)
-        return DatasetOut.model_validate(dataset)
+def get_dataset(dataset_id: str, caller: CallerDep) -> DatasetOut:
+    return DatasetOut.model_validate(uploads.get_dataset(dataset_id, caller))
+
+
+@router.delete("/datasets/{dataset_id}", status_code=204, responses=error_responses(409))
+def delete_dataset(dataset_id: str, caller: CallerDep) -> Response:
+    """Delete the uploaded file and its cached tokenizations; the id then answers 404 (code
+    ``deleted``). Finished jobs that used it keep their models. 409 while a queued or running job
+    uses it."""
+    uploads.delete_dataset(dataset_id, caller)
+    return Response(status_code=204)

@@ -1,117 +1,142 @@
-import logging
 from typing import Annotated
 
-from fastapi import APIRouter, Query
-from fastapi.responses import FileResponse, JSONResponse
-from sqlalchemy import select, tuple_
+from fastapi import APIRouter, Path, Query, Response
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from sqlalchemy import select
 
-from shared import jobs
-from shared.db import session_scope
-from shared.errors import NotFound, UserError
-from shared.models import Checkpoint, Job, JobEvent, JobMetric
+from api.auth import CallerDep
+from api.errors import SafeJSONResponse, error_responses
+from api.headers import IdempotencyKey
+from shared import artifacts, idempotency, jobs
+from shared.db import read_session
+from shared.errors import NotFound
+from shared.models import JobMetric
 from shared.planning import check_spec, plan_job
-from shared.schemas import ArtifactOut, CheckpointOut, EventOut, JobCreate, JobList, JobOut, MetricOut
-from shared.settings import get_settings
-from worker.celery_app import send
+from shared.schemas import ArtifactOut, CheckpointOut, DryRunOut, EventOut, JobCreate, JobList, JobOut, MetricOut
+from shared.tenancy import owned_job
+from worker.celery_app import submit
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
-log = logging.getLogger("tunejob.api")
 Status = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")]
+MAX_STEP = 2**31 - 1  # steps are stored as 32-bit integers (PostgreSQL INTEGER)
 
 
-@router.post("", status_code=201, response_model=JobOut,
-             responses={200: {"description": "dry_run=true: the job's plan; nothing is stored or queued"}})
-def create_job(spec: JobCreate, dry_run: bool = False):
+@router.post("", status_code=201, response_model=JobOut, responses={
+    200: {"model": DryRunOut, "description": "dry_run=true: the job's plan; nothing is stored or queued"}})
+def create_job(spec: JobCreate, caller: CallerDep, dry_run: bool = False, idempotency_key: IdempotencyKey = None):
     """Validate the spec against its model and data, store the job, then queue its id.
 
     With ``dry_run=true`` nothing is stored or queued: the response (200) is the job's plan:
     token-length histogram, padding efficiency of each batching strategy, steps per epoch, the
     fraction of examples truncated at ``max_length``, and an estimated duration where a past job
     on the same base model gives the throughput.
+
+    With an ``Idempotency-Key`` header, a retry with the same key and body (within 24 h) gets the
+    first response back and queues nothing (a dry run ignores the header: it stores nothing).
     """
     if dry_run:
-        return JSONResponse({"dry_run": True, "plan": plan_job(check_spec(spec))})
-    job = jobs.create_job(spec)
-    try:
-        send(job.id)
-    except Exception:  # the broker is down: the job stays queued and the sweeper re-sends it
-        log.exception("job %s stored but not yet sent to the broker", job.id)
-    return jobs.to_out(jobs.get_job(job.id))
+        plan = DryRunOut(dry_run=True, plan=plan_job(check_spec(spec, caller)))
+        return SafeJSONResponse(plan.model_dump(mode="json"))
+    job = idempotency.once(caller.tenant, "POST /jobs", idempotency_key,
+                           idempotency.fingerprint(spec.model_dump_json()), lambda claim: submit(spec, caller, claim))
+    if isinstance(job, idempotency.Replay):
+        return JSONResponse(job.body, status_code=job.status_code)
+    return jobs.to_out(job)
 
 
 @router.get("")
-def list_jobs(status: Status = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+def list_jobs(caller: CallerDep, status: Status = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
               cursor: str | None = None) -> JobList:
     """Jobs, newest first. Pass ``next_cursor`` back as ``cursor`` for the next page."""
-    with session_scope() as s:
-        query = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)
-        if status:
-            query = query.where(Job.status == status)
-        if cursor:
-            after = s.get(Job, cursor)
-            if after is None:
-                raise UserError("invalid_cursor", f"cursor {cursor!r} is not a job id", "cursor")
-            query = query.where(tuple_(Job.created_at, Job.id) < tuple_(after.created_at, after.id))
-        rows = s.scalars(query).all()
-    page = rows[:limit]
-    return JobList(data=[jobs.to_out(j) for j in page], next_cursor=page[-1].id if len(rows) > limit else None)
+    page, has_more = jobs.list_jobs(caller, limit, cursor, status, param="cursor")
+    return JobList(data=[jobs.to_out(j) for j in page], next_cursor=page[-1].id if has_more else None)
 
 
 @router.get("/{job_id}")
-def get_job(job_id: str) -> JobOut:
-    return jobs.to_out(jobs.get_job(job_id))
+def get_job(job_id: str, caller: CallerDep) -> JobOut:
+    return jobs.to_out(jobs.get_job(job_id, caller))
+
+
+@router.delete("/{job_id}", status_code=204, responses=error_responses(409))
+def delete_job(job_id: str, caller: CallerDep) -> Response:
+    """Delete a finished job's checkpoints, artifacts, metrics and events. Its id then answers 404
+    (code ``deleted``). A queued or running job answers 409: cancel it first."""
+    jobs.delete_job(job_id, caller)
+    return Response(status_code=204)
 
 
 @router.post("/{job_id}/cancel")
-def cancel_job(job_id: str) -> JobOut:
-    """A queued job never starts; a running one stops at its next optimizer step."""
-    return jobs.to_out(jobs.request_cancel(job_id))
+def cancel_job(job_id: str, caller: CallerDep) -> JobOut:
+    """A queued job never starts; a running one stops within about a second, after an optimizer step."""
+    return jobs.to_out(jobs.request_cancel(job_id, caller))
 
 
 @router.get("/{job_id}/metrics")
-def job_metrics(job_id: str, after_step: int = -1,
+def job_metrics(job_id: str, caller: CallerDep, after_step: Annotated[int, Query(ge=-1, le=MAX_STEP)] = -1,
                 limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> dict[str, list[MetricOut]]:
-    """The metric series (step, epoch, name, value, time), ordered by step."""
-    jobs.get_job(job_id)
-    with session_scope() as s:
+    """The metric series (step, epoch, name, value, time), ordered by step. A value that was not
+    finite (NaN, Infinity) is null, with ``nonfinite`` true."""
+    with read_session() as s:
+        owned_job(s, job_id, caller)
         rows = s.scalars(select(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > after_step)
                          .order_by(JobMetric.step, JobMetric.id).limit(limit)).all()
         return {"data": [MetricOut.model_validate(m) for m in rows]}
 
 
 @router.get("/{job_id}/events")
-def job_events(job_id: str) -> dict[str, list[EventOut]]:
-    jobs.get_job(job_id)
-    with session_scope() as s:
-        rows = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.time, JobEvent.id)).all()
-        return {"data": [EventOut.model_validate(e) for e in rows]}
+def job_events(job_id: str, caller: CallerDep) -> dict[str, list[EventOut]]:
+    return {"data": [EventOut.model_validate(e) for e in jobs.list_events(job_id, caller)]}
 
 
 @router.get("/{job_id}/checkpoints")
-def job_checkpoints(job_id: str) -> dict[str, list[CheckpointOut]]:
-    jobs.get_job(job_id)
-    with session_scope() as s:
-        rows = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)).all()
-        return {"data": [CheckpointOut.model_validate(c) for c in rows]}
+def job_checkpoints(job_id: str, caller: CallerDep) -> dict[str, list[CheckpointOut]]:
+    return {"data": [CheckpointOut.model_validate(c) for c in jobs.list_checkpoints(job_id, caller)]}
 
 
-def _artifacts(job_id: str) -> dict:
-    jobs.get_job(job_id)
-    folder = get_settings().data_path / "artifacts" / job_id
-    return {f.name: f for f in sorted(folder.glob("*")) if f.is_file() and not f.name.startswith(".")}
+@router.get("/{job_id}/checkpoints/{step}/model.tar")
+def download_checkpoint(job_id: str, step: Annotated[int, Path(ge=0, le=MAX_STEP)], caller: CallerDep
+                        ) -> StreamingResponse:
+    """A checkpoint's model (weights, config, tokenizer; not the optimizer state) as an uncompressed
+    tar, e.g. of a running job. Checkpoints beyond ``save_total_limit`` are rotated away, and a
+    succeeded job's are deleted (its model is in the artifacts)."""
+    files = artifacts.files_of(jobs.get_checkpoint(job_id, step, caller), exclude=(artifacts.TRAINING_STATE,))
+    return _tar_response(artifacts.TarStream(files), f"{job_id}-step-{step}.tar")
 
 
 @router.get("/{job_id}/artifacts")
-def list_artifacts(job_id: str) -> dict[str, list[ArtifactOut]]:
-    """The job's downloadable files; the trained model is ``model.tar.gz``."""
-    return {"data": [ArtifactOut(name=name, bytes=f.stat().st_size, url=f"/jobs/{job_id}/artifacts/{name}")
-                     for name, f in _artifacts(job_id).items()]}
+def list_artifacts(job_id: str, caller: CallerDep) -> dict[str, list[ArtifactOut]]:
+    """The job's downloadable files once it succeeded: ``model.tar`` (the model directory, ready
+    for ``transformers``), ``metrics.json``, and each file of the model as ``model/<name>``."""
+    return {"data": [ArtifactOut(name=name, bytes=size, url=f"/jobs/{job_id}/artifacts/{name}")
+                     for name, size in artifacts.listing(jobs.model_files(job_id, caller)).items()]}
+
+
+@router.get("/{job_id}/artifacts/model/{filename:path}")
+def download_model_file(job_id: str, filename: str, caller: CallerDep) -> FileResponse:
+    """One file of the model, by its name in the listing (never a path on the server)."""
+    return _file(jobs.model_files(job_id, caller), filename, f"model/{filename}")
 
 
 @router.get("/{job_id}/artifacts/{name}")
-def download_artifact(job_id: str, name: str) -> FileResponse:
-    """Download an artifact by its name in the job's artifact list (never by path)."""
-    files = _artifacts(job_id)
-    if name not in files:
+def download_artifact(job_id: str, name: str, caller: CallerDep):
+    """Download an artifact by its name in the job's artifact list (never by path). ``model.tar``
+    is streamed from the model directory; ``model.tar.gz`` (unlisted, for older clients) is the
+    same tar gzipped on the fly at level 1: no second copy on disk."""
+    files = jobs.model_files(job_id, caller)
+    if files and name == "model.tar":
+        return _tar_response(artifacts.TarStream(files), f"{job_id}-model.tar")
+    if files and name == "model.tar.gz":
+        return StreamingResponse(artifacts.gzip_stream(iter(artifacts.TarStream(files))), media_type="application/gzip",
+                                 headers={"Content-Disposition": f'attachment; filename="{job_id}-model.tar.gz"'})
+    return _file(files, name if name == artifacts.METRICS else "", name)
+
+
+def _file(files: dict, filename: str, name: str) -> FileResponse:
+    if filename not in files:
         raise NotFound("artifact", name)
-    return FileResponse(files[name], filename=name, media_type="application/octet-stream")
+    return FileResponse(files[filename], filename=filename.rsplit("/", 1)[-1], media_type="application/octet-stream")
+
+
+def _tar_response(tar: artifacts.TarStream, filename: str) -> StreamingResponse:
+    return StreamingResponse(iter(tar), media_type="application/x-tar", headers={
+        "Content-Length": str(tar.size), "Content-Disposition": f'attachment; filename="{filename}"'})

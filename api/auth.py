@@ -1,0 +1,88 @@
+"""The one authentication dependency: ``Authorization: Bearer <API key>`` -> ``Caller`` (tenant,
+admin), then the key's request rate.
+
+``create_app`` installs ``authenticate`` on the whole application, so every route, including any
+added later, requires a key unless its path is listed in ``PUBLIC_PATHS``. A route that needs the
+caller declares ``caller: CallerDep`` (FastAPI resolves the dependency once per request) and
+passes it to the ``shared`` query helpers (``shared.tenancy``). The static documentation pages
+(``/docs``, ``/redoc``, ``/openapi.json`` and their assets) are not API routes and stay public:
+they carry no tenant data.
+"""
+
+import math
+import time
+from functools import lru_cache
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from limits import RateLimitItem, parse_many
+from limits.storage import storage_from_string
+from limits.strategies import SlidingWindowCounterRateLimiter
+
+from shared import keys
+from shared.errors import UserError
+from shared.settings import get_settings
+from shared.tenancy import Caller
+
+# Routes anyone may call: they carry no tenant data (liveness, and the documentation pages, which
+# fastapi-offline serves as routes of the app).
+PUBLIC_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+bearer = HTTPBearer(auto_error=False, scheme_name="APIKey",
+                    description="An API key: `tunejob keys create --tenant NAME`, or the local key that `tunejob serve` "
+                                "writes to <TUNEJOB_DATA_DIR>/api_key.")
+UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
+
+
+def authenticate(request: Request,
+                 credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller | None:
+    """The caller behind the request's API key (None on a public route).
+
+    Raises:
+        UserError: 401 ``missing_api_key`` / ``invalid_api_key`` (unknown or revoked);
+            429 ``rate_limited`` with ``Retry-After`` past the key's ``TUNEJOB_RATE_LIMIT``.
+    """
+    route = request.scope.get("route")
+    if route is not None and route.path in PUBLIC_PATHS:
+        return None
+    if credentials is None:
+        raise UserError("missing_api_key", "this route needs an API key: send `Authorization: Bearer <key>` (the "
+                        "local key is in <TUNEJOB_DATA_DIR>/api_key; more with `tunejob keys create`)",
+                        "Authorization", status=401, headers=UNAUTHORIZED)
+    caller = keys.authenticate(credentials.credentials)
+    if caller is None:
+        raise UserError("invalid_api_key", "the API key is not valid, or it was revoked", "Authorization",
+                        status=401, headers=UNAUTHORIZED)
+    check_rate(caller)
+    return caller
+
+
+CallerDep = Annotated[Caller, Depends(authenticate)]
+
+
+@lru_cache
+def _rate_limits(spec: str) -> list[RateLimitItem]:
+    return parse_many(spec)
+
+
+@lru_cache
+def _limiter(storage_url: str) -> SlidingWindowCounterRateLimiter:
+    return SlidingWindowCounterRateLimiter(storage_from_string(storage_url))
+
+
+def check_rate(caller: Caller) -> None:
+    """Count one request against ``caller``'s key (the ``limits`` library, sliding window counter).
+
+    Raises:
+        UserError: 429 ``rate_limited``, ``Retry-After`` = seconds until the window lets one through.
+    """
+    settings = get_settings()
+    limiter = _limiter(settings.rate_limit_storage_url)
+    for item in _rate_limits(settings.rate_limit):
+        if not limiter.hit(item, caller.key_id):
+            reset = limiter.get_window_stats(item, caller.key_id).reset_time
+            wait = max(1, math.ceil(reset - time.time()))
+            raise UserError("rate_limited", f"more than {item} requests with this API key (TUNEJOB_RATE_LIMIT="
+                            f"{settings.rate_limit!r}); retry in {wait} s", "Authorization", status=429,
+                            headers={"Retry-After": str(wait)})

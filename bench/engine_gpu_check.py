@@ -1,0 +1,244 @@
+"""Checks of the engine's CUDA-graph path that the CPU tests cannot make: run it on a GPU machine.
+
+Drives the real recipe (``worker.train.setup``, ``warm_up``, ``train``) on synthetic short texts and
+prints one JSON object: each check with ``ok`` and what it measured.
+
+- ``captured``: ``warm_up`` captured graphs (event ``cuda_graphs``), weights and AdamW state did not
+  move, and no cuDNN attention.
+- ``matches_eager``: with dropout off, losses of the first steps with graphs match the same job
+  trained eagerly (``TUNEJOB_CUDA_GRAPHS=false``) within bf16 rounding.
+- ``no_syncs``: no synchronising CUDA call during the steady-state steps
+  (``torch.cuda.set_sync_debug_mode("warn")``).
+- ``reused``: a second job of the same shape reuses the graphs (no capture) and, dropout on,
+  trains like the first (weights copied in, optimizer reset, RNG untouched; equal up to the
+  nondeterminism of atomic adds in the backward: expect a relative difference near 0).
+- ``resume``: a run stopped after a checkpoint and resumed (reusing the graphs) gives the
+  uninterrupted run's losses.
+- ``fallbacks``: fp16 and gradient checkpointing train eagerly and say so.
+- ``timing``: warm_up seconds (capture) and training seconds of one epoch, graphs and eager.
+
+Usage (on the GPU machine, after ``source .device/gpu/on-device.sh``, see ../shared/gpu/README.md):
+    python -m bench.engine_gpu_check --model bert-base-rand --json $OUT/engine_gpu_check.json
+``--device cpu --model <a local model>`` runs the same script on the CPU (graph checks are skipped),
+to check the script itself.
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pandas as pd
+import torch
+
+WORDS = "the a film story plot actor scene great bad dull fun long short music ending end cast".split()
+
+
+class Recorder:
+    """The engine's reporter without a job store: records metrics, events and checkpoints, and
+    stops the run with ``stop_reason`` once step ``stop_after`` is logged."""
+
+    def __init__(self, stop_after: int | None = None, stop_reason: str = "shutdown"):
+        self.losses, self.events, self.checkpoints = {}, [], []
+        self.stop_after, self.stop_reason = stop_after, stop_reason
+
+    def log(self, step, epoch, values):
+        if "train_loss" in values:
+            self.losses[step] = values["train_loss"]
+
+    def progress(self, **fields):
+        pass
+
+    def heartbeat(self):
+        pass
+
+    def flush(self):
+        pass
+
+    def event(self, code, message, level="info"):
+        self.events.append((code, message))
+
+    def checkpoint(self, step, path, metrics, keep=2):
+        self.checkpoints.append((step, path))
+        return []
+
+    def should_stop(self):
+        last = max(self.losses, default=0)
+        return self.stop_reason if self.stop_after is not None and last >= self.stop_after else None
+
+
+def texts(n: int, seed: int) -> pd.DataFrame:
+    """Short review-like texts, 3-60 words (about Rotten Tomatoes' lengths), two labels."""
+    rng = random.Random(seed)
+    rows = [{"text": " ".join(rng.choices(WORDS, k=rng.randint(3, 60))), "label": ["fresh", "rotten"][i % 2]}
+            for i in range(n)]
+    return pd.DataFrame(rows)
+
+
+def make_run(args, device, reporter, checkpoint=None, dropout=True, **hyperparameters):
+    from shared.models import Job
+    from shared.schemas import JobCreate
+    from worker.data import JobData
+    from worker.train import setup
+
+    hp = {"epochs": 1, "batch_size": args.batch_size, "max_length": args.max_length, "learning_rate": 5e-5,
+          "precision": args.precision, "seed": 42, "eval_every_steps": 10**9, "save_every_steps": 10**9,
+          **hyperparameters}
+    spec = JobCreate(base_model=args.model, training_dataset="check", validation_split=0.0, hyperparameters=hp)
+    job = Job(id=f"check-{uuid.uuid4().hex[:8]}", task="classification", base_model=args.model,
+              label_names=["fresh", "rotten"], spec=spec.model_dump(mode="json"))
+    df = texts(args.examples, seed=0)
+    run = setup(job, JobData(df, None), device, reporter, checkpoint)
+    if not dropout:
+        for module in run.model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    return run
+
+
+def timed(fn):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def state_of(run) -> dict[str, torch.Tensor]:
+    """Copies of the job's weights (``w.<name>``) and AdamW state (``o.<index>.<name>``)."""
+    state = {f"w.{n}": p.detach().clone() for n, p in run.model.named_parameters()}
+    for i, p in enumerate(p for g in run.optimizer.param_groups for p in g["params"]):
+        for k, v in run.optimizer.state.get(p, {}).items():
+            state[f"o.{i}.{k}"] = v.clone()
+    return state
+
+
+def largest_difference(a: dict[int, float], b: dict[int, float]) -> float:
+    """The largest relative difference between two loss series over the same steps (inf if the steps differ)."""
+    if a.keys() != b.keys() or not a:
+        return math.inf
+    return max(abs(a[s] - b[s]) / max(abs(b[s]), 1e-6) for s in a)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="bert-base-rand")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--examples", type=int, default=1024)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TUNEJOB_DATA_DIR", tempfile.mkdtemp(prefix="engine-check-"))
+    from shared.settings import get_settings
+    from worker import graphs
+    from worker.train import train, warm_up
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    results: dict[str, dict] = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+                                "torch": torch.__version__, "model": args.model}
+
+    # captured: warm_up captures and moves nothing
+    rec = Recorder()
+    run = make_run(args, device, rec, dropout=False)
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    _, warm_seconds = timed(lambda: warm_up(run, rec))
+    after = state_of(run)
+    moved = [n for n, p in before.items() if not torch.equal(after[f"w.{n}"], p)]
+    fresh = all(torch.count_nonzero(v) == 0 for k, v in after.items() if k.startswith("o."))
+    results["captured"] = {"ok": (not cuda or isinstance(run.steps, graphs.CapturedSteps)) and not moved and fresh
+                           and not (cuda and torch.backends.cuda.cudnn_sdp_enabled()),
+                           "steps": type(run.steps).__name__, "events": rec.events, "warm_up_seconds": warm_seconds,
+                           "moved_weights": moved[:5], "optimizer_state_zero": fresh}
+
+    # no_syncs (steady state) and the losses with graphs
+    if cuda:
+        torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, graph_seconds = timed(lambda: train(run, rec))
+    if cuda:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+    steps = len(rec.losses)
+    results["no_syncs"] = {"ok": len(syncs) <= steps // 20 + 2, "steps": steps, "sync_warnings": len(syncs),
+                           "examples": syncs[:3]}
+    graph_losses = rec.losses
+
+    # matches_eager
+    get_settings().cuda_graphs = False
+    eager = Recorder()
+    erun = make_run(args, device, eager, dropout=False)
+    _, eager_warm = timed(lambda: warm_up(erun, eager))
+    _, eager_seconds = timed(lambda: train(erun, eager))
+    get_settings().cuda_graphs = True
+    difference = largest_difference(graph_losses, eager.losses)
+    results["matches_eager"] = {"ok": difference < 2e-2, "largest_relative_difference": difference,
+                                "eager_events": eager.events,
+                                "first_losses": {"graphs": [graph_losses[s] for s in sorted(graph_losses)[:5]],
+                                                 "eager": [eager.losses[s] for s in sorted(eager.losses)[:5]]}}
+    results["timing"] = {"graphs": {"warm_up_s": warm_seconds, "train_s": graph_seconds},
+                         "eager": {"warm_up_s": eager_warm, "train_s": eager_seconds}, "steps": steps}
+
+    # reused: two jobs of the same shape, dropout on, train identically; the second captures nothing
+    first, second = Recorder(), Recorder()
+    graphs.clear_cache()
+    run = make_run(args, device, first)
+    warm_up(run, first)
+    train(run, first)
+    run = make_run(args, device, second)
+    _, reuse_seconds = timed(lambda: warm_up(run, second))
+    train(run, second)
+    reused = any(code == "cuda_graphs" and "reused" in message for code, message in second.events)
+    difference = largest_difference(second.losses, first.losses)  # attention/embedding backward use atomics
+    results["reused"] = {"ok": (reused or not cuda) and difference < 1e-2, "warm_up_seconds": reuse_seconds,
+                         "events": second.events, "largest_relative_difference": difference}
+
+    # resume: stop after step 10 (checkpoint), resume, compare with the uninterrupted run above
+    stopped = Recorder(stop_after=10)
+    run = make_run(args, device, stopped)
+    warm_up(run, stopped)
+    train(run, stopped)
+    resumed = Recorder()
+    run = make_run(args, device, resumed, checkpoint=stopped.checkpoints[-1][1])
+    warm_up(run, resumed)
+    train(run, resumed)
+    tail = {s: v for s, v in first.losses.items() if s > stopped.checkpoints[-1][0]}
+    difference = largest_difference(resumed.losses, tail)
+    results["resume"] = {"ok": difference < 1e-2, "largest_relative_difference": difference,
+                         "resumed_steps": len(resumed.losses)}
+
+    # fallbacks: features that cannot be captured train eagerly and say so
+    fallbacks = {}
+    for name, hp in {"fp16": {"precision": "fp16"}, "gradient_checkpointing": {"gradient_checkpointing": True}}.items():
+        rec = Recorder(stop_after=3, stop_reason="cancelled")
+        run = make_run(args, device, rec, **hp)
+        warm_up(run, rec)
+        outcome = train(run, rec)
+        said = [m for c, m in rec.events if c == "cuda_graphs_off"]
+        fallbacks[name] = {"outcome": outcome, "event": said, "finite": all(map(math.isfinite, rec.losses.values()))}
+    results["fallbacks"] = {"ok": all(f["outcome"] == "cancelled" and f["finite"] and (f["event"] or not cuda)
+                                      for f in fallbacks.values()), **fallbacks}
+
+    results["ok"] = all(v["ok"] for v in results.values() if isinstance(v, dict) and "ok" in v)
+    text = json.dumps(results, indent=1, default=str)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0 if results["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""The peers: ``transformers.Trainer`` as its users run it, and its tuned variants, on the examples,
+model initialisation, precision, batch size, seed and schedule the engine gets.
+
+Every peer trains with ``train_sampling_strategy="group_by_length"`` (transformers 5's name for
+``group_by_length=True``), ``DataCollatorWithPadding(pad_to_multiple_of=8)``, the same learning
+rate, linear warmup over 10% of the steps then linear decay, weight decay 0.01, gradient clipping
+at 1.0, its default optimizer (``adamw_torch_fused``), no logging, saving or evaluation while it
+trains, and ``dataloader_num_workers=0``. Its time is ``Trainer.train()``'s own ``train_runtime``.
+
+- ``trainer``: nothing more.
+- ``trainer_cudnn_off``: ``torch.backends.cuda.enable_cudnn_sdp(False)`` first, the one line that
+  spares the cuDNN attention backend's per-shape planning on a GPU (a no-op on the CPU).
+- ``trainer_compile``: ``torch_compile=True`` (compiles each new shape; minutes on the CPU).
+"""
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+
+from bench.measure import Clock, Mark, epoch_figures, flops_per_real_token, steady_from
+
+PAD_TO_MULTIPLE_OF = 8
+
+
+@dataclass(frozen=True)
+class Peer:
+    arguments: dict = field(default_factory=dict)  # extra ``TrainingArguments``
+    cudnn_sdp: bool = True
+
+
+PEERS = {
+    "trainer": Peer(),
+    "trainer_cudnn_off": Peer(cudnn_sdp=False),
+    "trainer_compile": Peer(arguments={"torch_compile": True}),
+}
+
+
+def encode(tokenizer, df: pd.DataFrame, labels: list[str], max_length: int) -> list[dict]:
+    """Examples as the Trainer takes them: tokenized without padding, truncated to ``max_length``,
+    each a dict of ``input_ids``, ``attention_mask`` (and ``token_type_ids``) and ``labels``."""
+    enc = tokenizer(df["text"].astype(str).tolist(), truncation=True, max_length=max_length)
+    index = {name: i for i, name in enumerate(labels)}
+    keys = [k for k in tokenizer.model_input_names if k in enc]
+    return [{**{k: enc[k][i] for k in keys}, "labels": index[str(label)]} for i, label in enumerate(df["label"])]
+
+
+class CountingCollator:
+    """``DataCollatorWithPadding`` that records each training batch's token counts in order (real,
+    padded to its longest member, computed), so the counts of the first k optimizer steps are the
+    first k records (one batch per step; the DataLoader may already have collated the next)."""
+
+    def __init__(self, tokenizer):
+        from transformers import DataCollatorWithPadding
+
+        self.pad = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=PAD_TO_MULTIPLE_OF)
+        self.batches: list[tuple[int, int, int]] = []
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.pad(features)
+        lengths = batch["attention_mask"].sum(dim=1)
+        n, width = batch["attention_mask"].shape
+        self.batches.append((int(lengths.sum()), n * int(lengths.max()), n * width))
+        return batch
+
+    def counts(self, steps: int) -> tuple[int, int, int]:
+        done = self.batches[:steps]
+        return tuple(sum(batch[i] for batch in done) for i in range(3))
+
+
+def epoch_marks(clock: Clock, collator: CountingCollator, epochs: int):
+    """A ``TrainerCallback`` that marks the end of each epoch and, in a one-epoch run, the start of
+    the steady-state window, synchronizing the device only at those steps."""
+    from transformers import TrainerCallback
+
+    class EpochMarks(TrainerCallback):
+        def __init__(self):
+            self.epoch_ends: list[Mark] = []
+            self.steady_start: Mark | None = None
+
+        def mark(self, step: int) -> Mark:
+            return clock.mark(step, *collator.counts(step))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps_per_epoch = state.max_steps // epochs
+            if epochs == 1 and state.global_step == steady_from(steps_per_epoch):
+                self.steady_start = self.mark(state.global_step)
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            self.epoch_ends.append(self.mark(state.global_step))
+
+    return EpochMarks()
+
+
+def training_arguments(spec, device: torch.device, out_dir: str, dtype, peer: Peer):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=spec.batch_size, per_device_eval_batch_size=2 * spec.batch_size,
+        num_train_epochs=spec.epochs, learning_rate=spec.learning_rate, weight_decay=0.01, lr_scheduler_type="linear",
+        warmup_steps=0.1, max_grad_norm=1.0, seed=spec.seed, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, use_cpu=device.type == "cpu", train_sampling_strategy="group_by_length",
+        report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0, dataloader_pin_memory=device.type == "cuda", **peer.arguments,
+    )
+
+
+def load_model(model_dir, labels: list[str], seed: int) -> torch.nn.Module:
+    """The model as the engine loads it: SDPA attention, a new classifier head for ``labels`` (also
+    over a checkpoint's head of another size), drawn after ``set_seed(seed)`` as ``setup`` does."""
+    from transformers import AutoModelForSequenceClassification, set_seed
+
+    set_seed(seed)
+    return AutoModelForSequenceClassification.from_pretrained(
+        model_dir, attn_implementation="sdpa", use_safetensors=True, ignore_mismatched_sizes=True,
+        num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
+        problem_type="single_label_classification")
+
+
+def run_peer(name: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, labels: list[str],
+             device: torch.device, out_dir: str) -> dict:
+    """One ``Trainer.train()`` of peer ``name`` on ``train`` (and, with ``val``, held-out accuracy
+    after it, from ``Trainer.predict``). Load (tokenize, model, ``Trainer``) is timed apart."""
+    from sklearn.metrics import accuracy_score, f1_score
+    from transformers import AutoTokenizer, PrinterCallback, Trainer
+
+    from shared.base_models import resolve_model
+    from worker.device import autocast_dtype
+
+    peer = PEERS[name]
+    if not peer.cudnn_sdp:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    clock = Clock(device)
+    began = clock.now()
+    model_dir = resolve_model(spec.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    examples = encode(tokenizer, train, labels, spec.max_length)
+    model = load_model(model_dir, labels, spec.seed)
+    collator = CountingCollator(tokenizer)
+    marks = epoch_marks(clock, collator, spec.epochs)
+    arguments = training_arguments(spec, device, out_dir, autocast_dtype(spec.precision, device), peer)
+    trainer = Trainer(model=model, args=arguments, train_dataset=examples, processing_class=tokenizer,
+                      data_collator=collator, callbacks=[marks])
+    trainer.remove_callback(PrinterCallback)
+    loaded = clock.now()
+    output = trainer.train()
+    figures = epoch_figures(loaded, marks.epoch_ends, marks.steady_start)
+    row = {"kind": "peer", "load_seconds": loaded - began, "train_seconds": output.metrics["train_runtime"],
+           **figures, **flops_per_real_token(model, [len(e["input_ids"]) for e in examples]),
+           "optimizer": trainer.args.optim.value}
+    if val is not None:
+        trainer.data_collator = collator.pad  # held-out batches are not training tokens
+        predictions = trainer.predict(encode(tokenizer, val, labels, spec.max_length))
+        predicted = predictions.predictions.argmax(-1)
+        row.update(accuracy=float(accuracy_score(predictions.label_ids, predicted)),
+                   f1_macro=float(f1_score(predictions.label_ids, predicted, average="macro")))
+    return row

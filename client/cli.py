@@ -1,0 +1,430 @@
+"""The ``tunejob`` commands that talk to a tunejob server over HTTP (``client.api``), with ``rich``
+output: ``datasets``, ``models``, ``jobs`` and ``health``.
+
+``shared.cli`` registers them beside ``serve``/``api``/``worker``/``db`` and hands them straight
+to ``main`` here, so that they start without the server stack (no torch, worker, pandas, job
+store or settings object). Every read command takes ``--json`` for scripts; ``-q`` prints only an id.
+
+Exit codes: 0 done (a watched job succeeded), 1 an error (the API's, or a server that cannot be
+reached), 2 a usage error, 3 the watched job failed, 4 it was cancelled, 130 Ctrl-C (which stops
+watching, never the job).
+"""
+
+import argparse
+import csv
+import json
+import os
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, TypeAdapter
+from rich.console import Console
+from rich.filesize import decimal
+from rich.markup import escape
+from rich.table import Column, Table
+
+from client.api import Client, TunejobError
+from shared.schemas import DatasetOut, EventOut, JobOut, MetricOut
+
+COMMANDS = ("datasets", "models", "jobs", "health")
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+Handler = Callable[[Client, argparse.Namespace, Console], int | None]
+STATUS_STYLE = {"queued": "yellow", "running": "cyan", "succeeded": "green", "failed": "red", "cancelled": "magenta"}
+
+
+# ----------------------------------------------------------------------------- the commands
+
+
+def upload_dataset(client: Client, args, out: Console) -> None:
+    dataset = client.upload_dataset(args.file)
+    show(out, args, dataset, lambda: dataset_table(dataset))
+
+
+def list_datasets(client: Client, args, out: Console) -> None:
+    datasets = client.list_datasets()
+    table = Table(id_column(), Column("filename", overflow="fold"), "format", "rows", "columns", "size", "age")
+    for d in datasets:
+        table.add_row(d.id, escape(d.filename), d.format, f"{d.rows:,}", escape(", ".join(d.columns)),
+                      decimal(d.bytes), age(d.created_at))
+    show(out, args, datasets, lambda: table)
+
+
+def get_dataset(client: Client, args, out: Console) -> None:
+    dataset = client.get_dataset(args.dataset_id)
+    show(out, args, dataset, lambda: dataset_table(dataset))
+
+
+def delete_dataset(client: Client, args, out: Console) -> None:
+    client.delete_dataset(args.dataset_id)
+    out.print(f"deleted dataset {args.dataset_id}")
+
+
+def list_models(client: Client, args, out: Console) -> None:
+    models = client.list_models()
+    table = Table("name", "source", "model type")
+    for m in models:
+        table.add_row(escape(m.name), m.source, m.model_type or "")
+    show(out, args, models, lambda: table)
+
+
+def create_job(client: Client, args, out: Console) -> int | None:
+    spec = job_spec(args)
+    if args.dry_run:
+        plan = client.plan_job(spec)
+        return print_json(plan) if args.json else out.print_json(data=plan)
+    job = client.create_job(spec)
+    if args.quiet or args.json:
+        print(job.model_dump_json(indent=2) if args.json else job.id, flush=True)
+    else:
+        out.print(f"job [bold]{job.id}[/] {job.status}: {job.base_model} on {job.training_dataset}")
+    return watch(client, job.id, out) if args.watch else None
+
+
+def watch(client: Client, job_id: str, out: Console) -> int:
+    from client.watch import watch  # rich.progress only when a job is watched: a faster start for the rest
+
+    return watch(client, job_id, out)
+
+
+def list_jobs(client: Client, args, out: Console) -> None:
+    page = client.list_jobs(args.status, args.limit, args.cursor)
+    table = Table(id_column(), "status", "model", "progress", "age")
+    for job in page.data:
+        table.add_row(job.id, styled_status(job.status), escape(job.base_model), progress(job), age(job.created_at))
+    if page.next_cursor:
+        table.caption = f"more: tunejob jobs list --cursor {page.next_cursor}"
+    show(out, args, page, lambda: table)
+
+
+def get_job(client: Client, args, out: Console) -> None:
+    job = client.get_job(args.job_id)
+    show(out, args, job, lambda: job_table(job))
+
+
+def watch_job(client: Client, args, out: Console) -> int:
+    return watch(client, args.job_id, out)
+
+
+def job_events(client: Client, args, out: Console) -> None:
+    if args.follow:
+        for message in client.follow(args.job_id):
+            if message.event == "events":
+                for event in message.data:
+                    print(event.model_dump_json(), flush=True) if args.json else out.print(event_line(event))
+        return
+    events = client.job_events(args.job_id)
+    table = Table("time", "level", "code", "message")
+    for e in events:
+        table.add_row(f"{e.time.astimezone():%Y-%m-%d %H:%M:%S}", e.level, e.code, escape(e.message))
+    show(out, args, events, lambda: table)
+
+
+def job_metrics(client: Client, args, out: Console) -> None:
+    rows = client.job_metrics(args.job_id)
+    if args.json:
+        return print_json(rows)
+    names, by_step = pivot(rows)
+    if args.csv:
+        writer = csv.writer(sys.stdout)
+        writer.writerow(["step", "epoch", *names])
+        for step, (epoch, values) in by_step.items():
+            writer.writerow([step, epoch, *(values.get(n, "") for n in names)])
+        return
+    table = Table("step", "epoch", *names)
+    for step, (epoch, values) in by_step.items():
+        table.add_row(str(step), f"{epoch:.2f}", *(f"{values[n]:.4g}" if n in values else "" for n in names))
+    out.print(table)
+
+
+def cancel_job(client: Client, args, out: Console) -> None:
+    job = client.cancel_job(args.job_id)
+    message = {"cancelled": "cancelled", "running": "cancel requested: it stops at its next optimizer step"}
+    out.print(f"job {job.id}: {message.get(job.status, f'already {job.status}, nothing to cancel')}")
+
+
+def delete_job(client: Client, args, out: Console) -> None:
+    client.delete_job(args.job_id)
+    out.print(f"deleted job {args.job_id}")
+
+
+def download_model(client: Client, args, out: Console) -> None:
+    directory = client.download_model(args.job_id, args.output or Path(args.job_id))
+    out.print(f"the model of {args.job_id} is in {directory}/; load it with "
+              f"transformers.pipeline(\"text-classification\", model=\"{directory}\"), "
+              f"its training curves with tensorboard --logdir {directory}/runs")
+
+
+def plot_job(client: Client, args, out: Console) -> None:
+    path = Path(args.output or f"{args.job_id}.png")
+    path.write_bytes(client.plot_png(args.job_id))
+    out.print(f"training curves of {args.job_id} written to {path}")
+
+
+def health(client: Client, args, out: Console) -> None:
+    answer = client.wait_until_up(args.wait) if args.wait else client.health()
+    show(out, args, answer, lambda: f"tunejob at {client.url}: {answer.get('status', answer)}")
+
+
+# ----------------------------------------------------------------------------- the parser
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """Register ``datasets``, ``models``, ``jobs`` and ``health`` on the ``tunejob`` parser."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", help="the tunejob server (default: $TUNEJOB_URL, else http://127.0.0.1:8000); "
+                        "the API key comes from $TUNEJOB_API_KEY, else <$TUNEJOB_DATA_DIR or ~/.tunejob>/api_key")
+    read = argparse.ArgumentParser(add_help=False, parents=[common])
+    read.add_argument("--json", action="store_true", help="print JSON, for scripts")
+    quiet = argparse.ArgumentParser(add_help=False, parents=[read])
+    quiet.add_argument("-q", "--quiet", action="store_true", help="print only the id")
+
+    def command(group, name: str, handler: Handler, help_: str, parent=common) -> argparse.ArgumentParser:
+        p = group.add_parser(name, help=help_, description=help_, parents=[parent])
+        p.set_defaults(handler=handler)
+        return p
+
+    datasets = commands.add_parser("datasets", help="upload and manage datasets (client)").add_subparsers(
+        dest="subcommand", required=True)
+    command(datasets, "upload", upload_dataset, "upload a CSV, TSV, JSONL or Parquet file", quiet) \
+        .add_argument("file", type=Path)
+    command(datasets, "list", list_datasets, "the datasets, newest first", read)
+    command(datasets, "get", get_dataset, "one dataset", read).add_argument("dataset_id")
+    command(datasets, "delete", delete_dataset, "delete a dataset").add_argument("dataset_id")
+
+    command(commands, "models", list_models, "the base models that can be fine-tuned (client)", read)
+
+    jobs = commands.add_parser("jobs", help="create, follow and download fine-tuning jobs (client)") \
+        .add_subparsers(dest="subcommand", required=True)
+    add_create_arguments(command(jobs, "create", create_job, "create a fine-tuning job (or plan it: --dry-run)",
+                                 quiet))
+    p = command(jobs, "list", list_jobs, "the jobs, newest first", read)
+    p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--cursor", help="next_cursor of the previous page")
+    command(jobs, "get", get_job, "one job: status, progress, metrics, error", read).add_argument("job_id")
+    command(jobs, "watch", watch_job, "follow a job with a live progress bar until it ends; exit 0 if it "
+            "succeeded, 3 if it failed, 4 if it was cancelled").add_argument("job_id")
+    p = command(jobs, "events", job_events, "the job's events", read)
+    p.add_argument("job_id")
+    p.add_argument("--follow", action="store_true", help="print new events as they happen, until the job ends")
+    p = command(jobs, "metrics", job_metrics, "the metric series, one row per step", read)
+    p.add_argument("job_id")
+    p.add_argument("--csv", action="store_true", help="print CSV")
+    command(jobs, "cancel", cancel_job, "cancel a job (a running one stops at its next optimizer step)") \
+        .add_argument("job_id")
+    command(jobs, "delete", delete_job, "delete a finished job and its files").add_argument("job_id")
+    p = command(jobs, "download", download_model, "download the trained model, extracted, ready for pipeline()")
+    p.add_argument("job_id")
+    p.add_argument("-o", "--output", type=Path, help="directory to create (default: ./<job id>)")
+    p = command(jobs, "plot", plot_job, "save the training curves as a PNG")
+    p.add_argument("job_id")
+    p.add_argument("-o", "--output", type=Path, help="file (default: ./<job id>.png)")
+
+    command(commands, "health", health, "is the server up? (client)", read).add_argument(
+        "--wait", type=float, metavar="SECONDS", help="wait this long for a server that is starting")
+
+
+def add_create_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", type=Path, help="a JSON job spec (the POST /jobs body); the options below override it")
+    p.add_argument("--model", help="base_model, e.g. all-MiniLM-L6-v2 (tunejob models lists them)")
+    p.add_argument("--dataset", help="training_dataset: a dataset id (tunejob datasets upload FILE)")
+    p.add_argument("--validation", help="validation_dataset id (default: validation_split 0.1 of the training set)")
+    p.add_argument("--validation-split", type=float)
+    p.add_argument("--task", choices=["classification", "regression"])
+    p.add_argument("--text-column")
+    p.add_argument("--text-pair-column")
+    p.add_argument("--label-column")
+    p.add_argument("--set", action="append", default=[], type=setting, metavar="KEY=VALUE",
+                   help="a hyperparameter, e.g. --set epochs=1 --set learning_rate=1e-4 (values are JSON, else text)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (steps, padding efficiency, duration); "
+                   "nothing is queued")
+    p.add_argument("--watch", action="store_true", help="then follow it as `tunejob jobs watch` does")
+
+
+def setting(text: str) -> tuple[str, Any]:
+    """``key=value`` -> (key, value): the value as JSON (``1``, ``1e-4``, ``true``), else as text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def job_spec(args) -> dict[str, Any]:
+    """The POST /jobs body: ``--spec``'s JSON, overridden by the options given.
+
+    Raises:
+        UsageError: unreadable ``--spec``, or no base model or training dataset.
+    """
+    try:
+        spec = json.loads(args.spec.read_text()) if args.spec else {}
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--spec {args.spec}: {e}") from e
+    options = {"base_model": args.model, "training_dataset": args.dataset, "validation_dataset": args.validation,
+               "validation_split": args.validation_split, "task": args.task, "text_column": args.text_column,
+               "text_pair_column": args.text_pair_column, "label_column": args.label_column}
+    spec.update({k: v for k, v in options.items() if v is not None})
+    spec.setdefault("hyperparameters", {}).update(dict(args.set))
+    missing = [f"{option} (or {key} in --spec)" for option, key in [("--model", "base_model"),
+                                                                      ("--dataset", "training_dataset")]
+               if key not in spec]
+    if missing:
+        raise UsageError(f"give {' and '.join(missing)}")
+    return spec
+
+
+class UsageError(Exception):
+    pass
+
+
+def main(argv: list[str]) -> int:
+    """Run one client command (``argv`` starts with one of COMMANDS); returns the exit code."""
+    parser = argparse.ArgumentParser(prog="tunejob", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Call the command's handler with a client; turn errors into a message and an exit code."""
+    out = Console(stderr=getattr(args, "quiet", False) or getattr(args, "json", False))
+    errors = Console(stderr=True)
+    try:
+        with Client(args.url) as client:
+            return args.handler(client, args, out) or 0
+    except TunejobError as e:
+        errors.print(f"[red]error[/]: {escape(str(e))}")
+        for problem in e.problems or []:
+            errors.print(f"  row {problem.get('row')}, column {problem.get('column')!r}: {escape(str(problem.get('message')))}")
+        return EXIT_ERROR
+    except UsageError as e:
+        errors.print(f"[red]usage[/]: {escape(str(e))}")
+        return EXIT_USAGE
+    except BrokenPipeError:  # e.g. `tunejob jobs metrics ID --csv | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error as Python exits
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        job = getattr(args, "job_id", None)
+        errors.print("stopped watching; the job goes on" + (f" (tunejob jobs cancel {job} stops it)" if job else ""))
+        return EXIT_INTERRUPTED
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def show(out: Console, args, value: Any, table: Callable[[], Any]) -> None:
+    """``value`` as JSON with ``--json``, only its id with ``-q``, else ``table()`` drawn by rich."""
+    if getattr(args, "json", False):
+        print_json(value)
+    elif getattr(args, "quiet", False):
+        print(value.id, flush=True)
+    else:
+        out.print(table())
+
+
+def print_json(value: Any) -> None:
+    """pydantic models (and lists of them) through pydantic's JSON; anything else through json."""
+    if isinstance(value, BaseModel) or (isinstance(value, list) and value and isinstance(value[0], BaseModel)):
+        print(TypeAdapter(type(value) if isinstance(value, BaseModel) else list[type(value[0])])
+              .dump_json(value, indent=2).decode(), flush=True)
+    else:
+        print(json.dumps(value, indent=2, default=str), flush=True)
+
+
+def dataset_table(d: DatasetOut) -> Table:
+    return fields_table({"id": d.id, "filename": escape(d.filename), "format": d.format, "rows": f"{d.rows:,}",
+                         "columns": escape(", ".join(d.columns)), "size": decimal(d.bytes), "sha256": d.sha256,
+                         "created": f"{d.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(d.created_at)})"})
+
+
+def job_table(job: JobOut) -> Table:
+    validation = job.validation_dataset or f"split {job.validation_split} of the training set"
+    rows = {"id": job.id, "status": styled_status(job.status), "model": escape(job.base_model), "task": job.task,
+            "training dataset": job.training_dataset, "validation": validation,
+            "columns": f"text {job.text_column!r}" + (f", pair {job.text_pair_column!r}" if job.text_pair_column
+                                                      else "") + f", label {job.label_column!r}",
+            "created": f"{job.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(job.created_at)})",
+            "progress": progress(job), "device": job.device or "", "attempts": str(job.attempts)}
+    table = fields_table(rows)
+    table.add_row("hyperparameters", escape(job.hyperparameters.model_dump_json(exclude_defaults=True)))
+    final_summary(table, job)
+    return table
+
+
+def id_column() -> Column:
+    """Ids are copied and pasted: never cut short, whatever the terminal's width."""
+    return Column("id", no_wrap=True, min_width=len("job_0123456789abcdef"))
+
+
+def fields_table(rows: dict[str, str]) -> Table:
+    table = Table(show_header=False, box=None)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for name, value in rows.items():
+        table.add_row(name, value)
+    return table
+
+
+def pivot(rows: list[MetricOut]) -> tuple[list[str], dict[int, tuple[float, dict[str, float]]]]:
+    """Metric rows -> (metric names in first-seen order, {step: (epoch, {name: value})})."""
+    names: dict[str, None] = {}
+    by_step: dict[int, tuple[float, dict[str, float]]] = {}
+    for row in rows:
+        names.setdefault(row.name)
+        by_step.setdefault(row.step, (row.epoch, {}))[1][row.name] = row.value
+    return list(names), by_step
+
+
+def progress(job: JobOut) -> str:
+    p = job.progress
+    if not p.total_steps:
+        return ""
+    return f"{p.step}/{p.total_steps} ({p.fraction:.0%})"
+
+
+def age(when: datetime) -> str:
+    seconds = (datetime.now(UTC) - when.astimezone(UTC)).total_seconds()
+    for unit, length in [("d", 86400), ("h", 3600), ("m", 60)]:
+        if seconds >= length:
+            return f"{seconds // length:.0f}{unit} ago"
+    return f"{max(seconds, 0):.0f}s ago"
+
+
+def final_summary(table: Table, job: JobOut) -> None:
+    """Add the job's outcome to a two-column table: validation metrics (last evaluation), training
+    throughput, phase timings (servers that report them) and the error, if any."""
+    for name, value in (job.validation_metrics or {}).items():
+        table.add_row(f"validation {name}", _number(value))
+    train = job.train_metrics or {}
+    for name in ("loss", "tokens_per_second", "padding_efficiency", "train_seconds", "skipped_steps"):
+        if train.get(name) is not None:
+            table.add_row(f"train {name}", _number(train[name]))
+    timings = getattr(job, "timings", None)  # servers with phase timings
+    if isinstance(timings, BaseModel):
+        timings = timings.model_dump()
+    if timings:
+        table.add_row("timings (s)", ", ".join(f"{k} {v:.1f}" for k, v in timings.items() if v is not None))
+    if job.error:
+        table.add_row("[red]error[/]", escape(f"{job.error.get('code')}: {job.error.get('message')}"))
+
+
+def event_line(event: EventOut) -> str:
+    """``12:03:04 started: attempt 1 started on worker …``, coloured by level, in local time."""
+    color = {"warning": "yellow", "error": "red"}.get(event.level, "dim")
+    return f"[{color}]{event.time.astimezone():%H:%M:%S} {event.code}[/]: {escape(event.message)}"
+
+
+def styled_status(status: str) -> str:
+    return f"[{STATUS_STYLE.get(status, 'white')}]{status}[/]"
+
+
+def _number(value) -> str:
+    """Floats to 4 decimals (trailing zeros dropped), or none from 100 on; anything else as it is."""
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.4f}".rstrip("0").rstrip(".")

@@ -1,0 +1,232 @@
+"""The client CLI as a user runs it: ``tunejob`` subprocesses against one real ``tunejob serve``
+(API + worker processes, the embedded default) training the tiny BERT; plus the client's error
+and key handling against a mock transport.
+
+When the server writes ``<data dir>/api_key`` (API keys), the CLI sends it by itself (it reads
+``TUNEJOB_DATA_DIR``), and the tests' own HTTP calls send it too (``Served.client``).
+"""
+
+import csv
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import pytest
+
+from client import Client, TunejobError
+from tests.conftest import TINY_MODEL
+from tests.faults_support import ROOT, Process, free_port, wait_for
+
+WORDS = {"sports": ["match", "goal", "team", "coach", "league"], "business": ["shares", "market", "profit", "bank"]}
+
+
+@dataclass
+class Served:
+    url: str
+    data_dir: Path
+    env: dict[str, str]
+    process: Process
+
+    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """``tunejob ARGS`` as a subprocess; its output is in ``.stdout`` and ``.stderr``."""
+        return subprocess.run([sys.executable, "-m", "shared.cli", *args], env=self.env, cwd=ROOT, text=True,
+                              capture_output=True, timeout=timeout)
+
+    def client(self) -> Client:
+        key_file = self.data_dir / "api_key"
+        return Client(self.url, api_key=key_file.read_text().strip() if key_file.is_file() else "")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, models_dir) -> Served:
+    work = tmp_path_factory.mktemp("served")
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}
+    env = {**base, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "TUNEJOB_DATA_DIR": str(work / "data"),
+           "TUNEJOB_MODELS_DIR": str(models_dir), "TUNEJOB_DEVICE": "cpu", "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2",
+           "TUNEJOB_STREAM_POLL_SECONDS": "0.1", "TUNEJOB_URL": f"http://127.0.0.1:{port}", "COLUMNS": "200"}
+    process = Process("serve", [sys.executable, "-m", "shared.cli", "serve", "--port", str(port)], env,
+                      work / "serve.log")
+    server = Served(f"http://127.0.0.1:{port}", work / "data", env, process)
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_for("tunejob serve", up, timeout=120, diagnostics=process.tail)
+        yield server
+    finally:
+        process.stop(timeout=60)
+
+
+def write_csv(path: Path, rows: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    labels = [["sports", "business"][i % 2] for i in range(rows)]
+    pd.DataFrame({"text": [" ".join(rng.choices(WORDS[label], k=rng.randint(3, 24))) for label in labels],
+                  "label": labels}).to_csv(path, index=False)
+    return path
+
+
+def upload(served: Served, path: Path) -> str:
+    result = served.cli("datasets", "upload", str(path), "--quiet")
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_create_watch_download_and_the_pictures_of_the_run(served, tmp_path):
+    from matplotlib.image import imread
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import pipeline
+
+    dataset = upload(served, write_csv(tmp_path / "train.csv", 64))
+    created = served.cli("jobs", "create", "--model", TINY_MODEL, "--dataset", dataset, "--text-column", "text",
+                         "--label-column", "label", "--set", "epochs=2", "--set", "batch_size=8",
+                         "--set", "learning_rate=1e-3", "--set", "eval_every_steps=4", "--watch")
+    assert created.returncode == 0, created.stdout + created.stderr
+    assert "succeeded" in created.stdout
+    assert "validation accuracy" in created.stdout and "train tokens_per_second" in created.stdout
+    job_id = created.stdout.split()[1]
+    job = served.client().get_job(job_id)
+    assert job.status == "succeeded" and job.progress.step == job.progress.total_steps > 0
+    steps = job.progress.total_steps
+
+    model_dir = tmp_path / "model"
+    downloaded = served.cli("jobs", "download", job_id, "-o", str(model_dir))
+    assert downloaded.returncode == 0, downloaded.stderr
+    prediction = pipeline("text-classification", model=str(model_dir), device="cpu")("goal match team")
+    assert prediction[0]["label"] in WORDS
+
+    curves = imread(model_dir / "training_curves.png")
+    assert curves.ndim == 3 and curves.shape[0] > 500 and curves.shape[1] > 500
+    runs = EventAccumulator(str(model_dir / "runs"))
+    runs.Reload()
+    assert {"train/loss", "train/learning_rate", "train/tokens_per_second", "eval/accuracy"} <= set(runs.Tags()["scalars"])
+    assert [e.step for e in runs.Scalars("train/loss")] == list(range(1, steps + 1))
+    assert [e.step for e in runs.Scalars("eval/accuracy")] == [*range(4, steps, 4), steps]
+
+    plotted = served.cli("jobs", "plot", job_id, "-o", str(tmp_path / "live.png"))
+    assert plotted.returncode == 0, plotted.stderr
+    assert imread(tmp_path / "live.png").shape == curves.shape
+
+    table = served.cli("jobs", "metrics", job_id, "--csv")
+    rows = list(csv.DictReader(io.StringIO(table.stdout)))
+    assert [int(r["step"]) for r in rows] == list(range(1, steps + 1))
+    assert all(float(r["train_loss"]) > 0 for r in rows)
+
+    listed = json.loads(served.cli("jobs", "list", "--json").stdout)
+    assert job_id in [j["id"] for j in listed["data"]]
+    events = json.loads(served.cli("jobs", "events", job_id, "--json").stdout)
+    assert [e["code"] for e in events][-1] == "succeeded"
+
+
+def test_a_failing_job_makes_watch_exit_non_zero(served, tmp_path):
+    # Targets of 1e30 (allowed by the spec's allow_large_targets): the squared error overflows fp32,
+    # and one non-finite step fails the job.
+    path = tmp_path / "huge.csv"
+    pd.DataFrame({"text": [f"some words {i}" for i in range(24)], "score": [1e30] * 24}).to_csv(path, index=False)
+    dataset = upload(served, path)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"allow_large_targets": True}))
+    created = served.cli("jobs", "create", "--spec", str(spec), "--model", TINY_MODEL, "--dataset", dataset,
+                         "--task", "regression", "--label-column", "score", "--set", "max_nonfinite_steps=1",
+                         "--watch")
+    assert created.returncode == 3, created.stdout + created.stderr
+    assert "failed" in created.stdout and "nonfinite_loss" in created.stdout
+
+
+def test_the_stream_delivers_each_metric_row_once_across_a_reconnect(served, tmp_path):
+    client = served.client()
+    dataset = client.upload_dataset(write_csv(tmp_path / "long.csv", 160, seed=1))
+    job = client.create_job({"base_model": TINY_MODEL, "training_dataset": dataset.id, "text_column": "text",
+                             "label_column": "label", "hyperparameters": {"epochs": 2, "batch_size": 4,
+                                                                          "eval_every_steps": 20}})
+    received, events = [], []
+
+    def take(message) -> None:
+        if message.event == "metrics":
+            received.extend((m.step, m.name, m.value) for m in message.data)
+        elif message.event == "events":
+            events.extend(e.code for e in message.data)
+
+    first = client.stream(job.id)
+    for message in first:  # the first connection drops after its first metric rows
+        take(message)
+        last_id = message.id
+        if received:
+            break
+    first.close()
+    assert received
+    ended = None
+    for message in client.stream(job.id, last_event_id=last_id):
+        take(message)
+        ended = message
+    assert ended.event == "end" and ended.data.status == "succeeded"
+
+    stored = [(m.step, m.name, m.value) for m in client.job_metrics(job.id)]
+    assert sorted(received) == sorted(stored)  # every row, none twice
+    losses = [step for step, name, _ in received if name == "train_loss"]
+    assert sorted(losses) == list(range(1, ended.data.progress.total_steps + 1))
+    assert events.count("created") == events.count("succeeded") == 1
+
+
+def test_errors_carry_the_api_error_and_the_status(served):
+    result = served.cli("jobs", "get", "job_nope")
+    assert result.returncode == 1 and "not_found" in result.stderr and "job_nope" in result.stderr
+    client = served.client()
+    with pytest.raises(TunejobError) as error:
+        list(client.stream("job_nope"))
+    assert (error.value.status, error.value.code) == (404, "not_found")
+    job_id = client.list_jobs(limit=1).data[0].id
+    with pytest.raises(TunejobError) as error:
+        list(client.stream(job_id, last_event_id="42"))
+    assert (error.value.status, error.value.code, error.value.param) == (422, "invalid_last_event_id", "Last-Event-ID")
+
+
+def test_an_error_with_problems_and_the_key_from_the_data_dir(tmp_path, monkeypatch):
+    """No server: a mock transport answers as the API does (a data validation report)."""
+    monkeypatch.delenv("TUNEJOB_API_KEY", raising=False)
+    monkeypatch.setenv("TUNEJOB_DATA_DIR", str(tmp_path))
+    (tmp_path / "api_key").write_text("tj_secret\n")
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        return httpx.Response(422, json={"error": {
+            "code": "invalid_label", "message": "'train.csv' row 3: label 'x' is not a number", "param": "label_column",
+            "problems": [{"row": 3, "column": "score", "value": "x", "message": "not a number"}]}})
+
+    with Client("http://tunejob.test", transport=httpx.MockTransport(answer)) as client, \
+            pytest.raises(TunejobError) as error:
+        client.create_job({"base_model": TINY_MODEL, "training_dataset": "ds_x"})
+    assert seen == ["Bearer tj_secret"]
+    e = error.value
+    assert (e.status, e.code, e.param) == (422, "invalid_label", "label_column")
+    assert e.problems == [{"row": 3, "column": "score", "value": "x", "message": "not a number"}]
+
+    monkeypatch.setenv("TUNEJOB_API_KEY", "tj_from_env")
+    with Client("http://tunejob.test", transport=httpx.MockTransport(answer)) as client, pytest.raises(TunejobError):
+        client.get_job("job_x")
+    assert seen[-1] == "Bearer tj_from_env"
+
+
+def test_client_commands_load_no_server_stack():
+    """The client commands must start fast: no torch, worker, pandas, job store or settings."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "shared.cli", "jobs", "list",
+                             "--url", f"http://127.0.0.1:{free_port()}"], cwd=ROOT, text=True, capture_output=True)
+    assert result.returncode == 1 and "connection_error" in result.stderr
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "httpx" in imported and "client.api" in imported
+    heavy = {"torch", "pandas", "numpy", "sqlalchemy", "fastapi", "transformers", "celery", "pydantic_settings",
+             "matplotlib", "worker", "api"}
+    assert not heavy & imported

@@ -1,0 +1,156 @@
+"""Building blocks of fast start and fast finish, without the service: the tokenization cache gives
+exactly what tokenizing gives, the streamed tar is a standard tar of known size, the manifest
+catches a changed file, and the phase timer never counts a second twice."""
+
+import io
+import itertools
+import json
+import shutil
+import subprocess
+import tarfile
+import time
+
+import pandas as pd
+import pytest
+
+from shared import artifacts
+from tests.conftest import RecordingReporter
+from tests.test_engine import make_job
+from worker import train as engine
+from worker.data import tokenize
+from worker.report import PhaseTimer
+
+
+@pytest.fixture
+def tokenizer(models_dir):
+    from transformers import AutoTokenizer
+
+    from tests.conftest import TINY_MODEL
+
+    return AutoTokenizer.from_pretrained(models_dir / TINY_MODEL)
+
+
+def frame(n: int = 30) -> pd.DataFrame:
+    words = ["goal", "market", "team", "profit", "unbelievably", "coach", "!", "é"]
+    return pd.DataFrame({"text": [" ".join(words[(i + j) % len(words)] for j in range(i)) for i in range(n)],
+                         "pair": [words[i % len(words)] * (i % 5) for i in range(n)],
+                         "label": ["a", "b"] * (n // 2), "score": [i / 3 for i in range(n)]})
+
+
+@pytest.mark.parametrize("pair,labels,label_column", [(None, ["a", "b"], "label"), ("pair", None, "score")])
+def test_the_tokenization_cache_returns_what_tokenizing_returns(engine_env, tokenizer, pair, labels, label_column):
+    df, sha = frame(), "0" * 64
+
+    def run(data=df, max_length=12, sha256=sha, tok=tokenizer):
+        return tokenize(tok, data, "text", pair, label_column, labels, max_length, sha256)
+
+    uncached = run(sha256=None)
+    first, second = run(), run()
+    assert not uncached.from_cache and not first.from_cache and second.from_cache
+    for ds in (first, second):
+        assert ds.encodings == uncached.encodings and ds.labels == uncached.labels
+        assert ds.lengths.tolist() == uncached.lengths.tolist()
+    assert len(list((engine_env / "cache" / "tokenized" / sha).glob("*.safetensors"))) == 1
+
+    # Anything that changes the encodings misses the cache: the texts, max_length, the tokenizer.
+    assert not run(data=df.iloc[1:]).from_cache
+    assert not run(max_length=13).from_cache
+    changed = tokenizer.__class__.from_pretrained(tokenizer.name_or_path, do_lower_case=False)
+    assert not run(tok=changed).from_cache
+    # A damaged cache file is ignored and replaced.
+    for f in (engine_env / "cache" / "tokenized" / sha).glob("*.safetensors"):
+        f.write_bytes(b"not safetensors")
+    assert not run().from_cache and run().from_cache
+
+
+@pytest.mark.parametrize("sizes", [[0, 1, 511, 512, 513], [10_000], [3 * 1024 * 1024 + 7]])
+def test_tar_stream_is_a_standard_tar_of_the_announced_size(tmp_path, sizes):
+    files = {}
+    for i, size in enumerate(sizes):
+        name = f"file-{i}" + ("-long" * 30 if i == 1 else "") + ".bin"  # one name past ustar's 100 bytes
+        (tmp_path / name).write_bytes(bytes([i % 251]) * size)
+        files[name] = tmp_path / name
+    stream = artifacts.TarStream(files)
+    data = b"".join(stream)
+    assert len(data) == stream.size == artifacts.tar_size({n: p.stat().st_size for n, p in files.items()})
+    assert artifacts.listing(files)["model.tar"] == stream.size
+
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        assert tar.getnames() == list(files)
+        for name, path in files.items():
+            assert tar.extractfile(name).read() == path.read_bytes()
+    if shutil.which("tar"):  # GNU tar reads it too, without a warning
+        (tmp_path / "out.tar").write_bytes(data)
+        listed = subprocess.run(["tar", "-tf", str(tmp_path / "out.tar")], capture_output=True, text=True, check=True)
+        assert listed.stdout.split() == list(files) and listed.stderr == ""
+
+
+def test_tar_stream_sends_a_file_deleted_after_it_was_opened(tmp_path):
+    (tmp_path / "weights").write_bytes(b"w" * 5000)
+    stream = artifacts.TarStream({"weights": tmp_path / "weights"})
+    (tmp_path / "weights").unlink()  # e.g. a checkpoint rotated away during the download
+    with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+        assert tar.extractfile("weights").read() == b"w" * 5000
+
+
+def test_manifest_lists_every_file_and_catches_a_change(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 1000)
+    manifest = artifacts.write_manifest(tmp_path)
+    assert [f["name"] for f in manifest["files"]] == ["config.json", "model.safetensors"]
+    assert manifest["files"][1]["bytes"] == 1000
+    assert artifacts.verify_manifest(tmp_path) == []
+    (tmp_path / "model.safetensors").write_bytes(b"\x01" * 1000)  # same size, other content
+    assert artifacts.verify_manifest(tmp_path) == ["model.safetensors"]
+
+
+def test_phase_timer_counts_nested_phases_once():
+    class Reporter:
+        def __init__(self):
+            self.reports = []
+
+        def progress(self, **fields):
+            self.reports.append(fields["timings"])
+
+    reporter = Reporter()
+    timer = PhaseTimer(reporter, queued=1.5)
+    started = time.perf_counter()
+    with timer.phase("train"):
+        time.sleep(0.05)
+        with timer.phase("evaluate"):
+            time.sleep(0.05)
+            with timer.phase("save"):
+                time.sleep(0.05)
+        time.sleep(0.05)
+    wall = time.perf_counter() - started
+    t = timer.timings()
+    assert t["queued"] == 1.5 and t["load"] == t["tokenize"] == t["warmup"] == 0
+    assert t["evaluate"] >= 0.05 and t["save"] >= 0.05 and t["train"] >= 0.1
+    assert t["train"] + t["evaluate"] + t["save"] == pytest.approx(wall, abs=0.003)  # each second counted once
+    assert [r["save"] > 0 for r in reporter.reports] == [True, True, True]  # reported at each phase's end
+    assert reporter.reports[-1] == t
+
+
+def test_weights_are_written_once_per_step_and_the_artifact_links_the_best(engine_env, monkeypatch):
+    import torch
+
+    scripted = itertools.chain([1.0, 0.5], itertools.count(0.7, 0.1))  # every 2 steps and at the end: best at step 4
+    monkeypatch.setattr(engine, "evaluate", lambda run, reporter=None: {"loss": next(scripted), "accuracy": 0.5,
+                                                                        "f1_macro": 0.5})
+    job, data = make_job("linked", epochs=2, eval_every_steps=2, save_every_steps=2)
+    reporter = RecordingReporter()
+    run = engine.setup(job, data, torch.device("cpu"), reporter)
+    assert engine.train(run, reporter) == "completed" and run.state.step == run.total_steps >= 8
+    engine.run_evaluation(run, reporter)
+    model_dir = engine.save_model(run)
+
+    def inode(path):
+        return path.stat().st_ino
+
+    best = inode(run.out_dir / "best" / "model.safetensors")
+    assert [step for step, _ in reporter.checkpoints] == list(range(2, run.total_steps, 2))  # none after the last
+    assert inode(run.out_dir / "step-00000004" / "model.safetensors") == best  # evaluated best at step 4
+    assert inode(run.out_dir / "step-00000002" / "model.safetensors") != best
+    assert inode(model_dir / "model.safetensors") == best  # the artifact is the best model, not a copy
+    assert artifacts.verify_manifest(model_dir) == []
+    assert json.loads((model_dir / "metrics.json").read_text())["best_step"] == 4

@@ -1,0 +1,198 @@
+"""The API as a real process (``python -m shared.cli ...``): API keys from the command line, secure
+by default on start (a local key on loopback, a refusal beyond it), the Host check over real HTTP,
+slow and idle connections (slowloris), and the migration of rows created before API keys."""
+
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.faults_support import ROOT, Process, free_port, wait_for
+
+KEY_PATTERN = re.compile(r"tj_[A-Za-z0-9_-]{43}")
+
+
+def tunejob_env(data_dir: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_") or k == "TUNEJOB_REQUIRE_SERVICES"}
+    return {**env, "TUNEJOB_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def tunejob(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "shared.cli", *args], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert not check or result.returncode == 0, f"tunejob {' '.join(args)}: {result.stdout}\n{result.stderr}"
+    return result
+
+
+class Api:
+    """``tunejob api`` on a free port, stopped at the end of the ``with``."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str], host: str = "127.0.0.1"):
+        self.port, self.host = free_port(), host
+        self.process = Process("api", [sys.executable, "-m", "shared.cli", "api", "--host", host, "--port",
+                                       str(self.port)], env, tmp_path / f"api-{self.port}.log")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "Api":
+        def up() -> bool:
+            assert self.process.alive(), self.process.tail()
+            try:
+                return httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for("the API to answer /healthz", up, 90, diagnostics=self.process.tail)
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.process.stop()
+
+
+def test_keys_are_printed_once_and_stored_only_as_hashes(tmp_path):
+    env = tunejob_env(tmp_path / "data")
+    created = tunejob(env, "keys", "create", "--tenant", "acme", "--admin", "--name", "ops")
+    key = created.stdout.strip()
+    assert KEY_PATTERN.fullmatch(key), created.stdout
+    assert "acme" in created.stderr and "only this once" in created.stderr
+    store = b"".join(p.read_bytes() for p in (tmp_path / "data").glob("tunejob.db*"))
+    assert key.encode() not in store and key[12:].encode() not in store  # neither the key nor its secret part
+
+    second = tunejob(env, "keys", "create", "--tenant", "beta").stdout.strip()
+    assert second != key
+    listing = tunejob(env, "keys", "list").stdout
+    assert key not in listing and key[:11] in listing and second[:11] in listing
+    row = next(line for line in listing.splitlines() if key[:11] in line)
+    assert "acme" in row and "yes" in row and "ops" in row
+
+    key_id = row.split()[0]
+    revoked = tunejob(env, "keys", "revoke", key_id)
+    assert "revoked" in revoked.stderr
+    row = next(line for line in tunejob(env, "keys", "list").stdout.splitlines() if key[:11] in line)
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d .*\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", row), row  # created, revoked
+
+    unknown = tunejob(env, "keys", "revoke", "key_nope", check=False)
+    assert unknown.returncode != 0 and "'key_nope' does not exist" in unknown.stderr
+    bad = tunejob(env, "keys", "create", "--tenant", "no spaces", check=False)
+    assert bad.returncode != 0 and "tenant 'no spaces'" in bad.stderr
+
+
+def test_without_a_key_the_api_refuses_to_listen_beyond_loopback(tmp_path):
+    port = free_port()
+    result = subprocess.run([sys.executable, "-m", "shared.cli", "api", "--host", "0.0.0.0", "--port", str(port)],
+                            env=tunejob_env(tmp_path / "data"), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "refusing to listen on 0.0.0.0 without an API key" in result.stderr
+    assert "tunejob keys create" in result.stderr
+    assert not (tmp_path / "data" / "api_key").exists()
+
+
+def test_on_loopback_the_api_writes_a_local_key_and_requires_it(tmp_path):
+    data = tmp_path / "data"
+    env = tunejob_env(data)
+    with Api(tmp_path, env) as api:
+        path = data / "api_key"
+        key = path.read_text().strip()  # written before the API answered /healthz
+        assert KEY_PATTERN.fullmatch(key)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert httpx.get(f"{api.url}/jobs").status_code == 401
+        assert httpx.get(f"{api.url}/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        # DNS rebinding: the right address under another name is refused, even for /healthz.
+        r = httpx.get(f"{api.url}/healthz", headers={"Host": f"rebind.attacker.example:{api.port}"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    with Api(tmp_path, env):  # a key exists now: nothing new is created
+        assert path.read_text().strip() == key
+    assert len([line for line in tunejob(env, "keys", "list").stdout.splitlines()[1:] if line.strip()]) == 1
+
+
+def test_idle_and_slow_connections_do_not_hold_the_server(tmp_path):
+    """200 connections that send nothing or trickle a request's headers: a normal client is still
+    served, and the server closes them once the header deadline passes."""
+    deadline = 2.0
+    data = tmp_path / "data"
+    env = tunejob_env(data, TUNEJOB_HTTP_HEADER_TIMEOUT_SECONDS=str(deadline))
+    with Api(tmp_path, env) as api:
+        key = (data / "api_key").read_text().strip()
+        idle = []
+        for i in range(200):
+            s = socket.create_connection(("127.0.0.1", api.port), timeout=10)
+            if i % 2:  # half of them start a request and never finish its headers
+                s.sendall(b"GET /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            idle.append(s)
+        opened = time.monotonic()
+        with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {key}"}, timeout=10) as client:
+            for _ in range(5):
+                assert client.get("/healthz").status_code == 200
+                assert client.get("/jobs").status_code == 200
+                for s in idle[1::2]:
+                    s.send(b"a")  # a byte now and then: uvicorn's keep-alive timer alone would never fire
+            closed = 0
+            for s in idle:
+                s.settimeout(max(0.1, opened + deadline + 8 - time.monotonic()))
+                try:
+                    closed += s.recv(1024) == b""
+                except ConnectionResetError:
+                    closed += 1
+                except TimeoutError:
+                    pass
+                finally:
+                    s.close()
+            assert closed == len(idle), f"only {closed} of {len(idle)} slow connections were closed"
+            assert client.get("/jobs").status_code == 200
+
+
+def test_rows_created_before_api_keys_belong_to_the_default_tenant(engine_env):
+    """Migration 0002 on a store with data: old datasets and jobs go to the tenant "default" (that
+    of ``tunejob serve``'s local key); a downgrade and upgrade round-trips."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import text
+
+    from shared.db import MIGRATIONS_DIR, get_engine, read_session
+    from shared.errors import NotFound
+    from shared.jobs import get_job
+    from shared.keys import authenticate, ensure_key_for
+    from shared.tenancy import Caller, owned_job
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["connection_engine"] = get_engine()
+    command.upgrade(config, "0001")
+    with get_engine().begin() as conn:
+        conn.execute(text("INSERT INTO datasets (id, filename, format, path, rows, columns, bytes, sha256, created_at) "
+                          "VALUES ('ds_old', 'a.csv', 'csv', '/x', 1, '[]', 1, 'x', '2026-01-01 00:00:00')"))
+        conn.execute(text(
+            "INSERT INTO jobs (id, status, base_model, task, training_dataset_id, spec, created_at, updated_at, "
+            "cancel_requested, step, epoch, attempts, restarts) VALUES ('job_old', 'succeeded', 'm', "
+            "'classification', 'ds_old', '{}', '2026-01-01 00:00:00', '2026-01-01 00:00:00', 0, 0, 0, 1, 0)"))
+    command.upgrade(config, "head")
+    command.downgrade(config, "0001")
+    command.upgrade(config, "head")
+
+    local = authenticate(ensure_key_for("127.0.0.1").read_text().strip())
+    assert local == Caller("default", False, local.key_id)
+    assert get_job("job_old", local).training_dataset_id == "ds_old"
+    with read_session() as s:
+        assert owned_job(s, "job_old", local).tenant == "default"
+    with pytest.raises(NotFound):
+        get_job("job_old", Caller("someone-else"))
+
+
+def test_worker_nice_lowers_its_cpu_priority(tmp_path):
+    """`tunejob serve` starts its worker with --nice 10, so that on a shared CPU the API's
+    requests are scheduled before training."""
+    worker = Process("worker", [sys.executable, "-m", "shared.cli", "worker", "--nice", "7"],
+                     tunejob_env(tmp_path / "data", TUNEJOB_DEVICE="cpu"), tmp_path / "worker.log")
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+        wait_for("the worker to lower its priority",
+                 lambda: worker.alive() and os.getpriority(os.PRIO_PROCESS, worker.pid) == base + 7, 60,
+                 diagnostics=worker.tail)
+    finally:
+        worker.stop()

@@ -1,0 +1,362 @@
+"""The training step without host synchronisation (``worker.steps``) and as CUDA graphs
+(``worker.graphs``), driven on the CPU: per-step values read back in bulk, non-finite steps
+skipped by the fused AdamW, cancel on a timer, filler rows, and the captured path with its static
+inputs, warm-ups and per-worker cache (on the CPU "capture" keeps the body and "replay" calls it,
+so everything but the CUDA capture and replay calls runs here)."""
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from bench.engine_gpu_check import state_of
+from shared.errors import UserError
+from tests.conftest import RecordingReporter, no_dropout
+from tests.test_engine import NaNLogits, OutOfMemoryAbove, make_job
+from worker import graphs
+from worker import train as engine
+from worker.report import Reporter
+from worker.steps import Steps, StepValues
+
+CPU = torch.device("cpu")
+LADDER = [16, 32, 48, 64]  # a bucket ladder for max_length 64, as a CUDA worker would use
+
+
+@pytest.fixture(autouse=True)
+def empty_graph_cache():
+    graphs.clear_cache()
+    graphs._failed.clear()
+    yield
+    graphs.clear_cache()
+    graphs._failed.clear()
+
+
+def make_run(name: str, reporter=None, label_names=("a", "b"), **hyperparameters):
+    torch.manual_seed(0)
+    job, data = make_job(name, **hyperparameters)
+    if list(label_names) != job.label_names:  # the same examples under other label names
+        rename = dict(zip(job.label_names, label_names))
+        data.train["label"], data.validation["label"] = data.train["label"].map(rename), data.validation[
+            "label"].map(rename)
+        job.label_names = list(label_names)
+    run = engine.setup(job, data, CPU, reporter or RecordingReporter())
+    no_dropout(run.model)
+    return run
+
+
+def capture(run, rows: int | None = None) -> str:
+    """What ``warm_up`` does on a CUDA worker: bucket widths, then the captured steps."""
+    run.collator.ladder = LADDER
+    widths = list(run.plan.width_counts(LADDER, run.hp.epochs))
+    run.steps, message = graphs.capture_steps(run, rows or run.hp.batch_size, widths)
+    return message
+
+
+def read_rarely(monkeypatch, seconds: float = 3600.0) -> None:
+    """Per-step values stay on the device until a read is forced (as on CUDA between reads)."""
+    monkeypatch.setattr(engine, "read_every_seconds", lambda device: seconds)
+
+
+# ----------------------------------------------------------------------------- values read in bulk
+
+
+def test_step_values_are_copied_in_bulk_in_order():
+    values = StepValues(CPU, every_seconds=3600.0, capacity=4)
+    for step in range(1, 4):
+        values.add(torch.tensor([step, 10.0 * step, 0.0]), step)
+        assert values.poll() == []  # not due, buffer not full: nothing read
+    values.add(torch.tensor([4.0, 40.0, 1.0]), 4)
+    full = values.poll()  # the buffer is full: copied and, on the CPU, landed at once
+    assert [record for record, _ in full] == [1, 2, 3, 4]
+    assert [row for _, row in full] == [[s, 10.0 * s, 0.0] for s in (1, 2, 3)] + [[4.0, 40.0, 1.0]]
+    values.add(torch.tensor([5.0, 50.0, 0.0]), 5)
+    assert values.poll() == []
+    assert values.poll(wait=True) == [(5, [5.0, 50.0, 0.0])]
+    assert values.poll(wait=True) == []
+
+    every_step = StepValues(CPU, every_seconds=0.0)
+    every_step.add(torch.tensor([1.0, 2.0, 0.0]), "a")
+    assert every_step.poll() == [("a", [1.0, 2.0, 0.0])]
+
+
+def test_metrics_of_every_step_arrive_when_read_in_bulk(engine_env, monkeypatch):
+    every = RecordingReporter()
+    run = make_run("every", every, epochs=2, save_every_steps=10**6)
+    assert engine.train(run, every) == "completed"
+
+    read_rarely(monkeypatch)
+    bulk = RecordingReporter()
+    run = make_run("bulk", bulk, epochs=2, save_every_steps=10**6)
+    assert engine.train(run, bulk) == "completed"
+    logged = [step for step, _, values in bulk.logged if "train_loss" in values]
+    assert logged == list(range(1, run.total_steps + 1))  # every step logged once, in order
+    for name in ("train_loss", "grad_norm", "learning_rate", "padding_efficiency", "skipped_steps"):
+        assert bulk.series(name) == pytest.approx(every.series(name), rel=1e-6), name
+    assert all(v > 0 for v in bulk.series("tokens_per_second").values())
+    assert run.state.train_seconds > 0 and bulk.fields["step"] == run.total_steps
+    # Reads were rare: the values of the first epoch reached the host at its end (the evaluation
+    # forces a read), not step by step.
+    epoch_of = {step: epoch for step, epoch, _ in bulk.logged}
+    assert epoch_of[1] < 1
+
+
+def test_nonfinite_steps_are_skipped_without_a_sync_and_fail_the_job_at_the_next_read(engine_env, monkeypatch):
+    read_rarely(monkeypatch)
+    run = make_run("nan-step", epochs=1)
+    run.forward_model = NaNLogits(run.model, bad_calls={2})
+    groups = engine.step_groups(run)
+    values, _ = engine.train_step(run, next(groups))
+    assert values.tolist()[2] == 0.0
+    before = state_of(run)
+    values, _ = engine.train_step(run, next(groups))
+    loss, grad_norm, skipped = values.tolist()
+    assert math.isnan(loss) and skipped == 1.0
+    after = state_of(run)  # the fused AdamW skipped it: weights, moments and step count unchanged
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+    run = make_run("nan-once", reporter := RecordingReporter(), epochs=1, save_every_steps=10**6,
+                   max_nonfinite_steps=3)
+    run.forward_model = NaNLogits(run.model, bad_calls={2})
+    assert engine.train(run, reporter) == "completed"
+    assert run.state.skipped_steps == 1 and run.state.nonfinite_run == 0
+    assert reporter.series("skipped_steps")[1] == 0 and reporter.series("skipped_steps")[2] == 1
+    assert math.isnan(reporter.series("train_loss")[2])
+    assert all(torch.isfinite(p).all() for p in run.model.parameters())
+
+    reporter = RecordingReporter()
+    run = make_run("nan-run", reporter, epochs=3, save_every_steps=10**6, eval_every_steps=10**6,
+                   max_nonfinite_steps=3)
+    run.forward_model = NaNLogits(run.model, bad_calls=set(range(3, 1000)))
+    with pytest.raises(UserError) as error:
+        engine.train(run, reporter)
+    assert error.value.code == "nonfinite_loss" and "up to step 5" in error.value.message
+    assert run.state.step >= 5 and run.state.nonfinite_run == 3  # seen at the read after step 5
+    assert sorted(reporter.series("train_loss")) == [1, 2, 3, 4, 5]
+
+
+def test_cancel_is_read_on_a_timer_and_stops_within_two_seconds(engine_env, monkeypatch):
+    from worker import report
+
+    requested = threading.Event()
+    queries, flushed = [], []
+    monkeypatch.setattr(report.jobs, "cancel_requested", lambda job_id: queries.append(time.monotonic())
+                        or requested.is_set())
+    monkeypatch.setattr(report.jobs, "report", lambda job_id, worker, progress, metrics: flushed.extend(metrics)
+                        or True)
+    monkeypatch.setattr(report.jobs, "add_event", lambda *args, **kwargs: None)
+    read_rarely(monkeypatch, 0.5)
+    reporter = Reporter("cancel", "worker-1")
+    run = make_run("cancel", reporter, epochs=1000, batch_size=4, max_length=32, eval_every_steps=10**6,
+                   save_every_steps=10**6)
+    engine.warm_up(run)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # short steps even when other processes have the cores
+    timer = threading.Timer(1.5, requested.set)
+    started = time.monotonic()
+    timer.start()
+    try:
+        outcome = engine.train(run, reporter)
+    finally:
+        timer.cancel()
+        torch.set_num_threads(threads)
+    stopped = time.monotonic()
+    assert outcome == "cancelled"
+    asked = started + 1.5
+    assert stopped - asked < 2.0, stopped - asked
+    assert len(queries) >= 2 and all(b - a >= Reporter.CANCEL_CHECK_SECONDS  # on a timer, not every step
+                                     for a, b in zip(queries, queries[1:]))
+    reporter.flush()
+    logged_steps = sorted({step for step, _, name, _, _ in flushed if name == "train_loss"})
+    assert logged_steps == list(range(1, run.state.step + 1))  # the metrics of every step arrived
+
+
+# ----------------------------------------------------------------------------- filler rows
+
+
+def test_filler_rows_give_the_loss_and_gradient_of_the_short_batch(engine_env):
+    run = make_run("filler", epochs=1)
+    engine.warm_up(run)
+    run.model.train()
+    batch = run.collator([run.train_set[i] for i in range(5)])
+    steps = run.steps
+
+    def loss_and_grads(inputs, labels, weights):
+        steps.discard_step()
+        steps.n_examples.fill_(5)
+        steps.forward_backward(inputs, labels, weights)
+        grads = [p.grad.clone() for p in steps.master]
+        loss = steps.step_loss.item()
+        steps.discard_step()
+        return loss, grads
+
+    labels = batch["labels"]
+    short = loss_and_grads({k: v for k, v in batch.items() if k != "labels"}, labels, None)
+    filled = graphs.with_filler_rows(batch, 8, pad_id=run.tokenizer.pad_token_id)
+    assert filled["input_ids"].shape == (8, batch["input_ids"].shape[1])
+    assert filled["weights"].tolist() == [1.0] * 5 + [0.0] * 3
+    assert filled["attention_mask"][5:].sum(dim=1).tolist() == [1, 1, 1]  # one visible token each
+    assert (filled["input_ids"][5:] == run.tokenizer.pad_token_id).all()
+    inputs = {k: v for k, v in filled.items() if k not in ("labels", "weights")}
+    padded = loss_and_grads(inputs, filled["labels"], filled["weights"])
+    assert padded[0] == pytest.approx(short[0], rel=1e-6)
+    for a, b in zip(padded[1], short[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="does not fit"):
+        graphs.with_filler_rows(batch, 4, pad_id=0)
+
+
+# ----------------------------------------------------------------------------- the captured path
+
+
+def test_captured_steps_train_exactly_like_eager_steps(engine_env):
+    eager = RecordingReporter()
+    run = make_run("eager", eager, epochs=2, batch_size=8)
+    run.collator.ladder = LADDER  # the same widths on both sides; the captured side adds filler rows
+    assert engine.train(run, eager) == "completed"
+    assert type(run.steps) is Steps
+    eager_weights = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    eager_state = run.state
+
+    captured = RecordingReporter()
+    run = make_run("captured", captured, epochs=2, batch_size=8)
+    message = capture(run)
+    assert isinstance(run.steps, graphs.CapturedSteps) and "captured widths" in message
+    assert set(run.steps.replays) == set(run.plan.width_counts(LADDER, 2))
+    assert all(p.grad is not None for p in run.model.parameters() if p.requires_grad)  # static gradients
+    lr = run.optimizer.param_groups[0]["lr"]
+    assert torch.is_tensor(lr) and run.optimizer.defaults["capturable"]
+    assert engine.train(run, captured) == "completed"
+    assert run.optimizer.param_groups[0]["lr"] is lr  # the scheduler filled it in place
+    assert captured.series("train_loss") == pytest.approx(eager.series("train_loss"), rel=1e-5)
+    assert captured.series("learning_rate") == pytest.approx(eager.series("learning_rate"))
+    assert run.state.real_tokens == eager_state.real_tokens
+    assert run.state.padded_tokens > eager_state.padded_tokens  # the filler rows of short micro-batches count
+    for name, p in run.model.named_parameters():
+        torch.testing.assert_close(p.detach(), eager_weights[name], rtol=1e-4, atol=1e-6)
+
+
+def test_capture_warm_ups_move_no_state(engine_env):
+    run = make_run("warm", epochs=1)
+    engine.warm_up(run)  # eager first: a few steps give AdamW real moments to preserve
+    reporter = RecordingReporter(stop_after_step=3)
+    engine.train(run, reporter)
+    before, rng = state_of(run), torch.get_rng_state()
+    run.steps = None
+    capture(run)
+    after = state_of(run)
+    assert after.keys() == before.keys()
+    for key in before:
+        assert torch.equal(after[key], before[key]), key
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.count_nonzero(p.grad) == 0 for p in run.steps.compute)
+    assert run.steps.step_loss.item() == 0.0
+
+
+def test_a_later_job_reuses_the_captured_model_with_its_own_weights_and_a_fresh_optimizer(engine_env):
+    first = make_run("first", epochs=1)
+    capture(first)
+    engine.train(first, RecordingReporter())
+    model, optimizer = first.model, first.optimizer
+
+    reference = RecordingReporter()
+    alone = make_run("second-alone", reference, epochs=1, learning_rate=2e-3)
+    alone.collator.ladder = LADDER
+    initial = {n: p.detach().clone() for n, p in alone.model.named_parameters()}
+    engine.train(alone, reference)
+
+    reporter = RecordingReporter()
+    second = make_run("second", reporter, label_names=("no", "yes"), epochs=1, learning_rate=2e-3)
+    message = capture(second)
+    assert "reused" in message and "captured widths none" in message
+    assert second.model is model and second.optimizer is optimizer  # the captured tensors, not copies
+    assert second.model.config.id2label == {0: "no", 1: "yes"}  # this job's labels in its artifact
+    for name, p in second.model.named_parameters():
+        assert torch.equal(p, initial[name]), name  # this job's initial weights, copied in place
+    assert all(float(s["step"]) == 0 and torch.count_nonzero(s["exp_avg"]) == 0
+               for s in second.optimizer.state.values())
+    assert engine.train(second, reporter) == "completed"
+    assert reporter.series("train_loss") == pytest.approx(reference.series("train_loss"), rel=1e-5)
+    assert reporter.series("learning_rate") == pytest.approx(reference.series("learning_rate"))
+
+    other = make_run("other-shape", epochs=1, batch_size=4)
+    assert "reused" not in capture(other)  # another micro-batch size: a new capture, the old one evicted
+    assert other.model is not model and len(graphs._cache) == 1
+
+
+def test_resume_with_captured_steps_gives_the_same_losses(engine_env):
+    whole = RecordingReporter()
+    run = make_run("whole", whole, epochs=2, save_every_steps=100)
+    capture(run)
+    engine.train(run, whole)
+
+    graphs.clear_cache()
+    first = RecordingReporter(stop_after_step=4)
+    run = make_run("stopped", first, epochs=2, save_every_steps=100)
+    capture(run)
+    assert engine.train(run, first) == "shutdown"
+    [(step, path)] = first.checkpoints
+    state = torch.load(path / "training_state.pt", weights_only=True)
+    assert all(isinstance(g["lr"], float) and not g["capturable"] for g in state["optimizer"]["param_groups"])
+
+    second = RecordingReporter()
+    job, data = make_job("stopped", epochs=2, save_every_steps=100)
+    run = engine.setup(job, data, CPU, second, checkpoint=path)
+    no_dropout(run.model)
+    capture(run)  # reuses the cached graphs: the checkpoint's weights and AdamW state are copied in
+    assert engine.train(run, second) == "completed"
+    expected = whole.series("train_loss")
+    for s, loss in second.series("train_loss").items():
+        assert loss == pytest.approx(expected[s], rel=1e-5, abs=1e-6), s
+
+
+def test_out_of_memory_with_captured_steps_drops_the_graphs_and_backs_off_eagerly(engine_env):
+    reference = RecordingReporter()
+    run = make_run("reference", reference, epochs=1)
+    run.collator.ladder = LADDER
+    run.forward_model = OutOfMemoryAbove(run.model, rows=2)
+    engine.train(run, reference)
+
+    reporter = RecordingReporter()
+    run = make_run("oom", reporter, epochs=1)
+    run.forward_model = OutOfMemoryAbove(run.model, rows=10**6)
+    capture(run)
+    run.forward_model.rows = 2  # out of memory from the first step on, as a too large batch would be
+    assert engine.train(run, reporter) == "completed"
+    assert reporter.events.count("cuda_graphs_off") == 1 and reporter.events.count("out_of_memory") == 2
+    assert type(run.steps) is Steps and not graphs._cache  # the graphs and their memory are gone
+    assert run.state.micro_split == 4
+    assert reporter.series("train_loss") == pytest.approx(reference.series("train_loss"), rel=1e-5)
+
+
+def test_a_failed_capture_falls_back_to_eager_steps_and_says_so(engine_env, monkeypatch):
+    def broken(run, rows, widths):
+        raise RuntimeError("injected: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(engine, "eager_reason", lambda run: None)
+    monkeypatch.setattr(engine, "capture_steps", broken)
+    reporter = RecordingReporter()
+    run = make_run("fallback", reporter, epochs=1)
+    engine.warm_up(run, reporter)
+    assert type(run.steps) is Steps and "cuda_graphs_off" in reporter.events
+    assert engine.train(run, reporter) == "completed"
+    assert all(math.isfinite(v) for v in reporter.series("train_loss").values())
+
+
+def test_jobs_that_cannot_be_captured_say_why(engine_env):
+    from types import SimpleNamespace
+
+    from shared.schemas import Hyperparameters
+
+    def reason(**hp):
+        scaler = torch.amp.GradScaler("cpu", enabled=hp.pop("fp16", False))
+        run = SimpleNamespace(device=torch.device("cuda", 0), hp=Hyperparameters(**hp), scaler=scaler)
+        return graphs.eager_reason(run)
+
+    assert reason() is None
+    assert "fp16" in reason(fp16=True)
+    assert "gradient_checkpointing" in reason(gradient_checkpointing=True)
+    assert "torch_compile" in reason(torch_compile=True)
+    assert "token_budget" in reason(batching="token_budget")
+    assert graphs.eager_reason(SimpleNamespace(device=CPU)) == "cpu trains eagerly"

@@ -1,0 +1,288 @@
+"""The training step as CUDA graphs, captured once per worker process and reused by later jobs.
+
+``CapturedSteps`` captures the two bodies of ``worker.steps.Steps`` with ``torch.cuda.graph``
+(PyTorch docs, "CUDA Graphs": whole-network capture, ``graph_pool_handle``): one forward+backward
+graph per bucket width for micro-batches of a fixed number of rows, reading static input buffers,
+and one graph for the update (clip, fused capturable AdamW, zeroing the gradients), all sharing one
+memory pool (they never run concurrently). A short micro-batch is topped up with filler rows (one
+visible pad token, loss weight 0), so it contributes exactly what it would have on its own. The
+learning rate is a device tensor that the scheduler fills in place, so warm-up and decay apply
+under replay. Every captured tensor keeps its address for the life of the graphs: weights, moments
+and gradients are only ever changed in place.
+
+Before each capture the body runs ``WARMUP_RUNS`` times eagerly on a side stream (as the PyTorch
+docs require); the micro-batch warm-ups see only filler rows (loss weight 0) and the update
+warm-ups run with a non-finite loss, so the fused AdamW skips them: weights, AdamW moments and step
+count do not move, gradients and sums are zeroed afterwards, and the RNG states are restored, so
+a job trains the same whether its graphs were captured now or by an earlier job.
+
+The graphs outlive the job: they are kept in a per-process cache (``TUNEJOB_CUDA_GRAPH_CACHE``
+entries, least recently used evicted) keyed by what they bake in (model configuration, number of labels, trainable
+parameters, task, micro-batch rows, precision, weight decay, input names). A later job with the
+same key copies its initial weights into the captured parameters and its optimizer state into the
+captured AdamW, in place, and captures only widths not captured before. Where a job cannot be
+captured (fp16 GradScaler, gradient checkpointing, ``torch_compile``, ``token_budget`` batching,
+or an error or out-of-memory during capture) it trains eagerly with the same bodies and says so in
+an event.
+
+On devices other than CUDA (the tests), "capturing" runs the warm-ups and keeps the body, and
+"replaying" calls it: everything but the capture and replay calls themselves runs there.
+"""
+
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from shared.settings import get_settings
+from worker.steps import Steps, bf16_copy, make_optimizer, make_scheduler, uses_bf16_copy
+
+WARMUP_RUNS = 2  # eager runs of a body before its capture (the PyTorch docs' side-stream warm-up)
+
+_cache: "OrderedDict[tuple, CapturedSteps]" = OrderedDict()
+_failed: dict[tuple, str] = {}  # keys whose capture failed in this process: not tried again
+
+
+def with_filler_rows(batch: dict[str, torch.Tensor], rows: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """``batch`` (``[n, width]`` inputs, ``labels [n]``) topped up to ``rows`` rows, plus
+    ``weights [rows]``: 1.0 for its rows, 0.0 for the filler rows, which hold one visible
+    ``pad_id`` token (an all-masked row could make attention produce NaN, and NaN * 0 is NaN).
+
+    Raises:
+        ValueError: ``batch`` has more than ``rows`` rows.
+    """
+    n, width = batch["input_ids"].shape
+    if n > rows:
+        raise ValueError(f"a micro-batch of {n} rows does not fit the {rows} captured rows")
+    filler = rows - n
+    out = {"weights": torch.cat([torch.ones(n), torch.zeros(filler)])}
+    for name, tensor in batch.items():
+        if name == "labels":
+            extra = torch.zeros(filler, dtype=tensor.dtype)
+        elif name == "input_ids":
+            extra = torch.full((filler, width), pad_id, dtype=tensor.dtype)
+        elif name == "attention_mask":
+            extra = torch.zeros(filler, width, dtype=tensor.dtype)
+            extra[:, 0] = 1
+        else:
+            extra = torch.zeros(filler, width, dtype=tensor.dtype)
+        out[name] = torch.cat([tensor, extra]) if filler else tensor
+    return out
+
+
+class CapturedSteps(Steps):
+    """``Steps`` replayed from CUDA graphs: micro-batches of at most ``rows`` rows, one graph per
+    width captured by ``capture(widths)``; widths not captured run eagerly (same model, same
+    gradients)."""
+
+    def __init__(self, run, rows: int):
+        super().__init__(run, static_grads=True)
+        self.rows = rows
+        self.input_names = input_names(run)
+        self.pad_id = run.tokenizer.pad_token_id or 0
+        self.label_dtype = torch.float32 if run.job.task == "regression" else torch.long
+        self.inputs: dict[int, dict[str, torch.Tensor]] = {}  # width -> static input buffers
+        self.replays: dict[int, Callable[[], None]] = {}  # width -> replays its forward+backward graph
+        self.replay_update: Callable[[], None] | None = None
+        self.graphs: list = []  # the CUDAGraph objects (their memory lives as long as they do)
+        self.pool = torch.cuda.graph_pool_handle() if run.device.type == "cuda" else None
+        self.side_stream = None  # where the warm-ups run (created on first use)
+
+    def capture(self, widths: list[int]) -> list[int]:
+        """Capture the update and each width not captured yet, in training mode (dropout on);
+        returns the widths captured now. Weights, AdamW state and RNG states are as before;
+        gradients and sums are zero."""
+        new = [w for w in widths if w not in self.replays]
+        rng = torch.get_rng_state(), torch.cuda.get_rng_state() if self.device.type == "cuda" else None
+        self.model.train()
+        self.forward_model.train()
+        try:
+            for width in new:
+                self.inputs[width] = self._buffers(width)
+                self.replays[width] = self._capture(self._micro_body(width), self._micro_body(width))
+            if self.replay_update is None:
+                self.replay_update = self._capture(self.update, self._skipped_update)
+        finally:
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1])
+            self.discard_step()
+        return new
+
+    def micro_step(self, batch: dict[str, torch.Tensor]) -> int:
+        rows, width = batch["input_ids"].shape
+        replay = self.replays.get(width)
+        if replay is None or rows > self.rows:
+            return super().micro_step(batch)
+        buffers, cuda = self.inputs[width], self.device.type == "cuda"
+        for name, tensor in with_filler_rows(batch, self.rows, self.pad_id).items():
+            if cuda and not tensor.is_pinned():
+                tensor = tensor.pin_memory()  # a copy from pageable memory would wait for the GPU
+            buffers[name].copy_(tensor, non_blocking=True)
+        replay()
+        return (self.rows - rows) * width
+
+    def finish_step(self) -> None:
+        self.replay_update()
+
+    def _buffers(self, width: int) -> dict[str, torch.Tensor]:
+        """Static inputs for one width, holding filler rows (what the warm-ups train on)."""
+        device = self.device
+        filler = {name: torch.zeros(0, width, dtype=torch.long) for name in self.input_names}
+        filler["labels"] = torch.zeros(0, dtype=self.label_dtype)
+        return {name: t.to(device) for name, t in with_filler_rows(filler, self.rows, self.pad_id).items()}
+
+    def _micro_body(self, width: int) -> Callable[[], None]:
+        buffers = self.inputs[width]
+        inputs = {name: buffers[name] for name in self.input_names}
+        return lambda: self.forward_backward(inputs, buffers["labels"], buffers["weights"])
+
+    def _skipped_update(self) -> None:
+        self.step_loss.fill_(math.nan)  # non-finite: the fused AdamW leaves weights and moments alone
+        self.update()
+
+    def _capture(self, body: Callable[[], None], warm_up: Callable[[], None]) -> Callable[[], None]:
+        """Run ``warm_up`` ``WARMUP_RUNS`` times, then capture ``body``; returns what replays it."""
+        if self.device.type != "cuda":
+            for _ in range(WARMUP_RUNS):
+                warm_up()
+            return body
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream()
+        self.side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side_stream):
+            for _ in range(WARMUP_RUNS):
+                warm_up()
+        torch.cuda.current_stream().wait_stream(self.side_stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a DataLoader pin-memory thread may allocate pinned memory meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            body()
+        self.graphs.append(graph)
+        return graph.replay
+
+
+# ----------------------------------------------------------------------------- which jobs, which graphs
+
+
+def eager_reason(run) -> str | None:
+    """Why this job trains eagerly, or None when its steps can be captured as CUDA graphs."""
+    if run.device.type != "cuda":
+        return f"{run.device.type} trains eagerly"
+    hp = run.hp
+    if not get_settings().cuda_graphs:
+        return "TUNEJOB_CUDA_GRAPHS is off"
+    if run.scaler.is_enabled():
+        return "fp16 with a GradScaler (its scale and skip decisions are host-side)"
+    if hp.gradient_checkpointing:
+        return "gradient_checkpointing (recomputation inside a captured backward is untested)"
+    if hp.torch_compile:
+        return "torch_compile (it makes its own graphs)"
+    if hp.batching == "token_budget":
+        return "token_budget batching (micro-batches vary in rows)"
+    return None
+
+
+def input_names(run) -> list[str]:
+    """The model inputs of the job's micro-batches (``input_ids``, ``attention_mask``, and
+    ``token_type_ids`` when the tokenizer makes them), as its collator makes them."""
+    return [name for name in run.collator([run.train_set[0]]) if name != "labels"]
+
+
+def graph_key(run, rows: int) -> tuple:
+    """What captured graphs bake in: a later job with an equal key can replay them."""
+    config = run.model.config.to_dict()
+    for name in ("id2label", "label2id", "_name_or_path", "transformers_version"):
+        config.pop(name, None)
+    trainable = tuple(p.requires_grad for p in run.model.parameters())
+    decay = tuple(g["weight_decay"] for g in run.optimizer.param_groups)
+    return (type(run.model).__name__, json.dumps(config, sort_keys=True, default=str), run.model.config.num_labels,
+            trainable, run.job.task, rows, str(run.dtype), decay, tuple(input_names(run)), str(run.device))
+
+
+def capture_steps(run, rows: int, widths: list[int]) -> tuple[CapturedSteps, str]:
+    """The job's steps as CUDA graphs for micro-batches of ``rows`` rows and these ``widths``:
+    from the cache when an earlier job captured them (its weights and optimizer state copied in),
+    else captured now. ``run``'s model, optimizer, scheduler and forward model become the captured
+    ones. Returns the steps and a sentence for the job's events.
+
+    Raises:
+        Exception: whatever capture raised (including ``torch.OutOfMemoryError``); the key is then
+            not tried again in this process, and ``run`` is left ready to train eagerly.
+    """
+    key = graph_key(run, rows)
+    if key in _failed:
+        raise RuntimeError(f"capture failed earlier in this worker: {_failed[key]}")
+    steps = _cache.pop(key, None)
+    if steps is not None:
+        adopt(steps, run)
+    else:
+        while len(_cache) >= max(1, get_settings().cuda_graph_cache):
+            _cache.popitem(last=False)  # least recently used: frees its graphs, model and optimizer
+        use_capturable_optimizer(run)
+        if uses_bf16_copy(run):
+            run.forward_model = bf16_copy(run.model)
+        steps = CapturedSteps(run, rows)
+    try:
+        new = steps.capture(widths)
+    except Exception as e:
+        _failed[key] = f"{type(e).__name__}: {e}"
+        raise
+    _cache[key] = steps
+    old = sorted(set(widths) - set(new))
+    return steps, (f"CUDA graphs for micro-batches of {rows} rows: captured widths {new or 'none'}"
+                   + (f", reused {old} from an earlier job" if old else "") + f" (cache of {len(_cache)})")
+
+
+def adopt(steps: CapturedSteps, run) -> None:
+    """Point ``steps`` (captured by an earlier job) at ``run``: copy the job's initial weights and
+    optimizer state into the captured model and AdamW, in place, and make them, with the job's
+    model configuration (its label names), the job's."""
+    with torch.no_grad():
+        steps.model.load_state_dict(run.model.state_dict())  # copy_ into the captured parameters
+        if steps.compute_model is not None:
+            steps.compute_model.load_state_dict(steps.model.state_dict())
+    steps.model.config = run.model.config  # equal but for label names and paths (``graph_key``)
+    run.optimizer = move_optimizer_state(run, steps.optimizer)
+    run.model, run.forward_model = steps.model, steps.forward_model
+    steps.scaler, steps.pad_id = run.scaler, run.tokenizer.pad_token_id or 0
+    steps.discard_step()
+
+
+def use_capturable_optimizer(run) -> None:
+    """Replace the job's AdamW with a capturable one whose learning rate is a device tensor (a
+    Python float would be baked into the graph), carrying over its state and schedule."""
+    run.optimizer = move_optimizer_state(run, make_optimizer(run.model, run.hp, run.device, capturable=True))
+
+
+def move_optimizer_state(run, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Copy ``run.optimizer``'s moments, step counts and learning rate into ``optimizer`` (same
+    parameter order) in place, and give ``run`` a scheduler over it at the same point of the
+    schedule. Returns ``optimizer``."""
+    source, source_schedule = run.optimizer, run.scheduler.state_dict()
+    for group in optimizer.param_groups:
+        group["initial_lr"] = run.hp.learning_rate  # the scheduler's base; another job's may be there
+    run.scheduler = make_scheduler(optimizer, run.hp, run.total_steps)  # sets the lr to step 0's
+    run.scheduler.load_state_dict(source_schedule)
+    with torch.no_grad():
+        for src_group, dst_group in zip(source.param_groups, optimizer.param_groups, strict=True):
+            dst_group["lr"].fill_(src_group["lr"])
+            for src, dst in zip(src_group["params"], dst_group["params"], strict=True):
+                state, dst_state = source.state.get(src, {}), optimizer.state[dst]
+                if not dst_state:
+                    dst_state.update(step=torch.zeros((), dtype=torch.float32, device=dst.device),
+                                     exp_avg=torch.zeros_like(dst), exp_avg_sq=torch.zeros_like(dst))
+                for name, tensor in dst_state.items():
+                    if name in state:
+                        tensor.copy_(state[name])
+                    else:
+                        tensor.zero_()
+    return optimizer
+
+
+def clear_cache() -> None:
+    """Drop every cached graph (and the models and optimizers they hold); e.g. after an
+    out-of-memory error."""
+    _cache.clear()

@@ -1,0 +1,55 @@
+"""The pictures of a run inside its model artifact: ``training_curves.png`` (``shared.curves``) and
+TensorBoard event files under ``runs/`` (tensorboardX), so that ``tensorboard --logdir <model>``
+on a downloaded model shows the run. Both are drawn from the job's metric rows in the store: the
+whole run, across restarts (the store keeps one continuous step series, see
+``shared.jobs.discard_metrics_after``).
+"""
+
+import json
+import logging
+from pathlib import Path
+
+from sqlalchemy import Row
+
+from shared.curves import metric_rows, render_png, series_of
+from shared.models import Job
+
+log = logging.getLogger(__name__)
+
+
+def write_run_logs(model_dir: Path, job: Job) -> None:
+    """Write ``training_curves.png`` and ``runs/events.out.tfevents.*`` into ``model_dir``.
+
+    Call it once every metric row of the job is in the store. A job that is not in the store (the
+    engine driven directly, as in the engine tests) gets no pictures; its model is saved all the
+    same, with a warning in the log.
+    """
+    try:
+        rows = metric_rows(job.id)
+        if not rows:
+            log.warning("job %s has no metric rows in the store: no training curves in its artifact", job.id)
+            return
+        (model_dir / "training_curves.png").write_bytes(render_png(series_of(rows), f"{job.id} · {job.base_model}"))
+        write_tensorboard(model_dir / "runs", job, rows)
+    except Exception:  # the pictures must not cost the job its trained model
+        log.exception("training curves of job %s could not be written; the model is saved without them", job.id)
+
+
+def write_tensorboard(logdir: Path, job: Job, rows: list[Row]) -> None:
+    """One TensorBoard event file in ``logdir``: each metric row as a scalar at its optimizer step
+    and wall time, tagged ``train/<name>`` or ``eval/<name>`` (``tensorboard_tag``), and the job
+    spec as the text ``job/spec``."""
+    from tensorboardX import SummaryWriter
+
+    with SummaryWriter(logdir=str(logdir)) as writer:
+        writer.add_text("job/spec", f"```\n{json.dumps(job.spec, indent=2)}\n```", 0)
+        for step, name, value, time in rows:
+            writer.add_scalar(tensorboard_tag(name), value, step, walltime=time.timestamp())
+
+
+def tensorboard_tag(name: str) -> str:
+    """``eval_accuracy`` -> ``eval/accuracy``; ``train_loss`` -> ``train/loss``; ``learning_rate``
+    -> ``train/learning_rate``."""
+    if name.startswith("eval_"):
+        return "eval/" + name.removeprefix("eval_")
+    return "train/" + name.removeprefix("train_")
