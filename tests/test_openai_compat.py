@@ -146,13 +146,9 @@ def test_fine_tune_retrieve_events_checkpoints(service):
     assert len({e.id for e in every}) == len(every) and all(e.level in {"info", "warn", "error"} for e in every)
     assert all(e.object == "fine_tuning.job.event" for e in every)
 
-    checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
-    native = service.native.get(f"/jobs/{job.id}/checkpoints").json()["data"]
-    assert [c.step_number for c in checkpoints] == [c["step"] for c in reversed(native)] and checkpoints
-    newest = checkpoints[0]
-    assert newest.fine_tuning_job_id == job.id and newest.metrics.step == newest.step_number
-    assert newest.fine_tuned_model_checkpoint == f"ft:{TINY_MODEL}:news:{job.id}:ckpt-step-{newest.step_number}"
-    assert newest.metrics.valid_loss == pytest.approx(native[-1]["metrics"]["loss"])
+    # A succeeded job's step checkpoints are deleted (its model is the artifact), on both APIs.
+    assert client.fine_tuning.jobs.checkpoints.list(job.id).data == []
+    assert service.native.get(f"/jobs/{job.id}/checkpoints").json()["data"] == []
 
 
 def test_list_pages_and_cancel(service):
@@ -160,7 +156,9 @@ def test_list_pages_and_cancel(service):
     train = service.upload(labelled_jsonl(40, seed=3))
     quick = client.fine_tuning.jobs.create(model=TINY_MODEL, training_file=train.id,
                                            hyperparameters={"n_epochs": 1, "batch_size": 8, "max_length": 32})
-    slow = client.fine_tuning.jobs.create(model=TINY_MODEL, training_file=train.id,
+    validation = service.upload(labelled_jsonl(12, seed=5), "validation.jsonl")
+    slow = client.fine_tuning.jobs.create(model=TINY_MODEL, training_file=train.id, validation_file=validation.id,
+                                          suffix="slow",
                                           hyperparameters={"n_epochs": 1000, "batch_size": 2, "max_length": 32})
     with pytest.raises(openai.ConflictError) as in_use:
         client.files.delete(train.id)
@@ -175,12 +173,22 @@ def test_list_pages_and_cancel(service):
     last = client.fine_tuning.jobs.list(limit=100)
     assert not last.has_more and len(last.data) == len(native_ids)
 
-    service.wait_job(slow.id, {"running"})
+    wait_for(f"a checkpoint of {slow.id}",
+             lambda: service.native.get(f"/jobs/{slow.id}/checkpoints").json()["data"], 120, 0.3, service.process.tail)
     cancelling = client.fine_tuning.jobs.cancel(slow.id)
     assert cancelling.id == slow.id and cancelling.status in {"running", "cancelled"}
     cancelled = service.wait_job(slow.id, FINISHED, timeout=60)
     assert cancelled.status == "cancelled" and cancelled.fine_tuned_model is None
     assert "cancel_requested" in [e.data["code"] for e in client.fine_tuning.jobs.list_events(slow.id)]
+
+    # A cancelled job keeps its checkpoints: the same ones on both APIs, newest first on /v1.
+    checkpoints = client.fine_tuning.jobs.checkpoints.list(slow.id).data
+    native = service.native.get(f"/jobs/{slow.id}/checkpoints").json()["data"]
+    assert checkpoints and [c.step_number for c in checkpoints] == [c["step"] for c in reversed(native)]
+    newest = checkpoints[0]
+    assert newest.fine_tuning_job_id == slow.id and newest.metrics.step == newest.step_number
+    assert newest.fine_tuned_model_checkpoint == f"ft:{TINY_MODEL}:slow:{slow.id}:ckpt-step-{newest.step_number}"
+    assert newest.metrics.valid_loss == pytest.approx(native[-1]["metrics"]["loss"])
     assert service.wait_job(quick.id, FINISHED).status == "succeeded"
 
 
