@@ -223,7 +223,7 @@ def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, che
         if hp.freeze_embeddings:
             model.base_model.embeddings.requires_grad_(False)
         if hp.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
         plan = BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch)
         total_steps = plan.count_steps(hp.epochs, hp.gradient_accumulation_steps)
