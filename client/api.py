@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 from httpx_sse import SSEError, connect_sse
 
+from shared.manifest import MANIFEST, verify_manifest
 from shared.schemas import (ArtifactOut, BaseModelOut, CheckpointOut, DatasetOut, EventOut, JobCreate, JobList,
                             JobOut, MetricOut)
 
@@ -30,8 +31,9 @@ METRICS_PAGE = 100_000  # the most rows GET /jobs/{id}/metrics returns at once
 
 class TunejobError(Exception):
     """An error answer of the API, ``{"error": {"code", "message", "param"}}`` (plus ``problems``,
-    the rows at fault in a dataset), with its HTTP ``status``; or a server that cannot be reached
-    (``status`` None, ``code`` ``"connection_error"``).
+    the rows at fault in a dataset), with its HTTP ``status``; or an error found on this side
+    (``status`` None): a server that cannot be reached (``"connection_error"``), a downloaded model
+    that differs from its manifest (``"download_corrupt"``).
 
     Attributes:
         status: HTTP status (4xx, 5xx), None when no answer came.
@@ -256,10 +258,12 @@ class Client:
         ready for ``transformers.pipeline(model=directory)``. Downloads ``model.tar``, or
         ``model.tar.gz`` from servers that have no ``model.tar``; the archive is extracted with
         tarfile's ``data`` filter (no links or paths out of the directory) into a temporary
-        directory beside ``directory``, then renamed into place.
+        directory beside ``directory``, checked against its ``manifest.json`` (each file's size and
+        sha256; models from servers older than the manifest are not checked), then renamed into place.
 
         Raises:
-            TunejobError: ``not_found`` (no such job, or no model yet), ``directory_not_empty``.
+            TunejobError: ``not_found`` (no such job, or no model yet), ``directory_not_empty``,
+                ``download_corrupt`` (files missing or differing from the manifest; nothing is kept).
         """
         directory = Path(directory)
         if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
@@ -278,6 +282,9 @@ class Client:
             extracted = Path(tmp) / "model"
             with tarfile.open(archive) as tar:
                 tar.extractall(extracted, filter="data")
+            if (extracted / MANIFEST).is_file() and (bad := verify_manifest(extracted)):
+                raise TunejobError(None, "download_corrupt",
+                                   f"the model of {job_id} differs from its manifest: {', '.join(bad)}", None)
             if directory.exists():
                 directory.rmdir()
             os.replace(extracted, directory)

@@ -14,7 +14,6 @@ directory on request (safetensors do not compress, so there is no ``.gz`` on dis
 No torch here: the API imports this module.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,9 +22,9 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from shared.manifest import MANIFEST, manifest_entries
 from shared.settings import get_settings
 
-MANIFEST = "manifest.json"
 METRICS = "metrics.json"
 TRAINING_STATE = "training_state.pt"  # in checkpoints only; never part of a downloaded model
 CHUNK = 1 << 20
@@ -63,19 +62,9 @@ def files_of(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, Path]:
     return files
 
 
-def sha256_of(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def manifest_entries(files: dict[str, Path]) -> dict[str, dict]:
-    """``{name: {"bytes", "sha256"}}`` of ``files``."""
-    return {name: {"bytes": path.stat().st_size, "sha256": sha256_of(path)} for name, path in files.items()}
-
-
 def write_manifest(directory: Path, hashed: dict[str, dict] | None = None) -> dict:
     """Write ``manifest.json`` into a model directory: every other file's name, size in bytes and
-    sha256, so that a download can be checked (``verify_manifest``, or ``sha256sum``). Files in
+    sha256, so that a download can be checked (``shared.manifest.verify_manifest``, or ``sha256sum``). Files in
     ``hashed`` (from ``manifest_entries``) are not read again. Returns the manifest."""
     hashed = hashed or {}
     files = files_of(directory, exclude=(MANIFEST,))
@@ -83,14 +72,6 @@ def write_manifest(directory: Path, hashed: dict[str, dict] | None = None) -> di
     manifest = {"files": [{"name": name, **entries[name]} for name in files]}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
-
-
-def verify_manifest(directory: Path) -> list[str]:
-    """The names of files that are missing or differ from ``manifest.json`` (empty: all match)."""
-    manifest = json.loads((directory / MANIFEST).read_text())
-    return [f["name"] for f in manifest["files"]
-            if not (directory / f["name"]).is_file() or (directory / f["name"]).stat().st_size != f["bytes"]
-            or sha256_of(directory / f["name"]) != f["sha256"]]
 
 
 def listing(model: dict[str, Path]) -> dict[str, int]:

@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,3 +231,37 @@ def test_client_commands_load_no_server_stack():
     heavy = {"torch", "pandas", "numpy", "sqlalchemy", "fastapi", "transformers", "celery", "pydantic_settings",
              "matplotlib", "worker", "api"}
     assert not heavy & imported
+
+def test_a_downloaded_model_is_checked_against_its_manifest(tmp_path, monkeypatch):
+    """No server: a mock transport serves a model.tar whose manifest.json matches its files, then
+    one whose weights changed after the manifest was written (a corrupt transfer or disk)."""
+    from shared.artifacts import write_manifest
+
+    monkeypatch.setenv("TUNEJOB_API_KEY", "tj_test")
+    model = tmp_path / "served"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\x00" * 4096)
+    write_manifest(model)
+
+    def archive() -> bytes:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for path in sorted(model.iterdir()):
+                tar.add(path, arcname=path.name)
+        return buffer.getvalue()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/jobs/job_x/artifacts/model.tar"
+        return httpx.Response(200, content=archive())
+
+    with Client("http://tunejob.test", transport=httpx.MockTransport(answer)) as client:
+        good = client.download_model("job_x", tmp_path / "good")
+        assert (good / "model.safetensors").read_bytes() == b"\x00" * 4096
+
+        (model / "model.safetensors").write_bytes(b"\x01" * 4096)  # same size, other bytes
+        with pytest.raises(TunejobError) as error:
+            client.download_model("job_x", tmp_path / "bad")
+    assert error.value.code == "download_corrupt" and "model.safetensors" in error.value.message
+    assert not (tmp_path / "bad").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "served"]  # no temporary directory left

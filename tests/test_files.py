@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from shared import artifacts
+from shared.manifest import verify_manifest
 from tests.conftest import RecordingReporter
 from tests.test_engine import make_job
 from worker import train as engine
@@ -99,9 +100,9 @@ def test_manifest_lists_every_file_and_catches_a_change(tmp_path):
     manifest = artifacts.write_manifest(tmp_path)
     assert [f["name"] for f in manifest["files"]] == ["config.json", "model.safetensors"]
     assert manifest["files"][1]["bytes"] == 1000
-    assert artifacts.verify_manifest(tmp_path) == []
+    assert verify_manifest(tmp_path) == []
     (tmp_path / "model.safetensors").write_bytes(b"\x01" * 1000)  # same size, other content
-    assert artifacts.verify_manifest(tmp_path) == ["model.safetensors"]
+    assert verify_manifest(tmp_path) == ["model.safetensors"]
 
 
 def test_phase_timer_counts_nested_phases_once():
@@ -152,5 +153,5 @@ def test_weights_are_written_once_per_step_and_the_artifact_links_the_best(engin
     assert inode(run.out_dir / "step-00000004" / "model.safetensors") == best  # evaluated best at step 4
     assert inode(run.out_dir / "step-00000002" / "model.safetensors") != best
     assert inode(model_dir / "model.safetensors") == best  # the artifact is the best model, not a copy
-    assert artifacts.verify_manifest(model_dir) == []
+    assert verify_manifest(model_dir) == []
     assert json.loads((model_dir / "metrics.json").read_text())["best_step"] == 4

@@ -42,6 +42,7 @@ from transformers import logging as hf_logging
 from transformers import set_seed
 
 from shared import artifacts
+from shared.manifest import manifest_entries
 from shared.base_models import resolve_model
 from shared.batching import BatchPlan
 from shared.errors import UserError
@@ -740,7 +741,7 @@ def save_model(run: Run) -> Path:
         run.tokenizer.save_pretrained(tmp)
         (tmp / "training_args.json").write_text(json.dumps(run.job.spec, indent=2))
         write_run_logs(tmp, run.job)  # training_curves.png and runs/ (TensorBoard)
-        hashed = artifacts.manifest_entries(artifacts.files_of(tmp))
+        hashed = manifest_entries(artifacts.files_of(tmp))
         metrics_json = json.dumps(json_safe({**metrics, "timings": timings_so_far(run)}), indent=2, allow_nan=False)
         (tmp / artifacts.METRICS).write_text(metrics_json)
         artifacts.write_manifest(tmp, hashed)
