@@ -64,8 +64,9 @@ def files_of(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, Path]:
 
 def write_manifest(directory: Path, hashed: dict[str, dict] | None = None) -> dict:
     """Write ``manifest.json`` into a model directory: every other file's name, size in bytes and
-    sha256, so that a download can be checked (``shared.manifest.verify_manifest``, or ``sha256sum``). Files in
-    ``hashed`` (from ``manifest_entries``) are not read again. Returns the manifest."""
+    sha256, so that a download can be checked (``shared.manifest.verify_manifest``, or
+    ``sha256sum``). Files in ``hashed`` (from ``manifest_entries``) are not read again. Returns the
+    manifest."""
     hashed = hashed or {}
     files = files_of(directory, exclude=(MANIFEST,))
     entries = {**manifest_entries({n: p for n, p in files.items() if n not in hashed}), **hashed}

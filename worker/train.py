@@ -42,10 +42,10 @@ from transformers import logging as hf_logging
 from transformers import set_seed
 
 from shared import artifacts
-from shared.manifest import manifest_entries
 from shared.base_models import resolve_model
 from shared.batching import BatchPlan
 from shared.errors import UserError
+from shared.manifest import manifest_entries
 from shared.models import Job
 from shared.schemas import Hyperparameters, json_safe
 from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
