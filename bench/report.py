@@ -19,22 +19,36 @@ TARGETS = {
     "bbc": {"trainer": 3, "trainer_cudnn_off": 2, "mfu_steady": 0.35},
 }
 ENGINE_DEFAULT = "smart"  # what a job runs unless it asks for another batching
+QUALITY = ("accuracy", "f1_macro")  # held-out figures: mean over seeds (timings: medians)
 
 
 def median_row(rows: list[dict]) -> dict:
-    """One row for the repeats of a configuration: numbers as medians (lists element by element),
-    the rest as in the first repeat; ``repeats`` counts them."""
+    """One row for the runs (repeats and seeds) of a configuration: numbers as medians (lists
+    element by element), the held-out ``QUALITY`` figures as means with their per-run values in
+    ``<name>_runs`` (ordered by seed), the rest as in the first run; ``repeats`` counts the runs."""
     out = dict(rows[0])
     for key, value in rows[0].items():
         if isinstance(value, bool) or value is None:
             continue
-        if isinstance(value, (int, float)):
+        if key in QUALITY:
+            values = [r[key] for r in sorted(rows, key=lambda r: r["seed"])]
+            out[key], out[f"{key}_runs"] = statistics.mean(values), values
+        elif isinstance(value, (int, float)):
             out[key] = statistics.median(r[key] for r in rows)
         elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
             out[key] = [statistics.median(v) for v in zip(*(r[key] for r in rows))]
     out["repeats"] = len(rows)
+    out["seeds"] = sorted({r["seed"] for r in rows})
     del out["repeat"]
     return out
+
+
+def quality(r: dict, key: str) -> str:
+    """A held-out figure: the value of one run, or the mean over runs with its range and each run's value."""
+    runs = r.get(f"{key}_runs") or []
+    if len(runs) < 2:
+        return fmt(r.get(key), ".4f")
+    return (f"{r[key]:.4f} (range {max(runs) - min(runs):.4f}: " + ", ".join(f"{v:.4f}" for v in runs) + ")")
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -68,7 +82,8 @@ def table(header: list[str], body: list[list[str]]) -> str:
 def provenance(meta: dict) -> str:
     return (f"_Measured {meta['date']} on {meta['device']} with `{meta['command']}` (torch {meta['torch']}, "
             f"transformers {meta['transformers']}, model {meta['model']}, precision {meta['dtype']}, "
-            f"{meta['epochs']} epoch(s), {meta['repeats']} repeat(s)"
+            f"{meta['epochs']} epoch(s), {meta['repeats']} repeat(s), seed(s) "
+            f"{', '.join(str(s) for s in meta.get('seeds', [42]))}"
             + (f", CPU memory {meta['cpu_memory']}" if meta["device_type"] == "cpu" else "") + ")._")
 
 
@@ -92,7 +107,7 @@ def render(summary: list[dict], meta: dict) -> str:
         peers = [p for p in PEERS if any(r["config"] == p and r["job"] == 1 for r in rows)]
         header = ["configuration", "load s", "warm-up s (in epoch 1)", "epoch s (warm-up included)", "train s", *(f"vs {p}" for p in peers),
                   "steady real tokens/s", "MFU epoch / steady", "padding efficiency (unrounded / padded)", memory,
-                  "process s", *(["held-out accuracy", "macro-F1"] if accuracy else [])]
+                  "process s", *(["held-out accuracy (mean over seeds)", "macro-F1"] if accuracy else [])]
         body = []
         for r in rows:
             line = [r["config"] + (f" (job {r['job']} in its process)" if r["job"] > 1 else ""),
@@ -103,7 +118,7 @@ def render(summary: list[dict], meta: dict) -> str:
                     f"{r['efficiency_unrounded']:.3f} / {r['efficiency_padded']:.3f}",
                     f"{r['peak_memory_mib']:,.0f}", f"{r['process_seconds']:.0f}"]
             if accuracy:
-                line += [fmt(r.get("accuracy"), ".4f"), fmt(r.get("f1_macro"), ".4f")]
+                line += [quality(r, "accuracy"), quality(r, "f1_macro")]
             body.append(line)
         parts += [block_header(rows), table(header, body)]
     targets = target_rows(summary)

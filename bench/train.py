@@ -5,6 +5,8 @@ started cold in its own process (``bench.cold``), round-robin over repeats. Tabl
 
     python -m bench.train                                   # CPU default: subsets, about 9 minutes
     python -m bench.train --train-size all --accuracy       # the issue's sets, held-out accuracy
+    python -m bench.train --dataset rotten_tomatoes --train-size all --accuracy --configs smart,trainer \
+        --seeds 1,2,3                                       # accuracy parity: mean and spread over seeds
     python -m bench.train --device cuda --precision bf16 --model bert-base-rand   # a GPU: full sets
 
 Configurations (``--configs``): engine ``<batching>[:<hyperparameter>=<value>...]`` (``smart``,
@@ -50,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=1, help="whole epochs per job; with 2 or more, steady state is the last")
     p.add_argument("--jobs", type=int, default=1, help="jobs one after another in each process (2: a warm worker)")
     p.add_argument("--repeats", type=int, default=1, help="cold processes per configuration, round-robin; medians")
+    p.add_argument("--seeds", default="42",
+                   help="comma list: each configuration runs once per seed (model head, dropout, batch order); "
+                        "timings are medians over seeds and repeats, held-out accuracy their mean and range")
     p.add_argument("--accuracy", action="store_true", help="held-out accuracy of every job after its epochs")
     p.add_argument("--learning-rate", type=float, default=5e-5)
     p.add_argument("--cpu-memory", choices=["reuse", "default"], default="reuse",
@@ -63,6 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.datasets = list(CORPORA) if args.dataset == "both" else [args.dataset]
     args.batch_size_list = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.train_size not in ("auto", "all") and not args.train_size.isdigit():
         p.error("--train-size must be a number, 'all' or 'auto'")
     if min(args.epochs, args.jobs, args.repeats) < 1:
@@ -82,7 +88,7 @@ def check_config(name: str, spec: RunSpec) -> str | None:
 
 
 def plan_runs(args, device_type: str) -> list[RunSpec]:
-    """Every cold process to start, round-robin: each repeat runs every (data set, batch size,
+    """Every cold process to start, round-robin: each repeat runs every (data set, batch size, seed,
     configuration), the first configuration rotating so that drift hits all alike."""
     configs = [c.strip() for c in (args.configs or DEFAULT_CONFIGS[device_type]).split(",") if c.strip()]
     blocks = []
@@ -99,11 +105,12 @@ def plan_runs(args, device_type: str) -> list[RunSpec]:
     for repeat in range(args.repeats):
         order = configs[repeat % len(configs):] + configs[:repeat % len(configs)]
         for block in blocks:
-            runs += [RunSpec(config=c, model=args.model, device=device_type, precision=args.precision,
-                             epochs=args.epochs, jobs=args.jobs, evaluate=args.accuracy,
-                             learning_rate=args.learning_rate, cpu_memory=args.cpu_memory,
-                             peak_flops=args.peak_flops if device_type == "cuda" else None,
-                             repeat=repeat + 1, **block) for c in order]
+            for seed in args.seed_list:
+                runs += [RunSpec(config=c, model=args.model, device=device_type, precision=args.precision,
+                                 epochs=args.epochs, jobs=args.jobs, evaluate=args.accuracy,
+                                 learning_rate=args.learning_rate, seed=seed, cpu_memory=args.cpu_memory,
+                                 peak_flops=args.peak_flops if device_type == "cuda" else None,
+                                 repeat=repeat + 1, **block) for c in order]
     return runs
 
 
@@ -136,12 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tunejob-bench-") as scratch:
         for i, spec in enumerate(runs, 1):
             print(f"[{i}/{len(runs)}, {(time.perf_counter() - started) / 60:.1f} min] {spec.dataset} @{spec.max_length}, "
-                  f"batch {spec.batch_size}, {spec.config}, repeat {spec.repeat}: fresh process", flush=True)
+                  f"batch {spec.batch_size}, {spec.config}, seed {spec.seed}, repeat {spec.repeat}: fresh process", flush=True)
             rows += run_cold(spec, Path(scratch))
     failed = [r for r in rows if "error" in r]
     good = [r for r in rows if "error" not in r]
     meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "command": command, "model": args.model,
-            "epochs": args.epochs, "repeats": args.repeats, "cpu_memory": args.cpu_memory}
+            "epochs": args.epochs, "repeats": args.repeats, "seeds": args.seed_list, "cpu_memory": args.cpu_memory}
     if good:
         meta.update({k: good[0][k] for k in ("device", "device_type", "torch", "transformers", "dtype")})
         section = render(summarize(good), meta)
@@ -155,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {args.json}")
     for r in failed:
-        print(f"FAILED: {r['dataset']} batch {r['batch_size']} {r['config']} repeat {r['repeat']}: {r['error']}")
+        print(f"FAILED: {r['dataset']} batch {r['batch_size']} {r['config']} seed {r['seed']} repeat {r['repeat']}: "
+              f"{r['error']}")
     print(f"wall time {(time.perf_counter() - started) / 60:.1f} min")
     return 1 if failed else 0
 

@@ -68,7 +68,7 @@ def test_epoch_figures_from_marks():
 
 
 def cuda_row(config: str, repeat: int, train_seconds: float, mfu_steady: float) -> dict:
-    return {"dataset": "bbc", "batch_size": 32, "max_length": 512, "config": config, "job": 1, "repeat": repeat,
+    return {"dataset": "bbc", "batch_size": 32, "max_length": 512, "config": config, "job": 1, "repeat": repeat, "seed": 42,
             "train_examples": 1780, "epoch_real_tokens": [716_000], "flops_per_real_token": 6.6e8,
             "non_embedding_params": 85e6, "load_seconds": 2.0, "epoch_seconds": [train_seconds],
             "train_seconds": train_seconds, "steady_tokens_per_second": 1e5, "mfu_epoch": mfu_steady / 2,
@@ -95,6 +95,19 @@ def test_summary_medians_ratios_and_targets():
     assert "| epoch <= 1/3 of trainer train_runtime, BBC News @512, batch 32 | 3.00x | met |" in text
     assert "| epoch <= 1/2 of trainer_cudnn_off train_runtime, BBC News @512, batch 32 | 1.50x | missed |" in text
     assert "| steady MFU >= 35%, BBC News @512, batch 32 | 40.0% | met |" in text
+
+
+def test_accuracy_is_the_mean_over_seeds_with_each_run_shown():
+    rows = [{**cuda_row("smart", 1, t, 0.3), "seed": seed, "accuracy": acc, "f1_macro": acc - 0.1}
+            for seed, t, acc in ((3, 5.0, 0.70), (1, 3.0, 0.80), (2, 4.0, 0.78))]
+    (smart,) = summarize(rows)
+    assert smart["train_seconds"] == 4.0  # timings: the median
+    assert smart["accuracy"] == pytest.approx(0.76) and smart["accuracy_runs"] == [0.80, 0.78, 0.70]  # by seed
+    assert smart["seeds"] == [1, 2, 3] and smart["repeats"] == 3
+    meta = {"date": "d", "device": "cpu", "device_type": "cpu", "command": "c", "torch": "t", "transformers": "x",
+            "model": "m", "dtype": "fp32", "epochs": 1, "repeats": 1, "seeds": [1, 2, 3], "cpu_memory": "reuse"}
+    text = render([smart], meta)
+    assert "| 0.7600 (range 0.1000: 0.8000, 0.7800, 0.7000) |" in text and "seed(s) 1, 2, 3" in text
 
 
 def test_markdown_sections_are_replaced_in_place(tmp_path):
