@@ -9,7 +9,6 @@ Every route requires an API key except those in ``api.auth.PUBLIC_PATHS`` (``/he
 requests for a Host the server does not serve are refused (``api.security``).
 """
 
-import threading
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
@@ -23,7 +22,7 @@ from api.routers import datasets, jobs, live, models, openai_v1
 from api.security import HostAndOriginCheck, allowed_hosts
 from shared.db import upgrade_database
 from shared.settings import get_settings
-from worker.celery_app import recovery_loop
+from worker.celery_app import RecoveryThread
 
 
 DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the public /docs pages
@@ -32,12 +31,10 @@ DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the publi
 @asynccontextmanager
 async def lifespan(_: FastAPI):
     upgrade_database()
-    stop = threading.Event()
-    recovery = threading.Thread(target=recovery_loop, args=(stop,), name="tunejob-recover", daemon=True)
+    recovery = RecoveryThread()
     recovery.start()
     yield
-    stop.set()
-    recovery.join(timeout=10)
+    recovery.stop()
 
 
 def create_app(bound_host: str | None = None) -> FastAPI:

@@ -8,7 +8,7 @@ production points ``TUNEJOB_BROKER_URL`` at Redis.
 import logging
 import threading
 
-from celery import Celery
+from celery import Celery, bootsteps
 
 from shared import idempotency, jobs
 from shared.models import Job
@@ -93,6 +93,38 @@ def submit(spec: JobCreate, caller: Caller, claim: idempotency.Claim | None = No
 def resend_recovered() -> None:
     for job_id in jobs.recover():
         send(job_id)
+
+
+class RecoveryThread:
+    """``recovery_loop`` in a daemon thread, started with its process's API or worker and stopped with
+    it: ``start()``, then ``stop()`` (sets the loop's event and waits up to ``join_seconds``)."""
+
+    def __init__(self, join_seconds: float = 10.0):
+        self.stopping, self.join_seconds = threading.Event(), join_seconds
+        self.thread = threading.Thread(target=recovery_loop, args=(self.stopping,), name="tunejob-recover",
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join(self.join_seconds)
+
+
+class WorkerRecovery(bootsteps.StartStopStep):
+    """A worker's ``RecoveryThread`` as a bootstep, so that it lives exactly as long as the worker:
+    Celery starts it with the worker and stops it on a warm shutdown and on a cold one alike (a
+    ``worker_shutdown`` signal handler misses the cold one: ``WorkController.terminate`` sends no
+    signal, and the loop went on polling whatever store the process pointed at next). Celery docs,
+    "Extensions and Bootsteps"."""
+
+    def create(self, worker) -> RecoveryThread:
+        return RecoveryThread()
+
+
+app.steps["worker"].add(WorkerRecovery)
 
 
 def recovery_loop(stop: threading.Event) -> None:

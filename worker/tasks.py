@@ -24,7 +24,7 @@ from shared.db import read_session
 from shared.errors import UserError
 from shared.models import Dataset, JobStatus
 from shared.settings import get_settings
-from worker.celery_app import RUN_JOB, app, recovery_loop, send
+from worker.celery_app import RUN_JOB, app, send
 
 log = logging.getLogger(__name__)
 stopping = threading.Event()  # this worker is shutting down: the running job checkpoints and is re-queued
@@ -32,11 +32,10 @@ stopping = threading.Event()  # this worker is shutting down: the running job ch
 
 @signals.worker_init.connect
 def _on_worker_init(**_) -> None:
-    """A fresh stop flag per worker, its recovery loop (reaper and sweeper), and the training stack
-    loaded before the worker takes its first job."""
+    """A fresh stop flag per worker, and the training stack loaded before the worker takes its first
+    job (its recovery loop is the bootstep ``worker.celery_app.WorkerRecovery``)."""
     global stopping
     stopping = threading.Event()
-    threading.Thread(target=recovery_loop, args=(stopping,), name="tunejob-recover", daemon=True).start()
     preload()
 
 

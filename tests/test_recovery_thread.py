@@ -1,0 +1,37 @@
+"""The recovery loop (reaper and sweeper) lives exactly as long as the API or worker that runs it.
+
+The in-process worker of the API tests (``celery.contrib.testing.worker.start_worker``) stops with
+a cold shutdown, which sends no ``worker_shutdown`` signal. Its recovery loop used to be started by
+a ``worker_init`` handler and stopped only by that signal, so every test module left one behind,
+polling the store of whatever test ran next (a migration test's SQLite file included)."""
+
+import threading
+
+from celery.contrib.testing.worker import start_worker
+from fastapi.testclient import TestClient
+
+from tests.conftest import BASE_URL, configure_stack
+
+
+def recovery_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "tunejob-recover" and t.is_alive()}
+
+
+def test_a_workers_recovery_loop_stops_with_the_worker(tmp_path, models_dir):
+    configure_stack("embedded", {"TUNEJOB_DATA_DIR": str(tmp_path), "TUNEJOB_MODELS_DIR": str(models_dir)})
+    from worker.tasks import app
+
+    before = recovery_threads()
+    with start_worker(app, pool="solo", perform_ping_check=False, loglevel="WARNING", shutdown_timeout=60):
+        assert len(recovery_threads() - before) == 1
+    assert recovery_threads() == before
+
+
+def test_the_apis_recovery_loop_stops_with_the_app(tmp_path, models_dir):
+    configure_stack("embedded", {"TUNEJOB_DATA_DIR": str(tmp_path), "TUNEJOB_MODELS_DIR": str(models_dir)})
+    from api.main import create_app
+
+    before = recovery_threads()
+    with TestClient(create_app(), base_url=BASE_URL):
+        assert len(recovery_threads() - before) == 1
+    assert recovery_threads() == before
