@@ -28,6 +28,7 @@ KEY_PREFIX = "tj_"
 PREFIX_CHARS = len(KEY_PREFIX) + 8  # stored and shown; 48 of the key's 256 random bits
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 LOCAL_KEY_FILE = "api_key"  # under the data directory, mode 0600
+LOCAL_KEY_NAME = "local key (tunejob serve)"  # migration 0005 makes existing ones admin keys
 
 
 # Built once: this runs on every request.
@@ -116,8 +117,10 @@ def ensure_key_for(host: str) -> Path | None:
     """Secure by default without hurting the first run, before the API listens on ``host``.
 
     With an active key already in the store, nothing changes. Without one: on a loopback address,
-    create a key for the tenant ``default`` and write it to ``<data dir>/api_key`` (mode 0600),
-    where the CLI, the demo and other local clients read it; returns that path.
+    create an admin key for the tenant ``default`` (the machine's own user: it also reads
+    ``/metrics`` and every tenant's jobs) and write it to ``<data dir>/api_key`` (mode 0600), where
+    the CLI, the demo and other local clients read it; returns that path. Keys for other users
+    (``create_key``) are not admin keys unless asked.
 
     Raises:
         NoKeyError: ``host`` is not a loopback address and no key exists.
@@ -129,7 +132,7 @@ def ensure_key_for(host: str) -> Path | None:
             f"refusing to listen on {host} without an API key: anyone who reaches the port could use it. "
             "Create one first with `tunejob keys create --tenant NAME [--admin]` (same TUNEJOB_DATA_DIR / "
             "TUNEJOB_DATABASE_URL), or listen on 127.0.0.1.")
-    key, _ = create_key(DEFAULT_TENANT, name="local key (tunejob serve)")
+    key, _ = create_key(DEFAULT_TENANT, admin=True, name=LOCAL_KEY_NAME)
     path = local_key_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

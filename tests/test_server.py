@@ -103,6 +103,8 @@ def test_on_loopback_the_api_writes_a_local_key_and_requires_it(tmp_path):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         assert httpx.get(f"{api.url}/jobs").status_code == 401
         assert httpx.get(f"{api.url}/jobs", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        # the machine's own user is an admin: a local Prometheus scrape needs no second key
+        assert httpx.get(f"{api.url}/metrics", headers={"Authorization": f"Bearer {key}"}).status_code == 200
         # DNS rebinding: the right address under another name is refused, even for /healthz.
         r = httpx.get(f"{api.url}/healthz", headers={"Host": f"rebind.attacker.example:{api.port}"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
@@ -149,7 +151,8 @@ def test_idle_and_slow_connections_do_not_hold_the_server(tmp_path):
 
 def test_rows_created_before_api_keys_belong_to_the_default_tenant(engine_env):
     """Migration 0002 on a store with data: old datasets and jobs go to the tenant "default" (that
-    of ``tunejob serve``'s local key); a downgrade and upgrade round-trips."""
+    of ``tunejob serve``'s local key); a downgrade and upgrade round-trips. Migration 0005 makes a
+    local key written before it an admin key, and leaves other keys alone."""
     from alembic import command
     from alembic.config import Config
     from sqlalchemy import text
@@ -157,7 +160,7 @@ def test_rows_created_before_api_keys_belong_to_the_default_tenant(engine_env):
     from shared.db import MIGRATIONS_DIR, get_engine, read_session
     from shared.errors import NotFound
     from shared.jobs import get_job
-    from shared.keys import authenticate, ensure_key_for
+    from shared.keys import authenticate, create_key, ensure_key_for, local_key_path
     from shared.tenancy import Caller, owned_job
 
     config = Config()
@@ -176,7 +179,13 @@ def test_rows_created_before_api_keys_belong_to_the_default_tenant(engine_env):
     command.upgrade(config, "head")
 
     local = authenticate(ensure_key_for("127.0.0.1").read_text().strip())
-    assert local == Caller("default", False, local.key_id)
+    assert local == Caller("default", True, local.key_id)
+    other, _ = create_key("default")
+    command.downgrade(config, "0004")  # as a local key written before 0005 was
+    assert authenticate(local_key_path().read_text().strip()).admin is False
+    command.upgrade(config, "head")
+    assert authenticate(local_key_path().read_text().strip()).admin is True
+    assert authenticate(other).admin is False
     assert get_job("job_old", local).training_dataset_id == "ds_old"
     with read_session() as s:
         assert owned_job(s, "job_old", local).tenant == "default"
