@@ -24,7 +24,7 @@ QUALITY = ("accuracy", "f1_macro")  # held-out figures: mean over seeds (timings
 
 def median_row(rows: list[dict]) -> dict:
     """One row for the runs (repeats and seeds) of a configuration: numbers as medians (lists
-    element by element), the held-out ``QUALITY`` figures as means with their per-run values in
+    element by element; whole numbers as the lower median), the held-out ``QUALITY`` figures as means with their per-run values in
     ``<name>_runs`` (ordered by seed), the rest as in the first run; ``repeats`` counts the runs."""
     out = dict(rows[0])
     for key, value in rows[0].items():
@@ -33,7 +33,9 @@ def median_row(rows: list[dict]) -> dict:
         if key in QUALITY:
             values = [r[key] for r in sorted(rows, key=lambda r: r["seed"])]
             out[key], out[f"{key}_runs"] = statistics.mean(values), values
-        elif isinstance(value, (int, float)):
+        elif isinstance(value, int):  # counts and sizes stay whole numbers
+            out[key] = statistics.median_low(r[key] for r in rows)
+        elif isinstance(value, float):
             out[key] = statistics.median(r[key] for r in rows)
         elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
             out[key] = [statistics.median(v) for v in zip(*(r[key] for r in rows))]

@@ -108,6 +108,8 @@ def test_accuracy_is_the_mean_over_seeds_with_each_run_shown():
             "model": "m", "dtype": "fp32", "epochs": 1, "repeats": 1, "seeds": [1, 2, 3], "cpu_memory": "reuse"}
     text = render([smart], meta)
     assert "| 0.7600 (range 0.1000: 0.8000, 0.7800, 0.7000) |" in text and "seed(s) 1, 2, 3" in text
+    (two,) = summarize(rows[:2])  # an even count: whole numbers stay whole (the table prints "@512", not "@512.0")
+    assert type(two["max_length"]) is int and type(two["train_examples"]) is int and two["train_seconds"] == 4.0
 
 
 def test_markdown_sections_are_replaced_in_place(tmp_path):
