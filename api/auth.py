@@ -19,7 +19,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from limits import RateLimitItem, parse_many
 from limits.storage import storage_from_string
 from limits.strategies import SlidingWindowCounterRateLimiter
+from starlette.concurrency import run_in_threadpool
 
+from api import store
 from shared import keys
 from shared.errors import UserError
 from shared.settings import get_settings
@@ -35,9 +37,13 @@ bearer = HTTPBearer(auto_error=False, scheme_name="APIKey",
 UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 
 
-def authenticate(request: Request,
-                 credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller | None:
+async def authenticate(
+        request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller | None:
     """The caller behind the request's API key (None on a public route).
+
+    Async, so that a request does not wait for a thread-pool hand-off to be authenticated: the key
+    lookup (``shared.keys.authenticate``, cached on SQLite) runs as ``api.store.read`` does, and the
+    rate check too where its counters are in this process (``memory://``).
 
     Raises:
         UserError: 401 ``missing_api_key`` / ``invalid_api_key`` (unknown or revoked);
@@ -50,11 +56,14 @@ def authenticate(request: Request,
         raise UserError("missing_api_key", "this route needs an API key: send `Authorization: Bearer <key>` (the "
                         "local key is in <TUNEJOB_DATA_DIR>/api_key; more with `tunejob keys create`)",
                         "Authorization", status=401, headers=UNAUTHORIZED)
-    caller = keys.authenticate(credentials.credentials)
+    caller = await store.read(keys.authenticate, credentials.credentials)
     if caller is None:
         raise UserError("invalid_api_key", "the API key is not valid, or it was revoked", "Authorization",
                         status=401, headers=UNAUTHORIZED)
-    check_rate(caller)
+    if get_settings().rate_limit_storage_url.startswith("memory://"):
+        check_rate(caller)
+    else:
+        await run_in_threadpool(check_rate, caller)  # a network round trip to the shared counters
     return caller
 
 

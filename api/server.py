@@ -60,5 +60,5 @@ class HeaderDeadline(HttpToolsProtocol):
 def run(app, host: str, port: int) -> None:
     """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM."""
     settings = get_settings()
-    uvicorn.run(app, host=host, port=port, log_level="info", http=HeaderDeadline,
+    uvicorn.run(app, host=host, port=port, log_level="info", http=HeaderDeadline, access_log=settings.access_log,
                 timeout_keep_alive=settings.http_keep_alive_seconds)

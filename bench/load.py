@@ -1,31 +1,46 @@
-"""Job-store read load while a job trains: what 50 pollers cost the API and the training job.
+"""The API under polling load while a job trains: requests/s, latency, and what the load costs.
 
-Starts ``tunejob serve`` (API + one worker) on a fresh data directory (the embedded default) or
-on the PostgreSQL + Redis given with ``--database-url``/``--broker-url`` (use an empty database),
-uploads BBC News, starts a real fine-tuning job, and then, while it trains:
+Starts ``tunejob serve`` (API + one worker) on a fresh data directory (the embedded default) or on
+the PostgreSQL + Redis given with ``--database-url``/``--broker-url`` (use an empty database),
+uploads BBC News, starts a real fine-tuning job, and then, while it trains, measures windows of
+``--seconds`` each:
 
-1. **unloaded**: ``--seconds`` of nothing but training;
-2. **loaded**: ``--clients`` concurrent clients (httpx async, one API key each, as separate users
-   would poll) alternate ``GET /jobs/{id}`` and ``GET /jobs/{id}/metrics?after_step=<last step
-   seen>`` for ``--seconds`` after ``--warmup`` seconds of the same load.
+1. **unloaded**: nothing but training;
+2. **loaded**, one window per ``--rates`` entry: ``--clients`` connections of ``wrk`` alternate
+   ``GET /jobs/{id}`` and ``GET /jobs/{id}/metrics?after_step=<last step seen>``, sending each
+   request with the next of ``--clients`` API keys of one tenant (as separate users polling, each
+   under its own rate limit). A number paces the requests at that many per second in all (the k-th
+   request goes out no earlier than k / rate seconds after the start, on whichever connection is
+   free: latency then excludes waiting for a free connection); ``max`` sends each connection's next
+   request as soon as its answer is in (closed loop: the API's capacity, and latency is Little's
+   law, clients / rate). Each window follows ``--warmup`` seconds of the same load.
 
-Reports requests/s, latency p50/p99, the count of 5xx and other non-2xx answers, the job's real
-tokens/s (median of its per-step ``tokens_per_second`` in each window), and the CPU each process
-used in each window, in % of one core (psutil): the API (the ``serve`` process), the worker, and
-this load generator. On a 2-core machine all three share the cores.
+With ``--idle-worker`` the job is cancelled once it has trained a few steps, and the windows run
+with the worker idle (the same requests, the job's metrics in place).
 
-    python -m bench.load                                      # embedded default, 50 clients, 60 s windows
+Reported per window: requests/s, latency p50/p99/max (wrk's), the count of 5xx and of other
+non-2xx answers, socket errors and timeouts, the job's real tokens/s (median of its per-step
+``tokens_per_second``) and steps/s, and the CPU of the API process, the worker and the load
+generator (wrk: its user + system time), in % of one core, with the API's CPU ms per request.
+On a 2-core machine all of them share the cores.
+
+``wrk`` is a benchmark tool, not a dependency of the service: ``apt-get install wrk`` (Debian,
+Ubuntu; it is built with LuaJIT, whose FFI reads the clock for pacing).
+
+    python -m bench.load                                      # embedded default, 50 clients, 30 s windows
+    python -m bench.load --idle-worker                        # the same with the worker idle
     python -m bench.load --database-url postgresql+psycopg://postgres@127.0.0.1:5432/tunejob_load \\
                          --broker-url redis://127.0.0.1:6379/9
     python -m bench.load --clients 10 --seconds 5 --warmup 1  # smoke run
 """
 
 import argparse
-import asyncio
 import io
 import json
 import os
 import platform
+import resource
+import shutil
 import signal
 import socket
 import statistics
@@ -42,6 +57,63 @@ import psutil
 from bench.corpora import bbc_news, stratified_split
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# wrk's script (one generator thread): request() alternates the two routes and rotates the keys;
+# response() keeps the last metric step seen; delay() paces; done() prints one JSON line.
+WRK_SCRIPT = r"""
+local ffi = require("ffi")
+ffi.cdef[[ typedef struct { long tv_sec; long tv_nsec; } tj_timespec; int clock_gettime(int clock, tj_timespec *tp); ]]
+local ts = ffi.new("tj_timespec")
+local function now_ms()
+  ffi.C.clock_gettime(1, ts)  -- CLOCK_MONOTONIC
+  return tonumber(ts.tv_sec) * 1000 + tonumber(ts.tv_nsec) / 1e6
+end
+
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+
+local job, interval_ms, after_step, keys = nil, 0, -1, {}
+local sent, next_at = 0, nil
+non_2xx, responses_5xx = 0, 0
+
+function init(args)
+  job, interval_ms, after_step = args[1], tonumber(args[2]), tonumber(args[3])
+  for i = 4, #args do keys[#keys + 1] = args[i] end
+end
+
+function request()
+  sent = sent + 1
+  local path = "/jobs/" .. job
+  if sent % 2 == 0 then path = path .. "/metrics?after_step=" .. after_step end
+  return wrk.format("GET", path, {Authorization = "Bearer " .. keys[sent % #keys + 1]})
+end
+
+function delay()
+  if interval_ms == 0 then return 0 end
+  local now = now_ms()
+  next_at = math.max((next_at or now) + interval_ms, now)
+  return next_at - now
+end
+
+function response(status, headers, body)
+  if status < 200 or status > 299 then non_2xx = non_2xx + 1 end
+  if status >= 500 then responses_5xx = responses_5xx + 1 end
+  if status == 200 and body:sub(1, 9) == '{"data":[' then
+    local step = body:match('.*"step":(%d+)')
+    if step then after_step = tonumber(step) end
+  end
+end
+
+function done(summary, latency, requests)
+  local n2, n5 = 0, 0
+  for _, t in ipairs(threads) do n2 = n2 + t:get("non_2xx"); n5 = n5 + t:get("responses_5xx") end
+  local e = summary.errors
+  io.write(string.format('BENCH_LOAD {"requests": %d, "duration_s": %.3f, "p50_ms": %.2f, "p99_ms": %.2f, ' ..
+    '"max_ms": %.2f, "non_2xx": %d, "responses_5xx": %d, "socket_errors": %d, "timeouts": %d}\n',
+    summary.requests, summary.duration / 1e6, latency:percentile(50) / 1e3, latency:percentile(99) / 1e3,
+    latency.max / 1e3, n2, n5, e.connect + e.read + e.write, e.timeout))
+end
+"""
 
 
 def free_port() -> int:
@@ -72,70 +144,67 @@ def make_keys(count: int) -> list[str]:
 
 
 class CpuMeter:
-    """CPU seconds (user + system) of processes between ``start`` and ``stop``, in % of one core."""
+    """CPU seconds (user + system) of processes between ``start`` and ``stop``."""
 
     def __init__(self, processes: dict[str, psutil.Process]):
         self.processes = processes
 
     def _times(self) -> dict[str, float]:
-        out = {}
-        for name, p in self.processes.items():
-            t = p.cpu_times()
-            out[name] = t.user + t.system
-        return out
+        return {name: sum(p.cpu_times()[:2]) for name, p in self.processes.items()}
 
     def start(self) -> None:
         self.t0, self.before = time.perf_counter(), self._times()
 
-    def stop(self) -> dict[str, float]:
+    def stop(self) -> tuple[float, dict[str, float]]:
+        """(wall seconds, CPU seconds of each process) since ``start``."""
         wall, after = time.perf_counter() - self.t0, self._times()
-        return {name: round(100 * (after[name] - self.before[name]) / wall, 1) for name in after}
+        return wall, {name: after[name] - self.before[name] for name in after}
 
 
-def tokens_per_second(client: httpx.Client, job_id: str, t0: float, t1: float, step0: int) -> float | None:
-    """Median per-step real tokens/s the job logged between steps seen at wall times ``t0``..``t1``."""
-    rows = client.get(f"/jobs/{job_id}/metrics", params={"after_step": step0, "limit": 100_000}).json()["data"]
-    values = [m["value"] for m in rows if m["name"] == "tokens_per_second"
-              and t0 <= datetime.fromisoformat(m["time"]).timestamp() <= t1]
-    return round(statistics.median(values)) if values else None
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished (waited-for) children: wrk's runs."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
-async def poll(base_url: str, key: str, job_id: str, first_step: int, stop_at: float, record_from: float,
-               latencies: list[float], statuses: list[int]) -> None:
-    """One client: alternate the job and its new metrics until ``stop_at``; record after ``record_from``."""
-    after_step = first_step
-    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as client:
-        n = 0
-        while (now := time.perf_counter()) < stop_at:
-            if n % 2:
-                r = await client.get(f"/jobs/{job_id}/metrics", params={"after_step": after_step})
-                if r.status_code == 200 and r.json()["data"]:
-                    after_step = r.json()["data"][-1]["step"]
-            else:
-                r = await client.get(f"/jobs/{job_id}")
-            n += 1
-            if now >= record_from:
-                latencies.append(time.perf_counter() - now)
-                statuses.append(r.status_code)
+def run_wrk(base_url: str, keys: list[str], job_id: str, after_step: int, clients: int, rate: float | None,
+            seconds: float, script: Path) -> tuple[dict, float]:
+    """One wrk run; returns (its BENCH_LOAD summary, its CPU seconds)."""
+    interval_ms = 1000 / rate if rate else 0
+    cpu0 = children_cpu_seconds()
+    out = subprocess.run(["wrk", "-t1", f"-c{clients}", f"-d{seconds:g}s", "--timeout", "10s", "-s", str(script),
+                          base_url, "--", job_id, str(interval_ms), str(after_step), *keys],
+                         capture_output=True, text=True, check=True).stdout
+    line = next(line for line in out.splitlines() if line.startswith("BENCH_LOAD "))
+    return json.loads(line.split(" ", 1)[1]), children_cpu_seconds() - cpu0
 
 
-async def load(base_url: str, keys: list[str], job_id: str, first_step: int, warmup: float, seconds: float):
-    latencies, statuses = [], []
-    start = time.perf_counter()
-    await asyncio.gather(*(poll(base_url, key, job_id, first_step, start + warmup + seconds, start + warmup,
-                                latencies, statuses) for key in keys))
-    return latencies, statuses
+def training_window(driver: httpx.Client, job_id: str, step0: int, t0: float, t1: float) -> dict:
+    """The job's median per-step real tokens/s logged between wall times ``t0`` and ``t1`` (steps
+    after ``step0``), and its steps/s over the window."""
+    rows = driver.get(f"/jobs/{job_id}/metrics", params={"after_step": step0, "limit": 100_000}).json()["data"]
+    window = [m for m in rows if t0 <= datetime.fromisoformat(m["time"]).timestamp() <= t1]
+    values = [m["value"] for m in window if m["name"] == "tokens_per_second"]
+    steps = {m["step"] for m in window}
+    return {"tokens_per_second": round(statistics.median(values)) if values else None,
+            "steps_per_second": round(len(steps) / (t1 - t0), 2)}
 
 
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+def cpu_figures(wall: float, cpu: dict[str, float], requests: int | None = None) -> dict:
+    figures = {f"cpu_percent_{name}": round(100 * seconds / wall, 1) for name, seconds in cpu.items()}
+    if requests:
+        figures["api_cpu_ms_per_request"] = round(1000 * cpu["api"] / requests, 3)
+    return figures
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=50)
-    parser.add_argument("--seconds", type=float, default=60.0, help="length of each measured window")
-    parser.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the loaded window")
+    parser.add_argument("--clients", type=int, default=50, help="concurrent connections, and API keys")
+    parser.add_argument("--rates", default="500,max",
+                        help="comma-separated: requests/s in all for each loaded window, or max (closed loop)")
+    parser.add_argument("--seconds", type=float, default=30.0, help="length of each measured window")
+    parser.add_argument("--warmup", type=float, default=5.0, help="seconds of the same load before each window")
+    parser.add_argument("--idle-worker", action="store_true", help="cancel the job first: the worker is idle")
     parser.add_argument("--database-url", help="PostgreSQL job store (default: the embedded SQLite)")
     parser.add_argument("--broker-url", help="Redis broker (default: the embedded filesystem broker)")
     parser.add_argument("--base-model", default="all-MiniLM-L6-v2")
@@ -143,8 +212,13 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("bench.load: wrk is not installed (apt-get install wrk)")
+    rates = [None if r.strip() == "max" else float(r) for r in args.rates.split(",")]
 
     work = Path(tempfile.mkdtemp(prefix="tunejob-load-"))
+    script = work / "poll.lua"
+    script.write_text(WRK_SCRIPT)
     env = configure_store(args, work / "data")
     keys = make_keys(args.clients + 1)
     port = free_port()
@@ -168,38 +242,46 @@ def main() -> int:
             "base_model": args.base_model, "training_dataset": dataset["id"],
             "hyperparameters": {"epochs": 50, "max_length": args.max_length, "batch_size": args.batch_size,
                                 "eval_every_steps": 100_000, "save_every_steps": 100_000}}).raise_for_status().json()
-        while (state := driver.get(f"/jobs/{job['id']}").json())["progress"]["step"] < 5:
+        job_url = f"/jobs/{job['id']}"
+        while (state := driver.get(job_url).json())["progress"]["step"] < 5:
             assert state["status"] in ("queued", "running"), state
             time.sleep(1)
+        if args.idle_worker:
+            driver.post(f"{job_url}/cancel")
+            while driver.get(job_url).json()["status"] != "cancelled":
+                time.sleep(0.5)
         api = psutil.Process(serve.pid)
         worker = next(p for p in api.children() if "worker" in " ".join(p.cmdline()))
-        meter = CpuMeter({"api": api, "worker": worker, "load_generator": psutil.Process()})
+        meter = CpuMeter({"api": api, "worker": worker})
 
-        step0, t0 = driver.get(f"/jobs/{job['id']}").json()["progress"]["step"], time.time()
+        step0, t0 = driver.get(job_url).json()["progress"]["step"], time.time()
         meter.start()
         time.sleep(args.seconds)
-        unloaded_cpu, t1 = meter.stop(), time.time()
+        wall, cpu = meter.stop()
+        windows = [{"load": "none", **training_window(driver, job["id"], step0, t0, time.time()),
+                    **cpu_figures(wall, cpu)}]
 
-        step1 = driver.get(f"/jobs/{job['id']}").json()["progress"]["step"]
-        meter.start()
-        t2 = time.time() + args.warmup
-        latencies, statuses = asyncio.run(load(base_url, keys[:-1], job["id"], step1, args.warmup, args.seconds))
-        loaded_cpu, t3 = meter.stop(), time.time()
-        driver.post(f"/jobs/{job['id']}/cancel")
+        for rate in rates:
+            step = driver.get(job_url).json()["progress"]["step"]
+            run_wrk(base_url, keys[:-1], job["id"], step, args.clients, rate, args.warmup, script)
+            t0 = time.time()
+            meter.start()
+            summary, wrk_cpu = run_wrk(base_url, keys[:-1], job["id"], step, args.clients, rate, args.seconds, script)
+            wall, cpu = meter.stop()
+            duration = summary.pop("duration_s")
+            windows.append({
+                "load": f"{rate:g}/s paced" if rate else "max (closed loop)",
+                "requests_per_second": round(summary["requests"] / duration, 1), **summary,
+                **training_window(driver, job["id"], step, t0, time.time()),
+                **cpu_figures(wall, {**cpu, "load_generator": wrk_cpu}, summary["requests"])})
+        driver.post(f"{job_url}/cancel")
 
         result = {
             "stack": "postgres+redis" if args.database_url else "embedded",
             "machine": f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} CPUs",
-            "clients": args.clients, "seconds": args.seconds,
-            "requests_per_second": round(len(statuses) / args.seconds, 1),
-            "p50_ms": round(1000 * percentile(latencies, 50), 1),
-            "p99_ms": round(1000 * percentile(latencies, 99), 1),
-            "responses_5xx": sum(s >= 500 for s in statuses),
-            "responses_other_non_2xx": sum(s < 200 or 300 <= s < 500 for s in statuses),
-            "tokens_per_second_unloaded": tokens_per_second(driver, job["id"], t0, t1, step0),
-            "tokens_per_second_loaded": tokens_per_second(driver, job["id"], t2, t3, step1),
-            "cpu_percent_of_one_core_unloaded": unloaded_cpu,
-            "cpu_percent_of_one_core_loaded": loaded_cpu,
+            "load_average_at_end": [round(x, 1) for x in os.getloadavg()],
+            "worker": "idle (job cancelled)" if args.idle_worker else "training",
+            "clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "windows": windows,
         }
     finally:
         driver.close()

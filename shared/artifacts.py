@@ -4,12 +4,13 @@ Layout under the data directory (all server-chosen names, never a user's path)::
 
     checkpoints/<job>/step-<n>/   a running job's resumable checkpoints (weights, tokenizer, training_state.pt)
     checkpoints/<job>/best/       the best model so far (weights and config)
+    checkpoints/<job>/final/      the weights after the last step, written while the final evaluation runs
     artifacts/<job>/model/        the finished model: Hugging Face files, metrics.json, manifest.json
     cache/tokenized/<sha256>/     tokenized texts of the dataset whose file has that sha256
 
-A finished job keeps one copy of its weights: the artifact is made by hard-linking the best model,
-and a succeeded job's checkpoints are then deleted. ``model.tar`` is streamed from the model
-directory on request (safetensors do not compress, so there is no ``.gz`` on disk).
+A finished job keeps one copy of its weights: the artifact is made by hard-linking the best or the
+final weights, and a succeeded job's checkpoints are then deleted. ``model.tar`` is streamed from
+the model directory on request (safetensors do not compress, so there is no ``.gz`` on disk).
 
 No torch here: the API imports this module.
 """

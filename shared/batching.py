@@ -86,8 +86,10 @@ class BatchPlan:
         dynamic, fixed: a random permutation cut into ``batch_size`` chunks (``fixed`` is padded to
             ``max_length`` by the collator).
 
-    Each epoch's randomness comes from ``seed + epoch``: batch composition changes between epochs,
-    and a given seed always gives the same plan, so a run resumes from (epoch, position) alone.
+    Each epoch's randomness comes from the pair ``(seed, epoch)``: batch composition changes between
+    epochs, a given seed always gives the same plan (a run resumes from (epoch, position) alone),
+    and no two seeds share an epoch's plan (``seed + epoch`` would give seed 2's first epoch to
+    seed 1's second, so runs over several seeds would not be independent).
     Every example appears exactly once per epoch. The micro-batch with the most padded tokens is
     moved to the front, so an out-of-memory error shows at the first step rather than an hour in.
     ``set_epoch(epoch, skip)`` selects the epoch and skips its first ``skip`` micro-batches.
@@ -108,7 +110,7 @@ class BatchPlan:
         self.batches = self.epoch_batches(epoch)
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        rng = np.random.default_rng(self.seed + epoch)
+        rng = np.random.default_rng((self.seed, epoch))
         order = rng.permutation(len(self.lengths))
         if self.strategy in ("smart", "token_budget"):
             order = order[np.argsort(self.lengths[order], kind="stable")]

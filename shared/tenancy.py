@@ -15,13 +15,16 @@ API resolves the caller from its key in ``api.auth``); another tenant's row is r
 from dataclasses import dataclass
 from typing import TypeVar
 
-from sqlalchemy import Select, text
+from sqlalchemy import Select, bindparam, select, text
 from sqlalchemy.orm import Session
 
 from shared.errors import Deleted, NotFound
 from shared.models import Dataset, Job
 
 Row = TypeVar("Row", Dataset, Job)
+# Built once: building a statement costs more than reading the row from SQLite, and the polling
+# routes (GET /jobs/{id}, its metrics) read a job on every request.
+ROW_BY_ID = {model: select(model).where(model.id == bindparam("id")) for model in (Dataset, Job)}
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,10 @@ def owned(session: Session, model: type[Row], id_: str, caller: Caller, param: s
         NotFound: (404) no such row, or it belongs to another tenant: the two are not told apart.
         Deleted: (404) the caller's row was deleted (a tombstone), saying so and when.
     """
-    row = session.get(model, id_, with_for_update=for_update)
+    if for_update:
+        row = session.get(model, id_, with_for_update=True)
+    else:
+        row = session.scalars(ROW_BY_ID[model], {"id": id_}).first()
     if row is None or not caller.sees(row.tenant):
         raise NotFound(model.__name__.lower(), id_, param)
     if row.deleted_at is not None:

@@ -94,3 +94,29 @@ def test_artifact_download_is_by_listed_name_only(stack):
         r = stack.client.get(f"/jobs/{job['id']}/artifacts/{name}")
         assert r.status_code == 404, name
         assert "error" in r.json()
+
+
+def test_long_reads_leave_the_event_loop(monkeypatch):
+    """``api.store.read_rows`` on SQLite: a short read (a poll's new metrics) runs on the event loop;
+    when ``INLINE_ROWS`` rows are not all, the whole read runs again in the thread pool, and its rows
+    are the answer."""
+    import asyncio
+    import threading
+
+    from api import store
+
+    calls = []
+
+    def rows(available: int, limit: int) -> list[int]:
+        calls.append((limit, threading.current_thread() is threading.main_thread()))
+        return list(range(min(available, limit)))
+
+    monkeypatch.setattr(store, "reads_inline", lambda: True)
+    for available, limit, expected_calls in [
+            (30, 10_000, [(100, True)]),
+            (250, 10_000, [(100, True), (10_000, False)]),
+            (250, 100, [(100, True)]),
+            (100, 150, [(100, True), (150, False)])]:
+        calls.clear()
+        assert asyncio.run(store.read_rows(rows, available, limit=limit)) == list(range(min(available, limit)))
+        assert calls == expected_calls

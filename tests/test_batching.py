@@ -87,6 +87,18 @@ def test_same_seed_same_plan_other_seed_other_plan(strategy):
         assert compositions(one.epoch_batches(epoch)) != compositions(other.epoch_batches(epoch))
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_two_seeds_share_an_epoch_plan(strategy):
+    """Runs over several seeds are independent: seed 43's first epoch is not seed 42's second."""
+    lengths = ragged_lengths()
+    plans = {seed: BatchPlan(lengths, 16, strategy, seed=seed) for seed in (42, 43)}
+    epochs = {(seed, e): plans[seed].epoch_batches(e) for seed in plans for e in range(3)}
+    for (seed, e), batches in epochs.items():
+        for (other_seed, other_e), other in epochs.items():
+            if seed != other_seed:
+                assert batches != other, f"seed {seed} epoch {e} is seed {other_seed} epoch {other_e}"
+
+
 def test_smart_batching_pads_far_less_than_random_batching():
     lengths = ragged_lengths(n=2000, seed=5)
     smart = BatchPlan(lengths, 32, "smart", seed=0)

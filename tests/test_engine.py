@@ -166,8 +166,10 @@ def test_nonfinite_steps_are_skipped_counted_and_fail_after_a_run(engine_env):
 
 def test_early_stopping_and_the_artifact_is_the_best_model(engine_env, monkeypatch):
     scripted = iter([1.0, 0.5, 0.7, 0.8, 0.9, 0.95])  # best at the 2nd evaluation, then worse
+    evaluated_at = []
 
     def scripted_evaluate(run, reporter=None):
+        evaluated_at.append(run.state.step)
         return {"loss": next(scripted), "accuracy": 0.5, "f1_macro": 0.5}
 
     monkeypatch.setattr(engine, "evaluate", scripted_evaluate)
@@ -180,7 +182,9 @@ def test_early_stopping_and_the_artifact_is_the_best_model(engine_env, monkeypat
     assert run.state.best["step"] == 4 and run.state.best["value"] == 0.5
 
     best_weights = load_file(run.out_dir / "best" / "model.safetensors")
-    model_dir = engine.save_model(run)
+    model_dir = engine.finish(run, reporter)
+    assert evaluated_at == [2, 4, 6, 8]  # step 8 was just evaluated: no second, final evaluation of it
+    assert not (run.out_dir / "final").exists()  # nor final weights that the artifact does not use
     metrics = json.loads((model_dir / "metrics.json").read_text())
     assert metrics["best_step"] == 4 and metrics["final_step"] == 8 and metrics["best_value"] == 0.5
     saved = load_file(model_dir / "model.safetensors")

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from shared import artifacts
-from shared.manifest import verify_manifest
+from shared.manifest import sha256_of, verify_manifest
 from tests.conftest import RecordingReporter
 from tests.test_engine import make_job
 from worker import train as engine
@@ -142,11 +142,7 @@ def test_weights_are_written_once_per_step_and_the_artifact_links_the_best(engin
     reporter = RecordingReporter()
     run = engine.setup(job, data, torch.device("cpu"), reporter)
     assert engine.train(run, reporter) == "completed" and run.state.step == run.total_steps >= 8
-    engine.run_evaluation(run, reporter)
-    model_dir = engine.save_model(run)
-
-    def inode(path):
-        return path.stat().st_ino
+    model_dir = engine.finish(run, reporter)
 
     best = inode(run.out_dir / "best" / "model.safetensors")
     assert [step for step, _ in reporter.checkpoints] == list(range(2, run.total_steps, 2))  # none after the last
@@ -155,3 +151,44 @@ def test_weights_are_written_once_per_step_and_the_artifact_links_the_best(engin
     assert inode(model_dir / "model.safetensors") == best  # the artifact is the best model, not a copy
     assert verify_manifest(model_dir) == []
     assert json.loads((model_dir / "metrics.json").read_text())["best_step"] == 4
+
+
+def inode(path) -> int:
+    return path.stat().st_ino
+
+
+@pytest.mark.parametrize("validation", [True, False])
+def test_the_final_weights_are_written_and_hashed_beside_the_final_evaluation(engine_env, monkeypatch, validation):
+    """When the final evaluation is the best (or there is none), the artifact links the final
+    weights that a thread wrote and hashed while the evaluation ran: written once, read for hashing
+    once and off the main thread, each manifest hash the file's; the model loads with transformers."""
+    import threading
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    from shared import manifest
+
+    losses = itertools.count(1.0, -0.1)  # every evaluation is the best so far
+    monkeypatch.setattr(engine, "evaluate", lambda run, reporter=None: {"loss": next(losses), "accuracy": 0.5,
+                                                                        "f1_macro": 0.5})
+    hashed = []
+    monkeypatch.setattr(manifest, "sha256_of",
+                        lambda path: hashed.append((path.name, threading.current_thread().name)) or sha256_of(path))
+    job, data = make_job("final", epochs=2)
+    data = data if validation else type(data)(data.train, None)
+    reporter = RecordingReporter()
+    run = engine.setup(job, data, torch.device("cpu"), reporter)
+    assert engine.train(run, reporter) == "completed"
+    final_weights = {k: v.clone() for k, v in run.model.state_dict().items()}
+    model_dir = engine.finish(run, reporter)
+
+    assert list(reporter.series("eval_loss")) == ([run.total_steps // 2, run.total_steps] if validation else [])
+    assert inode(model_dir / "model.safetensors") == inode(run.out_dir / "final" / "model.safetensors")
+    [(_, thread)] = [h for h in hashed if h[0] == "model.safetensors"]
+    assert thread.startswith("final-weights")
+    assert verify_manifest(model_dir) == []  # each hash in the manifest is the file's on disk
+    saved = load_file(model_dir / "model.safetensors")
+    assert saved.keys() == final_weights.keys() and all(torch.equal(saved[k], final_weights[k]) for k in saved)
+    assert AutoModelForSequenceClassification.from_pretrained(model_dir).num_labels == 2

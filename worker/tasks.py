@@ -41,10 +41,15 @@ def _on_worker_init(**_) -> None:
 
 def preload() -> None:
     """Import what every job needs once per worker process: torch, transformers, scikit-learn and
-    SciPy (through ``worker.train``) and the model class of each available base model. On the
-    2-core CPU, with other test suites running, that was about 9 s the first job of a worker used
-    to pay: 7 s of imports beyond torch (which the worker already loads to pick its device) and
-    2 s for the BERT modeling module."""
+    SciPy (through ``worker.train``), the model class of each available base model, and matplotlib
+    and tensorboardX, which draw every artifact's training curves and TensorBoard logs
+    (``worker.run_logs``). On the 2-core CPU, with other test suites running, that was about 9 s
+    the first job of a worker used to pay: 7 s of imports beyond torch (which the worker already
+    loads to pick its device) and 2 s for the BERT modeling module; matplotlib and tensorboardX
+    were another 1.2 s and 1.9 s between its last optimizer step and ``succeeded``, with the CPU
+    shared with other benchmarks."""
+    import matplotlib.figure  # noqa: F401
+    import tensorboardX  # noqa: F401
     import transformers
 
     import worker.train  # noqa: F401

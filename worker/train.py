@@ -1,5 +1,5 @@
 """The training recipe for one job, top to bottom: setup, warm_up, train, evaluate, save_checkpoint,
-save_model.
+finish (the final evaluation and save_model).
 
 Each phase is timed once, by ``worker.report.PhaseTimer`` (``run.timer``): ``setup`` times
 ``tokenize`` and ``load``, and ``@timed`` marks ``warm_up``, ``train``, ``run_evaluation`` and the saves.
@@ -27,6 +27,7 @@ import resource
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -77,6 +78,7 @@ class TrainState:
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     nonfinite_run: int = 0  # consecutive skipped steps
     last_eval: dict | None = None  # latest validation metrics
+    last_eval_step: int | None = None  # the optimizer step they were taken at
     best: dict | None = None  # {"step", "value", "metrics"} of the best evaluation so far
     evals_since_best: int = 0
 
@@ -181,10 +183,7 @@ def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter,
         if outcome != "lease_lost":
             reporter.flush()  # the job's last steps and progress, before it ends or is re-queued
         return outcome
-    if run.val_set is not None:
-        run_evaluation(run, reporter)
-    reporter.flush()  # every metric row in the store: save_model draws the training curves from them
-    save_model(run)
+    finish(run, reporter)
     return "succeeded"
 
 
@@ -387,7 +386,8 @@ def train(run: Run, reporter: Reporter) -> str:
             if evaluate_now or checkpoint_due or stop:  # these need every step's values: wait for them
                 log_steps(run, reporter, values.poll(wait=True), timer)
             if evaluate_now:
-                run_evaluation(run, reporter)
+                if run_evaluation(run, reporter):
+                    save_best(run)
                 if should_stop_early(run, reporter):
                     return "completed"
                 run.model.train()
@@ -593,10 +593,12 @@ def evaluate(run: Run, reporter: Reporter | None = None) -> dict[str, float]:
 
 
 @timed("evaluate")
-def run_evaluation(run: Run, reporter: Reporter) -> None:
-    """Evaluate, log, and keep the best model so far (in ``<checkpoints>/best``)."""
+def run_evaluation(run: Run, reporter: Reporter) -> bool:
+    """Evaluate, log, and note the best evaluation so far (``run.state.best``). Returns whether
+    this one is the new best; saving its weights is the caller's (``save_best``, or ``finish``)."""
     st = run.state
     metrics = st.last_eval = evaluate(run, reporter)
+    st.last_eval_step = st.step
     reporter.log(st.step, st.epoch, {f"eval_{k}": v for k, v in metrics.items() if math.isfinite(v)})
     reporter.progress(validation_metrics=metrics)
     name = run.hp.metric_for_best_model
@@ -606,9 +608,9 @@ def run_evaluation(run: Run, reporter: Reporter) -> None:
                                                               value < st.best["value"]))
     if improved:
         st.best, st.evals_since_best = {"step": st.step, "value": value, "metrics": metrics}, 0
-        save_best(run)
     else:
         st.evals_since_best += 1
+    return improved
 
 
 def should_stop_early(run: Run, reporter: Reporter) -> bool:
@@ -645,9 +647,29 @@ def _write_atomically(final_dir: Path, write) -> None:
 
 @timed("save")
 def save_best(run: Run) -> None:
-    """Write the model as the best so far, to ``<checkpoints>/best`` (weights and config). These
-    are the weights the artifact gets: ``save_model`` links them instead of saving them again."""
+    """Write the model as the best so far, to ``<checkpoints>/best`` (weights and config). Unless
+    a later evaluation is better, these are the weights the artifact gets: ``save_model`` links
+    them instead of saving them again."""
     _write_atomically(run.out_dir / "best", lambda tmp: run.model.save_pretrained(tmp, safe_serialization=True))
+
+
+def save_final_weights(run: Run) -> dict[str, dict]:
+    """Write the model's weights and config to ``<checkpoints>/final`` as ``save_best`` does, and
+    return their manifest entries (``shared.manifest.manifest_entries``: size in bytes, sha256),
+    hashed right after the write, while the file's pages are still in memory, and before the
+    fsync. Untimed: ``finish`` runs it in a thread, and ``run.timer`` is the main thread's.
+
+    Raises:
+        OSError: the files cannot be written.
+    """
+    entries = {}
+
+    def write(tmp: Path) -> None:
+        run.model.save_pretrained(tmp, safe_serialization=True)
+        entries.update(manifest_entries(artifacts.files_of(tmp)))
+
+    _write_atomically(run.out_dir / "final", write)
+    return entries
 
 
 @timed("save")
@@ -714,18 +736,52 @@ def load_training_state(run: Run, checkpoint: Path) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-@timed("save")
-def save_model(run: Run) -> Path:
-    """Write the job's model to ``artifacts/<job>/model`` in Hugging Face format: safetensors and
-    config (with id2label), tokenizer files (``model_max_length`` = the job's ``max_length``),
-    ``training_args.json``, ``training_curves.png`` and TensorBoard event files under ``runs/``
-    (``worker.run_logs``), ``metrics.json`` (the best and final evaluations, training totals and
-    the ``timings`` so far) and ``manifest.json`` (each file's size and sha256).
-
-    The weights are those of the best evaluation by ``metric_for_best_model``, hard-linked from
-    ``save_best``'s directory, so they are written once; without validation, the final weights are
-    saved here. Written under a temporary name, fsynced, then renamed into place. Returns the
+def finish(run: Run, reporter: Reporter) -> Path:
+    """From the last optimizer step to the saved model: the final evaluation, unless training
+    ended with an evaluation at this very step (early stopping), then ``save_model``. Returns the
     model directory.
+
+    While the final evaluation runs (it only reads the weights), a thread writes and hashes the
+    final weights (``save_final_weights``). They are the artifact's when that evaluation is the
+    best so far (always for a job's only evaluation) or when there is no best (no validation, or
+    only non-finite metrics); otherwise the artifact gets ``<checkpoints>/best`` and the final
+    weights are deleted with the job's checkpoints. The thread's time counts as ``evaluate``;
+    waiting for it after the evaluation, as ``save``.
+
+    Raises:
+        OSError: the model cannot be written.
+    """
+    st = run.state
+    evaluate_now = run.val_set is not None and st.last_eval_step != st.step
+    with ThreadPoolExecutor(1, thread_name_prefix="final-weights") as pool:
+        final = pool.submit(save_final_weights, run) if evaluate_now or st.best is None else None
+        if evaluate_now:
+            run_evaluation(run, reporter)
+        with run.timer.phase("save"):
+            final_entries = final.result() if final else None
+    reporter.flush()  # every metric row in the store: save_model draws the training curves from them
+    if final_entries is not None and (st.best is None or st.best["step"] == st.step):
+        model_dir = save_model(run, run.out_dir / "final", final_entries)
+    else:
+        model_dir = save_model(run, run.out_dir / "best")
+    reporter.flush()  # the save phase's timings: the job's end keeps what the store has
+    return model_dir
+
+
+@timed("save")
+def save_model(run: Run, weights: Path, hashed: dict[str, dict] | None = None) -> Path:
+    """Write the job's model to ``artifacts/<job>/model`` in Hugging Face format: the files of
+    ``weights`` (safetensors and config with id2label, hard-linked: written once), tokenizer files
+    (``model_max_length`` = the job's ``max_length``), ``training_args.json``,
+    ``training_curves.png`` and TensorBoard event files under ``runs/`` (``worker.run_logs``),
+    ``metrics.json`` (the best and final evaluations, training totals and the ``timings`` so far)
+    and ``manifest.json`` (each file's size and sha256; the entries in ``hashed``, from
+    ``manifest_entries``, are taken as they are instead of reading those files again).
+
+    Written under a temporary name, fsynced, then renamed into place. Returns the model directory.
+
+    Raises:
+        OSError: the files cannot be written.
     """
     st = run.state
     best = st.best or {"step": st.step, "value": None, "metrics": st.last_eval or {}}
@@ -734,14 +790,10 @@ def save_model(run: Run) -> Path:
                "train": st.throughput()}
 
     def write(tmp: Path) -> None:
-        if st.best:
-            artifacts.link_or_copy_files(run.out_dir / "best", tmp)
-        else:
-            run.model.save_pretrained(tmp, safe_serialization=True)
+        artifacts.link_or_copy_files(weights, tmp)
         run.tokenizer.save_pretrained(tmp)
         (tmp / "training_args.json").write_text(json.dumps(run.job.spec, indent=2))
         write_run_logs(tmp, run.job)  # training_curves.png and runs/ (TensorBoard)
-        hashed = manifest_entries(artifacts.files_of(tmp))
         metrics_json = json.dumps(json_safe({**metrics, "timings": timings_so_far(run)}), indent=2, allow_nan=False)
         (tmp / artifacts.METRICS).write_text(metrics_json)
         artifacts.write_manifest(tmp, hashed)

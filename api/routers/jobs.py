@@ -2,8 +2,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 
+from api import store
 from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
 from api.headers import IdempotencyKey
@@ -13,12 +14,16 @@ from shared.errors import NotFound
 from shared.models import JobMetric
 from shared.planning import check_spec, plan_job
 from shared.schemas import ArtifactOut, CheckpointOut, DryRunOut, EventOut, JobCreate, JobList, JobOut, MetricOut
-from shared.tenancy import owned_job
+from shared.tenancy import Caller, owned_job
 from worker.celery_app import submit
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 Status = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")]
 MAX_STEP = 2**31 - 1  # steps are stored as 32-bit integers (PostgreSQL INTEGER)
+# Built once: polling clients ask for a job's new metrics all the time.
+METRICS_AFTER_STEP = (select(JobMetric)
+                      .where(JobMetric.job_id == bindparam("job_id"), JobMetric.step > bindparam("after_step"))
+                      .order_by(JobMetric.step, JobMetric.id).limit(bindparam("limit")))
 
 
 @router.post("", status_code=201, response_model=JobOut, responses={
@@ -53,8 +58,8 @@ def list_jobs(caller: CallerDep, status: Status = None, limit: Annotated[int, Qu
 
 
 @router.get("/{job_id}")
-def get_job(job_id: str, caller: CallerDep) -> JobOut:
-    return jobs.to_out(jobs.get_job(job_id, caller))
+async def get_job(job_id: str, caller: CallerDep) -> JobOut:
+    return jobs.to_out(await store.read(jobs.get_job, job_id, caller))
 
 
 @router.delete("/{job_id}", status_code=204, responses=error_responses(409))
@@ -72,15 +77,18 @@ def cancel_job(job_id: str, caller: CallerDep) -> JobOut:
 
 
 @router.get("/{job_id}/metrics")
-def job_metrics(job_id: str, caller: CallerDep, after_step: Annotated[int, Query(ge=-1, le=MAX_STEP)] = -1,
-                limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> dict[str, list[MetricOut]]:
+async def job_metrics(job_id: str, caller: CallerDep, after_step: Annotated[int, Query(ge=-1, le=MAX_STEP)] = -1,
+                      limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> dict[str, list[MetricOut]]:
     """The metric series (step, epoch, name, value, time), ordered by step. A value that was not
     finite (NaN, Infinity) is null, with ``nonfinite`` true."""
+    return {"data": await store.read_rows(_metrics, job_id, caller, after_step, limit=limit)}
+
+
+def _metrics(job_id: str, caller: Caller, after_step: int, limit: int) -> list[MetricOut]:
     with read_session() as s:
         owned_job(s, job_id, caller)
-        rows = s.scalars(select(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > after_step)
-                         .order_by(JobMetric.step, JobMetric.id).limit(limit)).all()
-        return {"data": [MetricOut.model_validate(m) for m in rows]}
+        rows = s.scalars(METRICS_AFTER_STEP, {"job_id": job_id, "after_step": after_step, "limit": limit}).all()
+        return [MetricOut.model_validate(m) for m in rows]
 
 
 @router.get("/{job_id}/events")
