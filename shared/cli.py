@@ -1,5 +1,5 @@
 """The ``tunejob`` command: ``serve`` (API + one worker, the embedded default), ``api``, ``worker``,
-``db upgrade``, ``keys create|list|revoke``, and the HTTP client's ``datasets``, ``models``, ``jobs`` and
+``db upgrade``, ``keys create|list|revoke``, ``doctor``, and the HTTP client's ``datasets``, ``models``, ``jobs`` and
 ``health`` (``client.cli``)."""
 
 import argparse
@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     k.add_parser("list", help="every key: id, prefix, tenant, admin, created, revoked")
     p = k.add_parser("revoke", help="requests with the key fail from now on")
     p.add_argument("key_id", help="the key's id (key_…) or prefix (tj_…), as `keys list` shows")
+    p = commands.add_parser("doctor", help="check this machine's device and the training fast path (exit 1 on a failure)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     client_cli.add_commands(commands)  # listed in --help; run above
     args = parser.parse_args(argv)
 
@@ -149,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
         run_worker(args.gpu, args.nice)
     elif args.command == "keys":
         manage_keys(args)
+    elif args.command == "doctor":
+        from worker.doctor import run_doctor
+
+        sys.exit(run_doctor(args.json))
     elif args.command == "db":
         from shared.db import upgrade_database
 

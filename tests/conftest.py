@@ -24,25 +24,14 @@ from celery.contrib.testing.worker import start_worker
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from worker.doctor import build_tiny_bert
+from worker.report import MemoryReporter
+
 POSTGRES_URL = os.environ.get("TUNEJOB_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("TUNEJOB_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 REQUIRE_SERVICES = os.environ.get("TUNEJOB_REQUIRE_SERVICES") == "1"
 TINY_MODEL = "tiny-bert"
 BASE_URL = "http://localhost"  # a Host the API answers (TestClient's default, "testserver", is refused)
-
-
-def build_tiny_bert(path: Path) -> Path:
-    """A 2-layer, 32-wide BERT with random weights and the real all-MiniLM-L6-v2 WordPiece vocab."""
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    from shared.base_models import available_models
-
-    tokenizer = AutoTokenizer.from_pretrained(available_models()["all-MiniLM-L6-v2"][0])
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=512)
-    BertForSequenceClassification(config).save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -183,43 +172,18 @@ def wait_until(condition, what: str, timeout: float = 30) -> None:
         time.sleep(0.1)
 
 
-class RecordingReporter:
+class RecordingReporter(MemoryReporter):
     """Stands in for ``worker.report.Reporter`` when tests drive ``worker.train`` directly: keeps
-    what the engine reports, and asks it to stop (``stop_reason``) once ``stop_after_step`` is logged."""
+    what the engine reports (``worker.report.MemoryReporter``), and asks it to stop
+    (``stop_reason``) once ``stop_after_step`` is logged."""
 
     def __init__(self, stop_after_step: int | None = None, stop_reason: str = "shutdown"):
-        self.logged: list[tuple[int, float, dict]] = []
-        self.fields: dict = {}
-        self.events: list[str] = []
-        self.checkpoints: list[tuple[int, Path]] = []
+        super().__init__()
         self.stop_after_step, self.stop_reason = stop_after_step, stop_reason
-
-    def log(self, step, epoch, values):
-        self.logged.append((step, epoch, dict(values)))
-
-    def progress(self, **fields):
-        self.fields.update(fields)
-
-    def heartbeat(self):
-        pass
-
-    def flush(self):
-        pass
-
-    def event(self, code, message, level="info"):
-        self.events.append(code)
-
-    def checkpoint(self, step, path, metrics, keep=2):
-        self.checkpoints.append((step, path))
-        return []
 
     def should_stop(self):
         last = self.logged[-1][0] if self.logged else 0
         return self.stop_reason if self.stop_after_step is not None and last >= self.stop_after_step else None
-
-    def series(self, name: str) -> dict[int, float]:
-        """Metric ``name`` by step."""
-        return {step: values[name] for step, _, values in self.logged if name in values}
 
 
 @pytest.fixture

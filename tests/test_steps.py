@@ -50,7 +50,7 @@ def capture(run, rows: int | None = None) -> str:
     """What ``warm_up`` does on a CUDA worker: bucket widths, then the captured steps."""
     run.collator.ladder = LADDER
     widths = list(run.plan.width_counts(LADDER, run.hp.epochs))
-    run.steps, message = graphs.capture_steps(run, rows or run.hp.batch_size, widths)
+    run.steps, message = graphs.capture_steps(run, rows or run.hp.batch_size, widths, engine.first_step(run))
     return message
 
 
@@ -223,6 +223,7 @@ def test_captured_steps_train_exactly_like_eager_steps(engine_env):
     run = make_run("captured", captured, epochs=2, batch_size=8)
     message = capture(run)
     assert isinstance(run.steps, graphs.CapturedSteps) and "captured widths" in message
+    assert "checked against an eager step" in message  # and the check left no trace: same losses below
     assert set(run.steps.replays) == set(run.plan.width_counts(LADDER, 2))
     assert all(p.grad is not None for p in run.model.parameters() if p.requires_grad)  # static gradients
     lr = run.optimizer.param_groups[0]["lr"]
@@ -331,7 +332,7 @@ def test_out_of_memory_with_captured_steps_drops_the_graphs_and_backs_off_eagerl
 
 
 def test_a_failed_capture_falls_back_to_eager_steps_and_says_so(engine_env, monkeypatch):
-    def broken(run, rows, widths):
+    def broken(run, rows, widths, first_step):
         raise RuntimeError("injected: operation not permitted when stream is capturing")
 
     monkeypatch.setattr(engine, "eager_reason", lambda run: None)
@@ -360,3 +361,63 @@ def test_jobs_that_cannot_be_captured_say_why(engine_env):
     assert "torch_compile" in reason(torch_compile=True)
     assert "token_budget" in reason(batching="token_budget")
     assert graphs.eager_reason(SimpleNamespace(device=CPU)) == "cpu trains eagerly"
+
+
+@pytest.mark.parametrize("fault", ["update_not_replayed", "loss_of_other_inputs"])
+def test_a_capture_that_does_not_match_the_eager_step_trains_eagerly_and_is_not_tried_again(engine_env, monkeypatch,
+                                                                                                fault):
+    """A replayed step that differs from the eager step (here an update graph that does nothing, or
+    a forward that sees other inputs) is not used: the job trains eagerly from its initial state,
+    exactly like a job that never tried graphs, an event says why, and a later job of the same
+    shape does not capture again."""
+    reference = RecordingReporter()
+    run = make_run("reference", reference, epochs=1)
+    run.collator.ladder = LADDER
+    engine.train(run, reference)
+
+    captured = []
+    original = graphs.CapturedSteps._capture
+
+    def faulty_capture(self, body, warm_up):
+        replay = original(self, body, warm_up)
+        captured.append(body)
+        if fault == "update_not_replayed" and body == self.update:
+            return lambda: None
+        if fault == "loss_of_other_inputs" and body != self.update:
+            return lambda: (replay(), self.step_loss.add_(0.5))
+        return replay
+
+    monkeypatch.setattr(graphs.CapturedSteps, "_capture", faulty_capture)
+    monkeypatch.setattr(engine, "eager_reason", lambda run: None)
+    reporter = RecordingReporter()
+    run = make_run("mismatch", reporter, epochs=1)
+    run.collator.ladder = LADDER
+    engine.warm_up(run, reporter)
+    assert type(run.steps) is Steps and reporter.events[-1] == "cuda_graphs_off"
+    assert "does not match the eager step" in reporter.messages[-1]
+    assert ("updated weights differ by 1 of the update" if fault == "update_not_replayed" else "loss ") in \
+        reporter.messages[-1]
+    assert engine.train(run, reporter) == "completed"
+    assert reporter.series("train_loss") == pytest.approx(reference.series("train_loss"), rel=1e-5)
+
+    captures = len(captured)
+    later = RecordingReporter()
+    run = make_run("later", later, epochs=1)
+    run.collator.ladder = LADDER
+    engine.warm_up(run, later)
+    assert len(captured) == captures and type(run.steps) is Steps  # not captured again in this worker
+    assert later.events[-1] == "cuda_graphs_off" and "failed earlier in this worker" in later.messages[-1]
+
+
+def test_parity_tolerances_are_tight_in_fp32_and_bf16_aware():
+    def parity(dtype, loss=(1.0, 1.0), norm=(2.0, 2.0), update=0.0):
+        return graphs.Parity(loss, norm, update, graphs.TOLERANCES[dtype])
+
+    assert parity(torch.float32).failures() == []
+    assert parity(torch.float32, loss=(1.001, 1.0)).failures()[0].startswith("loss")  # 1e-3: not fp32 rounding
+    assert parity(torch.bfloat16, loss=(1.001, 1.0)).failures() == []  # within bf16 rounding
+    assert parity(torch.bfloat16, loss=(1.1, 1.0)).failures()[0].startswith("loss")
+    assert parity(torch.float32, norm=(2.0, float("nan"))).failures()[0].startswith("grad_norm")
+    assert parity(torch.float32, update=0.05).failures()[0].startswith("updated weights")
+    assert parity(torch.bfloat16, update=0.05).failures() == []
+    assert parity(torch.bfloat16, update=1.0).failures()[0].startswith("updated weights")

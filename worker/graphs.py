@@ -25,6 +25,13 @@ captured (fp16 GradScaler, gradient checkpointing, ``torch_compile``, ``token_bu
 or an error or out-of-memory during capture) it trains eagerly with the same bodies and says so in
 an event.
 
+Captured graphs are not trusted blindly: before a worker uses a new capture, ``check_against_eager``
+runs the job's first optimizer step twice from the same state, once replaying the graphs and once
+running the very same bodies eagerly on the same static inputs and RNG state, and compares the
+loss, the gradient norm and the updated weights (``TOLERANCES``, looser for bf16). On a mismatch
+the capture is dropped and, like a capture that raised, never tried again for that key in this
+process; the job trains eagerly and an event says why.
+
 On devices other than CUDA (the tests), "capturing" runs the warm-ups and keeps the body, and
 "replaying" calls it: everything but the capture and replay calls themselves runs there.
 """
@@ -33,6 +40,7 @@ import json
 import math
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -127,6 +135,17 @@ class CapturedSteps(Steps):
     def finish_step(self) -> None:
         self.replay_update()
 
+    def eager_step(self, pieces: list[dict[str, torch.Tensor]], n_examples: int) -> tuple[torch.Tensor, int]:
+        """``step`` with every captured body run eagerly instead of replayed, on the same static
+        input buffers (filler rows included): the reference of ``check_against_eager``."""
+        replays, replay_update = self.replays, self.replay_update
+        self.replays = {width: self._micro_body(width) for width in replays}
+        self.replay_update = self.update
+        try:
+            return self.step(pieces, n_examples)
+        finally:
+            self.replays, self.replay_update = replays, replay_update
+
     def _buffers(self, width: int) -> dict[str, torch.Tensor]:
         """Static inputs for one width, holding filler rows (what the warm-ups train on)."""
         device = self.device
@@ -162,6 +181,128 @@ class CapturedSteps(Steps):
             body()
         self.graphs.append(graph)
         return graph.replay
+
+
+# ----------------------------------------------------------------------------- captured against eager
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest relative differences between a replayed step and the same step run eagerly: the
+    step's loss and gradient norm (|graph - eager| / |eager|), and the updated weights
+    (||w_graph - w_eager|| / ||w_eager - w_before||, over all trainable fp32 master weights)."""
+
+    loss: float
+    grad_norm: float
+    update: float
+
+
+# Same kernels, inputs and RNG state on both sides: what differs is the order of atomic adds in
+# the backward (embedding and attention gradients), about 1e-6 relative in fp32 and a few bf16
+# ulps (2**-8) with the bf16 copy. A wrong graph (stale input, a learning rate baked in, a missed
+# update) is off by far more: a loss of another batch, a zero or doubled update.
+TOLERANCES = {torch.float32: Tolerance(loss=1e-4, grad_norm=1e-3, update=1e-2),
+              torch.bfloat16: Tolerance(loss=2e-2, grad_norm=5e-2, update=0.1)}
+
+
+@dataclass(frozen=True)
+class Parity:
+    """How one optimizer step replayed from the graphs compared with the same step run eagerly."""
+
+    loss: tuple[float, float]  # (graph, eager)
+    grad_norm: tuple[float, float]
+    update: float  # relative difference of the updated weights
+    tolerance: Tolerance
+
+    def failures(self) -> list[str]:
+        """What is out of tolerance (or not finite), in words; empty when the graphs are trusted."""
+        out = []
+        for name in ("loss", "grad_norm"):
+            graph, eager = getattr(self, name)
+            limit = getattr(self.tolerance, name)
+            diff = abs(graph - eager) / max(abs(eager), 1e-12)
+            if not diff <= limit:  # NaN fails too
+                out.append(f"{name} {graph:.6g} replayed vs {eager:.6g} eager (relative difference {diff:.2g} > {limit:g})")
+        if not self.update <= self.tolerance.update:
+            out.append(f"updated weights differ by {self.update:.2g} of the update (> {self.tolerance.update:g})")
+        return out
+
+    def describe(self) -> str:
+        return (f"loss {self.loss[0]:.6g} vs {self.loss[1]:.6g}, gradient norm {self.grad_norm[0]:.6g} vs "
+                f"{self.grad_norm[1]:.6g}, updated weights differ by {self.update:.2g} of the update")
+
+
+class CaptureMismatch(RuntimeError):
+    """The replayed step does not match the eager step (``Parity.failures``)."""
+
+
+def check_against_eager(steps: CapturedSteps, pieces: list[dict[str, torch.Tensor]], n_examples: int,
+                        learning_rate: float) -> Parity:
+    """One optimizer step over ``pieces`` (the job's first micro-batches, padded as training pads
+    them) run eagerly (``CapturedSteps.eager_step``) and replayed, each from the same weights, AdamW
+    state and RNG state, at ``learning_rate`` (the schedule's first step may be 0, which would hide
+    the update). Everything is restored afterwards: the job then trains as if no check had run.
+
+    Memory: a copy of the trainable weights, their AdamW moments and the bf16 copy, on the device.
+
+    Raises:
+        torch.OutOfMemoryError: the copies do not fit (the caller trains eagerly).
+    """
+    saved = _saved_state(steps)
+    try:
+        for group in steps.optimizer.param_groups:
+            group["lr"].fill_(learning_rate)
+        _restore_rng(saved)
+        eager_values, _ = steps.eager_step(pieces, n_examples)
+        eager_weights = [p.detach().clone() for p in steps.master]
+        _restore(steps, saved)
+        for group in steps.optimizer.param_groups:
+            group["lr"].fill_(learning_rate)
+        graph_values, _ = steps.step(pieces, n_examples)
+        update = torch.stack([torch.linalg.vector_norm(e - p0) for e, p0 in zip(eager_weights, saved["master"])])
+        diff = torch.stack([torch.linalg.vector_norm(p.detach() - e) for p, e in zip(steps.master, eager_weights)])
+        update_norm, diff_norm = torch.linalg.vector_norm(update).item(), torch.linalg.vector_norm(diff).item()
+        (graph_loss, graph_norm, _), (eager_loss, eager_norm, _) = graph_values.tolist(), eager_values.tolist()
+    finally:
+        _restore(steps, saved)
+    relative = diff_norm / update_norm if update_norm > 0 else (0.0 if diff_norm == 0 else math.inf)
+    return Parity((graph_loss, eager_loss), (graph_norm, eager_norm), relative,
+                  TOLERANCES.get(steps.compute[0].dtype, TOLERANCES[torch.float32]))
+
+
+def _saved_state(steps: CapturedSteps) -> dict:
+    """Copies of what a step changes: weights (master and bf16 copy), AdamW state, learning rates, RNG."""
+    with torch.no_grad():
+        return {
+            "master": [p.detach().clone() for p in steps.master],
+            "compute": [p.detach().clone() for p in steps.compute] if steps.compute is not steps.master else None,
+            "optimizer": [{k: v.clone() for k, v in steps.optimizer.state[p].items()} for p in steps.master],
+            "lr": [g["lr"].clone() for g in steps.optimizer.param_groups],
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(steps.device) if steps.device.type == "cuda" else None,
+        }
+
+
+def _restore_rng(saved: dict) -> None:
+    torch.set_rng_state(saved["rng"])
+    if saved["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(saved["cuda_rng"])
+
+
+def _restore(steps: CapturedSteps, saved: dict) -> None:
+    """Copy ``saved`` back in place (captured graphs hold these tensors' addresses); gradients and
+    sums to zero."""
+    with torch.no_grad():
+        torch._foreach_copy_(steps.master, saved["master"])
+        if saved["compute"] is not None:
+            torch._foreach_copy_(steps.compute, saved["compute"])
+        for p, state in zip(steps.master, saved["optimizer"]):
+            for name, tensor in state.items():
+                steps.optimizer.state[p][name].copy_(tensor)
+        for group, lr in zip(steps.optimizer.param_groups, saved["lr"]):
+            group["lr"].copy_(lr)
+    _restore_rng(saved)
+    steps.discard_step()
 
 
 # ----------------------------------------------------------------------------- which jobs, which graphs
@@ -202,15 +343,20 @@ def graph_key(run, rows: int) -> tuple:
             trainable, run.job.task, rows, str(run.dtype), decay, tuple(input_names(run)), str(run.device))
 
 
-def capture_steps(run, rows: int, widths: list[int]) -> tuple[CapturedSteps, str]:
+def capture_steps(run, rows: int, widths: list[int],
+                  first_step: tuple[list[dict[str, torch.Tensor]], int]) -> tuple[CapturedSteps, str]:
     """The job's steps as CUDA graphs for micro-batches of ``rows`` rows and these ``widths``:
     from the cache when an earlier job captured them (its weights and optimizer state copied in),
     else captured now. ``run``'s model, optimizer, scheduler and forward model become the captured
-    ones. Returns the steps and a sentence for the job's events.
+    ones. When anything was captured now, ``first_step`` (the job's first micro-batches and their
+    real examples) is run replayed and eagerly (``check_against_eager``) before the graphs are
+    used. Returns the steps and a sentence for the job's events.
 
     Raises:
-        Exception: whatever capture raised (including ``torch.OutOfMemoryError``); the key is then
-            not tried again in this process, and ``run`` is left ready to train eagerly.
+        CaptureMismatch: the replayed step does not match the eager one.
+        Exception: whatever capture or the check raised (including ``torch.OutOfMemoryError``).
+            In every case the key is not tried again in this process, and ``run`` is left ready to
+            train eagerly (its initial weights and optimizer state in place).
     """
     key = graph_key(run, rows)
     if key in _failed:
@@ -227,13 +373,17 @@ def capture_steps(run, rows: int, widths: list[int]) -> tuple[CapturedSteps, str
         steps = CapturedSteps(run, rows)
     try:
         new = steps.capture(widths)
+        parity = check_against_eager(steps, *first_step, run.hp.learning_rate) if new else None
+        if parity is not None and parity.failures():
+            raise CaptureMismatch("the replayed step does not match the eager step: " + "; ".join(parity.failures()))
     except Exception as e:
         _failed[key] = f"{type(e).__name__}: {e}"
         raise
     _cache[key] = steps
     old = sorted(set(widths) - set(new))
     return steps, (f"CUDA graphs for micro-batches of {rows} rows: captured widths {new or 'none'}"
-                   + (f", reused {old} from an earlier job" if old else "") + f" (cache of {len(_cache)})")
+                   + (f", reused {old} from an earlier job" if old else "") + f" (cache of {len(_cache)})"
+                   + (f"; checked against an eager step: {parity.describe()}" if parity else ""))
 
 
 def adopt(steps: CapturedSteps, run) -> None:

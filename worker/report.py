@@ -139,3 +139,42 @@ def timed(phase: str):
                 return fn(run, *args, **kwargs)
         return wrapper
     return decorate
+
+
+class MemoryReporter:
+    """A ``Reporter`` for runs outside the job store (``tunejob doctor``, the tests): keeps the
+    metrics, progress fields, events and checkpoints in memory; never asks the run to stop."""
+
+    def __init__(self):
+        self.logged: list[tuple[int, float, dict]] = []  # (step, epoch, {name: value})
+        self.fields: dict = {}
+        self.events: list[str] = []  # event codes
+        self.messages: list[str] = []  # their messages
+        self.checkpoints: list[tuple[int, Path]] = []
+
+    def log(self, step: int, epoch: float, values: dict[str, float]) -> None:
+        self.logged.append((step, epoch, dict(values)))
+
+    def progress(self, **fields) -> None:
+        self.fields.update(fields)
+
+    def heartbeat(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def event(self, code: str, message: str, level: str = "info") -> None:
+        self.events.append(code)
+        self.messages.append(message)
+
+    def checkpoint(self, step: int, path: Path, metrics: dict | None, keep: int = 2) -> list[Path]:
+        self.checkpoints.append((step, path))
+        return []
+
+    def should_stop(self) -> str | None:
+        return None
+
+    def series(self, name: str) -> dict[int, float]:
+        """Metric ``name`` by step."""
+        return {step: values[name] for step, _, values in self.logged if name in values}

@@ -305,9 +305,11 @@ def warm_up(run: Run, reporter: Reporter | None = None) -> None:
     On CUDA: turn off the cuDNN attention backend, which plans every new shape (0.2-0.7 s each,
     also inside a capture; the memory-efficient SDPA kernel plans nothing: ../shared/gpu/README.md),
     then capture the step as CUDA graphs, one per bucket width the job's plan uses, or reuse those
-    an earlier job of the same model shape captured in this worker (``worker.graphs``). Where the
-    job cannot be captured, or capture fails (out of memory included), it trains eagerly and an
-    event (``cuda_graphs_off``) says why. Elsewhere (the CPU) the steps run eagerly, with the same
+    an earlier job of the same model shape captured in this worker (``worker.graphs``); a new
+    capture is first checked against the eager step on the job's first micro-batches
+    (``worker.graphs.check_against_eager``). Where the job cannot be captured, or capture or that
+    check fails (a mismatch, an exception, out of memory), it trains eagerly, an event
+    (``cuda_graphs_off``) says why, and the worker does not try graphs for that shape again. Elsewhere (the CPU) the steps run eagerly, with the same
     bodies. ``train`` calls this itself if it has not run. ``reporter``, if given, gets the events.
     """
     if run.device.type == "cuda":
@@ -316,18 +318,29 @@ def warm_up(run: Run, reporter: Reporter | None = None) -> None:
     if reason is None:
         widths = list(run.plan.width_counts(run.collator.ladder, run.hp.epochs))
         try:
-            run.steps, message = capture_steps(run, micro_batch_size(run), widths)
+            run.steps, message = capture_steps(run, micro_batch_size(run), widths, first_step(run))
             notify(reporter, "cuda_graphs", message)
             return
-        except Exception as e:  # any failure to capture: train this job eagerly, with the same bodies
-            log.exception("job %s: CUDA graph capture failed; training eagerly", run.job.id)
+        except Exception as e:  # capture or its check failed: train this job eagerly, with the same bodies
+            log.exception("job %s: CUDA graphs not used; training eagerly", run.job.id)
             if run.device.type == "cuda":
                 torch.cuda.empty_cache()
-            notify(reporter, "cuda_graphs_off", f"training eagerly: capture failed ({type(e).__name__}: "
-                   f"{str(e)[:300]})", "warning")
+            notify(reporter, "cuda_graphs_off", f"training eagerly: CUDA graphs not used ({type(e).__name__}: "
+                   f"{str(e)[:400]})", "warning")
     elif run.device.type == "cuda":
         notify(reporter, "cuda_graphs_off", f"training eagerly: {reason}", "info")
     run.steps = eager_steps(run)
+
+
+def first_step(run: Run) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """The micro-batches of the job's next optimizer step, collated and split as ``train_step``
+    will have them, and their real examples; read from the plan, with no RNG drawn."""
+    batches = run.plan.epoch_batches(run.state.epoch)
+    start = run.state.batch_in_epoch if run.state.batch_in_epoch < len(batches) else 0
+    group = [run.collator([run.train_set[i] for i in batch])
+             for batch in batches[start:start + run.hp.gradient_accumulation_steps]]
+    pieces = [piece for planned in group for piece in split_batch(planned, run.state.micro_split)]
+    return pieces, sum(len(piece["labels"]) for piece in pieces)
 
 
 def notify(reporter: Reporter | None, code: str, message: str, level: str = "info") -> None:
