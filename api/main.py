@@ -21,8 +21,8 @@ from api.metrics import install_metrics
 from api.routers import datasets, jobs, live, models, openai_v1
 from api.security import HostAndOriginCheck, allowed_hosts
 from shared.db import upgrade_database
+from shared.queue import RecoveryThread
 from shared.settings import get_settings
-from worker.celery_app import RecoveryThread
 
 
 DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the public /docs pages

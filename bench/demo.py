@@ -34,7 +34,7 @@ def start_service(port: int, data_dir: Path) -> subprocess.Popen:
     for name in ("TUNEJOB_DATABASE_URL", "TUNEJOB_BROKER_URL"):  # the embedded default
         env.pop(name, None)
     log = open(data_dir.parent / "service.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--port", str(port)],
+    return subprocess.Popen([sys.executable, "-m", "tunejob", "serve", "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
 
 

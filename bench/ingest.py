@@ -121,7 +121,7 @@ def start_api(data_dir: Path, port: int) -> subprocess.Popen:
            "TUNEJOB_MAX_UPLOAD_BYTES": str(4 * 1024**3)}
     for name in ("TUNEJOB_DATABASE_URL", "TUNEJOB_BROKER_URL"):  # the embedded default
         env.pop(name, None)
-    api = subprocess.Popen([sys.executable, "-m", "shared.cli", "api", "--port", str(port)], env=env,
+    api = subprocess.Popen([sys.executable, "-m", "tunejob", "api", "--port", str(port)], env=env,
                            stdout=open(data_dir / "api.log", "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -66,7 +66,7 @@ def start_service(work: Path, port: int, models_dir: Path) -> tuple[subprocess.P
     for name in ("TUNEJOB_DATABASE_URL", "TUNEJOB_BROKER_URL"):  # the embedded default
         env.pop(name, None)
     log = work / "service.log"
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     return proc, log
 

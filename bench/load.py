@@ -223,7 +223,7 @@ def main() -> int:
     keys = make_keys(args.clients + 1)
     port = free_port()
     log = open(work / "serve.log", "w")
-    serve = subprocess.Popen([sys.executable, "-m", "shared.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
+    serve = subprocess.Popen([sys.executable, "-m", "tunejob", "serve", "--port", str(port)], cwd=ROOT, env=env,
                              stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
     driver = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {keys[-1]}"}, timeout=120,

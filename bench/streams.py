@@ -48,7 +48,7 @@ def serve_counting(port: int, counts_file: Path) -> None:
     store (the worker is another process); the counts are written to ``counts_file`` (JSON) every 0.1 s."""
     from sqlalchemy import Engine, event
 
-    from shared.cli import serve
+    from tunejob.cli import serve
 
     counts, lock = {"statements": 0, "transactions": 0}, threading.Lock()
 

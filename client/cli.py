@@ -1,7 +1,7 @@
 """The ``tunejob`` commands that talk to a tunejob server over HTTP (``client.api``), with ``rich``
 output: ``datasets``, ``models``, ``jobs`` and ``health``.
 
-``shared.cli`` registers them beside ``serve``/``api``/``worker``/``db`` and hands them straight
+``tunejob.cli`` registers them beside ``serve``/``api``/``worker``/``db`` and hands them straight
 to ``main`` here, so that they start without the server stack (no torch, worker, pandas, job
 store or settings object). Every read command takes ``--json`` for scripts; ``-q`` prints only an id.
 

@@ -106,8 +106,8 @@ def configure(env: dict[str, str]) -> None:
     for key in [k for k in os.environ if k.startswith("TUNEJOB_") and k != "TUNEJOB_REQUIRE_SERVICES"]:
         del os.environ[key]
     os.environ.update(env)
+    from shared.queue import app, celery_config
     from shared.settings import get_settings
-    from worker.celery_app import app, celery_config
 
     get_settings.cache_clear()
     app.conf.update(celery_config(get_settings()))

@@ -1,5 +1,5 @@
 """Real processes for the fault tests (``tests/test_faults.py``): the API and Celery workers as
-subprocesses (``python -m shared.cli api|worker``), a private ``redis-server``, and bounded waits.
+subprocesses (``python -m tunejob api|worker``), a private ``redis-server``, and bounded waits.
 ``Cluster.http`` sends the local API key that the API process writes to ``<data dir>/api_key``.
 
 Every process writes stdout and stderr to its own log file; ``Cluster.diagnostics()`` returns the
@@ -159,7 +159,7 @@ class Cluster:
     def _spawn(self, kind: str, args: list[str]) -> Process:
         n = self._count[kind] = self._count.get(kind, 0) + 1
         name = f"{kind}-{n}"
-        process = Process(name, [sys.executable, "-m", "shared.cli", *args], self.env, self.workdir / f"{name}.log")
+        process = Process(name, [sys.executable, "-m", "tunejob", *args], self.env, self.workdir / f"{name}.log")
         self.processes.append(process)
         return process
 

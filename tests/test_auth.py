@@ -180,7 +180,7 @@ def test_a_revoked_key_fails_at_once(stack):
     client = stack.client_for("unused")
     client.headers["Authorization"] = f"Bearer {key}"
     assert [client.get("/jobs").status_code for _ in range(2)] == [200, 200]
-    subprocess.run([sys.executable, "-m", "shared.cli", "keys", "revoke", row.id], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "tunejob", "keys", "revoke", row.id], check=True, capture_output=True)
     assert_error(client.get("/jobs"), 401, "invalid_api_key")
     assert_error(client.get("/datasets"), 401, "invalid_api_key")
 

@@ -37,7 +37,7 @@ class Served:
 
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """``tunejob ARGS`` as a subprocess; its output is in ``.stdout`` and ``.stderr``."""
-        return subprocess.run([sys.executable, "-m", "shared.cli", *args], env=self.env, cwd=ROOT, text=True,
+        return subprocess.run([sys.executable, "-m", "tunejob", *args], env=self.env, cwd=ROOT, text=True,
                               capture_output=True, timeout=timeout)
 
     def client(self) -> Client:
@@ -54,7 +54,7 @@ def served(tmp_path_factory, models_dir) -> Served:
            "TOKENIZERS_PARALLELISM": "false", "TUNEJOB_DATA_DIR": str(work / "data"),
            "TUNEJOB_MODELS_DIR": str(models_dir), "TUNEJOB_DEVICE": "cpu", "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2",
            "TUNEJOB_STREAM_POLL_SECONDS": "0.1", "TUNEJOB_URL": f"http://127.0.0.1:{port}", "COLUMNS": "200"}
-    process = Process("serve", [sys.executable, "-m", "shared.cli", "serve", "--port", str(port)], env,
+    process = Process("serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env,
                       work / "serve.log")
     server = Served(f"http://127.0.0.1:{port}", work / "data", env, process)
 
@@ -223,7 +223,7 @@ def test_an_error_with_problems_and_the_key_from_the_data_dir(tmp_path, monkeypa
 
 def test_client_commands_load_no_server_stack():
     """The client commands must start fast: no torch, worker, pandas, job store or settings."""
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "shared.cli", "jobs", "list",
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "tunejob", "jobs", "list",
                              "--url", f"http://127.0.0.1:{free_port()}"], cwd=ROOT, text=True, capture_output=True)
     assert result.returncode == 1 and "connection_error" in result.stderr
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}

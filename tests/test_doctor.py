@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 
 def test_doctor_on_the_cpu_reports_and_exits_0():
     env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")} | {"TUNEJOB_DEVICE": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "shared.cli", "doctor", "--json"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "tunejob", "doctor", "--json"], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)

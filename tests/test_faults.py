@@ -1,5 +1,5 @@
-"""Fault tests with real processes: the API (``python -m shared.cli api``) and Celery workers
-(``python -m shared.cli worker``) run as subprocesses, and the tests kill, signal and restart them
+"""Fault tests with real processes: the API (``python -m tunejob api``) and Celery workers
+(``python -m tunejob worker``) run as subprocesses, and the tests kill, signal and restart them
 (and Redis) while jobs train. What they check is the job lifecycle of ``shared.jobs``:
 
 1. ``kill -9`` of a worker mid-training: the lease expires, the reaper re-queues (``job_restarted``),
@@ -434,7 +434,7 @@ def test_duplicate_message_runs_job_once(stacks, kind):
     dataset = c.upload(labelled_csv(rows=48))
     job_id = c.submit(dataset["id"], epochs=3, batch_size=4)["id"]
     # The same task message again, sent as the API sends it.
-    c.python(f"from worker.celery_app import send; send({job_id!r})")
+    c.python(f"from shared.queue import send; send({job_id!r})")
 
     worker = c.start_worker()
     c.wait_for("the worker to handle both messages", lambda: len(results(worker)) >= 2, timeout=120)

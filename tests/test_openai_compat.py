@@ -62,7 +62,7 @@ def service(tmp_path_factory, models_dir) -> Service:
                TUNEJOB_METRICS_FLUSH_SECONDS="0.2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     port = free_port()
-    process = Process("serve", [sys.executable, "-m", "shared.cli", "serve", "--port", str(port)], env,
+    process = Process("serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env,
                       workdir / "serve.log")
     url = f"http://127.0.0.1:{port}"
 

@@ -1,4 +1,4 @@
-"""The API as a real process (``python -m shared.cli ...``): API keys from the command line, secure
+"""The API as a real process (``python -m tunejob ...``): API keys from the command line, secure
 by default on start (a local key on loopback, a refusal beyond it), the Host check over real HTTP,
 slow and idle connections (slowloris), and the migration of rows created before API keys."""
 
@@ -25,7 +25,7 @@ def tunejob_env(data_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def tunejob(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "shared.cli", *args], env=env, cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "tunejob", *args], env=env, cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert not check or result.returncode == 0, f"tunejob {' '.join(args)}: {result.stdout}\n{result.stderr}"
     return result
@@ -36,7 +36,7 @@ class Api:
 
     def __init__(self, tmp_path: Path, env: dict[str, str], host: str = "127.0.0.1"):
         self.port, self.host = free_port(), host
-        self.process = Process("api", [sys.executable, "-m", "shared.cli", "api", "--host", host, "--port",
+        self.process = Process("api", [sys.executable, "-m", "tunejob", "api", "--host", host, "--port",
                                        str(self.port)], env, tmp_path / f"api-{self.port}.log")
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -85,7 +85,7 @@ def test_keys_are_printed_once_and_stored_only_as_hashes(tmp_path):
 
 def test_without_a_key_the_api_refuses_to_listen_beyond_loopback(tmp_path):
     port = free_port()
-    result = subprocess.run([sys.executable, "-m", "shared.cli", "api", "--host", "0.0.0.0", "--port", str(port)],
+    result = subprocess.run([sys.executable, "-m", "tunejob", "api", "--host", "0.0.0.0", "--port", str(port)],
                             env=tunejob_env(tmp_path / "data"), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "refusing to listen on 0.0.0.0 without an API key" in result.stderr
@@ -196,7 +196,7 @@ def test_rows_created_before_api_keys_belong_to_the_default_tenant(engine_env):
 def test_worker_nice_lowers_its_cpu_priority(tmp_path):
     """`tunejob serve` starts its worker with --nice 10, so that on a shared CPU the API's
     requests are scheduled before training."""
-    worker = Process("worker", [sys.executable, "-m", "shared.cli", "worker", "--nice", "7"],
+    worker = Process("worker", [sys.executable, "-m", "tunejob", "worker", "--nice", "7"],
                      tunejob_env(tmp_path / "data", TUNEJOB_DEVICE="cpu"), tmp_path / "worker.log")
     try:
         base = os.getpriority(os.PRIO_PROCESS, os.getpid())

@@ -15,7 +15,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from celery import signals
+from celery import bootsteps, signals
 from celery.exceptions import Reject
 
 from shared import jobs
@@ -23,17 +23,31 @@ from shared.base_models import available_models
 from shared.db import read_session
 from shared.errors import UserError
 from shared.models import Dataset, JobStatus
+from shared.queue import RUN_JOB, RecoveryThread, app, send
 from shared.settings import get_settings
-from worker.celery_app import RUN_JOB, app, send
 
 log = logging.getLogger(__name__)
 stopping = threading.Event()  # this worker is shutting down: the running job checkpoints and is re-queued
 
 
+class WorkerRecovery(bootsteps.StartStopStep):
+    """A worker's ``RecoveryThread`` as a bootstep, so that it lives exactly as long as the worker:
+    Celery starts it with the worker and stops it on a warm shutdown and on a cold one alike (a
+    ``worker_shutdown`` signal handler misses the cold one: ``WorkController.terminate`` sends no
+    signal, and the loop went on polling whatever store the process pointed at next). Celery docs,
+    "Extensions and Bootsteps"."""
+
+    def create(self, worker) -> RecoveryThread:
+        return RecoveryThread()
+
+
+app.steps["worker"].add(WorkerRecovery)
+
+
 @signals.worker_init.connect
 def _on_worker_init(**_) -> None:
     """A fresh stop flag per worker, and the training stack loaded before the worker takes its first
-    job (its recovery loop is the bootstep ``worker.celery_app.WorkerRecovery``)."""
+    job (its recovery loop is the bootstep ``WorkerRecovery``)."""
     global stopping
     stopping = threading.Event()
     preload()

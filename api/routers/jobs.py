@@ -13,9 +13,9 @@ from shared.db import read_session
 from shared.errors import NotFound
 from shared.models import JobMetric
 from shared.planning import check_spec, plan_job
+from shared.queue import submit
 from shared.schemas import ArtifactOut, CheckpointOut, DryRunOut, EventOut, JobCreate, JobList, JobOut, MetricOut
 from shared.tenancy import Caller, owned_job
-from worker.celery_app import submit
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 Status = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")]

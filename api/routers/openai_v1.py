@@ -2,7 +2,7 @@
 (``OpenAI(base_url="http://host:8000/v1")``) uploads files and runs fine-tuning jobs.
 
 A thin adapter: every route calls the same services as the native API (``shared.uploads``,
-``shared.jobs``, ``worker.celery_app.submit``, ``shared.base_models``) and only reshapes their
+``shared.jobs``, ``shared.queue.submit``, ``shared.base_models``) and only reshapes their
 results (``api.openai_compat``). A file is a tunejob dataset, a fine-tuning job a tunejob job,
 with the same ids in both APIs.
 """
@@ -38,7 +38,7 @@ from api.uploads import store_upload, upload_body
 from shared import jobs, uploads
 from shared.base_models import available_models
 from shared.errors import UserError
-from worker.celery_app import submit
+from shared.queue import submit
 
 router = APIRouter(prefix="/v1", tags=["openai-compatible"], route_class=OpenAIRoute)
 Limit = Annotated[int, Query(ge=1, le=100)]

@@ -1,4 +1,6 @@
-"""The Celery app. It imports no torch, so the API can enqueue with it.
+"""The job queue both sides use: the Celery app, sending a job's id to the broker, and the recovery
+loop that re-sends lost messages and re-queues jobs whose lease expired. It imports no torch and
+nothing from ``worker/``, so the API enqueues with it; the worker's task is ``worker.tasks``.
 
 Messages carry only a job id, JSON-serialized. The embedded default uses kombu's filesystem
 transport (a folder of message files under the data directory) so that nothing needs a server;
@@ -8,13 +10,13 @@ production points ``TUNEJOB_BROKER_URL`` at Redis.
 import logging
 import threading
 
-from celery import Celery, bootsteps
+from celery import Celery
 
 from shared import idempotency, jobs
 from shared.models import Job
 from shared.schemas import JobCreate
-from shared.tenancy import Caller
 from shared.settings import Settings, get_settings
+from shared.tenancy import Caller
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def celery_config(settings: Settings) -> dict:
         "task_default_queue": QUEUE,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
-        # Enforced only by the prefork pool. tunejob runs the solo pool (see shared/cli.py), where
+        # Enforced only by the prefork pool. tunejob runs the solo pool (see tunejob/cli.py), where
         # the training loop enforces TUNEJOB_MAX_JOB_SECONDS itself (worker/report.py).
         "task_time_limit": hard_limit,
         "task_soft_time_limit": max(1, hard_limit - 60),
@@ -111,20 +113,6 @@ class RecoveryThread:
         self.stopping.set()
         if self.thread.is_alive():
             self.thread.join(self.join_seconds)
-
-
-class WorkerRecovery(bootsteps.StartStopStep):
-    """A worker's ``RecoveryThread`` as a bootstep, so that it lives exactly as long as the worker:
-    Celery starts it with the worker and stops it on a warm shutdown and on a cold one alike (a
-    ``worker_shutdown`` signal handler misses the cold one: ``WorkController.terminate`` sends no
-    signal, and the loop went on polling whatever store the process pointed at next). Celery docs,
-    "Extensions and Bootsteps"."""
-
-    def create(self, worker) -> RecoveryThread:
-        return RecoveryThread()
-
-
-app.steps["worker"].add(WorkerRecovery)
 
 
 def recovery_loop(stop: threading.Event) -> None:

@@ -49,7 +49,7 @@ def serve(host: str, port: int) -> None:
     # uvicorn re-raises the signal that stopped it; as SystemExit it reaches the `finally` below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     prepare_api(host)  # before the worker starts: it may refuse to start
-    worker = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker", "--nice", str(SERVE_WORKER_NICENESS)])
+    worker = subprocess.Popen([sys.executable, "-m", "tunejob", "worker", "--nice", str(SERVE_WORKER_NICENESS)])
     try:
         run_api(host, port)
     finally:
@@ -161,6 +161,3 @@ def main(argv: list[str] | None = None) -> None:
         upgrade_database()
         print("database is at the latest revision")
 
-
-if __name__ == "__main__":
-    main()

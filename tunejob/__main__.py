@@ -1,0 +1,3 @@
+from tunejob.cli import main
+
+main()
