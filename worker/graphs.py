@@ -280,13 +280,14 @@ def _saved_state(steps: CapturedSteps) -> dict:
             "lr": [g["lr"].clone() for g in steps.optimizer.param_groups],
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(steps.device) if steps.device.type == "cuda" else None,
+            "device": steps.device,
         }
 
 
 def _restore_rng(saved: dict) -> None:
     torch.set_rng_state(saved["rng"])
     if saved["cuda_rng"] is not None:
-        torch.cuda.set_rng_state(saved["cuda_rng"])
+        torch.cuda.set_rng_state(saved["cuda_rng"], saved["device"])
 
 
 def _restore(steps: CapturedSteps, saved: dict) -> None:
