@@ -45,6 +45,7 @@ COPY shared/ shared/
 COPY api/ api/
 COPY client/ client/
 COPY worker/ worker/
+COPY tunejob/ tunejob/
 COPY bench/ bench/
 # Editable on purpose: shared/db.py finds the Alembic scripts at <repo>/migrations, next to the
 # `shared` package, and a regular install would put `shared` in site-packages without them.
