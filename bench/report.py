@@ -24,8 +24,9 @@ QUALITY = ("accuracy", "f1_macro")  # held-out figures: mean over seeds (timings
 
 def median_row(rows: list[dict]) -> dict:
     """One row for the runs (repeats and seeds) of a configuration: numbers as medians (lists
-    element by element; whole numbers as the lower median), the held-out ``QUALITY`` figures as means with their per-run values in
-    ``<name>_runs`` (ordered by seed), the rest as in the first run; ``repeats`` counts the runs."""
+    element by element; whole numbers, alone or in lists, as the lower median), the held-out
+    ``QUALITY`` figures as means with their per-run values in ``<name>_runs`` (ordered by seed),
+    the rest as in the first run; ``repeats`` counts the runs."""
     out = dict(rows[0])
     for key, value in rows[0].items():
         if isinstance(value, bool) or value is None:
@@ -38,7 +39,8 @@ def median_row(rows: list[dict]) -> dict:
         elif isinstance(value, float):
             out[key] = statistics.median(r[key] for r in rows)
         elif isinstance(value, list) and value and isinstance(value[0], (int, float)):
-            out[key] = [statistics.median(v) for v in zip(*(r[key] for r in rows))]
+            middle = statistics.median_low if isinstance(value[0], int) else statistics.median
+            out[key] = [middle(v) for v in zip(*(r[key] for r in rows))]
     out["repeats"] = len(rows)
     out["seeds"] = sorted({r["seed"] for r in rows})
     del out["repeat"]

@@ -110,6 +110,7 @@ def test_accuracy_is_the_mean_over_seeds_with_each_run_shown():
     assert "| 0.7600 (range 0.1000: 0.8000, 0.7800, 0.7000) |" in text and "seed(s) 1, 2, 3" in text
     (two,) = summarize(rows[:2])  # an even count: whole numbers stay whole (the table prints "@512", not "@512.0")
     assert type(two["max_length"]) is int and type(two["train_examples"]) is int and two["train_seconds"] == 4.0
+    assert all(type(t) is int for t in two["epoch_real_tokens"])  # lists of counts too ("100,279", not "100,279.0")
 
 
 def test_markdown_sections_are_replaced_in_place(tmp_path):
