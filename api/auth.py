@@ -38,7 +38,8 @@ UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 
 
 async def authenticate(
-        request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller | None:
+        request: Request,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller | None:
     """The caller behind the request's API key (None on a public route).
 
     Async, so that a request does not wait for a thread-pool hand-off to be authenticated: the key

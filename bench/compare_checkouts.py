@@ -60,10 +60,10 @@ print("RESULT " + json.dumps({"loss": reporter.series("train_loss"), "grad_norm"
 
 def run_side(checkout: Path, data: Path, hyperparameters: dict) -> dict:
     """Train in ``checkout`` (a fresh process, with this interpreter) and return its results."""
+    env = {"HF_HUB_OFFLINE": "1", "TUNEJOB_DEVICE": "cpu", "TUNEJOB_DATA_DIR": str(data / "store"),
+           "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", SIDE, str(checkout.resolve()), str(data), json.dumps(hyperparameters)],
-                         capture_output=True, text=True, check=True, env={"HF_HUB_OFFLINE": "1", "TUNEJOB_DEVICE": "cpu",
-                                                                          "TUNEJOB_DATA_DIR": str(data / "store"),
-                                                                          "PATH": "/usr/bin:/bin"}).stdout
+                         capture_output=True, text=True, check=True, env=env).stdout
     result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
     result["loss"] = {int(k): v for k, v in result["loss"].items()}
     result["grad_norm"] = {int(k): v for k, v in result["grad_norm"].items()}

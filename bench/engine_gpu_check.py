@@ -39,40 +39,25 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pandas as pd
 import torch
 
+from worker.report import MemoryReporter  # settings are read at run time, after main sets TUNEJOB_DATA_DIR
+
 WORDS = "the a film story plot actor scene great bad dull fun long short music ending end cast".split()
 
 
-class Recorder:
-    """The engine's reporter without a job store: records metrics, events and checkpoints, and
-    stops the run with ``stop_reason`` once step ``stop_after`` is logged."""
+class Recorder(MemoryReporter):
+    """The engine's reporter without a job store (``worker.report.MemoryReporter``), with the
+    training losses by step and the events as (code, message) pairs."""
 
     def __init__(self, stop_after: int | None = None, stop_reason: str = "shutdown"):
-        self.losses, self.events, self.checkpoints = {}, [], []
-        self.stop_after, self.stop_reason = stop_after, stop_reason
+        super().__init__(stop_after, stop_reason)
 
-    def log(self, step, epoch, values):
-        if "train_loss" in values:
-            self.losses[step] = values["train_loss"]
+    @property
+    def losses(self) -> dict[int, float]:
+        return self.series("train_loss")
 
-    def progress(self, **fields):
-        pass
-
-    def heartbeat(self):
-        pass
-
-    def flush(self):
-        pass
-
-    def event(self, code, message, level="info"):
-        self.events.append((code, message))
-
-    def checkpoint(self, step, path, metrics, keep=2):
-        self.checkpoints.append((step, path))
-        return []
-
-    def should_stop(self):
-        last = max(self.losses, default=0)
-        return self.stop_reason if self.stop_after is not None and last >= self.stop_after else None
+    @property
+    def said(self) -> list[tuple[str, str]]:
+        return list(zip(self.events, self.messages))
 
 
 def texts(n: int, seed: int) -> pd.DataFrame:
@@ -160,7 +145,7 @@ def main(argv=None) -> int:
     fresh = all(torch.count_nonzero(v) == 0 for k, v in after.items() if k.startswith("o."))
     results["captured"] = {"ok": (not cuda or isinstance(run.steps, graphs.CapturedSteps)) and not moved and fresh
                            and not (cuda and torch.backends.cuda.cudnn_sdp_enabled()),
-                           "steps": type(run.steps).__name__, "events": rec.events, "warm_up_seconds": warm_seconds,
+                           "steps": type(run.steps).__name__, "events": rec.said, "warm_up_seconds": warm_seconds,
                            "moved_weights": moved[:5], "optimizer_state_zero": fresh}
 
     # no_syncs (steady state) and the losses with graphs
@@ -186,7 +171,7 @@ def main(argv=None) -> int:
     get_settings().cuda_graphs = True
     difference = largest_difference(graph_losses, eager.losses)
     results["matches_eager"] = {"ok": difference < 2e-2, "largest_relative_difference": difference,
-                                "eager_events": eager.events,
+                                "eager_events": eager.said,
                                 "first_losses": {"graphs": [graph_losses[s] for s in sorted(graph_losses)[:5]],
                                                  "eager": [eager.losses[s] for s in sorted(eager.losses)[:5]]}}
     results["timing"] = {"graphs": {"warm_up_s": warm_seconds, "train_s": graph_seconds},
@@ -201,10 +186,10 @@ def main(argv=None) -> int:
     run = make_run(args, device, second)
     _, reuse_seconds = timed(lambda: warm_up(run, second))
     train(run, second)
-    reused = any(code == "cuda_graphs" and "reused" in message for code, message in second.events)
+    reused = any(code == "cuda_graphs" and "reused" in message for code, message in second.said)
     difference = largest_difference(second.losses, first.losses)  # attention/embedding backward use atomics
     results["reused"] = {"ok": (reused or not cuda) and difference < 1e-2, "warm_up_seconds": reuse_seconds,
-                         "events": second.events, "largest_relative_difference": difference}
+                         "events": second.said, "largest_relative_difference": difference}
 
     # resume: stop after step 10 (checkpoint), resume, compare with the uninterrupted run above
     stopped = Recorder(stop_after=10)
@@ -227,7 +212,7 @@ def main(argv=None) -> int:
         run = make_run(args, device, rec, **hp)
         warm_up(run, rec)
         outcome = train(run, rec)
-        said = [m for c, m in rec.events if c == "cuda_graphs_off"]
+        said = [m for c, m in rec.said if c == "cuda_graphs_off"]
         fallbacks[name] = {"outcome": outcome, "event": said, "finite": all(map(math.isfinite, rec.losses.values()))}
     results["fallbacks"] = {"ok": all(f["outcome"] == "cancelled" and f["finite"] and (f["event"] or not cuda)
                                       for f in fallbacks.values()), **fallbacks}

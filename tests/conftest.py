@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from worker.doctor import build_tiny_bert
-from worker.report import MemoryReporter
+from worker.report import MemoryReporter as RecordingReporter  # the tests' name for it
 
 POSTGRES_URL = os.environ.get("TUNEJOB_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("TUNEJOB_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
@@ -170,20 +170,6 @@ def wait_until(condition, what: str, timeout: float = 30) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not true after {timeout}s: {what}")
         time.sleep(0.1)
-
-
-class RecordingReporter(MemoryReporter):
-    """Stands in for ``worker.report.Reporter`` when tests drive ``worker.train`` directly: keeps
-    what the engine reports (``worker.report.MemoryReporter``), and asks it to stop
-    (``stop_reason``) once ``stop_after_step`` is logged."""
-
-    def __init__(self, stop_after_step: int | None = None, stop_reason: str = "shutdown"):
-        super().__init__()
-        self.stop_after_step, self.stop_reason = stop_after_step, stop_reason
-
-    def should_stop(self):
-        last = self.logged[-1][0] if self.logged else 0
-        return self.stop_reason if self.stop_after_step is not None and last >= self.stop_after_step else None
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ def capture(run, rows: int | None = None) -> str:
     """What ``warm_up`` does on a CUDA worker: bucket widths, then the captured steps."""
     run.collator.ladder = LADDER
     widths = list(run.plan.width_counts(LADDER, run.hp.epochs))
-    run.steps, message = graphs.capture_steps(run, rows or run.hp.batch_size, widths, engine.first_step(run))
+    run.steps, message = graphs.capture_steps(run, rows or run.hp.batch_size, widths, lambda: engine.first_step(run))
     return message
 
 

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     k.add_parser("list", help="every key: id, prefix, tenant, admin, created, revoked")
     p = k.add_parser("revoke", help="requests with the key fail from now on")
     p.add_argument("key_id", help="the key's id (key_…) or prefix (tj_…), as `keys list` shows")
-    p = commands.add_parser("doctor", help="check this machine's device and the training fast path (exit 1 on a failure)")
+    p = commands.add_parser("doctor",
+                            help="check this machine's device and the training fast path (exit 1 on a failure)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     client_cli.add_commands(commands)  # listed in --help; run above
     args = parser.parse_args(argv)

@@ -67,7 +67,8 @@ def environment(device: torch.device) -> Check:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         major, minor = torch.cuda.get_device_capability(device)
-        figures.update(cuda=torch.version.cuda, driver=torch._C._cuda_getDriverVersion(),
+        driver = getattr(torch._C, "_cuda_getDriverVersion", None)  # private: report None rather than fail
+        figures.update(cuda=torch.version.cuda, driver=driver() if driver else None,
                        compute_capability=f"{major}.{minor}", bf16=torch.cuda.is_bf16_supported(),
                        free_memory_mib=free // 2**20, total_memory_mib=total // 2**20)
     else:

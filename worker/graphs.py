@@ -197,10 +197,11 @@ class Tolerance:
     update: float
 
 
-# Same kernels, inputs and RNG state on both sides: what differs is the order of atomic adds in
-# the backward (embedding and attention gradients), about 1e-6 relative in fp32 and a few bf16
-# ulps (2**-8) with the bf16 copy. A wrong graph (stale input, a learning rate baked in, a missed
-# update) is off by far more: a loss of another batch, a zero or doubled update.
+# Same kernels, inputs and RNG state on both sides: what may differ is the order of atomic adds in
+# the backward (embedding and attention gradients), expected near 1e-6 relative in fp32 and a few
+# bf16 ulps (2**-8) with the bf16 copy; reasoned, not yet measured on a GPU (``tunejob doctor``
+# prints the figures). A wrong graph (stale input, a learning rate baked in, a missed update) is
+# off by far more: a loss of another batch, a zero or doubled update.
 TOLERANCES = {torch.float32: Tolerance(loss=1e-4, grad_norm=1e-3, update=1e-2),
               torch.bfloat16: Tolerance(loss=2e-2, grad_norm=5e-2, update=0.1)}
 
@@ -222,7 +223,8 @@ class Parity:
             limit = getattr(self.tolerance, name)
             diff = abs(graph - eager) / max(abs(eager), 1e-12)
             if not diff <= limit:  # NaN fails too
-                out.append(f"{name} {graph:.6g} replayed vs {eager:.6g} eager (relative difference {diff:.2g} > {limit:g})")
+                out.append(f"{name} {graph:.6g} replayed vs {eager:.6g} eager "
+                           f"(relative difference {diff:.2g} > {limit:g})")
         if not self.update <= self.tolerance.update:
             out.append(f"updated weights differ by {self.update:.2g} of the update (> {self.tolerance.update:g})")
         return out
@@ -345,12 +347,12 @@ def graph_key(run, rows: int) -> tuple:
 
 
 def capture_steps(run, rows: int, widths: list[int],
-                  first_step: tuple[list[dict[str, torch.Tensor]], int]) -> tuple[CapturedSteps, str]:
+                  first_step: Callable[[], tuple[list[dict[str, torch.Tensor]], int]]) -> tuple[CapturedSteps, str]:
     """The job's steps as CUDA graphs for micro-batches of ``rows`` rows and these ``widths``:
     from the cache when an earlier job captured them (its weights and optimizer state copied in),
     else captured now. ``run``'s model, optimizer, scheduler and forward model become the captured
-    ones. When anything was captured now, ``first_step`` (the job's first micro-batches and their
-    real examples) is run replayed and eagerly (``check_against_eager``) before the graphs are
+    ones. When anything was captured now, ``first_step()`` (the job's first micro-batches and their
+    real examples; not collated otherwise) is run replayed and eagerly (``check_against_eager``) before the graphs are
     used. Returns the steps and a sentence for the job's events.
 
     Raises:
@@ -374,7 +376,7 @@ def capture_steps(run, rows: int, widths: list[int],
         steps = CapturedSteps(run, rows)
     try:
         new = steps.capture(widths)
-        parity = check_against_eager(steps, *first_step, run.hp.learning_rate) if new else None
+        parity = check_against_eager(steps, *first_step(), run.hp.learning_rate) if new else None
         if parity is not None and parity.failures():
             raise CaptureMismatch("the replayed step does not match the eager step: " + "; ".join(parity.failures()))
     except Exception as e:

@@ -142,15 +142,18 @@ def timed(phase: str):
 
 
 class MemoryReporter:
-    """A ``Reporter`` for runs outside the job store (``tunejob doctor``, the tests): keeps the
-    metrics, progress fields, events and checkpoints in memory; never asks the run to stop."""
+    """A ``Reporter`` for runs outside the job store (``tunejob doctor``, ``bench.engine_gpu_check``,
+    the tests): keeps the metrics, progress fields, events and checkpoints in memory, and asks the
+    run to stop (``stop_reason``: "shutdown", "cancelled", ...) once ``stop_after_step`` is logged
+    (never, by default)."""
 
-    def __init__(self):
+    def __init__(self, stop_after_step: int | None = None, stop_reason: str = "shutdown"):
         self.logged: list[tuple[int, float, dict]] = []  # (step, epoch, {name: value})
         self.fields: dict = {}
         self.events: list[str] = []  # event codes
         self.messages: list[str] = []  # their messages
         self.checkpoints: list[tuple[int, Path]] = []
+        self.stop_after_step, self.stop_reason = stop_after_step, stop_reason
 
     def log(self, step: int, epoch: float, values: dict[str, float]) -> None:
         self.logged.append((step, epoch, dict(values)))
@@ -173,7 +176,8 @@ class MemoryReporter:
         return []
 
     def should_stop(self) -> str | None:
-        return None
+        last = self.logged[-1][0] if self.logged else 0
+        return self.stop_reason if self.stop_after_step is not None and last >= self.stop_after_step else None
 
     def series(self, name: str) -> dict[int, float]:
         """Metric ``name`` by step."""

@@ -309,8 +309,9 @@ def warm_up(run: Run, reporter: Reporter | None = None) -> None:
     capture is first checked against the eager step on the job's first micro-batches
     (``worker.graphs.check_against_eager``). Where the job cannot be captured, or capture or that
     check fails (a mismatch, an exception, out of memory), it trains eagerly, an event
-    (``cuda_graphs_off``) says why, and the worker does not try graphs for that shape again. Elsewhere (the CPU) the steps run eagerly, with the same
-    bodies. ``train`` calls this itself if it has not run. ``reporter``, if given, gets the events.
+    (``cuda_graphs_off``) says why, and the worker does not try graphs for that shape again.
+    Elsewhere (the CPU) the steps run eagerly, with the same bodies. ``train`` calls this itself if
+    it has not run. ``reporter``, if given, gets the events.
     """
     if run.device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -318,7 +319,7 @@ def warm_up(run: Run, reporter: Reporter | None = None) -> None:
     if reason is None:
         widths = list(run.plan.width_counts(run.collator.ladder, run.hp.epochs))
         try:
-            run.steps, message = capture_steps(run, micro_batch_size(run), widths, first_step(run))
+            run.steps, message = capture_steps(run, micro_batch_size(run), widths, lambda: first_step(run))
             notify(reporter, "cuda_graphs", message)
             return
         except Exception as e:  # capture or its check failed: train this job eagerly, with the same bodies
