@@ -78,7 +78,8 @@ class Job(Base):
     tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, server_default=DEFAULT_TENANT)
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED)
     base_model: Mapped[str] = mapped_column(String(255))
-    task: Mapped[str] = mapped_column(String(16))
+    kind: Mapped[str] = mapped_column(String(16), default="train", server_default="train")  # train | predict
+    task: Mapped[str] = mapped_column(String(32))
     training_dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"))
     validation_dataset_id: Mapped[str | None] = mapped_column(ForeignKey("datasets.id"))
     spec: Mapped[dict[str, Any]]  # the validated POST /jobs body
