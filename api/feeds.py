@@ -34,11 +34,11 @@ from sqlalchemy import func, select
 from sse_starlette import ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from shared import jobs
+from shared import jobs, predictions
 from shared.db import read_session
 from shared.errors import NotFound, UserError
 from shared.models import Job, JobEvent, JobMetric, JobStatus
-from shared.schemas import EventOut, JobOut, MetricOut
+from shared.schemas import EventOut, JobOut, MetricOut, PredictionOut
 from shared.settings import get_settings
 
 ROWS_PER_MESSAGE = 5000  # a long job's history goes out in messages of this many rows, each resumable
@@ -47,6 +47,7 @@ QUEUE_SIZE = 256  # reads a slow stream may fall behind before it is dropped and
 _CURSOR = re.compile(r"m(\d+)-e(\d+)")
 # pydantic's JSON (a non-finite metric value, e.g. a diverged loss, becomes null; json.dumps would refuse it)
 _ROWS = TypeAdapter(dict[str, list[MetricOut] | list[EventOut]])
+VIEWS = {"train": jobs.to_out, predictions.KIND: predictions.to_out}  # the API view of a job of each kind
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Cursor:
 class Read:
     """What one read of the store found after a cursor: the job, and new rows as (id, row)."""
 
-    job: JobOut
+    job: JobOut | PredictionOut
     updated_at: datetime
     metrics: list[tuple[int, MetricOut]] = field(default_factory=list)
     events: list[tuple[int, EventOut]] = field(default_factory=list)
@@ -120,7 +121,7 @@ def read_store(job_id: str, after: Cursor, unchanged_since: datetime | None = No
         job = s.get(Job, job_id)
         if job is None:
             raise NotFound("job", job_id)
-        read = Read(jobs.to_out(job), job.updated_at)
+        read = Read(VIEWS[job.kind](job), job.updated_at)
         read.events = [(e.id, EventOut.model_validate(e)) for e in s.scalars(
             select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after.event_id)
             .order_by(JobEvent.id).limit(ROWS_PER_MESSAGE))]

@@ -111,20 +111,21 @@ def create_job(spec: JobCreate, caller: Caller, claim: idempotency.Claim | None 
         return job
 
 
-def get_job(job_id: str, caller: Caller) -> Job:
-    """The job, if ``caller`` may see it.
+def get_job(job_id: str, caller: Caller, kind: str = "train") -> Job:
+    """The job, if ``caller`` may see it and it is of ``kind`` (``train`` or ``predict``).
 
     Raises:
-        NotFound: no such job, or another tenant's. Deleted: the job was deleted (``delete_job``).
+        NotFound: no such job, another tenant's, or one of another kind. Deleted: the job was
+            deleted (``delete_job``).
     """
     with read_session() as s:
-        return owned_job(s, job_id, caller)
+        return owned_job(s, job_id, caller, kind=kind)
 
 
 def list_jobs(caller: Caller, limit: int, after: str | None = None, status: str | None = None,
-              param: str = "after") -> tuple[list[Job], bool]:
-    """The caller's jobs (an admin's: all), newest first, ``limit`` at a time after job ``after``,
-    optionally of one ``status``.
+              param: str = "after", kind: str = "train") -> tuple[list[Job], bool]:
+    """The caller's jobs of ``kind`` (an admin's: all), newest first, ``limit`` at a time after job
+    ``after``, optionally of one ``status``.
 
     Returns:
         (jobs, has_more).
@@ -132,20 +133,20 @@ def list_jobs(caller: Caller, limit: int, after: str | None = None, status: str 
     Raises:
         UserError: ``invalid_cursor`` (naming ``param``) when ``after`` is not one of those jobs.
     """
-    mine = scoped(select(Job), Job, caller)
+    mine = scoped(select(Job), Job, caller).where(Job.kind == kind)
     with read_session() as s:
         query = mine.where(Job.status == status) if status else mine
         return keyset_page(s, query, Job, after, limit, param=param, within=mine)
 
 
-def list_events(job_id: str, caller: Caller) -> list[JobEvent]:
+def list_events(job_id: str, caller: Caller, kind: str = "train") -> list[JobEvent]:
     """The job's events, oldest first.
 
     Raises:
-        NotFound: no such job, or another tenant's.
+        NotFound: no such job of ``kind``, or another tenant's.
     """
     with read_session() as s:
-        owned_job(s, job_id, caller)
+        owned_job(s, job_id, caller, kind=kind)
         return list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.time, JobEvent.id)))
 
 
@@ -182,18 +183,18 @@ def mark_enqueued(job_id: str) -> None:
         s.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
 
 
-def request_cancel(job_id: str, caller: Caller) -> Job:
+def request_cancel(job_id: str, caller: Caller, kind: str = "train") -> Job:
     """Cancel a job: a queued one ends ``cancelled`` now; a running one is flagged and stops at its
-    next optimizer step. A finished job is left as it is.
+    next optimizer step (a prediction: after its current part). A finished job is left as it is.
 
     Raises:
-        NotFound: no such job, or another tenant's.
+        NotFound: no such job of ``kind``, or another tenant's.
     """
     now = utcnow()
     with session_scope() as s:
         # Locked (PostgreSQL; SQLite's BEGIN IMMEDIATE already serializes writers), so that a claim
         # cannot slip in between reading the status and acting on it.
-        job = owned_job(s, job_id, caller, for_update=True)
+        job = owned_job(s, job_id, caller, for_update=True, kind=kind)
         if job.status == JobStatus.QUEUED:
             _end(job, JobStatus.CANCELLED, now)
             s.add(JobEvent(job_id=job_id, code="cancelled", level="info", message="cancelled before it started"))
@@ -422,19 +423,23 @@ def discard_checkpoints(job_id: str) -> None:
     artifacts.remove_tree(artifacts.checkpoints_dir(job_id))
 
 
-def delete_job(job_id: str, caller: Caller) -> None:
-    """``DELETE /jobs/{id}``: remove a finished job's checkpoints, artifacts, metrics and events,
-    and keep its row as a tombstone, so that its id answers 404 saying it was deleted.
+ROUTES = {"train": "/jobs", "predict": "/predictions"}  # where a job of each kind is reached
+
+
+def delete_job(job_id: str, caller: Caller, kind: str = "train") -> None:
+    """``DELETE /jobs/{id}`` (``/predictions/{id}``): remove a finished job's checkpoints, artifacts
+    (a prediction's results), metrics and events, and keep its row as a tombstone, so that its id
+    answers 404 saying it was deleted.
 
     Raises:
         NotFound, Deleted: see ``get_job``. Conflict: the job is queued or running (409).
     """
     now = utcnow()
     with session_scope() as s:
-        job = owned_job(s, job_id, caller, for_update=True)
+        job = owned_job(s, job_id, caller, for_update=True, kind=kind)
         if job.status in ACTIVE:
             raise Conflict("job_not_finished", f"job {job_id!r} is {job.status}; cancel it first "
-                           f"(POST /jobs/{job_id}/cancel), then delete it once it has stopped")
+                           f"(POST {ROUTES[kind]}/{job_id}/cancel), then delete it once it has stopped")
         job.deleted_at, job.files_deleted_at = now, job.files_deleted_at or now
         for child in (JobMetric, JobEvent, Checkpoint):
             s.execute(delete(child).where(child.job_id == job_id))

@@ -37,7 +37,13 @@ class CheckedSpec:
         return JobColumns.of(self.spec)
 
 
-def _dataset(s, dataset_id: str, param: str, caller: Caller) -> Dataset:
+def visible_dataset(s, dataset_id: str, param: str, caller: Caller) -> Dataset:
+    """The dataset ``dataset_id`` if ``caller`` may see it.
+
+    Raises:
+        UserError: ``unknown_dataset`` (422, naming ``param``): no such dataset, another tenant's,
+            or deleted.
+    """
     dataset = s.get(Dataset, dataset_id)
     if dataset is None or not caller.sees(dataset.tenant) or dataset.deleted_at is not None:
         deleted = dataset is not None and caller.sees(dataset.tenant)
@@ -85,8 +91,8 @@ def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
         raise UserError("max_length_too_long", f"hyperparameters.max_length {spec.hyperparameters.max_length} is "
                         f"longer than {spec.base_model!r} accepts ({limit} tokens)", "hyperparameters.max_length")
     with read_session() as s:
-        train = _dataset(s, spec.training_dataset, "training_dataset", caller)
-        val = _dataset(s, spec.validation_dataset, "validation_dataset", caller) if spec.validation_dataset else None
+        train = visible_dataset(s, spec.training_dataset, "training_dataset", caller)
+        val = visible_dataset(s, spec.validation_dataset, "validation_dataset", caller) if spec.validation_dataset else None
     cols = JobColumns.of(spec)
     for dataset in [train] + ([val] if val else []):
         _require_columns(dataset, cols)
@@ -195,16 +201,18 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
     return lengths[train_rows]
 
 
-def estimate_seconds(base_model: str, padded_tokens: float, caller: Caller) -> dict:
-    """Training time for ``padded_tokens`` at the padded-token throughput of the newest succeeded
-    job of ``caller``'s tenant on ``base_model`` (throughput depends on the worker's device, so
-    this is a guide)."""
+def estimate_seconds(base_model: str, padded_tokens: float, caller: Caller, kind: str = "train") -> dict:
+    """Time for ``padded_tokens`` at the padded-token throughput of the newest succeeded job of
+    ``kind`` (training, or prediction: a forward pass only) of ``caller``'s tenant on
+    ``base_model`` (throughput depends on the worker's device, so this is a guide)."""
     with read_session() as s:
-        query = select(Job).where(Job.status == JobStatus.SUCCEEDED, Job.base_model == base_model)
+        query = select(Job).where(Job.status == JobStatus.SUCCEEDED, Job.base_model == base_model, Job.kind == kind)
         job = s.scalars(scoped(query, Job, caller).order_by(Job.finished_at.desc()).limit(1)).first()
     metrics = (job.train_metrics or {}) if job else {}
     if not metrics.get("tokens_per_second"):
         return {"estimated_seconds": None, "estimate_basis": f"no succeeded job on {base_model} yet"}
-    padded_per_second = metrics["tokens_per_second"] / metrics["padding_efficiency_unrounded"]
+    # Training records the efficiency of its unrounded padding apart; a prediction records what it computed.
+    padded_per_second = metrics["tokens_per_second"] / metrics.get("padding_efficiency_unrounded",
+                                                                   metrics.get("padding_efficiency"))
     return {"estimated_seconds": padded_tokens / padded_per_second,
             "estimate_basis": f"job {job.id}: {padded_per_second:.0f} padded tokens/s on {job.device}"}

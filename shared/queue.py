@@ -12,9 +12,9 @@ import threading
 
 from celery import Celery
 
-from shared import idempotency, jobs
+from shared import idempotency, jobs, predictions
 from shared.models import Job
-from shared.schemas import JobCreate
+from shared.schemas import JobCreate, PredictionCreate
 from shared.settings import Settings, get_settings
 from shared.tenancy import Caller
 
@@ -75,21 +75,23 @@ def send(job_id: str) -> None:
     jobs.mark_enqueued(job_id)
 
 
-def submit(spec: JobCreate, caller: Caller, claim: idempotency.Claim | None = None) -> Job:
-    """Check and store a job for ``caller`` (``shared.jobs.create_job``, which records the response
-    under an idempotency ``claim``), then send its id to the broker. When the broker is down the job
-    stays queued and ``recovery_loop`` sends it later.
+def submit(spec: JobCreate | PredictionCreate, caller: Caller, claim: idempotency.Claim | None = None) -> Job:
+    """Check and store a job for ``caller``: a training job (``shared.jobs.create_job``) or a
+    prediction (``shared.predictions.create_prediction``), either recording the response under an
+    idempotency ``claim``; then send its id to the broker. When the broker is down the job stays
+    queued and ``recovery_loop`` sends it later.
 
     Raises:
-        UserError: the spec does not fit its model or data (see ``shared.planning.check_spec``), or
-            a quota (``shared.quotas``).
+        UserError: the spec does not fit its model or data (see ``shared.planning.check_spec`` and
+            ``shared.predictions.check_prediction``), or a quota (``shared.quotas``).
     """
-    job = jobs.create_job(spec, caller, claim)
+    create = predictions.create_prediction if isinstance(spec, PredictionCreate) else jobs.create_job
+    job = create(spec, caller, claim)
     try:
         send(job.id)
     except Exception:
         log.exception("job %s stored but not yet sent to the broker", job.id)
-    return jobs.get_job(job.id, caller)
+    return jobs.get_job(job.id, caller, kind=job.kind)
 
 
 def resend_recovered() -> None:

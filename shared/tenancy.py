@@ -7,8 +7,9 @@ API resolves the caller from its key in ``api.auth``); another tenant's row is r
   without deleted rows (tombstones).
 - ``owned(session, Model, id_, caller)``: one row of the caller's, or ``NotFound`` (``Deleted`` for a
   tombstone of the caller's).
-- ``owned_job(session, job_id, caller)``: the same for a job; metrics, events, checkpoints and
-  artifacts are reached through their job, so checking the job is checking them.
+- ``owned_job(session, job_id, caller, kind=…)``: the same for a job of one kind (``train`` or
+  ``predict``); metrics, events, checkpoints, artifacts and results are reached through their job,
+  so checking the job is checking them.
 - ``lock_tenant(session, tenant)``: serializes a tenant's quota checks with its inserts.
 """
 
@@ -69,10 +70,18 @@ def owned(session: Session, model: type[Row], id_: str, caller: Caller, param: s
     return row
 
 
-def owned_job(session: Session, job_id: str, caller: Caller, for_update: bool = False) -> Job:
+def owned_job(session: Session, job_id: str, caller: Caller, for_update: bool = False, kind: str = "train") -> Job:
     """``owned(session, Job, job_id, caller)``: check this before reading a job's metrics, events,
-    checkpoints or artifacts, or changing it."""
-    return owned(session, Job, job_id, caller, for_update=for_update)
+    checkpoints or artifacts, or changing it. The one place jobs are told apart by ``kind``: a job
+    of another kind (a prediction on ``/jobs/…``, a training job on ``/predictions/…``) is absent.
+
+    Raises:
+        NotFound, Deleted: see ``owned``; NotFound also for a job of another ``kind``.
+    """
+    job = owned(session, Job, job_id, caller, for_update=for_update)
+    if job.kind != kind:
+        raise NotFound("job" if kind == "train" else "prediction", job_id)
+    return job
 
 
 def lock_tenant(session: Session, tenant: str) -> None:

@@ -1,4 +1,5 @@
-"""The Celery task: claim the job in the store, train it, and record how it ended.
+"""The Celery task: claim the job in the store, run it (train it, or score a dataset with a model:
+``worker.predict``, by the job's ``kind``), and record how it ended.
 
 While a job trains, a heartbeat thread renews its lease. SIGTERM (a deploy) makes the training
 loop save a checkpoint at its next optimizer step and give the job back to the queue; the worker
@@ -102,7 +103,7 @@ class Heartbeat(threading.Thread):
 
 @app.task(name=RUN_JOB)
 def run_job(job_id: str) -> str:
-    """Train job ``job_id`` if this worker can claim it; a no-op when another worker holds it or it
+    """Run job ``job_id`` (either kind) if this worker can claim it; a no-op when another worker holds it or it
     has finished (duplicate or redelivered messages). Returns how it ended."""
     if stopping.is_set():  # Celery may deliver one more message during warm shutdown
         raise Reject(f"worker shutting down; job {job_id} left for another worker", requeue=True)
@@ -115,7 +116,7 @@ def run_job(job_id: str) -> str:
     heartbeat.start()
     try:
         try:
-            outcome = train_claimed_job(job, worker_id, heartbeat)
+            outcome = run_claimed_job(job, worker_id, heartbeat)
         finally:
             heartbeat.stopped.set()
         record_outcome(job_id, worker_id, outcome)
@@ -125,7 +126,7 @@ def run_job(job_id: str) -> str:
 
 
 def record_outcome(job_id: str, worker_id: str, outcome: str) -> None:
-    """End the job in the store as ``train_claimed_job`` left it (or hand it back to the queue); a
+    """End the job in the store as ``run_claimed_job`` left it (or hand it back to the queue); a
     succeeded job's checkpoints are deleted, its model is in the artifacts."""
     if outcome in (JobStatus.SUCCEEDED, JobStatus.CANCELLED):
         if jobs.finish(job_id, worker_id, outcome) and outcome == JobStatus.SUCCEEDED:
@@ -138,28 +139,19 @@ def record_outcome(job_id: str, worker_id: str, outcome: str) -> None:
         send(job_id)
 
 
-def train_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
-    """Load the job's data and train it; map errors to the job's end (failed now, or re-queued)."""
-    from worker.data import load_job_data  # imported by ``preload``; the API imports this module without torch
-    from worker.device import resolve_device
-    from worker.report import PhaseTimer, Reporter
-    from worker.train import fine_tune
+def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
+    """Run the job's recipe (``train_job`` or ``worker.predict.predict``, by its ``kind``) on this
+    worker's device; map errors to the job's end (failed now, or re-queued)."""
+    from worker.device import resolve_device  # imported by ``preload``; the API imports this module without torch
+    from worker.report import Reporter
 
     reporter = Reporter(job.id, worker_id, stop_flags={"shutdown": stopping,
                                                         "lease_lost": heartbeat.lease_lost})
-    timer = PhaseTimer(reporter, queued=(job.timings or {}).get("queued"))
     try:
         device, note = resolve_device(get_settings().device)
         if note:
             reporter.event("device", note, level="warning")
-        with read_session() as s:
-            train = s.get(Dataset, job.training_dataset_id)
-            validation = s.get(Dataset, job.validation_dataset_id) if job.validation_dataset_id else None
-        checkpoint = jobs.latest_checkpoint(job.id)
-        jobs.discard_metrics_after(job.id, checkpoint.step if checkpoint else 0)
-        with timer.phase("load"):
-            data = load_job_data(job.spec, train, validation)
-        return fine_tune(job, data, device, reporter, Path(checkpoint.path) if checkpoint else None, timer)
+        return recipe(job.kind)(job, device, reporter)
     except UserError as e:  # deterministic: the same input fails the same way, so no retry
         jobs.finish(job.id, worker_id, JobStatus.FAILED, {"code": e.code, "message": e.message,
                                                           **({"problems": e.problems} if e.problems else {})})
@@ -170,6 +162,32 @@ def train_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
         if jobs.requeue(job.id, worker_id, "job_restarted", f"unexpected error, retrying: {message}", restart=True):
             send(job.id)
         return "error"
+
+
+def recipe(kind: str):
+    """What runs a job of ``kind``: ``train_job``, or ``worker.predict.predict``."""
+    if kind == "predict":
+        from worker.predict import predict
+
+        return predict
+    return train_job
+
+
+def train_job(job, device, reporter) -> str:
+    """Load the job's data and train it, resuming from its latest checkpoint (``worker.train``)."""
+    from worker.data import load_job_data
+    from worker.report import PhaseTimer
+    from worker.train import fine_tune
+
+    timer = PhaseTimer(reporter, queued=(job.timings or {}).get("queued"))
+    with read_session() as s:
+        train = s.get(Dataset, job.training_dataset_id)
+        validation = s.get(Dataset, job.validation_dataset_id) if job.validation_dataset_id else None
+    checkpoint = jobs.latest_checkpoint(job.id)
+    jobs.discard_metrics_after(job.id, checkpoint.step if checkpoint else 0)
+    with timer.phase("load"):
+        data = load_job_data(job.spec, train, validation)
+    return fine_tune(job, data, device, reporter, Path(checkpoint.path) if checkpoint else None, timer)
 
 
 def release_device_memory() -> None:

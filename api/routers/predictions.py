@@ -1,0 +1,106 @@
+"""Batch prediction jobs: ``/predictions``, the same lifecycle, events and stream as ``/jobs``
+(``shared.predictions``). A training job's id answers 404 here, and a prediction's on ``/jobs``."""
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from sse_starlette import EventSourceResponse
+
+from api import store
+from api.auth import CallerDep
+from api.errors import SafeJSONResponse, error_responses
+from api.feeds import Cursor
+from api.headers import IdempotencyKey
+from shared import idempotency, jobs, predictions
+from shared.predictions import KIND, MEDIA_TYPES
+from shared.queue import submit
+from shared.schemas import EventOut, PredictionCreate, PredictionDryRunOut, PredictionList, PredictionOut
+from shared.settings import get_settings
+
+router = APIRouter(prefix="/predictions", tags=["predictions"])
+Status = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")]
+
+
+@router.post("", status_code=201, response_model=PredictionOut, responses={
+    200: {"model": PredictionDryRunOut, "description": "dry_run=true: the plan; nothing is stored or queued"}})
+def create_prediction(spec: PredictionCreate, caller: CallerDep, dry_run: bool = False,
+                      idempotency_key: IdempotencyKey = None):
+    """Check the request against its model and data, store the prediction job, then queue its id.
+
+    ``model`` is a succeeded training job of yours (``job_…``) or a base model with a
+    classification head. With ``dry_run=true`` nothing is stored or queued: the response (200) is
+    the plan (rows, tokens, texts truncated at ``max_length``, padding efficiency, estimated time).
+    With an ``Idempotency-Key`` header, a retry with the same key and body (within 24 h) gets the
+    first response back and queues nothing.
+    """
+    if dry_run:
+        plan = PredictionDryRunOut(dry_run=True, plan=predictions.plan_prediction(
+            predictions.check_prediction(spec, caller)))
+        return SafeJSONResponse(plan.model_dump(mode="json"))
+    job = idempotency.once(caller.tenant, "POST /predictions", idempotency_key,
+                           idempotency.fingerprint(spec.model_dump_json()), lambda claim: submit(spec, caller, claim))
+    if isinstance(job, idempotency.Replay):
+        return JSONResponse(job.body, status_code=job.status_code)
+    return predictions.to_out(job)
+
+
+@router.get("")
+def list_predictions(caller: CallerDep, status: Status = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                     cursor: str | None = None) -> PredictionList:
+    """Prediction jobs, newest first. Pass ``next_cursor`` back as ``cursor`` for the next page."""
+    page, has_more = jobs.list_jobs(caller, limit, cursor, status, param="cursor", kind=KIND)
+    return PredictionList(data=[predictions.to_out(j) for j in page], next_cursor=page[-1].id if has_more else None)
+
+
+@router.get("/{prediction_id}")
+async def get_prediction(prediction_id: str, caller: CallerDep) -> PredictionOut:
+    return predictions.to_out(await store.read(jobs.get_job, prediction_id, caller, KIND))
+
+
+@router.delete("/{prediction_id}", status_code=204, responses=error_responses(409))
+def delete_prediction(prediction_id: str, caller: CallerDep) -> Response:
+    """Delete a finished prediction's results and events. Its id then answers 404 (code
+    ``deleted``). A queued or running one answers 409: cancel it first."""
+    jobs.delete_job(prediction_id, caller, kind=KIND)
+    return Response(status_code=204)
+
+
+@router.post("/{prediction_id}/cancel")
+def cancel_prediction(prediction_id: str, caller: CallerDep) -> PredictionOut:
+    """A queued prediction never starts; a running one stops after the part it is scoring (the
+    parts written so far are kept until it is deleted)."""
+    return predictions.to_out(jobs.request_cancel(prediction_id, caller, kind=KIND))
+
+
+@router.get("/{prediction_id}/events")
+def prediction_events(prediction_id: str, caller: CallerDep) -> dict[str, list[EventOut]]:
+    return {"data": [EventOut.model_validate(e) for e in jobs.list_events(prediction_id, caller, kind=KIND)]}
+
+
+@router.get("/{prediction_id}/results", response_class=StreamingResponse, responses={
+    200: {"content": {t: {} for t in MEDIA_TYPES.values()}, "description": "one row per input row, in input order"},
+    **error_responses(409)})
+def prediction_results(prediction_id: str, caller: CallerDep,
+                       format: Literal["jsonl", "csv", "parquet"] = "jsonl") -> StreamingResponse:
+    """A succeeded prediction's results, streamed: one row per input row, in input order, with
+    ``id`` (the ``id_column`` value, as text, or the 0-based row index), then ``label``, ``score``
+    and ``probabilities`` (every class's) for classification, or ``value`` for regression. CSV
+    has one ``probabilities.<class>`` column per class. 409 before it has succeeded."""
+    chunks = predictions.results_stream(prediction_id, caller, format)
+    return StreamingResponse(chunks, media_type=MEDIA_TYPES[format], headers={
+        "Content-Disposition": f'attachment; filename="{prediction_id}.{format}"'})
+
+
+@router.get("/{prediction_id}/stream", response_class=EventSourceResponse,
+            responses={200: {"content": {"text/event-stream": {}},
+                             "description": "progress, events, then end (see api/feeds.py)"}})
+def stream_prediction(prediction_id: str, request: Request, caller: CallerDep,
+                      last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None
+                      ) -> EventSourceResponse:
+    """Server-sent events, as ``GET /jobs/{id}/stream``: ``progress`` (the prediction, as
+    ``GET /predictions/{id}``) whenever it changes, ``events`` as they are written, and ``end``
+    (the prediction) after it finished; resumable with ``Last-Event-ID``."""
+    jobs.get_job(prediction_id, caller, kind=KIND)
+    return EventSourceResponse(request.app.state.feeds.stream(prediction_id, Cursor.parse(last_event_id)),
+                               ping=get_settings().stream_heartbeat_seconds)

@@ -1,0 +1,147 @@
+"""The prediction recipe for one job (kind ``predict``), top to bottom: setup (the model and the
+data), score_parts (the dataset streamed a part at a time, each part scored with
+``shared.inference.predict_texts`` and written atomically), finish (the result summary).
+
+A resumed attempt (the worker died, or was shut down) skips the rows of the parts already written
+(``shared.predictions``: their counts are in the parts' metadata), so no row is scored or written
+twice. Cancel, shutdown, lease loss and the time limit are checked between parts
+(``worker.report.Reporter.should_stop``).
+"""
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared import artifacts
+from shared.base_models import resolve_model
+from shared.datasets import Problems
+from shared.db import read_session
+from shared.errors import UserError
+from shared.inference import LoadedModel, load_for_inference, predict_texts
+from shared.models import Dataset, Job
+from shared.predictions import (PART_COUNTS, max_tokens, part_counts, parts_of, prediction_batches, results_dir,
+                                results_table, id_type, write_part, written_parts)
+from shared.schemas import PredictionCreate
+from shared.settings import get_settings
+from worker.device import describe
+from worker.report import Reporter
+
+
+@dataclass
+class Scoring:
+    """Everything ``setup`` builds for one prediction job, and its counts so far (``PART_COUNTS``)."""
+
+    job: Job
+    spec: PredictionCreate
+    loaded: LoadedModel
+    dataset: Dataset
+    max_length: int
+    directory: Path  # where its parts are written
+    counts: dict[str, int]
+    started: float = 0.0  # perf_counter when this attempt started scoring
+    scored: dict[str, int] | None = None  # counts of this attempt (for its rates)
+
+
+def predict(job: Job, device: torch.device, reporter: Reporter) -> str:
+    """Score every row of the job's dataset with its model, resuming after the parts already written.
+
+    Returns ``"succeeded"``, or why it stopped early (``Reporter.should_stop``).
+
+    Raises:
+        shared.errors.UserError: the model is gone or cannot predict, or the data no longer passes
+            the checks it passed at submit (the job fails without retry).
+    """
+    run = setup(job, device, reporter)
+    outcome = score_parts(run, reporter)
+    if outcome != "completed":
+        if outcome != "lease_lost":
+            reporter.flush()
+        return outcome
+    finish(run, reporter)
+    return "succeeded"
+
+
+def model_directory(ref: str) -> Path:
+    """The directory of the model a prediction names: a training job's artifact, or a base model.
+
+    Raises:
+        UserError: ``model_deleted`` when the job's model was deleted after the prediction was queued.
+    """
+    if not ref.startswith("job_"):
+        return resolve_model(ref)
+    directory = artifacts.model_dir(ref)
+    if not directory.is_dir():
+        raise UserError("model_deleted", f"model {ref!r}: the training job's model was deleted", "model")
+    return directory
+
+
+def setup(job: Job, device: torch.device, reporter: Reporter) -> Scoring:
+    """Load the model on ``device`` and find the parts an earlier attempt wrote."""
+    start = time.perf_counter()
+    spec = PredictionCreate.model_validate(job.spec)
+    loaded = load_for_inference(model_directory(job.base_model), device)
+    with read_session() as s:
+        dataset = s.get(Dataset, job.training_dataset_id)
+    directory = results_dir(job.id)
+    parts = written_parts(directory)
+    run = Scoring(job, spec, loaded, dataset, spec.max_length or loaded.model_max_length, directory,
+                  part_counts(parts))
+    if parts:
+        reporter.event("resumed", f"resuming after {run.counts['rows']} rows already written in {len(parts)} parts")
+    reporter.progress(device=describe(device), step=run.counts["rows"],
+                      timings={**(job.timings or {}), "load": round(time.perf_counter() - start, 3)})
+    return run
+
+
+def score_parts(run: Scoring, reporter: Reporter) -> str:
+    """Score the rows after those already written, ``predict_part_rows`` at a time; write each
+    part, then report progress. Returns ``"completed"`` or why it stopped."""
+    problems = Problems(run.dataset.filename)
+    batches = prediction_batches(run.dataset, run.spec, problems)
+    first = len(written_parts(run.directory))
+    run.started, run.scored = time.perf_counter(), dict.fromkeys(PART_COUNTS, 0)
+    for index, part in enumerate(parts_of(batches, get_settings().predict_part_rows, run.counts["rows"]), first):
+        problems.raise_if_any()  # the file changed since the job was submitted
+        if reason := reporter.should_stop():
+            return reason
+        predictions = predict_texts(run.loaded, part.texts, part.pairs, run.max_length,
+                                    max_tokens(run.spec.batch_size, run.max_length))
+        counts = {"rows": len(part.texts), "truncated": predictions.truncated, "tokens": predictions.tokens,
+                  "padded_tokens": predictions.padded_tokens}
+        table = results_table(part.ids, run.job.task, run.job.label_names, predictions.rows, id_type(run.job.spec))
+        write_part(run.directory, index, table, counts)
+        for name in PART_COUNTS:
+            run.counts[name] += counts[name]
+            run.scored[name] += counts[name]
+        report_progress(run, reporter)
+    problems.raise_if_any()
+    return "completed"
+
+
+def result(run: Scoring) -> dict:
+    """The job's ``PredictionResult``: the counts so far, with this attempt's rates."""
+    seconds = max(time.perf_counter() - run.started, 1e-9)
+    counts = run.counts
+    return {**counts, "max_length": run.max_length,
+            "padding_efficiency": counts["tokens"] / counts["padded_tokens"] if counts["padded_tokens"] else None,
+            "tokens_per_second": run.scored["tokens"] / seconds if run.scored["rows"] else None,
+            "rows_per_second": run.scored["rows"] / seconds if run.scored["rows"] else None}
+
+
+def report_progress(run: Scoring, reporter: Reporter) -> None:
+    """Rows done, rows/s and ETA on the job row (buffered, as training's progress)."""
+    summary = result(run)
+    left = (run.job.total_steps or 0) - run.counts["rows"]
+    eta = left / summary["rows_per_second"] if summary["rows_per_second"] else None
+    reporter.progress(step=run.counts["rows"], eta_seconds=eta, train_metrics=summary)
+
+
+def finish(run: Scoring, reporter: Reporter) -> None:
+    """Write the final result and say what was truncated."""
+    summary = result(run)
+    reporter.progress(step=run.counts["rows"], total_steps=run.counts["rows"], eta_seconds=0.0, train_metrics=summary)
+    reporter.flush()
+    reporter.event("results", f"{summary['rows']} rows scored; {summary['truncated']} texts longer than "
+                   f"max_length {run.max_length} were truncated")
