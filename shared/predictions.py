@@ -35,7 +35,7 @@ from shared.base_models import resolve_model
 from shared.batching import BatchPlan
 from shared.datasets import Problems, check_text, read_batches
 from shared.db import read_session, session_scope
-from shared.errors import Deleted, NotFound, UserError
+from shared.errors import Deleted, NotFound, UserError, without_paths
 from shared.models import Dataset, Job, JobEvent, JobStatus, new_id, utcnow
 from shared.planning import TOKENIZE_ROWS, estimate_seconds, max_input_length, visible_dataset
 from shared.schemas import (PredictionCreate, PredictionOut, PredictionProgress, PredictionResult, Timings,
@@ -65,20 +65,23 @@ class PredictionModel:
 
 
 def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
-    """(task, class names) of a model directory from its ``config.json``: a sequence-classification
-    head with one output is regression (or ``problem_type`` says so), else classification with the
-    names of ``id2label`` in index order.
+    """(task, class names) of a model directory from its config (``transformers.AutoConfig``): a
+    sequence-classification head with one output is regression (or ``problem_type`` says so), else
+    classification with the names of ``id2label`` in index order.
 
     Raises:
-        UserError: ``model_without_head`` (422) when the model has no sequence-classification head
-            (e.g. a plain encoder such as all-MiniLM-L6-v2), ``unsupported_task`` (422) for another
-            head (token classification, ...).
+        UserError: ``unsupported_model`` (422) when its config cannot be read; ``model_without_head``
+            (422) when the model has no sequence-classification head (e.g. a plain encoder such as
+            all-MiniLM-L6-v2); ``unsupported_task`` (422) for another head (token classification, ...).
     """
+    from transformers import AutoConfig
+
     try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    architectures = config.get("architectures") or []
+        config = AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError) as e:
+        raise UserError("unsupported_model", f"model {name!r} cannot be loaded: {without_paths(str(e))}",
+                        "model") from None
+    architectures = config.architectures or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
         if any("For" in a for a in architectures):
             raise UserError("unsupported_task", f"model {name!r} is a {architectures[0]}; predictions need a "
@@ -86,10 +89,9 @@ def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
         raise UserError("model_without_head", f"model {name!r} has no classification or regression head "
                         f"({', '.join(architectures) or 'no architecture'}): fine-tune it with POST /jobs, then "
                         "predict with the job's id", "model")
-    id2label = config.get("id2label") or {}
-    if config.get("problem_type") == "regression" or len(id2label) == 1 or config.get("num_labels") == 1:
+    if config.problem_type == "regression" or config.num_labels == 1:
         return "regression", None
-    return "classification", [id2label[k] for k in sorted(id2label, key=int)]
+    return "classification", [config.id2label[i] for i in range(config.num_labels)]
 
 
 def prediction_model(ref: str, caller: Caller) -> PredictionModel:

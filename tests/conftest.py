@@ -151,11 +151,13 @@ def stack(request, tmp_path_factory, models_dir) -> Iterator[Stack]:
         cleanup()
 
 
-def wait_for_status(client: TestClient, job_id: str, statuses: set[str], timeout: float = 180) -> dict:
-    """Poll ``GET /jobs/{id}`` until the job reaches one of ``statuses``."""
+def wait_for_status(client: TestClient, job_id: str, statuses: set[str], timeout: float = 180,
+                    path: str = "/jobs") -> dict:
+    """Poll ``GET {path}/{id}`` (a job, or with ``path="/predictions"`` a prediction) until it reaches
+    one of ``statuses``."""
     deadline = time.monotonic() + timeout
     while True:
-        job = client.get(f"/jobs/{job_id}").json()
+        job = client.get(f"{path}/{job_id}").json()
         if job["status"] in statuses:
             return job
         if time.monotonic() > deadline:

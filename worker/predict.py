@@ -110,7 +110,8 @@ def score_parts(run: Scoring, reporter: Reporter) -> str:
                                     max_tokens(run.spec.batch_size, run.max_length))
         counts = {"rows": len(part.texts), "truncated": predictions.truncated, "tokens": predictions.tokens,
                   "padded_tokens": predictions.padded_tokens}
-        table = results_table(part.ids, run.job.task, run.job.label_names, predictions.rows, id_type(run.job.spec))
+        table = results_table(part.ids, run.loaded.task, run.loaded.label_names, predictions.rows,
+                              id_type(run.job.spec))
         write_part(run.directory, index, table, counts)
         for name in PART_COUNTS:
             run.counts[name] += counts[name]

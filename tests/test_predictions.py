@@ -1,0 +1,341 @@
+"""Batch prediction jobs through HTTP (``/predictions``), on every stack: predict with a trained
+job and with a base model, results in input order in three formats that agree, the dry run, cancel,
+tenant isolation, the kind check between ``/jobs`` and ``/predictions``, and bad input refused
+with a 4xx that names the field, nothing queued."""
+
+import io
+import json
+import os
+import random
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import TINY_MODEL, wait_for_status
+from tests.test_api_jobs import labelled_csv, submit, upload
+from tests.test_cancel import LONG, wait_until_training
+
+FINISHED = {"succeeded", "failed", "cancelled"}
+PART_ROWS = 8  # results parts of 8 rows: the test datasets span several parts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_parts(stack):
+    """``TUNEJOB_PREDICT_PART_ROWS`` for the stack's in-process API and worker."""
+    from shared.settings import get_settings
+
+    os.environ["TUNEJOB_PREDICT_PART_ROWS"] = str(PART_ROWS)
+    get_settings.cache_clear()
+    yield
+    del os.environ["TUNEJOB_PREDICT_PART_ROWS"]
+    get_settings.cache_clear()
+
+
+def scoring_csv(rows: int = 29, seed: int = 1) -> bytes:
+    """Texts to score with ids that are not row numbers, some far longer than 16 tokens."""
+    rng = random.Random(seed)
+    words = ["match", "goal", "team", "shares", "market", "profit", "bank", "coach"]
+    data = [{"doc": f"d-{1000 - i}", "body": " ".join(rng.choices(words, k=rng.choice([2, 5, 40]))),
+             "other": "x"} for i in range(rows)]
+    return pd.DataFrame(data).to_csv(index=False).encode()
+
+
+def wait_prediction(client, prediction_id: str, statuses: set[str] = FINISHED, timeout: float = 180) -> dict:
+    return wait_for_status(client, prediction_id, statuses, timeout, path="/predictions")
+
+
+def predict(client, body: dict, expect: int = 201, **params) -> dict:
+    r = client.post("/predictions", json=body, params=params)
+    assert r.status_code == expect, r.text
+    return r.json()
+
+
+def results(client, prediction_id: str, fmt: str) -> bytes:
+    r = client.get(f"/predictions/{prediction_id}/results", params={"format": fmt})
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def count_predictions(client) -> int:
+    return len(client.get("/predictions", params={"limit": 100}).json()["data"])
+
+
+@pytest.fixture(scope="module")
+def trained(stack) -> dict:
+    """A succeeded classification job of the stack's tenant."""
+    job = submit(stack.client, upload(stack.client, labelled_csv(rows=32, seed=5))["id"], epochs=1)
+    job = wait_for_status(stack.client, job["id"], FINISHED)
+    assert job["status"] == "succeeded", job["error"]
+    return job
+
+
+@pytest.fixture(scope="module")
+def to_score(stack) -> dict:
+    return upload(stack.client, scoring_csv(), "score.csv")
+
+
+def body_for(model: str, dataset: dict, **fields) -> dict:
+    return {"model": model, "dataset": dataset["id"], "text_column": "body", "id_column": "doc",
+            "max_length": 16, "batch_size": 4, **fields}
+
+
+def test_predict_with_a_trained_job_writes_every_row_once_in_input_order(stack, trained, to_score):
+    client = stack.client
+    body = body_for(trained["id"], to_score)
+    plan = predict(client, body, expect=200, dry_run="true")["plan"]
+    prediction = predict(client, body)
+    assert prediction["status"] in {"queued", "running"} and prediction["model"] == trained["id"]
+    assert prediction["task"] == "classification" and prediction["label_names"] == trained["label_names"]
+
+    done = wait_prediction(client, prediction["id"])
+    assert done["status"] == "succeeded", done["error"]
+    assert done["progress"]["rows_done"] == done["progress"]["total_rows"] == 29
+    assert done["progress"]["fraction"] == 1.0
+    result = done["result"]
+    assert result["rows"] == 29 and result["max_length"] == 16
+    assert (result["truncated"], result["tokens"]) == (plan["truncated"], plan["tokens"])
+    assert 0 < result["truncated"] < 29  # the 40-word texts only
+    assert 0 < result["padding_efficiency"] <= 1 and result["rows_per_second"] > 0
+    assert done["results_url"] == f"/predictions/{prediction['id']}/results"
+
+    expected_ids = pd.read_csv(io.BytesIO(scoring_csv()))["doc"].tolist()
+    lines = [json.loads(line) for line in results(client, prediction["id"], "jsonl").decode().splitlines()]
+    assert [row["id"] for row in lines] == expected_ids
+    for row in lines:
+        assert list(row["probabilities"]) == trained["label_names"]
+        assert sum(row["probabilities"].values()) == pytest.approx(1.0, abs=1e-5)
+        assert row["label"] == max(row["probabilities"], key=row["probabilities"].get)
+        assert row["score"] == pytest.approx(row["probabilities"][row["label"]])
+
+    parquet = pq.read_table(io.BytesIO(results(client, prediction["id"], "parquet"))).to_pylist()
+    assert parquet == lines
+    csv = pd.read_csv(io.BytesIO(results(client, prediction["id"], "csv")), dtype={"id": str})
+    assert csv["id"].tolist() == expected_ids and csv["label"].tolist() == [row["label"] for row in lines]
+    for name in trained["label_names"]:
+        assert csv[f"probabilities.{name}"].tolist() == pytest.approx([row["probabilities"][name] for row in lines])
+
+    parts = sorted((stack.data_dir / "artifacts" / prediction["id"] / "predictions").glob("part-*.parquet"))
+    assert len(parts) == 4  # 29 rows in parts of 8
+    codes = [e["code"] for e in client.get(f"/predictions/{prediction['id']}/events").json()["data"]]
+    assert codes[0] == "created" and "started" in codes and "results" in codes and codes[-1] == "succeeded"
+
+
+def test_rows_are_numbered_by_index_without_an_id_column_and_a_base_model_with_a_head_predicts(stack, to_score):
+    client = stack.client
+    done = wait_prediction(client, predict(client, body_for(TINY_MODEL, to_score, id_column=None))["id"])
+    assert done["status"] == "succeeded", done["error"]
+    assert done["label_names"] == ["LABEL_0", "LABEL_1"] and done["model"] == TINY_MODEL
+    rows = [json.loads(line) for line in results(client, done["id"], "jsonl").decode().splitlines()]
+    assert [row["id"] for row in rows] == list(range(29))
+
+
+def test_a_regression_model_predicts_values(stack, to_score):
+    client = stack.client
+    data = pd.DataFrame({"text": ["short", "a longer text here", "mid text"] * 8, "label": [0.5, 2.0, 1.0] * 8})
+    dataset = upload(client, data.to_csv(index=False).encode(), "reg.csv")
+    r = client.post("/jobs", json={"base_model": TINY_MODEL, "task": "regression", "training_dataset": dataset["id"],
+                                   "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32}})
+    assert r.status_code == 201, r.text
+    job = wait_for_status(client, r.json()["id"], FINISHED)
+    assert job["status"] == "succeeded", job["error"]
+
+    done = wait_prediction(client, predict(client, body_for(job["id"], to_score))["id"])
+    assert done["status"] == "succeeded" and done["task"] == "regression" and done["label_names"] is None
+    csv = pd.read_csv(io.BytesIO(results(client, done["id"], "csv")))
+    assert list(csv.columns) == ["id", "value"] and len(csv) == 29 and csv["value"].notna().all()
+
+
+def test_a_dry_run_stores_and_queues_nothing(stack, trained, to_score):
+    client = stack.client
+    before = count_predictions(client)
+    out = predict(client, body_for(trained["id"], to_score), expect=200, dry_run="true")
+    plan = out["plan"]
+    assert out["dry_run"] is True and plan["rows"] == 29 and plan["max_length"] == 16
+    assert plan["tokens"] <= plan["padded_tokens"] and 0 < plan["padding_efficiency"] <= 1
+    assert plan["task"] == "classification" and "estimate_basis" in plan
+    assert count_predictions(client) == before
+
+
+def test_an_idempotency_key_makes_one_prediction(stack, trained, to_score):
+    client = stack.client
+    headers = {"Idempotency-Key": "predict-once"}
+    first = client.post("/predictions", json=body_for(trained["id"], to_score), headers=headers)
+    second = client.post("/predictions", json=body_for(trained["id"], to_score), headers=headers)
+    assert first.status_code == second.status_code == 201
+    assert first.json()["id"] == second.json()["id"]
+    wait_prediction(client, first.json()["id"])
+
+
+def test_jobs_and_predictions_do_not_answer_for_each_other(stack, trained, to_score):
+    client = stack.client
+    prediction = wait_prediction(client, predict(client, body_for(trained["id"], to_score))["id"])
+    for path in [f"/jobs/{prediction['id']}", f"/jobs/{prediction['id']}/events", f"/jobs/{prediction['id']}/metrics"]:
+        assert client.get(path).status_code == 404, path
+    for path in [f"/predictions/{trained['id']}", f"/predictions/{trained['id']}/events",
+                 f"/predictions/{trained['id']}/results"]:
+        assert client.get(path).status_code == 404, path
+    assert client.post(f"/predictions/{trained['id']}/cancel").status_code == 404
+    assert client.delete(f"/predictions/{trained['id']}").status_code == 404
+    assert prediction["id"] not in {j["id"] for j in client.get("/jobs", params={"limit": 100}).json()["data"]}
+    assert trained["id"] not in {p["id"] for p in client.get("/predictions", params={"limit": 100}).json()["data"]}
+
+
+def test_the_stream_ends_with_the_prediction(stack, trained, to_score):
+    client = stack.client
+    prediction = wait_prediction(client, predict(client, body_for(trained["id"], to_score))["id"])
+    with client.stream("GET", f"/predictions/{prediction['id']}/stream") as r:
+        assert r.status_code == 200
+        lines = [line.split(":", 1) for line in r.iter_lines() if line.startswith(("event:", "data:"))]
+    events = [value.strip() for field, value in lines if field == "event"]
+    assert {"progress", "events"} <= set(events) and events[-1] == "end"
+    end = json.loads(lines[-1][1])
+    assert end["id"] == prediction["id"] and end["progress"]["rows_done"] == 29
+
+
+def test_a_queued_prediction_is_cancelled_and_never_runs(stack, to_score):
+    client = stack.client
+    training = submit(client, upload(client, labelled_csv(rows=48, seed=3))["id"], **LONG)
+    wait_until_training(client, training["id"])  # the one worker is busy: the prediction stays queued
+    prediction = predict(client, body_for(TINY_MODEL, to_score))
+    cancelled = client.post(f"/predictions/{prediction['id']}/cancel").json()
+    assert cancelled["status"] == "cancelled" and cancelled["started_at"] is None
+    client.post(f"/jobs/{training['id']}/cancel")
+    assert wait_for_status(client, training["id"], FINISHED)["status"] == "cancelled"
+    codes = [e["code"] for e in client.get(f"/predictions/{prediction['id']}/events").json()["data"]]
+    assert codes == ["created", "cancelled"]
+    r = client.get(f"/predictions/{prediction['id']}/results")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "results_not_ready"
+
+
+def test_delete_removes_the_results(stack, trained, to_score):
+    client = stack.client
+    prediction = wait_prediction(client, predict(client, body_for(trained["id"], to_score))["id"])
+    assert client.delete(f"/predictions/{prediction['id']}").status_code == 204
+    r = client.get(f"/predictions/{prediction['id']}")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "deleted"
+    assert not (stack.data_dir / "artifacts" / prediction["id"]).exists()
+
+
+def test_another_tenant_sees_nothing_and_cannot_use_the_job(stack, trained, to_score):
+    client = stack.client
+    prediction = wait_prediction(client, predict(client, body_for(trained["id"], to_score))["id"])
+    other = stack.client_for("tenant-b")
+    theirs = upload(other, scoring_csv(), "score.csv")
+    assert other.get(f"/predictions/{prediction['id']}").status_code == 404
+    assert other.get(f"/predictions/{prediction['id']}/results").status_code == 404
+    assert other.get("/predictions").json()["data"] == []
+    r = other.post("/predictions", json=body_for(trained["id"], theirs))
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["code"] == "unknown_model"
+    assert other.get("/predictions").json()["data"] == []
+
+
+@pytest.mark.parametrize("fields, status, code, param, named", [
+    ({"text_column": "nope"}, 422, "missing_column", "text_column", "'nope'"),
+    ({"id_column": "ident"}, 422, "missing_column", "id_column", "'ident'"),
+    ({"text_pair_column": "pair"}, 422, "missing_column", "text_pair_column", "'pair'"),
+    ({"model": "all-MiniLM-L6-v2"}, 422, "model_without_head", "model", "'all-MiniLM-L6-v2'"),
+    ({"model": "no-such-model"}, 422, "unknown_model", "model", "'no-such-model'"),
+    ({"model": "job_0000000000000000"}, 404, "unknown_model", "model", "'job_0000000000000000'"),
+    ({"dataset": "ds_0000000000000000"}, 422, "unknown_dataset", "dataset", "'ds_0000000000000000'"),
+    ({"max_length": 4096}, 422, "max_length_too_long", "max_length", "4096"),
+])
+def test_bad_input_is_refused_naming_the_field_and_nothing_is_queued(stack, trained, to_score, fields, status, code,
+                                                                      param, named):
+    client = stack.client
+    before = count_predictions(client)
+    r = client.post("/predictions", json={**body_for(trained["id"], to_score), **fields})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == (code, param) and named in error["message"]
+    assert count_predictions(client) == before
+
+
+def test_an_empty_text_is_reported_by_row_and_column(stack, trained):
+    client = stack.client
+    dataset = upload(client, b"doc,body\na,fine text\nb,\n", "gaps.csv")
+    r = client.post("/predictions", json=body_for(trained["id"], dataset))
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["problems"] == [{"row": 2, "column": "body", "value": "", "message": "is empty"}]
+
+
+def test_a_job_that_did_not_succeed_or_was_deleted_is_refused(stack, to_score):
+    client = stack.client
+    dataset = upload(client, labelled_csv(rows=16, seed=9))
+    unfinished = submit(client, dataset["id"], **LONG)
+    client.post(f"/jobs/{unfinished['id']}/cancel")
+    assert wait_for_status(client, unfinished["id"], FINISHED)["status"] == "cancelled"
+    r = client.post("/predictions", json=body_for(unfinished["id"], to_score))
+    assert r.status_code == 409 and r.json()["error"]["code"] == "model_not_ready", r.text
+    assert r.json()["error"]["param"] == "model" and "cancelled" in r.json()["error"]["message"]
+
+    assert client.delete(f"/jobs/{unfinished['id']}").status_code == 204
+    r = client.post("/predictions", json=body_for(unfinished["id"], to_score))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_deleted", r.text
+    assert r.json()["error"]["param"] == "model"
+
+
+# ----------------------------------------------------------------------------- stand-in (until branch infer is merged)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def inference_stand_in():
+    """A minimal ``shared.inference`` for the in-process worker while the real one is not merged."""
+    import importlib.util
+    import sys
+    import types
+    from dataclasses import dataclass
+
+    if importlib.util.find_spec("shared.inference") is not None:
+        yield
+        return
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    @dataclass
+    class LoadedModel:
+        model: object
+        tokenizer: object
+        task: str
+        label_names: list | None
+        model_max_length: int
+        device: object
+        precision: str = "fp32"
+
+    @dataclass
+    class Predictions:
+        rows: list
+        truncated: int
+        tokens: int
+        padded_tokens: int
+
+    def load_for_inference(model_dir, device, precision="auto"):
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True).eval().to(device)
+        config = model.config
+        regression = config.problem_type == "regression" or config.num_labels == 1
+        names = None if regression else [config.id2label[i] for i in range(config.num_labels)]
+        return LoadedModel(model, AutoTokenizer.from_pretrained(model_dir), "regression" if regression else
+                           "classification", names, min(AutoTokenizer.from_pretrained(model_dir).model_max_length,
+                                                        config.max_position_embeddings), device)
+
+    def predict_texts(loaded, texts, pairs=None, max_length=None, max_tokens=None):
+        full = loaded.tokenizer(texts, pairs, truncation=False)["input_ids"]
+        enc = loaded.tokenizer(texts, pairs, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            logits = loaded.model(**enc).logits.float()
+        real = int(enc["attention_mask"].sum())
+        if loaded.task == "regression":
+            rows = [{"value": float(v)} for v in logits[:, 0]]
+        else:
+            probs = logits.softmax(-1)
+            rows = [{"label": loaded.label_names[int(p.argmax())], "score": float(p.max()),
+                     "probabilities": dict(zip(loaded.label_names, map(float, p)))} for p in probs]
+        return Predictions(rows, sum(len(f) > max_length for f in full), real, enc["input_ids"].numel())
+
+    module = types.ModuleType("shared.inference")
+    module.LoadedModel, module.Predictions = LoadedModel, Predictions
+    module.load_for_inference, module.predict_texts = load_for_inference, predict_texts
+    sys.modules["shared.inference"] = module
+    yield
+    del sys.modules["shared.inference"]
