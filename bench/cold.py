@@ -27,7 +27,7 @@ class RunSpec:
     config: str
     model: str
     device: str  # auto, cpu or cuda (``worker.device.resolve_device``)
-    precision: str  # auto, fp32, bf16 or fp16 (``worker.device.autocast_dtype``)
+    precision: str  # auto, fp32, bf16 or fp16 (``shared.precision.autocast_dtype``)
     batch_size: int
     max_length: int
     train_size: int | None  # None: the whole 80% split
@@ -61,7 +61,8 @@ def run(spec: RunSpec) -> list[dict]:
     from bench.engine import run_engine
     from bench.measure import before_job, environment, mfu, peak_memory_mib
     from bench.peers import PEERS, run_peer
-    from worker.device import autocast_dtype, resolve_device, reuse_freed_cpu_memory
+    from shared.precision import autocast_dtype
+    from worker.device import resolve_device, reuse_freed_cpu_memory
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

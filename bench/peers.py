@@ -125,7 +125,7 @@ def run_peer(name: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, lab
     from transformers import AutoTokenizer, PrinterCallback, Trainer
 
     from shared.base_models import resolve_model
-    from worker.device import autocast_dtype
+    from shared.precision import autocast_dtype
 
     peer = PEERS[name]
     if not peer.cudnn_sdp:

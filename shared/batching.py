@@ -175,3 +175,25 @@ class BatchPlan:
                 width = bucket_width(ladder, int(self.lengths[batch].max()))
                 counts[width] = counts.get(width, 0) + 1
         return dict(sorted(counts.items()))
+
+
+def token_budget_batches(lengths: np.ndarray, max_tokens: int, ladder: list[int]) -> list[np.ndarray]:
+    """Prediction batches: example indices sorted by length (ties in input order), cut so that each
+    batch's computed tokens (rows x its longest member's width on ``ladder``) stay within
+    ``max_tokens``; a batch holds at least one example, however long. Deterministic, unlike
+    ``BatchPlan``'s ``token_budget`` (no random first cut, no shuffle): prediction has no epochs.
+
+    Args:
+        lengths: ``[n]`` real tokens per example.
+
+    Returns:
+        index arrays, shortest examples first; together they hold every index once.
+    """
+    order = np.argsort(np.asarray(lengths), kind="stable")
+    batches, start = [], 0
+    for i, index in enumerate(order):
+        width = bucket_width(ladder, int(lengths[index]))
+        if i > start and (i - start + 1) * width > max_tokens:
+            batches.append(order[start:i])
+            start = i
+    return [*batches, order[start:]] if len(order) else []

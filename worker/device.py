@@ -6,7 +6,6 @@ import ctypes.util
 import torch
 
 from shared.batching import job_ladder
-from shared.errors import UserError
 
 
 def resolve_device(setting: str) -> tuple[torch.device, str | None]:
@@ -31,31 +30,6 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{device.index or 0} ({torch.cuda.get_device_name(device)})"
     return f"cpu ({torch.get_num_threads()} threads)"
-
-
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The ``torch.autocast`` dtype for a precision setting, None for fp32.
-
-    ``auto`` picks bf16 on GPUs that support it, fp16 (with a GradScaler) on older GPUs, and fp32 on
-    the CPU: measured on the 2-core Xeon with avx512_bf16 that CI uses, bf16 autocast trained
-    all-MiniLM-L6-v2 at 1,360-1,700 tokens/s against 1,870-2,360 tokens/s in fp32 (batch 32,
-    max_length 128 and 256, measured by hand on random tokens).
-
-    Raises:
-        UserError: ``bf16`` on a GPU without bf16 support.
-    """
-    if precision == "fp32":
-        return None
-    if precision == "fp16":
-        return torch.float16
-    if precision == "bf16":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise UserError("unsupported_precision", "this GPU does not support bf16; use fp16 or auto",
-                            "hyperparameters.precision")
-        return torch.bfloat16
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return None
 
 
 def padding_ladder(hp, device: torch.device) -> list[int]:

@@ -24,8 +24,9 @@ import psutil
 import torch
 
 from shared.base_models import BUILTIN, available_models
+from shared.precision import autocast_dtype
 from shared.settings import get_settings
-from worker.device import autocast_dtype, describe, resolve_device
+from worker.device import describe, resolve_device
 from worker.report import MemoryReporter
 
 MODEL_NAME = "doctor-tiny-bert"

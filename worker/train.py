@@ -47,10 +47,11 @@ from shared.base_models import resolve_model
 from shared.batching import BatchPlan
 from shared.errors import UserError
 from shared.manifest import manifest_entries
+from shared.precision import autocast_dtype
 from shared.models import Job
 from shared.schemas import Hyperparameters, json_safe
 from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
-from worker.device import autocast_dtype, describe, padding_ladder
+from worker.device import describe, padding_ladder
 from worker.graphs import CapturedSteps, capture_steps, clear_cache, eager_reason
 from worker.report import PhaseTimer, Reporter, timed
 from worker.run_logs import write_run_logs

@@ -1,0 +1,239 @@
+"""Prediction with a model a tunejob training job saved: load it once (``load_for_inference``),
+then predict lists of texts fast (``predict_texts``).
+
+The loop is the training engine's smart batching without the training (McCormick, "Smart Batching
+Tutorial"; Benesty, "Divide Hugging Face Transformers training time by 2 or more", in the seed
+notebooks): texts are tokenized once with the fast tokenizer, without padding; their indices are
+sorted by length and cut into batches by a token budget (``shared.batching.token_budget_batches``:
+no gradients and no optimizer state, so batches can be far larger than in training); each batch is
+padded only to its longest member (the CPU) or to the next width of the bucket ladder (CUDA: few
+shapes), run under ``torch.inference_mode`` and autocast (bf16 on CUDA by default), and the
+results are scattered back to input order. Texts longer than ``max_length`` are truncated and
+counted, never refused.
+
+Per-task output is a small function of the logits (``TASK_ROWS``), so that a new head (multi-label,
+token classification) adds one entry.
+
+torch is imported here: the API imports this module only on its first prediction.
+"""
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from threading import Lock
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+
+from shared.batching import bucket_width, job_ladder, token_budget_batches
+from shared.errors import UserError, without_paths
+from shared.precision import autocast_dtype
+
+PRECISIONS = ("auto", "fp32", "bf16")
+# Default token budget per batch (rows x padded width). CPU: measured on the 2-core CPU
+# (docs/benchmarks.md, "Prediction"); CUDA: unmeasured, sized for a BERT-base forward in bf16.
+DEFAULT_MAX_TOKENS = {"cpu": 8192, "cuda": 65536}
+PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # autocast dtype -> name
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to predict: ``model`` in eval mode on ``device``; ``task`` is
+    ``"classification"`` or ``"regression"``; ``label_names`` the classes in logit order (None for
+    regression); ``model_max_length`` the longest input in tokens (the job's ``max_length``, within
+    the model's position embeddings); ``precision`` as resolved: ``"fp32"`` or ``"bf16"``
+    (``"fp16"`` on a GPU without bf16)."""
+
+    model: torch.nn.Module
+    tokenizer: object  # a transformers fast tokenizer
+    task: str
+    label_names: list[str] | None
+    model_max_length: int
+    device: torch.device
+    precision: str
+
+
+@dataclass
+class Predictions:
+    """``rows`` in input order: classification ``{"label", "score", "probabilities": {name: p}}``,
+    regression ``{"value"}``; ``truncated`` texts cut at max_length; ``tokens`` real (non-pad)
+    tokens; ``padded_tokens`` tokens computed, padding included."""
+
+    rows: list[dict]
+    truncated: int
+    tokens: int
+    padded_tokens: int
+
+
+def load_for_inference(model_dir: Path, device: torch.device, precision: str = "auto") -> LoadedModel:
+    """Load a tunejob model folder (``config.json`` with ``id2label``/``problem_type``,
+    ``model.safetensors``, tokenizer files): safetensors only, no remote code.
+
+    ``precision``: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``fp32`` or ``bf16`` (bf16 autocast;
+    on the CPU about twice as fast but it changed about 0.1% of labels, hence not the default).
+
+    Raises:
+        UserError: (422) ``precision`` is not one of ``PRECISIONS``, or the folder is not a sequence
+            classification or regression model with a fast tokenizer (``model_not_predictable``).
+    """
+    if precision not in PRECISIONS:
+        raise UserError("invalid_precision", f"precision {precision!r} is not one of {', '.join(PRECISIONS)}",
+                        "precision")
+    dtype = autocast_dtype(precision, device, param="precision")
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+        task = task_of(config)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_dir, config=config, use_safetensors=True, trust_remote_code=False, device_map=device)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError("model_not_predictable", f"not a model tunejob can predict with: {without_paths(str(e))}",
+                        "model") from e
+    if not tokenizer.is_fast:
+        raise UserError("model_not_predictable", "the model's tokenizer has no fast version", "model")
+    labels = [config.id2label[i] for i in range(config.num_labels)] if task == "classification" else None
+    max_length = min(tokenizer.model_max_length, config.max_position_embeddings)
+    return LoadedModel(model.eval(), tokenizer, task, labels, max_length, device, PRECISION_NAMES[dtype])
+
+
+def task_of(config) -> str:
+    """``"regression"`` (problem_type regression, or a single output) or ``"classification"``.
+
+    Raises:
+        ValueError: a problem type or architecture this module has no output for.
+    """
+    architectures = config.architectures or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ValueError(f"architectures {architectures} are not sequence classification")
+    if config.problem_type == "regression" or (config.problem_type is None and config.num_labels == 1):
+        return "regression"
+    if config.problem_type in (None, "single_label_classification"):
+        return "classification"
+    raise ValueError(f"problem_type {config.problem_type!r} is not supported for prediction")
+
+
+def predict_texts(loaded: LoadedModel, texts: list[str], pairs: list[str] | None = None,
+                  max_length: int | None = None, max_tokens: int | None = None) -> Predictions:
+    """Predict ``texts`` (with ``pairs`` as the tokenizer's second segment) in input order.
+
+    ``max_length`` (default: ``loaded.model_max_length``): tokens per text; longer texts are
+    truncated and counted in ``truncated``. ``max_tokens`` (default ``DEFAULT_MAX_TOKENS`` of the
+    device type): the most tokens one batch computes (rows x padded width); one text longer than it
+    still runs, alone.
+
+    Raises:
+        UserError: (422) ``pairs`` not as long as ``texts``; ``max_length`` below 2 or above the
+            model's limit; ``max_tokens`` below 1.
+    """
+    max_length = checked_max_length(loaded, max_length)
+    if pairs is not None and len(pairs) != len(texts):
+        raise UserError("invalid_pairs", f"{len(pairs)} pairs for {len(texts)} texts: give one pair per text", "pairs")
+    if max_tokens is not None and max_tokens < 1:
+        raise UserError("invalid_max_tokens", f"max_tokens {max_tokens} must be at least 1", "max_tokens")
+    if not texts:
+        return Predictions([], 0, 0, 0)
+    encoded = loaded.tokenizer(texts, pairs, truncation=True, max_length=max_length, padding=False)
+    truncated = sum(bool(e.overflowing) for e in encoded.encodings)
+    features = [{k: encoded[k][i] for k in loaded.tokenizer.model_input_names if k in encoded}
+                for i in range(len(texts))]
+    lengths = np.array([len(ids) for ids in encoded["input_ids"]])
+    ladder = job_ladder(max_length, None, False, loaded.device.type == "cuda")
+    budget = max_tokens or DEFAULT_MAX_TOKENS.get(loaded.device.type, DEFAULT_MAX_TOKENS["cpu"])
+    logits, padded = run_batches(loaded, features, token_budget_batches(lengths, budget, ladder), ladder)
+    return Predictions(TASK_ROWS[loaded.task](logits, loaded.label_names), truncated, int(lengths.sum()), padded)
+
+
+def checked_max_length(loaded: LoadedModel, max_length: int | None) -> int:
+    """``max_length``, or the model's limit when None.
+
+    Raises:
+        UserError: below 2 (a [CLS] and a [SEP]) or above ``loaded.model_max_length``.
+    """
+    if max_length is None:
+        return loaded.model_max_length
+    if not 2 <= max_length <= loaded.model_max_length:
+        raise UserError("invalid_max_length", f"max_length {max_length} must be between 2 and the model's limit, "
+                        f"{loaded.model_max_length}", "max_length")
+    return max_length
+
+
+def run_batches(loaded: LoadedModel, features: list[dict], batches: list[np.ndarray],
+                ladder: list[int]) -> tuple[torch.Tensor, int]:
+    """The model's fp32 logits ``[n, num_labels]`` in input order, and the tokens computed (rows x
+    padded width, summed over batches). Each batch is padded to its ladder width with the
+    tokenizer's own pad id and inputs (``DataCollatorWithPadding``)."""
+    dtype = autocast_dtype(loaded.precision, loaded.device)
+    logits, padded = None, 0
+    with torch.inference_mode(), torch.autocast(loaded.device.type, dtype=dtype, enabled=dtype is not None):
+        for indices in batches:
+            width = bucket_width(ladder, max(len(features[i]["input_ids"]) for i in indices))
+            pad = DataCollatorWithPadding(loaded.tokenizer, padding="max_length", max_length=width)
+            batch = pad([features[i] for i in indices]).to(loaded.device)
+            out = loaded.model(**batch).logits.float()
+            if logits is None:
+                logits = torch.empty((len(features), out.shape[1]), dtype=torch.float32, device=out.device)
+            logits[torch.as_tensor(indices, device=out.device)] = out
+            padded += len(indices) * width
+    return logits.cpu(), padded
+
+
+def classification_rows(logits: torch.Tensor, label_names: list[str]) -> list[dict]:
+    """Softmax over ``[n, classes]`` logits: the top label, its probability, and every class's."""
+    probabilities = torch.softmax(logits, dim=-1)
+    top = probabilities.argmax(dim=-1).tolist()
+    return [{"label": label_names[best], "score": row[best], "probabilities": dict(zip(label_names, row))}
+            for best, row in zip(top, probabilities.tolist())]
+
+
+def regression_rows(logits: torch.Tensor, label_names: None) -> list[dict]:
+    """The single output of ``[n, 1]`` logits as the predicted value."""
+    return [{"value": value} for value in logits[:, 0].tolist()]
+
+
+TASK_ROWS: dict[str, Callable[[torch.Tensor, list[str] | None], list[dict]]] = {
+    "classification": classification_rows, "regression": regression_rows}
+
+
+@dataclass
+class CachedModel:
+    """A loaded model and the lock its predictions take: a fast tokenizer refuses calls from two
+    threads at once ("Already borrowed")."""
+
+    loaded: LoadedModel
+    lock: Lock
+
+
+class ModelCache:
+    """Up to ``size`` loaded models by key (a job id), the least recently used evicted first;
+    thread-safe. A model loads outside the cache's lock (seconds), so two first requests for one
+    key may both load it; the first stored is kept."""
+
+    def __init__(self, size: int, device: torch.device, precision: str = "auto"):
+        self.size, self.device, self.precision = size, device, precision
+        self._models: OrderedDict[str, CachedModel] = OrderedDict()
+        self._lock = Lock()
+
+    def get(self, key: str, model_dir: Path) -> CachedModel:
+        """The model cached under ``key``, loaded from ``model_dir`` if it is not.
+
+        Raises:
+            UserError: see ``load_for_inference``.
+        """
+        with self._lock:
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+        loaded = CachedModel(load_for_inference(model_dir, self.device, self.precision), Lock())
+        with self._lock:
+            cached = self._models.setdefault(key, loaded)
+            self._models.move_to_end(key)
+            while len(self._models) > self.size:
+                self._models.popitem(last=False)
+            return cached
+
+    def keys(self) -> list[str]:
+        """The cached keys, least recently used first."""
+        with self._lock:
+            return list(self._models)

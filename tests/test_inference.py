@@ -1,0 +1,137 @@
+"""shared.inference: a tunejob model folder loads for prediction, and the sorted, token-budgeted
+batches give the same outputs, in input order, as running the model on each text alone."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+from shared.base_models import BUILTIN, available_models
+from shared.batching import token_budget_batches
+from shared.errors import UserError
+from shared.inference import ModelCache, load_for_inference, predict_texts
+
+LABELS = ["business", "sport", "tech"]
+TEXTS = ["Shares fell sharply after the bank's results were published on Monday morning.",
+         "A goal.", "", "The new phone has a faster chip, a larger screen and a battery that lasts two days " * 3,
+         "Injury time winner", "Markets rallied.", "Rain stopped play for an hour at Lord's."]
+CPU = torch.device("cpu")
+
+
+def save_tiny_model(path, num_labels: int, max_length: int = 32):
+    """A 2-layer BERT saved as a tunejob job saves its model: safetensors, config with id2label
+    and problem_type, the all-MiniLM-L6-v2 tokenizer with ``model_max_length`` = the job's max_length."""
+    tokenizer = AutoTokenizer.from_pretrained(available_models()[next(iter(BUILTIN))][0])
+    labels = ({"id2label": dict(enumerate(LABELS)), "label2id": {n: i for i, n in enumerate(LABELS)},
+               "problem_type": "single_label_classification"} if num_labels > 1 else {"problem_type": "regression"})
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=512, num_labels=num_labels, **labels)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.model_max_length = max_length
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("classifier"), len(LABELS))
+
+
+@pytest.fixture(scope="module")
+def classifier(classifier_dir):
+    return load_for_inference(classifier_dir, CPU)
+
+
+def logits_one_by_one(loaded, texts: list[str], max_length: int) -> torch.Tensor:
+    """The model run on each text alone, unpadded: the reference."""
+    with torch.no_grad():
+        return torch.cat([loaded.model(**loaded.tokenizer(t, truncation=True, max_length=max_length,
+                                                           return_tensors="pt")).logits for t in texts])
+
+
+def test_loads_a_tunejob_model(classifier):
+    assert classifier.task == "classification" and classifier.label_names == LABELS
+    assert classifier.model_max_length == 32 and classifier.precision == "fp32" and not classifier.model.training
+
+
+@pytest.mark.parametrize("max_tokens", [1, 40, None])  # one text per batch, a few per batch, all in one
+def test_predictions_match_the_model_run_text_by_text_in_input_order(classifier, max_tokens):
+    got = predict_texts(classifier, TEXTS, max_tokens=max_tokens)
+    expected = torch.softmax(logits_one_by_one(classifier, TEXTS, 32), dim=-1)
+    assert [r["label"] for r in got.rows] == [LABELS[i] for i in expected.argmax(-1).tolist()]
+    for row, probabilities in zip(got.rows, expected.tolist()):
+        assert list(row["probabilities"].values()) == pytest.approx(probabilities, abs=1e-5)
+        assert row["score"] == max(row["probabilities"].values())
+
+
+def test_long_texts_are_truncated_and_counted(classifier):
+    got = predict_texts(classifier, TEXTS, max_length=16)
+    lengths = [len(classifier.tokenizer(t, truncation=True, max_length=16)["input_ids"]) for t in TEXTS]
+    untruncated = [len(classifier.tokenizer(t)["input_ids"]) for t in TEXTS]
+    assert got.truncated == sum(n > 16 for n in untruncated) == 2
+    assert got.tokens == sum(lengths) and got.padded_tokens >= got.tokens
+    expected = logits_one_by_one(classifier, TEXTS, 16).argmax(-1).tolist()
+    assert [r["label"] for r in got.rows] == [LABELS[i] for i in expected]
+
+
+def test_pairs_are_the_second_segment(classifier):
+    pairs = ["first"] * len(TEXTS)
+    got = predict_texts(classifier, TEXTS, pairs)
+    with torch.no_grad():
+        expected = [classifier.model(**classifier.tokenizer(t, p, truncation=True, max_length=32,
+                                                             return_tensors="pt")).logits.argmax(-1).item()
+                    for t, p in zip(TEXTS, pairs)]
+    assert [r["label"] for r in got.rows] == [LABELS[i] for i in expected]
+
+
+def test_regression_gives_the_single_output(tmp_path):
+    loaded = load_for_inference(save_tiny_model(tmp_path, 1), CPU)
+    got = predict_texts(loaded, TEXTS)
+    assert loaded.task == "regression" and loaded.label_names is None
+    assert [r["value"] for r in got.rows] == pytest.approx(logits_one_by_one(loaded, TEXTS, 32)[:, 0].tolist(), abs=1e-5)
+
+
+def test_bad_arguments_are_user_errors_naming_the_field(classifier):
+    for kwargs, param in [({"max_length": 33}, "max_length"), ({"max_length": 1}, "max_length"),
+                          ({"pairs": ["one"]}, "pairs"), ({"max_tokens": 0}, "max_tokens")]:
+        with pytest.raises(UserError) as e:
+            predict_texts(classifier, TEXTS, **kwargs)
+        assert e.value.status == 422 and e.value.param == param
+    assert predict_texts(classifier, []).rows == []
+
+
+def test_a_folder_that_is_not_a_predictable_model_is_a_422(tmp_path, classifier_dir):
+    (tmp_path / "empty").mkdir()
+    pickled = tmp_path / "pickled"  # the same model with its weights pickled: safetensors are required
+    shutil.copytree(classifier_dir, pickled)
+    model = BertForSequenceClassification.from_pretrained(classifier_dir)
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    for folder in (tmp_path / "empty", pickled):
+        with pytest.raises(UserError) as e:
+            load_for_inference(folder, CPU)
+        assert e.value.status == 422 and e.value.code == "model_not_predictable"
+        assert str(tmp_path) not in e.value.message
+    with pytest.raises(UserError) as e:
+        load_for_inference(classifier_dir, CPU, precision="fp8")
+    assert e.value.param == "precision"
+
+
+def test_token_budget_batches_sort_and_respect_the_budget():
+    lengths = np.array([5, 1, 9, 3, 3, 7])
+    batches = token_budget_batches(lengths, 10, list(range(1, 11)))
+    assert sorted(np.concatenate(batches).tolist()) == list(range(6))
+    assert [b.tolist() for b in batches] == [[1, 3, 4], [0], [5], [2]]  # 3x3, 1x5 (2x7 > 10), 1x7, 1x9
+    assert token_budget_batches(np.array([], dtype=int), 10, [10]) == []
+
+
+def test_model_cache_keeps_the_most_recently_used(classifier_dir):
+    cache = ModelCache(2, CPU)
+    first = cache.get("a", classifier_dir)
+    cache.get("b", classifier_dir)
+    assert cache.get("a", classifier_dir) is first  # a hit: the same object, now most recent
+    cache.get("c", classifier_dir)
+    assert cache.keys() == ["a", "c"]  # b was least recently used
