@@ -20,7 +20,7 @@ from httpx_sse import SSEError, connect_sse
 
 from shared.manifest import MANIFEST, verify_manifest
 from shared.schemas import (ArtifactOut, BaseModelOut, CheckpointOut, DatasetOut, EventOut, JobCreate, JobList,
-                            JobOut, MetricOut)
+                            JobOut, MetricOut, PredictionCreate, PredictionList, PredictionOut)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -79,23 +79,36 @@ def default_api_key() -> str | None:
     return path.read_text().strip() or None
 
 
+@dataclass(frozen=True)
+class Kind:
+    """A kind of job and where the API keeps it: training jobs under ``/jobs`` (``JobOut``),
+    prediction jobs under ``/predictions`` (``PredictionOut``). Both have the same lifecycle,
+    events, stream and cancel."""
+
+    path: str
+    out: type[JobOut] | type[PredictionOut]
+
+
+TRAINING, PREDICTION = Kind("/jobs", JobOut), Kind("/predictions", PredictionOut)
+
+
 @dataclass
 class StreamMessage:
-    """One message of ``GET /jobs/{id}/stream``.
+    """One message of ``GET /jobs/{id}/stream`` (or ``/predictions/{id}/stream``).
 
-    ``event`` is ``"progress"`` or ``"end"`` (``data``: the job, a ``JobOut``), ``"metrics"``
-    (``data``: new metric rows, ``list[MetricOut]``) or ``"events"`` (``data``: new job events,
-    ``list[EventOut]``). ``id`` is the stream position to resume from (``Last-Event-ID``).
+    ``event`` is ``"progress"`` or ``"end"`` (``data``: the job, a ``JobOut`` or ``PredictionOut``),
+    ``"metrics"`` (``data``: new metric rows, ``list[MetricOut]``) or ``"events"`` (``data``: new
+    job events, ``list[EventOut]``). ``id`` is the stream position to resume from (``Last-Event-ID``).
     """
 
     event: str
     id: str | None
-    data: JobOut | list[MetricOut] | list[EventOut]
+    data: JobOut | PredictionOut | list[MetricOut] | list[EventOut]
 
     @classmethod
-    def parse(cls, event: str, id_: str | None, payload: Any) -> "StreamMessage":
+    def parse(cls, event: str, id_: str | None, payload: Any, kind: Kind = TRAINING) -> "StreamMessage":
         if event in ("progress", "end"):
-            return cls(event, id_, JobOut.model_validate(payload))
+            return cls(event, id_, kind.out.model_validate(payload))
         rows = payload["data"]
         return cls(event, id_, [MetricOut.model_validate(r) for r in rows] if event == "metrics"
                    else [EventOut.model_validate(r) for r in rows])
@@ -217,6 +230,10 @@ class Client:
     def get_job(self, job_id: str) -> JobOut:
         return JobOut.model_validate(self.request("GET", f"/jobs/{job_id}").json())
 
+    def get_of_kind(self, job_id: str, kind: Kind = TRAINING) -> JobOut | PredictionOut:
+        """``GET /jobs/{id}`` or ``GET /predictions/{id}``, by ``kind``."""
+        return kind.out.model_validate(self.request("GET", f"{kind.path}/{job_id}").json())
+
     def cancel_job(self, job_id: str) -> JobOut:
         """``POST /jobs/{id}/cancel``: a queued job never starts, a running one stops at its next step."""
         return JobOut.model_validate(self.request("POST", f"/jobs/{job_id}/cancel").json())
@@ -239,8 +256,10 @@ class Client:
             rows += [m for m in page if m.step < last]
             after_step = last - 1
 
-    def job_events(self, job_id: str) -> list[EventOut]:
-        return [EventOut.model_validate(e) for e in self.request("GET", f"/jobs/{job_id}/events").json()["data"]]
+    def job_events(self, job_id: str, kind: Kind = TRAINING) -> list[EventOut]:
+        """``GET /jobs/{id}/events`` (or ``/predictions/{id}/events``, by ``kind``)."""
+        return [EventOut.model_validate(e)
+                for e in self.request("GET", f"{kind.path}/{job_id}/events").json()["data"]]
 
     def job_checkpoints(self, job_id: str) -> list[CheckpointOut]:
         return [CheckpointOut.model_validate(c)
@@ -295,10 +314,50 @@ class Client:
         step, drawn from the metric rows so far."""
         return self.request("GET", f"/jobs/{job_id}/plot.png").content
 
+    # ------------------------------------------------------------------ predictions
+
+    def create_prediction(self, spec: PredictionCreate | dict[str, Any]) -> PredictionOut:
+        """``POST /predictions``: score every row of a dataset with a model (a succeeded job of
+        yours, or a base model with a classification head); the server checks, stores and queues it."""
+        return PredictionOut.model_validate(self.request("POST", "/predictions", json=_body(spec)).json())
+
+    def plan_prediction(self, spec: PredictionCreate | dict[str, Any]) -> dict[str, Any]:
+        """``POST /predictions?dry_run=true``: rows, tokens, texts truncated at ``max_length``,
+        padding efficiency and estimated time; nothing is stored or queued."""
+        return self.request("POST", "/predictions", params={"dry_run": "true"}, json=_body(spec)).json()["plan"]
+
+    def list_predictions(self, status: str | None = None, limit: int = 20,
+                         cursor: str | None = None) -> PredictionList:
+        """``GET /predictions``, newest first; pass ``next_cursor`` back as ``cursor`` for the next page."""
+        params = {"limit": limit, **({"status": status} if status else {}), **({"cursor": cursor} if cursor else {})}
+        return PredictionList.model_validate(self.request("GET", "/predictions", params=params).json())
+
+    def get_prediction(self, prediction_id: str) -> PredictionOut:
+        return self.get_of_kind(prediction_id, PREDICTION)
+
+    def cancel_prediction(self, prediction_id: str) -> PredictionOut:
+        """``POST /predictions/{id}/cancel``: a queued one never starts, a running one stops after its part."""
+        return PredictionOut.model_validate(self.request("POST", f"/predictions/{prediction_id}/cancel").json())
+
+    def delete_prediction(self, prediction_id: str) -> None:
+        """``DELETE /predictions/{id}``: its results and events."""
+        self.request("DELETE", f"/predictions/{prediction_id}")
+
+    def download_predictions(self, prediction_id: str, dest: str | Path, format: str = "jsonl") -> Path:
+        """``GET /predictions/{id}/results?format=`` (``jsonl``, ``csv`` or ``parquet``) streamed into
+        the file ``dest``: one row per input row, in input order."""
+        return self._download(f"/predictions/{prediction_id}/results?format={format}", Path(dest))
+
+    def predict(self, job_id: str, inputs: list[str]) -> dict[str, Any]:
+        """``POST /models/{job_id}/predict``: a few texts scored at once by the API process
+        (``{"predictions": [...], "truncated", "max_length", ...}``)."""
+        return self.request("POST", f"/models/{job_id}/predict", json={"inputs": inputs}).json()
+
     # ------------------------------------------------------------------ following a job
 
-    def stream(self, job_id: str, last_event_id: str | None = None) -> Iterator[StreamMessage]:
-        """One connection to ``GET /jobs/{id}/stream`` (server-sent events), from the start or,
+    def stream(self, job_id: str, last_event_id: str | None = None, kind: Kind = TRAINING) -> Iterator[StreamMessage]:
+        """One connection to ``GET /jobs/{id}/stream`` (or ``/predictions/{id}/stream``, by ``kind``;
+        server-sent events), from the start or,
         with ``last_event_id``, from just after that message. Ends after the ``end`` message, or
         when the server closes the connection early (resume with the last message's id).
 
@@ -310,7 +369,7 @@ class Client:
         # The server sends a heartbeat every 15 s by default: a read timeout of 4x that means a dead connection.
         timeout = httpx.Timeout(self.http.timeout.connect, read=60.0)
         try:
-            with connect_sse(self.http, "GET", f"/jobs/{job_id}/stream", headers=headers, timeout=timeout) as source:
+            with connect_sse(self.http, "GET", f"{kind.path}/{job_id}/stream", headers=headers, timeout=timeout) as source:
                 if source.response.is_error:
                     source.response.read()
                     raise TunejobError.from_response(source.response)
@@ -320,12 +379,13 @@ class Client:
                     if sse.event == "error":  # the job was deleted, or the server could not read it
                         error = json.loads(sse.data)["error"]
                         raise TunejobError(None, error["code"], error["message"], error.get("param"))
-                    yield StreamMessage.parse(sse.event, sse.id or None, json.loads(sse.data))
+                    yield StreamMessage.parse(sse.event, sse.id or None, json.loads(sse.data), kind)
         except httpx.TransportError as e:
             raise self._unreachable(e) from e
 
-    def follow(self, job_id: str, last_event_id: str | None = None, poll_seconds: float = 2.0) -> Iterator[StreamMessage]:
-        """Everything the job reports until it ends, the ``end`` message last.
+    def follow(self, job_id: str, last_event_id: str | None = None, poll_seconds: float = 2.0,
+               kind: Kind = TRAINING) -> Iterator[StreamMessage]:
+        """Everything the job (of ``kind``) reports until it ends, the ``end`` message last.
 
         From the stream, which is reconnected with ``Last-Event-ID`` when the connection drops,
         so every metric row and event still arrives exactly once (it gives up after
@@ -338,7 +398,7 @@ class Client:
         while True:
             dropped = TunejobError(None, "stream_closed", f"the stream of job {job_id} closed before it ended")
             try:
-                for message in self.stream(job_id, last_event_id):
+                for message in self.stream(job_id, last_event_id, kind):
                     drops = 0
                     last_event_id = message.id or last_event_id
                     yield message
@@ -346,24 +406,24 @@ class Client:
                         return
             except TunejobError as e:
                 if e.status is not None:
-                    self.get_job(job_id)  # an unknown job raises here; anything else: no stream
-                    yield from self.poll(job_id, poll_seconds)
+                    self.get_of_kind(job_id, kind)  # an unknown job raises here; anything else: no stream
+                    yield from self.poll(job_id, poll_seconds, kind)
                     return
                 dropped = e
             except SSEError:  # not an event stream: a server or proxy without it
-                yield from self.poll(job_id, poll_seconds)
+                yield from self.poll(job_id, poll_seconds, kind)
                 return
             drops += 1
             if drops > MAX_RECONNECTS:
                 raise dropped
             time.sleep(min(0.5 * 2**drops, 15.0))
 
-    def poll(self, job_id: str, interval: float = 2.0) -> Iterator[StreamMessage]:
+    def poll(self, job_id: str, interval: float = 2.0, kind: Kind = TRAINING) -> Iterator[StreamMessage]:
         """``follow`` for servers without the stream: the job and its new events every ``interval`` s."""
         seen = 0
         while True:
-            job = self.get_job(job_id)
-            events = self.job_events(job_id)
+            job = self.get_of_kind(job_id, kind)
+            events = self.job_events(job_id, kind)
             if len(events) > seen:
                 yield StreamMessage("events", None, events[seen:])
                 seen = len(events)
@@ -374,7 +434,7 @@ class Client:
             time.sleep(interval)
 
 
-def _body(spec: JobCreate | dict[str, Any]) -> dict[str, Any]:
+def _body(spec: JobCreate | PredictionCreate | dict[str, Any]) -> dict[str, Any]:
     """The JSON body of a job spec. A dict goes as it is: the server checks it and names what is wrong."""
-    return spec.model_dump(mode="json", exclude_none=True) if isinstance(spec, JobCreate) else spec
+    return spec if isinstance(spec, dict) else spec.model_dump(mode="json", exclude_none=True)
 

@@ -1,5 +1,5 @@
 """The ``tunejob`` commands that talk to a tunejob server over HTTP (``client.api``), with ``rich``
-output: ``datasets``, ``models``, ``jobs`` and ``health``.
+output: ``datasets``, ``models``, ``jobs``, ``predict`` and ``health``.
 
 ``tunejob.cli`` registers them beside ``serve``/``api``/``worker``/``db`` and hands them straight
 to ``main`` here, so that they start without the server stack (no torch, worker, pandas, job
@@ -26,10 +26,10 @@ from rich.filesize import decimal
 from rich.markup import escape
 from rich.table import Column, Table
 
-from client.api import Client, TunejobError
-from shared.schemas import DatasetOut, EventOut, JobOut, MetricOut
+from client.api import PREDICTION, TRAINING, Client, Kind, TunejobError
+from shared.schemas import DatasetOut, EventOut, JobOut, MetricOut, PredictionOut
 
-COMMANDS = ("datasets", "models", "jobs", "health")
+COMMANDS = ("datasets", "models", "jobs", "predict", "health")
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 Handler = Callable[[Client, argparse.Namespace, Console], int | None]
 STATUS_STYLE = {"queued": "yellow", "running": "cyan", "succeeded": "green", "failed": "red", "cancelled": "magenta"}
@@ -83,10 +83,10 @@ def create_job(client: Client, args, out: Console) -> int | None:
     return watch(client, job.id, out) if args.watch else None
 
 
-def watch(client: Client, job_id: str, out: Console) -> int:
+def watch(client: Client, job_id: str, out: Console, kind: Kind = TRAINING) -> int:
     from client.watch import watch  # rich.progress only when a job is watched: a faster start for the rest
 
-    return watch(client, job_id, out)
+    return watch(client, job_id, out, kind)
 
 
 def list_jobs(client: Client, args, out: Console) -> None:
@@ -163,6 +163,62 @@ def plot_job(client: Client, args, out: Console) -> None:
     out.print(f"training curves of {args.job_id} written to {path}")
 
 
+def create_prediction(client: Client, args, out: Console) -> int | None:
+    spec = prediction_spec(args)
+    if args.dry_run:
+        plan = client.plan_prediction(spec)
+        return print_json(plan) if args.json else out.print_json(data=plan)
+    prediction = client.create_prediction(spec)
+    if args.quiet or args.json:
+        print(prediction.model_dump_json(indent=2) if args.json else prediction.id, flush=True)
+    else:
+        out.print(f"prediction [bold]{prediction.id}[/] {prediction.status}: {prediction.model} "
+                  f"on {prediction.dataset}")
+    return watch(client, prediction.id, out, PREDICTION) if args.watch else None
+
+
+def list_predictions(client: Client, args, out: Console) -> None:
+    page = client.list_predictions(args.status, args.limit, args.cursor)
+    table = Table(id_column(), "status", "model", "dataset", "rows", "age")
+    for p in page.data:
+        table.add_row(p.id, styled_status(p.status), escape(p.model), p.dataset,
+                      f"{p.progress.rows_done:,}/{p.progress.total_rows:,}", age(p.created_at))
+    if page.next_cursor:
+        table.caption = f"more: tunejob predict list --cursor {page.next_cursor}"
+    show(out, args, page, lambda: table)
+
+
+def get_prediction(client: Client, args, out: Console) -> None:
+    prediction = client.get_prediction(args.prediction_id)
+    show(out, args, prediction, lambda: prediction_table(prediction))
+
+
+def watch_prediction(client: Client, args, out: Console) -> int:
+    return watch(client, args.prediction_id, out, PREDICTION)
+
+
+def download_predictions(client: Client, args, out: Console) -> None:
+    path = client.download_predictions(args.prediction_id, args.output or f"{args.prediction_id}.{args.format}",
+                                       args.format)
+    out.print(f"the predictions of {args.prediction_id} are in {path}")
+
+
+def cancel_prediction(client: Client, args, out: Console) -> None:
+    prediction = client.cancel_prediction(args.prediction_id)
+    message = {"cancelled": "cancelled", "running": "cancel requested: it stops after the part it is scoring"}
+    out.print(f"prediction {prediction.id}: {message.get(prediction.status, f'already {prediction.status}')}")
+
+
+def delete_prediction(client: Client, args, out: Console) -> None:
+    client.delete_prediction(args.prediction_id)
+    out.print(f"deleted prediction {args.prediction_id}")
+
+
+def predict_texts(client: Client, args, out: Console) -> None:
+    answer = client.predict(args.job_id, args.texts)
+    show(out, args, answer, lambda: texts_table(args.texts, answer["predictions"]))
+
+
 def health(client: Client, args, out: Console) -> None:
     answer = client.wait_until_up(args.wait) if args.wait else client.health()
     show(out, args, answer, lambda: f"tunejob at {client.url}: {answer.get('status', answer)}")
@@ -223,8 +279,46 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("job_id")
     p.add_argument("-o", "--output", type=Path, help="file (default: ./<job id>.png)")
 
+    add_predict_commands(commands, command, quiet, read)
+
     command(commands, "health", health, "is the server up? (client)", read).add_argument(
         "--wait", type=float, metavar="SECONDS", help="wait this long for a server that is starting")
+
+
+def add_predict_commands(commands: argparse._SubParsersAction, command, quiet, read) -> None:
+    """``tunejob predict create|list|get|watch|events|download|cancel|delete|texts``."""
+    predict = commands.add_parser("predict", help="score datasets or texts with a trained model (client)") \
+        .add_subparsers(dest="subcommand", required=True)
+    p = command(predict, "create", create_prediction, "score every row of a dataset (or plan it: --dry-run)", quiet)
+    p.add_argument("--spec", type=Path, help="a JSON body of POST /predictions; the options below override it")
+    p.add_argument("--model", help="a succeeded job id, or a base model with a classification head")
+    p.add_argument("--dataset", help="the dataset id to score")
+    p.add_argument("--text-column")
+    p.add_argument("--text-pair-column")
+    p.add_argument("--id-column", help="a column naming each row in the results (default: the row index)")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--max-length", type=int, help="tokens per text at most (default: the model's limit)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (rows, tokens, padding efficiency, "
+                   "time); nothing is queued")
+    p.add_argument("--watch", action="store_true", help="then follow it as `tunejob predict watch` does")
+    p = command(predict, "list", list_predictions, "the prediction jobs, newest first", read)
+    p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--cursor", help="next_cursor of the previous page")
+    command(predict, "get", get_prediction, "one prediction job: status, progress, result", read) \
+        .add_argument("prediction_id")
+    command(predict, "watch", watch_prediction, "follow a prediction job until it ends; exit 0 if it succeeded, "
+            "3 if it failed, 4 if it was cancelled").add_argument("prediction_id")
+    p = command(predict, "download", download_predictions, "download the results: one row per input row, in order")
+    p.add_argument("prediction_id")
+    p.add_argument("--format", choices=["jsonl", "csv", "parquet"], default="jsonl")
+    p.add_argument("-o", "--output", type=Path, help="file (default: ./<id>.<format>)")
+    command(predict, "cancel", cancel_prediction, "cancel a prediction job").add_argument("prediction_id")
+    command(predict, "delete", delete_prediction, "delete a finished prediction job and its results") \
+        .add_argument("prediction_id")
+    p = command(predict, "texts", predict_texts, "score a few texts at once with a trained model's job id", read)
+    p.add_argument("job_id")
+    p.add_argument("texts", nargs="+")
 
 
 def add_create_arguments(p: argparse.ArgumentParser) -> None:
@@ -261,21 +355,44 @@ def job_spec(args) -> dict[str, Any]:
     Raises:
         UsageError: unreadable ``--spec``, or no base model or training dataset.
     """
-    try:
-        spec = json.loads(args.spec.read_text()) if args.spec else {}
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--spec {args.spec}: {e}") from e
+    spec = read_spec(args.spec)
     options = {"base_model": args.model, "training_dataset": args.dataset, "validation_dataset": args.validation,
                "validation_split": args.validation_split, "task": args.task, "text_column": args.text_column,
                "text_pair_column": args.text_pair_column, "label_column": args.label_column}
     spec.update({k: v for k, v in options.items() if v is not None})
     spec.setdefault("hyperparameters", {}).update(dict(args.set))
-    missing = [f"{option} (or {key} in --spec)" for option, key in [("--model", "base_model"),
-                                                                      ("--dataset", "training_dataset")]
-               if key not in spec]
+    require(spec, [("--model", "base_model"), ("--dataset", "training_dataset")])
+    return spec
+
+
+def prediction_spec(args) -> dict[str, Any]:
+    """The POST /predictions body: ``--spec``'s JSON, overridden by the options given.
+
+    Raises:
+        UsageError: unreadable ``--spec``, or no model or dataset.
+    """
+    spec = read_spec(args.spec)
+    options = {"model": args.model, "dataset": args.dataset, "text_column": args.text_column,
+               "text_pair_column": args.text_pair_column, "id_column": args.id_column,
+               "batch_size": args.batch_size, "max_length": args.max_length}
+    spec.update({k: v for k, v in options.items() if v is not None})
+    require(spec, [("--model", "model"), ("--dataset", "dataset")])
+    return spec
+
+
+def read_spec(path: Path | None) -> dict[str, Any]:
+    """The JSON object in ``path`` (``--spec``), or ``{}`` without one. Raises UsageError if unreadable."""
+    try:
+        return json.loads(path.read_text()) if path else {}
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--spec {path}: {e}") from e
+
+
+def require(spec: dict[str, Any], options: list[tuple[str, str]]) -> None:
+    """Raise UsageError naming each (option, key) pair whose key ``spec`` lacks."""
+    missing = [f"{option} (or {key} in --spec)" for option, key in options if key not in spec]
     if missing:
         raise UsageError(f"give {' and '.join(missing)}")
-    return spec
 
 
 class UsageError(Exception):
@@ -309,8 +426,10 @@ def run(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error as Python exits
         return EXIT_ERROR
     except KeyboardInterrupt:
-        job = getattr(args, "job_id", None)
-        errors.print("stopped watching; the job goes on" + (f" (tunejob jobs cancel {job} stops it)" if job else ""))
+        job, prediction = getattr(args, "job_id", None), getattr(args, "prediction_id", None)
+        hint = (f" (tunejob predict cancel {prediction} stops it)" if prediction
+                else f" (tunejob jobs cancel {job} stops it)" if job else "")
+        errors.print("stopped watching; the job goes on" + hint)
         return EXIT_INTERRUPTED
 
 
@@ -353,6 +472,27 @@ def job_table(job: JobOut) -> Table:
     table = fields_table(rows)
     table.add_row("hyperparameters", escape(job.hyperparameters.model_dump_json(exclude_defaults=True)))
     final_summary(table, job)
+    return table
+
+
+def prediction_table(p: PredictionOut) -> Table:
+    columns = f"text {p.text_column!r}" + (f", pair {p.text_pair_column!r}" if p.text_pair_column else "") \
+        + (f", id {p.id_column!r}" if p.id_column else "")
+    table = fields_table({"id": p.id, "status": styled_status(p.status), "model": escape(p.model), "task": p.task,
+                          "dataset": p.dataset, "columns": escape(columns),
+                          "created": f"{p.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(p.created_at)})",
+                          "rows": f"{p.progress.rows_done:,}/{p.progress.total_rows:,} ({p.progress.fraction:.0%})",
+                          "device": p.device or "", "attempts": str(p.attempts)})
+    prediction_summary(table, p)
+    return table
+
+
+def texts_table(texts: list[str], predictions: list[dict[str, Any]]) -> Table:
+    """One row per text: the text and its prediction (label and score, or value)."""
+    table = Table(Column("text", overflow="fold"), "prediction")
+    for text, row in zip(texts, predictions, strict=True):
+        shown = f"{row['label']} ({row['score']:.3f})" if "label" in row else _number(row.get("value"))
+        table.add_row(escape(text), escape(str(shown)))
     return table
 
 
@@ -411,6 +551,18 @@ def final_summary(table: Table, job: JobOut) -> None:
         table.add_row("timings (s)", ", ".join(f"{k} {v:.1f}" for k, v in timings.items() if v is not None))
     if job.error:
         table.add_row("[red]error[/]", escape(f"{job.error.get('code')}: {job.error.get('message')}"))
+
+
+def prediction_summary(table: Table, p: PredictionOut) -> None:
+    """Add a prediction job's outcome to a two-column table: rows, truncation, throughput, where
+    to download the results, the error if any."""
+    for name, value in (p.result.model_dump() if p.result else {}).items():
+        if value is not None:
+            table.add_row(name.replace("_", " "), _number(value))
+    if p.results_url:
+        table.add_row("results", f"tunejob predict download {p.id} --format jsonl|csv|parquet")
+    if p.error:
+        table.add_row("[red]error[/]", escape(f"{p.error.get('code')}: {p.error.get('message')}"))
 
 
 def event_line(event: EventOut) -> str:

@@ -1,51 +1,68 @@
-"""``tunejob jobs watch``: a live ``rich`` progress bar that follows a job to its end (the stream,
-or polling where the server has none), then its final metrics.
+"""``tunejob jobs watch`` and ``tunejob predict watch``: a live ``rich`` progress bar that follows a
+job to its end (the stream, or polling where the server has none), then its outcome.
 
-The bar shows step/total, epoch, the latest train loss, the latest value of
+For a training job the bar shows step/total, epoch, the latest train loss, the latest value of
 ``metric_for_best_model`` on the validation set, real tokens/s and padding efficiency (both over
-the attempt so far) and the server's ETA; the job's events are printed above it as they happen.
+the attempt so far) and the server's ETA; for a prediction job rows done/total, rows/s and the
+ETA. The job's events are printed above the bar as they happen.
 """
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from client.api import Client
-from client.cli import event_line, fields_table, final_summary, styled_status
-from shared.schemas import JobOut
+from client.api import TRAINING, Client, Kind
+from client.cli import event_line, fields_table, final_summary, prediction_summary, styled_status
+from shared.schemas import JobOut, PredictionOut
 
 EXIT_CODES = {"succeeded": 0, "failed": 3, "cancelled": 4}
 
 
-def watch(client: Client, job_id: str, out: Console) -> int:
-    """Follow job ``job_id`` until it ends; print its final metrics. Returns the exit code:
+def watch(client: Client, job_id: str, out: Console, kind: Kind = TRAINING) -> int:
+    """Follow job ``job_id`` (of ``kind``) until it ends; print its outcome. Returns the exit code:
     0 succeeded, 3 failed, 4 cancelled (EXIT_CODES).
 
     Raises:
         TunejobError: no such job, or the server stopped answering.
         KeyboardInterrupt: Ctrl-C; the job goes on.
     """
-    job = client.get_job(job_id)
+    job = client.get_of_kind(job_id, kind)
     bar = Progress(TextColumn("{task.fields[status]}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[details]}"), console=out)
     with bar:
         task = bar.add_task(job_id, total=None, status="", details="")
-        for message in client.follow(job_id):
+        for message in client.follow(job_id, kind=kind):
             if message.event == "events":
                 for event in message.data:
                     bar.console.print(event_line(event))
             elif message.event in ("progress", "end"):
                 job = message.data
-                bar.update(task, completed=job.progress.step, total=job.progress.total_steps,
-                           status=styled_status(job.status), details=details(job))
+                done, total = position(job)
+                bar.update(task, completed=done, total=total, status=styled_status(job.status), details=details(job))
     table = fields_table({})
-    table.title = f"job {job.id} {styled_status(job.status)}"
-    final_summary(table, job)
+    table.title = f"{'prediction' if isinstance(job, PredictionOut) else 'job'} {job.id} {styled_status(job.status)}"
+    prediction_summary(table, job) if isinstance(job, PredictionOut) else final_summary(table, job)
     out.print(table)
     return EXIT_CODES.get(job.status, 1)
 
 
-def details(job: JobOut) -> str:
-    """``epoch 1.25 · loss 0.4321 · val accuracy 0.9100 · 12,345 tok/s · padding 93% · ETA 1:05``."""
+def position(job: JobOut | PredictionOut) -> tuple[int, int | None]:
+    """(done, total): optimizer steps of a training job, rows of a prediction job."""
+    if isinstance(job, PredictionOut):
+        return job.progress.rows_done, job.progress.total_rows or None
+    return job.progress.step, job.progress.total_steps
+
+
+def details(job: JobOut | PredictionOut) -> str:
+    """``epoch 1.25 · loss 0.4321 · val accuracy 0.9100 · 12,345 tok/s · padding 93% · ETA 1:05``
+    for training, ``61 rows/s · ETA 0:12`` for a prediction."""
+    parts = prediction_details(job) if isinstance(job, PredictionOut) else training_details(job)
+    if job.progress.eta_seconds is not None and job.status == "running":
+        minutes, seconds = divmod(int(job.progress.eta_seconds), 60)
+        parts.append(f"ETA {minutes}:{seconds:02d}")
+    return " · ".join(parts)
+
+
+def training_details(job: JobOut) -> list[str]:
     train, val, p = job.train_metrics or {}, job.validation_metrics or {}, job.progress
     parts = [f"epoch {p.epoch:.2f}"]
     if train.get("loss") is not None:
@@ -57,7 +74,9 @@ def details(job: JobOut) -> str:
         parts.append(f"{train['tokens_per_second']:,.0f} tok/s")
     if train.get("padding_efficiency") is not None:
         parts.append(f"padding {train['padding_efficiency']:.0%}")
-    if p.eta_seconds is not None and job.status == "running":
-        minutes, seconds = divmod(int(p.eta_seconds), 60)
-        parts.append(f"ETA {minutes}:{seconds:02d}")
-    return " · ".join(parts)
+    return parts
+
+
+def prediction_details(job: PredictionOut) -> list[str]:
+    rate = job.progress.rows_per_second
+    return [f"{rate:,.0f} rows/s"] if rate is not None else []

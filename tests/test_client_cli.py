@@ -131,6 +131,45 @@ def test_create_watch_download_and_the_pictures_of_the_run(served, tmp_path):
     assert [e["code"] for e in events][-1] == "succeeded"
 
 
+def test_predict_a_dataset_and_a_few_texts_from_the_command_line(served, tmp_path):
+    dataset = upload(served, write_csv(tmp_path / "train.csv", 48))
+    trained = served.cli("jobs", "create", "--model", TINY_MODEL, "--dataset", dataset, "--set", "epochs=1",
+                         "--set", "batch_size=8", "--set", "learning_rate=1e-3", "--quiet")
+    assert trained.returncode == 0, trained.stderr
+    job_id = trained.stdout.strip()
+    assert served.cli("jobs", "watch", job_id).returncode == 0
+
+    texts = pd.DataFrame({"doc": [f"d{i}" for i in range(30)],
+                          "text": ["goal match team" if i % 2 else "shares market profit" for i in range(30)]})
+    texts.to_csv(tmp_path / "score.csv", index=False)
+    to_score = upload(served, tmp_path / "score.csv")
+    planned = served.cli("predict", "create", "--model", job_id, "--dataset", to_score, "--dry-run", "--json")
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["rows"] == 30
+
+    created = served.cli("predict", "create", "--model", job_id, "--dataset", to_score, "--id-column", "doc",
+                         "--watch")
+    assert created.returncode == 0, created.stdout + created.stderr
+    assert "succeeded" in created.stdout and "tunejob predict download" in created.stdout
+    prediction_id = created.stdout.split()[1]
+    listed = json.loads(served.cli("predict", "list", "--json").stdout)
+    assert prediction_id in [p["id"] for p in listed["data"]]
+    assert prediction_id not in [j["id"] for j in json.loads(served.cli("jobs", "list", "--json").stdout)["data"]]
+
+    downloaded = served.cli("predict", "download", prediction_id, "--format", "csv", "-o", str(tmp_path / "out.csv"))
+    assert downloaded.returncode == 0, downloaded.stderr
+    results = pd.read_csv(tmp_path / "out.csv")
+    assert results["id"].tolist() == texts["doc"].tolist()
+    assert set(results["label"]) <= set(WORDS)
+
+    answer = json.loads(served.cli("predict", "texts", job_id, "goal match team", "shares market profit",
+                                   "--json").stdout)
+    assert [p["label"] for p in answer["predictions"]] == results["label"].tolist()[:2][::-1]
+
+    missing = served.cli("predict", "get", "job_0000000000000000")
+    assert missing.returncode == 1 and "not_found" in missing.stderr
+
+
 def test_a_failing_job_makes_watch_exit_non_zero(served, tmp_path):
     # Targets of 1e30 (allowed by the spec's allow_large_targets): the squared error overflows fp32,
     # and one non-finite step fails the job.
