@@ -65,33 +65,33 @@ class PredictionModel:
 
 
 def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
-    """(task, class names) of a model directory from its config (``transformers.AutoConfig``): a
-    sequence-classification head with one output is regression (or ``problem_type`` says so), else
-    classification with the names of ``id2label`` in index order.
+    """(task, class names in logit order) of a model directory, from its config
+    (``transformers.AutoConfig``), as ``shared.inference`` will load it (``task_of``).
 
     Raises:
-        UserError: ``unsupported_model`` (422) when its config cannot be read; ``model_without_head``
-            (422) when the model has no sequence-classification head (e.g. a plain encoder such as
-            all-MiniLM-L6-v2); ``unsupported_task`` (422) for another head (token classification, ...).
+        UserError (422, naming ``model``): ``unsupported_model`` when its config cannot be read;
+            ``model_without_head`` when it has no head (a plain encoder such as all-MiniLM-L6-v2);
+            ``unsupported_task`` for another head (token classification, multi-label, ...).
     """
     from transformers import AutoConfig
 
+    from shared.inference import task_of  # torch: loaded by the API's first prediction request
+
     try:
-        config = AutoConfig.from_pretrained(directory)
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise UserError("unsupported_model", f"model {name!r} cannot be loaded: {without_paths(str(e))}",
                         "model") from None
-    architectures = config.architectures or []
-    if not any(a.endswith("ForSequenceClassification") for a in architectures):
-        if any("For" in a for a in architectures):
-            raise UserError("unsupported_task", f"model {name!r} is a {architectures[0]}; predictions need a "
-                            "sequence-classification or regression model", "model")
-        raise UserError("model_without_head", f"model {name!r} has no classification or regression head "
-                        f"({', '.join(architectures) or 'no architecture'}): fine-tune it with POST /jobs, then "
-                        "predict with the job's id", "model")
-    if config.problem_type == "regression" or config.num_labels == 1:
-        return "regression", None
-    return "classification", [config.id2label[i] for i in range(config.num_labels)]
+    try:
+        task = task_of(config)
+    except ValueError as e:
+        architectures = config.architectures or []
+        if not any("For" in a for a in architectures):
+            raise UserError("model_without_head", f"model {name!r} has no classification or regression head "
+                            f"({', '.join(architectures) or 'no architecture'}): fine-tune it with POST /jobs, "
+                            "then predict with the job's id", "model") from None
+        raise UserError("unsupported_task", f"model {name!r} cannot be used for predictions: {e}", "model") from None
+    return task, [config.id2label[i] for i in range(config.num_labels)] if task == "classification" else None
 
 
 def prediction_model(ref: str, caller: Caller) -> PredictionModel:
