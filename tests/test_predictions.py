@@ -1,12 +1,14 @@
 """Batch prediction jobs through HTTP (``/predictions``), on every stack: predict with a trained
 job and with a base model, results in input order in three formats that agree, the dry run, cancel,
 tenant isolation, the kind check between ``/jobs`` and ``/predictions``, and bad input refused
-with a 4xx that names the field, nothing queued."""
+with a 4xx that names the field, nothing queued. Last, with real processes (``tests/test_faults.py``'s
+machinery): ``kill -9`` of the worker mid-prediction, and the resumed attempt writes each row once."""
 
 import io
 import json
 import os
 import random
+import signal
 
 import pandas as pd
 import pyarrow.parquet as pq
@@ -15,12 +17,13 @@ import pytest
 from tests.conftest import TINY_MODEL, wait_for_status
 from tests.test_api_jobs import labelled_csv, submit, upload
 from tests.test_cancel import LONG, wait_until_training
+from tests.test_faults import stacks  # noqa: F401  (the fixture of the kill test)
 
 FINISHED = {"succeeded", "failed", "cancelled"}
 PART_ROWS = 8  # results parts of 8 rows: the test datasets span several parts
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def small_parts(stack):
     """``TUNEJOB_PREDICT_PART_ROWS`` for the stack's in-process API and worker."""
     from shared.settings import get_settings
@@ -71,7 +74,7 @@ def trained(stack) -> dict:
 
 
 @pytest.fixture(scope="module")
-def to_score(stack) -> dict:
+def to_score(stack, small_parts) -> dict:
     return upload(stack.client, scoring_csv(), "score.csv")
 
 
@@ -275,3 +278,46 @@ def test_a_job_that_did_not_succeed_or_was_deleted_is_refused(stack, to_score):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_deleted", r.text
     assert r.json()["error"]["param"] == "model"
 
+
+
+# ----------------------------------------------------------------------------- a killed worker
+
+KILL_ROWS, KILL_PART_ROWS = 20_000, 50  # 400 parts: seconds of work, stopped after the first
+
+
+@pytest.mark.parametrize("kind", ["embedded", "postgres+redis"])
+def test_a_worker_killed_mid_prediction_is_resumed_and_every_row_is_written_once(stacks, kind):  # noqa: F811
+    cluster = stacks.make(kind, TUNEJOB_PREDICT_PART_ROWS=str(KILL_PART_ROWS))
+    (worker,) = cluster.start(workers=1)
+    cluster.wait_worker_ready(worker)
+    ids = [f"row-{i}" for i in range(KILL_ROWS)]
+    data = pd.DataFrame({"doc": ids, "text": [f"match goal {i % 97} team" for i in range(KILL_ROWS)]})
+    dataset = cluster.upload(data.to_csv(index=False).encode(), "many.csv")
+    body = {"model": TINY_MODEL, "dataset": dataset["id"], "id_column": "doc", "max_length": 32}
+    prediction = cluster.request("POST", "/predictions", 201, json=body).json()
+    url = f"/predictions/{prediction['id']}"
+
+    def part_written() -> dict | bool:
+        job = cluster.request("GET", url).json()
+        assert job["status"] in {"queued", "running"}, f"ended before a part was written: {job}"
+        return job["progress"]["rows_done"] >= KILL_PART_ROWS and job
+
+    cluster.wait_for("a first part to be written", part_written, timeout=120, interval=0.02)
+    worker.signal(signal.SIGSTOP)  # frozen at once, then killed: it writes nothing more
+    frozen = cluster.request("GET", url).json()
+    assert frozen["status"] == "running" and frozen["progress"]["rows_done"] < KILL_ROWS, frozen
+    worker.kill()
+
+    cluster.start_worker()
+    done = cluster.wait_for("the prediction to finish", lambda: (j := cluster.request("GET", url).json())[
+        "status"] in FINISHED and j, timeout=180)
+    assert done["status"] == "succeeded", done
+    assert done["attempts"] == 2 and done["result"]["rows"] == KILL_ROWS
+    events = cluster.request("GET", f"{url}/events").json()["data"]
+    codes = [e["code"] for e in events]
+    assert codes.count("job_restarted") == 1 and codes.count("resumed") == 1
+    resumed = next(e["message"] for e in events if e["code"] == "resumed")
+    written = int(resumed.split("resuming after ")[1].split(" rows")[0])
+    assert written >= frozen["progress"]["rows_done"] and written % KILL_PART_ROWS == 0, resumed
+    rows = [json.loads(line) for line in cluster.request("GET", f"{url}/results").content.splitlines()]
+    assert [row["id"] for row in rows] == ids
