@@ -246,8 +246,8 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
     transaction. The caller enqueues the job id once this returns.
 
     Raises:
-        UserError: see ``check_prediction``; ``unknown_dataset`` if the dataset was deleted while it
-            was checked; 429 ``too_many_active_jobs`` and 413 ``storage_quota_exceeded``.
+        UserError: see ``check_prediction``; ``unknown_dataset`` or ``model_deleted`` if the dataset
+            or the model's job was deleted while it was checked; 429 ``too_many_active_jobs`` and 413 ``storage_quota_exceeded``.
     """
     received = utcnow()
     checked = check_prediction(spec, caller)
@@ -256,10 +256,14 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
     with session_scope() as s:
         lock_tenant(s, caller.tenant)
         quotas.check_active_jobs(s, caller.tenant)
-        # Locked against a concurrent DELETE /datasets/{id}, which locks it to check for active jobs.
+        # Locked against a concurrent DELETE /datasets/{id} (DELETE /jobs/{id} of the model), which
+        # locks it to check for active jobs.
         row = s.get(Dataset, checked.dataset.id, with_for_update={"read": True}, populate_existing=True)
         if row is None or row.deleted_at is not None:
             raise UserError("unknown_dataset", f"dataset {spec.dataset!r} was deleted", "dataset")
+        model_job = s.get(Job, spec.model, with_for_update={"read": True}, populate_existing=True)
+        if model_job is not None and model_job.deleted_at is not None:
+            raise UserError("model_deleted", f"model {spec.model!r} was deleted", "model", 404)
         job = Job(id=new_id("job"), tenant=caller.tenant, kind=KIND, base_model=spec.model, task=checked.model.task,
                   training_dataset_id=row.id, spec=spec.model_dump(mode="json"),
                   label_names=checked.model.label_names, total_steps=row.rows, created_at=received)

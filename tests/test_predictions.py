@@ -14,7 +14,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import TINY_MODEL, wait_for_status
+from tests.conftest import TINY_MODEL, wait_for_status, wait_until
 from tests.test_api_jobs import labelled_csv, submit, upload
 from tests.test_cancel import LONG, wait_until_training
 from tests.test_faults import stacks  # noqa: F401  (the fixture of the kill test)
@@ -196,11 +196,13 @@ def test_the_stream_ends_with_the_prediction(stack, trained, to_score):
     assert end["id"] == prediction["id"] and end["progress"]["rows_done"] == 29
 
 
-def test_a_queued_prediction_is_cancelled_and_never_runs(stack, to_score):
+def test_a_queued_prediction_is_cancelled_and_never_runs(stack, trained, to_score):
     client = stack.client
     training = submit(client, upload(client, labelled_csv(rows=48, seed=3))["id"], **LONG)
     wait_until_training(client, training["id"])  # the one worker is busy: the prediction stays queued
-    prediction = predict(client, body_for(TINY_MODEL, to_score))
+    prediction = predict(client, body_for(trained["id"], to_score))
+    r = client.delete(f"/jobs/{trained['id']}")  # its model is in use
+    assert r.status_code == 409 and r.json()["error"]["code"] == "model_in_use" and prediction["id"] in r.text
     cancelled = client.post(f"/predictions/{prediction['id']}/cancel").json()
     assert cancelled["status"] == "cancelled" and cancelled["started_at"] is None
     client.post(f"/jobs/{training['id']}/cancel")
@@ -209,6 +211,29 @@ def test_a_queued_prediction_is_cancelled_and_never_runs(stack, to_score):
     assert codes == ["created", "cancelled"]
     r = client.get(f"/predictions/{prediction['id']}/results")
     assert r.status_code == 409 and r.json()["error"]["code"] == "results_not_ready"
+
+
+def test_a_running_prediction_stops_after_its_part_when_cancelled(stack, small_parts):
+    client = stack.client
+    rows = 40_000  # 5,000 parts of 8: far longer than the cancel takes to be seen
+    data = pd.DataFrame({"text": [f"goal {i % 13} team" for i in range(rows)]})
+    dataset = upload(client, data.to_csv(index=False).encode(), "long.csv")
+    prediction = predict(client, {"model": TINY_MODEL, "dataset": dataset["id"]})
+    url = f"/predictions/{prediction['id']}"
+
+    def running_with_a_part() -> bool:
+        job = client.get(url).json()
+        assert job["status"] in {"queued", "running"}, job
+        return job["progress"]["rows_done"] > 0
+
+    wait_until(running_with_a_part, "a first part written", timeout=120)
+    assert client.post(f"{url}/cancel").json()["status"] == "running"
+    done = wait_prediction(client, prediction["id"])
+    assert done["status"] == "cancelled" and done["error"] is None, done
+    assert 0 < done["progress"]["rows_done"] < rows and done["results_url"] is None
+    codes = [e["code"] for e in client.get(f"{url}/events").json()["data"]]
+    assert codes.index("cancel_requested") < codes.index("cancelled") and "results" not in codes
+    assert client.get(f"{url}/results").json()["error"]["code"] == "results_not_ready"
 
 
 def test_delete_removes_the_results(stack, trained, to_score):
