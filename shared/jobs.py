@@ -432,7 +432,8 @@ def delete_job(job_id: str, caller: Caller, kind: str = "train") -> None:
     answers 404 saying it was deleted.
 
     Raises:
-        NotFound, Deleted: see ``get_job``. Conflict: the job is queued or running (409).
+        NotFound, Deleted: see ``get_job``. Conflict (409): the job is queued or running
+            (``job_not_finished``), or it is the model of a queued or running prediction (``model_in_use``).
     """
     now = utcnow()
     with session_scope() as s:
@@ -440,6 +441,11 @@ def delete_job(job_id: str, caller: Caller, kind: str = "train") -> None:
         if job.status in ACTIVE:
             raise Conflict("job_not_finished", f"job {job_id!r} is {job.status}; cancel it first "
                            f"(POST {ROUTES[kind]}/{job_id}/cancel), then delete it once it has stopped")
+        predicting = s.scalars(select(Job.id).where(Job.kind == "predict", Job.base_model == job_id,
+                                                    Job.status.in_(ACTIVE))).all()
+        if predicting:
+            raise Conflict("model_in_use", f"job {job_id!r} is the model of {len(predicting)} queued or running "
+                           f"prediction(s): {', '.join(predicting[:5])}; wait for them to finish or cancel them")
         job.deleted_at, job.files_deleted_at = now, job.files_deleted_at or now
         for child in (JobMetric, JobEvent, Checkpoint):
             s.execute(delete(child).where(child.job_id == job_id))

@@ -65,33 +65,33 @@ class PredictionModel:
 
 
 def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
-    """(task, class names) of a model directory from its config (``transformers.AutoConfig``): a
-    sequence-classification head with one output is regression (or ``problem_type`` says so), else
-    classification with the names of ``id2label`` in index order.
+    """(task, class names in logit order) of a model directory, from its config
+    (``transformers.AutoConfig``), as ``shared.inference`` will load it (``task_of``).
 
     Raises:
-        UserError: ``unsupported_model`` (422) when its config cannot be read; ``model_without_head``
-            (422) when the model has no sequence-classification head (e.g. a plain encoder such as
-            all-MiniLM-L6-v2); ``unsupported_task`` (422) for another head (token classification, ...).
+        UserError (422, naming ``model``): ``unsupported_model`` when its config cannot be read;
+            ``model_without_head`` when it has no head (a plain encoder such as all-MiniLM-L6-v2);
+            ``unsupported_task`` for another head (token classification, multi-label, ...).
     """
     from transformers import AutoConfig
 
+    from shared.inference import task_of  # torch: loaded by the API's first prediction request
+
     try:
-        config = AutoConfig.from_pretrained(directory)
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise UserError("unsupported_model", f"model {name!r} cannot be loaded: {without_paths(str(e))}",
                         "model") from None
-    architectures = config.architectures or []
-    if not any(a.endswith("ForSequenceClassification") for a in architectures):
-        if any("For" in a for a in architectures):
-            raise UserError("unsupported_task", f"model {name!r} is a {architectures[0]}; predictions need a "
-                            "sequence-classification or regression model", "model")
-        raise UserError("model_without_head", f"model {name!r} has no classification or regression head "
-                        f"({', '.join(architectures) or 'no architecture'}): fine-tune it with POST /jobs, then "
-                        "predict with the job's id", "model")
-    if config.problem_type == "regression" or config.num_labels == 1:
-        return "regression", None
-    return "classification", [config.id2label[i] for i in range(config.num_labels)]
+    try:
+        task = task_of(config)
+    except ValueError as e:
+        architectures = config.architectures or []
+        if not any("For" in a for a in architectures):
+            raise UserError("model_without_head", f"model {name!r} has no classification or regression head "
+                            f"({', '.join(architectures) or 'no architecture'}): fine-tune it with POST /jobs, "
+                            "then predict with the job's id", "model") from None
+        raise UserError("unsupported_task", f"model {name!r} cannot be used for predictions: {e}", "model") from None
+    return task, [config.id2label[i] for i in range(config.num_labels)] if task == "classification" else None
 
 
 def prediction_model(ref: str, caller: Caller) -> PredictionModel:
@@ -246,8 +246,8 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
     transaction. The caller enqueues the job id once this returns.
 
     Raises:
-        UserError: see ``check_prediction``; ``unknown_dataset`` if the dataset was deleted while it
-            was checked; 429 ``too_many_active_jobs`` and 413 ``storage_quota_exceeded``.
+        UserError: see ``check_prediction``; ``unknown_dataset`` or ``model_deleted`` if the dataset
+            or the model's job was deleted while it was checked; 429 ``too_many_active_jobs`` and 413 ``storage_quota_exceeded``.
     """
     received = utcnow()
     checked = check_prediction(spec, caller)
@@ -256,10 +256,14 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
     with session_scope() as s:
         lock_tenant(s, caller.tenant)
         quotas.check_active_jobs(s, caller.tenant)
-        # Locked against a concurrent DELETE /datasets/{id}, which locks it to check for active jobs.
+        # Locked against a concurrent DELETE /datasets/{id} (DELETE /jobs/{id} of the model), which
+        # locks it to check for active jobs.
         row = s.get(Dataset, checked.dataset.id, with_for_update={"read": True}, populate_existing=True)
         if row is None or row.deleted_at is not None:
             raise UserError("unknown_dataset", f"dataset {spec.dataset!r} was deleted", "dataset")
+        model_job = s.get(Job, spec.model, with_for_update={"read": True}, populate_existing=True)
+        if model_job is not None and model_job.deleted_at is not None:
+            raise UserError("model_deleted", f"model {spec.model!r} was deleted", "model", 404)
         job = Job(id=new_id("job"), tenant=caller.tenant, kind=KIND, base_model=spec.model, task=checked.model.task,
                   training_dataset_id=row.id, spec=spec.model_dump(mode="json"),
                   label_names=checked.model.label_names, total_steps=row.rows, created_at=received)
@@ -404,7 +408,8 @@ def results_stream(job_id: str, caller: Caller, fmt: str) -> Iterator[bytes]:
     if job.files_deleted_at is not None or not parts:
         raise UserError("results_deleted", f"prediction {job_id!r}: its results were deleted "
                         "(TUNEJOB_ARTIFACT_RETENTION_DAYS)", "prediction_id", 409)
-    files = [open(p, "rb") for p in parts]  # opened now: a part removed while it is sent is still sent whole
+    # Opened now (closed by ``_tables``): a part removed while it is sent is still sent whole.
+    files = [open(p, "rb") for p in parts]  # noqa: SIM115
     return {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt](files)
 
 

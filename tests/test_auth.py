@@ -31,10 +31,11 @@ PUBLIC = {("GET", "/healthz"): "liveness probe for load balancers and `tunejob s
 # Routes only admin keys may call (403 ``admin_key_required`` for a tenant's key), and why.
 ADMIN_ONLY = {("GET", "/metrics"): "Prometheus metrics cover every tenant's jobs"}
 
-# A value for each path parameter, from the owner's resources (``ids``: "job", "dataset"). Every
+# A value for each path parameter, from the owner's resources (``ids``: "job", "dataset", "prediction"). Every
 # value must name something that exists, so that the owner's request shows the route works.
 PATH_VALUES: dict[str, Callable[[dict], str]] = {
     "job_id": lambda ids: ids["job"],
+    "prediction_id": lambda ids: ids["prediction"],
     "dataset_id": lambda ids: ids["dataset"],
     "file_id": lambda ids: ids["dataset"],  # /v1/files: a file is a dataset
     "name": lambda ids: "metrics.json",  # an artifact every succeeded job has
@@ -45,6 +46,7 @@ PATH_VALUES: dict[str, Callable[[dict], str]] = {
 # Extra request arguments (httpx keywords) for routes that need a body or a query, by (method, path).
 REQUESTS: dict[tuple[str, str], Callable[[dict], dict]] = {
     ("POST", "/jobs"): lambda ids: {"json": job_body(ids["dataset"])},
+    ("POST", "/predictions"): lambda ids: {"json": prediction_body(ids["job"], ids["dataset"])},
     ("POST", "/datasets"): lambda ids: {"files": {"file": ("t.csv", labelled_csv(rows=8), "text/csv")}},
     ("POST", "/v1/files"): lambda ids: {"files": {"file": ("t.csv", labelled_csv(rows=8), "text/csv")},
                                         "data": {"purpose": "fine-tune"}},
@@ -77,13 +79,21 @@ def request_args(method: str, path: str, ids: dict) -> tuple[str, dict]:
     return re.sub(r"\{([^}]+)\}", value, path), REQUESTS.get((method, path), lambda _: {})(ids)
 
 
+def prediction_body(job_id: str, dataset_id: str) -> dict:
+    return {"model": job_id, "dataset": dataset_id, "text_column": "text"}
+
+
 @pytest.fixture(scope="module")
 def owned(stack) -> dict:
-    """A dataset and a finished job (metrics, events, checkpoints, artifacts) of ``stack.tenant``."""
+    """A dataset, a finished job (metrics, events, checkpoints, artifacts) and a finished prediction
+    (events, results) of ``stack.tenant``."""
+    finished = {"succeeded", "failed", "cancelled"}
     dataset = upload(stack.client, labelled_csv(rows=24, seed=5))
     job = submit(stack.client, dataset["id"], epochs=1, save_every_steps=1)
-    assert wait_for_status(stack.client, job["id"], {"succeeded", "failed", "cancelled"})["status"] == "succeeded"
-    return {"job": job["id"], "dataset": dataset["id"]}
+    assert wait_for_status(stack.client, job["id"], finished)["status"] == "succeeded"
+    prediction = stack.client.post("/predictions", json=prediction_body(job["id"], dataset["id"])).json()
+    assert wait_for_status(stack.client, prediction["id"], finished, path="/predictions")["status"] == "succeeded"
+    return {"job": job["id"], "dataset": dataset["id"], "prediction": prediction["id"]}
 
 
 @pytest.fixture(scope="module")

@@ -1,26 +1,29 @@
 """Batch prediction jobs through HTTP (``/predictions``), on every stack: predict with a trained
 job and with a base model, results in input order in three formats that agree, the dry run, cancel,
 tenant isolation, the kind check between ``/jobs`` and ``/predictions``, and bad input refused
-with a 4xx that names the field, nothing queued."""
+with a 4xx that names the field, nothing queued. Last, with real processes (``tests/test_faults.py``'s
+machinery): ``kill -9`` of the worker mid-prediction, and the resumed attempt writes each row once."""
 
 import io
 import json
 import os
 import random
+import signal
 
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import TINY_MODEL, wait_for_status
+from tests.conftest import TINY_MODEL, wait_for_status, wait_until
 from tests.test_api_jobs import labelled_csv, submit, upload
 from tests.test_cancel import LONG, wait_until_training
+from tests.test_faults import stacks  # noqa: F401  (the fixture of the kill test)
 
 FINISHED = {"succeeded", "failed", "cancelled"}
 PART_ROWS = 8  # results parts of 8 rows: the test datasets span several parts
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def small_parts(stack):
     """``TUNEJOB_PREDICT_PART_ROWS`` for the stack's in-process API and worker."""
     from shared.settings import get_settings
@@ -71,7 +74,7 @@ def trained(stack) -> dict:
 
 
 @pytest.fixture(scope="module")
-def to_score(stack) -> dict:
+def to_score(stack, small_parts) -> dict:
     return upload(stack.client, scoring_csv(), "score.csv")
 
 
@@ -193,11 +196,13 @@ def test_the_stream_ends_with_the_prediction(stack, trained, to_score):
     assert end["id"] == prediction["id"] and end["progress"]["rows_done"] == 29
 
 
-def test_a_queued_prediction_is_cancelled_and_never_runs(stack, to_score):
+def test_a_queued_prediction_is_cancelled_and_never_runs(stack, trained, to_score):
     client = stack.client
     training = submit(client, upload(client, labelled_csv(rows=48, seed=3))["id"], **LONG)
     wait_until_training(client, training["id"])  # the one worker is busy: the prediction stays queued
-    prediction = predict(client, body_for(TINY_MODEL, to_score))
+    prediction = predict(client, body_for(trained["id"], to_score))
+    r = client.delete(f"/jobs/{trained['id']}")  # its model is in use
+    assert r.status_code == 409 and r.json()["error"]["code"] == "model_in_use" and prediction["id"] in r.text
     cancelled = client.post(f"/predictions/{prediction['id']}/cancel").json()
     assert cancelled["status"] == "cancelled" and cancelled["started_at"] is None
     client.post(f"/jobs/{training['id']}/cancel")
@@ -206,6 +211,29 @@ def test_a_queued_prediction_is_cancelled_and_never_runs(stack, to_score):
     assert codes == ["created", "cancelled"]
     r = client.get(f"/predictions/{prediction['id']}/results")
     assert r.status_code == 409 and r.json()["error"]["code"] == "results_not_ready"
+
+
+def test_a_running_prediction_stops_after_its_part_when_cancelled(stack, small_parts):
+    client = stack.client
+    rows = 40_000  # 5,000 parts of 8: far longer than the cancel takes to be seen
+    data = pd.DataFrame({"text": [f"goal {i % 13} team" for i in range(rows)]})
+    dataset = upload(client, data.to_csv(index=False).encode(), "long.csv")
+    prediction = predict(client, {"model": TINY_MODEL, "dataset": dataset["id"]})
+    url = f"/predictions/{prediction['id']}"
+
+    def running_with_a_part() -> bool:
+        job = client.get(url).json()
+        assert job["status"] in {"queued", "running"}, job
+        return job["progress"]["rows_done"] > 0
+
+    wait_until(running_with_a_part, "a first part written", timeout=120)
+    assert client.post(f"{url}/cancel").json()["status"] == "running"
+    done = wait_prediction(client, prediction["id"])
+    assert done["status"] == "cancelled" and done["error"] is None, done
+    assert 0 < done["progress"]["rows_done"] < rows and done["results_url"] is None
+    codes = [e["code"] for e in client.get(f"{url}/events").json()["data"]]
+    assert codes.index("cancel_requested") < codes.index("cancelled") and "results" not in codes
+    assert client.get(f"{url}/results").json()["error"]["code"] == "results_not_ready"
 
 
 def test_delete_removes_the_results(stack, trained, to_score):
@@ -276,66 +304,45 @@ def test_a_job_that_did_not_succeed_or_was_deleted_is_refused(stack, to_score):
     assert r.json()["error"]["param"] == "model"
 
 
-# ----------------------------------------------------------------------------- stand-in (until branch infer is merged)
+
+# ----------------------------------------------------------------------------- a killed worker
+
+KILL_ROWS, KILL_PART_ROWS = 20_000, 50  # 400 parts: seconds of work, stopped after the first
 
 
-@pytest.fixture(scope="module", autouse=True)
-def inference_stand_in():
-    """A minimal ``shared.inference`` for the in-process worker while the real one is not merged."""
-    import importlib.util
-    import sys
-    import types
-    from dataclasses import dataclass
+@pytest.mark.parametrize("kind", ["embedded", "postgres+redis"])
+def test_a_worker_killed_mid_prediction_is_resumed_and_every_row_is_written_once(stacks, kind):  # noqa: F811
+    cluster = stacks.make(kind, TUNEJOB_PREDICT_PART_ROWS=str(KILL_PART_ROWS))
+    (worker,) = cluster.start(workers=1)
+    cluster.wait_worker_ready(worker)
+    ids = [f"row-{i}" for i in range(KILL_ROWS)]
+    data = pd.DataFrame({"doc": ids, "text": [f"match goal {i % 97} team" for i in range(KILL_ROWS)]})
+    dataset = cluster.upload(data.to_csv(index=False).encode(), "many.csv")
+    body = {"model": TINY_MODEL, "dataset": dataset["id"], "id_column": "doc", "max_length": 32}
+    prediction = cluster.request("POST", "/predictions", 201, json=body).json()
+    url = f"/predictions/{prediction['id']}"
 
-    if importlib.util.find_spec("shared.inference") is not None:
-        yield
-        return
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    def part_written() -> dict | bool:
+        job = cluster.request("GET", url).json()
+        assert job["status"] in {"queued", "running"}, f"ended before a part was written: {job}"
+        return job["progress"]["rows_done"] >= KILL_PART_ROWS and job
 
-    @dataclass
-    class LoadedModel:
-        model: object
-        tokenizer: object
-        task: str
-        label_names: list | None
-        model_max_length: int
-        device: object
-        precision: str = "fp32"
+    cluster.wait_for("a first part to be written", part_written, timeout=120, interval=0.02)
+    worker.signal(signal.SIGSTOP)  # frozen at once, then killed: it writes nothing more
+    frozen = cluster.request("GET", url).json()
+    assert frozen["status"] == "running" and frozen["progress"]["rows_done"] < KILL_ROWS, frozen
+    worker.kill()
 
-    @dataclass
-    class Predictions:
-        rows: list
-        truncated: int
-        tokens: int
-        padded_tokens: int
-
-    def load_for_inference(model_dir, device, precision="auto"):
-        model = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True).eval().to(device)
-        config = model.config
-        regression = config.problem_type == "regression" or config.num_labels == 1
-        names = None if regression else [config.id2label[i] for i in range(config.num_labels)]
-        return LoadedModel(model, AutoTokenizer.from_pretrained(model_dir), "regression" if regression else
-                           "classification", names, min(AutoTokenizer.from_pretrained(model_dir).model_max_length,
-                                                        config.max_position_embeddings), device)
-
-    def predict_texts(loaded, texts, pairs=None, max_length=None, max_tokens=None):
-        full = loaded.tokenizer(texts, pairs, truncation=False)["input_ids"]
-        enc = loaded.tokenizer(texts, pairs, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
-        with torch.no_grad():
-            logits = loaded.model(**enc).logits.float()
-        real = int(enc["attention_mask"].sum())
-        if loaded.task == "regression":
-            rows = [{"value": float(v)} for v in logits[:, 0]]
-        else:
-            probs = logits.softmax(-1)
-            rows = [{"label": loaded.label_names[int(p.argmax())], "score": float(p.max()),
-                     "probabilities": dict(zip(loaded.label_names, map(float, p)))} for p in probs]
-        return Predictions(rows, sum(len(f) > max_length for f in full), real, enc["input_ids"].numel())
-
-    module = types.ModuleType("shared.inference")
-    module.LoadedModel, module.Predictions = LoadedModel, Predictions
-    module.load_for_inference, module.predict_texts = load_for_inference, predict_texts
-    sys.modules["shared.inference"] = module
-    yield
-    del sys.modules["shared.inference"]
+    cluster.start_worker()
+    done = cluster.wait_for("the prediction to finish", lambda: (j := cluster.request("GET", url).json())[
+        "status"] in FINISHED and j, timeout=180)
+    assert done["status"] == "succeeded", done
+    assert done["attempts"] == 2 and done["result"]["rows"] == KILL_ROWS
+    events = cluster.request("GET", f"{url}/events").json()["data"]
+    codes = [e["code"] for e in events]
+    assert codes.count("job_restarted") == 1 and codes.count("resumed") == 1
+    resumed = next(e["message"] for e in events if e["code"] == "resumed")
+    written = int(resumed.split("resuming after ")[1].split(" rows")[0])
+    assert written >= frozen["progress"]["rows_done"] and written % KILL_PART_ROWS == 0, resumed
+    rows = [json.loads(line) for line in cluster.request("GET", f"{url}/results").content.splitlines()]
+    assert [row["id"] for row in rows] == ids

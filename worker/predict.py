@@ -21,8 +21,8 @@ from shared.db import read_session
 from shared.errors import UserError
 from shared.inference import LoadedModel, load_for_inference, predict_texts
 from shared.models import Dataset, Job
-from shared.predictions import (PART_COUNTS, max_tokens, part_counts, parts_of, prediction_batches, results_dir,
-                                results_table, id_type, write_part, written_parts)
+from shared.predictions import (PART_COUNTS, id_type, max_tokens, part_counts, parts_of, prediction_batches,
+                                results_dir, results_table, write_part, written_parts)
 from shared.schemas import PredictionCreate
 from shared.settings import get_settings
 from worker.device import describe

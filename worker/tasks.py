@@ -56,7 +56,7 @@ def _on_worker_init(**_) -> None:
 
 def preload() -> None:
     """Import what every job needs once per worker process: torch, transformers, scikit-learn and
-    SciPy (through ``worker.train``), the model class of each available base model, and matplotlib
+    SciPy (through ``worker.train``; ``worker.predict`` for predictions), the model class of each available base model, and matplotlib
     and tensorboardX, which draw every artifact's training curves and TensorBoard logs
     (``worker.run_logs``). On the 2-core CPU, with other test suites running, that was about 9 s
     the first job of a worker used to pay: 7 s of imports beyond torch (which the worker already
@@ -67,6 +67,7 @@ def preload() -> None:
     import tensorboardX  # noqa: F401
     import transformers
 
+    import worker.predict  # noqa: F401
     import worker.train  # noqa: F401
 
     for path, _ in available_models().values():

@@ -23,7 +23,8 @@ Status = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|
 
 
 @router.post("", status_code=201, response_model=PredictionOut, responses={
-    200: {"model": PredictionDryRunOut, "description": "dry_run=true: the plan; nothing is stored or queued"}})
+    200: {"model": PredictionDryRunOut, "description": "dry_run=true: the plan; nothing is stored or queued"},
+    **error_responses(404, 409, 413)})
 def create_prediction(spec: PredictionCreate, caller: CallerDep, dry_run: bool = False,
                       idempotency_key: IdempotencyKey = None):
     """Check the request against its model and data, store the prediction job, then queue its id.
