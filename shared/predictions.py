@@ -265,7 +265,7 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
         if model_job is not None and model_job.deleted_at is not None:
             raise UserError("model_deleted", f"model {spec.model!r} was deleted", "model", 404)
         job = Job(id=new_id("job"), tenant=caller.tenant, kind=KIND, base_model=spec.model, task=checked.model.task,
-                  training_dataset_id=row.id, spec=spec.model_dump(mode="json"),
+                  training_dataset_id=row.id, spec=stored_spec(checked),
                   label_names=checked.model.label_names, total_steps=row.rows, created_at=received)
         s.add(job)
         s.add(JobEvent(job_id=job.id, code="created", level="info", message="prediction created and queued"))
@@ -273,6 +273,12 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
         if claim is not None:
             idempotency.complete(s, claim, 201, to_out(job).model_dump(mode="json"))
         return job
+
+
+def stored_spec(checked: CheckedPrediction) -> dict:
+    """The request as the job stores it: ``max_length`` resolved (the model's limit when not given),
+    so that the plan, the worker and the job's view use one number."""
+    return checked.spec.model_copy(update={"max_length": checked.max_length}).model_dump(mode="json")
 
 
 def plan_prediction(checked: CheckedPrediction) -> dict:

@@ -132,6 +132,14 @@ def test_rows_are_numbered_by_index_without_an_id_column_and_a_base_model_with_a
     rows = [json.loads(line) for line in results(client, done["id"], "jsonl").decode().splitlines()]
     assert [row["id"] for row in rows] == list(range(29))
 
+    no_limit = wait_prediction(client, predict(client, body_for(TINY_MODEL, to_score, max_length=None))["id"])
+    assert no_limit["max_length"] == no_limit["result"]["max_length"] == 512  # the model's limit
+    assert no_limit["result"]["truncated"] == 0
+    paired = wait_prediction(client, predict(client, body_for(TINY_MODEL, to_score, max_length=None,
+                                                              text_pair_column="other"))["id"])
+    assert paired["status"] == "succeeded", paired["error"]
+    assert paired["result"]["tokens"] == no_limit["result"]["tokens"] + 2 * 29  # "x" and a [SEP] a row
+
 
 def test_a_regression_model_predicts_values(stack, to_score):
     client = stack.client
