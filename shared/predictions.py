@@ -399,7 +399,7 @@ def id_type(spec: dict) -> pa.DataType:
 def results_stream(job_id: str, caller: Caller, fmt: str) -> Iterator[bytes]:
     """A succeeded prediction's results in ``fmt`` (``jsonl``, ``csv`` or ``parquet``), one part
     at a time: memory holds one part. CSV flattens ``probabilities`` into one column per class,
-    ``probabilities.<class>``.
+    ``probabilities.<class>``. A prediction deleted while its results are sent ends the stream early.
 
     Raises:
         NotFound, Deleted: see ``shared.jobs.get_job``. UserError: ``results_not_ready`` (409)
@@ -414,27 +414,22 @@ def results_stream(job_id: str, caller: Caller, fmt: str) -> Iterator[bytes]:
     if job.files_deleted_at is not None or not parts:
         raise UserError("results_deleted", f"prediction {job_id!r}: its results were deleted "
                         "(TUNEJOB_ARTIFACT_RETENTION_DAYS)", "prediction_id", 409)
-    # Opened now (closed by ``_tables``): a part removed while it is sent is still sent whole.
-    files = [open(p, "rb") for p in parts]  # noqa: SIM115
-    return {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt](files)
+    return {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt](parts)
 
 
-def _tables(files) -> Iterator[pa.Table]:
-    try:
-        for f in files:
-            yield pq.read_table(f).replace_schema_metadata(None)
-    finally:
-        for f in files:
-            f.close()
+def _tables(parts: list[Path]) -> Iterator[pa.Table]:
+    """Each part as a table, read when it is its turn (one open file at a time, however many parts)."""
+    for part in parts:
+        yield pq.read_table(part).replace_schema_metadata(None)
 
 
-def _jsonl(files) -> Iterator[bytes]:
-    for table in _tables(files):
+def _jsonl(parts: list[Path]) -> Iterator[bytes]:
+    for table in _tables(parts):
         yield "".join(json.dumps(json_safe(row), ensure_ascii=False) + "\n" for row in table.to_pylist()).encode()
 
 
-def _csv(files) -> Iterator[bytes]:
-    for i, table in enumerate(_tables(files)):
+def _csv(parts: list[Path]) -> Iterator[bytes]:
+    for i, table in enumerate(_tables(parts)):
         out = io.BytesIO()
         pa_csv.write_csv(table.flatten(), out, pa_csv.WriteOptions(include_header=i == 0))
         yield out.getvalue()
@@ -463,9 +458,9 @@ class _Chunks(io.RawIOBase):
         return data
 
 
-def _parquet(files) -> Iterator[bytes]:
+def _parquet(parts: list[Path]) -> Iterator[bytes]:
     sink, writer = _Chunks(), None
-    for table in _tables(files):
+    for table in _tables(parts):
         writer = writer or pq.ParquetWriter(sink, table.schema)
         writer.write_table(table)
         yield sink.take()
