@@ -193,9 +193,12 @@ def parts_of(batches: Iterator[PredictionBatch], size: int, skip: int = 0) -> It
         texts += batch.texts[cut:]
         pairs += (batch.pairs or [])[cut:]
         ids += batch.ids[cut:]
-        while len(texts) >= size:
-            yield PredictionBatch(start, texts[:size], pairs[:size] or None, ids[:size])
-            texts, pairs, ids, start = texts[size:], pairs[size:], ids[size:], start + size
+        taken = 0
+        while len(texts) - taken >= size:
+            end = taken + size
+            yield PredictionBatch(start, texts[taken:end], pairs[taken:end] or None, ids[taken:end])
+            taken, start = end, start + size
+        texts, pairs, ids = texts[taken:], pairs[taken:], ids[taken:]
     if texts:
         yield PredictionBatch(start, texts, pairs or None, ids)
 

@@ -313,6 +313,20 @@ def test_a_job_that_did_not_succeed_or_was_deleted_is_refused(stack, to_score):
 
 
 
+def test_parts_regroup_the_rows_after_those_already_written():
+    from shared.predictions import PredictionBatch, parts_of
+
+    batches = [PredictionBatch(0, list("abcde"), list("ABCDE"), list(range(5))),
+               PredictionBatch(5, list("fghij"), list("FGHIJ"), list(range(5, 10))),
+               PredictionBatch(10, ["k"], ["K"], [10])]
+    for skip in (0, 3, 4, 7, 11):
+        parts = list(parts_of(iter(batches), 4, skip))
+        assert [p.start for p in parts] == list(range(skip, 11, 4))
+        assert "".join(t for p in parts for t in p.texts) == "abcdefghijk"[skip:]
+        assert [i for p in parts for i in p.ids] == list(range(skip, 11))
+        assert all(p.pairs == [t.upper() for t in p.texts] and len(p.texts) <= 4 for p in parts)
+
+
 # ----------------------------------------------------------------------------- a killed worker
 
 KILL_ROWS, KILL_PART_ROWS = 20_000, 50  # 400 parts: seconds of work, stopped after the first
