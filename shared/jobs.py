@@ -12,6 +12,9 @@ its lease with a heartbeat; every write it makes is conditional on still holding
 (run periodically by the API and by every worker) re-queues jobs whose lease expired and re-sends
 the message of queued jobs that never reached the broker.
 
+Jobs are of two kinds (``Job.kind``): ``train`` and ``predict`` (``shared.predictions``). Both go
+through this one lifecycle; the routes of each kind see only its jobs (``shared.tenancy.owned_job``).
+
 Files follow the rows: ``delete_job`` (and ``shared.uploads.delete_dataset``) leave a tombstone row (the id answers
 404 saying it was deleted) and remove the files; a succeeded job's step checkpoints are deleted
 (``discard_checkpoints``); ``sweep_files`` applies ``artifact_retention_days`` and removes whatever
@@ -35,6 +38,7 @@ from shared.settings import get_settings
 from shared.tenancy import Caller, lock_tenant, owned_job, scoped
 
 ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
+RESUMES_FROM = {"train": "the latest checkpoint", "predict": "the last results part written"}
 
 
 def to_out(job: Job) -> JobOut:
@@ -305,7 +309,7 @@ def recover() -> list[str]:
         for job in expired:
             _requeue_or_fail(s, job, "job_restarted",
                              f"lease of worker {job.lease_owner} expired at {job.lease_expires_at:%H:%M:%S}; "
-                             "resuming from the latest checkpoint", restart=True)
+                             f"resuming from {RESUMES_FROM[job.kind]}", restart=True)
         grace = now - timedelta(seconds=settings.sweep_seconds)
         stale = now - timedelta(seconds=settings.resend_after_seconds)
         return list(s.scalars(select(Job.id).where(

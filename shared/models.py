@@ -69,6 +69,11 @@ class Dataset(Base):
 
 
 class Job(Base):
+    """A training job (``kind`` train) or a batch prediction (``kind`` predict, ``shared.predictions``),
+    which uses the columns as commented: its model in ``base_model``, the dataset it scores in
+    ``training_dataset_id``, rows written / rows in ``step`` / ``total_steps``, its result
+    (``shared.schemas.PredictionResult``) in ``train_metrics``."""
+
     __tablename__ = "jobs"
     __table_args__ = (Index("ix_jobs_status_created", "status", "created_at"),
                       Index("ix_jobs_tenant_created", "tenant", "created_at"),
@@ -77,12 +82,12 @@ class Job(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("job"))
     tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, server_default=DEFAULT_TENANT)
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED)
-    base_model: Mapped[str] = mapped_column(String(255))
+    base_model: Mapped[str] = mapped_column(String(255))  # predict: the model as given, "job_…" or a base model
     kind: Mapped[str] = mapped_column(String(16), default="train", server_default="train")  # train | predict
     task: Mapped[str] = mapped_column(String(32))
-    training_dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"))
+    training_dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id"))  # predict: the dataset scored
     validation_dataset_id: Mapped[str | None] = mapped_column(ForeignKey("datasets.id"))
-    spec: Mapped[dict[str, Any]]  # the validated POST /jobs body
+    spec: Mapped[dict[str, Any]]  # the validated POST /jobs (POST /predictions) body
     label_names: Mapped[list[Any] | None]  # classification: index -> label name
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
@@ -90,12 +95,12 @@ class Job(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     cancel_requested: Mapped[bool] = mapped_column(default=False)
-    step: Mapped[int] = mapped_column(default=0)
-    total_steps: Mapped[int | None]
+    step: Mapped[int] = mapped_column(default=0)  # predict: input rows scored and written
+    total_steps: Mapped[int | None]  # predict: rows of the dataset
     epoch: Mapped[float] = mapped_column(Float, default=0.0)
     eta_seconds: Mapped[float | None]
     device: Mapped[str | None] = mapped_column(String(64))
-    train_metrics: Mapped[dict[str, Any] | None]
+    train_metrics: Mapped[dict[str, Any] | None]  # predict: its result (shared.schemas.PredictionResult)
     validation_metrics: Mapped[dict[str, Any] | None]
     error: Mapped[dict[str, Any] | None]  # {"code", "message"}
     # Lease: which worker holds the job and until when (renewed by its heartbeat).

@@ -193,9 +193,12 @@ def parts_of(batches: Iterator[PredictionBatch], size: int, skip: int = 0) -> It
         texts += batch.texts[cut:]
         pairs += (batch.pairs or [])[cut:]
         ids += batch.ids[cut:]
-        while len(texts) >= size:
-            yield PredictionBatch(start, texts[:size], pairs[:size] or None, ids[:size])
-            texts, pairs, ids, start = texts[size:], pairs[size:], ids[size:], start + size
+        taken = 0
+        while len(texts) - taken >= size:
+            end = taken + size
+            yield PredictionBatch(start, texts[taken:end], pairs[taken:end] or None, ids[taken:end])
+            taken, start = end, start + size
+        texts, pairs, ids = texts[taken:], pairs[taken:], ids[taken:]
     if texts:
         yield PredictionBatch(start, texts, pairs or None, ids)
 
@@ -265,7 +268,7 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
         if model_job is not None and model_job.deleted_at is not None:
             raise UserError("model_deleted", f"model {spec.model!r} was deleted", "model", 404)
         job = Job(id=new_id("job"), tenant=caller.tenant, kind=KIND, base_model=spec.model, task=checked.model.task,
-                  training_dataset_id=row.id, spec=spec.model_dump(mode="json"),
+                  training_dataset_id=row.id, spec=stored_spec(checked),
                   label_names=checked.model.label_names, total_steps=row.rows, created_at=received)
         s.add(job)
         s.add(JobEvent(job_id=job.id, code="created", level="info", message="prediction created and queued"))
@@ -273,6 +276,12 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
         if claim is not None:
             idempotency.complete(s, claim, 201, to_out(job).model_dump(mode="json"))
         return job
+
+
+def stored_spec(checked: CheckedPrediction) -> dict:
+    """The request as the job stores it: ``max_length`` resolved (the model's limit when not given),
+    so that the plan, the worker and the job's view use one number."""
+    return checked.spec.model_copy(update={"max_length": checked.max_length}).model_dump(mode="json")
 
 
 def plan_prediction(checked: CheckedPrediction) -> dict:
@@ -393,7 +402,7 @@ def id_type(spec: dict) -> pa.DataType:
 def results_stream(job_id: str, caller: Caller, fmt: str) -> Iterator[bytes]:
     """A succeeded prediction's results in ``fmt`` (``jsonl``, ``csv`` or ``parquet``), one part
     at a time: memory holds one part. CSV flattens ``probabilities`` into one column per class,
-    ``probabilities.<class>``.
+    ``probabilities.<class>``. A prediction deleted while its results are sent ends the stream early.
 
     Raises:
         NotFound, Deleted: see ``shared.jobs.get_job``. UserError: ``results_not_ready`` (409)
@@ -408,27 +417,22 @@ def results_stream(job_id: str, caller: Caller, fmt: str) -> Iterator[bytes]:
     if job.files_deleted_at is not None or not parts:
         raise UserError("results_deleted", f"prediction {job_id!r}: its results were deleted "
                         "(TUNEJOB_ARTIFACT_RETENTION_DAYS)", "prediction_id", 409)
-    # Opened now (closed by ``_tables``): a part removed while it is sent is still sent whole.
-    files = [open(p, "rb") for p in parts]  # noqa: SIM115
-    return {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt](files)
+    return {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt](parts)
 
 
-def _tables(files) -> Iterator[pa.Table]:
-    try:
-        for f in files:
-            yield pq.read_table(f).replace_schema_metadata(None)
-    finally:
-        for f in files:
-            f.close()
+def _tables(parts: list[Path]) -> Iterator[pa.Table]:
+    """Each part as a table, read when it is its turn (one open file at a time, however many parts)."""
+    for part in parts:
+        yield pq.read_table(part).replace_schema_metadata(None)
 
 
-def _jsonl(files) -> Iterator[bytes]:
-    for table in _tables(files):
+def _jsonl(parts: list[Path]) -> Iterator[bytes]:
+    for table in _tables(parts):
         yield "".join(json.dumps(json_safe(row), ensure_ascii=False) + "\n" for row in table.to_pylist()).encode()
 
 
-def _csv(files) -> Iterator[bytes]:
-    for i, table in enumerate(_tables(files)):
+def _csv(parts: list[Path]) -> Iterator[bytes]:
+    for i, table in enumerate(_tables(parts)):
         out = io.BytesIO()
         pa_csv.write_csv(table.flatten(), out, pa_csv.WriteOptions(include_header=i == 0))
         yield out.getvalue()
@@ -457,9 +461,9 @@ class _Chunks(io.RawIOBase):
         return data
 
 
-def _parquet(files) -> Iterator[bytes]:
+def _parquet(parts: list[Path]) -> Iterator[bytes]:
     sink, writer = _Chunks(), None
-    for table in _tables(files):
+    for table in _tables(parts):
         writer = writer or pq.ParquetWriter(sink, table.schema)
         writer.write_table(table)
         yield sink.take()

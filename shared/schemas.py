@@ -437,7 +437,7 @@ class PredictionOut(BaseModel):
     text_pair_column: str | None
     id_column: str | None
     batch_size: int
-    max_length: int | None = Field(description="as requested; the length used is result.max_length")
+    max_length: int = Field(description="tokens per text (pair) at most: as requested, else the model's limit")
     label_names: list[Any] | None
     created_at: datetime
     started_at: datetime | None

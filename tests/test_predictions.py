@@ -132,6 +132,14 @@ def test_rows_are_numbered_by_index_without_an_id_column_and_a_base_model_with_a
     rows = [json.loads(line) for line in results(client, done["id"], "jsonl").decode().splitlines()]
     assert [row["id"] for row in rows] == list(range(29))
 
+    no_limit = wait_prediction(client, predict(client, body_for(TINY_MODEL, to_score, max_length=None))["id"])
+    assert no_limit["max_length"] == no_limit["result"]["max_length"] == 512  # the model's limit
+    assert no_limit["result"]["truncated"] == 0
+    paired = wait_prediction(client, predict(client, body_for(TINY_MODEL, to_score, max_length=None,
+                                                              text_pair_column="other"))["id"])
+    assert paired["status"] == "succeeded", paired["error"]
+    assert paired["result"]["tokens"] == no_limit["result"]["tokens"] + 2 * 29  # "x" and a [SEP] a row
+
 
 def test_a_regression_model_predicts_values(stack, to_score):
     client = stack.client
@@ -303,6 +311,20 @@ def test_a_job_that_did_not_succeed_or_was_deleted_is_refused(stack, to_score):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_deleted", r.text
     assert r.json()["error"]["param"] == "model"
 
+
+
+def test_parts_regroup_the_rows_after_those_already_written():
+    from shared.predictions import PredictionBatch, parts_of
+
+    batches = [PredictionBatch(0, list("abcde"), list("ABCDE"), list(range(5))),
+               PredictionBatch(5, list("fghij"), list("FGHIJ"), list(range(5, 10))),
+               PredictionBatch(10, ["k"], ["K"], [10])]
+    for skip in (0, 3, 4, 7, 11):
+        parts = list(parts_of(iter(batches), 4, skip))
+        assert [p.start for p in parts] == list(range(skip, 11, 4))
+        assert "".join(t for p in parts for t in p.texts) == "abcdefghijk"[skip:]
+        assert [i for p in parts for i in p.ids] == list(range(skip, 11))
+        assert all(p.pairs == [t.upper() for t in p.texts] and len(p.texts) <= 4 for p in parts)
 
 
 # ----------------------------------------------------------------------------- a killed worker

@@ -86,8 +86,7 @@ def setup(job: Job, device: torch.device, reporter: Reporter) -> Scoring:
         dataset = s.get(Dataset, job.training_dataset_id)
     directory = results_dir(job.id)
     parts = written_parts(directory)
-    run = Scoring(job, spec, loaded, dataset, spec.max_length or loaded.model_max_length, directory,
-                  part_counts(parts))
+    run = Scoring(job, spec, loaded, dataset, spec.max_length, directory, part_counts(parts))
     if parts:
         reporter.event("resumed", f"resuming after {run.counts['rows']} rows already written in {len(parts)} parts")
     reporter.progress(device=describe(device), step=run.counts["rows"],
