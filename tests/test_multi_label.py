@@ -177,3 +177,41 @@ def test_openai_facade_maps_multi_label(stack):
 
     r = stack.client.post("/v1/fine_tuning/jobs", json={**request, "label_separator": None})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_label", r.text
+
+
+def test_cli_sends_the_multi_label_options():
+    import argparse
+
+    from client.cli import add_create_arguments, job_spec
+
+    parser = argparse.ArgumentParser()
+    add_create_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--dataset", "ds_1", "--task", "multi_label", "--label-separator", "|",
+                              "--tune-threshold"])
+    spec = job_spec(args)
+    assert (spec["task"], spec["label_separator"], spec["tune_threshold"]) == ("multi_label", "|", True)
+    assert "decision_threshold" not in spec  # not given: the server's default
+    assert "tune_threshold" not in job_spec(parser.parse_args(["--model", "m", "--dataset", "ds_1"]))
+
+
+def test_threshold_tuning_takes_the_lowest_threshold_with_the_best_micro_f1():
+    from worker.train import multi_label_metrics
+
+    y = np.array([[1, 0], [0, 1], [1, 1]])
+    scores = np.array([[0.3, 0.1], [0.2, 0.35], [0.4, 0.3]])
+    at_half = multi_label_metrics(y, scores, ["a", "b"], 0.5)
+    assert at_half["f1_micro"] == 0 and at_half["subset_accuracy"] == 0 and at_half["threshold"] == 0.5
+    tuned = multi_label_metrics(y, scores, ["a", "b"], None)
+    assert tuned["threshold"] == 0.25  # 0.25 and 0.30 both get every label right; 0.20 predicts row 2's "a"
+    assert tuned["f1_micro"] == tuned["subset_accuracy"] == 1.0 and tuned["f1_per_label"] == {"a": 1.0, "b": 1.0}
+
+
+def test_loss_is_the_trainers_bce_with_logits():
+    import torch
+
+    from worker.steps import example_losses
+
+    logits, labels = torch.randn(4, 3), torch.tensor([[1.0, 0, 0], [0, 0, 0], [1, 1, 0], [0, 1, 1]])
+    per_example = example_losses(logits, labels, "multi_label")
+    assert per_example.shape == (4,)
+    assert per_example.mean() == pytest.approx(torch.nn.BCEWithLogitsLoss()(logits, labels).item(), rel=1e-6)
