@@ -41,7 +41,8 @@ def create_app(bound_host: str | None = None) -> FastAPI:
     """The application, for a server listening on ``bound_host`` (default ``TUNEJOB_HOST``)."""
     app = FastAPIOffline(title="tunejob", version="0.1.0", lifespan=lifespan, static_url=DOCS_STATIC_URL,
                          dependencies=[Depends(authenticate)],
-                         description="Fine-tune Hugging Face encoders for text classification and regression. "
+                         description="Fine-tune Hugging Face encoders for text classification (single- and "
+                                     "multi-label) and regression. "
                                      "Send `Authorization: Bearer <API key>` with every request but `/healthz`.")
     install_error_handlers(app)
     app.add_middleware(HostAndOriginCheck, allowed_hosts=allowed_hosts(bound_host or get_settings().host))

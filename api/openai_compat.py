@@ -193,8 +193,9 @@ class Method(BaseModel):
 
 class FineTuningJobCreate(BaseModel):
     """Body of ``POST /v1/fine_tuning/jobs``: OpenAI's fields, plus tunejob's own spec fields
-    (``task``, ``text_column``, ``text_pair_column``, ``label_column``, ``validation_split``; the
-    SDK sends them with ``extra_body``). The training file's ``text_pair`` column, if it has one,
+    (``task``, ``text_column``, ``text_pair_column``, ``label_column``, ``validation_split``, and
+    for multi_label ``label_separator``, ``decision_threshold``, ``tune_threshold``; the SDK sends
+    them with ``extra_body``). The training file's ``text_pair`` column, if it has one,
     is the text pair unless ``text_pair_column`` says otherwise."""
 
     model_config = ConfigDict(extra="forbid")
@@ -208,11 +209,14 @@ class FineTuningJobCreate(BaseModel):
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
     metadata: Metadata = None
     integrations: list[dict[str, Any]] | None = Field(None, description="Not supported: must be empty")
-    task: Literal["classification", "regression"] | None = Field(
-        None, description="tunejob: classification (default) or regression")
+    task: Literal["classification", "regression", "multi_label"] | None = Field(
+        None, description="tunejob: classification (default), regression or multi_label")
     text_column: str | None = Field(None, description="tunejob: default `text`")
     text_pair_column: str | None = Field(None, description="tunejob: default `text_pair` when the file has it")
     label_column: str | None = Field(None, description="tunejob: default `label`")
+    label_separator: str | None = Field(None, description="tunejob, multi_label: splits text labels")
+    decision_threshold: float | None = Field(None, description="tunejob, multi_label: default 0.5")
+    tune_threshold: bool | None = Field(None, description="tunejob, multi_label: tune it on the validation set")
     validation_split: Annotated[float, Field(ge=0, lt=1)] | None = Field(
         None, description="tunejob: default 0.1 without a validation_file")
 
@@ -247,14 +251,15 @@ def job_spec(body: FineTuningJobCreate, caller: Caller) -> tuple[JobCreate, Para
     """
     if body.method and body.method.type != "supervised":
         raise bad_request("unsupported_method", f"method.type {body.method.type!r} is not supported: tunejob "
-                          "fine-tunes encoders for classification and regression, method 'supervised' only",
+                          "fine-tunes encoders for classification (single- and multi-label) and regression, method 'supervised' only",
                           "method.type")
     if body.integrations:
         raise bad_request("unsupported_parameter", "integrations are not supported", "integrations")
     names = ParamNames()
     hyperparameters = native_hyperparameters(body, names)
     tunejob_fields = body.model_dump(include={"task", "text_column", "text_pair_column", "label_column",
-                                              "validation_split"}, exclude_none=True)
+                                              "validation_split", "label_separator", "decision_threshold",
+                                              "tune_threshold"}, exclude_none=True)
     if "text_pair_column" not in tunejob_fields and "text_pair" in _columns(body.training_file, caller):
         tunejob_fields["text_pair_column"] = "text_pair"
     try:

@@ -57,7 +57,7 @@ def run(spec: RunSpec) -> list[dict]:
     """The rows of ``spec``'s jobs; call it in a fresh process."""
     from transformers import logging as hf_logging
 
-    from bench.corpora import load_split
+    from bench.corpora import CORPORA, label_names, load_split
     from bench.engine import run_engine
     from bench.measure import before_job, environment, mfu, peak_memory_mib
     from bench.peers import PEERS, run_peer
@@ -71,7 +71,7 @@ def run(spec: RunSpec) -> list[dict]:
     if device.type == "cpu" and spec.cpu_memory == "reuse":
         reuse_freed_cpu_memory()
     train, val = load_split(spec.dataset, spec.train_size, spec.val_size)
-    labels = sorted(str(v) for v in train["label"].unique())
+    labels = label_names(train)
     dtype = autocast_dtype(spec.precision, device)
     held_out = val if spec.evaluate else None
     import_model_code(spec.model)
@@ -80,9 +80,10 @@ def run(spec: RunSpec) -> list[dict]:
         before_job(device)
         if spec.config in PEERS:
             with tempfile.TemporaryDirectory() as out_dir:
-                row = run_peer(spec.config, spec, train, held_out, labels, device, out_dir)
+                row = run_peer(spec.config, spec, train, held_out, labels, device, out_dir,
+                               CORPORA[spec.dataset].task)
         else:
-            row = run_engine(spec.config, spec, train, held_out, labels, device)
+            row = run_engine(spec.config, spec, train, held_out, labels, device, CORPORA[spec.dataset].task)
         row.update(
             asdict(spec), job=job, dtype=str(dtype).removeprefix("torch.") if dtype else "fp32",
             train_examples=len(train), val_examples=len(val) if spec.evaluate else 0,

@@ -1,5 +1,6 @@
 """What the engine runner and the peers measure alike: marks in time with token counts, epoch and
-steady-state figures from them, the FLOPs model behind MFU, peak memory, and the machine.
+steady-state figures from them, the FLOPs model behind MFU, peak memory, the machine, and the
+held-out figures of each task.
 
 Steady state is the second half of the last epoch when one epoch runs, else the whole last epoch:
 by then every padded width of the run has usually been seen once, so its warm-up is behind.
@@ -12,6 +13,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+
+# The held-out figures the benchmark reports per task (validation metrics of worker.train.evaluate).
+HELD_OUT = {"classification": ("accuracy", "f1_macro"), "multi_label": ("f1_micro", "f1_macro", "subset_accuracy")}
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
-from bench.measure import Clock, Mark, epoch_figures, flops_per_real_token, steady_from
+from bench.measure import HELD_OUT, Clock, Mark, epoch_figures, flops_per_real_token, steady_from
 
 PAD_TO_MULTIPLE_OF = 8
 
@@ -38,11 +38,14 @@ PEERS = {
 
 def encode(tokenizer, df: pd.DataFrame, labels: list[str], max_length: int) -> list[dict]:
     """Examples as the Trainer takes them: tokenized without padding, truncated to ``max_length``,
-    each a dict of ``input_ids``, ``attention_mask`` (and ``token_type_ids``) and ``labels``."""
+    each a dict of ``input_ids``, ``attention_mask`` (and ``token_type_ids``) and ``labels`` (a
+    class index, or for lists of labels a multi-hot float vector: ``worker.data.label_targets``)."""
+    from worker.data import label_targets
+
     enc = tokenizer(df["text"].astype(str).tolist(), truncation=True, max_length=max_length)
-    index = {name: i for i, name in enumerate(labels)}
     keys = [k for k in tokenizer.model_input_names if k in enc]
-    return [{**{k: enc[k][i] for k in keys}, "labels": index[str(label)]} for i, label in enumerate(df["label"])]
+    targets = label_targets(df["label"], labels)
+    return [{**{k: enc[k][i] for k in keys}, "labels": target} for i, target in enumerate(targets)]
 
 
 class CountingCollator:
@@ -105,23 +108,25 @@ def training_arguments(spec, device: torch.device, out_dir: str, dtype, peer: Pe
     )
 
 
-def load_model(model_dir, labels: list[str], seed: int) -> torch.nn.Module:
+def load_model(model_dir, labels: list[str], seed: int, task: str = "classification") -> torch.nn.Module:
     """The model as the engine loads it: SDPA attention, a new classifier head for ``labels`` (also
-    over a checkpoint's head of another size), drawn after ``set_seed(seed)`` as ``setup`` does."""
+    over a checkpoint's head of another size), drawn after ``set_seed(seed)`` as ``setup`` does;
+    ``problem_type`` ``multi_label_classification`` for multi_label (the Trainer's loss is then
+    ``BCEWithLogitsLoss``)."""
     from transformers import AutoModelForSequenceClassification, set_seed
 
     set_seed(seed)
     return AutoModelForSequenceClassification.from_pretrained(
         model_dir, attn_implementation="sdpa", use_safetensors=True, ignore_mismatched_sizes=True,
         num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
-        problem_type="single_label_classification")
+        problem_type="multi_label_classification" if task == "multi_label" else "single_label_classification")
 
 
 def run_peer(name: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, labels: list[str],
-             device: torch.device, out_dir: str) -> dict:
-    """One ``Trainer.train()`` of peer ``name`` on ``train`` (and, with ``val``, held-out accuracy
-    after it, from ``Trainer.predict``). Load (tokenize, model, ``Trainer``) is timed apart."""
-    from sklearn.metrics import accuracy_score, f1_score
+             device: torch.device, out_dir: str, task: str = "classification") -> dict:
+    """One ``Trainer.train()`` of peer ``name`` on ``train`` (and, with ``val``, the held-out
+    figures of ``bench.measure.HELD_OUT`` after it, from ``Trainer.predict``; multi_label: sigmoid
+    scores at threshold 0.5). Load (tokenize, model, ``Trainer``) is timed apart."""
     from transformers import AutoTokenizer, PrinterCallback, Trainer
 
     from shared.base_models import resolve_model
@@ -135,7 +140,7 @@ def run_peer(name: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, lab
     model_dir = resolve_model(spec.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     examples = encode(tokenizer, train, labels, spec.max_length)
-    model = load_model(model_dir, labels, spec.seed)
+    model = load_model(model_dir, labels, spec.seed, task)
     collator = CountingCollator(tokenizer)
     marks = epoch_marks(clock, collator, spec.epochs)
     arguments = training_arguments(spec, device, out_dir, autocast_dtype(spec.precision, device), peer)
@@ -151,7 +156,20 @@ def run_peer(name: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, lab
     if val is not None:
         trainer.data_collator = collator.pad  # held-out batches are not training tokens
         predictions = trainer.predict(encode(tokenizer, val, labels, spec.max_length))
-        predicted = predictions.predictions.argmax(-1)
-        row.update(accuracy=float(accuracy_score(predictions.label_ids, predicted)),
-                   f1_macro=float(f1_score(predictions.label_ids, predicted, average="macro")))
+        row.update(held_out_figures(predictions.predictions, predictions.label_ids, labels, task))
     return row
+
+
+def held_out_figures(logits, label_ids, labels: list[str], task: str) -> dict:
+    """``bench.measure.HELD_OUT`` figures of ``Trainer.predict``'s logits, computed as the engine's
+    ``worker.train.evaluate`` computes them (scikit-learn)."""
+    from sklearn.metrics import accuracy_score, f1_score
+
+    from worker.train import multi_label_metrics
+
+    if task == "multi_label":
+        metrics = multi_label_metrics(label_ids, torch.sigmoid(torch.from_numpy(logits)).numpy(), labels, 0.5)
+        return {name: metrics[name] for name in HELD_OUT[task]}
+    predicted = logits.argmax(-1)
+    return {"accuracy": float(accuracy_score(label_ids, predicted)),
+            "f1_macro": float(f1_score(label_ids, predicted, average="macro"))}

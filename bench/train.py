@@ -8,6 +8,7 @@ started cold in its own process (``bench.cold``), round-robin over repeats. Tabl
     python -m bench.train --dataset rotten_tomatoes --train-size all --accuracy --configs smart,trainer \
         --seeds 1,2,3                                       # accuracy parity: mean and spread over seeds
     python -m bench.train --device cuda --precision bf16 --model bert-base-rand   # a GPU: full sets
+    python -m bench.train --dataset imdb_movies --configs smart,trainer --accuracy --epochs 2   # multi_label
 
 Configurations (``--configs``): engine ``<batching>[:<hyperparameter>=<value>...]`` (``smart``,
 ``fixed``, ``smart:pad_to_multiple_of=8``) and the peers ``trainer``, ``trainer_cudnn_off``,
@@ -35,7 +36,8 @@ DEFAULT_CONFIGS = {"cpu": "fixed,smart,trainer", "cuda": "fixed,smart,trainer,tr
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", choices=[*CORPORA, "both"], default="both")
+    p.add_argument("--dataset", choices=[*CORPORA, "both"], default="both",
+                   help="both: every single-label corpus (imdb_movies, multi_label, only when named)")
     p.add_argument("--configs", default=None,
                    help=f"comma list (default: {DEFAULT_CONFIGS['cpu']} on the CPU, {DEFAULT_CONFIGS['cuda']} on CUDA)")
     p.add_argument("--model", default="all-MiniLM-L6-v2", help="a built-in model or a directory under TUNEJOB_MODELS_DIR")
@@ -66,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--markdown", type=Path, default=None, help="write the table into this file's section")
     p.add_argument("--section", default=None, help="the Markdown section's name (default: epochs-cpu or epochs-cuda)")
     args = p.parse_args(argv)
-    args.datasets = list(CORPORA) if args.dataset == "both" else [args.dataset]
+    classification = [name for name, corpus in CORPORA.items() if corpus.task == "classification"]
+    args.datasets = classification if args.dataset == "both" else [args.dataset]
     args.batch_size_list = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.train_size not in ("auto", "all") and not args.train_size.isdigit():

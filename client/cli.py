@@ -327,10 +327,14 @@ def add_create_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", help="training_dataset: a dataset id (tunejob datasets upload FILE)")
     p.add_argument("--validation", help="validation_dataset id (default: validation_split 0.1 of the training set)")
     p.add_argument("--validation-split", type=float)
-    p.add_argument("--task", choices=["classification", "regression"])
+    p.add_argument("--task", choices=["classification", "regression", "multi_label"])
     p.add_argument("--text-column")
     p.add_argument("--text-pair-column")
     p.add_argument("--label-column")
+    p.add_argument("--label-separator", help="multi_label: split text labels on this, e.g. '|' (CSV needs it)")
+    p.add_argument("--decision-threshold", type=float, help="multi_label: predict a label from this score (0.5)")
+    p.add_argument("--tune-threshold", action="store_const", const=True,
+                   help="multi_label: pick the threshold with the best validation micro-F1")
     p.add_argument("--set", action="append", default=[], type=setting, metavar="KEY=VALUE",
                    help="a hyperparameter, e.g. --set epochs=1 --set learning_rate=1e-4 (values are JSON, else text)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (steps, padding efficiency, duration); "
@@ -358,7 +362,9 @@ def job_spec(args) -> dict[str, Any]:
     spec = read_spec(args.spec)
     options = {"base_model": args.model, "training_dataset": args.dataset, "validation_dataset": args.validation,
                "validation_split": args.validation_split, "task": args.task, "text_column": args.text_column,
-               "text_pair_column": args.text_pair_column, "label_column": args.label_column}
+               "text_pair_column": args.text_pair_column, "label_column": args.label_column,
+               "label_separator": args.label_separator, "decision_threshold": args.decision_threshold,
+               "tune_threshold": args.tune_threshold}
     spec.update({k: v for k, v in options.items() if v is not None})
     spec.setdefault("hyperparameters", {}).update(dict(args.set))
     require(spec, [("--model", "base_model"), ("--dataset", "training_dataset")])
@@ -539,6 +545,8 @@ def final_summary(table: Table, job: JobOut) -> None:
     """Add the job's outcome to a two-column table: validation metrics (last evaluation), training
     throughput, phase timings (servers that report them) and the error, if any."""
     for name, value in (job.validation_metrics or {}).items():
+        if isinstance(value, dict):  # multi_label's f1_per_label
+            value = escape(", ".join(f"{label} {_number(v)}" for label, v in value.items()))
         table.add_row(f"validation {name}", _number(value))
     train = job.train_metrics or {}
     for name in ("loss", "tokens_per_second", "padding_efficiency", "train_seconds", "skipped_steps"):

@@ -14,7 +14,8 @@ worker (to load the same table the API validated, through the same checks).
   expanded size within ``TUNEJOB_MAX_DATASET_BYTES``.
 - **Job checks** (``scan_job_data``, ``job_batches``): the job's text columns hold non-empty
   strings, its labels are scalars (class names: strings, integers, booleans; regression targets:
-  finite numbers with |y| <= ``MAX_REGRESSION_TARGET`` unless the spec opts out). A rejection
+  finite numbers with |y| <= ``MAX_REGRESSION_TARGET`` unless the spec opts out) or, for
+  ``multi_label``, lists of class names (JSONL or Parquet lists, or text split on ``label_separator``). A rejection
   carries a validation report: up to ``MAX_PROBLEMS`` problems, each {row, column, value, message}.
 """
 
@@ -181,11 +182,12 @@ def _raise_encoding_error(path: Path, filename: str, position: int) -> None:
 
 
 def read_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
-                 problems: Problems) -> Iterator[Batch]:
+                 problems: Problems, list_columns: tuple[str, ...] = ()) -> Iterator[Batch]:
     """Stream a stored dataset file in batches of at most about ``BATCH_BYTES``.
 
     ``columns``: the columns whose values to return (None: none, only count and check the
-    structure of every row). Structural problems (ragged rows, bad JSON lines, rows longer than
+    structure of every row). ``list_columns``: those of ``columns`` that may hold lists of scalars
+    (a Parquet list column; JSONL cells are whatever the JSON holds). Structural problems (ragged rows, bad JSON lines, rows longer than
     ``BATCH_BYTES``) go to ``problems``; reading stops once it is full.
 
     Raises:
@@ -193,9 +195,11 @@ def read_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
             format, never a server path), ``dataset_too_large`` (413) for a Parquet file that
             expands beyond ``TUNEJOB_MAX_DATASET_BYTES``.
     """
-    readers = {"csv": _csv_batches, "tsv": _csv_batches, "jsonl": _jsonl_batches, "parquet": _parquet_batches}
     try:
-        yield from readers[fmt](path, fmt, filename, columns, problems)
+        if fmt == "parquet":
+            yield from _parquet_batches(path, filename, columns, problems, list_columns)
+        else:
+            yield from (_jsonl_batches if fmt == "jsonl" else _csv_batches)(path, fmt, filename, columns, problems)
     except UserError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
@@ -401,6 +405,12 @@ def _is_nested(t: pa.DataType) -> bool:
     return pa.types.is_nested(t) or pa.types.is_dictionary(t) and pa.types.is_nested(t.value_type)
 
 
+def _is_scalar_list(t: pa.DataType) -> bool:
+    """A list (any list type) of non-nested values."""
+    lists = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    return lists and not _is_nested(t.value_type)
+
+
 def _is_variable_width(t: pa.DataType) -> bool:
     return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
             or pa.types.is_large_binary(t) or pa.types.is_string_view(t) or pa.types.is_binary_view(t))
@@ -422,15 +432,16 @@ def _too_large(filename: str, detail: str) -> UserError:
                      f"the limit is {limit:,} bytes, TUNEJOB_MAX_DATASET_BYTES)", "file", 413)
 
 
-def _parquet_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
-                     problems: Problems) -> Iterator[Batch]:
+def _parquet_batches(path: Path, filename: str, columns: list[str] | None, problems: Problems,
+                     list_columns: tuple[str, ...]) -> Iterator[Batch]:
     """Column chunks are read as dictionaries where they are text, so each batch's expanded size
     is known before it is expanded: the running total must stay within ``max_dataset_bytes``, a
     row within ``BATCH_BYTES``, and each batch is expanded ``BATCH_BYTES`` at a time."""
     schema = pq.ParquetFile(path).schema_arrow
     _check_names(schema.names, filename)
     wanted = schema.names if columns is None else columns
-    nested = [n for n in wanted if _is_nested(schema.field(n).type)]
+    nested = [n for n in wanted if _is_nested(schema.field(n).type)
+              and not (n in list_columns and _is_scalar_list(schema.field(n).type))]
     for name in nested:
         if columns is not None:  # a job uses it: it must hold scalars
             problems.add(None, name, None, f"holds nested values ({schema.field(name).type}), not single values",
@@ -465,7 +476,12 @@ def _decoded(column: pa.Array) -> pa.Array:
 
 
 def _cell_bytes(column: pa.Array) -> np.ndarray:
-    """Bytes each cell takes once expanded (dictionary-encoded text: its value's length)."""
+    """Bytes each cell takes once expanded (dictionary-encoded text: its value's length; a list:
+    its values' bytes)."""
+    if _is_scalar_list(column.type):
+        values = _cell_bytes(pc.list_flatten(column))
+        return np.bincount(pc.list_parent_indices(column).to_numpy(), weights=values,
+                           minlength=len(column)).astype(np.int64)
     if pa.types.is_dictionary(column.type):
         lengths = pc.binary_length(column.dictionary) if _is_variable_width(column.type.value_type) else None
         if lengths is None:
@@ -536,12 +552,30 @@ class JobColumns:
     text_pair: str | None
     label: str
     allow_large_targets: bool = False
+    label_separator: str | None = None  # multi_label: splits a text label cell
 
     @classmethod
     def of(cls, spec) -> "JobColumns":
         get = spec.get if isinstance(spec, dict) else lambda k, default=None: getattr(spec, k, default)
         return cls(get("task", "classification"), get("text_column", "text"), get("text_pair_column"),
-                   get("label_column", "label"), bool(get("allow_large_targets", False)))
+                   get("label_column", "label"), bool(get("allow_large_targets", False)), get("label_separator"))
+
+    @property
+    def has_classes(self) -> bool:
+        """The labels are class names (one per row, or a list of them)."""
+        return self.task in ("classification", "multi_label")
+
+    def label_of(self, value: Any) -> str | float | list[str]:
+        """A label cell as the task reads it (``class_name``, ``regression_target``, ``label_list``).
+
+        Raises:
+            ValueError: the message says what is wrong with the cell.
+        """
+        if self.task == "regression":
+            return regression_target(value, self.allow_large_targets)
+        if self.task == "multi_label":
+            return label_list(value, self.label_separator)
+        return class_name(value)
 
     @property
     def texts(self) -> list[tuple[str, str]]:
@@ -607,6 +641,33 @@ def class_name(value: Any) -> str:
     raise ValueError(f"holds {_kind(value)}; labels are strings, integers or booleans")
 
 
+def label_list(value: Any, separator: str | None) -> list[str]:
+    """A multi_label cell as its class names (``class_name`` each), duplicates dropped, first
+    occurrence first: a list (JSONL, Parquet), or text split on ``separator`` (each part
+    stripped). An empty list, or empty text with a separator, is a row with no label.
+
+    Raises:
+        ValueError: missing, text without a separator, not a list, or an item that is not a
+            class name (empty, a float, nested).
+    """
+    if isinstance(value, str) and separator is not None:
+        value = [part.strip() for part in value.split(separator)] if value.strip() else []
+    if value is None:
+        raise ValueError("is missing")
+    if isinstance(value, str):
+        raise ValueError("holds text, not a list of labels: give label_separator (e.g. \",\") to split it")
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"holds {_kind(value)}; multi_label labels are lists of class names, or text split on "
+                         "label_separator")
+    names = []
+    for item in value:
+        try:
+            names.append(class_name(item))
+        except ValueError as e:
+            raise ValueError(f"holds a label that {e}") from None
+    return list(dict.fromkeys(names))
+
+
 def regression_target(value: Any, allow_large: bool = False) -> float:
     """A regression label as a float: a number, or text that spells one (CSV cells are text).
 
@@ -635,7 +696,8 @@ def regression_target(value: Any, allow_large: bool = False) -> float:
 @dataclass
 class JobBatch:
     """Validated rows of a job's file: ``texts`` (and ``pairs``) are non-empty strings, ``labels``
-    class names or float targets; ``start`` is the 0-based index of the first row."""
+    class names, float targets or (multi_label) lists of class names; ``start`` is the 0-based
+    index of the first row."""
 
     start: int
     texts: list[str]
@@ -646,7 +708,8 @@ class JobBatch:
 def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems: Problems) -> Iterator[JobBatch]:
     """Read and check a job's columns batch by batch. Problems go to ``problems`` (the caller
     raises them once the file is read); no batch is yielded after the first problem."""
-    for batch in read_batches(path, fmt, filename, cols.names, problems):
+    lists = (cols.label,) if cols.task == "multi_label" else ()
+    for batch in read_batches(path, fmt, filename, cols.names, problems, lists):
         labels = []
         for column, param in cols.texts:
             for i, value in enumerate(batch.values[column]):
@@ -655,8 +718,7 @@ def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems:
                     problems.add(batch.start + i + 1, column, value, message, code, param)
         for i, value in enumerate(batch.values[cols.label]):
             try:
-                labels.append(class_name(value) if cols.task == "classification"
-                              else regression_target(value, cols.allow_large_targets))
+                labels.append(cols.label_of(value))
             except ValueError as e:
                 code = "missing_value" if str(e) in ("is missing", "is empty") else "invalid_label"
                 problems.add(batch.start + i + 1, cols.label, value, str(e), code, "label_column")
@@ -672,13 +734,15 @@ def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems:
 @dataclass
 class LabelSummary:
     """What checking a job's file keeps: its row count and, for classification, the class of
-    each row (``codes``, indices into ``names``), each class's row count and first row."""
+    each row (``codes``, indices into ``names``), each class's row count and first row;
+    multi_label: each label's row count and first row, and the rows without a label (``empty_rows``)."""
 
     rows: int = 0
     names: list[str] | None = None
     codes: np.ndarray | None = None
     counts: dict[str, int] = field(default_factory=dict)
     first_row: dict[str, int] = field(default_factory=dict)
+    empty_rows: int = 0
 
 
 def sort_class_names(names) -> list[str]:
@@ -697,8 +761,9 @@ def sort_class_names(names) -> list[str]:
 
 
 class ClassIndex:
-    """Numbers a file's classification labels as they stream past: each class's row count and
-    first row, and (``keep_codes``) one int32 per row; ``summary`` sorts the classes
+    """Numbers a file's class names as they stream past (one per row, or a list per row for
+    multi_label): each class's row count and first row, the rows without a label, and
+    (``keep_codes``, single-label only) one int32 per row; ``summary`` sorts the classes
     (``sort_class_names``) and renumbers."""
 
     def __init__(self, filename: str, column: str, keep_codes: bool = True):
@@ -706,24 +771,46 @@ class ClassIndex:
         self.index: dict[str, int] = {}
         self.first_row: dict[str, int] = {}
         self.counts: list[int] = []
+        self.rows = self.empty_rows = 0
         self.codes = array("i") if keep_codes else None
 
+    @classmethod
+    def of(cls, filename: str, cols: JobColumns, keep_codes: bool = True) -> "ClassIndex | None":
+        """The index for a job's labels; None when they are not class names (regression). Per-row
+        codes are kept for single-label classification only (they stratify the split)."""
+        if not cols.has_classes:
+            return None
+        return cls(filename, cols.label, keep_codes and cols.task == "classification")
+
     def add(self, batch: JobBatch) -> None:
-        for i, name in enumerate(batch.labels):
-            code = self.index.get(name)
-            if code is None:
-                limit = get_settings().max_classes
-                if len(self.index) == limit:
-                    raise UserError("too_many_classes", f"{self.filename!r}: label column {self.column!r} has "
-                                    f"{limit + 1} classes by row {batch.start + i + 1}; at most {limit} "
-                                    "(TUNEJOB_MAX_CLASSES): is it the right column, or is this a regression task?",
-                                    "label_column")
-                code = self.index[name] = len(self.index)
-                self.first_row[name] = batch.start + i + 1
-                self.counts.append(0)
-            self.counts[code] += 1
+        for i, label in enumerate(batch.labels):
+            names = label if isinstance(label, list) else (label,)
+            self.rows += 1
+            self.empty_rows += not names
+            for name in names:
+                code = self._code(name, batch.start + i + 1)
+                self.counts[code] += 1
             if self.codes is not None:
                 self.codes.append(code)
+
+    def _code(self, name: str, row: int) -> int:
+        """The index of class ``name``, numbering it if new (first seen at 1-based ``row``).
+
+        Raises:
+            UserError: ``too_many_classes``.
+        """
+        code = self.index.get(name)
+        if code is None:
+            limit = get_settings().max_classes
+            if len(self.index) == limit:
+                raise UserError("too_many_classes", f"{self.filename!r}: label column {self.column!r} has "
+                                f"{limit + 1} classes by row {row}; at most {limit} "
+                                "(TUNEJOB_MAX_CLASSES): is it the right column, or is this a regression task?",
+                                "label_column")
+            code = self.index[name] = len(self.index)
+            self.first_row[name] = row
+            self.counts.append(0)
+        return code
 
     def summary(self) -> LabelSummary:
         names = sort_class_names(self.index)
@@ -733,7 +820,7 @@ class ClassIndex:
             position = {name: i for i, name in enumerate(names)}
             order = np.array([position[n] for n in self.index] or [0], dtype=np.int32)
             codes = order[np.frombuffer(self.codes, dtype=np.int32)] if len(self.codes) else np.zeros(0, np.int32)
-        return LabelSummary(sum(self.counts), names, codes, counts, self.first_row)
+        return LabelSummary(self.rows, names, codes, counts, self.first_row, self.empty_rows)
 
 
 def scan_job_data(path: Path, fmt: str, filename: str, cols: JobColumns) -> LabelSummary:
@@ -745,7 +832,7 @@ def scan_job_data(path: Path, fmt: str, filename: str, cols: JobColumns) -> Labe
             ``invalid_column``, ...), ``too_many_classes``, or a reader error (see ``read_batches``).
     """
     problems, rows = Problems(filename), 0
-    classes = ClassIndex(filename, cols.label, keep_codes=False) if cols.task == "classification" else None
+    classes = ClassIndex.of(filename, cols, keep_codes=False)
     for batch in job_batches(path, fmt, filename, cols, problems):
         rows += len(batch.texts)
         if classes is not None:
@@ -757,13 +844,14 @@ def scan_job_data(path: Path, fmt: str, filename: str, cols: JobColumns) -> Labe
 def read_job_table(path: Path, fmt: str, filename: str, cols: JobColumns) -> tuple[pd.DataFrame, LabelSummary]:
     """The worker's view of one file: a DataFrame with only the job's columns, checked as the API
     checked them, texts as ``str``, labels as class names (``str``) or float32 targets; and the
-    same ``LabelSummary`` as ``scan_job_data`` (classes and per-row codes, to split alike).
+    same ``LabelSummary`` as ``scan_job_data`` (classes and per-row codes, to split alike);
+    multi_label labels as lists of class names.
 
     Raises:
         UserError: as ``scan_job_data``; the worker fails the job at once with it.
     """
     problems, texts, pairs, labels = Problems(filename), [], [], []
-    classes = ClassIndex(filename, cols.label) if cols.task == "classification" else None
+    classes = ClassIndex.of(filename, cols)
     for batch in job_batches(path, fmt, filename, cols, problems):
         texts += batch.texts
         pairs += batch.pairs or []

@@ -31,6 +31,7 @@ class CheckedSpec:
     validation: Dataset | None
     label_names: list[str] | None
     caller: Caller
+    rows_without_labels: int = 0  # multi_label: training rows whose label list is empty
 
     @property
     def columns(self) -> JobColumns:
@@ -100,11 +101,14 @@ def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
     if spec.task == "classification" and len(summary.names) < 2:
         raise UserError("single_class", f"label column {cols.label!r} in {train.filename!r} has a single class "
                         f"({summary.names[0]!r}); classification needs at least 2", "label_column")
+    if spec.task == "multi_label" and not summary.names:
+        raise UserError("no_labels", f"label column {cols.label!r} in {train.filename!r} has no label in any row; "
+                        "multi_label needs at least one", "label_column")
     if val:
         val_summary = scan_job_data(Path(val.path), val.format, val.filename, cols)
         _check_validation_labels(summary.names, val_summary, val.filename, cols.label)
     validation_size(summary.rows, spec.validation_split or 0.0)
-    return CheckedSpec(spec, model_dir, train, val, summary.names, caller)
+    return CheckedSpec(spec, model_dir, train, val, summary.names, caller, summary.empty_rows)
 
 
 def _check_validation_labels(names: list[str] | None, val: LabelSummary, filename: str, column: str) -> None:
@@ -133,7 +137,10 @@ def plan_job(checked: CheckedSpec) -> dict:
     ``ladder`` of widths, the ``widths`` its micro-batches use (width, micro-batches over the
     job's epochs), and their ``padding_efficiency``; ``micro_batches_per_epoch``,
     ``steps_per_epoch`` and ``total_steps`` for the chosen batching; ``estimated_seconds`` from the
-    throughput of the newest succeeded job on the same base model (None when there is none).
+    throughput of the newest succeeded job on the same base model (None when there is none);
+    multi_label only: ``labels`` (their number) and ``rows_without_labels`` (rows of the training
+    file with an empty label list: they train every label towards 0), with a ``notes`` line when
+    there are any.
     """
     from transformers import AutoTokenizer
     from transformers import logging as hf_logging
@@ -172,7 +179,16 @@ def plan_job(checked: CheckedSpec) -> dict:
         "total_steps": total_steps,
         **estimate_seconds(spec.base_model, int(lengths.sum()) * hp.epochs / efficiency[hp.batching]["unrounded"],
                            checked.caller),
+        **(multi_label_plan(checked) if spec.task == "multi_label" else {}),
     }
+
+
+def multi_label_plan(checked: CheckedSpec) -> dict:
+    """The plan's multi_label fields (see ``plan_job``)."""
+    empty = checked.rows_without_labels
+    notes = [f"{empty} row(s) of {checked.train.filename!r} have no label: they are kept, as examples of "
+             "none of the labels"] if empty else []
+    return {"labels": len(checked.label_names), "rows_without_labels": empty, "notes": notes}
 
 
 TOKENIZE_ROWS = 4096  # texts per tokenizer call in a dry run
@@ -185,7 +201,7 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
     int32 or two per row (length, class)."""
     spec, train, parts = checked.spec, checked.train, []
     cols, problems = checked.columns, Problems(train.filename)
-    classes = ClassIndex(train.filename, cols.label) if cols.task == "classification" else None
+    classes = ClassIndex.of(train.filename, cols)
     for batch in job_batches(Path(train.path), train.format, train.filename, cols, problems):
         if classes is not None:
             classes.add(batch)

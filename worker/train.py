@@ -60,7 +60,9 @@ from worker.steps import (Steps, StepValues, bf16_copy, example_losses, make_opt
 
 hf_logging.set_verbosity_error()
 log = logging.getLogger(__name__)
-GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True}
+GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True,
+                     "f1_micro": True, "subset_accuracy": True}
+THRESHOLDS = np.round(np.arange(0.05, 0.951, 0.05), 2)  # multi_label: the decision thresholds tune_threshold tries
 READ_EVERY_SECONDS = 1.0  # CUDA: copy the per-step values to the host this often (``read_every_seconds``)
 
 
@@ -268,8 +270,9 @@ def load_model(path: Path, job: Job, device: torch.device | None = None) -> torc
         labels = {"num_labels": 1, "problem_type": "regression"}
     else:
         names = job.label_names
+        problem = "multi_label_classification" if job.task == "multi_label" else "single_label_classification"
         labels = {"num_labels": len(names), "id2label": dict(enumerate(names)),
-                  "label2id": {n: i for i, n in enumerate(names)}, "problem_type": "single_label_classification"}
+                  "label2id": {n: i for i, n in enumerate(names)}, "problem_type": problem}
     kwargs = dict(use_safetensors=True, ignore_mismatched_sizes=True, trust_remote_code=False,
                   device_map=device or "cpu", **labels)
     try:
@@ -576,7 +579,8 @@ def log_steps(run: Run, reporter: Reporter, landed: list[tuple[StepRecord, list[
 
 @torch.no_grad()
 def evaluate(run: Run, reporter: Reporter | None = None) -> dict[str, float]:
-    """Validation loss plus accuracy and macro-F1 (classification) or MSE and Pearson r (regression).
+    """Validation loss plus accuracy and macro-F1 (classification), MSE and Pearson r (regression),
+    or ``multi_label_metrics`` (multi_label).
 
     Runs eagerly on ``run.model`` (the fp32 master weights, under autocast with the job's dtype):
     it never touches the training step's CUDA graphs or their inputs. ``reporter``, if given,
@@ -592,7 +596,8 @@ def evaluate(run: Run, reporter: Reporter | None = None) -> dict[str, float]:
         with torch.autocast(run.device.type, dtype=run.dtype or torch.float32, enabled=run.dtype is not None):
             logits = model(**batch).logits.float()
         loss_total += loss_sum_of(logits, labels, task)
-        predictions.append(logits.squeeze(-1) if task == "regression" else logits.argmax(-1))
+        predictions.append(logits.squeeze(-1) if task == "regression" else torch.sigmoid(logits)
+                           if task == "multi_label" else logits.argmax(-1))
         targets.append(labels)
         if reporter is not None:
             reporter.heartbeat()
@@ -601,10 +606,33 @@ def evaluate(run: Run, reporter: Reporter | None = None) -> dict[str, float]:
     if task == "regression":
         metrics["mse"] = float(mean_squared_error(y_true, y_pred))
         metrics["pearson_r"] = float(pearsonr(y_true, y_pred).statistic) if len(y_true) > 1 else float("nan")
+    elif task == "multi_label":
+        spec = run.job.spec
+        threshold = None if spec.get("tune_threshold") else spec.get("decision_threshold", 0.5)
+        metrics.update(multi_label_metrics(y_true, y_pred, run.job.label_names, threshold))
     else:
         metrics["accuracy"] = float(accuracy_score(y_true, y_pred))
         metrics["f1_macro"] = float(f1_score(y_true, y_pred, average="macro"))
     return metrics
+
+
+def multi_label_metrics(y_true: np.ndarray, scores: np.ndarray, label_names: list[str],
+                        threshold: float | None) -> dict:
+    """Multi-label metrics (scikit-learn) of sigmoid ``scores`` ``[n, labels]`` against multi-hot
+    ``y_true`` ``[n, labels]``, a label predicted where its score >= ``threshold``: ``f1_micro``,
+    ``f1_macro``, ``subset_accuracy`` (every label of a row right), ``f1_per_label`` ({name: F1}),
+    and the ``threshold`` used. ``threshold`` None: the one of ``THRESHOLDS`` with the best micro-F1
+    (the lowest on ties). A label with neither true nor predicted rows has F1 0."""
+    y_true = y_true.astype(np.int8)
+    if threshold is None:
+        threshold = max(THRESHOLDS, key=lambda t: f1_score(y_true, scores >= t, average="micro", zero_division=0))
+    y_pred = (scores >= threshold).astype(np.int8)
+    per_label = f1_score(y_true, y_pred, average=None, zero_division=0)
+    return {"f1_micro": float(f1_score(y_true, y_pred, average="micro", zero_division=0)),
+            "f1_macro": float(per_label.mean()),
+            "subset_accuracy": float(accuracy_score(y_true, y_pred)),
+            "threshold": float(threshold),
+            "f1_per_label": dict(zip(label_names, per_label.tolist()))}
 
 
 @timed("evaluate")
@@ -614,7 +642,8 @@ def run_evaluation(run: Run, reporter: Reporter) -> bool:
     st = run.state
     metrics = st.last_eval = evaluate(run, reporter)
     st.last_eval_step = st.step
-    reporter.log(st.step, st.epoch, {f"eval_{k}": v for k, v in metrics.items() if math.isfinite(v)})
+    reporter.log(st.step, st.epoch, {f"eval_{k}": v for k, v in metrics.items()
+                                     if isinstance(v, float) and math.isfinite(v)})  # f1_per_label is not logged
     reporter.progress(validation_metrics=metrics)
     name = run.hp.metric_for_best_model
     value = metrics.get(name, float("nan"))
@@ -792,6 +821,7 @@ def save_model(run: Run, weights: Path, hashed: dict[str, dict] | None = None) -
     ``metrics.json`` (the best and final evaluations, training totals and the ``timings`` so far)
     and ``manifest.json`` (each file's size and sha256; the entries in ``hashed``, from
     ``manifest_entries``, are taken as they are instead of reading those files again).
+    multi_label: config.json gets the best evaluation's ``decision_threshold`` (``write_decision_threshold``).
 
     Written under a temporary name, fsynced, then renamed into place. Returns the model directory.
 
@@ -804,8 +834,15 @@ def save_model(run: Run, weights: Path, hashed: dict[str, dict] | None = None) -
                "best_value": best["value"], "validation": best["metrics"], "final_validation": st.last_eval,
                "train": st.throughput()}
 
+    threshold = None
+    if run.job.task == "multi_label":
+        threshold = best["metrics"].get("threshold", run.job.spec.get("decision_threshold", 0.5))
+        hashed = {name: entry for name, entry in (hashed or {}).items() if name != "config.json"}
+
     def write(tmp: Path) -> None:
         artifacts.link_or_copy_files(weights, tmp)
+        if threshold is not None:
+            write_decision_threshold(tmp, threshold)
         run.tokenizer.save_pretrained(tmp)
         (tmp / "training_args.json").write_text(json.dumps(run.job.spec, indent=2))
         write_run_logs(tmp, run.job)  # training_curves.png and runs/ (TensorBoard)
@@ -816,6 +853,16 @@ def save_model(run: Run, weights: Path, hashed: dict[str, dict] | None = None) -
     model_dir = artifacts.model_dir(run.job.id)
     _write_atomically(model_dir, write)
     return model_dir
+
+
+def write_decision_threshold(model_dir: Path, threshold: float) -> None:
+    """Add ``decision_threshold`` (a multi_label score at or above it predicts the label) to the
+    model's config.json, as a new file: the one there may be hard-linked to a checkpoint's.
+    ``transformers.PretrainedConfig`` keeps unknown keys, so ``model.config.decision_threshold`` reads it."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    path.unlink()
+    path.write_text(json.dumps({**config, "decision_threshold": threshold}, indent=2, sort_keys=True) + "\n")
 
 
 def timings_so_far(run: Run) -> dict[str, float | None]:
