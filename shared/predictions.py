@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from shared import artifacts, idempotency, quotas
 from shared.base_models import resolve_model
-from shared.batching import BatchPlan
+from shared.batching import bucket_width, job_ladder, token_budget_batches
 from shared.datasets import Problems, check_text, read_batches
 from shared.db import read_session, session_scope
 from shared.errors import Deleted, NotFound, UserError, without_paths
@@ -286,15 +286,17 @@ def stored_spec(checked: CheckedPrediction) -> dict:
 
 def plan_prediction(checked: CheckedPrediction) -> dict:
     """What a prediction will compute, from its tokenized texts (``PredictionPlan``): rows, real
-    tokens after truncation, texts truncated, padded tokens with each part's texts sorted by length
-    and batched as the worker does, padding efficiency, and an estimated duration from the newest
-    succeeded prediction on the same model (None when there is none)."""
+    tokens after truncation, texts truncated, padded tokens with each part's texts batched as a
+    CPU worker batches them (a CUDA worker pads to the bucket ladder: a little more), padding
+    efficiency, and an estimated duration from the newest succeeded prediction on the same model
+    (None when there is none)."""
     from transformers import AutoTokenizer
     from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # no warning for texts longer than max_length: we count them
     tokenizer = AutoTokenizer.from_pretrained(checked.model.directory)
     spec, max_length = checked.spec, checked.max_length
+    ladder = job_ladder(max_length, None, False, cuda=False)
     rows = truncated = tokens = padded = 0
     batches = prediction_batches(checked.dataset, spec, Problems(checked.dataset.filename))
     for part in parts_of(batches, get_settings().predict_part_rows):
@@ -302,13 +304,19 @@ def plan_prediction(checked: CheckedPrediction) -> dict:
                                              part.pairs[a:a + TOKENIZE_ROWS] if part.pairs else None)
                                for a in range(0, len(part.texts), TOKENIZE_ROWS)])
         lengths = np.minimum(full, max_length)
-        batching = BatchPlan(lengths, spec.batch_size, "token_budget", 0, max_tokens(spec.batch_size, max_length))
         rows, truncated, tokens = rows + len(full), truncated + int((full > max_length).sum()), tokens + int(lengths.sum())
-        padded += round(int(lengths.sum()) / batching.padding_efficiency())
+        padded += padded_tokens(lengths, max_tokens(spec.batch_size, max_length), ladder)
     return {"rows": rows, "task": checked.model.task, "label_names": checked.model.label_names,
             "max_length": max_length, "tokens": tokens, "truncated": truncated, "padded_tokens": padded,
             "padding_efficiency": tokens / padded if padded else 1.0,
             **estimate_seconds(spec.model, padded, checked.caller, kind=KIND)}
+
+
+def padded_tokens(lengths: np.ndarray, budget: int, ladder: list[int]) -> int:
+    """Tokens computed for texts of ``lengths`` batched as ``shared.inference`` batches them
+    (``token_budget_batches``), each batch padded to its longest member's width on ``ladder``."""
+    return sum(len(batch) * bucket_width(ladder, int(lengths[batch].max()))
+               for batch in token_budget_batches(lengths, budget, ladder))
 
 
 def token_lengths(tokenizer, texts: list[str], pairs: list[str] | None) -> np.ndarray:

@@ -120,15 +120,16 @@ def run_job(job_id: str) -> str:
             outcome = run_claimed_job(job, worker_id, heartbeat)
         finally:
             heartbeat.stopped.set()
-        record_outcome(job_id, worker_id, outcome)
+        record_outcome(job, worker_id, outcome)
     finally:
         release_device_memory()  # after the job is recorded: the user does not wait for it
     return outcome
 
 
-def record_outcome(job_id: str, worker_id: str, outcome: str) -> None:
+def record_outcome(job, worker_id: str, outcome: str) -> None:
     """End the job in the store as ``run_claimed_job`` left it (or hand it back to the queue); a
     succeeded job's checkpoints are deleted, its model is in the artifacts."""
+    job_id = job.id
     if outcome in (JobStatus.SUCCEEDED, JobStatus.CANCELLED):
         if jobs.finish(job_id, worker_id, outcome) and outcome == JobStatus.SUCCEEDED:
             jobs.discard_checkpoints(job_id)
@@ -136,7 +137,7 @@ def record_outcome(job_id: str, worker_id: str, outcome: str) -> None:
         jobs.finish(job_id, worker_id, JobStatus.FAILED, {
             "code": "time_limit", "message": f"ran past TUNEJOB_MAX_JOB_SECONDS={get_settings().max_job_seconds}"})
     elif outcome == "shutdown" and jobs.requeue(job_id, worker_id, "requeued", "worker shut down (SIGTERM); "
-                                                 "resumes from the checkpoint it saved", restart=False):
+                                                 f"resumes from {jobs.RESUMES_FROM[job.kind]}", restart=False):
         send(job_id)
 
 
