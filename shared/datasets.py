@@ -1,4 +1,4 @@
-"""Reading and validating uploaded datasets (CSV, TSV, JSONL, Parquet), in bounded batches.
+"""Reading and validating uploaded datasets (CSV, TSV, JSONL, Parquet, CoNLL), in bounded batches.
 
 Used by the API (to refuse bad input with a 4xx before anything is stored or queued) and by the
 worker (to load the same table the API validated, through the same checks).
@@ -7,19 +7,22 @@ worker (to load the same table the API validated, through the same checks).
   RFC 4180 quoting; every cell read as text, as written; measured at a third of the memory of
   ``pyarrow.csv``'s streaming reader, which holds several blocks), JSONL line by line with the
   standard ``json`` module, Parquet with ``pyarrow.parquet.ParquetFile.iter_batches`` (text columns read as
-  dictionaries, so that a decompression bomb is measured before it is expanded). Each yields
+  dictionaries, so that a decompression bomb is measured before it is expanded), CoNLL-style text
+  (a token and its tag per line, a blank line between sentences) sentence by sentence. Each yields
   ``Batch`` es of at most about ``BATCH_BYTES`` of data, so memory grows with the batch, not the file.
 - **Upload checks** (``inspect_dataset``): UTF-8, parses, unique non-nested header, no ragged row,
   JSONL rows are objects without duplicate keys or NaN/Infinity, at least one row, Parquet
   expanded size within ``TUNEJOB_MAX_DATASET_BYTES``.
 - **Job checks** (``scan_job_data``, ``job_batches``): the job's text columns hold non-empty
   strings, its labels are scalars (class names: strings, integers, booleans; regression targets:
-  finite numbers with |y| <= ``MAX_REGRESSION_TARGET`` unless the spec opts out). A rejection
+  finite numbers with |y| <= ``MAX_REGRESSION_TARGET`` unless the spec opts out; token_classification:
+  non-empty lists of words with as many tags). A rejection
   carries a validation report: up to ``MAX_PROBLEMS`` problems, each {row, column, value, message}.
 """
 
 import codecs
 import csv
+import functools
 import json
 import math
 from array import array
@@ -38,8 +41,10 @@ from sklearn.model_selection import train_test_split
 from shared.errors import UserError, without_paths
 from shared.settings import get_settings
 
-FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
-TEXT_FORMATS = {"csv", "tsv", "jsonl"}
+FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
+           ".conll": "conll"}
+TEXT_FORMATS = {"csv", "tsv", "jsonl", "conll"}
+CONLL_COLUMNS = ("tokens", "tags")  # the columns of a CoNLL file
 BATCH_BYTES = 1 << 20  # data per batch; also the longest row (JSONL line, Parquet row) or CSV field accepted
 BATCH_ROWS = 65_536  # rows per batch at most (JSONL, Parquet)
 MAX_PROBLEMS = 20  # problems listed in one validation report
@@ -181,19 +186,22 @@ def _raise_encoding_error(path: Path, filename: str, position: int) -> None:
 
 
 def read_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
-                 problems: Problems) -> Iterator[Batch]:
+                 problems: Problems, list_columns: tuple[str, ...] = ()) -> Iterator[Batch]:
     """Stream a stored dataset file in batches of at most about ``BATCH_BYTES``.
 
     ``columns``: the columns whose values to return (None: none, only count and check the
     structure of every row). Structural problems (ragged rows, bad JSON lines, rows longer than
-    ``BATCH_BYTES``) go to ``problems``; reading stops once it is full.
+    ``BATCH_BYTES``) go to ``problems``; reading stops once it is full. ``list_columns``: Parquet
+    columns that may hold lists (token_classification's words and tags); any other nested column
+    a job reads is a problem.
 
     Raises:
         UserError: ``invalid_file`` when the file cannot be parsed at all (the message names the
             format, never a server path), ``dataset_too_large`` (413) for a Parquet file that
             expands beyond ``TUNEJOB_MAX_DATASET_BYTES``.
     """
-    readers = {"csv": _csv_batches, "tsv": _csv_batches, "jsonl": _jsonl_batches, "parquet": _parquet_batches}
+    readers = {"csv": _csv_batches, "tsv": _csv_batches, "jsonl": _jsonl_batches, "conll": _conll_batches,
+               "parquet": functools.partial(_parquet_batches, list_columns=list_columns)}
     try:
         yield from readers[fmt](path, fmt, filename, columns, problems)
     except UserError:
@@ -395,6 +403,57 @@ def _jsonl_batches(path: Path, fmt: str, filename: str, columns: list[str] | Non
         yield Batch(start, size, values, tuple(keys)[known:])
 
 
+# -- CoNLL
+
+
+def _conll_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
+                   problems: Problems) -> Iterator[Batch]:
+    """CoNLL-style text (CoNLL-2003, WNUT): one token per line with its tag in the last
+    whitespace-separated field (fields between, such as POS and chunk tags, are ignored), a blank
+    line between sentences, ``-DOCSTART-`` lines skipped; tags as written (IOB/BIO). Each sentence
+    is a row with the columns ``tokens`` and ``tags`` (``CONLL_COLUMNS``)."""
+    values: dict[str, list] = {name: [] for name in columns or []}
+    start = size = nbytes = 0
+    keys = CONLL_COLUMNS  # handed out with the first batch
+    for sentence in _conll_sentences(path, problems, lambda: start + size + 1):
+        for name, cells in values.items():
+            cells.append(sentence[CONLL_COLUMNS.index(name)] if name in CONLL_COLUMNS else None)
+        size += 1
+        nbytes += sum(map(len, sentence[0]))
+        if problems.full:
+            return
+        if size >= BATCH_ROWS or nbytes >= BATCH_BYTES:
+            yield Batch(start, size, values, keys)
+            values, keys = {name: [] for name in columns or []}, ()
+            start, size, nbytes = start + size, 0, 0
+    if size or keys:
+        yield Batch(start, size, values, keys)
+
+
+def _conll_sentences(path: Path, problems: Problems, row) -> Iterator[tuple[list[str], list[str]]]:
+    """(tokens, tags) of each sentence of a CoNLL file; a line without a tag, or longer than
+    ``BATCH_BYTES``, is a problem of its sentence (``row()``: its 1-based number)."""
+    tokens, tags, line_number = [], [], 0
+    with open(path, encoding="utf-8-sig") as f:
+        while line := f.readline(BATCH_BYTES + 1):
+            line_number += 1
+            fields = line.split()
+            if len(line) > BATCH_BYTES:
+                problems.add(row(), None, None, f"(line {line_number}) is longer than {BATCH_BYTES >> 20} MiB")
+                return
+            if fields and fields[0] != "-DOCSTART-":
+                if len(fields) < 2:
+                    problems.add(row(), CONLL_COLUMNS[1], line.strip(), f"(line {line_number}) has a token but no "
+                                 "tag: each line is a token and its tag, separated by whitespace", "missing_value")
+                tokens.append(fields[0])
+                tags.append(fields[-1])
+            elif tokens:  # a blank or -DOCSTART- line ends the sentence
+                yield tokens, tags
+                tokens, tags = [], []
+    if tokens:
+        yield tokens, tags
+
+
 # -- Parquet
 
 def _is_nested(t: pa.DataType) -> bool:
@@ -423,14 +482,14 @@ def _too_large(filename: str, detail: str) -> UserError:
 
 
 def _parquet_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
-                     problems: Problems) -> Iterator[Batch]:
+                     problems: Problems, list_columns: tuple[str, ...] = ()) -> Iterator[Batch]:
     """Column chunks are read as dictionaries where they are text, so each batch's expanded size
     is known before it is expanded: the running total must stay within ``max_dataset_bytes``, a
     row within ``BATCH_BYTES``, and each batch is expanded ``BATCH_BYTES`` at a time."""
     schema = pq.ParquetFile(path).schema_arrow
     _check_names(schema.names, filename)
     wanted = schema.names if columns is None else columns
-    nested = [n for n in wanted if _is_nested(schema.field(n).type)]
+    nested = [n for n in wanted if _is_nested(schema.field(n).type) and not _is_list_of_scalars(n, schema, list_columns)]
     for name in nested:
         if columns is not None:  # a job uses it: it must hold scalars
             problems.add(None, name, None, f"holds nested values ({schema.field(name).type}), not single values",
@@ -459,13 +518,25 @@ def _parquet_batches(path: Path, fmt: str, filename: str, columns: list[str] | N
         start += batch.num_rows
 
 
+def _is_list_of_scalars(name: str, schema: pa.Schema, list_columns: tuple[str, ...]) -> bool:
+    """Whether column ``name`` may be read as lists: it is in ``list_columns`` and holds lists of
+    scalars (not of lists or structs)."""
+    t = schema.field(name).type
+    return name in list_columns and (pa.types.is_list(t) or pa.types.is_large_list(t)) and not _is_nested(t.value_type)
+
+
 def _decoded(column: pa.Array) -> pa.Array:
     """A dictionary-encoded column as plain values (``to_pylist`` on the dictionary form is slow)."""
     return column.dictionary_decode() if pa.types.is_dictionary(column.type) else column
 
 
 def _cell_bytes(column: pa.Array) -> np.ndarray:
-    """Bytes each cell takes once expanded (dictionary-encoded text: its value's length)."""
+    """Bytes each cell takes once expanded (dictionary-encoded text: its value's length; a list:
+    the sum of its items')."""
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        items = np.concatenate([[0], np.cumsum(_cell_bytes(column.flatten()))])
+        offsets = column.offsets.to_numpy() - column.offsets[0].as_py()
+        return items[offsets[1:]] - items[offsets[:-1]]
     if pa.types.is_dictionary(column.type):
         lengths = pc.binary_length(column.dictionary) if _is_variable_width(column.type.value_type) else None
         if lengths is None:
@@ -552,6 +623,11 @@ class JobColumns:
     def names(self) -> list[str]:
         return list(dict.fromkeys([c for c, _ in self.texts] + [self.label]))
 
+    @property
+    def list_columns(self) -> tuple[str, ...]:
+        """Columns of lists: token_classification's words and tags."""
+        return (self.text, self.label) if self.task == "token_classification" else ()
+
 
 def _kind(value: Any) -> str:
     """What a cell holds, in words."""
@@ -635,7 +711,8 @@ def regression_target(value: Any, allow_large: bool = False) -> float:
 @dataclass
 class JobBatch:
     """Validated rows of a job's file: ``texts`` (and ``pairs``) are non-empty strings, ``labels``
-    class names or float targets; ``start`` is the 0-based index of the first row."""
+    class names or float targets (token_classification: ``texts`` are lists of words, ``labels``
+    lists of tag names as long); ``start`` is the 0-based index of the first row."""
 
     start: int
     texts: list[str]
@@ -646,7 +723,10 @@ class JobBatch:
 def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems: Problems) -> Iterator[JobBatch]:
     """Read and check a job's columns batch by batch. Problems go to ``problems`` (the caller
     raises them once the file is read); no batch is yielded after the first problem."""
-    for batch in read_batches(path, fmt, filename, cols.names, problems):
+    for batch in read_batches(path, fmt, filename, cols.names, problems, cols.list_columns):
+        if cols.task == "token_classification":
+            yield from _tagged_batch(batch, cols, problems)
+            continue
         labels = []
         for column, param in cols.texts:
             for i, value in enumerate(batch.values[column]):
@@ -667,6 +747,64 @@ def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems:
     # Text problems first (as a job reads its columns), then labels, each in row order.
     rank = {param: i for i, param in enumerate(["file", "text_column", "text_pair_column", "label_column"])}
     problems.items.sort(key=lambda p: (rank.get(p.param, 0), p.row or 0))
+
+
+# -- token_classification: a list of words and a list of tags per row
+
+
+def check_words(value: Any) -> str | None:
+    """What is wrong with a cell of words, or None when it is a non-empty list of non-empty strings."""
+    if value is None:
+        return "is missing"
+    if isinstance(value, str):
+        return ("holds text, not a list of words: token_classification reads a JSON list per row (JSONL), a list "
+                "column (Parquet) or a CoNLL file")
+    if not isinstance(value, (list, tuple)):
+        return f"holds {_kind(value)}, not a list of words"
+    if not value:
+        return "is an empty sentence (no words)"
+    for i, word in enumerate(value):
+        if (message := check_text(word)) is not None:
+            return f"word {i + 1} {message}"
+    return None
+
+
+def tag_names(value: Any, words: Any) -> list[str]:
+    """A cell of tags as class names (``class_name``), one per word of ``words``.
+
+    Raises:
+        ValueError: missing, not a list, a tag that is not a class name, or not as many tags as words.
+    """
+    if value is None:
+        raise ValueError("is missing")
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"holds {'text' if isinstance(value, str) else _kind(value)}, not a list of tags")
+    names = []
+    for i, tag in enumerate(value):
+        try:
+            names.append(class_name(tag))
+        except ValueError as e:
+            raise ValueError(f"tag {i + 1} {e}") from None
+    if isinstance(words, (list, tuple)) and len(names) != len(words):
+        raise ValueError(f"has {len(names)} tag(s) for {len(words)} word(s); give one tag per word")
+    return names
+
+
+def _tagged_batch(batch: Batch, cols: JobColumns, problems: Problems) -> Iterator[JobBatch]:
+    """A token_classification batch checked (``check_words``, ``tag_names``): a ``JobBatch`` of
+    word lists and tag-name lists, or nothing once ``problems`` has any."""
+    words, tags = batch.values[cols.text], []
+    for i, (value, label) in enumerate(zip(words, batch.values[cols.label])):
+        if (message := check_words(value)) is not None:
+            code = "missing_value" if message.startswith(("is missing", "is an empty")) else "invalid_text"
+            problems.add(batch.start + i + 1, cols.text, value, message, code, "text_column")
+        try:
+            tags.append(tag_names(label, value))
+        except ValueError as e:
+            code = "missing_value" if str(e) == "is missing" else "invalid_label"
+            problems.add(batch.start + i + 1, cols.label, label, str(e), code, "label_column")
+    if not problems.items:
+        yield JobBatch(batch.start, [list(w) for w in words], None, tags)
 
 
 @dataclass
@@ -710,20 +848,24 @@ class ClassIndex:
 
     def add(self, batch: JobBatch) -> None:
         for i, name in enumerate(batch.labels):
-            code = self.index.get(name)
-            if code is None:
-                limit = get_settings().max_classes
-                if len(self.index) == limit:
-                    raise UserError("too_many_classes", f"{self.filename!r}: label column {self.column!r} has "
-                                    f"{limit + 1} classes by row {batch.start + i + 1}; at most {limit} "
-                                    "(TUNEJOB_MAX_CLASSES): is it the right column, or is this a regression task?",
-                                    "label_column")
-                code = self.index[name] = len(self.index)
-                self.first_row[name] = batch.start + i + 1
-                self.counts.append(0)
-            self.counts[code] += 1
-            if self.codes is not None:
-                self.codes.append(code)
+            self.count(name, batch.start + i + 1)
+
+    def count(self, name: str, row: int) -> None:
+        """One more occurrence of class ``name``, at 1-based ``row``."""
+        code = self.index.get(name)
+        if code is None:
+            limit = get_settings().max_classes
+            if len(self.index) == limit:
+                raise UserError("too_many_classes", f"{self.filename!r}: label column {self.column!r} has "
+                                f"{limit + 1} classes by row {row}; at most {limit} "
+                                "(TUNEJOB_MAX_CLASSES): is it the right column, or is this a regression task?",
+                                "label_column")
+            code = self.index[name] = len(self.index)
+            self.first_row[name] = row
+            self.counts.append(0)
+        self.counts[code] += 1
+        if self.codes is not None:
+            self.codes.append(code)
 
     def summary(self) -> LabelSummary:
         names = sort_class_names(self.index)
@@ -736,6 +878,27 @@ class ClassIndex:
         return LabelSummary(sum(self.counts), names, codes, counts, self.first_row)
 
 
+class TagIndex(ClassIndex):
+    """``ClassIndex`` over the tags of a token_classification file: each tag's count (in words)
+    and first row (sentence); no per-row codes (the validation split is not stratified)."""
+
+    def __init__(self, filename: str, column: str):
+        super().__init__(filename, column, keep_codes=False)
+
+    def add(self, batch: JobBatch) -> None:
+        for i, tags in enumerate(batch.labels):
+            for name in tags:
+                self.count(name, batch.start + i + 1)
+
+
+def label_index(filename: str, cols: JobColumns, keep_codes: bool = True) -> ClassIndex | None:
+    """What numbers a file's labels as they stream past: a ``TagIndex`` for token_classification,
+    a ``ClassIndex`` for classification, None for regression."""
+    if cols.task == "token_classification":
+        return TagIndex(filename, cols.label)
+    return ClassIndex(filename, cols.label, keep_codes) if cols.task == "classification" else None
+
+
 def scan_job_data(path: Path, fmt: str, filename: str, cols: JobColumns) -> LabelSummary:
     """Check a job's columns in one file, batch by batch, keeping only the row count and, for
     classification, each class's row count and first row: never the texts, nothing per row.
@@ -745,7 +908,7 @@ def scan_job_data(path: Path, fmt: str, filename: str, cols: JobColumns) -> Labe
             ``invalid_column``, ...), ``too_many_classes``, or a reader error (see ``read_batches``).
     """
     problems, rows = Problems(filename), 0
-    classes = ClassIndex(filename, cols.label, keep_codes=False) if cols.task == "classification" else None
+    classes = label_index(filename, cols, keep_codes=False)
     for batch in job_batches(path, fmt, filename, cols, problems):
         rows += len(batch.texts)
         if classes is not None:
@@ -756,14 +919,15 @@ def scan_job_data(path: Path, fmt: str, filename: str, cols: JobColumns) -> Labe
 
 def read_job_table(path: Path, fmt: str, filename: str, cols: JobColumns) -> tuple[pd.DataFrame, LabelSummary]:
     """The worker's view of one file: a DataFrame with only the job's columns, checked as the API
-    checked them, texts as ``str``, labels as class names (``str``) or float32 targets; and the
+    checked them, texts as ``str``, labels as class names (``str``) or float32 targets (token_classification:
+    lists of words and of tag names); and the
     same ``LabelSummary`` as ``scan_job_data`` (classes and per-row codes, to split alike).
 
     Raises:
         UserError: as ``scan_job_data``; the worker fails the job at once with it.
     """
     problems, texts, pairs, labels = Problems(filename), [], [], []
-    classes = ClassIndex(filename, cols.label) if cols.task == "classification" else None
+    classes = label_index(filename, cols)
     for batch in job_batches(path, fmt, filename, cols, problems):
         texts += batch.texts
         pairs += batch.pairs or []
