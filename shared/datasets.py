@@ -22,6 +22,7 @@ worker (to load the same table the API validated, through the same checks).
 
 import codecs
 import csv
+import dataclasses
 import functools
 import json
 import math
@@ -880,15 +881,20 @@ class ClassIndex:
 
 class TagIndex(ClassIndex):
     """``ClassIndex`` over the tags of a token_classification file: each tag's count (in words)
-    and first row (sentence); no per-row codes (the validation split is not stratified)."""
+    and first row (sentence), and the rows; no per-row codes (the validation split is not stratified)."""
 
     def __init__(self, filename: str, column: str):
         super().__init__(filename, column, keep_codes=False)
+        self.rows = 0
 
     def add(self, batch: JobBatch) -> None:
+        self.rows += len(batch.labels)
         for i, tags in enumerate(batch.labels):
             for name in tags:
                 self.count(name, batch.start + i + 1)
+
+    def summary(self) -> LabelSummary:
+        return dataclasses.replace(super().summary(), rows=self.rows)  # sentences, not tags
 
 
 def label_index(filename: str, cols: JobColumns, keep_codes: bool = True) -> ClassIndex | None:

@@ -108,7 +108,7 @@ def test_conll_file_reads_as_sentences_of_tokens_and_tags(tmp_path):
     expected = sentences(5)
     assert df["tokens"].tolist() == [w for w, _ in expected] and df["tags"].tolist() == [t for _, t in expected]
     assert summary.names == TAGS and summary.codes is None
-    assert summary.counts["B-PER"] == 5
+    assert summary.rows == 5 and summary.counts["B-PER"] == 5
 
 
 def upload(client, content: bytes, filename: str):
@@ -216,3 +216,45 @@ def test_a_conll_line_without_a_tag_is_refused_at_upload_with_its_line(stack):
     problem = r.json()["error"]["problems"][0]
     assert problem["row"] == 2 and problem["column"] == "tags" and problem["value"] == "paris"
     assert "(line 7) has a token but no tag" in problem["message"]
+
+
+def test_the_openai_facade_takes_the_task_and_its_column_defaults(stack):
+    dataset = upload(stack.client, conll(20), "train.conll").json()["id"]
+    r = stack.client.post("/v1/fine_tuning/jobs", json={
+        "model": TINY_MODEL, "training_file": dataset, "task": "token_classification",
+        "hyperparameters": {"n_epochs": 1, "batch_size": 8}})
+    assert r.status_code == 200, r.text
+    job = wait_for_status(stack.client, r.json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job["error"]
+    assert (job["task"], job["text_column"], job["label_column"]) == ("token_classification", "tokens", "tags")
+    assert "entity_f1" in job["validation_metrics"]
+
+
+def test_accumulated_micro_batches_give_the_gradient_of_one_batch(engine_env):
+    """The loss is the mean over the labelled tokens of the whole step (the model's own loss on
+    one batch): two micro-batches of unequal token counts step as one batch of both."""
+    from shared.models import Job
+    from shared.schemas import JobCreate
+    from tests.conftest import RecordingReporter, no_dropout
+    from tests.test_training import capture_gradients, micro_batches
+    from worker.data import JobData
+    from worker.train import setup, train_step
+
+    spec = JobCreate(base_model=TINY_MODEL, task="token_classification", training_dataset="ds_test",
+                     hyperparameters={"epochs": 1, "batch_size": 4, "max_length": 32, "precision": "fp32"})
+    job = Job(id="t", task="token_classification", base_model=TINY_MODEL, spec=spec.model_dump(mode="json"),
+              label_names=TAGS)
+    frame = pd.DataFrame([{"tokens": w, "tags": t} for w, t in sentences(8, seed=3)])
+    run = setup(job, JobData(frame, None), torch.device("cpu"), RecordingReporter())
+    no_dropout(run.model)
+    init = {k: v.clone() for k, v in run.model.state_dict().items()}
+    grads = capture_gradients(run)
+    batch = micro_batches(run, [4])
+    with torch.no_grad():
+        expected = run.model(**batch[0]).loss  # mean cross-entropy over labels != -100
+    values, _ = train_step(run, batch)
+    assert values[0].item() == pytest.approx(expected.item(), rel=1e-5)
+    run.model.load_state_dict(init)
+    train_step(run, micro_batches(run, [1, 3]))
+    for one, accumulated in zip(*grads):
+        torch.testing.assert_close(accumulated, one, rtol=1e-4, atol=1e-6)
