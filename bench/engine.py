@@ -13,7 +13,7 @@ import uuid
 import pandas as pd
 import torch
 
-from bench.measure import Clock, Mark, epoch_figures, flops_per_real_token, steady_from
+from bench.measure import QUALITY, Clock, Mark, epoch_figures, flops_per_real_token, steady_from
 
 BATCHINGS = ("fixed", "dynamic", "smart", "token_budget")
 
@@ -39,8 +39,8 @@ def engine_hyperparameters(config: str) -> dict:
     return hp
 
 
-def make_job(config: str, spec, labels: list[str]):
-    """A transient ``Job`` (never stored) for ``config``: ``spec``'s epochs, batch size, max_length,
+def make_job(config: str, spec, labels: list[str], task: str = "classification"):
+    """A transient ``Job`` (never stored) of ``task`` for ``config``: ``spec``'s epochs, batch size, max_length,
     precision, learning rate and seed; no evaluation and no checkpoint inside the timed epochs.
 
     Raises:
@@ -54,8 +54,8 @@ def make_job(config: str, spec, labels: list[str]):
                          max_length=spec.max_length, precision=spec.precision, seed=spec.seed,
                          eval_every_steps=never, save_every_steps=never, save_total_limit=1,
                          **engine_hyperparameters(config))
-    body = JobCreate(base_model=spec.model, task="classification", training_dataset="bench", hyperparameters=hp)
-    return Job(id=f"bench-{uuid.uuid4().hex[:12]}", task="classification", base_model=spec.model, label_names=labels,
+    body = JobCreate(base_model=spec.model, task=task, training_dataset="bench", hyperparameters=hp)
+    return Job(id=f"bench-{uuid.uuid4().hex[:12]}", task=task, base_model=spec.model, label_names=labels,
                spec=body.model_dump(mode="json"))
 
 
@@ -108,8 +108,9 @@ class BenchReporter:
 
 
 def run_engine(config: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, labels: list[str],
-               device: torch.device) -> dict:
-    """One job of ``config`` on ``train`` (and, with ``val``, held-out accuracy after training).
+               device: torch.device, task: str = "classification") -> dict:
+    """One job of ``task`` and ``config`` on ``train`` (and, with ``val``, held-out accuracy and
+    macro-F1, or entity F1 and token accuracy, after training).
 
     Load (tokenize, build model and optimizer) is timed apart from the epochs; the first epoch's
     time runs from the end of ``setup`` and so holds any warm-up or capture the recipe does.
@@ -122,7 +123,7 @@ def run_engine(config: str, spec, train: pd.DataFrame, val: pd.DataFrame | None,
 
     clock = Clock(device)
     reporter = BenchReporter(clock, spec.epochs)
-    job = make_job(config, spec, labels)
+    job = make_job(config, spec, labels, task)
     began = clock.now()
     run = setup(job, JobData(train, val), device, reporter)
     reporter.run = run
@@ -140,5 +141,5 @@ def run_engine(config: str, spec, train: pd.DataFrame, val: pd.DataFrame | None,
            "events": reporter.events}
     if val is not None:
         metrics = evaluate(run)
-        row.update(accuracy=metrics["accuracy"], f1_macro=metrics["f1_macro"])
+        row.update({name: metrics[name] for name in QUALITY if name in metrics})
     return row

