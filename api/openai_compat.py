@@ -248,7 +248,8 @@ def job_spec(body: FineTuningJobCreate, caller: Caller) -> tuple[JobCreate, Para
     """
     if body.method and body.method.type != "supervised":
         raise bad_request("unsupported_method", f"method.type {body.method.type!r} is not supported: tunejob "
-                          "fine-tunes encoders for classification, regression and token classification, method 'supervised' only",
+                          "fine-tunes encoders for classification, regression and token classification, "
+                          "method 'supervised' only",
                           "method.type")
     if body.integrations:
         raise bad_request("unsupported_parameter", "integrations are not supported", "integrations")

@@ -490,7 +490,8 @@ def _parquet_batches(path: Path, fmt: str, filename: str, columns: list[str] | N
     schema = pq.ParquetFile(path).schema_arrow
     _check_names(schema.names, filename)
     wanted = schema.names if columns is None else columns
-    nested = [n for n in wanted if _is_nested(schema.field(n).type) and not _is_list_of_scalars(n, schema, list_columns)]
+    nested = [n for n in wanted
+              if _is_nested(schema.field(n).type) and not _is_list_of_scalars(n, schema, list_columns)]
     for name in nested:
         if columns is not None:  # a job uses it: it must hold scalars
             problems.add(None, name, None, f"holds nested values ({schema.field(name).type}), not single values",

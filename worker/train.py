@@ -489,7 +489,8 @@ def train_step(run: Run, group: list[dict]) -> tuple[torch.Tensor, BatchStats]:
 
     The loss of each micro-batch is summed over its examples and divided by the number of
     examples in the whole step (token_classification: labelled tokens, ``loss_terms``), so
-    micro-batches of unequal size weigh correctly and the gradient equals that of one batch of all of them. A step whose loss or gradient is not finite is
+    micro-batches of unequal size weigh correctly and the gradient equals that of one batch of
+    all of them. A step whose loss or gradient is not finite is
     skipped (the fused AdamW leaves weights and moments alone).
 
     Returns:
