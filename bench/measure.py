@@ -14,9 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-
-# The held-out figures the benchmark reports per task (validation metrics of worker.train.evaluate).
-HELD_OUT = {"classification": ("accuracy", "f1_macro"), "multi_label": ("f1_micro", "f1_macro", "subset_accuracy")}
+# The held-out figures the benchmark reports per task (validation metrics of worker.train.evaluate):
+# classification's accuracy and macro-F1, multi_label's micro-/macro-F1 and subset accuracy,
+# token_classification's entity F1 (seqeval) and token accuracy; and their column titles.
+HELD_OUT = {"classification": ("accuracy", "f1_macro"), "multi_label": ("f1_micro", "f1_macro", "subset_accuracy"),
+            "token_classification": ("entity_f1", "token_accuracy")}
+QUALITY_TITLES = {"accuracy": "held-out accuracy (mean over seeds)", "f1_micro": "held-out micro-F1 (mean over seeds)",
+                  "f1_macro": "macro-F1", "subset_accuracy": "subset accuracy",
+                  "entity_f1": "held-out entity F1 (mean over seeds)", "token_accuracy": "token accuracy"}
+QUALITY = tuple(QUALITY_TITLES)  # every held-out figure a run may report, in column order
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 model initialisation, precision, batch size, seed and schedule the engine gets.
 
 Every peer trains with ``train_sampling_strategy="group_by_length"`` (transformers 5's name for
-``group_by_length=True``), ``DataCollatorWithPadding(pad_to_multiple_of=8)``, the same learning
+``group_by_length=True``), ``DataCollatorWithPadding(pad_to_multiple_of=8)`` (token_classification:
+``DataCollatorForTokenClassification(pad_to_multiple_of=8)`` on the Hugging Face recipe's
+first-subword labels, ``AutoModelForTokenClassification``), the same learning
 rate, linear warmup over 10% of the steps then linear decay, weight decay 0.01, gradient clipping
 at 1.0, its default optimizer (``adamw_torch_fused``), no logging, saving or evaluation while it
 trains, and ``dataloader_num_workers=0``. Its time is ``Trainer.train()``'s own ``train_runtime``.
@@ -48,15 +50,30 @@ def encode(tokenizer, df: pd.DataFrame, labels: list[str], max_length: int) -> l
     return [{**{k: enc[k][i] for k in keys}, "labels": target} for i, target in enumerate(targets)]
 
 
+def encode_words(tokenizer, df: pd.DataFrame, labels: list[str], max_length: int) -> list[dict]:
+    """token_classification examples as the Hugging Face recipe builds them: words tokenized with
+    ``is_split_into_words=True``, truncated to ``max_length``, each word's tag on its first subword
+    and -100 elsewhere (``worker.tagging.align_labels``, the recipe's loop)."""
+    from worker.tagging import align_labels
+
+    enc = tokenizer(df["tokens"].tolist(), is_split_into_words=True, truncation=True, max_length=max_length)
+    index = {name: i for i, name in enumerate(labels)}
+    keys = [k for k in tokenizer.model_input_names if k in enc]
+    return [{**{k: enc[k][i] for k in keys}, "labels": align_labels(enc.word_ids(i), [index[t] for t in tags], None)}
+            for i, tags in enumerate(df["tags"])]
+
+
 class CountingCollator:
-    """``DataCollatorWithPadding`` that records each training batch's token counts in order (real,
-    padded to its longest member, computed), so the counts of the first k optimizer steps are the
-    first k records (one batch per step; the DataLoader may already have collated the next)."""
+    """``DataCollatorWithPadding`` (``labels_per_token``: ``DataCollatorForTokenClassification``)
+    that records each training batch's token counts in order (real, padded to its longest member,
+    computed), so the counts of the first k optimizer steps are the first k records (one batch per
+    step; the DataLoader may already have collated the next)."""
 
-    def __init__(self, tokenizer):
-        from transformers import DataCollatorWithPadding
+    def __init__(self, tokenizer, labels_per_token: bool = False):
+        from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding
 
-        self.pad = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=PAD_TO_MULTIPLE_OF)
+        pad = DataCollatorForTokenClassification if labels_per_token else DataCollatorWithPadding
+        self.pad = pad(tokenizer, pad_to_multiple_of=PAD_TO_MULTIPLE_OF)
         self.batches: list[tuple[int, int, int]] = []
 
     def __call__(self, features: list[dict]) -> dict:
@@ -113,20 +130,26 @@ def load_model(model_dir, labels: list[str], seed: int, task: str = "classificat
     over a checkpoint's head of another size), drawn after ``set_seed(seed)`` as ``setup`` does;
     ``problem_type`` ``multi_label_classification`` for multi_label (the Trainer's loss is then
     ``BCEWithLogitsLoss``)."""
-    from transformers import AutoModelForSequenceClassification, set_seed
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, set_seed
 
     set_seed(seed)
+    names = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+             "label2id": {n: i for i, n in enumerate(labels)}}
+    if task == "token_classification":
+        return AutoModelForTokenClassification.from_pretrained(
+            model_dir, attn_implementation="sdpa", use_safetensors=True, ignore_mismatched_sizes=True, **names)
     return AutoModelForSequenceClassification.from_pretrained(
         model_dir, attn_implementation="sdpa", use_safetensors=True, ignore_mismatched_sizes=True,
-        num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
-        problem_type="multi_label_classification" if task == "multi_label" else "single_label_classification")
+        problem_type="multi_label_classification" if task == "multi_label" else "single_label_classification",
+        **names)
 
 
 def run_peer(name: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, labels: list[str],
              device: torch.device, out_dir: str, task: str = "classification") -> dict:
     """One ``Trainer.train()`` of peer ``name`` on ``train`` (and, with ``val``, the held-out
     figures of ``bench.measure.HELD_OUT`` after it, from ``Trainer.predict``; multi_label: sigmoid
-    scores at threshold 0.5). Load (tokenize, model, ``Trainer``) is timed apart."""
+    scores at threshold 0.5; token_classification: scored by the engine's own
+    ``worker.tagging.tagging_metrics``). Load (tokenize, model, ``Trainer``) is timed apart."""
     from transformers import AutoTokenizer, PrinterCallback, Trainer
 
     from shared.base_models import resolve_model
@@ -139,9 +162,11 @@ def run_peer(name: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, lab
     began = clock.now()
     model_dir = resolve_model(spec.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    examples = encode(tokenizer, train, labels, spec.max_length)
+    tagging = task == "token_classification"
+    encoder = encode_words if tagging else encode
+    examples = encoder(tokenizer, train, labels, spec.max_length)
     model = load_model(model_dir, labels, spec.seed, task)
-    collator = CountingCollator(tokenizer)
+    collator = CountingCollator(tokenizer, labels_per_token=tagging)
     marks = epoch_marks(clock, collator, spec.epochs)
     arguments = training_arguments(spec, device, out_dir, autocast_dtype(spec.precision, device), peer)
     trainer = Trainer(model=model, args=arguments, train_dataset=examples, processing_class=tokenizer,
@@ -155,21 +180,27 @@ def run_peer(name: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, lab
            "optimizer": trainer.args.optim.value}
     if val is not None:
         trainer.data_collator = collator.pad  # held-out batches are not training tokens
-        predictions = trainer.predict(encode(tokenizer, val, labels, spec.max_length))
+        predictions = trainer.predict(encoder(tokenizer, val, labels, spec.max_length))
         row.update(held_out_figures(predictions.predictions, predictions.label_ids, labels, task))
     return row
 
 
 def held_out_figures(logits, label_ids, labels: list[str], task: str) -> dict:
     """``bench.measure.HELD_OUT`` figures of ``Trainer.predict``'s logits, computed as the engine's
-    ``worker.train.evaluate`` computes them (scikit-learn)."""
+    ``worker.train.evaluate`` computes them (scikit-learn; seqeval for token_classification, whose
+    arrays are ``[examples, width]``, padded with -100)."""
     from sklearn.metrics import accuracy_score, f1_score
 
+    from worker.tagging import tagging_metrics, word_sequences
     from worker.train import multi_label_metrics
 
     if task == "multi_label":
         metrics = multi_label_metrics(label_ids, torch.sigmoid(torch.from_numpy(logits)).numpy(), labels, 0.5)
-        return {name: metrics[name] for name in HELD_OUT[task]}
-    predicted = logits.argmax(-1)
-    return {"accuracy": float(accuracy_score(label_ids, predicted)),
-            "f1_macro": float(f1_score(label_ids, predicted, average="macro"))}
+    elif task == "token_classification":
+        predicted = torch.from_numpy(logits.argmax(-1))
+        metrics = tagging_metrics(*word_sequences([predicted], [torch.from_numpy(label_ids)], labels), labels)
+    else:
+        predicted = logits.argmax(-1)
+        metrics = {"accuracy": float(accuracy_score(label_ids, predicted)),
+                   "f1_macro": float(f1_score(label_ids, predicted, average="macro"))}
+    return {name: metrics[name] for name in HELD_OUT[task]}

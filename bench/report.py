@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 
 from bench.corpora import CORPORA
+from bench.measure import QUALITY, QUALITY_TITLES
 from bench.peers import PEERS
 
 # issue 9, on an H100 (bert-base shape, bf16, batch 32, 1 epoch): the engine's epoch (capture
@@ -19,9 +20,6 @@ TARGETS = {
     "bbc": {"trainer": 3, "trainer_cudnn_off": 2, "mfu_steady": 0.35},
 }
 ENGINE_DEFAULT = "smart"  # what a job runs unless it asks for another batching
-# held-out figures (bench.measure.HELD_OUT of every task): mean over seeds (timings: medians), with their column names
-QUALITY = {"accuracy": "held-out accuracy (mean over seeds)", "f1_micro": "held-out micro-F1 (mean over seeds)",
-           "f1_macro": "macro-F1", "subset_accuracy": "subset accuracy"}
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -105,15 +103,15 @@ def block_header(rows: list[dict]) -> str:
 
 def render(summary: list[dict], meta: dict) -> str:
     """A Markdown section: the provenance line, then one table per (data set, batch size)."""
+    shown = [name for name in QUALITY if any(r.get(name) is not None for r in summary)]  # means over seeds
     memory = "peak GPU MiB (allocated)" if meta["device_type"] == "cuda" else "peak RSS MiB (process)"
     parts = [provenance(meta)]
     for block in dict.fromkeys((r["dataset"], r["batch_size"]) for r in summary):
         rows = [r for r in summary if (r["dataset"], r["batch_size"]) == block]
         peers = [p for p in PEERS if any(r["config"] == p and r["job"] == 1 for r in rows)]
-        held_out = [name for name in QUALITY if any(r.get(name) is not None for r in rows)]
         header = ["configuration", "load s", "warm-up s (in epoch 1)", "epoch s (warm-up included)", "train s", *(f"vs {p}" for p in peers),
                   "steady real tokens/s", "MFU epoch / steady", "padding efficiency (unrounded / padded)", memory,
-                  "process s", *(QUALITY[name] for name in held_out)]
+                  "process s", *(QUALITY_TITLES[name] for name in shown)]
         body = []
         for r in rows:
             line = [r["config"] + (f" (job {r['job']} in its process)" if r["job"] > 1 else ""),
@@ -122,9 +120,8 @@ def render(summary: list[dict], meta: dict) -> str:
                     fmt(r["steady_tokens_per_second"], ",.0f"),
                     f"{fmt(r['mfu_epoch'], '.1%')} / {fmt(r['mfu_steady'], '.1%')}",
                     f"{r['efficiency_unrounded']:.3f} / {r['efficiency_padded']:.3f}",
-                    f"{r['peak_memory_mib']:,.0f}", f"{r['process_seconds']:.0f}",
-                    *(quality(r, name) for name in held_out)]
-            body.append(line)
+                    f"{r['peak_memory_mib']:,.0f}", f"{r['process_seconds']:.0f}"]
+            body.append(line + [quality(r, name) for name in shown])
         parts += [block_header(rows), table(header, body)]
     targets = target_rows(summary)
     if meta["device_type"] == "cuda" and targets:

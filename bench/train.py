@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.cold import RunSpec
-from bench.corpora import CORPORA
+from bench.corpora import CLASSIFICATION, CORPORA
 from bench.engine import make_job
 from bench.peers import PEERS
 from bench.report import render, summarize, update_markdown
@@ -68,8 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--markdown", type=Path, default=None, help="write the table into this file's section")
     p.add_argument("--section", default=None, help="the Markdown section's name (default: epochs-cpu or epochs-cuda)")
     args = p.parse_args(argv)
-    classification = [name for name, corpus in CORPORA.items() if corpus.task == "classification"]
-    args.datasets = classification if args.dataset == "both" else [args.dataset]
+    args.datasets = CLASSIFICATION if args.dataset == "both" else [args.dataset]
     args.batch_size_list = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.train_size not in ("auto", "all") and not args.train_size.isdigit():

@@ -327,7 +327,9 @@ def add_create_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", help="training_dataset: a dataset id (tunejob datasets upload FILE)")
     p.add_argument("--validation", help="validation_dataset id (default: validation_split 0.1 of the training set)")
     p.add_argument("--validation-split", type=float)
-    p.add_argument("--task", choices=["classification", "regression", "multi_label"])
+    p.add_argument("--task", choices=["classification", "regression", "multi_label", "token_classification"],
+                   help="token_classification: --text-column holds word lists (default tokens), "
+                        "--label-column tag lists (default tags)")
     p.add_argument("--text-column")
     p.add_argument("--text-pair-column")
     p.add_argument("--label-column")

@@ -1,4 +1,4 @@
-"""Reading and validating uploaded datasets (CSV, TSV, JSONL, Parquet), in bounded batches.
+"""Reading and validating uploaded datasets (CSV, TSV, JSONL, Parquet, CoNLL), in bounded batches.
 
 Used by the API (to refuse bad input with a 4xx before anything is stored or queued) and by the
 worker (to load the same table the API validated, through the same checks).
@@ -7,20 +7,23 @@ worker (to load the same table the API validated, through the same checks).
   RFC 4180 quoting; every cell read as text, as written; measured at a third of the memory of
   ``pyarrow.csv``'s streaming reader, which holds several blocks), JSONL line by line with the
   standard ``json`` module, Parquet with ``pyarrow.parquet.ParquetFile.iter_batches`` (text columns read as
-  dictionaries, so that a decompression bomb is measured before it is expanded). Each yields
+  dictionaries, so that a decompression bomb is measured before it is expanded), CoNLL-style text
+  (a token and its tag per line, a blank line between sentences) sentence by sentence. Each yields
   ``Batch`` es of at most about ``BATCH_BYTES`` of data, so memory grows with the batch, not the file.
 - **Upload checks** (``inspect_dataset``): UTF-8, parses, unique non-nested header, no ragged row,
   JSONL rows are objects without duplicate keys or NaN/Infinity, at least one row, Parquet
   expanded size within ``TUNEJOB_MAX_DATASET_BYTES``.
 - **Job checks** (``scan_job_data``, ``job_batches``): the job's text columns hold non-empty
   strings, its labels are scalars (class names: strings, integers, booleans; regression targets:
-  finite numbers with |y| <= ``MAX_REGRESSION_TARGET`` unless the spec opts out) or, for
-  ``multi_label``, lists of class names (JSONL or Parquet lists, or text split on ``label_separator``). A rejection
+  finite numbers with |y| <= ``MAX_REGRESSION_TARGET`` unless the spec opts out), for
+  ``multi_label`` lists of class names (JSONL or Parquet lists, or text split on
+  ``label_separator``), for token_classification non-empty lists of words with as many tags. A rejection
   carries a validation report: up to ``MAX_PROBLEMS`` problems, each {row, column, value, message}.
 """
 
 import codecs
 import csv
+import functools
 import json
 import math
 from array import array
@@ -39,8 +42,10 @@ from sklearn.model_selection import train_test_split
 from shared.errors import UserError, without_paths
 from shared.settings import get_settings
 
-FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
-TEXT_FORMATS = {"csv", "tsv", "jsonl"}
+FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
+           ".conll": "conll"}
+TEXT_FORMATS = {"csv", "tsv", "jsonl", "conll"}
+CONLL_COLUMNS = ("tokens", "tags")  # the columns of a CoNLL file
 BATCH_BYTES = 1 << 20  # data per batch; also the longest row (JSONL line, Parquet row) or CSV field accepted
 BATCH_ROWS = 65_536  # rows per batch at most (JSONL, Parquet)
 MAX_PROBLEMS = 20  # problems listed in one validation report
@@ -186,15 +191,18 @@ def read_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
     """Stream a stored dataset file in batches of at most about ``BATCH_BYTES``.
 
     ``columns``: the columns whose values to return (None: none, only count and check the
-    structure of every row). ``list_columns``: those of ``columns`` that may hold lists of scalars
-    (a Parquet list column; JSONL cells are whatever the JSON holds). Structural problems (ragged rows, bad JSON lines, rows longer than
-    ``BATCH_BYTES``) go to ``problems``; reading stops once it is full.
+    structure of every row). Structural problems (ragged rows, bad JSON lines, rows longer than
+    ``BATCH_BYTES``) go to ``problems``; reading stops once it is full. ``list_columns``: Parquet
+    columns that may hold lists of scalars (multi_label's labels, token_classification's words and
+    tags; JSONL cells are whatever the JSON holds); any other nested column a job reads is a problem.
 
     Raises:
         UserError: ``invalid_file`` when the file cannot be parsed at all (the message names the
             format, never a server path), ``dataset_too_large`` (413) for a Parquet file that
             expands beyond ``TUNEJOB_MAX_DATASET_BYTES``.
     """
+    readers = {"csv": _csv_batches, "tsv": _csv_batches, "jsonl": _jsonl_batches, "conll": _conll_batches,
+               "parquet": functools.partial(_parquet_batches, list_columns=list_columns)}
     try:
         if fmt == "parquet":
             yield from _parquet_batches(path, filename, columns, problems, list_columns)
@@ -399,6 +407,57 @@ def _jsonl_batches(path: Path, fmt: str, filename: str, columns: list[str] | Non
         yield Batch(start, size, values, tuple(keys)[known:])
 
 
+# -- CoNLL
+
+
+def _conll_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
+                   problems: Problems) -> Iterator[Batch]:
+    """CoNLL-style text (CoNLL-2003, WNUT): one token per line with its tag in the last
+    whitespace-separated field (fields between, such as POS and chunk tags, are ignored), a blank
+    line between sentences, ``-DOCSTART-`` lines skipped; tags as written (IOB/BIO). Each sentence
+    is a row with the columns ``tokens`` and ``tags`` (``CONLL_COLUMNS``)."""
+    values: dict[str, list] = {name: [] for name in columns or []}
+    start = size = nbytes = 0
+    keys = CONLL_COLUMNS  # handed out with the first batch
+    for sentence in _conll_sentences(path, problems, lambda: start + size + 1):
+        for name, cells in values.items():
+            cells.append(sentence[CONLL_COLUMNS.index(name)] if name in CONLL_COLUMNS else None)
+        size += 1
+        nbytes += sum(map(len, sentence[0]))
+        if problems.full:
+            return
+        if size >= BATCH_ROWS or nbytes >= BATCH_BYTES:
+            yield Batch(start, size, values, keys)
+            values, keys = {name: [] for name in columns or []}, ()
+            start, size, nbytes = start + size, 0, 0
+    if size or keys:
+        yield Batch(start, size, values, keys)
+
+
+def _conll_sentences(path: Path, problems: Problems, row) -> Iterator[tuple[list[str], list[str]]]:
+    """(tokens, tags) of each sentence of a CoNLL file; a line without a tag, or longer than
+    ``BATCH_BYTES``, is a problem of its sentence (``row()``: its 1-based number)."""
+    tokens, tags, line_number = [], [], 0
+    with open(path, encoding="utf-8-sig") as f:
+        while line := f.readline(BATCH_BYTES + 1):
+            line_number += 1
+            fields = line.split()
+            if len(line) > BATCH_BYTES:
+                problems.add(row(), None, None, f"(line {line_number}) is longer than {BATCH_BYTES >> 20} MiB")
+                return
+            if fields and fields[0] != "-DOCSTART-":
+                if len(fields) < 2:
+                    problems.add(row(), CONLL_COLUMNS[1], line.strip(), f"(line {line_number}) has a token but no "
+                                 "tag: each line is a token and its tag, separated by whitespace", "missing_value")
+                tokens.append(fields[0])
+                tags.append(fields[-1])
+            elif tokens:  # a blank or -DOCSTART- line ends the sentence
+                yield tokens, tags
+                tokens, tags = [], []
+    if tokens:
+        yield tokens, tags
+
+
 # -- Parquet
 
 def _is_nested(t: pa.DataType) -> bool:
@@ -432,8 +491,8 @@ def _too_large(filename: str, detail: str) -> UserError:
                      f"the limit is {limit:,} bytes, TUNEJOB_MAX_DATASET_BYTES)", "file", 413)
 
 
-def _parquet_batches(path: Path, filename: str, columns: list[str] | None, problems: Problems,
-                     list_columns: tuple[str, ...]) -> Iterator[Batch]:
+def _parquet_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
+                     problems: Problems, list_columns: tuple[str, ...] = ()) -> Iterator[Batch]:
     """Column chunks are read as dictionaries where they are text, so each batch's expanded size
     is known before it is expanded: the running total must stay within ``max_dataset_bytes``, a
     row within ``BATCH_BYTES``, and each batch is expanded ``BATCH_BYTES`` at a time."""
@@ -586,6 +645,11 @@ class JobColumns:
     def names(self) -> list[str]:
         return list(dict.fromkeys([c for c, _ in self.texts] + [self.label]))
 
+    @property
+    def list_columns(self) -> tuple[str, ...]:
+        """Columns of lists: multi_label's labels, token_classification's words and tags."""
+        return {"multi_label": (self.label,), "token_classification": (self.text, self.label)}.get(self.task, ())
+
 
 def _kind(value: Any) -> str:
     """What a cell holds, in words."""
@@ -696,7 +760,8 @@ def regression_target(value: Any, allow_large: bool = False) -> float:
 @dataclass
 class JobBatch:
     """Validated rows of a job's file: ``texts`` (and ``pairs``) are non-empty strings, ``labels``
-    class names, float targets or (multi_label) lists of class names; ``start`` is the 0-based
+    class names, float targets or (multi_label) lists of class names (token_classification:
+    ``texts`` are lists of words, ``labels`` lists of tag names as long); ``start`` is the 0-based
     index of the first row."""
 
     start: int
@@ -708,8 +773,10 @@ class JobBatch:
 def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems: Problems) -> Iterator[JobBatch]:
     """Read and check a job's columns batch by batch. Problems go to ``problems`` (the caller
     raises them once the file is read); no batch is yielded after the first problem."""
-    lists = (cols.label,) if cols.task == "multi_label" else ()
-    for batch in read_batches(path, fmt, filename, cols.names, problems, lists):
+    for batch in read_batches(path, fmt, filename, cols.names, problems, cols.list_columns):
+        if cols.task == "token_classification":
+            yield from _tagged_batch(batch, cols, problems)
+            continue
         labels = []
         for column, param in cols.texts:
             for i, value in enumerate(batch.values[column]):
@@ -729,6 +796,64 @@ def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems:
     # Text problems first (as a job reads its columns), then labels, each in row order.
     rank = {param: i for i, param in enumerate(["file", "text_column", "text_pair_column", "label_column"])}
     problems.items.sort(key=lambda p: (rank.get(p.param, 0), p.row or 0))
+
+
+# -- token_classification: a list of words and a list of tags per row
+
+
+def check_words(value: Any) -> str | None:
+    """What is wrong with a cell of words, or None when it is a non-empty list of non-empty strings."""
+    if value is None:
+        return "is missing"
+    if isinstance(value, str):
+        return ("holds text, not a list of words: token_classification reads a JSON list per row (JSONL), a list "
+                "column (Parquet) or a CoNLL file")
+    if not isinstance(value, (list, tuple)):
+        return f"holds {_kind(value)}, not a list of words"
+    if not value:
+        return "is an empty sentence (no words)"
+    for i, word in enumerate(value):
+        if (message := check_text(word)) is not None:
+            return f"word {i + 1} {message}"
+    return None
+
+
+def tag_names(value: Any, words: Any) -> list[str]:
+    """A cell of tags as class names (``class_name``), one per word of ``words``.
+
+    Raises:
+        ValueError: missing, not a list, a tag that is not a class name, or not as many tags as words.
+    """
+    if value is None:
+        raise ValueError("is missing")
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"holds {'text' if isinstance(value, str) else _kind(value)}, not a list of tags")
+    names = []
+    for i, tag in enumerate(value):
+        try:
+            names.append(class_name(tag))
+        except ValueError as e:
+            raise ValueError(f"tag {i + 1} {e}") from None
+    if isinstance(words, (list, tuple)) and len(names) != len(words):
+        raise ValueError(f"has {len(names)} tag(s) for {len(words)} word(s); give one tag per word")
+    return names
+
+
+def _tagged_batch(batch: Batch, cols: JobColumns, problems: Problems) -> Iterator[JobBatch]:
+    """A token_classification batch checked (``check_words``, ``tag_names``): a ``JobBatch`` of
+    word lists and tag-name lists, or nothing once ``problems`` has any."""
+    words, tags = batch.values[cols.text], []
+    for i, (value, label) in enumerate(zip(words, batch.values[cols.label])):
+        if (message := check_words(value)) is not None:
+            code = "missing_value" if message.startswith(("is missing", "is an empty")) else "invalid_text"
+            problems.add(batch.start + i + 1, cols.text, value, message, code, "text_column")
+        try:
+            tags.append(tag_names(label, value))
+        except ValueError as e:
+            code = "missing_value" if str(e) == "is missing" else "invalid_label"
+            problems.add(batch.start + i + 1, cols.label, label, str(e), code, "label_column")
+    if not problems.items:
+        yield JobBatch(batch.start, [list(w) for w in words], None, tags)
 
 
 @dataclass
@@ -774,13 +899,16 @@ class ClassIndex:
         self.rows = self.empty_rows = 0
         self.codes = array("i") if keep_codes else None
 
-    @classmethod
-    def of(cls, filename: str, cols: JobColumns, keep_codes: bool = True) -> "ClassIndex | None":
-        """The index for a job's labels; None when they are not class names (regression). Per-row
-        codes are kept for single-label classification only (they stratify the split)."""
+    @staticmethod
+    def of(filename: str, cols: JobColumns, keep_codes: bool = True) -> "ClassIndex | None":
+        """The index for a job's labels: a ``TagIndex`` for token_classification's tags, None when
+        they are not class names (regression). Per-row codes are kept for single-label
+        classification only (they stratify the split)."""
+        if cols.task == "token_classification":
+            return TagIndex(filename, cols.label)
         if not cols.has_classes:
             return None
-        return cls(filename, cols.label, keep_codes and cols.task == "classification")
+        return ClassIndex(filename, cols.label, keep_codes and cols.task == "classification")
 
     def add(self, batch: JobBatch) -> None:
         for i, label in enumerate(batch.labels):
@@ -823,6 +951,21 @@ class ClassIndex:
         return LabelSummary(self.rows, names, codes, counts, self.first_row, self.empty_rows)
 
 
+class TagIndex(ClassIndex):
+    """``ClassIndex`` over the tags of a token_classification file: each tag's count (in words)
+    and first row (sentence), and the rows (sentences); no per-row codes (the validation split is
+    not stratified)."""
+
+    def __init__(self, filename: str, column: str):
+        super().__init__(filename, column, keep_codes=False)
+
+    def add(self, batch: JobBatch) -> None:
+        for i, tags in enumerate(batch.labels):
+            self.rows += 1
+            for name in tags:
+                self.counts[self._code(name, batch.start + i + 1)] += 1
+
+
 def scan_job_data(path: Path, fmt: str, filename: str, cols: JobColumns) -> LabelSummary:
     """Check a job's columns in one file, batch by batch, keeping only the row count and, for
     classification, each class's row count and first row: never the texts, nothing per row.
@@ -843,9 +986,9 @@ def scan_job_data(path: Path, fmt: str, filename: str, cols: JobColumns) -> Labe
 
 def read_job_table(path: Path, fmt: str, filename: str, cols: JobColumns) -> tuple[pd.DataFrame, LabelSummary]:
     """The worker's view of one file: a DataFrame with only the job's columns, checked as the API
-    checked them, texts as ``str``, labels as class names (``str``) or float32 targets; and the
-    same ``LabelSummary`` as ``scan_job_data`` (classes and per-row codes, to split alike);
-    multi_label labels as lists of class names.
+    checked them, texts as ``str``, labels as class names (``str``) or float32 targets
+    (multi_label: lists of class names; token_classification: lists of words and of tag names);
+    and the same ``LabelSummary`` as ``scan_job_data`` (classes and per-row codes, to split alike).
 
     Raises:
         UserError: as ``scan_job_data``; the worker fails the job at once with it.

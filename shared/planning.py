@@ -98,9 +98,9 @@ def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
     for dataset in [train] + ([val] if val else []):
         _require_columns(dataset, cols)
     summary = scan_job_data(Path(train.path), train.format, train.filename, cols)
-    if spec.task == "classification" and len(summary.names) < 2:
+    if summary.names is not None and len(summary.names) < 2:
         raise UserError("single_class", f"label column {cols.label!r} in {train.filename!r} has a single class "
-                        f"({summary.names[0]!r}); classification needs at least 2", "label_column")
+                        f"({summary.names[0]!r}); {spec.task} needs at least 2", "label_column")
     if spec.task == "multi_label" and not summary.names:
         raise UserError("no_labels", f"label column {cols.label!r} in {train.filename!r} has no label in any row; "
                         "multi_label needs at least one", "label_column")
@@ -130,7 +130,9 @@ def plan_job(checked: CheckedSpec) -> dict:
 
     Returns a dict with: ``examples``; ``token_lengths`` (histogram of real tokens per example,
     after truncation: ``bin_edges``, ``counts``, ``mean``, ``max``); ``truncated_fraction`` (share of
-    examples longer than ``max_length``); ``padding_efficiency`` (real / padded tokens) of each
+    examples longer than ``max_length``) and ``truncated_examples`` (how many: their tokens past
+    ``max_length`` are not trained on; token_classification: nor are their words' tags scored);
+    ``padding_efficiency`` (real / padded tokens) of each
     batching strategy, ``unrounded`` (each micro-batch padded to its longest member: smart
     batching's own, and what a CPU worker computes by default) and ``bucketed`` (padded up to the
     CUDA workers' bucket widths); ``buckets`` for the chosen batching on a CUDA worker: the
@@ -171,6 +173,7 @@ def plan_job(checked: CheckedSpec) -> dict:
         "token_lengths": {"bin_edges": [round(float(e), 1) for e in edges], "counts": counts.tolist(),
                           "mean": float(lengths.mean()), "max": int(lengths.max())},
         "truncated_fraction": float((full > hp.max_length).mean()),
+        "truncated_examples": int((full > hp.max_length).sum()),
         "padding_efficiency": efficiency,
         "buckets": {"ladder": ladder, "widths": [{"width": w, "micro_batches": n} for w, n in used.items()],
                     "padding_efficiency": efficiency[hp.batching]["bucketed"]},
@@ -195,7 +198,7 @@ TOKENIZE_ROWS = 4096  # texts per tokenizer call in a dry run
 
 
 def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
-    """Tokens per example (text pairs as the tokenizer's pair input, no truncation) of the rows the
+    """Tokens per example (text pairs as the tokenizer's pair input, word lists as words, no truncation) of the rows the
     job trains on: the training file tokenized ``TOKENIZE_ROWS`` texts at a time, then split as
     the worker splits it (``split_train_validation``). Memory holds one batch of texts and an
     int32 or two per row (length, class)."""
@@ -208,7 +211,8 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
         for a in range(0, len(batch.texts), TOKENIZE_ROWS):
             pairs = batch.pairs[a:a + TOKENIZE_ROWS] if batch.pairs is not None else None
             ids = tokenizer(batch.texts[a:a + TOKENIZE_ROWS], pairs, truncation=False, return_attention_mask=False,
-                            return_token_type_ids=False)["input_ids"]
+                            return_token_type_ids=False,
+                            is_split_into_words=cols.task == "token_classification")["input_ids"]
             parts.append(np.fromiter(map(len, ids), dtype=np.int32, count=len(ids)))
     problems.raise_if_any()  # the file changed since check_spec read it
     lengths = np.concatenate(parts)

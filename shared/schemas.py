@@ -41,9 +41,15 @@ MULTI_LABEL_EXAMPLE = {
     "validation_split": 0.1, "text_column": "text", "label_column": "genres", "label_separator": "|",
     "tune_threshold": True, "hyperparameters": {**HYPERPARAMETERS_EXAMPLE, "metric_for_best_model": "f1_micro"},
 }
+TOKEN_JOB_CREATE_EXAMPLE = {  # named entities from a CoNLL file (columns tokens and tags)
+    "base_model": "all-MiniLM-L6-v2", "task": "token_classification", "training_dataset": "ds_7b2e90c4a1d35f18",
+    "validation_dataset": "ds_c5d1e7a9032b4f6e", "text_column": "tokens", "label_column": "tags",
+    "hyperparameters": {**HYPERPARAMETERS_EXAMPLE, "metric_for_best_model": "entity_f1"},
+}
 # The values of Hyperparameters.metric_for_best_model that apply to each task.
 TASK_METRICS = {"classification": ("loss", "accuracy", "f1_macro"), "regression": ("loss", "mse", "pearson_r"),
-                "multi_label": ("loss", "f1_micro", "f1_macro", "subset_accuracy")}
+                "multi_label": ("loss", "f1_micro", "f1_macro", "subset_accuracy"),
+                "token_classification": ("loss", "entity_f1", "entity_precision", "entity_recall", "token_accuracy")}
 
 
 def _takes_int(annotation: Any) -> bool:
@@ -81,7 +87,8 @@ class Hyperparameters(BaseModel):
     save_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
     save_total_limit: int = Field(2, ge=1, le=1000, description="Checkpoints kept on disk (the newest).")
     metric_for_best_model: Literal["loss", "accuracy", "f1_macro", "mse", "pearson_r", "f1_micro",
-                                   "subset_accuracy"] = "loss"
+                                   "subset_accuracy", "entity_f1", "entity_precision", "entity_recall",
+                                   "token_accuracy"] = "loss"
     early_stopping_patience: int | None = Field(
         None, ge=1, description="Stop after this many evaluations without improving metric_for_best_model.")
     max_nonfinite_steps: int = Field(
@@ -104,13 +111,15 @@ class Hyperparameters(BaseModel):
 class JobCreate(BaseModel):
     """Body of ``POST /jobs``."""
 
-    model_config = ConfigDict(extra="forbid", strict=True,
-                              json_schema_extra={"examples": [JOB_CREATE_EXAMPLE, MULTI_LABEL_EXAMPLE]})
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "examples": [JOB_CREATE_EXAMPLE, MULTI_LABEL_EXAMPLE, TOKEN_JOB_CREATE_EXAMPLE]})
 
     base_model: str
-    task: Literal["classification", "regression", "multi_label"] = Field(
+    task: Literal["classification", "regression", "multi_label", "token_classification"] = Field(
         "classification", description="multi_label: each row has a list of labels (none, one or several); "
-        "sigmoid outputs trained with BCEWithLogitsLoss")
+        "sigmoid outputs trained with BCEWithLogitsLoss. token_classification (named entities, IOB/BIO tags): "
+        "text_column names a column of word lists (default `tokens`), label_column one of tag lists of the same "
+        "length (default `tags`); JSONL, Parquet (list columns) or CoNLL files.")
     training_dataset: str
     validation_dataset: str | None = None
     validation_split: float | None = Field(None, ge=0, lt=1, description="Default 0.1 when no validation_dataset.")
@@ -131,9 +140,21 @@ class JobCreate(BaseModel):
     allow_large_targets: bool = Field(
         False, description="Regression: accept targets with |y| > 1e6 (refused by default: targets that large "
                            "usually mean unscaled data or the wrong column, and overflow the loss).")
+    label_all_subwords: bool = Field(
+        False, description="token_classification: train on every subword of a word (its tag, B- as I- after the "
+                           "first) instead of the first subword only; evaluation always scores the first subword.")
     metadata: Metadata = None
     suffix: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$",
                                description="Added to the trained model's name (``fine_tuned_model`` in /v1).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tagging_column_defaults(cls, data: Any) -> Any:
+        """token_classification reads word lists and tag lists: their columns default to ``tokens``
+        and ``tags`` (the names the CoNLL reader gives them)."""
+        if isinstance(data, dict) and data.get("task") == "token_classification":
+            return {"text_column": "tokens", "label_column": "tags", **data}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobCreate":
@@ -153,6 +174,10 @@ class JobCreate(BaseModel):
             raise ValueError(f"{', '.join(given)} apply to task 'multi_label' only")
         if self.tune_threshold and not (self.validation_dataset or self.validation_split):
             raise ValueError("tune_threshold needs a validation set")
+        if self.task == "token_classification" and self.text_pair_column:
+            raise ValueError("token_classification takes one column of words: text_pair_column must be null")
+        if self.label_all_subwords and self.task != "token_classification":
+            raise ValueError("label_all_subwords applies to token_classification only")
         if hp.early_stopping_patience and not (self.validation_dataset or self.validation_split):
             raise ValueError("hyperparameters.early_stopping_patience needs a validation set")
         return self
@@ -348,6 +373,8 @@ class Plan(BaseModel):
     examples: int = Field(description="training examples, after any validation_split")
     token_lengths: TokenLengths = Field(description="histogram of real tokens per example, after truncation")
     truncated_fraction: float = Field(description="share of examples longer than max_length")
+    truncated_examples: int = Field(description="examples longer than max_length, cut there (token_classification: "
+                                                "the words past it are neither trained on nor scored)")
     padding_efficiency: dict[str, PaddingEfficiency] = Field(description="per batching strategy")
     buckets: Buckets = Field(description="the chosen batching's bucket widths on a CUDA worker")
     micro_batches_per_epoch: int

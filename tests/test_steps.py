@@ -352,7 +352,8 @@ def test_jobs_that_cannot_be_captured_say_why(engine_env):
 
     def reason(**hp):
         scaler = torch.amp.GradScaler("cpu", enabled=hp.pop("fp16", False))
-        run = SimpleNamespace(device=torch.device("cuda", 0), hp=Hyperparameters(**hp), scaler=scaler)
+        job = SimpleNamespace(task=hp.pop("task", "classification"))
+        run = SimpleNamespace(device=torch.device("cuda", 0), hp=Hyperparameters(**hp), scaler=scaler, job=job)
         return graphs.eager_reason(run)
 
     assert reason() is None
@@ -360,6 +361,7 @@ def test_jobs_that_cannot_be_captured_say_why(engine_env):
     assert "gradient_checkpointing" in reason(gradient_checkpointing=True)
     assert "torch_compile" in reason(torch_compile=True)
     assert "token_budget" in reason(batching="token_budget")
+    assert "token_classification" in reason(task="token_classification")
     assert graphs.eager_reason(SimpleNamespace(device=CPU)) == "cpu trains eagerly"
 
 

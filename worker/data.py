@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
-from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
+from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from shared.artifacts import tokenized_cache_dir
 from shared.batching import bucket_ladder, bucket_width
@@ -66,8 +66,9 @@ class TokenizedDataset(torch.utils.data.Dataset):
     """Examples tokenized once, without padding, truncated to ``max_length``.
 
     Each item is a dict of Python lists (``input_ids``, ``attention_mask`` and, when the tokenizer
-    produces them, ``token_type_ids``) plus ``labels`` (class index, float target, or a multi-hot
-    list of floats, one per class, for multi_label).
+    produces them, ``token_type_ids``) plus ``labels`` (class index, float target, a multi-hot list
+    of floats, one per class, for multi_label, or a list of tag indices as long as ``input_ids`` for
+    token_classification).
     ``lengths[i]`` is the number of real tokens of example i. ``from_cache``: the encodings came
     from the tokenization cache.
     """
@@ -196,27 +197,33 @@ class BucketCollator:
     style (pad id 1) and MPNet-style (no ``token_type_ids``) encoders work.
 
     Returns a dict of int64 ``[rows, width]`` tensors (``input_ids``, ``attention_mask``, and
-    ``token_type_ids`` when the tokenizer makes them) plus ``labels`` ``[rows]``.
+    ``token_type_ids`` when the tokenizer makes them) plus ``labels`` ``[rows]``; with
+    ``labels_per_token`` (token_classification), ``labels`` ``[rows, width]`` padded with -100
+    (``transformers.DataCollatorForTokenClassification``).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, ladder: list[int]):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, ladder: list[int], labels_per_token: bool = False):
         self.tokenizer, self.ladder = tokenizer, ladder
+        self.pad = DataCollatorForTokenClassification if labels_per_token else DataCollatorWithPadding
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         width = bucket_width(self.ladder, max(len(f["input_ids"]) for f in features))
-        return DataCollatorWithPadding(self.tokenizer, padding="max_length", max_length=width)(features)
+        return self.pad(self.tokenizer, padding="max_length", max_length=width)(features)
 
 
 def make_collator(tokenizer: PreTrainedTokenizerBase, batching: str, max_length: int,
-                  pad_to: list[int] | int | None) -> BucketCollator:
+                  pad_to: list[int] | int | None, labels_per_token: bool = False) -> BucketCollator:
     """The collator of a job: ``fixed`` pads everything to ``max_length``; the other strategies pad
     each micro-batch up to a width of the ladder ``pad_to`` (``shared.batching.bucket_ladder``), or
-    to a multiple of ``pad_to`` when it is a number (None: to the longest member)."""
+    to a multiple of ``pad_to`` when it is a number (None: to the longest member).
+    ``labels_per_token``: see ``BucketCollator``."""
     if batching == "fixed":
-        return BucketCollator(tokenizer, [max_length])
-    if isinstance(pad_to, list):
-        return BucketCollator(tokenizer, pad_to)
-    return BucketCollator(tokenizer, bucket_ladder(max_length, pad_to or 1))
+        ladder = [max_length]
+    elif isinstance(pad_to, list):
+        ladder = pad_to
+    else:
+        ladder = bucket_ladder(max_length, pad_to or 1)
+    return BucketCollator(tokenizer, ladder, labels_per_token)
 
 
 @dataclass

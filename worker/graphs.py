@@ -327,6 +327,8 @@ def eager_reason(run) -> str | None:
         return "torch_compile (it makes its own graphs)"
     if hp.batching == "token_budget":
         return "token_budget batching (micro-batches vary in rows)"
+    if run.job.task == "token_classification":
+        return "token_classification (the captured step takes one label per row)"
     return None
 
 

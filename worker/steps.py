@@ -53,15 +53,30 @@ def make_scheduler(optimizer: torch.optim.Optimizer, hp, total_steps: int):
 
 def example_losses(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
     """Per-example loss ``[n]`` in fp32: cross-entropy (logits ``[n, classes]``, labels ``[n]`` int64),
-    squared error (logits ``[n, 1]``, labels ``[n]`` float) or, for multi_label, binary
-    cross-entropy on the sigmoid of each logit averaged over the labels (logits and multi-hot labels
-    ``[n, labels]``; the mean over a batch is ``torch.nn.BCEWithLogitsLoss``, as the Trainer's
-    ``problem_type="multi_label_classification"`` computes it)."""
+    squared error (logits ``[n, 1]``, labels ``[n]`` float); for multi_label, binary cross-entropy
+    on the sigmoid of each logit averaged over the labels (logits and multi-hot labels ``[n, labels]``;
+    the mean over a batch is ``torch.nn.BCEWithLogitsLoss``, as the Trainer's
+    ``problem_type="multi_label_classification"`` computes it); token_classification: the
+    cross-entropy summed over each example's labelled tokens (logits ``[n, width, tags]``, labels
+    ``[n, width]`` int64, -100 where there is no label)."""
+    if task == "token_classification":
+        return F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none").sum(-1)
     if task == "regression":
         return F.mse_loss(logits.float().squeeze(-1), labels.float(), reduction="none")
     if task == "multi_label":
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(-1)
     return F.cross_entropy(logits.float(), labels, reduction="none")
+
+
+def loss_terms(labels: torch.Tensor, task: str) -> int:
+    """How many terms a batch's summed loss (``example_losses``) has, on the host: its examples, or
+    for token_classification its labelled tokens (labels not -100). A step's loss is its sum over
+    the terms of all its micro-batches, so token_classification trains on the mean over labelled
+    tokens across the accumulated micro-batches, as the Hugging Face Trainer does when it counts
+    ``num_items_in_batch``."""
+    if task == "token_classification":
+        return int((labels != -100).sum())
+    return len(labels)
 
 
 def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:

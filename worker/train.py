@@ -38,7 +38,7 @@ import torch
 from scipy.stats import pearsonr
 from sklearn.metrics import accuracy_score, f1_score, mean_squared_error
 from torch.utils.data import DataLoader
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
 from transformers import logging as hf_logging
 from transformers import set_seed
 
@@ -55,13 +55,16 @@ from worker.device import describe, padding_ladder
 from worker.graphs import CapturedSteps, capture_steps, clear_cache, eager_reason
 from worker.report import PhaseTimer, Reporter, timed
 from worker.run_logs import write_run_logs
-from worker.steps import (Steps, StepValues, bf16_copy, example_losses, make_optimizer, make_scheduler,
+from worker.steps import (Steps, StepValues, bf16_copy, example_losses, loss_terms, make_optimizer, make_scheduler,
                           uses_bf16_copy)
+from worker.tagging import tagging_metrics, tokenize_words, word_sequences
 
 hf_logging.set_verbosity_error()
 log = logging.getLogger(__name__)
 GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True,
-                     "f1_micro": True, "subset_accuracy": True}
+                     "f1_micro": True, "subset_accuracy": True, "entity_f1": True, "entity_precision": True,
+                     "entity_recall": True, "token_accuracy": True}
+PROBLEM_TYPES = {"classification": "single_label_classification", "multi_label": "multi_label_classification"}
 THRESHOLDS = np.round(np.arange(0.05, 0.951, 0.05), 2)  # multi_label: the decision thresholds tune_threshold tries
 READ_EVERY_SECONDS = 1.0  # CUDA: copy the per-step values to the host this often (``read_every_seconds``)
 
@@ -207,14 +210,17 @@ def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, che
     set_seed(hp.seed)
     model_dir = resolve_model(job.base_model)
 
-    def encode(df, sha256):
+    def encode(df, sha256, training=True):
+        if job.task == "token_classification":  # validation scores words: first subwords only
+            return tokenize_words(tokenizer, df, spec["text_column"], spec["label_column"], job.label_names,
+                                  hp.max_length, training and spec.get("label_all_subwords", False))
         return tokenize(tokenizer, df, spec["text_column"], spec.get("text_pair_column"), spec["label_column"],
                         job.label_names, hp.max_length, sha256)
 
     with timer.phase("tokenize"):
         tokenizer = load_tokenizer(model_dir, job.base_model, hp.max_length)
         train_set = encode(data.train, data.train_sha256)
-        val_set = (encode(data.validation, data.validation_sha256)
+        val_set = (encode(data.validation, data.validation_sha256, training=False)
                    if data.validation is not None else None)
     cached = [part.from_cache for part in (train_set, val_set) if part is not None]
     reporter.event("tokenized", f"{len(train_set)} training and {len(val_set) if val_set else 0} validation texts at "
@@ -234,7 +240,8 @@ def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, che
         scheduler = make_scheduler(optimizer, hp, total_steps)
         dtype = autocast_dtype(hp.precision, device)
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        collator = make_collator(tokenizer, hp.batching, hp.max_length, padding_ladder(hp, device))
+        collator = make_collator(tokenizer, hp.batching, hp.max_length, padding_ladder(hp, device),
+                                 labels_per_token=job.task == "token_classification")
 
         run = Run(job, hp, device, dtype, tokenizer, model, optimizer, scheduler, scaler, train_set, val_set, plan,
                   collator, total_steps, artifacts.checkpoints_dir(job.id),
@@ -263,23 +270,29 @@ def load_tokenizer(model_dir: Path, name: str, max_length: int):
 
 
 def load_model(path: Path, job: Job, device: torch.device | None = None) -> torch.nn.Module:
-    """A sequence-classification model from a base model or checkpoint directory: safetensors only,
+    """A sequence-classification model (``problem_type`` single- or multi-label in its config;
+    ``AutoModelForTokenClassification`` for token_classification,
+    one logit per token and tag) from a base model or checkpoint directory: safetensors only,
     no remote code, SDPA attention where the architecture supports it, its weights read straight
-    onto ``device`` (``device_map``; no copy through host memory first)."""
+    onto ``device`` (``device_map``; no copy through host memory first). Its config names the
+    labels (``id2label``, ``label2id``), which pipelines read."""
     if job.task == "regression":
         labels = {"num_labels": 1, "problem_type": "regression"}
     else:
         names = job.label_names
-        problem = "multi_label_classification" if job.task == "multi_label" else "single_label_classification"
         labels = {"num_labels": len(names), "id2label": dict(enumerate(names)),
-                  "label2id": {n: i for i, n in enumerate(names)}, "problem_type": problem}
+                  "label2id": {n: i for i, n in enumerate(names)}}
+        if problem := PROBLEM_TYPES.get(job.task):  # token_classification has none
+            labels["problem_type"] = problem
+    model_class = (AutoModelForTokenClassification if job.task == "token_classification"
+                   else AutoModelForSequenceClassification)
     kwargs = dict(use_safetensors=True, ignore_mismatched_sizes=True, trust_remote_code=False,
                   device_map=device or "cpu", **labels)
     try:
         try:
-            return AutoModelForSequenceClassification.from_pretrained(path, attn_implementation="sdpa", **kwargs)
+            return model_class.from_pretrained(path, attn_implementation="sdpa", **kwargs)
         except (ValueError, ImportError):  # the architecture has no SDPA implementation
-            return AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+            return model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError) as e:  # the same files fail the same way: no retry
         raise UserError("model_load_failed", f"model {job.base_model!r} could not be loaded: {e}", "base_model") from e
 
@@ -345,7 +358,7 @@ def first_step(run: Run) -> tuple[list[dict[str, torch.Tensor]], int]:
     group = [run.collator([run.train_set[i] for i in batch])
              for batch in batches[start:start + run.hp.gradient_accumulation_steps]]
     pieces = [piece for planned in group for piece in split_batch(planned, run.state.micro_split)]
-    return pieces, sum(len(piece["labels"]) for piece in pieces)
+    return pieces, sum(loss_terms(piece["labels"], run.job.task) for piece in pieces)
 
 
 def notify(reporter: Reporter | None, code: str, message: str, level: str = "info") -> None:
@@ -480,8 +493,9 @@ def train_step(run: Run, group: list[dict]) -> tuple[torch.Tensor, BatchStats]:
     (``run.steps``; ``warm_up`` first if it has not run).
 
     The loss of each micro-batch is summed over its examples and divided by the number of
-    examples in the whole step, so micro-batches of unequal size weigh correctly and the gradient
-    equals that of one batch of all of them. A step whose loss or gradient is not finite is
+    examples in the whole step (token_classification: labelled tokens, ``loss_terms``), so
+    micro-batches of unequal size weigh correctly and the gradient equals that of one batch of
+    all of them. A step whose loss or gradient is not finite is
     skipped (the fused AdamW leaves weights and moments alone).
 
     Returns:
@@ -490,7 +504,7 @@ def train_step(run: Run, group: list[dict]) -> tuple[torch.Tensor, BatchStats]:
     """
     if run.steps is None:
         warm_up(run)
-    n_examples = sum(len(b["labels"]) for b in group)
+    n_examples = sum(loss_terms(b["labels"], run.job.task) for b in group)
     stats = BatchStats(0, 0, 0)
     for planned in group:
         s = BatchStats.of(planned, padded_to_longest=run.hp.batching != "fixed")
@@ -510,8 +524,9 @@ def split_batch(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, t
 
 
 def loss_sum_of(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
-    """Summed loss of a micro-batch: cross-entropy (logits ``[n, classes]``, labels ``[n]`` int64)
-    or squared error (logits ``[n, 1]``, labels ``[n]`` float), computed in fp32."""
+    """Summed loss of a micro-batch: cross-entropy (logits ``[n, classes]``, labels ``[n]`` int64),
+    squared error (logits ``[n, 1]``, labels ``[n]`` float), or token_classification's cross-entropy
+    over labelled tokens (``example_losses``), computed in fp32."""
     return example_losses(logits, labels, task).sum()
 
 
@@ -580,7 +595,9 @@ def log_steps(run: Run, reporter: Reporter, landed: list[tuple[StepRecord, list[
 @torch.no_grad()
 def evaluate(run: Run, reporter: Reporter | None = None) -> dict[str, float]:
     """Validation loss plus accuracy and macro-F1 (classification), MSE and Pearson r (regression),
-    or ``multi_label_metrics`` (multi_label).
+    ``multi_label_metrics`` (multi_label), or entity-level precision, recall and F1, token accuracy
+    and ``per_entity`` metrics (token_classification: ``worker.tagging.tagging_metrics``; its loss
+    is per labelled token).
 
     Runs eagerly on ``run.model`` (the fp32 master weights, under autocast with the job's dtype):
     it never touches the training step's CUDA graphs or their inputs. ``reporter``, if given,
@@ -601,6 +618,10 @@ def evaluate(run: Run, reporter: Reporter | None = None) -> dict[str, float]:
         targets.append(labels)
         if reporter is not None:
             reporter.heartbeat()
+    if task == "token_classification":
+        names = run.job.label_names
+        return {"loss": loss_total.item() / max(1, sum(loss_terms(t, task) for t in targets)),
+                **tagging_metrics(*word_sequences(predictions, targets, names), names)}
     y_pred, y_true = torch.cat(predictions).cpu().numpy(), torch.cat(targets).cpu().numpy()
     metrics = {"loss": loss_total.item() / len(y_true)}
     if task == "regression":
@@ -643,7 +664,7 @@ def run_evaluation(run: Run, reporter: Reporter) -> bool:
     metrics = st.last_eval = evaluate(run, reporter)
     st.last_eval_step = st.step
     reporter.log(st.step, st.epoch, {f"eval_{k}": v for k, v in metrics.items()
-                                     if isinstance(v, float) and math.isfinite(v)})  # f1_per_label is not logged
+                                     if isinstance(v, float) and math.isfinite(v)})  # not f1_per_label, per_entity
     reporter.progress(validation_metrics=metrics)
     name = run.hp.metric_for_best_model
     value = metrics.get(name, float("nan"))
