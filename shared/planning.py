@@ -93,7 +93,8 @@ def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
                         f"longer than {spec.base_model!r} accepts ({limit} tokens)", "hyperparameters.max_length")
     with read_session() as s:
         train = visible_dataset(s, spec.training_dataset, "training_dataset", caller)
-        val = visible_dataset(s, spec.validation_dataset, "validation_dataset", caller) if spec.validation_dataset else None
+        val = (visible_dataset(s, spec.validation_dataset, "validation_dataset", caller)
+               if spec.validation_dataset else None)
     cols = JobColumns.of(spec)
     for dataset in [train] + ([val] if val else []):
         _require_columns(dataset, cols)

@@ -172,7 +172,7 @@ def prediction_batches(dataset: Dataset, spec: PredictionCreate, problems: Probl
 
 
 def _id_problem(value) -> str | None:
-    if value is None or isinstance(value, str) and not value.strip():
+    if value is None or (isinstance(value, str) and not value.strip()):
         return "is missing"
     if isinstance(value, (dict, list, tuple, bytes, float)):
         return "holds a nested, binary or float value; ids are text or integers"
@@ -250,7 +250,8 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
 
     Raises:
         UserError: see ``check_prediction``; ``unknown_dataset`` or ``model_deleted`` if the dataset
-            or the model's job was deleted while it was checked; 429 ``too_many_active_jobs`` and 413 ``storage_quota_exceeded``.
+            or the model's job was deleted while it was checked; 429 ``too_many_active_jobs`` and 413
+            ``storage_quota_exceeded``.
     """
     received = utcnow()
     checked = check_prediction(spec, caller)
@@ -304,7 +305,8 @@ def plan_prediction(checked: CheckedPrediction) -> dict:
                                              part.pairs[a:a + TOKENIZE_ROWS] if part.pairs else None)
                                for a in range(0, len(part.texts), TOKENIZE_ROWS)])
         lengths = np.minimum(full, max_length)
-        rows, truncated, tokens = rows + len(full), truncated + int((full > max_length).sum()), tokens + int(lengths.sum())
+        rows, tokens = rows + len(full), tokens + int(lengths.sum())
+        truncated += int((full > max_length).sum())
         padded += padded_tokens(lengths, max_tokens(spec.batch_size, max_length), ladder)
     return {"rows": rows, "task": checked.model.task, "label_names": checked.model.label_names,
             "max_length": max_length, "tokens": tokens, "truncated": truncated, "padded_tokens": padded,

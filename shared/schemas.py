@@ -536,7 +536,8 @@ class PredictionDryRunOut(BaseModel):
     """Response of ``POST /predictions?dry_run=true``: nothing is stored or queued."""
 
     model_config = ConfigDict(json_schema_extra={"examples": [{"dry_run": True, "plan": {
-        "rows": 445, "task": "classification", "label_names": ["business", "entertainment", "politics", "sport", "tech"],
+        "rows": 445, "task": "classification",
+        "label_names": ["business", "entertainment", "politics", "sport", "tech"],
         "max_length": 128, "tokens": 50874, "truncated": 203, "padded_tokens": 51622, "padding_efficiency": 0.986,
         "estimated_seconds": 7.4, "estimate_basis": "job job_1c7e9a40d2b35f86: 6980 padded tokens/s on cpu"}}]})
 

@@ -37,8 +37,8 @@ class Scoring:
     spec: PredictionCreate
     loaded: LoadedModel
     dataset: Dataset
-    max_length: int
     directory: Path  # where its parts are written
+    parts: int  # parts written (by earlier attempts, then this one)
     counts: dict[str, int]
     started: float = 0.0  # perf_counter when this attempt started scoring
     scored: dict[str, int] | None = None  # counts of this attempt (for its rates)
@@ -86,7 +86,7 @@ def setup(job: Job, device: torch.device, reporter: Reporter) -> Scoring:
         dataset = s.get(Dataset, job.training_dataset_id)
     directory = results_dir(job.id)
     parts = written_parts(directory)
-    run = Scoring(job, spec, loaded, dataset, spec.max_length, directory, part_counts(parts))
+    run = Scoring(job, spec, loaded, dataset, directory, len(parts), part_counts(parts))
     if parts:
         reporter.event("resumed", f"resuming after {run.counts['rows']} rows already written in {len(parts)} parts")
     reporter.progress(device=describe(device), step=run.counts["rows"],
@@ -99,19 +99,20 @@ def score_parts(run: Scoring, reporter: Reporter) -> str:
     part, then report progress. Returns ``"completed"`` or why it stopped."""
     problems = Problems(run.dataset.filename)
     batches = prediction_batches(run.dataset, run.spec, problems)
-    first = len(written_parts(run.directory))
     run.started, run.scored = time.perf_counter(), dict.fromkeys(PART_COUNTS, 0)
-    for index, part in enumerate(parts_of(batches, get_settings().predict_part_rows, run.counts["rows"]), first):
+    max_length = run.spec.max_length  # resolved at submit (shared.predictions.stored_spec)
+    for part in parts_of(batches, get_settings().predict_part_rows, run.counts["rows"]):
         problems.raise_if_any()  # the file changed since the job was submitted
         if reason := reporter.should_stop():
             return reason
-        predictions = predict_texts(run.loaded, part.texts, part.pairs, run.max_length,
-                                    max_tokens(run.spec.batch_size, run.max_length))
+        predictions = predict_texts(run.loaded, part.texts, part.pairs, max_length,
+                                    max_tokens(run.spec.batch_size, max_length))
         counts = {"rows": len(part.texts), "truncated": predictions.truncated, "tokens": predictions.tokens,
                   "padded_tokens": predictions.padded_tokens}
         table = results_table(part.ids, run.loaded.task, run.loaded.label_names, predictions.rows,
                               id_type(run.job.spec))
-        write_part(run.directory, index, table, counts)
+        write_part(run.directory, run.parts, table, counts)
+        run.parts += 1
         for name in PART_COUNTS:
             run.counts[name] += counts[name]
             run.scored[name] += counts[name]
@@ -124,7 +125,7 @@ def result(run: Scoring) -> dict:
     """The job's ``PredictionResult``: the counts so far, with this attempt's rates."""
     seconds = max(time.perf_counter() - run.started, 1e-9)
     counts = run.counts
-    return {**counts, "max_length": run.max_length,
+    return {**counts, "max_length": run.spec.max_length,
             "padding_efficiency": counts["tokens"] / counts["padded_tokens"] if counts["padded_tokens"] else None,
             "tokens_per_second": run.scored["tokens"] / seconds if run.scored["rows"] else None,
             "rows_per_second": run.scored["rows"] / seconds if run.scored["rows"] else None}
@@ -144,4 +145,4 @@ def finish(run: Scoring, reporter: Reporter) -> None:
     reporter.progress(step=run.counts["rows"], total_steps=run.counts["rows"], eta_seconds=0.0, train_metrics=summary)
     reporter.flush()
     reporter.event("results", f"{summary['rows']} rows scored; {summary['truncated']} texts longer than "
-                   f"max_length {run.max_length} were truncated")
+                   f"max_length {run.spec.max_length} were truncated")
