@@ -213,3 +213,20 @@ def test_multi_label_engine_and_trainer_report_the_same_held_out_figures(tiny_mo
         assert {"f1_micro", "f1_macro", "subset_accuracy"} <= set(row) and "accuracy" not in row
         assert all(0 <= row[name] <= 1 for name in ("f1_micro", "f1_macro", "subset_accuracy"))
     assert engine["epoch_real_tokens"] == peer["epoch_real_tokens"]
+
+
+def test_saved_runs_render_as_one_table(tmp_path):
+    from bench.report import main as report_main
+
+    meta = {"date": "d1", "device": "cpu, load average 7.0", "device_type": "cpu", "command": "python -m bench.train A",
+            "torch": "t", "transformers": "x", "model": "m", "dtype": "fp32", "epochs": 1, "repeats": 1,
+            "cpu_memory": "reuse"}
+    first, second = tmp_path / "smart.json", tmp_path / "trainer.json"
+    first.write_text(json.dumps({"meta": meta, "rows": [cuda_row("smart", 1, 4.0, 0.3)]}))
+    second.write_text(json.dumps({"meta": {**meta, "date": "d2", "command": "python -m bench.train B"},
+                                  "rows": [cuda_row("trainer", 1, 6.0, 0.2)]}))
+    md = tmp_path / "b.md"
+    assert report_main([str(first), str(second), "--markdown", str(md), "--section", "s"]) == 0
+    text = md.read_text()
+    assert "`python -m bench.train A; python -m bench.train B`" in text and "(d1); cpu, load average 7.0 (d2)" in text
+    assert "| smart |" in text and "| 1.50x |" in text  # the trainer's 6.0 s over the engine's 4.0 s
