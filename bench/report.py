@@ -1,7 +1,15 @@
 """The benchmark's tables: rows of cold runs summarized per data set, batch size and configuration
 (medians over repeats), ratios against the peers, the issue's GPU targets, and the Markdown
-sections of ``docs/benchmarks.md`` (text between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``)."""
+sections of ``docs/benchmarks.md`` (text between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``).
 
+Runs saved with ``bench.train --json`` render together, as one table with the ratios between
+them (configurations that must run in separate invocations, e.g. to fit a time limit each):
+
+    python -m bench.report /tmp/smart.json /tmp/trainer.json --markdown docs/benchmarks.md --section NAME
+"""
+
+import argparse
+import json
 import math
 import os
 import platform
@@ -174,3 +182,30 @@ def update_markdown(path: Path, sections: dict[str, str]) -> list[str]:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return list(sections)
+
+
+def render_saved(paths: list[Path]) -> str:
+    """One Markdown section from the rows of several ``bench.train --json`` files: the provenance
+    of the first, with every run's command and start (date and machine with its load average)."""
+    runs = [json.loads(path.read_text()) for path in paths]
+    rows = [r for run in runs for r in run["rows"] if "error" not in r]
+    meta = {**runs[0]["meta"], "command": "; ".join(run["meta"]["command"] for run in runs),
+            "device": "; ".join(f"{run['meta']['device']} ({run['meta']['date']})" for run in runs)}
+    return render(summarize(rows), meta)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", nargs="+", type=Path, help="files written by bench.train --json")
+    p.add_argument("--markdown", type=Path, help="write the table into this file's section")
+    p.add_argument("--section", default="epochs-cpu", help="the Markdown section's name")
+    args = p.parse_args(argv)
+    section = render_saved(args.json)
+    print(section)
+    if args.markdown:
+        update_markdown(args.markdown, {args.section: section})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
