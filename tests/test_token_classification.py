@@ -172,8 +172,8 @@ def test_training_end_to_end_and_the_artifact_in_a_pipeline(stack):
     model = AutoModelForTokenClassification.from_pretrained(model_dir, use_safetensors=True)
     assert model.config.id2label == dict(enumerate(TAGS))
     ner = pipeline("token-classification", model=str(model_dir), aggregation_strategy="simple", device="cpu")
-    entities = ner("carol went to the market and then new york")
-    assert [(e["entity_group"], e["word"]) for e in entities] == [("PER", "carol"), ("LOC", "new york")]
+    entities = ner("carol went to the market and then paris")
+    assert [(e["entity_group"], e["word"]) for e in entities] == [("PER", "carol"), ("LOC", "paris")]
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -258,3 +258,48 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_batch(engine_env):
     train_step(run, micro_batches(run, [1, 3]))
     for one, accumulated in zip(*grads):
         torch.testing.assert_close(accumulated, one, rtol=1e-4, atol=1e-6)
+
+
+def token_job(job_id: str, **hyperparameters):
+    from shared.models import Job
+    from shared.schemas import JobCreate
+
+    spec = JobCreate(base_model=TINY_MODEL, task="token_classification", training_dataset="ds_test",
+                     hyperparameters={"epochs": 2, "batch_size": 4, "max_length": 32, "precision": "fp32",
+                                      "learning_rate": 1e-3, **hyperparameters})
+    return Job(id=job_id, task="token_classification", base_model=TINY_MODEL, spec=spec.model_dump(mode="json"),
+               label_names=TAGS)
+
+
+def test_a_resumed_job_continues_with_the_same_losses(engine_env):
+    from tests.conftest import RecordingReporter
+    from worker import train as engine
+    from worker.data import JobData
+
+    data = JobData(pd.DataFrame([{"tokens": w, "tags": t} for w, t in sentences(20, seed=4)]), None)
+    cpu = torch.device("cpu")
+    whole = RecordingReporter()
+    run = engine.setup(token_job("uninterrupted", save_every_steps=100), data, cpu, whole)
+    assert engine.train(run, whole) == "completed"
+    total = run.total_steps
+
+    job = token_job("resumed", save_every_steps=100)
+    first = RecordingReporter(stop_after_step=3)  # a SIGTERM after step 3: checkpoint, then stop
+    assert engine.train(engine.setup(job, data, cpu, first), first) == "shutdown"
+    [(step, path)] = first.checkpoints
+    second = RecordingReporter()
+    run = engine.setup(job, data, cpu, second, checkpoint=path)
+    assert engine.train(run, second) == "completed"
+    expected, after = whole.series("train_loss"), second.series("train_loss")
+    assert sorted(after) == list(range(step + 1, total + 1))
+    for s in after:
+        assert after[s] == pytest.approx(expected[s], rel=1e-5, abs=1e-6), s
+
+
+def test_tags_without_a_prefix_are_scored_as_runs_of_one_type():
+    """Plain tags (``PER``, ``LOC``, ``O``: the IO scheme) score as IOB's ``I-PER``: a run of
+    one type is one entity, instead of seqeval reading ``PER`` as prefix ``P`` of type ``ER``."""
+    gold, predicted = [["PER", "PER", "O", "LOC"]], [["PER", "PER", "O", "PER"]]
+    metrics = tagging_metrics(gold, predicted, ["LOC", "O", "PER"])
+    assert set(metrics["per_entity"]) == {"PER", "LOC"}
+    assert metrics["entity_precision"] == pytest.approx(1 / 2) and metrics["entity_recall"] == pytest.approx(1 / 2)

@@ -10,7 +10,8 @@ subwords get the word's tag too, ``B-X`` as ``I-X`` (``run_ner.py``'s ``label_al
 
 Metrics are seqeval's entity-level precision, recall and F1 (micro-averaged over entities, and per
 entity type), in strict IOB2 mode where the tag set is IOB2, plus token accuracy over the first
-subword of every word (the words themselves, whatever ``label_all_subwords`` trained on).
+subword of every word (the words themselves, whatever ``label_all_subwords`` trained on). Plain tags
+without IOB prefixes (the IO scheme) are scored as ``I-`` tags: a run of one type is one entity.
 """
 
 import numpy as np
@@ -85,6 +86,15 @@ def is_iob2(names: list[str]) -> bool:
     return all("B-" + name[2:] in names for name in names if name.startswith("I-"))
 
 
+def inside_names(names: list[str]) -> dict[str, str] | None:
+    """How plain tags are scored: None when the tag set uses IOB prefixes (scored as written);
+    otherwise (``PER``, ``LOC``, ``O``) each tag but ``O`` as ``I-<tag>``, which seqeval reads as
+    runs of one type (it would read ``PER`` as prefix ``P`` of type ``ER``)."""
+    if any(name[:2] in ("B-", "I-") for name in names):
+        return None
+    return {name: name if name == "O" else f"I-{name}" for name in names}
+
+
 def word_sequences(predictions: list[torch.Tensor], targets: list[torch.Tensor],
                    names: list[str]) -> tuple[list[list[str]], list[list[str]]]:
     """Gold and predicted tag names per example, at the positions whose target is not ``IGNORE``
@@ -104,8 +114,11 @@ def word_sequences(predictions: list[torch.Tensor], targets: list[torch.Tensor],
 def tagging_metrics(y_true: list[list[str]], y_pred: list[list[str]], names: list[str]) -> dict:
     """``entity_precision``, ``entity_recall``, ``entity_f1`` (seqeval, micro-averaged over
     entities; strict IOB2 when ``is_iob2(names)``, else seqeval's default conlleval-style
-    chunking), ``token_accuracy`` (share of words tagged right) and ``per_entity``: for each entity
+    chunking; plain tags as ``inside_names`` maps them), ``token_accuracy`` (share of words tagged right) and ``per_entity``: for each entity
     type, its ``precision``, ``recall``, ``f1`` and ``support`` (gold entities)."""
+    if (plain := inside_names(names)) is not None:
+        y_true, y_pred = ([[plain[t] for t in row] for row in rows] for rows in (y_true, y_pred))
+        names = list(plain.values())
     strict = {"mode": "strict", "scheme": IOB2} if is_iob2(names) else {}
     report = classification_report(y_true, y_pred, output_dict=True, zero_division=0, **strict)
     overall = report.pop("micro avg", {"precision": 0.0, "recall": 0.0, "f1-score": 0.0})
