@@ -215,4 +215,34 @@ def test_multi_label_engine_and_trainer_report_the_same_held_out_figures(tiny_mo
     assert engine["epoch_real_tokens"] == peer["epoch_real_tokens"]
 
 
-OURS_THEN
+def test_token_classification_engine_and_trainer_on_wnut16(tiny_models):
+    """WNUT-16 through both runners: the same real tokens per epoch, held-out entity F1 and token
+    accuracy on both sides, from the same initial weights."""
+    spec = RunSpec(dataset="wnut16", config="smart", model="tiny-bert", device="cpu", precision="auto",
+                   batch_size=BATCH, max_length=MAX_LENGTH, train_size=TEXTS, val_size=HELD_OUT)
+    train, val = load_split("wnut16", TEXTS, HELD_OUT)
+    labels = CORPORA["wnut16"].label_names(train, val)
+    assert "O" in labels and any(name.startswith("B-") for name in labels)
+    cpu = torch.device("cpu")
+    engine = run_engine("smart", spec, train, val, labels, cpu, "token_classification")
+    peer = run_peer("trainer", spec, train, val, labels, cpu, str(tiny_models / "trainer-out"), "token_classification")
+    assert engine["epoch_real_tokens"] == peer["epoch_real_tokens"]
+    for row in engine, peer:
+        assert 0 <= row["entity_f1"] <= 1 and 0 < row["token_accuracy"] <= 1 and "accuracy" not in row
+
+
+def test_saved_runs_render_as_one_table(tmp_path):
+    from bench.report import main as report_main
+
+    meta = {"date": "d1", "device": "cpu, load average 7.0", "device_type": "cpu", "command": "python -m bench.train A",
+            "torch": "t", "transformers": "x", "model": "m", "dtype": "fp32", "epochs": 1, "repeats": 1,
+            "cpu_memory": "reuse"}
+    first, second = tmp_path / "smart.json", tmp_path / "trainer.json"
+    first.write_text(json.dumps({"meta": meta, "rows": [cuda_row("smart", 1, 4.0, 0.3)]}))
+    second.write_text(json.dumps({"meta": {**meta, "date": "d2", "command": "python -m bench.train B"},
+                                  "rows": [cuda_row("trainer", 1, 6.0, 0.2)]}))
+    md = tmp_path / "b.md"
+    assert report_main([str(first), str(second), "--markdown", str(md), "--section", "s"]) == 0
+    text = md.read_text()
+    assert "`python -m bench.train A; python -m bench.train B`" in text and "(d1); cpu, load average 7.0 (d2)" in text
+    assert "| smart |" in text and "| 1.50x |" in text  # the trainer's 6.0 s over the engine's 4.0 s
