@@ -99,7 +99,7 @@ def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
     for dataset in [train] + ([val] if val else []):
         _require_columns(dataset, cols)
     summary = scan_job_data(Path(train.path), train.format, train.filename, cols)
-    if summary.names is not None and len(summary.names) < 2:
+    if spec.task in ("classification", "token_classification") and len(summary.names) < 2:
         raise UserError("single_class", f"label column {cols.label!r} in {train.filename!r} has a single class "
                         f"({summary.names[0]!r}); {spec.task} needs at least 2", "label_column")
     if spec.task == "multi_label" and not summary.names:
