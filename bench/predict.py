@@ -1,17 +1,32 @@
 """Batch prediction throughput: ``shared.inference.predict_texts`` next to
 ``transformers.pipeline("text-classification", batch_size=32, truncation=True)`` on the same
-fine-tuned model and texts, each configuration in a fresh process.
+fine-tuned model and texts (every text of the corpus, at the model's max_length), each
+configuration in a fresh process (as ``bench.cold``: per-shape caches are process-wide),
+round-robin over repeats.
 
     python -m bench.predict prepare --dataset rotten_tomatoes   # fine-tune all-MiniLM-L6-v2 (1 epoch) into .bench-predict/
+    python -m bench.predict run --dataset rotten_tomatoes --repeats 2 --markdown docs/benchmarks.md
+    python -m bench.predict latency --requests 50 --markdown docs/benchmarks.md   # POST /models/{id}/predict
+
+Configurations (``--configs``): ``pipeline``, and ``tunejob[:<name>=<value>...]`` with
+``precision`` (fp32, bf16) and ``max_tokens`` (the token budget per batch), e.g.
+``tunejob:precision=bf16``. Labels are compared with the first ``pipeline`` run's; accuracy is on
+the held-out 20% split, which the model was not trained on.
 """
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 BENCH_DIR = Path(".bench-predict")
+OPTIONS = {"precision": str, "max_tokens": int}
 
 
 def model_path(dataset: str) -> Path:
@@ -23,7 +38,7 @@ def prepare(dataset: str, max_length: int, learning_rate: float) -> Path:
     """Fine-tune all-MiniLM-L6-v2 on the training part of ``dataset`` (the issue's set: Rotten
     Tomatoes 4,000 texts, BBC News the whole 80% split) for one epoch with the engine's own recipe
     (``bench.engine``) and save it as a tunejob model folder (safetensors, config with id2label,
-    tokenizer). Returns the folder."""
+    tokenizer with ``model_max_length`` = ``max_length``). Returns the folder."""
     from bench.cold import RunSpec
     from bench.corpora import CORPORA, load_split
     from bench.engine import BenchReporter, make_job
@@ -53,6 +68,228 @@ def prepare(dataset: str, max_length: int, learning_rate: float) -> Path:
     return out
 
 
+def config_options(config: str) -> tuple[str, dict]:
+    """(``pipeline`` or ``tunejob``, its options) from a configuration name.
+
+    Raises:
+        ValueError: an unknown configuration or a malformed option.
+    """
+    kind, *pairs = config.split(":")
+    if kind not in ("pipeline", "tunejob") or (kind == "pipeline" and pairs):
+        raise ValueError(f"{config!r}: expected pipeline or tunejob[:<name>=<value>...]")
+    options = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if name not in OPTIONS or not sep:
+            raise ValueError(f"{config!r}: the options are precision=<fp32|bf16> and max_tokens=<int>")
+        options[name] = OPTIONS[name](value)
+    return kind, options
+
+
+def corpus_texts(dataset: str) -> tuple[list[str], list[str], list[int]]:
+    """Every text of ``dataset``, its labels, and the positions of the held-out 20% split."""
+    from bench.corpora import CORPORA, SEED, stratified_split
+
+    df = CORPORA[dataset].read()
+    _, held_out = stratified_split(df, test_size=0.2, seed=SEED)
+    return df["text"].tolist(), df["label"].astype(str).tolist(), sorted(held_out.index.tolist())
+
+
+def predict_in_this_process(config: str, dataset: str) -> dict:
+    """Load the model fine-tuned on ``dataset`` and predict all its texts with ``config``: load and
+    prediction seconds, the labels, and (tunejob) token counts. Call it in a fresh process."""
+    import torch
+    from transformers import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, AutoConfig, pipeline
+
+    kind, options = config_options(config)
+    model_dir, (texts, _, _) = model_path(dataset), corpus_texts(dataset)
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(AutoConfig.from_pretrained(model_dir))]  # imported untimed
+    began = time.perf_counter()
+    if kind == "pipeline":
+        pipe = pipeline("text-classification", model=str(model_dir), device="cpu", batch_size=32, truncation=True)
+        loaded = time.perf_counter()
+        labels, counts = [row["label"] for row in pipe(texts)], {}
+    else:
+        from shared.inference import load_for_inference, predict_texts
+
+        model = load_for_inference(model_dir, torch.device("cpu"), options.get("precision", "auto"))
+        loaded = time.perf_counter()
+        predictions = predict_texts(model, texts, max_tokens=options.get("max_tokens"))
+        labels = [row["label"] for row in predictions.rows]
+        counts = {"tokens": predictions.tokens, "padded_tokens": predictions.padded_tokens,
+                  "truncated": predictions.truncated, "max_length": model.model_max_length}
+    done = time.perf_counter()
+    return {"config": config, "load_seconds": loaded - began, "predict_seconds": done - loaded,
+            "rows_per_second": len(texts) / (done - loaded), "labels": labels, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, **counts}
+
+
+def run_cold(config: str, dataset: str, scratch: Path) -> dict:
+    """``bench.predict one`` in a fresh process: its row, with the 1-minute load average before it
+    started and the whole process's seconds."""
+    out = scratch / f"row-{time.monotonic_ns()}.json"
+    load, began = os.getloadavg()[0], time.perf_counter()
+    subprocess.run([sys.executable, "-m", "bench.predict", "one", config, dataset, str(out)], check=True)
+    return {**json.loads(out.read_text()), "load_average": load, "process_seconds": time.perf_counter() - began}
+
+
+def summarize(rows: list[dict], dataset: str) -> list[dict]:
+    """One line per configuration: medians over its runs, the share of labels equal to the
+    pipeline's, and held-out accuracy."""
+    _, gold, held_out = corpus_texts(dataset)
+    reference = next(r["labels"] for r in rows if r["config"] == "pipeline")
+    baseline = statistics.median(r["rows_per_second"] for r in rows if r["config"] == "pipeline")
+    lines = []
+    for config in dict.fromkeys(r["config"] for r in rows):
+        runs = [r for r in rows if r["config"] == config]
+        labels, speed = runs[0]["labels"], statistics.median(r["rows_per_second"] for r in runs)
+        lines.append({
+            "config": config, "runs": len(runs), "load_s": statistics.median(r["load_seconds"] for r in runs),
+            "predict_s": statistics.median(r["predict_seconds"] for r in runs), "rows_per_s": speed,
+            "speedup": speed / baseline, "same_labels": sum(map(str.__eq__, labels, reference)) / len(reference),
+            "accuracy": sum(labels[i] == gold[i] for i in held_out) / len(held_out),
+            "real_per_computed": f"{runs[0]['tokens'] / runs[0]['padded_tokens']:.2f}" if "tokens" in runs[0] else "",
+            "load_averages": ", ".join(f"{r['load_average']:.1f}" for r in runs)})
+    return lines
+
+
+def render(lines: list[dict], meta: dict) -> str:
+    """The Markdown section: provenance, then a table row per configuration."""
+    head = (f"{meta['date']}, `{meta['command']}`: all {meta['texts']:,} texts of {meta['dataset']} "
+            f"@{meta['max_length']} ({meta['truncated']:,} truncated), all-MiniLM-L6-v2 fine-tuned one epoch "
+            f"(`bench.predict prepare`); {meta['machine']}; torch {meta['torch']}, {meta['threads']} threads. "
+            f"Held-out accuracy: on the {meta['held_out']:,} texts of the 20% split, not trained on. Same labels: "
+            "rows labelled as the pipeline labelled them. Load average: 1-minute, before each run.\n\n"
+            "| configuration | runs | load s | predict s | rows/s | vs pipeline | same labels | held-out accuracy "
+            "| real/computed tokens | load average |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    return head + "\n".join(
+        f"| {r['config']} | {r['runs']} | {r['load_s']:.1f} | {r['predict_s']:.1f} | {r['rows_per_s']:,.0f} "
+        f"| {r['speedup']:.2f}x | {100 * r['same_labels']:.2f}% | {100 * r['accuracy']:.2f}% "
+        f"| {r['real_per_computed']} | {r['load_averages']} |" for r in lines)
+
+
+def run(args: argparse.Namespace, command: str) -> None:
+    """Every configuration ``args.repeats`` times, each in a fresh process, the first configuration
+    rotating per repeat; print the table and write it into ``args.markdown``'s section."""
+    from bench.report import host, update_markdown
+
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for config in configs:
+        config_options(config)
+    if "pipeline" not in configs:
+        sys.exit("--configs must include pipeline: the other configurations are compared with it")
+    machine, rows = host(), []
+    with tempfile.TemporaryDirectory(prefix="tunejob-bench-") as scratch:
+        for repeat in range(args.repeats):
+            for config in configs[repeat % len(configs):] + configs[:repeat % len(configs)]:
+                rows.append(run_cold(config, args.dataset, Path(scratch)))
+                r = rows[-1]
+                print(f"{config} (repeat {repeat + 1}): load {r['load_seconds']:.1f} s, predict {r['predict_seconds']:.1f} s, "
+                      f"{r['rows_per_second']:,.0f} rows/s, load average {r['load_average']:.1f}", flush=True)
+    texts, _, held_out = corpus_texts(args.dataset)
+    ours = next(r for r in rows if "tokens" in r)
+    meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "command": command, "dataset": args.dataset,
+            "texts": len(texts), "max_length": ours["max_length"], "truncated": ours["truncated"], "machine": machine,
+            "torch": ours["torch"], "threads": ours["threads"], "held_out": len(held_out)}
+    section = render(summarize(rows, args.dataset), meta)
+    print("\n" + section)
+    if args.markdown:
+        update_markdown(args.markdown, {f"predict-{args.dataset}": section})
+        print(f"\nupdated {args.markdown}: section predict-{args.dataset}")
+
+
+def register_model(model_dir: Path, tenant: str, label_names: list[str]) -> str:
+    """A succeeded training job of ``tenant`` in the configured store whose model is a copy of
+    ``model_dir`` (no training: the benchmark measures prediction). Returns its id."""
+    import shutil
+
+    from shared import artifacts
+    from shared.db import session_scope
+    from shared.models import Dataset, Job, JobStatus
+
+    with session_scope() as s:
+        dataset = Dataset(tenant=tenant, filename="bench.csv", format="csv", path="", rows=0, columns=[], bytes=0,
+                          sha256="0" * 64)
+        s.add(dataset)
+        s.flush()
+        job = Job(tenant=tenant, status=JobStatus.SUCCEEDED, base_model="all-MiniLM-L6-v2", task="classification",
+                  training_dataset_id=dataset.id, spec={}, label_names=label_names)
+        s.add(job)
+        s.flush()
+        job_id = job.id
+    shutil.copytree(model_dir, artifacts.model_dir(job_id))
+    return job_id
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0-1) of ``values``, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def measure_latency(dataset: str, requests: int, sizes: list[int]) -> dict:
+    """Milliseconds per ``POST /models/{id}/predict`` through the app (``TestClient``, in this
+    process) with a fresh embedded store: the first call (loads torch and the model), then per
+    batch size a warm-up call and ``requests`` timed calls; p50 and p99. The texts are the
+    held-out texts of ``dataset`` from its median-length one on."""
+    from fastapi.testclient import TestClient
+
+    from shared.db import upgrade_database
+    from shared.keys import create_key
+    from shared.settings import get_settings
+
+    texts, _, held_out = corpus_texts(dataset)
+    held_out_texts = sorted((texts[i] for i in held_out), key=len)
+    sample = held_out_texts[len(held_out_texts) // 2:]
+    with tempfile.TemporaryDirectory(prefix="tunejob-bench-") as data_dir:
+        os.environ["TUNEJOB_DATA_DIR"] = data_dir
+        get_settings.cache_clear()
+        upgrade_database()
+        key, _ = create_key("bench")
+        config = json.loads((model_path(dataset) / "config.json").read_text())
+        job_id = register_model(model_path(dataset), "bench", [config["id2label"][str(i)] for i in range(len(config["id2label"]))])
+        from api.main import create_app
+
+        with TestClient(create_app(), base_url="http://localhost", headers={"Authorization": f"Bearer {key}"}) as client:
+            def call(size: int) -> float:
+                began = time.perf_counter()
+                r = client.post(f"/models/{job_id}/predict", json={"inputs": sample[:size]})
+                elapsed = time.perf_counter() - began
+                r.raise_for_status()
+                return 1000 * elapsed
+
+            result = {"first_ms": call(1), "sizes": {}}
+            for size in sizes:
+                call(size)
+                times = [call(size) for _ in range(requests)]
+                result["sizes"][size] = {"p50": percentile(times, 0.5), "p99": percentile(times, 0.99),
+                                         "mean": statistics.mean(times)}
+        import torch
+
+        result["threads"] = torch.get_num_threads()
+    return result
+
+
+def latency(args: argparse.Namespace, command: str) -> None:
+    """Measure and print the endpoint's latency; write it into ``args.markdown``'s section."""
+    from bench.report import host, update_markdown
+
+    machine = host()
+    result = measure_latency(args.dataset, args.requests, [1, 64])
+    lines = "\n".join(f"| {size} | {r['p50']:.1f} | {r['p99']:.1f} | {r['mean']:.1f} |"
+                      for size, r in result["sizes"].items())
+    section = (f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}, `{command}`: `POST /models/{{job_id}}/predict` through the "
+               f"app in process (FastAPI TestClient, embedded store), the all-MiniLM-L6-v2 fine-tuned on {args.dataset} "
+               f"(`bench.predict prepare`), held-out texts from the median length up; {args.requests} timed requests "
+               f"per size after one warm-up; {result['threads']} torch thread(s) (`sync_predict_threads` default); "
+               f"{machine}, load average {', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. "
+               f"First call (imports torch, loads the model): {result['first_ms']:,.0f} ms.\n\n"
+               "| texts per request | p50 ms | p99 ms | mean ms |\n|---|---|---|---|\n" + lines)
+    print(section)
+    if args.markdown:
+        update_markdown(args.markdown, {"predict-latency": section})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -60,12 +297,32 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--dataset", choices=["rotten_tomatoes", "bbc"], required=True)
     prep.add_argument("--max-length", type=int, default=None, help="default: the corpus's (128 / 512)")
     prep.add_argument("--learning-rate", type=float, default=1e-4)
+    bench = sub.add_parser("run", help="measure every configuration, each in a fresh process")
+    bench.add_argument("--dataset", choices=["rotten_tomatoes", "bbc"], required=True)
+    bench.add_argument("--configs", default="pipeline,tunejob,tunejob:precision=bf16")
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--markdown", type=Path, default=None, help="write the table into this file's section")
+    lat = sub.add_parser("latency", help="POST /models/{job_id}/predict latency, 1 and 64 texts")
+    lat.add_argument("--dataset", choices=["rotten_tomatoes", "bbc"], default="rotten_tomatoes")
+    lat.add_argument("--requests", type=int, default=50, help="timed requests per size")
+    lat.add_argument("--markdown", type=Path, default=None, help="write the table into this file's section")
+    one = sub.add_parser("one", help="(internal) one configuration in this process")
+    one.add_argument("config")
+    one.add_argument("dataset")
+    one.add_argument("out", type=Path)
     args = p.parse_args(argv)
+    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    command = "python -m bench.predict " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.command == "prepare":
         from bench.corpora import CORPORA
 
-        os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
         print(prepare(args.dataset, args.max_length or CORPORA[args.dataset].max_length, args.learning_rate))
+    elif args.command == "run":
+        run(args, command)
+    elif args.command == "latency":
+        latency(args, command)
+    else:
+        args.out.write_text(json.dumps(predict_in_this_process(args.config, args.dataset)))
     return 0
 
 

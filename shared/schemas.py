@@ -355,7 +355,6 @@ class DryRunOut(BaseModel):
 
 PREDICTION_CREATE_EXAMPLE = {"model": "job_8e2d4c1a9b7f3e05", "dataset": "ds_5b0e7d21c9a84f13", "text_column": "text",
                              "id_column": "article_id", "batch_size": 64, "max_length": 128}
-RESULT_FORMATS = ("jsonl", "csv", "parquet")
 
 
 class PredictionCreate(BaseModel):
@@ -486,3 +485,24 @@ class PredictionDryRunOut(BaseModel):
 
     dry_run: Literal[True]
     plan: PredictionPlan
+
+
+class PredictIn(BaseModel):
+    """``POST /models/{job_id}/predict``: texts, or [text, pair] pairs for a model trained on pairs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: list[str] | list[tuple[str, str]] = Field(
+        ..., min_length=1, description="texts, or [text, text_pair] pairs; at most max_sync_inputs (default 64)",
+        examples=[["Shares fell sharply", "A late goal won the match"]])
+    max_length: int | None = Field(None, ge=2, description="tokens per input (default: the model's max_length); "
+                                                            "longer inputs are truncated and counted")
+
+
+class PredictOut(BaseModel):
+    model: str = Field(description="the job whose model answered")
+    predictions: list[dict] = Field(description='in input order: {"label", "score", "probabilities"} for '
+                                                'classification, {"value"} for regression')
+    truncated: int = Field(description="inputs cut at max_length")
+    max_length: int = Field(description="tokens per input the model read")
+

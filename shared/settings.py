@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     access_log: bool = False
     artifact_retention_days: float | None = None  # remove finished jobs' files this long after they end; None: keep
     broker_polling_seconds: float = 0.1  # filesystem broker: how often an idle worker looks for a message
+    # POST /models/{job_id}/predict, answered by the API process on its CPU (api.routers.inference):
+    # texts per request, fine-tuned models kept loaded (least recently used evicted), and torch's
+    # CPU threads in the API process (None: half the cores, at least 1; the rest serve requests).
+    max_sync_inputs: int = 64
+    sync_model_cache: int = 2
+    sync_predict_threads: int | None = None
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod

@@ -1,0 +1,82 @@
+"""``POST /models/{job_id}/predict``: a fine-tuned model answers a few texts right away, on the API
+process's CPU (``shared.inference``). Up to ``sync_model_cache`` models stay loaded.
+
+torch and transformers load on the first prediction, not when the API starts.
+"""
+
+import os
+from functools import cache
+from pathlib import Path
+
+from fastapi import APIRouter
+
+from api.auth import CallerDep
+from api.errors import error_responses
+from shared import artifacts, jobs
+from shared.errors import Conflict, NotFound, UserError
+from shared.models import JobStatus
+from shared.schemas import PredictIn, PredictOut
+from shared.settings import get_settings
+from shared.tenancy import Caller
+
+router = APIRouter(tags=["models"])
+
+
+@router.post("/models/{job_id}/predict", responses=error_responses(404, 409, 422))
+def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
+    """Predict up to ``max_sync_inputs`` (default 64) texts with the model of a succeeded training
+    job, in input order. Inputs longer than ``max_length`` (default: the model's) are truncated
+    and counted in ``truncated``. The first request for a model loads it (about a second for
+    all-MiniLM-L6-v2); later ones reuse it while it stays among the ``sync_model_cache`` most
+    recently used. For many texts, use a batch prediction job."""
+    limit = get_settings().max_sync_inputs
+    if len(body.inputs) > limit:
+        raise UserError("too_many_inputs", f"inputs has {len(body.inputs)} items; at most {limit} are answered "
+                        "at once (max_sync_inputs)", "inputs")
+    cached = model_cache().get(job_id, trained_model_dir(job_id, caller))
+    texts, pairs = split_inputs(body.inputs)
+    from shared.inference import predict_texts
+
+    with cached.lock:
+        predictions = predict_texts(cached.loaded, texts, pairs, body.max_length)
+    return PredictOut(model=job_id, predictions=predictions.rows, truncated=predictions.truncated,
+                      max_length=body.max_length or cached.loaded.model_max_length)
+
+
+def trained_model_dir(job_id: str, caller: Caller) -> Path:
+    """The model folder of ``caller``'s succeeded training job ``job_id``.
+
+    Raises:
+        NotFound, Deleted: (404) no such job for this caller, or it was deleted; or its model files
+            are gone (``artifact_retention_days``). Conflict: (409) the job has not succeeded, or
+            it is not a training job.
+    """
+    job = jobs.get_job(job_id, caller)
+    if job.kind != "train":
+        raise Conflict("not_a_training_job", f"job {job_id!r} is a {job.kind} job: only a training job has a model")
+    if job.status != JobStatus.SUCCEEDED:
+        raise Conflict("job_not_succeeded", f"job {job_id!r} is {job.status}: only a succeeded job has a model")
+    model_dir = artifacts.model_dir(job_id)
+    if not model_dir.is_dir():
+        raise NotFound("model of job", job_id)
+    return model_dir
+
+
+def split_inputs(inputs: list[str] | list[tuple[str, str]]) -> tuple[list[str], list[str] | None]:
+    """(texts, pairs or None) from a request's ``inputs``."""
+    if isinstance(inputs[0], str):
+        return list(inputs), None
+    return [text for text, _ in inputs], [pair for _, pair in inputs]
+
+
+@cache
+def model_cache():
+    """The API process's ``shared.inference.ModelCache`` on the CPU, built on first use: importing
+    it loads torch, and limits torch's threads to ``sync_predict_threads``."""
+    import torch
+
+    from shared.inference import ModelCache
+
+    settings = get_settings()
+    torch.set_num_threads(settings.sync_predict_threads or max(1, (os.cpu_count() or 2) // 2))
+    return ModelCache(settings.sync_model_cache, torch.device("cpu"))
