@@ -73,8 +73,13 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
     """Load a tunejob model folder (``config.json`` with ``id2label``/``problem_type``,
     ``model.safetensors``, tokenizer files): safetensors only, no remote code.
 
-    ``precision``: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``fp32`` or ``bf16`` (bf16 autocast;
-    on the CPU about twice as fast but it changed about 0.1% of labels, hence not the default).
+    ``precision``: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``fp32`` or ``bf16`` (bf16 autocast).
+    bf16 is opt-in on the CPU: it changed 0.05% of Rotten Tomatoes labels, and on a CPU with
+    avx512_bf16 but no AMX it ran at 0.54x fp32's rows/s (docs/benchmarks.md, "Prediction"; an
+    earlier session's AMX CPU ran it about twice as fast, changing about 0.1% of labels).
+
+    Returns:
+        the model in eval mode on ``device``, with its task, label names and length limit.
 
     Raises:
         UserError: (422) ``precision`` is not one of ``PRECISIONS``, or the folder is not a sequence

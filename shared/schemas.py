@@ -412,7 +412,6 @@ class DryRunOut(BaseModel):
 
 PREDICTION_CREATE_EXAMPLE = {"model": "job_8e2d4c1a9b7f3e05", "dataset": "ds_5b0e7d21c9a84f13", "text_column": "text",
                              "id_column": "article_id", "batch_size": 64, "max_length": 128}
-RESULT_FORMATS = ("jsonl", "csv", "parquet")
 
 
 class PredictionCreate(BaseModel):
