@@ -303,3 +303,20 @@ def test_tags_without_a_prefix_are_scored_as_runs_of_one_type():
     metrics = tagging_metrics(gold, predicted, ["LOC", "O", "PER"])
     assert set(metrics["per_entity"]) == {"PER", "LOC"}
     assert metrics["entity_precision"] == pytest.approx(1 / 2) and metrics["entity_recall"] == pytest.approx(1 / 2)
+
+
+def test_label_all_subwords_trains_on_later_subwords_and_scores_first_ones(engine_env):
+    from tests.conftest import RecordingReporter
+    from worker.data import JobData
+    from worker.train import setup
+
+    frame = pd.DataFrame({"tokens": [["schwarzenegger", "went", "to", "paris"]],
+                          "tags": [["B-PER", "O", "O", "B-LOC"]]})
+    job = token_job("all-subwords")
+    job.spec["label_all_subwords"] = True
+    run = setup(job, JobData(frame, frame), torch.device("cpu"), RecordingReporter())
+    trained, scored = run.train_set.labels[0], run.val_set.labels[0]
+    assert sum(label != IGNORE for label in scored) == 4  # one per word
+    assert scored.count(1) == 1  # B-PER on the first subword only
+    # every subword of schwarzenegger trained on: TAGS has no I-PER, so B-PER stays B-PER
+    assert trained.count(1) == len(scored) - 2 - 3 > 1 and sum(label != IGNORE for label in trained) > 4
