@@ -47,6 +47,7 @@ PATH_VALUES: dict[str, Callable[[dict], str]] = {
 REQUESTS: dict[tuple[str, str], Callable[[dict], dict]] = {
     ("POST", "/jobs"): lambda ids: {"json": job_body(ids["dataset"])},
     ("POST", "/predictions"): lambda ids: {"json": prediction_body(ids["job"], ids["dataset"])},
+    ("POST", "/models/{job_id}/predict"): lambda ids: {"json": {"inputs": ["a good match"]}},
     ("POST", "/datasets"): lambda ids: {"files": {"file": ("t.csv", labelled_csv(rows=8), "text/csv")}},
     ("POST", "/v1/files"): lambda ids: {"files": {"file": ("t.csv", labelled_csv(rows=8), "text/csv")},
                                         "data": {"purpose": "fine-tune"}},
