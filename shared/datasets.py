@@ -204,10 +204,7 @@ def read_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
     readers = {"csv": _csv_batches, "tsv": _csv_batches, "jsonl": _jsonl_batches, "conll": _conll_batches,
                "parquet": functools.partial(_parquet_batches, list_columns=list_columns)}
     try:
-        if fmt == "parquet":
-            yield from _parquet_batches(path, filename, columns, problems, list_columns)
-        else:
-            yield from (_jsonl_batches if fmt == "jsonl" else _csv_batches)(path, fmt, filename, columns, problems)
+        yield from readers[fmt](path, fmt, filename, columns, problems)
     except UserError:
         raise
     except (pa.ArrowException, OSError, ValueError) as e:
