@@ -8,8 +8,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification, BertForTokenClassification,
-                          pipeline)
+from transformers import (
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    pipeline,
+)
 
 from shared.base_models import BUILTIN, available_models
 from shared.batching import token_budget_batches

@@ -11,8 +11,14 @@ from tests.conftest import wait_for_status
 from tests.test_api_errors import assert_error
 from tests.test_api_jobs import labelled_csv, submit, upload
 from tests.test_cancel import LONG, cancel, wait_until_training
-from tests.test_predictions import (assert_label_sets, model_dir, pipeline_entities, raw_sentences, train_multi_label,
-                                    train_tagger)
+from tests.test_predictions import (
+    assert_label_sets,
+    model_dir,
+    pipeline_entities,
+    raw_sentences,
+    train_multi_label,
+    train_tagger,
+)
 
 TEXTS = ["shares market profit", "goal team coach league match", "bank", "coach " * 100]
 
