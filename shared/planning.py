@@ -98,12 +98,12 @@ def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
     for dataset in [train] + ([val] if val else []):
         _require_columns(dataset, cols)
     summary = scan_job_data(Path(train.path), train.format, train.filename, cols)
-    if summary.names is not None and len(summary.names) < 2:
-        raise UserError("single_class", f"label column {cols.label!r} in {train.filename!r} has a single class "
-                        f"({summary.names[0]!r}); {spec.task} needs at least 2", "label_column")
     if spec.task == "multi_label" and not summary.names:
         raise UserError("no_labels", f"label column {cols.label!r} in {train.filename!r} has no label in any row; "
                         "multi_label needs at least one", "label_column")
+    if summary.names is not None and len(summary.names) < 2:
+        raise UserError("single_class", f"label column {cols.label!r} in {train.filename!r} has a single class "
+                        f"({summary.names[0]!r}); {spec.task} needs at least 2", "label_column")
     if val:
         val_summary = scan_job_data(Path(val.path), val.format, val.filename, cols)
         _check_validation_labels(summary.names, val_summary, val.filename, cols.label)
