@@ -116,7 +116,7 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
         model, tokenizer, task, labels, max_length, device, PRECISION_NAMES[dtype],
         decision_threshold=getattr(config, "decision_threshold", DEFAULT_DECISION_THRESHOLD)
         if task == "multi_label" else None,
-        entities=TokenClassificationPipeline(model=model, tokenizer=tokenizer, device=device)
+        entities=TokenClassificationPipeline(model=model, tokenizer=tokenizer, device=model.device)
         if task == "token_classification" else None)
 
 
