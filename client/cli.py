@@ -496,12 +496,24 @@ def prediction_table(p: PredictionOut) -> Table:
 
 
 def texts_table(texts: list[str], predictions: list[dict[str, Any]]) -> Table:
-    """One row per text: the text and its prediction (label and score, or value)."""
+    """One row per text: the text and its prediction (``prediction_text``)."""
     table = Table(Column("text", overflow="fold"), "prediction")
     for text, row in zip(texts, predictions, strict=True):
-        shown = f"{row['label']} ({row['score']:.3f})" if "label" in row else _number(row.get("value"))
-        table.add_row(escape(text), escape(str(shown)))
+        table.add_row(escape(text), escape(prediction_text(text, row)))
     return table
+
+
+def prediction_text(text: str, row: dict[str, Any]) -> str:
+    """A prediction in a few words: classification's label and score, multi_label's labels,
+    token_classification's entities (``PER carol, LOC New York``: the text at their offsets), or
+    regression's value."""
+    if "entities" in row:
+        return ", ".join(f"{e['entity_group']} {text[e['start']:e['end']]}" for e in row["entities"]) or "no entity"
+    if "labels" in row:
+        return ", ".join(map(str, row["labels"])) or "no label"
+    if "label" in row:
+        return f"{row['label']} ({row['score']:.3f})"
+    return _number(row.get("value"))
 
 
 def id_column() -> Column:

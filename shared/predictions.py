@@ -12,8 +12,10 @@ Results are Parquet parts under ``artifacts/<job>/predictions/part-<n>.parquet``
 ``predict_part_rows`` consecutive input rows (the last may hold fewer), written once, atomically
 (a temporary file renamed), with its counts in the file's metadata. A resumed attempt skips the
 rows of the parts already written, so no row is scored twice. Columns: ``id`` (the ``id_column``
-value as text, or the 0-based row index), then ``label``, ``score`` and ``probabilities`` (a
-struct with one field per class, in class order) for classification, or ``value`` for regression.
+value as text, or the 0-based row index), then per task (``result_fields``): ``label``, ``score``
+and ``probabilities`` (a struct with one field per class, in class order) for classification;
+``value`` for regression; ``labels`` (a list) and ``probabilities`` for multi_label; ``entities``
+(a list of structs ``ENTITY``) for token_classification.
 
 No torch here: the API imports this module (the tokenizer only for a dry run).
 """
@@ -44,11 +46,14 @@ from shared.settings import get_settings
 from shared.tenancy import Caller, lock_tenant, owned_job
 
 KIND = "predict"
-TASKS = ("classification", "regression")
+TASKS = ("classification", "regression", "multi_label", "token_classification")
 PART_GLOB = "part-*.parquet"
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "csv": "text/csv", "parquet": "application/vnd.apache.parquet"}
 # Written in each part's Parquet metadata, summed over the parts for the job's result.
 PART_COUNTS = ("rows", "truncated", "tokens", "padded_tokens")
+# One entity of a token_classification row (``shared.inference.entity_rows``).
+ENTITY = pa.struct([("entity_group", pa.string()), ("score", pa.float64()), ("word", pa.string()),
+                    ("start", pa.int64()), ("end", pa.int64())])
 
 
 # ----------------------------------------------------------------------------- the model
@@ -65,13 +70,13 @@ class PredictionModel:
 
 
 def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
-    """(task, class names in logit order) of a model directory, from its config
-    (``transformers.AutoConfig``), as ``shared.inference`` will load it (``task_of``).
+    """(task, class or tag names in logit order, None for regression) of a model directory, from
+    its config (``transformers.AutoConfig``), as ``shared.inference`` will load it (``task_of``).
 
     Raises:
         UserError (422, naming ``model``): ``unsupported_model`` when its config cannot be read;
             ``model_without_head`` when it has no head (a plain encoder such as all-MiniLM-L6-v2);
-            ``unsupported_task`` for another head (token classification, multi-label, ...).
+            ``unsupported_task`` for another head (question answering, ...).
     """
     from transformers import AutoConfig
 
@@ -91,7 +96,7 @@ def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
                             f"({', '.join(architectures) or 'no architecture'}): fine-tune it with POST /jobs, "
                             "then predict with the job's id", "model") from None
         raise UserError("unsupported_task", f"model {name!r} cannot be used for predictions: {e}", "model") from None
-    return task, [config.id2label[i] for i in range(config.num_labels)] if task == "classification" else None
+    return task, [config.id2label[i] for i in range(config.num_labels)] if task != "regression" else None
 
 
 def prediction_model(ref: str, caller: Caller) -> PredictionModel:
@@ -153,12 +158,15 @@ def _columns(spec: PredictionCreate) -> list[tuple[str, str]]:
 
 def prediction_batches(dataset: Dataset, spec: PredictionCreate, problems: Problems) -> Iterator[PredictionBatch]:
     """Read and check the columns a prediction uses, batch by batch (``shared.datasets.read_batches``):
-    texts must be non-empty strings (as for training), ids present scalars. Problems go to
-    ``problems`` (the caller raises them); no batch is yielded after the first one."""
+    texts must be non-empty strings (as for training; a list of words, such as a token
+    classification dataset's words column, is refused too: ``_text_problem``), ids present scalars.
+    Problems go to ``problems`` (the caller raises them); no batch is yielded after the first one."""
     columns = _columns(spec)
-    for batch in read_batches(Path(dataset.path), dataset.format, dataset.filename, [c for c, _ in columns], problems):
+    texts = tuple(c for c, param in columns if param != "id_column")  # Parquet lists read, to be named
+    for batch in read_batches(Path(dataset.path), dataset.format, dataset.filename, [c for c, _ in columns], problems,
+                              list_columns=texts):
         for column, param in columns:
-            check = _id_problem if param == "id_column" else check_text
+            check = _id_problem if param == "id_column" else _text_problem
             for i, value in enumerate(batch.values[column]):
                 if (message := check(value)) is not None:
                     code = "missing_value" if message in ("is missing", "is empty") else f"invalid_{param[:-7]}"
@@ -169,6 +177,14 @@ def prediction_batches(dataset: Dataset, spec: PredictionCreate, problems: Probl
                else list(range(batch.start, batch.start + batch.size)))
         yield PredictionBatch(batch.start, batch.values[spec.text_column],
                               batch.values[spec.text_pair_column] if spec.text_pair_column else None, ids)
+
+
+def _text_problem(value) -> str | None:
+    """What is wrong with a text cell (``check_text``), a list said to be one (CoNLL's ``tokens``)."""
+    if isinstance(value, (list, tuple)):
+        return ("holds a list, not text: predictions read raw text, one string a row (for a list of words, "
+                "join them with spaces)")
+    return check_text(value)
 
 
 def _id_problem(value) -> str | None:
@@ -223,10 +239,14 @@ def check_prediction(spec: PredictionCreate, caller: Caller) -> CheckedPredictio
 
     Raises:
         UserError: see ``prediction_model``; ``max_length_too_long`` (422) beyond the model's limit;
+            ``invalid_text_pair_column`` (422) for a token_classification model (one text a row);
             ``unknown_dataset`` (422); ``missing_column`` (422, naming the field and the column); a
             validation report of unusable cells (``missing_value``, ``invalid_text``, ``invalid_id``).
     """
     model = prediction_model(spec.model, caller)
+    if spec.text_pair_column and model.task == "token_classification":
+        raise UserError("invalid_text_pair_column", f"model {spec.model!r} is a token_classification model: it tags "
+                        "one text a row; leave text_pair_column out", "text_pair_column")
     if spec.max_length and model.limit and spec.max_length > model.limit:
         raise UserError("max_length_too_long", f"max_length {spec.max_length} is longer than model {spec.model!r} "
                         f"accepts ({model.limit} tokens)", "max_length")
@@ -391,17 +411,27 @@ def write_part(directory: Path, index: int, table: pa.Table, counts: dict[str, i
 
 def results_table(ids: list, task: str, label_names: list[str] | None, rows: list[dict],
                   id_type: pa.DataType) -> pa.Table:
-    """One part's rows as a table: ``id``, then ``label``, ``score``, ``probabilities`` (a struct
-    of the classes, in class order) or ``value``. ``rows``: ``shared.inference.Predictions.rows``."""
+    """One part's rows as a table: ``id``, then the task's ``result_fields``. ``rows``:
+    ``shared.inference.Predictions.rows``."""
     columns = {"id": pa.array(ids, id_type)}
-    if task == "classification":
-        columns["label"] = pa.array([r["label"] for r in rows], pa.string())
-        columns["score"] = pa.array([r["score"] for r in rows], pa.float64())
-        fields = [pa.field(name, pa.float64()) for name in label_names]
-        columns["probabilities"] = pa.array([r["probabilities"] for r in rows], pa.struct(fields))
-    else:
-        columns["value"] = pa.array([r["value"] for r in rows], pa.float64())
+    for name, kind in result_fields(task, label_names):
+        columns[name] = pa.array([r[name] for r in rows], kind)
     return pa.table(columns)
+
+
+def result_fields(task: str, label_names: list[str] | None) -> list[tuple[str, pa.DataType]]:
+    """(column, Arrow type) of a task's results, after ``id``: ``label``, ``score``,
+    ``probabilities`` (a struct of the classes, in class order) for classification; ``value`` for
+    regression; ``labels`` (a list of names) and ``probabilities`` for multi_label; ``entities``
+    (a list of ``ENTITY``) for token_classification."""
+    if task == "regression":
+        return [("value", pa.float64())]
+    if task == "token_classification":
+        return [("entities", pa.list_(ENTITY))]
+    probabilities = ("probabilities", pa.struct([pa.field(name, pa.float64()) for name in label_names]))
+    if task == "multi_label":
+        return [("labels", pa.list_(pa.string())), probabilities]
+    return [("label", pa.string()), ("score", pa.float64()), probabilities]
 
 
 def id_type(spec: dict) -> pa.DataType:
@@ -412,7 +442,8 @@ def id_type(spec: dict) -> pa.DataType:
 def results_stream(job_id: str, caller: Caller, fmt: str) -> Iterator[bytes]:
     """A succeeded prediction's results in ``fmt`` (``jsonl``, ``csv`` or ``parquet``), one part
     at a time: memory holds one part. CSV flattens ``probabilities`` into one column per class,
-    ``probabilities.<class>``. A prediction deleted while its results are sent ends the stream early.
+    ``probabilities.<class>``, and writes a list (multi_label's ``labels``, token_classification's
+    ``entities``) as JSON text. A prediction deleted while its results are sent ends the stream early.
 
     Raises:
         NotFound, Deleted: see ``shared.jobs.get_job``. UserError: ``results_not_ready`` (409)
@@ -444,8 +475,17 @@ def _jsonl(parts: list[Path]) -> Iterator[bytes]:
 def _csv(parts: list[Path]) -> Iterator[bytes]:
     for i, table in enumerate(_tables(parts)):
         out = io.BytesIO()
-        pa_csv.write_csv(table.flatten(), out, pa_csv.WriteOptions(include_header=i == 0))
+        pa_csv.write_csv(_lists_as_json(table.flatten()), out, pa_csv.WriteOptions(include_header=i == 0))
         yield out.getvalue()
+
+
+def _lists_as_json(table: pa.Table) -> pa.Table:
+    """``table`` with each list column as JSON text (a CSV cell holds no list)."""
+    for index, field in enumerate(table.schema):
+        if pa.types.is_list(field.type):
+            cells = [json.dumps(json_safe(v), ensure_ascii=False) for v in table.column(index).to_pylist()]
+            table = table.set_column(index, field.name, pa.array(cells, pa.string()))
+    return table
 
 
 class _Chunks(io.RawIOBase):

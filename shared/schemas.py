@@ -420,7 +420,7 @@ class PredictionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [PREDICTION_CREATE_EXAMPLE]})
 
     model: str = Field(description="A succeeded training job of yours (``job_…``), or the name of a base model "
-                                   "(``GET /models``) that has a sequence-classification head.")
+                                   "(``GET /models``) that has a sequence- or token-classification head.")
     dataset: str = Field(description="The dataset to score (``ds_…``).")
     text_column: str = "text"
     text_pair_column: str | None = None
@@ -559,7 +559,10 @@ class PredictIn(BaseModel):
 class PredictOut(BaseModel):
     model: str = Field(description="the job whose model answered")
     predictions: list[dict] = Field(description='in input order: {"label", "score", "probabilities"} for '
-                                                'classification, {"value"} for regression')
+                                                'classification, {"value"} for regression, {"labels", '
+                                                '"probabilities"} for multi_label, {"entities": [{"entity_group", '
+                                                '"score", "word", "start", "end"}]} for token_classification '
+                                                '(start, end: character offsets into the input)')
     truncated: int = Field(description="inputs cut at max_length")
     max_length: int = Field(description="tokens per input the model read")
 

@@ -260,6 +260,20 @@ def test_an_error_with_problems_and_the_key_from_the_data_dir(tmp_path, monkeypa
     assert seen[-1] == "Bearer tj_from_env"
 
 
+def test_a_few_texts_show_each_task_s_prediction():
+    from client.cli import prediction_text
+
+    text = "carol flew to New York"
+    entities = [{"entity_group": "PER", "score": 0.9, "word": "carol", "start": 0, "end": 5},
+                {"entity_group": "LOC", "score": 0.8, "word": "new york", "start": 14, "end": 22}]
+    assert prediction_text(text, {"entities": entities}) == "PER carol, LOC New York"
+    assert prediction_text(text, {"entities": []}) == "no entity"
+    assert prediction_text(text, {"labels": ["comedy", "drama"], "probabilities": {}}) == "comedy, drama"
+    assert prediction_text(text, {"labels": [], "probabilities": {}}) == "no label"
+    assert prediction_text(text, {"label": "sport", "score": 0.91234, "probabilities": {}}) == "sport (0.912)"
+    assert prediction_text(text, {"value": 2.5}) == "2.5"
+
+
 def test_client_commands_load_no_server_stack():
     """The client commands must start fast: no torch, worker, pandas, job store or settings."""
     result = subprocess.run([sys.executable, "-X", "importtime", "-m", "tunejob", "jobs", "list",

@@ -1,12 +1,20 @@
 """shared.inference: a tunejob model folder loads for prediction, and the sorted, token-budgeted
-batches give the same outputs, in input order, as running the model on each text alone."""
+batches give the same outputs, in input order, as running the model on each text alone; a
+multi-label model's rows are its sigmoid scores against its saved threshold, and a token
+classifier's entities are those of ``pipeline("token-classification", aggregation_strategy="simple")``."""
 
 import shutil
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+from transformers import (
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    pipeline,
+)
 
 from shared.base_models import BUILTIN, available_models
 from shared.batching import token_budget_batches
@@ -17,19 +25,22 @@ LABELS = ["business", "sport", "tech"]
 TEXTS = ["Shares fell sharply after the bank's results were published on Monday morning.",
          "A goal.", "", "The new phone has a faster chip, a larger screen and a battery that lasts two days " * 3,
          "Injury time winner", "Markets rallied.", "Rain stopped play for an hour at Lord's."]
+TAGS = ["B-LOC", "B-PER", "I-LOC", "O"]
 CPU = torch.device("cpu")
 
 
-def save_tiny_model(path, num_labels: int, max_length: int = 32):
+def save_tiny_model(path, num_labels: int, max_length: int = 32, problem_type: str | None = "single_label_classification",
+                    names: list[str] = LABELS, head=BertForSequenceClassification):
     """A 2-layer BERT saved as a tunejob job saves its model: safetensors, config with id2label
-    and problem_type, the all-MiniLM-L6-v2 tokenizer with ``model_max_length`` = the job's max_length."""
+    and problem_type, the all-MiniLM-L6-v2 tokenizer with ``model_max_length`` = the job's max_length.
+    ``num_labels`` 1: a regression model; ``head``: ``BertForTokenClassification`` for a tagger."""
     tokenizer = AutoTokenizer.from_pretrained(available_models()[next(iter(BUILTIN))][0])
-    labels = ({"id2label": dict(enumerate(LABELS)), "label2id": {n: i for i, n in enumerate(LABELS)},
-               "problem_type": "single_label_classification"} if num_labels > 1 else {"problem_type": "regression"})
+    labels = ({"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)},
+               "problem_type": problem_type} if num_labels > 1 else {"problem_type": "regression"})
     config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=512, num_labels=num_labels, **labels)
     torch.manual_seed(0)
-    BertForSequenceClassification(config).save_pretrained(path, safe_serialization=True)
+    head(config).save_pretrained(path, safe_serialization=True)
     tokenizer.model_max_length = max_length
     tokenizer.save_pretrained(path)
     return path
@@ -92,6 +103,51 @@ def test_regression_gives_the_single_output(tmp_path):
     got = predict_texts(loaded, TEXTS)
     assert loaded.task == "regression" and loaded.label_names is None
     assert [r["value"] for r in got.rows] == pytest.approx(logits_one_by_one(loaded, TEXTS, 32)[:, 0].tolist(), abs=1e-5)
+
+
+def test_multi_label_rows_are_sigmoid_scores_against_the_saved_threshold(tmp_path):
+    from worker.train import write_decision_threshold
+
+    model_dir = save_tiny_model(tmp_path, len(LABELS), problem_type="multi_label_classification")
+    default = load_for_inference(model_dir, CPU)
+    assert default.task == "multi_label" and default.label_names == LABELS and default.decision_threshold == 0.5
+    scores = torch.sigmoid(logits_one_by_one(default, TEXTS, 32))
+    threshold = scores.median().item()  # some labels in, some out
+    write_decision_threshold(model_dir, threshold)
+    loaded = load_for_inference(model_dir, CPU)
+    assert loaded.decision_threshold == threshold
+    rows = predict_texts(loaded, TEXTS, max_tokens=40).rows
+    for row, expected in zip(rows, scores.tolist()):
+        assert list(row["probabilities"]) == LABELS
+        assert list(row["probabilities"].values()) == pytest.approx(expected, abs=1e-5)
+        assert row["labels"] == [name for name, p in zip(LABELS, row["probabilities"].values()) if p >= threshold]
+    assert 0 < sum(len(row["labels"]) for row in rows) < len(TEXTS) * len(LABELS)
+
+
+@pytest.fixture(scope="module")
+def tagger_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tagger"), len(TAGS), problem_type=None, names=TAGS,
+                           head=BertForTokenClassification)
+
+
+@pytest.mark.parametrize("max_tokens", [1, None])
+def test_entities_are_the_token_classification_pipeline_s(tagger_dir, max_tokens):
+    loaded = load_for_inference(tagger_dir, CPU)
+    assert loaded.task == "token_classification" and loaded.label_names == TAGS
+    texts = TEXTS + ["Carol flew to New York, said Schwarzenegger.", "  bob   went  to paris "]
+    got = predict_texts(loaded, texts, max_tokens=max_tokens)
+    assert got.truncated == 1  # the long text: cut at 32 tokens, as the pipeline cuts it (model_max_length)
+    ner = pipeline("token-classification", model=str(tagger_dir), aggregation_strategy="simple", device="cpu")
+    expected = [[{**e, "score": pytest.approx(float(e["score"]), abs=1e-5)} for e in entities]
+                for entities in ner(texts)]
+    assert [row["entities"] for row in got.rows] == expected
+    assert sum(len(e) for e in expected) > len(texts)  # random weights tag plenty of tokens
+    for text, row in zip(texts, got.rows):  # offsets into the text (the uncased tokenizer lowercases words)
+        assert all(text[e["start"]:e["end"]].lower().replace(" ", "") == e["word"].replace(" ", "")
+                   for e in row["entities"] if "#" not in e["word"])
+    with pytest.raises(UserError) as e:
+        predict_texts(loaded, ["carol"], ["pair"])
+    assert e.value.status == 422 and e.value.param == "pairs"
 
 
 def test_bad_arguments_are_user_errors_naming_the_field(classifier):

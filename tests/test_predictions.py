@@ -1,7 +1,9 @@
 """Batch prediction jobs through HTTP (``/predictions``), on every stack: predict with a trained
 job and with a base model, results in input order in three formats that agree, the dry run, cancel,
 tenant isolation, the kind check between ``/jobs`` and ``/predictions``, and bad input refused
-with a 4xx that names the field, nothing queued. Last, with real processes (``tests/test_faults.py``'s
+with a 4xx that names the field, nothing queued. A multi_label job's label sets are its model's
+sigmoid scores against its saved threshold; a token_classification job's entities are those of
+``pipeline("token-classification", aggregation_strategy="simple")``, and word lists are refused. Last, with real processes (``tests/test_faults.py``'s
 machinery): ``kill -9`` of the worker mid-prediction, and the resumed attempt writes each row once."""
 
 import io
@@ -11,8 +13,10 @@ import random
 import signal
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from tests.conftest import TINY_MODEL, wait_for_status, wait_until
 from tests.test_api_jobs import labelled_csv, submit, upload
@@ -313,6 +317,175 @@ def test_a_job_that_did_not_succeed_or_was_deleted_is_refused(stack, to_score):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_deleted", r.text
     assert r.json()["error"]["param"] == "model"
 
+
+
+# ----------------------------------------------------------------------------- multi_label and token_classification
+
+THRESHOLD = 0.35  # the multi_label job's decision_threshold: not the 0.5 default
+
+
+def train_multi_label(client) -> dict:
+    """A succeeded multi_label job of the tiny model (max_length 32) with ``decision_threshold``
+    ``THRESHOLD``, trained long enough for its scores to part from 0.5."""
+    from tests.test_multi_label import genre_rows, jsonl
+    from tests.test_multi_label import submit as train
+
+    job = train(client, upload(client, jsonl(genre_rows()), "movies.jsonl")["id"], decision_threshold=THRESHOLD,
+                hyperparameters={"epochs": 10, "batch_size": 8, "max_length": 32, "learning_rate": 3e-3})
+    assert job["status"] == "succeeded", job["error"]
+    return job
+
+
+def train_tagger(client) -> dict:
+    """A succeeded token_classification job of the tiny model (max_length 32), tags ``TAGS``."""
+    from tests.test_token_classification import conll
+    from tests.test_token_classification import submit as train
+
+    r = train(client, upload(client, conll(160, seed=1), "train.conll")["id"])
+    assert r.status_code == 201, r.text
+    job = wait_for_status(client, r.json()["id"], FINISHED)
+    assert job["status"] == "succeeded", job["error"]
+    return job
+
+
+def model_dir(stack, job: dict):
+    return stack.data_dir / "artifacts" / job["id"] / "model"
+
+
+def sigmoid_scores(directory, texts: list[str], max_length: int) -> list[list[float]]:
+    """The saved multi_label model run directly: each text's sigmoid score per label."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model, tokenizer = AutoModelForSequenceClassification.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    with torch.no_grad():
+        logits = model(**tokenizer(texts, truncation=True, max_length=max_length, padding=True,
+                                   return_tensors="pt")).logits
+    return torch.sigmoid(logits).tolist()
+
+
+def assert_label_sets(rows: list[dict], directory, texts: list[str], max_length: int) -> None:
+    """``rows`` (``labels``, ``probabilities``) are the model's sigmoid scores, labelled at its saved threshold."""
+    config = json.loads((directory / "config.json").read_text())
+    names = [config["id2label"][str(i)] for i in range(len(config["id2label"]))]
+    assert config["decision_threshold"] == THRESHOLD
+    for row, scores in zip(rows, sigmoid_scores(directory, texts, max_length), strict=True):
+        assert list(row["probabilities"]) == names
+        assert list(row["probabilities"].values()) == pytest.approx(scores, abs=1e-4)
+        assert row["labels"] == [n for n, p in zip(names, scores) if p >= THRESHOLD]
+
+
+def pipeline_entities(directory, texts: list[str]) -> list[list[dict]]:
+    """``pipeline("token-classification", aggregation_strategy="simple")`` on the saved model,
+    scores as floats compared to 1e-4."""
+    from transformers import pipeline
+
+    ner = pipeline("token-classification", model=str(directory), aggregation_strategy="simple", device="cpu")
+    return [[{**e, "score": pytest.approx(float(e["score"]), abs=1e-4)} for e in entities] for entities in ner(texts)]
+
+
+def raw_sentences() -> list[str]:
+    """Sentences as raw text: capitals, punctuation, odd spacing, and one far past 32 tokens."""
+    from tests.test_token_classification import sentences
+
+    plain = [" ".join(words) for words, _ in sentences(12, seed=7)]
+    return plain + ["Carol went to New York, then home.", "  bob   flew to paris!", "alice met dave in berlin " * 8]
+
+
+@pytest.fixture(scope="module")
+def multi_label_job(stack) -> dict:
+    return train_multi_label(stack.client)
+
+
+@pytest.fixture(scope="module")
+def tagger(stack) -> dict:
+    return train_tagger(stack.client)
+
+
+def text_dataset(client, texts: list[str]) -> dict:
+    return upload(client, pd.DataFrame({"doc": [f"d-{i}" for i in range(len(texts))], "body": texts})
+                  .to_csv(index=False).encode(), "texts.csv")
+
+
+def all_formats(client, prediction_id: str) -> tuple[list[dict], list[dict], pd.DataFrame]:
+    """The results as JSONL rows, Parquet rows and a CSV frame; JSONL and Parquet agree."""
+    lines = [json.loads(line) for line in results(client, prediction_id, "jsonl").decode().splitlines()]
+    parquet = pq.read_table(io.BytesIO(results(client, prediction_id, "parquet")))
+    csv = pd.read_csv(io.BytesIO(results(client, prediction_id, "csv")), dtype={"id": str})
+    assert parquet.to_pylist() == lines
+    return lines, parquet, csv
+
+
+def test_a_multi_label_model_predicts_label_sets_at_its_saved_threshold(stack, multi_label_job, small_parts):
+    from tests.test_multi_label import genre_rows
+
+    client = stack.client
+    texts = [row["text"] for row in genre_rows(rows=20, seed=3)]
+    body = body_for(multi_label_job["id"], text_dataset(client, texts), max_length=None)
+    plan = predict(client, body, expect=200, dry_run="true")["plan"]
+    assert plan["task"] == "multi_label" and plan["label_names"] == multi_label_job["label_names"]
+    done = wait_prediction(client, predict(client, body)["id"])
+    assert done["status"] == "succeeded", done["error"]
+    assert done["task"] == "multi_label" and done["result"]["tokens"] == plan["tokens"]
+
+    lines, parquet, csv = all_formats(client, done["id"])
+    assert_label_sets(lines, model_dir(stack, multi_label_job), texts, 32)
+    assert 0 < sum(len(row["labels"]) for row in lines) < len(lines) * len(multi_label_job["label_names"])
+    assert parquet.schema.field("labels").type == pa.list_(pa.string())
+    assert [json.loads(cell) for cell in csv["labels"]] == [row["labels"] for row in lines]
+    assert list(csv.columns) == ["id", "labels"] + [f"probabilities.{n}" for n in multi_label_job["label_names"]]
+    for name in multi_label_job["label_names"]:
+        assert csv[f"probabilities.{name}"].tolist() == pytest.approx([row["probabilities"][name] for row in lines])
+
+
+def test_a_token_classification_model_predicts_the_pipeline_s_entities(stack, tagger, small_parts):
+    client = stack.client
+    texts = raw_sentences()
+    body = body_for(tagger["id"], text_dataset(client, texts), max_length=None)
+    plan = predict(client, body, expect=200, dry_run="true")["plan"]
+    assert plan["task"] == "token_classification" and plan["label_names"] == tagger["label_names"]
+    assert plan["max_length"] == 32 and plan["truncated"] == 1
+    done = wait_prediction(client, predict(client, body)["id"])
+    assert done["status"] == "succeeded", done["error"]
+    assert [done["result"][k] for k in ("truncated", "tokens")] == [1, plan["tokens"]]
+
+    lines, parquet, csv = all_formats(client, done["id"])
+    assert [row["id"] for row in lines] == [f"d-{i}" for i in range(len(texts))]
+    assert [row["entities"] for row in lines] == pipeline_entities(model_dir(stack, tagger), texts)
+    assert {e["entity_group"] for row in lines for e in row["entities"]} == {"PER", "LOC"}  # it learnt them
+    for text, row in zip(texts, lines):  # offsets into the text (the uncased tokenizer lowercases words)
+        assert all(text[e["start"]:e["end"]].lower().replace(" ", "") == e["word"].replace(" ", "")
+                   for e in row["entities"] if "#" not in e["word"])
+    assert parquet.schema.field("entities").type.value_type.names == ["entity_group", "score", "word", "start", "end"]
+    assert list(csv.columns) == ["id", "entities"]
+    assert [json.loads(cell) for cell in csv["entities"]] == [row["entities"] for row in lines]
+
+
+def words_files() -> list[tuple[bytes, str]]:
+    """One dataset of word lists (column ``tokens``) in each format that holds lists."""
+    from tests.test_token_classification import conll, sentences, tagged_jsonl
+
+    buffer = io.BytesIO()
+    pd.DataFrame([{"tokens": w, "tags": t} for w, t in sentences(3)]).to_parquet(buffer)
+    return [(conll(3), "words.conll"), (tagged_jsonl(3), "words.jsonl"), (buffer.getvalue(), "words.parquet")]
+
+
+def test_word_lists_and_text_pairs_are_refused_for_token_classification(stack, tagger):
+    client = stack.client
+    before = count_predictions(client)
+    for content, filename in words_files():
+        dataset = upload(client, content, filename)
+        r = client.post("/predictions", json={"model": tagger["id"], "dataset": dataset["id"], "text_column": "tokens"})
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_text", "text_column"), filename
+        assert error["problems"][0]["column"] == "tokens" and "holds a list, not text" in error["message"]
+        assert "raw text" in error["message"] and f"{filename!r}" in error["message"]
+    paired = {**body_for(tagger["id"], text_dataset(client, ["carol went home"])), "text_pair_column": "doc",
+              "id_column": None}
+    r = client.post("/predictions", json=paired)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_text_pair_column", r.text
+    assert r.json()["error"]["param"] == "text_pair_column"
+    assert count_predictions(client) == before
 
 
 def test_parts_regroup_the_rows_after_those_already_written():

@@ -1,5 +1,7 @@
 """POST /models/{job_id}/predict on every stack: the labels a trained job's model gives when run
-directly, the input limits, tenant scoping (404), unfinished jobs (409) and the model cache."""
+directly (multi_label: its sigmoid scores at its saved threshold; token_classification: the
+entities of ``pipeline("token-classification", aggregation_strategy="simple")``), the input
+limits, tenant scoping (404), unfinished jobs (409) and the model cache."""
 
 import pytest
 import torch
@@ -9,6 +11,14 @@ from tests.conftest import wait_for_status
 from tests.test_api_errors import assert_error
 from tests.test_api_jobs import labelled_csv, submit, upload
 from tests.test_cancel import LONG, cancel, wait_until_training
+from tests.test_predictions import (
+    assert_label_sets,
+    model_dir,
+    pipeline_entities,
+    raw_sentences,
+    train_multi_label,
+    train_tagger,
+)
 
 TEXTS = ["shares market profit", "goal team coach league match", "bank", "coach " * 100]
 
@@ -45,6 +55,25 @@ def test_labels_match_the_model_run_directly(stack, trained):
 def test_pairs_and_a_shorter_max_length(stack, trained):
     body = predict(stack.client, trained[0], [[t, "pair"] for t in TEXTS], max_length=8).json()
     assert len(body["predictions"]) == len(TEXTS) and body["max_length"] == 8 and body["truncated"] == 2
+
+
+def test_a_multi_label_model_answers_label_sets_at_its_saved_threshold(stack):
+    job = train_multi_label(stack.client)
+    r = predict(stack.client, job["id"], TEXTS)
+    assert r.status_code == 200, r.text
+    assert r.json()["truncated"] == 1 and r.json()["max_length"] == 32
+    assert_label_sets(r.json()["predictions"], model_dir(stack, job), TEXTS, 32)
+
+
+def test_a_token_classification_model_answers_the_pipeline_s_entities(stack):
+    job = train_tagger(stack.client)
+    texts = raw_sentences()
+    r = predict(stack.client, job["id"], texts)
+    assert r.status_code == 200, r.text
+    assert r.json()["truncated"] == 1
+    assert [row["entities"] for row in r.json()["predictions"]] == pipeline_entities(model_dir(stack, job), texts)
+    assert_error(predict(stack.client, job["id"], [["carol went home", "pair"]]), 422, "invalid_inputs", "inputs",
+                 "token_classification")
 
 
 def test_input_limits_are_422_naming_the_field(stack, trained):

@@ -25,7 +25,8 @@ router = APIRouter(tags=["models"])
 @router.post("/models/{job_id}/predict", responses=error_responses(404, 409, 422))
 def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
     """Predict up to ``max_sync_inputs`` (default 64) texts with the model of a succeeded training
-    job, in input order. Inputs longer than ``max_length`` (default: the model's) are truncated
+    job, in input order, with the rows of a batch prediction (``PredictOut.predictions``); a
+    token_classification model takes raw texts, not pairs. Inputs longer than ``max_length`` (default: the model's) are truncated
     and counted in ``truncated``. The first request for a model loads it (about a second for
     all-MiniLM-L6-v2); later ones reuse it while it stays among the ``sync_model_cache`` most
     recently used. For many texts, use a batch prediction job."""
@@ -35,6 +36,9 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
                         "at once (max_sync_inputs)", "inputs")
     cached = model_cache().get(job_id, trained_model_dir(job_id, caller))
     texts, pairs = split_inputs(body.inputs)
+    if pairs is not None and cached.loaded.task == "token_classification":
+        raise UserError("invalid_inputs", f"job {job_id!r} is a token_classification model: inputs are texts, "
+                        "not [text, text_pair] pairs", "inputs")
     from shared.inference import predict_texts
 
     with cached.lock:

@@ -30,7 +30,7 @@ def create_prediction(spec: PredictionCreate, caller: CallerDep, dry_run: bool =
     """Check the request against its model and data, store the prediction job, then queue its id.
 
     ``model`` is a succeeded training job of yours (``job_…``) or a base model with a
-    classification head. With ``dry_run=true`` nothing is stored or queued: the response (200) is
+    sequence- or token-classification head. With ``dry_run=true`` nothing is stored or queued: the response (200) is
     the plan (rows, tokens, texts truncated at ``max_length``, padding efficiency, estimated time).
     With an ``Idempotency-Key`` header, a retry with the same key and body (within 24 h) gets the
     first response back and queues nothing.
@@ -86,8 +86,12 @@ def prediction_results(prediction_id: str, caller: CallerDep,
                        format: Literal["jsonl", "csv", "parquet"] = "jsonl") -> StreamingResponse:
     """A succeeded prediction's results, streamed: one row per input row, in input order, with
     ``id`` (the ``id_column`` value, as text, or the 0-based row index), then ``label``, ``score``
-    and ``probabilities`` (every class's) for classification, or ``value`` for regression. CSV
-    has one ``probabilities.<class>`` column per class. 409 before it has succeeded."""
+    and ``probabilities`` (every class's) for classification; ``value`` for regression;
+    ``labels`` (those at or above the model's decision threshold) and ``probabilities`` (every
+    label's sigmoid score) for multi_label; ``entities`` (``entity_group``, ``score``, ``word``,
+    ``start``, ``end``: character offsets into the text) for token_classification. CSV has one
+    ``probabilities.<class>`` column per class, and ``labels`` and ``entities`` as JSON text. 409
+    before it has succeeded."""
     chunks = predictions.results_stream(prediction_id, caller, format)
     return StreamingResponse(chunks, media_type=MEDIA_TYPES[format], headers={
         "Content-Disposition": f'attachment; filename="{prediction_id}.{format}"'})
