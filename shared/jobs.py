@@ -22,11 +22,15 @@ a process that died between its commit and its clean-up left behind.
 """
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
 from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy.orm import Session
 
 from shared import artifacts, idempotency, quotas
 from shared.db import keyset_page, read_session, session_scope
@@ -96,11 +100,7 @@ def create_job(spec: JobCreate, caller: Caller, claim: idempotency.Claim | None 
     """
     received = utcnow()
     checked = check_spec(spec, caller)
-    with read_session() as s:
-        quotas.check_storage(s, caller.tenant)
-    with session_scope() as s:
-        lock_tenant(s, caller.tenant)
-        quotas.check_active_jobs(s, caller.tenant)
+    with admission(caller) as s:
         for dataset in filter(None, [checked.train, checked.validation]):
             # Locked against a concurrent DELETE /datasets/{id}, which locks it to check for active jobs.
             row = s.get(Dataset, dataset.id, with_for_update={"read": True}, populate_existing=True)
@@ -110,12 +110,37 @@ def create_job(spec: JobCreate, caller: Caller, claim: idempotency.Claim | None 
                   training_dataset_id=checked.train.id,
                   validation_dataset_id=checked.validation.id if checked.validation else None,
                   spec=spec.model_dump(mode="json"), label_names=checked.label_names, created_at=received)
-        s.add(job)
-        s.add(JobEvent(job_id=job.id, code="created", level="info", message="job created and queued"))
-        s.flush()
-        if claim is not None:
-            idempotency.complete(s, claim, 201, to_out(job).model_dump(mode="json"))
-        return job
+        return insert_queued(s, job, "job created and queued", claim, to_out)
+
+
+@contextmanager
+def admission(caller: Caller) -> Iterator[Session]:
+    """A write session in which ``caller`` may store one more job of either kind: the storage
+    quota checked, the tenant's row locked (one admission at a time per tenant), then the
+    active-jobs quota checked.
+
+    Raises:
+        UserError: 413 ``storage_quota_exceeded``, 429 ``too_many_active_jobs`` (``shared.quotas``).
+    """
+    with read_session() as s:
+        quotas.check_storage(s, caller.tenant)
+    with session_scope() as s:
+        lock_tenant(s, caller.tenant)
+        quotas.check_active_jobs(s, caller.tenant)
+        yield s
+
+
+def insert_queued(s: Session, job: Job, message: str, claim: idempotency.Claim | None,
+                  view: Callable[[Job], BaseModel]) -> Job:
+    """Add ``job`` (queued) and its ``created`` event to session ``s``; with an idempotency
+    ``claim``, record its API view (``view(job)``, once the row's defaults are filled) as the 201
+    answer in the same transaction."""
+    s.add(job)
+    s.add(JobEvent(job_id=job.id, code="created", level="info", message=message))
+    s.flush()
+    if claim is not None:
+        idempotency.complete(s, claim, 201, view(job).model_dump(mode="json"))
+    return job
 
 
 def get_job(job_id: str, caller: Caller, kind: str = "train") -> Job:

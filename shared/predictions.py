@@ -32,18 +32,19 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from shared import artifacts, idempotency, quotas
+from shared import artifacts, idempotency
 from shared.base_models import resolve_model
 from shared.batching import bucket_width, job_ladder, token_budget_batches
 from shared.datasets import Problems, check_text, read_batches
-from shared.db import read_session, session_scope
+from shared.db import read_session
 from shared.errors import Deleted, NotFound, UserError, without_paths
-from shared.models import Dataset, Job, JobEvent, JobStatus, new_id, utcnow
+from shared.jobs import admission, insert_queued
+from shared.models import Dataset, Job, JobStatus, new_id, utcnow
 from shared.planning import TOKENIZE_ROWS, estimate_seconds, max_input_length, visible_dataset
 from shared.schemas import (PredictionCreate, PredictionOut, PredictionProgress, PredictionResult, Timings,
                             json_safe)
 from shared.settings import get_settings
-from shared.tenancy import Caller, lock_tenant, owned_job
+from shared.tenancy import Caller, owned_job
 
 KIND = "predict"
 TASKS = ("classification", "regression", "multi_label", "token_classification")
@@ -275,11 +276,7 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
     """
     received = utcnow()
     checked = check_prediction(spec, caller)
-    with read_session() as s:
-        quotas.check_storage(s, caller.tenant)
-    with session_scope() as s:
-        lock_tenant(s, caller.tenant)
-        quotas.check_active_jobs(s, caller.tenant)
+    with admission(caller) as s:
         # Locked against a concurrent DELETE /datasets/{id} (DELETE /jobs/{id} of the model), which
         # locks it to check for active jobs.
         row = s.get(Dataset, checked.dataset.id, with_for_update={"read": True}, populate_existing=True)
@@ -291,12 +288,7 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
         job = Job(id=new_id("job"), tenant=caller.tenant, kind=KIND, base_model=spec.model, task=checked.model.task,
                   training_dataset_id=row.id, spec=stored_spec(checked),
                   label_names=checked.model.label_names, total_steps=row.rows, created_at=received)
-        s.add(job)
-        s.add(JobEvent(job_id=job.id, code="created", level="info", message="prediction created and queued"))
-        s.flush()
-        if claim is not None:
-            idempotency.complete(s, claim, 201, to_out(job).model_dump(mode="json"))
-        return job
+        return insert_queued(s, job, "prediction created and queued", claim, to_out)
 
 
 def stored_spec(checked: CheckedPrediction) -> dict:
