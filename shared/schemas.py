@@ -549,8 +549,9 @@ class PredictIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    inputs: list[str] | list[tuple[str, str]] = Field(
-        ..., min_length=1, description="texts, or [text, text_pair] pairs; at most max_sync_inputs (default 64)",
+    # min_length on each branch: on the union itself it is lost from the OpenAPI schema
+    inputs: Annotated[list[str], Field(min_length=1)] | Annotated[list[tuple[str, str]], Field(min_length=1)] = Field(
+        ..., description="texts, or [text, text_pair] pairs; at most max_sync_inputs (default 64)",
         examples=[["Shares fell sharply", "A late goal won the match"]])
     max_length: int | None = Field(None, ge=2, description="tokens per input (default: the model's max_length); "
                                                             "longer inputs are truncated and counted")
