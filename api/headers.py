@@ -1,10 +1,32 @@
-"""Request headers that several routers read."""
+"""Request headers that several routers read, and the idempotent submission of a job."""
 
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Header
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from shared import idempotency
+from shared.models import Job
+from shared.queue import submit
+from shared.tenancy import Caller
 
 IdempotencyKey = Annotated[str | None, Header(alias=idempotency.HEADER, min_length=1, max_length=255,
                                               description=idempotency.HEADER_DESCRIPTION)]
+
+
+def submit_once(route: str, spec: BaseModel, caller: Caller, key: str | None,
+                view: Callable[[Job], BaseModel]) -> BaseModel | JSONResponse:
+    """Store and queue a job of either kind (``shared.queue.submit``) once per ``Idempotency-Key``
+    ``key`` and body: the new job's API view (``view(job)``), or on a retry the first answer again.
+
+    Raises:
+        UserError: see ``shared.queue.submit``; 422 ``idempotency_key_reused`` (another body), 409
+            ``idempotency_key_in_use`` (the first request with the key is still running).
+    """
+    job = idempotency.once(caller.tenant, route, key, idempotency.fingerprint(spec.model_dump_json()),
+                           lambda claim: submit(spec, caller, claim))
+    if isinstance(job, idempotency.Replay):
+        return JSONResponse(job.body, status_code=job.status_code)
+    return view(job)

@@ -1,19 +1,18 @@
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import bindparam, select
 
 from api import store
 from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
-from api.headers import IdempotencyKey
-from shared import artifacts, idempotency, jobs
+from api.headers import IdempotencyKey, submit_once
+from shared import artifacts, jobs
 from shared.db import read_session
 from shared.errors import NotFound
 from shared.models import JobMetric
 from shared.planning import check_spec, plan_job
-from shared.queue import submit
 from shared.schemas import ArtifactOut, CheckpointOut, DryRunOut, EventOut, JobCreate, JobList, JobOut, MetricOut
 from shared.tenancy import Caller, owned_job
 
@@ -42,11 +41,7 @@ def create_job(spec: JobCreate, caller: CallerDep, dry_run: bool = False, idempo
     if dry_run:
         plan = DryRunOut(dry_run=True, plan=plan_job(check_spec(spec, caller)))
         return SafeJSONResponse(plan.model_dump(mode="json"))
-    job = idempotency.once(caller.tenant, "POST /jobs", idempotency_key,
-                           idempotency.fingerprint(spec.model_dump_json()), lambda claim: submit(spec, caller, claim))
-    if isinstance(job, idempotency.Replay):
-        return JSONResponse(job.body, status_code=job.status_code)
-    return jobs.to_out(job)
+    return submit_once("POST /jobs", spec, caller, idempotency_key, jobs.to_out)
 
 
 @router.get("")

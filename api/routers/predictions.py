@@ -4,17 +4,16 @@
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from sse_starlette import EventSourceResponse
 
 from api import store
 from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
 from api.feeds import Cursor
-from api.headers import IdempotencyKey
-from shared import idempotency, jobs, predictions
+from api.headers import IdempotencyKey, submit_once
+from shared import jobs, predictions
 from shared.predictions import KIND, MEDIA_TYPES
-from shared.queue import submit
 from shared.schemas import EventOut, PredictionCreate, PredictionDryRunOut, PredictionList, PredictionOut
 from shared.settings import get_settings
 
@@ -39,11 +38,7 @@ def create_prediction(spec: PredictionCreate, caller: CallerDep, dry_run: bool =
         plan = PredictionDryRunOut(dry_run=True, plan=predictions.plan_prediction(
             predictions.check_prediction(spec, caller)))
         return SafeJSONResponse(plan.model_dump(mode="json"))
-    job = idempotency.once(caller.tenant, "POST /predictions", idempotency_key,
-                           idempotency.fingerprint(spec.model_dump_json()), lambda claim: submit(spec, caller, claim))
-    if isinstance(job, idempotency.Replay):
-        return JSONResponse(job.body, status_code=job.status_code)
-    return predictions.to_out(job)
+    return submit_once("POST /predictions", spec, caller, idempotency_key, predictions.to_out)
 
 
 @router.get("")
