@@ -361,7 +361,7 @@ def measure_job(args: argparse.Namespace) -> dict:
     """Start ``tunejob serve`` (embedded store, a temporary data dir), register the model as a
     succeeded training job, warm the worker with a 64-row prediction, then per size in ``args.rows``
     time POST /predictions -> succeeded -> results (JSONL) downloaded, sampling the worker's RSS.
-    Then, with the server stopped, at the worker's niceness, the loop's own time on the same texts."""
+    With ``args.loop``, right after each job, at the worker's niceness, the loop's own time on the same texts."""
     import csv
 
     import httpx
@@ -428,7 +428,7 @@ def measure_job(args: argparse.Namespace) -> dict:
             pid = r.json()["id"]
             while (p := client.get(f"/predictions/{pid}").json())["status"] not in ("succeeded", "failed",
                                                                                      "cancelled"):
-                time.sleep(0.05)
+                time.sleep(args.poll)
             if p["status"] != "succeeded":
                 raise RuntimeError(f"prediction {pid}: {p['status']}: {p.get('error')}\n{server.tail()}")
             lines = 0
@@ -443,7 +443,21 @@ def measure_job(args: argparse.Namespace) -> dict:
             sampler = RssSampler(server.popen.pid)
             warm_seconds, _, _ = predict(upload(job_texts(args.texts, 64)))
             out["warm_seconds"] = warm_seconds
-            for rows in args.rows:
+            if args.loop:
+                import torch
+
+                from shared.inference import load_for_inference, predict_texts
+                from shared.predictions import max_tokens
+
+                # The worker's niceness, before this process's first torch operation creates its
+                # threads: the loop gets the worker's share of the shared CPU. The server started
+                # before, at its own.
+                os.nice(SERVE_WORKER_NICENESS)
+                loaded = load_for_inference(model_dir, torch.device("cpu"))
+                budget = max_tokens(64, args.max_length)
+                predict_texts(loaded, job_texts(args.texts, 64), None, args.max_length, budget)
+                out["threads"] = torch.get_num_threads()
+            for rows in [r for r in args.rows for _ in range(args.repeats)]:
                 texts = job_texts(args.texts, rows)
                 dataset = upload(texts)
                 time.sleep(1)
@@ -451,37 +465,26 @@ def measure_job(args: argparse.Namespace) -> dict:
                 seconds, p, lines = predict(dataset)
                 if lines != rows:
                     raise RuntimeError(f"{lines} result rows for {rows} input rows")
-                out["sizes"].append({"rows": rows, "job_seconds": seconds, "rows_per_second": rows / seconds,
-                                     "start_rss": start_rss, "peak_rss": sampler.peak, "samples": sampler.samples,
-                                     "load_average": load, "timings": p.get("timings"),
-                                     "worker_rows_per_second": (p.get("result") or {}).get("rows_per_second"),
-                                     "device": p.get("device")})
+                size = {"rows": rows, "job_seconds": seconds, "rows_per_second": rows / seconds,
+                        "start_rss": start_rss, "peak_rss": sampler.peak, "samples": sampler.samples,
+                        "load_average": load, "timings": p.get("timings"),
+                        "worker_rows_per_second": (p.get("result") or {}).get("rows_per_second"),
+                        "device": p.get("device")}
+                out["sizes"].append(size)
                 print(f"{rows:,} rows: job {seconds:.1f} s ({rows / seconds:,.0f} rows/s), worker RSS "
                       f"{start_rss / 2**20:,.0f} -> peak {sampler.peak / 2**20:,.0f} MiB, load {load:.1f}", flush=True)
+                if args.loop:  # right after the job, the worker idle: the same texts, model and budget
+                    load, began = os.getloadavg()[0], time.perf_counter()
+                    predict_texts(loaded, texts, None, args.max_length, budget)
+                    loop = time.perf_counter() - began
+                    size.update(loop_seconds=loop, loop_load_average=load, **job_ratio(seconds, loop))
+                    print(f"{rows:,} rows: loop {loop:.1f} s, job/loop {size['ratio']:.2f}x, target <= "
+                          f"{size['limit_s']:.1f} s: {'met' if size['met'] else 'missed'}, load {load:.1f}", flush=True)
         finally:
             if sampler:
                 sampler.close()
             client.close()
             server.stop(timeout=60)
-        if args.loop:
-            import torch
-
-            from shared.inference import load_for_inference, predict_texts
-            from shared.predictions import max_tokens
-
-            os.nice(SERVE_WORKER_NICENESS)  # the worker's: the same share of the shared CPU
-            loaded = load_for_inference(model_dir, torch.device("cpu"))
-            predict_texts(loaded, job_texts(args.texts, 64), None, args.max_length, max_tokens(64, args.max_length))
-            for size in out["sizes"]:
-                texts = job_texts(args.texts, size["rows"])
-                load, began = os.getloadavg()[0], time.perf_counter()
-                predict_texts(loaded, texts, None, args.max_length, max_tokens(64, args.max_length))
-                seconds = time.perf_counter() - began
-                size.update(loop_seconds=seconds, loop_load_average=load, **job_ratio(size["job_seconds"], seconds))
-                print(f"{size['rows']:,} rows: loop {size['loop_seconds']:.1f} s, job/loop {size['ratio']:.2f}x, "
-                      f"target <= {size['limit_s']:.1f} s: {'met' if size['met'] else 'missed'}, load {load:.1f}",
-                      flush=True)
-            out["threads"] = torch.get_num_threads()
     return out
 
 
@@ -495,12 +498,12 @@ def job(args: argparse.Namespace, command: str) -> None:
              else f"the all-MiniLM-L6-v2 fine-tuned on {args.model} (`bench.predict prepare`)")
     texts = ("short synthetic texts (3-12 words)" if args.texts == "short" else f"{args.texts} texts in order")
     loop_note = (" Loop: `predict_texts` on the same texts and model with the job's budget (batch_size 64 x "
-                 "max_length tokens), in the benchmark process after the server stopped, at the worker's niceness "
-                 "(10), after a 64-row warm-up; target: job <= 1.3 x loop + 2 s." if args.loop else "")
+                 "max_length tokens), in the benchmark process right after each job (the worker idle), at the "
+                 "worker's niceness (10), after a 64-row warm-up; target: job <= 1.3 x loop + 2 s." if args.loop else "")
     head = (f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}, `{command}`: a real `tunejob serve` (embedded SQLite store, "
             f"filesystem broker, temporary data dir), the model registered as a succeeded training job of the "
             f"store (no training), {model}; {texts} @{args.max_length}. Job: `POST /predictions` -> polled "
-            f"`GET /predictions/{{id}}` (50 ms) until succeeded -> every row of `GET .../results?format=jsonl` read; "
+            f"`GET /predictions/{{id}}` (every {args.poll:g} s) until succeeded -> every row of `GET .../results?format=jsonl` read; "
             f"the worker warmed by one 64-row prediction ({result['warm_seconds']:.1f} s, cold). Worker RSS: the "
             f"summed RSS of `tunejob serve`'s child processes (psutil, every 0.2 s), at the POST and its peak "
             f"until the results were read.{loop_note} {machine}; load average: 1-minute, before each timing; "
@@ -550,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     whole.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=[2000],
                        help="comma-separated row counts, one job each")
     whole.add_argument("--max-length", type=int, default=128)
+    whole.add_argument("--repeats", type=int, default=1, help="jobs per row count (each a fresh dataset)")
+    whole.add_argument("--poll", type=float, default=0.2, help="seconds between GET /predictions/{id}")
     whole.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True,
                        help="also time predict_texts on the same texts (the loop's own time)")
     whole.add_argument("--section", default="job", help="the Markdown section: predict-<section>")
