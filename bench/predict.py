@@ -7,6 +7,8 @@ round-robin over repeats.
     python -m bench.predict prepare --dataset rotten_tomatoes   # fine-tune all-MiniLM-L6-v2 (1 epoch) into .bench-predict/
     python -m bench.predict run --dataset rotten_tomatoes --repeats 2 --markdown docs/benchmarks.md
     python -m bench.predict latency --requests 50 --markdown docs/benchmarks.md   # POST /models/{id}/predict
+    python -m bench.predict job --rows 2000 --repeats 3 --markdown docs/benchmarks.md   # whole jobs, tunejob serve
+    python -m bench.predict job --model tiny --texts short --rows 100000,1000000 --no-loop --section job-memory
 
 Configurations (``--configs``): ``pipeline``, and ``tunejob[:<name>=<value>...]`` with
 ``precision`` (fp32, bf16) and ``max_tokens`` (the token budget per batch), e.g.
