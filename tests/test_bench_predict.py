@@ -4,7 +4,15 @@ anything ran."""
 
 import pytest
 
-from bench.predict import config_options, corpus_texts, job_ratio, job_texts, percentile, short_texts, summarize
+from bench.predict import (
+    config_options,
+    corpus_texts,
+    job_ratio,
+    job_texts,
+    percentile,
+    short_texts,
+    summarize,
+)
 
 
 def test_configuration_names():
