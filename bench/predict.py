@@ -7,6 +7,8 @@ round-robin over repeats.
     python -m bench.predict prepare --dataset rotten_tomatoes   # fine-tune all-MiniLM-L6-v2 (1 epoch) into .bench-predict/
     python -m bench.predict run --dataset rotten_tomatoes --repeats 2 --markdown docs/benchmarks.md
     python -m bench.predict latency --requests 50 --markdown docs/benchmarks.md   # POST /models/{id}/predict
+    python -m bench.predict job --rows 2000 --repeats 3 --markdown docs/benchmarks.md   # whole jobs, tunejob serve
+    python -m bench.predict job --model tiny --texts short --rows 100000,1000000 --no-loop --section job-memory
 
 Configurations (``--configs``): ``pipeline``, and ``tunejob[:<name>=<value>...]`` with
 ``precision`` (fp32, bf16) and ``max_tokens`` (the token budget per batch), e.g.
@@ -290,6 +292,246 @@ def latency(args: argparse.Namespace, command: str) -> None:
         update_markdown(args.markdown, {"predict-latency": section})
 
 
+# ----------------------------------------------------------------------------- the whole job
+
+SHORT_WORDS = ("good bad great awful fine dull fun slow sharp warm cold film plot cast story scene ending "
+               "music acting script pace twist hero villain laugh tears moving boring clever silly").split()
+
+
+def short_texts(rows: int, seed: int = 0) -> list[str]:
+    """``rows`` short texts (3 to 12 words of a small vocabulary), the same for the same seed."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(SHORT_WORDS, k=rng.randint(3, 12))) for _ in range(rows)]
+
+
+def job_texts(source: str, rows: int) -> list[str]:
+    """``rows`` texts: a corpus's texts in order (repeated when ``rows`` is larger), or ``short``."""
+    if source == "short":
+        return short_texts(rows)
+    texts, _, _ = corpus_texts(source)
+    return [texts[i % len(texts)] for i in range(rows)]
+
+
+class RssSampler:
+    """Samples the summed RSS of a process's descendants (the worker of ``tunejob serve``) every
+    ``interval`` seconds in a thread; ``mark()`` starts a new window, ``peak`` is its highest."""
+
+    def __init__(self, pid: int, interval: float = 0.2):
+        import threading
+
+        import psutil
+
+        self.root, self.interval, self.peak, self.samples = psutil.Process(pid), interval, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def rss(self) -> int:
+        import psutil
+
+        total = 0
+        for p in self.root.children(recursive=True):
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def mark(self) -> int:
+        now = self.rss()
+        self.peak, self.samples = now, 0
+        return now
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak, self.samples = max(self.peak, self.rss()), self.samples + 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def job_ratio(job_seconds: float, loop_seconds: float) -> dict:
+    """The issue's target for a whole prediction job: at most 1.3x the loop's own time plus 2 s."""
+    limit = 1.3 * loop_seconds + 2
+    return {"ratio": job_seconds / loop_seconds, "limit_s": limit, "met": job_seconds <= limit}
+
+
+def measure_job(args: argparse.Namespace) -> dict:
+    """Start ``tunejob serve`` (embedded store, a temporary data dir), register the model as a
+    succeeded training job, warm the worker with a 64-row prediction, then per size in ``args.rows``
+    time POST /predictions -> succeeded -> results (JSONL) downloaded, sampling the worker's RSS.
+    With ``args.loop``, right after each job, at the worker's niceness, the loop's own time on the same texts."""
+    import csv
+
+    import httpx
+
+    from shared.db import upgrade_database
+    from shared.keys import create_key
+    from shared.settings import get_settings
+    from tests.faults_support import Process, free_port, wait_for
+    from tunejob.cli import SERVE_WORKER_NICENESS
+
+    out: dict = {"sizes": []}
+    with tempfile.TemporaryDirectory(prefix="tunejob-bench-job-") as work:
+        work_dir = Path(work)
+        data_dir = work_dir / "data"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}
+        os.environ.update({"TUNEJOB_DATA_DIR": str(data_dir)})
+        env.update({"TUNEJOB_DATA_DIR": str(data_dir), "TUNEJOB_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+                    "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+        get_settings.cache_clear()
+        upgrade_database()
+        key, _ = create_key("bench")
+        if args.model == "tiny":
+            from worker.doctor import build_tiny_bert
+
+            model_dir = build_tiny_bert(work_dir / "tiny-bert")
+        else:
+            model_dir = model_path(args.model)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        names = [config.id2label[i] for i in range(config.num_labels)]
+        job_id = register_model(model_dir, "bench", names)
+        port = free_port()
+        env["TUNEJOB_URL"] = f"http://127.0.0.1:{port}"
+        server = Process("serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env,
+                         work_dir / "serve.log")
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"},
+                              timeout=600)
+        sampler = None
+
+        def up() -> bool:
+            try:
+                return client.get("/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        def upload(texts: list[str]) -> str:
+            path = work_dir / f"rows-{len(texts)}.csv"
+            with path.open("w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["text"])
+                w.writerows([t] for t in texts)
+            with path.open("rb") as f:
+                r = client.post("/datasets", files={"file": (path.name, f, "text/csv")})
+            r.raise_for_status()
+            path.unlink()
+            return r.json()["id"]
+
+        def predict(dataset: str) -> tuple[float, dict, int]:
+            began = time.perf_counter()
+            r = client.post("/predictions", json={"model": job_id, "dataset": dataset, "text_column": "text",
+                                                  "max_length": args.max_length})
+            r.raise_for_status()
+            pid = r.json()["id"]
+            while (p := client.get(f"/predictions/{pid}").json())["status"] not in ("succeeded", "failed",
+                                                                                     "cancelled"):
+                time.sleep(args.poll)
+            if p["status"] != "succeeded":
+                raise RuntimeError(f"prediction {pid}: {p['status']}: {p.get('error')}\n{server.tail()}")
+            lines = 0
+            with client.stream("GET", f"/predictions/{pid}/results", params={"format": "jsonl"}) as r:
+                r.raise_for_status()
+                for _ in r.iter_lines():
+                    lines += 1
+            return time.perf_counter() - began, p, lines
+
+        try:
+            wait_for("tunejob serve", up, timeout=180, diagnostics=server.tail)
+            sampler = RssSampler(server.popen.pid)
+            warm_seconds, _, _ = predict(upload(job_texts(args.texts, 64)))
+            out["warm_seconds"] = warm_seconds
+            if args.loop:
+                import torch
+
+                from shared.inference import load_for_inference, predict_texts
+                from shared.predictions import max_tokens
+
+                # The worker's niceness, before this process's first torch operation creates its
+                # threads: the loop gets the worker's share of the shared CPU. The server started
+                # before, at its own.
+                os.nice(SERVE_WORKER_NICENESS)
+                loaded = load_for_inference(model_dir, torch.device("cpu"))
+                budget = max_tokens(64, args.max_length)
+                predict_texts(loaded, job_texts(args.texts, 64), None, args.max_length, budget)
+                out["threads"] = torch.get_num_threads()
+            for rows in [r for r in args.rows for _ in range(args.repeats)]:
+                texts = job_texts(args.texts, rows)
+                dataset = upload(texts)
+                time.sleep(1)
+                load, start_rss = os.getloadavg()[0], sampler.mark()
+                seconds, p, lines = predict(dataset)
+                if lines != rows:
+                    raise RuntimeError(f"{lines} result rows for {rows} input rows")
+                size = {"rows": rows, "job_seconds": seconds, "rows_per_second": rows / seconds,
+                        "start_rss": start_rss, "peak_rss": sampler.peak, "samples": sampler.samples,
+                        "load_average": load, "timings": p.get("timings"),
+                        "worker_rows_per_second": (p.get("result") or {}).get("rows_per_second"),
+                        "device": p.get("device")}
+                out["sizes"].append(size)
+                print(f"{rows:,} rows: job {seconds:.1f} s ({rows / seconds:,.0f} rows/s), worker RSS "
+                      f"{start_rss / 2**20:,.0f} -> peak {sampler.peak / 2**20:,.0f} MiB, load {load:.1f}", flush=True)
+                if args.loop:  # right after the job, the worker idle: the same texts, model and budget
+                    load, began = os.getloadavg()[0], time.perf_counter()
+                    predict_texts(loaded, texts, None, args.max_length, budget)
+                    loop = time.perf_counter() - began
+                    size.update(loop_seconds=loop, loop_load_average=load, **job_ratio(seconds, loop))
+                    print(f"{rows:,} rows: loop {loop:.1f} s, job/loop {size['ratio']:.2f}x, target <= "
+                          f"{size['limit_s']:.1f} s: {'met' if size['met'] else 'missed'}, load {load:.1f}", flush=True)
+        finally:
+            if sampler:
+                sampler.close()
+            client.close()
+            server.stop(timeout=60)
+    return out
+
+
+def job(args: argparse.Namespace, command: str) -> None:
+    """Measure whole prediction jobs; print the table and write it into ``args.markdown``'s section."""
+    from bench.report import host, update_markdown
+
+    machine = host()
+    result = measure_job(args)
+    model = ("a 2-layer, 32-wide BERT with random weights (`worker.doctor.build_tiny_bert`)" if args.model == "tiny"
+             else f"the all-MiniLM-L6-v2 fine-tuned on {args.model} (`bench.predict prepare`)")
+    texts = ("short synthetic texts (3-12 words)" if args.texts == "short" else f"{args.texts} texts in order")
+    loop_note = (" Loop: `predict_texts` on the same texts and model with the job's budget (batch_size 64 x "
+                 "max_length tokens), in the benchmark process right after each job (the worker idle), at the "
+                 "worker's niceness (10), after a 64-row warm-up; target: job <= 1.3 x loop + 2 s." if args.loop else "")
+    head = (f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}, `{command}`: a real `tunejob serve` (embedded SQLite store, "
+            f"filesystem broker, temporary data dir), the model registered as a succeeded training job of the "
+            f"store (no training), {model}; {texts} @{args.max_length}. Job: `POST /predictions` -> polled "
+            f"`GET /predictions/{{id}}` (every {args.poll:g} s) until succeeded -> every row of `GET .../results?format=jsonl` read; "
+            f"the worker warmed by one 64-row prediction ({result['warm_seconds']:.1f} s, cold). Worker RSS: the "
+            f"summed RSS of `tunejob serve`'s child processes (psutil, every 0.2 s), at the POST and its peak "
+            f"until the results were read.{loop_note} {machine}; load average: 1-minute, before each timing; "
+            f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end.\n\n")
+    if args.loop:
+        head += ("| rows | job s | rows/s | loop s | job / loop | target s (1.3 x loop + 2) | met | worker RSS start "
+                 "-> peak MiB | load average (job, loop) |\n|---|---|---|---|---|---|---|---|---|\n")
+        lines = [f"| {r['rows']:,} | {r['job_seconds']:.1f} | {r['rows_per_second']:,.0f} | {r['loop_seconds']:.1f} "
+                 f"| {r['ratio']:.2f}x | {r['limit_s']:.1f} | {'yes' if r['met'] else 'no'} "
+                 f"| {r['start_rss'] / 2**20:,.0f} -> {r['peak_rss'] / 2**20:,.0f} "
+                 f"| {r['load_average']:.1f}, {r['loop_load_average']:.1f} |" for r in result["sizes"]]
+    else:
+        head += ("| rows | job s | rows/s | worker rows/s | worker RSS at start MiB | peak MiB | peak - start MiB "
+                 "| RSS samples | load average |\n|---|---|---|---|---|---|---|---|---|\n")
+        lines = [f"| {r['rows']:,} | {r['job_seconds']:.1f} | {r['rows_per_second']:,.0f} "
+                 f"| {r['worker_rows_per_second'] or 0:,.0f} | {r['start_rss'] / 2**20:,.0f} "
+                 f"| {r['peak_rss'] / 2**20:,.0f} | {(r['peak_rss'] - r['start_rss']) / 2**20:,.0f} | {r['samples']} "
+                 f"| {r['load_average']:.1f} |" for r in result["sizes"]]
+    section = head + "\n".join(lines)
+    print("\n" + section)
+    Path(f".bench-predict/job-{args.section}.json").write_text(json.dumps(result, indent=1))
+    if args.markdown:
+        update_markdown(args.markdown, {f"predict-{args.section}": section})
+        print(f"\nupdated {args.markdown}: section predict-{args.section}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -306,6 +548,19 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--dataset", choices=["rotten_tomatoes", "bbc"], default="rotten_tomatoes")
     lat.add_argument("--requests", type=int, default=50, help="timed requests per size")
     lat.add_argument("--markdown", type=Path, default=None, help="write the table into this file's section")
+    whole = sub.add_parser("job", help="whole prediction jobs through a real `tunejob serve`: time, worker RSS")
+    whole.add_argument("--model", default="rotten_tomatoes",
+                       help="rotten_tomatoes or bbc (`prepare`'s model), or tiny (a random 2-layer BERT)")
+    whole.add_argument("--texts", default="rotten_tomatoes", help="rotten_tomatoes, bbc, or short (synthetic)")
+    whole.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=[2000],
+                       help="comma-separated row counts, one job each")
+    whole.add_argument("--max-length", type=int, default=128)
+    whole.add_argument("--repeats", type=int, default=1, help="jobs per row count (each a fresh dataset)")
+    whole.add_argument("--poll", type=float, default=0.2, help="seconds between GET /predictions/{id}")
+    whole.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True,
+                       help="also time predict_texts on the same texts (the loop's own time)")
+    whole.add_argument("--section", default="job", help="the Markdown section: predict-<section>")
+    whole.add_argument("--markdown", type=Path, default=None, help="write the table into this file's section")
     one = sub.add_parser("one", help="(internal) one configuration in this process")
     one.add_argument("config")
     one.add_argument("dataset")
@@ -321,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         run(args, command)
     elif args.command == "latency":
         latency(args, command)
+    elif args.command == "job":
+        job(args, command)
     else:
         args.out.write_text(json.dumps(predict_in_this_process(args.config, args.dataset)))
     return 0

@@ -4,7 +4,15 @@ anything ran."""
 
 import pytest
 
-from bench.predict import config_options, corpus_texts, percentile, summarize
+from bench.predict import (
+    config_options,
+    corpus_texts,
+    job_ratio,
+    job_texts,
+    percentile,
+    short_texts,
+    summarize,
+)
 
 
 def test_configuration_names():
@@ -38,3 +46,21 @@ def test_summary_compares_labels_with_the_pipeline_and_scores_the_held_out_split
 def test_percentile_is_the_nearest_rank():
     values = list(range(1, 101))
     assert (percentile(values, 0.5), percentile(values, 0.99), percentile([7.0], 0.99)) == (50, 99, 7.0)
+
+
+def test_short_texts_are_short_and_the_same_for_a_seed():
+    texts = short_texts(500)
+    assert texts == short_texts(500) and texts != short_texts(500, seed=1)
+    assert all(3 <= len(t.split()) <= 12 for t in texts) and len(set(texts)) > 400
+
+
+def test_job_texts_repeat_the_corpus_in_order():
+    texts, _, _ = corpus_texts("rotten_tomatoes")
+    rows = job_texts("rotten_tomatoes", len(texts) + 2)
+    assert rows[:len(texts)] == texts and rows[-2:] == texts[:2]
+    assert job_texts("short", 3) == short_texts(3)
+
+
+def test_job_target_is_one_point_three_times_the_loop_plus_two_seconds():
+    assert job_ratio(15.0, 10.0) == {"ratio": 1.5, "limit_s": 15.0, "met": True}
+    assert job_ratio(15.1, 10.0)["met"] is False
