@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE := 1
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU build here; any other spec pulls CUDA packages.
