@@ -24,7 +24,7 @@ from shared.base_models import available_models
 from shared.db import read_session
 from shared.errors import UserError
 from shared.models import Dataset, JobStatus
-from shared.queue import RUN_JOB, RecoveryThread, app, send
+from shared.queue import RUN_JOB, RecoveryThread, app, send, send_trials
 from shared.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -128,10 +128,11 @@ def run_job(job_id: str) -> str:
 
 def record_outcome(job, worker_id: str, outcome: str) -> None:
     """End the job in the store as ``run_claimed_job`` left it (or hand it back to the queue); a
-    succeeded job's checkpoints are deleted, its model is in the artifacts."""
+    succeeded job's checkpoints are deleted, its model is in the artifacts; a pruned trial's are
+    deleted too. A sweep's trial then sends the trials its end queued (``shared.sweeps``)."""
     job_id = job.id
-    if outcome in (JobStatus.SUCCEEDED, JobStatus.CANCELLED):
-        if jobs.finish(job_id, worker_id, outcome) and outcome == JobStatus.SUCCEEDED:
+    if outcome in (JobStatus.SUCCEEDED, JobStatus.CANCELLED, JobStatus.PRUNED):
+        if jobs.finish(job_id, worker_id, outcome) and outcome in (JobStatus.SUCCEEDED, JobStatus.PRUNED):
             jobs.discard_checkpoints(job_id)
     elif outcome == "time_limit":
         jobs.finish(job_id, worker_id, JobStatus.FAILED, {
@@ -139,6 +140,8 @@ def record_outcome(job, worker_id: str, outcome: str) -> None:
     elif outcome == "shutdown" and jobs.requeue(job_id, worker_id, "requeued", "worker shut down (SIGTERM); "
                                                  f"resumes from {jobs.RESUMES_FROM[job.kind]}", restart=False):
         send(job_id)
+    if job.sweep_id is not None:  # the trials its end asked for (shared.sweeps)
+        send_trials(job.sweep_id)
 
 
 def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
@@ -147,8 +150,8 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
     from worker.device import resolve_device  # imported by ``preload``; the API imports this module without torch
     from worker.report import Reporter
 
-    reporter = Reporter(job.id, worker_id, stop_flags={"shutdown": stopping,
-                                                        "lease_lost": heartbeat.lease_lost})
+    reporter = Reporter(job.id, worker_id, stop_flags={"shutdown": stopping, "lease_lost": heartbeat.lease_lost},
+                        trial=job.sweep_id is not None)
     try:
         device, note = resolve_device(get_settings().device)
         if note:
