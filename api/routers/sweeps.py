@@ -1,10 +1,10 @@
-"""Hyperparameter sweeps (``shared.sweeps``): many trials of one job spec, each an ordinary job."""
+"""Hyperparameter sweeps (``shared.jobs.sweeps``): many trials of one job spec, each an ordinary job."""
 
 import asyncio
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
@@ -12,11 +12,12 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
 from api.headers import IdempotencyKey
-from shared import idempotency, sweeps
+from shared.jobs import sweeps
 from shared.queue import send_trials
+from shared.schemas.sweeps import SweepCreate, SweepList, SweepOut, SweepPlan, TrialOut
 from shared.settings import get_settings
-from shared.sweep_schemas import SweepCreate, SweepList, SweepOut, SweepPlan, TrialOut
-from shared.tenancy import Caller
+from shared.store import idempotency
+from shared.store.tenancy import Caller
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 TRIAL_EVENTS = {"started": "trial_started", "succeeded": "trial_ended", "failed": "trial_ended",

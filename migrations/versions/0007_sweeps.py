@@ -2,7 +2,7 @@
 
 A ``sweeps`` row holds a search's spec and state; each trial is a ``jobs`` row with ``sweep_id`` and
 ``trial_number`` (unique per sweep: no two trials share a number), and ``trial_attrs``, the Optuna
-trial system attributes its sampler and pruner keep (``shared.sweeps``). A pruned trial ends with
+trial system attributes its sampler and pruner keep (``shared.jobs.sweeps``). A pruned trial ends with
 the job status ``pruned`` (the status column is free text: no schema change).
 
 Revision ID: 0007

@@ -1,4 +1,4 @@
-"""Pydantic schemas of the sweeps API (``POST /sweeps`` and what it returns); ``shared.sweeps`` runs them.
+"""Pydantic schemas of the sweeps API (``POST /sweeps`` and what it returns); ``shared.jobs.sweeps`` runs them.
 
 The field names follow Optuna's: a search space entry is one of its distributions
 (``FloatDistribution``, ``IntDistribution``, ``CategoricalDistribution``), ``algorithm`` names a
@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.schemas import JOB_CREATE_EXAMPLE, JobCreate, integral_floats
+from shared.schemas.jobs import JOB_CREATE_EXAMPLE, JobCreate, integral_floats
 
 SWEEP_CREATE_EXAMPLE = {
     **JOB_CREATE_EXAMPLE,

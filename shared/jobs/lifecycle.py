@@ -12,10 +12,10 @@ its lease with a heartbeat; every write it makes is conditional on still holding
 (run periodically by the API and by every worker) re-queues jobs whose lease expired and re-sends
 the message of queued jobs that never reached the broker.
 
-Jobs are of two kinds (``Job.kind``): ``train`` and ``predict`` (``shared.predictions``). Both go
-through this one lifecycle; the routes of each kind see only its jobs (``shared.tenancy.owned_job``).
+Jobs are of two kinds (``Job.kind``): ``train`` and ``predict`` (``shared.jobs.predictions``). Both go
+through this one lifecycle; the routes of each kind see only its jobs (``shared.store.tenancy.owned_job``).
 
-Files follow the rows: ``delete_job`` (and ``shared.uploads.delete_dataset``) leave a tombstone row (the id answers
+Files follow the rows: ``delete_job`` (and ``shared.jobs.uploads.delete_dataset``) leave a tombstone row (the id answers
 404 saying it was deleted) and remove the files; a succeeded job's step checkpoints are deleted
 (``discard_checkpoints``); ``sweep_files`` applies ``artifact_retention_days`` and removes whatever
 a process that died between its commit and its clean-up left behind.
@@ -32,14 +32,15 @@ from pydantic import BaseModel
 from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
-from shared import artifacts, idempotency, quotas
-from shared.db import keyset_page, read_session, session_scope
 from shared.errors import Conflict, NotFound, UserError, without_paths
-from shared.models import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, Sweep, new_id, utcnow
-from shared.planning import check_spec
-from shared.schemas import Hyperparameters, JobCreate, JobOut, Progress, Timings, json_safe
+from shared.jobs import trials
+from shared.jobs.planning import check_spec
+from shared.schemas.jobs import Hyperparameters, JobCreate, JobOut, Progress, Timings, json_safe
 from shared.settings import get_settings
-from shared.tenancy import Caller, lock_tenant, owned_job, scoped
+from shared.store import artifacts, idempotency, quotas
+from shared.store.engine import keyset_page, read_session, session_scope
+from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
+from shared.store.tenancy import Caller, lock_tenant, owned_job, scoped
 
 ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
 RESUMES_FROM = {"train": "the latest checkpoint", "predict": "the last results part written"}
@@ -90,15 +91,15 @@ def to_out(job: Job) -> JobOut:
 def create_job(spec: JobCreate, caller: Caller, claim: idempotency.Claim | None = None) -> Job:
     """Validate a job spec against its model and data, then insert it as ``queued`` for the caller's
     tenant. With an idempotency ``claim``, the response (``to_out``) is recorded in the same
-    transaction (``shared.idempotency``).
+    transaction (``shared.store.idempotency``).
 
     The caller enqueues the job id once this returns (the row is committed by then). The job's
     ``created_at`` is when this was called, so its ``queued`` time includes the checks.
 
     Raises:
-        UserError: see ``shared.planning.check_spec``; ``unknown_dataset`` if a dataset was deleted
+        UserError: see ``shared.jobs.planning.check_spec``; ``unknown_dataset`` if a dataset was deleted
             while the spec was checked; 429 ``too_many_active_jobs`` and 413
-            ``storage_quota_exceeded`` (``shared.quotas``).
+            ``storage_quota_exceeded`` (``shared.store.quotas``).
     """
     received = utcnow()
     checked = check_spec(spec, caller)
@@ -122,7 +123,7 @@ def admission(caller: Caller) -> Iterator[Session]:
     active-jobs quota checked.
 
     Raises:
-        UserError: 413 ``storage_quota_exceeded``, 429 ``too_many_active_jobs`` (``shared.quotas``).
+        UserError: 413 ``storage_quota_exceeded``, 429 ``too_many_active_jobs`` (``shared.store.quotas``).
     """
     with read_session() as s:
         quotas.check_storage(s, caller.tenant)
@@ -228,40 +229,21 @@ def request_cancel(job_id: str, caller: Caller, kind: str = "train") -> Job:
     with session_scope() as s:
         # Locked (PostgreSQL; SQLite's BEGIN IMMEDIATE already serializes writers), so that a claim
         # cannot slip in between reading the status and acting on it.
-        lock_sweep_of(s, job_id)
+        trials.lock_sweep_of(s, job_id)
         job = owned_job(s, job_id, caller, for_update=True, kind=kind)
         cancel_in(s, job, now)
-        if job.sweep_id is not None and job.status in JobStatus.FINISHED:
-            trial_ended(s, job)
+        trials.ended(s, job)
         return job
 
 
 def cancel_in(s: Session, job: Job, now: datetime, why: str = "") -> None:
-    """In session ``s``, with ``job``'s row locked: end a queued job ``cancelled``, or flag a running
-    one to stop at its next optimizer step. ``why`` is added to the event's message."""
+    """With ``job``'s row locked: end it ``cancelled`` if queued; if running, flag it to stop (``why``: a note)."""
     if job.status == JobStatus.QUEUED:
         _end(job, JobStatus.CANCELLED, now)
         s.add(JobEvent(job_id=job.id, code="cancelled", level="info", message="cancelled before it started" + why))
     elif job.status == JobStatus.RUNNING and not job.cancel_requested:
         job.cancel_requested = True
         s.add(JobEvent(job_id=job.id, code="cancel_requested", level="info", message="cancel requested" + why))
-
-
-def lock_sweep_of(s: Session, *job_ids: str) -> None:
-    """Lock the sweeps of these jobs (those that are trials), before their job rows: every
-    transaction that ends a trial takes its sweep's lock first, then job rows (``shared.sweeps``
-    cancels a sweep's trials with its lock held), so that two never wait on each other."""
-    ids = s.scalars(select(Job.sweep_id).where(Job.id.in_(job_ids), Job.sweep_id.isnot(None)).distinct()).all()
-    for sweep_id in sorted(ids):
-        s.get(Sweep, sweep_id, with_for_update=True)
-
-
-def trial_ended(s: Session, job: Job) -> None:
-    """A sweep's trial has just ended in transaction ``s``: let its sweep ask for the next trials
-    (``shared.sweeps.trial_ended``) in the same transaction, so that a crash cannot come between."""
-    from shared import sweeps  # shared.sweeps builds on this module
-
-    sweeps.trial_ended(s, job)
 
 
 def _lease_expiry() -> datetime:
@@ -329,7 +311,7 @@ def requeue(job_id: str, worker_id: str, code: str, message: str, restart: bool)
     SIGTERM. A job out of restarts ends ``failed`` instead. Returns True if it was re-queued.
     """
     with session_scope() as s:
-        lock_sweep_of(s, job_id)
+        trials.lock_sweep_of(s, job_id)
         job = s.get(Job, job_id)
         if job is None or job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
             return False
@@ -344,8 +326,7 @@ def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> boo
         job.error = {"code": "too_many_restarts",
                      "message": f"gave up after {job.restarts} restarts; last: {message}"}
         s.add(JobEvent(job_id=job.id, code="failed", level="error", message=job.error["message"]))
-        if job.sweep_id is not None:
-            trial_ended(s, job)
+        trials.ended(s, job)
         return False
     job.status = JobStatus.QUEUED
     job.restarts += restart
@@ -364,7 +345,7 @@ def recover() -> list[str]:
     settings, now = get_settings(), utcnow()
     with session_scope() as s:
         is_expired = and_(Job.status == JobStatus.RUNNING, Job.lease_expires_at < now)
-        lock_sweep_of(s, *s.scalars(select(Job.id).where(is_expired, Job.sweep_id.isnot(None))).all())
+        trials.lock_sweep_of(s, *s.scalars(select(Job.id).where(is_expired, Job.sweep_id.isnot(None))).all())
         expired = s.scalars(select(Job).where(is_expired).with_for_update(skip_locked=True)).all()
         for job in expired:
             _requeue_or_fail(s, job, "job_restarted",
@@ -426,13 +407,12 @@ def latest_checkpoint(job_id: str) -> Checkpoint | None:
 def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | None = None) -> bool:
     """End a running job held by ``worker_id``, with a ``timings`` event. A succeeded job's
     checkpoints are forgotten (its model is in the artifacts; the caller then deletes their
-    directory, ``discard_checkpoints``), and so are a pruned trial's (its weights are not kept). A
-    sweep's trial lets its sweep go on in the same transaction (``trial_ended``). Returns False if
-    ``worker_id`` no longer holds it."""
+    directory, ``discard_checkpoints``), and a pruned trial's; a trial's sweep goes on (``trials.ended``).
+    Returns False if ``worker_id`` no longer holds it."""
     if error is not None:
         error = {**error, "message": without_paths(error["message"])}
     with session_scope() as s:
-        lock_sweep_of(s, job_id)
+        trials.lock_sweep_of(s, job_id)
         job = s.get(Job, job_id, with_for_update=True, populate_existing=True)
         if job is None or job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
             return False
@@ -443,10 +423,9 @@ def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | Non
         message = status if error is None else f"{status}: {error['message']}"
         s.add(JobEvent(job_id=job_id, code="timings", level="info", message=describe_timings(job.timings)))
         s.add(JobEvent(job_id=job_id, code=status, level=level, message=message))  # the last event: how it ended
-        if status in (JobStatus.SUCCEEDED, JobStatus.PRUNED):
+        if status in trials.NO_CHECKPOINTS:
             s.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id))
-        if job.sweep_id is not None:
-            trial_ended(s, job)
+        trials.ended(s, job)
         return True
 
 
@@ -475,7 +454,7 @@ def get_checkpoint(job_id: str, step: int, caller: Caller) -> Path:
 
 
 def model_files(job_id: str, caller: Caller) -> dict[str, Path]:
-    """A succeeded job's model files by name (``shared.artifacts.listing`` names what is
+    """A succeeded job's model files by name (``shared.store.artifacts.listing`` names what is
     downloadable). Empty before the job has succeeded, and after its files were deleted.
 
     Raises:
@@ -544,8 +523,7 @@ def sweep_files() -> None:
                 s.add(JobEvent(job_id=job.id, code="files_deleted", level="info",
                                message=f"checkpoints and artifacts removed: finished over "
                                        f"{settings.artifact_retention_days:g} days ago (TUNEJOB_ARTIFACT_RETENTION_DAYS)"))
-    for folder, gone in [("checkpoints", or_(Job.status.in_([JobStatus.SUCCEEDED, JobStatus.PRUNED]),
-                                             Job.files_deleted_at.isnot(None))),
+    for folder, gone in [("checkpoints", or_(Job.status.in_(trials.NO_CHECKPOINTS), Job.files_deleted_at.isnot(None))),
                          ("artifacts", or_(Job.status == JobStatus.PRUNED, Job.files_deleted_at.isnot(None)))]:
         for job_id in _jobs_on_disk(folder, gone):
             artifacts.remove_tree(settings.data_path / folder / job_id)

@@ -13,7 +13,7 @@ attributes their sampler and pruner keep (``Job.trial_attrs``: ``grid_id``, ASHA
 one job lease covers trials (Optuna's heartbeat does not cover ask/tell; Optuna's FAQ advises
 against SQLite with concurrent writers), and the same code runs on SQLite and PostgreSQL.
 
-**Asking** happens in the transaction that ends a trial (``trial_ended``, from ``shared.jobs``) or
+**Asking** happens in the transaction that ends a trial (``trial_ended``, from ``shared.jobs.lifecycle``) or
 creates the sweep, with the sweep's row locked (``SELECT … FOR UPDATE`` on PostgreSQL; SQLite's
 ``BEGIN IMMEDIATE`` single writer): trial numbers come from the rows (unique per sweep), never
 exceed ``max_trials``, and survive a kill -9 of any process. Queued and running trials enter the
@@ -39,15 +39,16 @@ from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from shared import idempotency, jobs
-from shared.db import keyset_page, read_session, session_scope
 from shared.errors import Conflict, Deleted, NotFound, UserError
-from shared.models import Job, JobEvent, JobMetric, JobStatus, Sweep, new_id, utcnow
-from shared.planning import check_spec, plan_job
-from shared.schemas import GREATER_IS_BETTER, TASK_METRICS, Hyperparameters, JobCreate
+from shared.jobs import lifecycle
+from shared.jobs.planning import check_spec, plan_job
+from shared.schemas.jobs import GREATER_IS_BETTER, TASK_METRICS, Hyperparameters, JobCreate
+from shared.schemas.sweeps import BestTrial, SweepCreate, SweepOut, SweepPlan, TrialOut
 from shared.settings import get_settings
-from shared.sweep_schemas import BestTrial, SweepCreate, SweepOut, SweepPlan, TrialOut
-from shared.tenancy import Caller, lock_tenant
+from shared.store import idempotency
+from shared.store.engine import keyset_page, read_session, session_scope
+from shared.store.rows import Job, JobEvent, JobMetric, JobStatus, Sweep, new_id, utcnow
+from shared.store.tenancy import Caller, lock_tenant
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger(__name__)
@@ -268,15 +269,15 @@ def create_sweep(spec: SweepCreate, caller: Caller, claim: idempotency.Claim | N
     then sends the trials' ids to the broker (``shared.queue.send_trials``).
 
     Raises:
-        UserError: see ``check_sweep`` and ``shared.planning.check_spec``; 429 ``too_many_active_jobs``
+        UserError: see ``check_sweep`` and ``shared.jobs.planning.check_spec``; 429 ``too_many_active_jobs``
             when the first trials would take the tenant over ``max_active_jobs_per_tenant``.
     """
     spec, _ = check_sweep(spec)
     checked = check_spec(trial_template(spec), caller)
-    with jobs.admission(caller) as s:
+    with lifecycle.admission(caller) as s:
         first = min(spec.max_parallel_trials, spec.max_trials)
         active = s.scalar(select(func.count()).select_from(Job).where(
-            Job.tenant == caller.tenant, Job.status.in_(jobs.ACTIVE)))
+            Job.tenant == caller.tenant, Job.status.in_(lifecycle.ACTIVE)))
         limit = get_settings().max_active_jobs_per_tenant
         if active + first > limit:
             raise UserError("too_many_active_jobs", f"tenant {caller.tenant!r} has {active} queued or running jobs; "
@@ -332,7 +333,7 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
                   training_dataset_id=spec.training_dataset, validation_dataset_id=spec.validation_dataset,
                   spec={**template, "hyperparameters": {**template["hyperparameters"], **params}},
                   label_names=sweep.label_names, sweep_id=sweep.id, trial_number=number, trial_attrs=attrs)
-        new.append(jobs.insert_queued(s, job, f"trial {number} of sweep {sweep.id} queued: {params}", None, None))
+        new.append(lifecycle.insert_queued(s, job, f"trial {number} of sweep {sweep.id} queued: {params}", None, None))
     return new
 
 
@@ -352,9 +353,9 @@ def end_sweep(s: Session, sweep: Sweep, status: str, error: dict | None = None) 
     """End the sweep ``status`` and cancel its queued and running trials."""
     now = utcnow()
     sweep.status, sweep.finished_at, sweep.error = status, now, error
-    for job in s.scalars(select(Job).where(Job.sweep_id == sweep.id, Job.status.in_(jobs.ACTIVE))
+    for job in s.scalars(select(Job).where(Job.sweep_id == sweep.id, Job.status.in_(lifecycle.ACTIVE))
                          .with_for_update()):
-        jobs.cancel_in(s, job, now, f" (sweep {sweep.id} {status})")
+        lifecycle.cancel_in(s, job, now, f" (sweep {sweep.id} {status})")
 
 
 def top_up_all() -> list[str]:
@@ -484,7 +485,7 @@ def cancel_sweep(sweep_id: str, caller: Caller) -> SweepOut:
 
 
 def delete_sweep(sweep_id: str, caller: Caller) -> None:
-    """Delete an ended sweep and every trial of it (``shared.jobs.delete_job``); its id then answers 404.
+    """Delete an ended sweep and every trial of it (``shared.jobs.lifecycle.delete_job``); its id then answers 404.
 
     Raises:
         NotFound, Deleted; Conflict (409) ``sweep_not_finished``: cancel it first.
@@ -492,14 +493,14 @@ def delete_sweep(sweep_id: str, caller: Caller) -> None:
     with session_scope() as s:
         sweep = _owned(s, sweep_id, caller, for_update=True)
         active = s.scalar(select(func.count()).select_from(Job).where(Job.sweep_id == sweep_id,
-                                                                      Job.status.in_(jobs.ACTIVE)))
+                                                                      Job.status.in_(lifecycle.ACTIVE)))
         if sweep.status not in ENDED or active:
             raise Conflict("sweep_not_finished", f"sweep {sweep_id!r} is {sweep.status} with {active} active "
                            f"trials; cancel it (POST /sweeps/{sweep_id}/cancel), then delete it once they stopped")
         sweep.deleted_at = utcnow()
         trial_ids = list(s.scalars(select(Job.id).where(Job.sweep_id == sweep_id, Job.deleted_at.is_(None))))
     for job_id in trial_ids:
-        jobs.delete_job(job_id, Caller(sweep.tenant, admin=True))
+        lifecycle.delete_job(job_id, Caller(sweep.tenant, admin=True))
 
 
 def events_since(sweep_id: str, caller: Caller, after_id: int) -> list[tuple[int, str, JobEvent, int]]:
