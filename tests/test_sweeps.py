@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import wait_for_status, wait_until
 from tests.test_api_jobs import labelled_csv, upload
 from tests.test_cancel import LONG
+from tests.test_faults import stacks  # noqa: F401 (the fixture of real API and worker processes)
 
 ENDED = {"succeeded", "failed", "cancelled"}
 TRIAL_ENDED = {"succeeded", "failed", "cancelled", "pruned"}
@@ -229,3 +230,39 @@ def test_another_tenant_gets_404(stack, dataset):
         assert r.status_code == 404, (method, path, r.text)
     assert other.get("/sweeps").json()["data"] == []
     assert wait_for_sweep(stack.client, sweep["id"])["status"] == "succeeded"  # untouched by the other tenant
+
+
+@pytest.mark.parametrize("kind", ["embedded", "postgres+redis"])
+def test_kill_9_of_the_whole_service_mid_sweep_then_a_restart_ends_with_exactly_max_trials(stacks, kind):
+    """The API and its worker (what ``tunejob serve`` runs) killed with SIGKILL while a trial trains
+    and another waits: after a restart on the same data the killed trial resumes from its checkpoint
+    (a second attempt), the sweep asks for the rest and ends with trials 0..3, each once."""
+    import signal
+
+    c = stacks.make(kind)
+    [worker] = c.start(workers=1)
+    dataset = c.upload(labelled_csv(rows=48, seed=9))
+    body = sweep_body(dataset["id"], max_trials=4, max_parallel_trials=2,
+                      hyperparameters={"epochs": 6, "batch_size": 4, "max_length": 32, "save_every_steps": 5})
+    sweep = c.request("POST", "/sweeps", 201, json=body).json()
+
+    def training_past_a_checkpoint() -> dict | None:
+        trials = c.request("GET", f"/sweeps/{sweep['id']}/trials").json()["data"]
+        running = [t for t in trials if t["status"] == "running" and c.checkpoints(t["job_id"])]
+        return running[0] if len(trials) >= 3 and running else None
+
+    killed = c.wait_for("a third trial asked and one training past a checkpoint", training_past_a_checkpoint, 180,
+                        interval=0.05)
+    worker.signal(signal.SIGKILL)
+    c.api.signal(signal.SIGKILL)
+    assert worker.wait(10) == -signal.SIGKILL and c.api.wait(10) == -signal.SIGKILL
+
+    c.start(workers=1)
+    sweep = c.wait_for("the sweep to end", lambda: (s := c.request("GET", f"/sweeps/{sweep['id']}").json())
+                       ["status"] in ENDED and s, 240)
+    trials = c.request("GET", f"/sweeps/{sweep['id']}/trials").json()["data"]
+    assert sweep["status"] == "succeeded", (sweep, trials)
+    assert [t["number"] for t in trials] == [0, 1, 2, 3] and len({t["job_id"] for t in trials}) == 4, trials
+    assert {t["status"] for t in trials} == {"succeeded"}, trials
+    resumed = c.job(killed["job_id"])
+    assert resumed["attempts"] == 2 and "job_restarted" in c.codes(killed["job_id"]), resumed
