@@ -7,6 +7,9 @@ evaluation with a fixed accuracy sequence per trial number and step: the pruner'
 follow from those numbers, never from how the tiny model happens to train.
 """
 
+import json
+import os
+
 import pytest
 
 from tests.conftest import wait_for_status, wait_until
@@ -266,3 +269,58 @@ def test_kill_9_of_the_whole_service_mid_sweep_then_a_restart_ends_with_exactly_
     assert {t["status"] for t in trials} == {"succeeded"}, trials
     resumed = c.job(killed["job_id"])
     assert resumed["attempts"] == 2 and "job_restarted" in c.codes(killed["job_id"]), resumed
+
+
+def test_serve_starts_one_worker_per_gpu_each_seeing_only_its_own(monkeypatch):
+    import torch
+
+    from tunejob.cli import worker_launches
+
+    plain = worker_launches(3, None)
+    assert len(plain) == 3 and all(args[-3:] == ["worker", "--nice", "10"] for args, _ in plain)
+    assert all(env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES") for _, env in plain)
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in worker_launches(1, "0,2")] == ["0", "2"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in worker_launches(1, "all")] == ["0", "1", "2", "3"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for gpus in ("all", "0,x", "1,1"):
+        with pytest.raises(SystemExit):
+            worker_launches(1, gpus)
+
+
+@pytest.fixture(scope="module")
+def served_by_two(tmp_path_factory, models_dir):
+    """``tunejob serve --workers 2`` (the embedded default), once both workers consume."""
+    from tests.test_client_cli import serving
+
+    for server in serving(tmp_path_factory.mktemp("served2"), models_dir, "--workers", "2"):
+        wait_until(lambda: server.process.tail(400).count(" ready.") >= 2, "both workers ready", timeout=180)
+        yield server
+
+
+def test_cli_sweep_runs_two_trials_at_once_on_serve_with_two_workers(served_by_two, tmp_path):
+    from tests.conftest import TINY_MODEL
+    from tests.test_client_cli import upload, write_csv
+
+    served = served_by_two
+    dataset = upload(served, write_csv(tmp_path / "train.csv", 48))
+    (tmp_path / "space.yaml").write_text("learning_rate: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}\n")
+    created = served.cli("sweeps", "create", "--model", TINY_MODEL, "--dataset", dataset, "--set", "epochs=3",
+                         "--set", "batch_size=8", "--set", "max_length=32", "--space", str(tmp_path / "space.yaml"),
+                         "--objective", "accuracy", "--algorithm", "random", "--max-trials", "2",
+                         "--max-parallel-trials", "2", "--watch")
+    assert created.returncode == 0, created.stdout + created.stderr
+    sweep_id = created.stdout.split()[1]
+    assert "succeeded" in created.stdout and "best" in created.stdout
+
+    trials = json.loads(served.cli("sweeps", "trials", sweep_id, "--json").stdout)
+    assert [t["number"] for t in trials] == [0, 1] and {t["status"] for t in trials} == {"succeeded"}
+    first, second = trials
+    assert first["started_at"] < second["finished_at"] and second["started_at"] < first["finished_at"], trials
+    sweep = json.loads(served.cli("sweeps", "get", sweep_id, "--json").stdout)
+    assert sweep["best_trial"]["value"] == max(t["value"] for t in trials)
+    assert [s["id"] for s in json.loads(served.cli("sweeps", "list", "--json").stdout)["data"]] == [sweep_id]
+
+    assert served.cli("sweeps", "delete", sweep_id).returncode == 0
+    gone = served.cli("sweeps", "get", sweep_id)
+    assert gone.returncode == 1 and "deleted" in gone.stderr
