@@ -7,6 +7,8 @@ evaluation with a fixed accuracy sequence per trial number and step: the pruner'
 follow from those numbers, never from how the tiny model happens to train.
 """
 
+import csv
+import io
 import json
 import os
 
@@ -104,6 +106,20 @@ def test_trials_are_jobs_run_in_parallel_up_to_the_limit_and_the_best_is_kept(st
     for job in jobs:
         active = [o for o in jobs if o["created_at"] <= job["created_at"] and o["finished_at"] > job["created_at"]]
         assert len(active) <= 2, jobs
+
+    # The report: the trials table and Optuna's pictures of the study.
+    table = client.get(f"/sweeps/{sweep['id']}/report/trials.csv")
+    assert table.status_code == 200 and table.headers["content-type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(table.text)))
+    assert [(int(r["number"]), r["job_id"], float(r["value"])) for r in rows] == [
+        (t["number"], t["job_id"], t["value"]) for t in trials]
+    for picture in ("optimization_history.png", "param_importances.png"):
+        r = client.get(f"/sweeps/{sweep['id']}/report/{picture}")
+        if r.status_code == 409:  # importances need trials of different values
+            assert picture == "param_importances.png" and len({t["value"] for t in trials}) == 1
+            continue
+        assert r.status_code == 200 and r.content.startswith(b"\x89PNG"), (picture, r.status_code, r.text[:200])
+    assert client.get(f"/sweeps/{sweep['id']}/report/model.bin").status_code == 404
 
     best = max(trials, key=lambda t: t["value"])
     assert sweep["best_trial"]["value"] == best["value"]
@@ -228,7 +244,8 @@ def test_bad_input_is_a_4xx_naming_the_field_and_queues_nothing(stack, dataset, 
 def test_another_tenant_gets_404(stack, dataset):
     sweep = create(stack.client, sweep_body(dataset["id"], max_trials=1))
     other = stack.client_for("tenant-b")
-    for method, path in [("get", ""), ("get", "/trials"), ("post", "/cancel"), ("delete", ""), ("get", "/stream")]:
+    for method, path in [("get", ""), ("get", "/trials"), ("post", "/cancel"), ("delete", ""), ("get", "/stream"),
+                         ("get", "/report/trials.csv")]:
         r = getattr(other, method)(f"/sweeps/{sweep['id']}{path}")
         assert r.status_code == 404, (method, path, r.text)
     assert other.get("/sweeps").json()["data"] == []

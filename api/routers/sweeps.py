@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
 from api.headers import IdempotencyKey
-from shared.jobs import sweeps
+from shared.jobs import sweep_report, sweeps
 from shared.queue import send_trials
 from shared.schemas.sweeps import SweepCreate, SweepList, SweepOut, SweepPlan, TrialOut
 from shared.settings import get_settings
@@ -76,6 +76,17 @@ def delete_sweep(sweep_id: str, caller: CallerDep) -> Response:
     """Delete an ended sweep and all its trials (their models too). 409 while it runs: cancel it first."""
     sweeps.delete_sweep(sweep_id, caller)
     return Response(status_code=204)
+
+
+@router.get("/{sweep_id}/report/{name}", response_class=Response, responses={
+    200: {"content": {"text/csv": {}, "image/png": {}}, "description": "the report file"}, **error_responses(409)})
+def sweep_report_file(sweep_id: str, name: str, caller: CallerDep) -> Response:
+    """The sweep's report, drawn from its trials now: ``trials.csv`` (number, job, parameters,
+    status, value, steps), and Optuna's ``optimization_history.png`` and ``param_importances.png``
+    (409 ``not_enough_trials`` until enough trials completed)."""
+    content, media_type = sweep_report.report_file(sweep_id, name, caller)
+    return Response(content, media_type=media_type,
+                    headers={"Content-Disposition": f'attachment; filename="{sweep_id}-{name}"'})
 
 
 @router.get("/{sweep_id}/stream", response_class=EventSourceResponse,

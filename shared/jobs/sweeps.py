@@ -410,7 +410,7 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
 # ----------------------------------------------------------------------------- reading
 
 
-def _owned(s: Session, sweep_id: str, caller: Caller, for_update: bool = False) -> Sweep:
+def owned_sweep(s: Session, sweep_id: str, caller: Caller, for_update: bool = False) -> Sweep:
     """The sweep if ``caller`` may see it. Raises: NotFound (also another tenant's), Deleted."""
     sweep = s.get(Sweep, sweep_id, with_for_update=for_update or None)
     if sweep is None or not caller.sees(sweep.tenant):
@@ -420,7 +420,8 @@ def _owned(s: Session, sweep_id: str, caller: Caller, for_update: bool = False) 
     return sweep
 
 
-def _trials(s: Session, sweep: Sweep) -> tuple[SweepCreate, list[Job], dict[str, dict[int, float]]]:
+def trials_of(s: Session, sweep: Sweep) -> tuple[SweepCreate, list[Job], dict[str, dict[int, float]]]:
+    """The sweep's spec, its trials by number, and their objective curves (``curves``)."""
     spec = _spec(sweep)
     trials = list(s.scalars(select(Job).where(Job.sweep_id == sweep.id).order_by(Job.trial_number)))
     return spec, trials, curves(s, [t.id for t in trials], spec.objective.metric)
@@ -429,7 +430,7 @@ def _trials(s: Session, sweep: Sweep) -> tuple[SweepCreate, list[Job], dict[str,
 def to_out(s: Session, sweep: Sweep) -> SweepOut:
     """The API view of a sweep: counts by trial status, the best trial (the best value among
     succeeded trials: their kept weights are their best evaluation's), timings."""
-    spec, trials, trial_curves = _trials(s, sweep)
+    spec, trials, trial_curves = trials_of(s, sweep)
     counts = Counter(t.status for t in trials)
     best = None
     for t in trials:
@@ -450,7 +451,7 @@ def to_out(s: Session, sweep: Sweep) -> SweepOut:
 def get_sweep(sweep_id: str, caller: Caller) -> SweepOut:
     """Raises: NotFound (no such sweep, or another tenant's), Deleted."""
     with read_session() as s:
-        return to_out(s, _owned(s, sweep_id, caller))
+        return to_out(s, owned_sweep(s, sweep_id, caller))
 
 
 def list_sweeps(caller: Caller, limit: int, after: str | None = None) -> tuple[list[SweepOut], bool]:
@@ -466,7 +467,7 @@ def list_sweeps(caller: Caller, limit: int, after: str | None = None) -> tuple[l
 def list_trials(sweep_id: str, caller: Caller) -> list[TrialOut]:
     """The sweep's trials by number. Raises: NotFound, Deleted."""
     with read_session() as s:
-        spec, trials, trial_curves = _trials(s, _owned(s, sweep_id, caller))
+        spec, trials, trial_curves = trials_of(s, owned_sweep(s, sweep_id, caller))
         return [TrialOut(number=t.trial_number, job_id=t.id, status=t.status, params=params_of(t, spec),
                          value=best_value(trial_curves[t.id], spec), steps=t.step, started_at=t.started_at,
                          finished_at=t.finished_at) for t in trials]
@@ -477,7 +478,7 @@ def cancel_sweep(sweep_id: str, caller: Caller) -> SweepOut:
     next optimizer step. An ended sweep is left as it is. Raises: NotFound, Deleted."""
     with session_scope() as s:
         lock_tenant(s, caller.tenant)
-        sweep = _owned(s, sweep_id, caller, for_update=True)
+        sweep = owned_sweep(s, sweep_id, caller, for_update=True)
         if sweep.status not in ENDED:
             end_sweep(s, sweep, CANCELLED)
         s.flush()
@@ -491,7 +492,7 @@ def delete_sweep(sweep_id: str, caller: Caller) -> None:
         NotFound, Deleted; Conflict (409) ``sweep_not_finished``: cancel it first.
     """
     with session_scope() as s:
-        sweep = _owned(s, sweep_id, caller, for_update=True)
+        sweep = owned_sweep(s, sweep_id, caller, for_update=True)
         active = s.scalar(select(func.count()).select_from(Job).where(Job.sweep_id == sweep_id,
                                                                       Job.status.in_(lifecycle.ACTIVE)))
         if sweep.status not in ENDED or active:
@@ -507,7 +508,7 @@ def events_since(sweep_id: str, caller: Caller, after_id: int) -> list[tuple[int
     """For ``GET /sweeps/{id}/stream``: the trials' events after event id ``after_id``, as
     ``(event id, job id, event, trial number)``. Raises: NotFound, Deleted."""
     with read_session() as s:
-        _owned(s, sweep_id, caller)
+        owned_sweep(s, sweep_id, caller)
         rows = s.execute(select(JobEvent, Job.trial_number).join(Job, Job.id == JobEvent.job_id)
                          .where(Job.sweep_id == sweep_id, JobEvent.id > after_id).order_by(JobEvent.id))
         return [(e.id, e.job_id, e, number) for e, number in rows]
