@@ -150,7 +150,11 @@ def test_a_trial_worse_than_the_others_at_an_evaluation_is_pruned(stack, dataset
     assert [m["step"] for m in client.get(f"/jobs/{pruned}/metrics").json()["data"]
             if m["name"] == "eval_accuracy"] == [2]
     events = [e["code"] for e in client.get(f"/jobs/{pruned}/events").json()["data"]]
-    assert "pruned" in events and events[-1] == "pruned"
+    assert "pruning" in events and events[-1] == "pruned"
+    # The sweep's stream, read after its end: each trial's start and end, the best, then the end.
+    with client.stream("GET", f"/sweeps/{sweep['id']}/stream") as r:
+        names = [line.split(":", 1)[1].strip() for line in r.iter_lines() if line.startswith("event:")]
+    assert names == ["trial_started", "trial_ended", "trial_started", "trial_pruned", "best", "end"], names
     assert client.get(f"/jobs/{pruned}/artifacts").json()["data"] == []
     wait_until(lambda: not (stack.data_dir / "checkpoints" / pruned).exists(), "the pruned trial's checkpoints deleted")
 
@@ -284,8 +288,11 @@ def test_kill_9_of_the_whole_service_mid_sweep_then_a_restart_ends_with_exactly_
     assert sweep["status"] == "succeeded", (sweep, trials)
     assert [t["number"] for t in trials] == [0, 1, 2, 3] and len({t["job_id"] for t in trials}) == 4, trials
     assert {t["status"] for t in trials} == {"succeeded"}, trials
-    resumed = c.job(killed["job_id"])
-    assert resumed["attempts"] == 2 and "job_restarted" in c.codes(killed["job_id"]), resumed
+    # Resumed after the kill (its lease expired, the reaper re-queued it); on a CPU starved enough
+    # to miss a 4 s lease renewal it may have been re-queued once more before, so at least 2 attempts.
+    codes = c.codes(killed["job_id"])
+    assert c.job(killed["job_id"])["attempts"] >= 2 and "job_restarted" in codes, codes
+    assert codes.count("succeeded") == 1 and codes[-1] == "succeeded", codes
 
 
 def test_serve_starts_one_worker_per_gpu_each_seeing_only_its_own(monkeypatch):

@@ -74,7 +74,7 @@ class Reporter:
         self.flush()
         if not sweeps.should_prune(self.job_id, step, metrics):
             return False
-        self.event("pruned", f"the sweep's pruner stopped this trial at step {step}")
+        self.event("pruning", f"the sweep's pruner stopped this trial after its evaluation at step {step}")
         return True
 
     def checkpoint(self, step: int, path: Path, metrics: dict | None, keep: int) -> list[Path]:
