@@ -54,9 +54,9 @@ def run_tunejob(args, work: Path) -> dict:
     log = open(work / "serve.log", "w")
     serve = subprocess.Popen([sys.executable, "-m", "tunejob", "serve", "--port", str(port),
                               "--workers", str(args.workers)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + args.timeout  # start-up included: this side never outlives its limit
     try:
         http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-        deadline = time.monotonic() + 300
         while (work / "serve.log").read_text().count(" ready.") < args.workers:
             if time.monotonic() > deadline or serve.poll() is not None:
                 raise RuntimeError("tunejob serve did not start:\n" + (work / "serve.log").read_text()[-3000:])
@@ -80,7 +80,7 @@ def run_tunejob(args, work: Path) -> dict:
         r.raise_for_status()
         sweep_id = r.json()["id"]
         while (sweep := http.get(f"/sweeps/{sweep_id}").json())["finished_at"] is None:
-            if time.monotonic() - began > args.timeout:
+            if time.monotonic() > deadline:
                 http.post(f"/sweeps/{sweep_id}/cancel")
                 return {"finished": False, "wall_seconds": time.monotonic() - began,
                         "trials": http.get(f"/sweeps/{sweep_id}/trials").json()["data"]}
@@ -93,7 +93,10 @@ def run_tunejob(args, work: Path) -> dict:
                 "best_params": sweep["best_trial"]["params"] if sweep["best_trial"] else None, "trials": trials}
     finally:
         serve.terminate()
-        serve.wait(60)
+        try:
+            serve.wait(60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
 
 
 def run_trainer(args, work: Path) -> dict:
@@ -152,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads-per-worker", type=int, default=1)
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--timeout", type=float, default=1200, help="seconds per side; a sweep still running is cancelled")
+    p.add_argument("--timeout", type=float, default=1200,
+                   help="seconds per side, start-up included; tunejob's sweep still running then is cancelled")
     p.add_argument("--side", choices=["both", "tunejob", "trainer"], default="both")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
