@@ -140,8 +140,9 @@ class BatchPlan:
         truncated at max_length, which pads nothing) hold fewer rows than ``batch_size`` and the
         batches of sparse, spread-out lengths make up for it with more rows and padding across
         length gaps: held-out WNUT-16 tweets (478) at a budget of 16 x their mean length padded to
-        0.971 of real tokens against smart batching's 0.974 at the same mean batch size, BBC News
-        held out (445) at 32 x mean to 0.971 against 0.977 (docs/benchmarks.md)."""
+        0.971 of real tokens against smart batching's 0.973 at the same mean batch size, BBC News
+        held out (445) at 32 x mean to 0.970 against 0.975; with the cap 0.990 and 0.983
+        (``python -m bench.padding``, docs/benchmarks.md)."""
         cuts, start, real = [0], 0, 0
         budget = rng.uniform(0, self.max_tokens)  # a random first cut changes composition per epoch
         share = MAX_PADDING_SHARE * self.max_tokens
