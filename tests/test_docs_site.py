@@ -82,3 +82,10 @@ def test_the_readme_is_a_short_front_door():
     assert "make demo   #" in readme and "make test   #" in readme
     for target in re.findall(r"\]\(((?:docs/)[^)#]+)", readme):
         assert (ROOT / target).is_file(), target  # every link into docs/ names a file that exists
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))])
+def test_every_code_block_is_closed(page):
+    """An unclosed fence turns the rest of a page into code, which neither GitHub nor MkDocs reports."""
+    fences = [line for line in (ROOT / page).read_text().splitlines() if line.lstrip().startswith("```")]
+    assert len(fences) % 2 == 0, f"{page}: {len(fences)} fence lines"
