@@ -29,7 +29,7 @@ test: $(STAMP)
 
 # The documentation site, built offline into site/ (mkdocs.yml; strict: a broken link or a missing page fails).
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The architecture picture: docs/img/job-flow.svg from its Graphviz source (needs `dot`: apt-get install
 # graphviz). The SVG is committed, so `make docs` needs no Graphviz; the source's sha256 is stamped in the
