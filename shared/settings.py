@@ -45,13 +45,13 @@ class Settings(BaseSettings):
     resend_after_seconds: float = 600.0  # re-send a queued job's message after this long (lost messages)
     stream_poll_seconds: float = 0.5  # GET /jobs/{id}/stream: how often the one reader per job reads the store
     stream_heartbeat_seconds: float = 15.0  # GET /jobs/{id}/stream: a comment line this often keeps proxies open
-    # Security (README "Security"): Host names the API answers besides the bound host and the
-    # localhost forms (comma-separated; "*" turns the check off), and the request rate per API key
-    # in the notation of the `limits` library ("100/second", "20/second;1000/minute").
+    # Security (docs/production/security.md): Host names the API answers besides the bound host and
+    # the localhost forms (comma-separated; "*" turns the check off), and the request rate per API
+    # key in the notation of the `limits` library ("100/second", "20/second;1000/minute").
     allowed_hosts: Annotated[list[str], NoDecode] = []
     rate_limit: str = "100/second"
     rate_limit_storage_url: str = "memory://"  # `limits` storage; e.g. redis://… to share it across API processes
-    # Caps and quotas (README "Limits"). metadata: the OpenAI limits.
+    # Caps and quotas (docs/production/security.md, "Limits"). metadata: the OpenAI limits.
     max_metadata_keys: int = MAX_METADATA_KEYS
     max_metadata_key_chars: int = MAX_METADATA_KEY_CHARS
     max_metadata_value_chars: int = MAX_METADATA_VALUE_CHARS
