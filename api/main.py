@@ -18,7 +18,7 @@ from api.auth import authenticate
 from api.errors import install_error_handlers
 from api.feeds import Feeds
 from api.metrics import install_metrics
-from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions
+from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, sweeps
 from api.security import HostAndOriginCheck, allowed_hosts
 from shared.queue import RecoveryThread
 from shared.settings import get_settings
@@ -52,6 +52,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(live.router)
     app.include_router(predictions.router)
+    app.include_router(sweeps.router)
     app.include_router(openai_v1.router)
     install_metrics(app)
 

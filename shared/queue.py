@@ -12,7 +12,7 @@ import threading
 
 from celery import Celery
 
-from shared.jobs import lifecycle, predictions
+from shared.jobs import lifecycle, predictions, sweeps
 from shared.schemas.jobs import JobCreate
 from shared.schemas.predictions import PredictionCreate
 from shared.settings import Settings, get_settings
@@ -96,8 +96,23 @@ def submit(spec: JobCreate | PredictionCreate, caller: Caller, claim: idempotenc
     return lifecycle.get_job(job.id, caller, kind=job.kind)
 
 
+def send_trials(sweep_id: str) -> None:
+    """Send the sweep's queued trials whose message was never sent (just asked for). Logs, and
+    leaves to ``recovery_loop``, what the broker refuses."""
+    try:
+        for job_id in sweeps.unsent_trials(sweep_id):
+            send(job_id)
+    except Exception:
+        log.exception("trials of sweep %s stored but not yet sent to the broker", sweep_id)
+
+
 def resend_recovered() -> None:
     for job_id in lifecycle.recover():
+        send(job_id)
+
+
+def top_up_sweeps() -> None:
+    for job_id in sweeps.top_up_all():
         send(job_id)
 
 
@@ -121,11 +136,12 @@ class RecoveryThread:
 
 def recovery_loop(stop: threading.Event) -> None:
     """Every ``sweep_seconds`` until ``stop`` is set: re-queue jobs whose lease expired and
-    (re-)send the messages of queued jobs (``shared.jobs.lifecycle.recover``), apply the artifact retention
+    (re-)send the messages of queued jobs (``shared.jobs.lifecycle.recover``), queue the trials a sweep is
+    short of (``shared.jobs.sweeps.top_up_all``), apply the artifact retention
     and remove leftover files (``shared.jobs.lifecycle.sweep_files``), and delete expired idempotency records.
     Runs in the API and in every worker; any number of copies may run at once."""
     while True:
-        for sweep in (resend_recovered, lifecycle.sweep_files, idempotency.purge_expired):
+        for sweep in (resend_recovered, top_up_sweeps, lifecycle.sweep_files, idempotency.purge_expired):
             try:
                 sweep()
             except Exception:
