@@ -1,5 +1,5 @@
 """The FastAPI application: thin routers over ``shared``. On start-up it runs the migrations and
-starts the recovery loop (reaper and sweeper, ``shared.jobs.recover``).
+starts the recovery loop (reaper and sweeper, ``shared.jobs.lifecycle.recover``).
 
 Swagger UI (``/docs``) and ReDoc (``/redoc``) load their scripts and styles from this service
 (``/docs/static``, the files bundled in the fastapi-offline package), not from a CDN, so they work
@@ -18,12 +18,11 @@ from api.auth import authenticate
 from api.errors import install_error_handlers
 from api.feeds import Feeds
 from api.metrics import install_metrics
-from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions
+from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, sweeps
 from api.security import HostAndOriginCheck, allowed_hosts
-from shared.db import upgrade_database
 from shared.queue import RecoveryThread
 from shared.settings import get_settings
-
+from shared.store.engine import upgrade_database
 
 DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the public /docs pages
 
@@ -53,6 +52,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(live.router)
     app.include_router(predictions.router)
+    app.include_router(sweeps.router)
     app.include_router(openai_v1.router)
     install_metrics(app)
 

@@ -66,7 +66,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pandas as pd
 import torch
 
-from worker.report import MemoryReporter  # settings are read at run time, after main sets TUNEJOB_DATA_DIR
+from worker.report import (
+    MemoryReporter,  # settings are read at run time, after main sets TUNEJOB_DATA_DIR
+)
 
 WORDS = "the a film story plot actor scene great bad dull fun long short music ending end cast".split()
 
@@ -96,8 +98,8 @@ def texts(n: int, seed: int, words: tuple[int, int] = (3, 60)) -> pd.DataFrame:
 
 
 def make_run(args, device, reporter, checkpoint=None, dropout=True, words=(3, 60), **hyperparameters):
-    from shared.models import Job
-    from shared.schemas import JobCreate
+    from shared.schemas.jobs import JobCreate
+    from shared.store.rows import Job
     from worker.data import JobData
     from worker.train import setup
 

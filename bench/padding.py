@@ -14,8 +14,8 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from bench import corpora
-from shared.base_models import resolve_model
-from shared.batching import BatchPlan
+from shared.data.batching import BatchPlan
+from shared.jobs.base_models import resolve_model
 
 SETS = {"bbc": (corpora.bbc_news, "text", 512), "rotten_tomatoes": (corpora.rotten_tomatoes, "text", 128),
         "wnut16": (corpora.wnut16, "tokens", 128)}

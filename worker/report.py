@@ -9,10 +9,10 @@ from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
-from shared import jobs
-from shared.models import utcnow
-from shared.schemas import PHASES
+from shared.jobs import lifecycle, sweeps
+from shared.schemas.jobs import PHASES
 from shared.settings import get_settings
+from shared.store.rows import utcnow
 
 
 class Reporter:
@@ -25,8 +25,9 @@ class Reporter:
 
     CANCEL_CHECK_SECONDS = 1.0
 
-    def __init__(self, job_id: str, worker_id: str, stop_flags: dict[str, threading.Event] | None = None):
-        self.job_id, self.worker_id = job_id, worker_id
+    def __init__(self, job_id: str, worker_id: str, stop_flags: dict[str, threading.Event] | None = None,
+                 trial: bool = False):
+        self.job_id, self.worker_id, self.trial = job_id, worker_id, trial  # trial: of a sweep (shared.jobs.sweeps)
         self.stop_flags = stop_flags or {}  # e.g. {"shutdown": <SIGTERM seen>, "lease_lost": <heartbeat lost it>}
         self.flush_seconds = get_settings().metrics_flush_seconds
         self.deadline = time.monotonic() + get_settings().max_job_seconds
@@ -38,7 +39,7 @@ class Reporter:
         self._cancelled, self._next_cancel_check = False, time.monotonic()
 
     def event(self, code: str, message: str, level: str = "info") -> None:
-        jobs.add_event(self.job_id, code, message, level)
+        lifecycle.add_event(self.job_id, code, message, level)
 
     def log(self, step: int, epoch: float, values: dict[str, float]) -> None:
         now = utcnow()
@@ -59,16 +60,28 @@ class Reporter:
             self.flush()
 
     def flush(self) -> None:
-        held = jobs.report(self.job_id, self.worker_id, self._progress, self._metrics)
+        held = lifecycle.report(self.job_id, self.worker_id, self._progress, self._metrics)
         self._wrote_metrics = self._wrote_metrics or bool(self._metrics)
         self._metrics, self._progress, self._last_flush = [], {}, time.monotonic()
         self.lease_lost = self.lease_lost or not held
+
+    def should_prune(self, step: int, metrics: dict) -> bool:
+        """After an evaluation at optimizer ``step`` (``metrics``): whether the sweep's pruner stops
+        this trial now (``shared.jobs.sweeps.should_prune``; always False for a job outside a sweep). The
+        metrics so far are written first: the other trials' pruners read them."""
+        if not self.trial:
+            return False
+        self.flush()
+        if not sweeps.should_prune(self.job_id, step, metrics):
+            return False
+        self.event("pruned", f"the sweep's pruner stopped this trial at step {step}")
+        return True
 
     def checkpoint(self, step: int, path: Path, metrics: dict | None, keep: int) -> list[Path]:
         """Point the store at a completely written checkpoint; returns the older checkpoint
         directories, beyond the newest ``keep``, that the store no longer lists (to delete)."""
         self.flush()  # the steps up to the checkpoint are never trained again: write their metrics first
-        return jobs.record_checkpoint(self.job_id, step, str(path), metrics, keep)
+        return lifecycle.record_checkpoint(self.job_id, step, str(path), metrics, keep)
 
     def should_stop(self) -> str | None:
         """Why training must stop now, if it must: ``"shutdown"`` (the worker is shutting down),
@@ -84,7 +97,7 @@ class Reporter:
                 return reason
         now = time.monotonic()
         if not self._cancelled and now >= self._next_cancel_check:
-            self._cancelled = jobs.cancel_requested(self.job_id)
+            self._cancelled = lifecycle.cancel_requested(self.job_id)
             self._next_cancel_check = now + self.CANCEL_CHECK_SECONDS
         if self._cancelled:
             return "cancelled"
@@ -92,7 +105,7 @@ class Reporter:
 
 
 class PhaseTimer:
-    """Wall seconds per phase of a job (``shared.schemas.Timings``), reported as ``timings``.
+    """Wall seconds per phase of a job (``shared.schemas.jobs.Timings``), reported as ``timings``.
 
     Phases nest: time always counts for the innermost open phase, so an evaluation inside
     training counts as ``evaluate``, not ``train``, and the phases never overlap. Each phase's end
@@ -174,6 +187,9 @@ class MemoryReporter:
     def checkpoint(self, step: int, path: Path, metrics: dict | None, keep: int = 2) -> list[Path]:
         self.checkpoints.append((step, path))
         return []
+
+    def should_prune(self, step: int, metrics: dict) -> bool:
+        return False
 
     def should_stop(self) -> str | None:
         last = self.logged[-1][0] if self.logged else 0

@@ -5,7 +5,7 @@ Each phase is timed once, by ``worker.report.PhaseTimer`` (``run.timer``): ``set
 ``tokenize`` and ``load``, and ``@timed`` marks ``warm_up``, ``train``, ``run_evaluation`` and the saves.
 
 Techniques and their sources:
-- smart and token-budget batching: ``shared.batching`` (seed notebooks 002 and 003); dynamic
+- smart and token-budget batching: ``shared.data.batching`` (seed notebooks 002 and 003); dynamic
   padding per micro-batch up to a bucket width: ``worker.data``;
 - the step without host synchronisation, bf16 with fp32 master weights: ``worker.steps``; the step
   as CUDA graphs, captured once per worker: ``worker.graphs`` (PyTorch docs, "CUDA Graphs");
@@ -38,32 +38,41 @@ import torch
 from scipy.stats import pearsonr
 from sklearn.metrics import accuracy_score, f1_score, mean_squared_error
 from torch.utils.data import DataLoader
-from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    set_seed,
+)
 from transformers import logging as hf_logging
-from transformers import set_seed
 
-from shared import artifacts
-from shared.base_models import resolve_model
-from shared.batching import BatchPlan, bucket_width
+from shared.data.batching import BatchPlan, bucket_width
 from shared.errors import UserError
-from shared.manifest import manifest_entries
-from shared.precision import autocast_dtype
-from shared.models import Job
-from shared.schemas import Hyperparameters, json_safe
+from shared.inference.precision import autocast_dtype
+from shared.jobs.base_models import resolve_model
+from shared.schemas.jobs import GREATER_IS_BETTER, Hyperparameters, json_safe
+from shared.store import artifacts
+from shared.store.manifest import manifest_entries
+from shared.store.rows import Job
 from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
 from worker.device import describe, padding_ladder
 from worker.graphs import CHECK_STEPS, CapturedSteps, capture_steps, clear_cache, eager_reason
 from worker.report import PhaseTimer, Reporter, timed
 from worker.run_logs import write_run_logs
-from worker.steps import (Steps, StepValues, bf16_copy, example_losses, loss_terms, make_optimizer, make_scheduler,
-                          uses_bf16_copy)
+from worker.steps import (
+    Steps,
+    StepValues,
+    bf16_copy,
+    example_losses,
+    loss_terms,
+    make_optimizer,
+    make_scheduler,
+    uses_bf16_copy,
+)
 from worker.tagging import tagging_metrics, tokenize_words, word_sequences
 
 hf_logging.set_verbosity_error()
 log = logging.getLogger(__name__)
-GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True,
-                     "f1_micro": True, "subset_accuracy": True, "entity_f1": True, "entity_precision": True,
-                     "entity_recall": True, "token_accuracy": True}
 PROBLEM_TYPES = {"classification": "single_label_classification", "multi_label": "multi_label_classification"}
 THRESHOLDS = np.round(np.arange(0.05, 0.951, 0.05), 2)  # multi_label: the decision thresholds tune_threshold tries
 READ_EVERY_SECONDS = 1.0  # CUDA: copy the per-step values to the host this often (``read_every_seconds``)
@@ -412,7 +421,8 @@ def train(run: Run, reporter: Reporter) -> str:
     after every step), and always before an evaluation, a checkpoint or a stop. Every step's
     metrics are logged then; ``max_nonfinite_steps`` is checked then too.
 
-    Returns ``"completed"`` (also after early stopping) or why it stopped (see
+    Returns ``"completed"`` (also after early stopping), ``"pruned"`` (a sweep's pruner stopped the
+    trial after an evaluation: ``Reporter.should_prune``) or why it stopped (see
     ``Reporter.should_stop``); on ``"shutdown"`` it saves a checkpoint first.
     """
     hp, st = run.hp, run.state
@@ -444,6 +454,8 @@ def train(run: Run, reporter: Reporter) -> str:
                     save_best(run)
                 if should_stop_early(run, reporter):
                     return "completed"
+                if reporter.should_prune(st.step, st.last_eval):  # a sweep's trial (shared.jobs.sweeps)
+                    return "pruned"
                 run.model.train()
                 timer.restart()
             if checkpoint_due and st.nonfinite_run == 0:  # on shutdown: the next worker resumes from here
@@ -743,7 +755,7 @@ def save_best(run: Run) -> None:
 
 def save_final_weights(run: Run) -> dict[str, dict]:
     """Write the model's weights and config to ``<checkpoints>/final`` as ``save_best`` does, and
-    return their manifest entries (``shared.manifest.manifest_entries``: size in bytes, sha256),
+    return their manifest entries (``shared.store.manifest.manifest_entries``: size in bytes, sha256),
     hashed right after the write, while the file's pages are still in memory, and before the
     fsync. Untimed: ``finish`` runs it in a thread, and ``run.timer`` is the main thread's.
 

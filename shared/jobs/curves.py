@@ -1,0 +1,73 @@
+"""Training curves of a job, drawn from its metric rows: the API's ``GET /jobs/{id}/plot.png`` and
+the artifact's ``training_curves.png`` (see ``worker.run_logs``) are the same picture.
+
+Three panels sharing the step axis: train loss (and validation loss) with the learning rate; the
+other validation metrics; real tokens/s with padding efficiency. matplotlib draws it with the
+Agg canvas (``Figure`` without pyplot: no GUI backend, safe in the API's threads), and is
+imported only when a picture is drawn, so that it costs the API's start-up nothing.
+"""
+
+import io
+import math
+
+from sqlalchemy import Row, select
+
+from shared.store.engine import read_session
+from shared.store.rows import JobMetric
+
+Series = dict[str, tuple[list[int], list[float]]]  # metric name -> (steps, values)
+
+
+def metric_rows(job_id: str) -> list[Row]:
+    """The job's metric rows ``(step, name, value, time)``, ordered by step."""
+    with read_session() as s:
+        return list(s.execute(select(JobMetric.step, JobMetric.name, JobMetric.value, JobMetric.time)
+                              .where(JobMetric.job_id == job_id).order_by(JobMetric.step, JobMetric.id)))
+
+
+def series_of(rows: list[Row]) -> Series:
+    """One (steps, values) series per metric name; non-finite values (a diverged loss) are left out."""
+    series: Series = {}
+    for step, name, value, _ in rows:
+        if math.isfinite(value):
+            steps, values = series.setdefault(name, ([], []))
+            steps.append(step)
+            values.append(value)
+    return series
+
+
+def render_png(series: Series, title: str) -> bytes:
+    """The training curves as PNG bytes (about 900 x 1000 pixels)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 10), dpi=100, layout="constrained")
+    fig.suptitle(title)
+    loss_ax, eval_ax, speed_ax = fig.subplots(3, 1, sharex=True)
+
+    _plot(loss_ax, series, {"train_loss": "train loss", "eval_loss": "validation loss"}, "loss")
+    _plot(loss_ax.twinx(), series, {"learning_rate": "learning rate"}, "learning rate", color="tab:gray")
+    names = sorted(n for n in series if n.startswith("eval_") and n != "eval_loss")
+    _plot(eval_ax, series, {n: n.removeprefix("eval_") for n in names}, "validation")
+    _plot(speed_ax, series, {"tokens_per_second": "real tokens/s"}, "tokens/s")
+    _plot(speed_ax.twinx(), series, {"padding_efficiency": "padding efficiency"}, "padding efficiency",
+          color="tab:gray")
+    speed_ax.set_xlabel("step (optimizer steps)")
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def _plot(ax, series: Series, labels: dict[str, str], ylabel: str, color: str | None = None) -> None:
+    """Draw ``labels``' series on ``ax`` (points for series evaluated now and then, lines for
+    per-step ones); a panel with none of them says so."""
+    drawn = [n for n in labels if n in series]
+    for name in drawn:
+        steps, values = series[name]
+        style = {"marker": "o", "markersize": 4} if name.startswith("eval_") else {"linewidth": 1}
+        ax.plot(steps, values, label=labels[name], **({"color": color} if color else {}), **style)
+    ax.set_ylabel(ylabel)
+    if drawn:
+        ax.legend(loc="upper left" if color is None else "upper right", fontsize="small")
+    elif color is None:
+        ax.text(0.5, 0.5, f"no {ylabel} metrics yet", ha="center", va="center", transform=ax.transAxes)

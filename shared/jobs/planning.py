@@ -1,0 +1,241 @@
+"""Checking a job spec against its model and data, and planning it before it runs
+(``POST /jobs?dry_run=true``). Needs the tokenizer, not torch."""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import select
+
+from shared.data.batching import STRATEGIES, BatchPlan, job_ladder
+from shared.data.columns import JobColumns, job_batches
+from shared.data.labels import ClassIndex, LabelSummary, scan_job_data
+from shared.data.problems import Problems
+from shared.data.split import split_train_validation, validation_size
+from shared.errors import UserError
+from shared.jobs.base_models import resolve_model
+from shared.schemas.jobs import JobCreate
+from shared.store import quotas
+from shared.store.engine import read_session
+from shared.store.rows import Dataset, Job, JobStatus
+from shared.store.tenancy import Caller, scoped
+
+
+@dataclass
+class CheckedSpec:
+    """A job spec that passed ``check_spec``, with what was loaded to check it."""
+
+    spec: JobCreate
+    model_dir: Path
+    train: Dataset
+    validation: Dataset | None
+    label_names: list[str] | None
+    caller: Caller
+    rows_without_labels: int = 0  # multi_label: training rows whose label list is empty
+
+    @property
+    def columns(self) -> JobColumns:
+        return JobColumns.of(self.spec)
+
+
+def visible_dataset(s, dataset_id: str, param: str, caller: Caller) -> Dataset:
+    """The dataset ``dataset_id`` if ``caller`` may see it.
+
+    Raises:
+        UserError: ``unknown_dataset`` (422, naming ``param``): no such dataset, another tenant's,
+            or deleted.
+    """
+    dataset = s.get(Dataset, dataset_id)
+    if dataset is None or not caller.sees(dataset.tenant) or dataset.deleted_at is not None:
+        deleted = dataset is not None and caller.sees(dataset.tenant)
+        raise UserError("unknown_dataset", f"{param} {dataset_id!r} does not exist"
+                        f"{' any more (it was deleted)' if deleted else ''}; upload it with POST /datasets", param)
+    return dataset
+
+
+def max_input_length(model_dir: Path) -> int | None:
+    """Longest input the model takes, in tokens: the tokenizer's ``model_max_length`` when it is
+    real (some tokenizers store a huge sentinel), else the config's ``max_position_embeddings``."""
+    def read(name: str) -> dict:
+        try:
+            return json.loads((model_dir / name).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    tokenizer_limit = read("tokenizer_config.json").get("model_max_length")
+    if isinstance(tokenizer_limit, int) and tokenizer_limit < 1_000_000:
+        return tokenizer_limit
+    return read("config.json").get("max_position_embeddings")
+
+
+def _require_columns(dataset: Dataset, cols: JobColumns) -> None:
+    for column, param in cols.texts + [(cols.label, "label_column")]:
+        if column not in dataset.columns:
+            raise UserError("missing_column", f"column {column!r} ({param}) not found in {dataset.filename!r}; "
+                            f"its columns are {dataset.columns}", param)
+
+
+def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
+    """Check a spec against its model and data (datasets that ``caller`` may see) before anything
+    is stored or queued, reading the data in batches (``shared.data.labels.scan_job_data``) and keeping only row counts and classes.
+
+    Raises:
+        UserError: unknown model or dataset, ``max_length`` beyond the model's, missing column,
+            a validation report of unusable cells (``missing_value``, ``invalid_text``,
+            ``invalid_label``, ...), ``single_class``, more classes than ``max_classes``,
+            ``unknown_label``, a ``validation_split`` that leaves no training row.
+    """
+    quotas.check_metadata(spec.metadata)
+    model_dir = resolve_model(spec.base_model)
+    limit = max_input_length(model_dir)
+    if limit and spec.hyperparameters.max_length > limit:
+        raise UserError("max_length_too_long", f"hyperparameters.max_length {spec.hyperparameters.max_length} is "
+                        f"longer than {spec.base_model!r} accepts ({limit} tokens)", "hyperparameters.max_length")
+    with read_session() as s:
+        train = visible_dataset(s, spec.training_dataset, "training_dataset", caller)
+        val = (visible_dataset(s, spec.validation_dataset, "validation_dataset", caller)
+               if spec.validation_dataset else None)
+    cols = JobColumns.of(spec)
+    for dataset in [train] + ([val] if val else []):
+        _require_columns(dataset, cols)
+    summary = scan_job_data(Path(train.path), train.format, train.filename, cols)
+    if spec.task in ("classification", "token_classification") and len(summary.names) < 2:
+        raise UserError("single_class", f"label column {cols.label!r} in {train.filename!r} has a single class "
+                        f"({summary.names[0]!r}); {spec.task} needs at least 2", "label_column")
+    if spec.task == "multi_label" and not summary.names:
+        raise UserError("no_labels", f"label column {cols.label!r} in {train.filename!r} has no label in any row; "
+                        "multi_label needs at least one", "label_column")
+    if val:
+        val_summary = scan_job_data(Path(val.path), val.format, val.filename, cols)
+        _check_validation_labels(summary.names, val_summary, val.filename, cols.label)
+    validation_size(summary.rows, spec.validation_split or 0.0)
+    return CheckedSpec(spec, model_dir, train, val, summary.names, caller, summary.empty_rows)
+
+
+def _check_validation_labels(names: list[str] | None, val: LabelSummary, filename: str, column: str) -> None:
+    """A validation set may only hold classes the training set has; the report gives the first row
+    of each unseen class."""
+    if names is None:
+        return
+    unseen = sorted(set(val.names) - set(names), key=lambda n: val.first_row[n])
+    if unseen:
+        problems = Problems(filename)
+        for name in unseen:
+            problems.add(val.first_row[name], column, name, "is a class the training set lacks", "unknown_label",
+                         "validation_dataset")
+        raise problems.error(f"{filename!r} has labels the training set lacks: {sorted(unseen)[:10]}")
+
+
+def plan_job(checked: CheckedSpec) -> dict:
+    """What a job will do, computed from its tokenized training split without training.
+
+    Returns a dict with: ``examples``; ``token_lengths`` (histogram of real tokens per example,
+    after truncation: ``bin_edges``, ``counts``, ``mean``, ``max``); ``truncated_fraction`` (share of
+    examples longer than ``max_length``) and ``truncated_examples`` (how many: their tokens past
+    ``max_length`` are not trained on; token_classification: nor are their words' tags scored);
+    ``padding_efficiency`` (real / padded tokens) of each
+    batching strategy, ``unrounded`` (each micro-batch padded to its longest member: smart
+    batching's own, and what a CPU worker computes by default) and ``bucketed`` (padded up to the
+    CUDA workers' bucket widths); ``buckets`` for the chosen batching on a CUDA worker: the
+    ``ladder`` of widths, the ``widths`` its micro-batches use (width, micro-batches over the
+    job's epochs), and their ``padding_efficiency``; ``micro_batches_per_epoch``,
+    ``steps_per_epoch`` and ``total_steps`` for the chosen batching; ``estimated_seconds`` from the
+    throughput of the newest succeeded job on the same base model (None when there is none);
+    multi_label only: ``labels`` (their number) and ``rows_without_labels`` (rows of the training
+    file with an empty label list: they train every label towards 0), with a ``notes`` line when
+    there are any.
+    """
+    from transformers import AutoTokenizer
+    from transformers import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # no warning for texts longer than max_length: we count them
+    spec, hp = checked.spec, checked.spec.hyperparameters
+    tokenizer = AutoTokenizer.from_pretrained(checked.model_dir)
+    full = training_lengths(tokenizer, checked)
+    lengths = np.minimum(full, hp.max_length)
+    ladder = job_ladder(hp.max_length, hp.pad_to_multiple_of, hp.torch_compile, cuda=True)
+
+    def plan_for(strategy: str) -> BatchPlan:
+        return BatchPlan(lengths, hp.batch_size, strategy, hp.seed, hp.max_tokens_per_batch)
+
+    efficiency = {}
+    for strategy in STRATEGIES:
+        plan = plan_for(strategy)
+        fixed_width = hp.max_length if strategy == "fixed" else None
+        efficiency[strategy] = {"unrounded": plan.padding_efficiency(0, fixed_width, 1),
+                                "bucketed": plan.padding_efficiency(0, fixed_width, ladder=ladder)}
+    plan = plan_for(hp.batching)
+    micro_batches = len(plan.batches)
+    total_steps = plan.count_steps(hp.epochs, hp.gradient_accumulation_steps)
+    used = plan.width_counts([hp.max_length] if hp.batching == "fixed" else ladder, hp.epochs)
+    counts, edges = np.histogram(lengths, bins=min(16, max(1, int(lengths.max()) // 8)))
+    return {
+        "examples": len(lengths),
+        "token_lengths": {"bin_edges": [round(float(e), 1) for e in edges], "counts": counts.tolist(),
+                          "mean": float(lengths.mean()), "max": int(lengths.max())},
+        "truncated_fraction": float((full > hp.max_length).mean()),
+        "truncated_examples": int((full > hp.max_length).sum()),
+        "padding_efficiency": efficiency,
+        "buckets": {"ladder": ladder, "widths": [{"width": w, "micro_batches": n} for w, n in used.items()],
+                    "padding_efficiency": efficiency[hp.batching]["bucketed"]},
+        "micro_batches_per_epoch": micro_batches,
+        "steps_per_epoch": math.ceil(micro_batches / hp.gradient_accumulation_steps),
+        "total_steps": total_steps,
+        **estimate_seconds(spec.base_model, int(lengths.sum()) * hp.epochs / efficiency[hp.batching]["unrounded"],
+                           checked.caller),
+        **(multi_label_plan(checked) if spec.task == "multi_label" else {}),
+    }
+
+
+def multi_label_plan(checked: CheckedSpec) -> dict:
+    """The plan's multi_label fields (see ``plan_job``)."""
+    empty = checked.rows_without_labels
+    notes = [f"{empty} row(s) of {checked.train.filename!r} have no label: they are kept, as examples of "
+             "none of the labels"] if empty else []
+    return {"labels": len(checked.label_names), "rows_without_labels": empty, "notes": notes}
+
+
+TOKENIZE_ROWS = 4096  # texts per tokenizer call in a dry run
+
+
+def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
+    """Tokens per example (text pairs as the tokenizer's pair input, word lists as words, no truncation) of the rows the
+    job trains on: the training file tokenized ``TOKENIZE_ROWS`` texts at a time, then split as
+    the worker splits it (``split_train_validation``). Memory holds one batch of texts and an
+    int32 or two per row (length, class)."""
+    spec, train, parts = checked.spec, checked.train, []
+    cols, problems = checked.columns, Problems(train.filename)
+    classes = ClassIndex.of(train.filename, cols)
+    for batch in job_batches(Path(train.path), train.format, train.filename, cols, problems):
+        if classes is not None:
+            classes.add(batch)
+        for a in range(0, len(batch.texts), TOKENIZE_ROWS):
+            pairs = batch.pairs[a:a + TOKENIZE_ROWS] if batch.pairs is not None else None
+            ids = tokenizer(batch.texts[a:a + TOKENIZE_ROWS], pairs, truncation=False, return_attention_mask=False,
+                            return_token_type_ids=False,
+                            is_split_into_words=cols.task == "token_classification")["input_ids"]
+            parts.append(np.fromiter(map(len, ids), dtype=np.int32, count=len(ids)))
+    problems.raise_if_any()  # the file changed since check_spec read it
+    lengths = np.concatenate(parts)
+    codes = classes.summary().codes if classes is not None else None
+    train_rows, _ = split_train_validation(len(lengths), codes, spec.validation_split or 0.0, spec.hyperparameters.seed)
+    return lengths[train_rows]
+
+
+def estimate_seconds(base_model: str, padded_tokens: float, caller: Caller, kind: str = "train") -> dict:
+    """Time for ``padded_tokens`` at the padded-token throughput of the newest succeeded job of
+    ``kind`` (training, or prediction: a forward pass only) of ``caller``'s tenant on
+    ``base_model`` (throughput depends on the worker's device, so this is a guide)."""
+    with read_session() as s:
+        query = select(Job).where(Job.status == JobStatus.SUCCEEDED, Job.base_model == base_model, Job.kind == kind)
+        job = s.scalars(scoped(query, Job, caller).order_by(Job.finished_at.desc()).limit(1)).first()
+    metrics = (job.train_metrics or {}) if job else {}
+    if not metrics.get("tokens_per_second"):
+        return {"estimated_seconds": None, "estimate_basis": f"no succeeded job on {base_model} yet"}
+    # Training records the efficiency of its unrounded padding apart; a prediction records what it computed.
+    padded_per_second = metrics["tokens_per_second"] / metrics.get("padding_efficiency_unrounded",
+                                                                   metrics.get("padding_efficiency"))
+    return {"estimated_seconds": padded_tokens / padded_per_second,
+            "estimate_basis": f"job {job.id}: {padded_per_second:.0f} padded tokens/s on {job.device}"}

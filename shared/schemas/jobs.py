@@ -1,0 +1,418 @@
+"""Pydantic schemas of the REST API: the job spec with its hyperparameters, and the resources returned."""
+
+import math
+from datetime import datetime
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, Infinity) replaced by None, for strict JSON
+    (and for SQLite, which stores NaN as NULL, and PostgreSQL's json, which has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+# Metadata caps: OpenAI's, the defaults of TUNEJOB_MAX_METADATA_* (enforced by shared.store.quotas.check_metadata).
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+Metadata = Annotated[dict[str, str] | None, Field(
+    description=f"Your own labels: at most {MAX_METADATA_KEYS} keys of up to {MAX_METADATA_KEY_CHARS} characters, "
+                f"string values of up to {MAX_METADATA_VALUE_CHARS} (TUNEJOB_MAX_METADATA_*).",
+    json_schema_extra=lambda schema: schema["anyOf"][0].update(
+        maxProperties=MAX_METADATA_KEYS, propertyNames={"maxLength": MAX_METADATA_KEY_CHARS},
+        additionalProperties={"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS}))]
+
+# Realistic examples for the OpenAPI schema: a BBC News job as `make demo` runs it.
+HYPERPARAMETERS_EXAMPLE = {"epochs": 1, "learning_rate": 1e-4, "batch_size": 16, "max_length": 128}
+JOB_CREATE_EXAMPLE = {
+    "base_model": "all-MiniLM-L6-v2", "task": "classification", "training_dataset": "ds_3f9a1c2b7d4e5f60",
+    "validation_split": 0.1, "text_column": "text", "label_column": "label",
+    "hyperparameters": HYPERPARAMETERS_EXAMPLE, "metadata": {"project": "news-topics"},
+}
+MULTI_LABEL_EXAMPLE = {
+    "base_model": "all-MiniLM-L6-v2", "task": "multi_label", "training_dataset": "ds_7c1e5a9f0b3d2e48",
+    "validation_split": 0.1, "text_column": "text", "label_column": "genres", "label_separator": "|",
+    "tune_threshold": True, "hyperparameters": {**HYPERPARAMETERS_EXAMPLE, "metric_for_best_model": "f1_micro"},
+}
+TOKEN_JOB_CREATE_EXAMPLE = {  # named entities from a CoNLL file (columns tokens and tags)
+    "base_model": "all-MiniLM-L6-v2", "task": "token_classification", "training_dataset": "ds_7b2e90c4a1d35f18",
+    "validation_dataset": "ds_c5d1e7a9032b4f6e", "text_column": "tokens", "label_column": "tags",
+    "hyperparameters": {**HYPERPARAMETERS_EXAMPLE, "metric_for_best_model": "entity_f1"},
+}
+# The values of Hyperparameters.metric_for_best_model that apply to each task.
+TASK_METRICS = {"classification": ("loss", "accuracy", "f1_macro"), "regression": ("loss", "mse", "pearson_r"),
+                "multi_label": ("loss", "f1_micro", "f1_macro", "subset_accuracy"),
+                "token_classification": ("loss", "entity_f1", "entity_precision", "entity_recall", "token_accuracy")}
+# Whether a larger value of each metric is better (the best evaluation; a sweep's objective direction).
+GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True,
+                     "f1_micro": True, "subset_accuracy": True, "entity_f1": True, "entity_precision": True,
+                     "entity_recall": True, "token_accuracy": True}
+
+
+def _takes_int(annotation: Any) -> bool:
+    """Whether a field's type is ``int`` or a union with an ``int`` member (``Annotated`` or not)."""
+    if get_origin(annotation) is Annotated:
+        return _takes_int(get_args(annotation)[0])
+    return annotation is int or any(_takes_int(a) for a in get_args(annotation))
+
+
+def integral_floats(model: type[BaseModel], data: Any) -> Any:
+    """``data`` with each integral float given to an ``int`` field of ``model`` made an int: JSON
+    Schema counts 3.0 as an integer; pydantic's strict mode would refuse it."""
+    if not isinstance(data, dict):
+        return data
+    ints = {name for name, f in model.model_fields.items() if _takes_int(f.annotation)}
+    return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() else v for k, v in data.items()}
+
+
+class Hyperparameters(BaseModel):
+    """Training hyperparameters. Defaults suit a small BERT-family encoder on a few thousand texts.
+
+    ``batch_size`` is the micro-batch (examples per forward pass); one optimizer step sees
+    ``batch_size * gradient_accumulation_steps`` examples.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [HYPERPARAMETERS_EXAMPLE]})
+
+    epochs: float = Field(3.0, gt=0, le=1000)
+    learning_rate: float = Field(5e-5, gt=0, le=1.0)
+    batch_size: int = Field(16, ge=1, le=4096)
+    gradient_accumulation_steps: int = Field(1, ge=1, le=1024)
+    max_length: int = Field(256, ge=8, le=8192)
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
+    batching: Literal["smart", "dynamic", "fixed", "token_budget"] = "smart"
+    max_tokens_per_batch: int | None = Field(
+        None, ge=8, description="token_budget: padded tokens per micro-batch. Default batch_size * max_length.")
+    pad_to_multiple_of: int | None = Field(
+        None, ge=1, le=512, description="Round padded lengths up to a multiple of this. Default: the bucket ladder "
+        "(16, 32, ..., 128, 160, ..., 256, 320, ...) on CUDA, the longest member on the CPU.")
+    gradient_checkpointing: bool = False
+    freeze_embeddings: bool = False
+    torch_compile: bool = Field(False, description="torch.compile the model; lengths are padded to multiples of 64.")
+    eval_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
+    save_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
+    save_total_limit: int = Field(2, ge=1, le=1000, description="Checkpoints kept on disk (the newest).")
+    metric_for_best_model: Literal["loss", "accuracy", "f1_macro", "mse", "pearson_r", "f1_micro",
+                                   "subset_accuracy", "entity_f1", "entity_precision", "entity_recall",
+                                   "token_accuracy"] = "loss"
+    early_stopping_patience: int | None = Field(
+        None, ge=1, description="Stop after this many evaluations without improving metric_for_best_model.")
+    max_nonfinite_steps: int = Field(
+        25, ge=1, description="Fail after this many consecutive optimizer steps with a non-finite loss or gradient.")
+    warmup_ratio: float = Field(0.1, ge=0, lt=1)
+    weight_decay: float = Field(0.01, ge=0, le=1)
+    seed: int = Field(42, ge=0, le=2**32 - 1)
+    dataloader_num_workers: int = Field(0, ge=0, le=64)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        return integral_floats(cls, data)
+
+
+class JobCreate(BaseModel):
+    """Body of ``POST /jobs``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "examples": [JOB_CREATE_EXAMPLE, MULTI_LABEL_EXAMPLE, TOKEN_JOB_CREATE_EXAMPLE]})
+
+    base_model: str
+    task: Literal["classification", "regression", "multi_label", "token_classification"] = Field(
+        "classification", description="multi_label: each row has a list of labels (none, one or several); "
+        "sigmoid outputs trained with BCEWithLogitsLoss. token_classification (named entities, IOB/BIO tags): "
+        "text_column names a column of word lists (default `tokens`), label_column one of tag lists of the same "
+        "length (default `tags`); JSONL, Parquet (list columns) or CoNLL files.")
+    training_dataset: str
+    validation_dataset: str | None = None
+    validation_split: float | None = Field(None, ge=0, lt=1, description="Default 0.1 when no validation_dataset.")
+    text_column: str = "text"
+    text_pair_column: str | None = None
+    label_column: str = "label"
+    label_separator: str | None = Field(
+        None, min_length=1, max_length=8, description="multi_label: the label column holds text such as "
+        "`drama|comedy`, split on this separator (CSV and TSV need it; JSONL and Parquet may hold lists instead). "
+        "An empty cell is a row with no label.")
+    decision_threshold: float = Field(
+        0.5, gt=0, lt=1, description="multi_label: a label is predicted when its sigmoid score is at least this")
+    tune_threshold: bool = Field(
+        False, description="multi_label: instead of decision_threshold, use the threshold (0.05 to 0.95 in steps "
+        "of 0.05) with the best micro-F1 on the validation set at each evaluation; the best model's is saved in "
+        "its config.json as decision_threshold")
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    allow_large_targets: bool = Field(
+        False, description="Regression: accept targets with |y| > 1e6 (refused by default: targets that large "
+                           "usually mean unscaled data or the wrong column, and overflow the loss).")
+    label_all_subwords: bool = Field(
+        False, description="token_classification: train on every subword of a word (its tag, B- as I- after the "
+                           "first) instead of the first subword only; evaluation always scores the first subword.")
+    metadata: Metadata = None
+    suffix: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$",
+                               description="Added to the trained model's name (``fine_tuned_model`` in /v1).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tagging_column_defaults(cls, data: Any) -> Any:
+        """token_classification reads word lists and tag lists: their columns default to ``tokens``
+        and ``tags`` (the names the CoNLL reader gives them)."""
+        if isinstance(data, dict) and data.get("task") == "token_classification":
+            return {"text_column": "tokens", "label_column": "tags", **data}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobCreate":
+        if self.label_column in (self.text_column, self.text_pair_column):
+            raise ValueError(f"label_column {self.label_column!r} must differ from text_column and text_pair_column")
+        if self.validation_dataset and self.validation_split:
+            raise ValueError("give validation_dataset or validation_split, not both")
+        if self.validation_dataset is None and self.validation_split is None:
+            self.validation_split = 0.1
+        hp = self.hyperparameters
+        if hp.metric_for_best_model not in TASK_METRICS[self.task]:
+            raise ValueError(f"hyperparameters.metric_for_best_model {hp.metric_for_best_model!r} does not apply to "
+                             f"{self.task}; use one of {TASK_METRICS[self.task]}")
+        multi_label_only = {"label_separator": self.label_separator is not None, "tune_threshold": self.tune_threshold,
+                            "decision_threshold": self.decision_threshold != 0.5}
+        if self.task != "multi_label" and (given := [name for name, set_ in multi_label_only.items() if set_]):
+            raise ValueError(f"{', '.join(given)} apply to task 'multi_label' only")
+        if self.tune_threshold and not (self.validation_dataset or self.validation_split):
+            raise ValueError("tune_threshold needs a validation set")
+        if self.task == "token_classification" and self.text_pair_column:
+            raise ValueError("token_classification takes one column of words: text_pair_column must be null")
+        if self.label_all_subwords and self.task != "token_classification":
+            raise ValueError("label_all_subwords applies to token_classification only")
+        if hp.early_stopping_patience and not (self.validation_dataset or self.validation_split):
+            raise ValueError("hyperparameters.early_stopping_patience needs a validation set")
+        return self
+
+
+class DatasetOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True, json_schema_extra={"examples": [{
+        "id": "ds_3f9a1c2b7d4e5f60", "filename": "bbc_news_train.csv", "format": "csv", "rows": 1780,
+        "columns": ["text", "label"], "bytes": 4021377,
+        "sha256": "9c1185a5c5e9fc54612808977ee8f548b2258d31c0f1a5e8b3e2d8e2d9bd5e1a",
+        "created_at": "2026-11-21T09:12:03.512Z"}]})
+
+    id: str
+    filename: str
+    format: str
+    rows: int
+    columns: list[str]
+    bytes: int
+    sha256: str
+    created_at: datetime
+
+
+class Progress(BaseModel):
+    step: int
+    total_steps: int | None
+    epoch: float
+    fraction: float
+    eta_seconds: float | None
+
+
+class Timings(BaseModel):
+    """Where a job's wall time went, in seconds; null until the phase has run.
+
+    ``queued``: POST to a worker taking the job. ``load``: reading the dataset and loading the model
+    (and, on a resumed attempt, the optimizer state). ``tokenize``: loading the tokenizer and
+    tokenizing (near 0 on a tokenization-cache hit). ``warmup``: capture/compile before the first
+    step, if any. ``train``: optimizer steps, without the evaluations and checkpoints in between.
+    ``evaluate``: every validation pass. ``save``: checkpoints, the best model and the artifact.
+    ``total``: POST to the job's end. A restarted job's phases are those of its last attempt, so
+    ``total`` also holds the earlier attempts; the rest of the gap is bookkeeping between phases.
+    """
+
+    queued: float | None = None
+    load: float | None = None
+    tokenize: float | None = None
+    warmup: float | None = None
+    train: float | None = None
+    evaluate: float | None = None
+    save: float | None = None
+    total: float | None = None
+
+
+PHASES = tuple(name for name in Timings.model_fields if name not in ("queued", "total"))  # timed by the worker
+
+
+class JobOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "id": "job_8e2d4c1a9b7f3e05", "status": "succeeded", "base_model": "all-MiniLM-L6-v2",
+        "task": "classification", "training_dataset": "ds_3f9a1c2b7d4e5f60", "validation_dataset": None,
+        "validation_split": 0.1, "text_column": "text", "text_pair_column": None, "label_column": "label",
+        "label_names": ["business", "entertainment", "politics", "sport", "tech"],
+        "hyperparameters": {**Hyperparameters().model_dump(), **HYPERPARAMETERS_EXAMPLE},
+        "metadata": {"project": "news-topics"}, "created_at": "2026-11-21T09:12:10.118Z",
+        "started_at": "2026-11-21T09:12:11.402Z", "finished_at": "2026-11-21T09:15:02.771Z",
+        "progress": {"step": 101, "total_steps": 101, "epoch": 1.0, "fraction": 1.0, "eta_seconds": 0.0},
+        "train_metrics": {"loss": 0.412, "learning_rate": 0.0, "tokens_per_second": 1893.4,
+                          "padding_efficiency": 0.993, "skipped_steps": 0},
+        "validation_metrics": {"loss": 0.288, "accuracy": 0.955, "f1_macro": 0.953},
+        "device": "cpu (2 threads)", "attempts": 1, "error": None}]})
+
+    id: str
+    status: str
+    base_model: str
+    task: str
+    training_dataset: str
+    validation_dataset: str | None
+    validation_split: float | None
+    text_column: str
+    text_pair_column: str | None
+    label_column: str
+    label_separator: str | None = None
+    decision_threshold: float = 0.5
+    tune_threshold: bool = False
+    label_names: list[Any] | None
+    hyperparameters: Hyperparameters
+    metadata: dict[str, Any] | None
+    suffix: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    progress: Progress
+    train_metrics: dict[str, Any] | None
+    validation_metrics: dict[str, Any] | None
+    device: str | None
+    attempts: int
+    error: dict[str, Any] | None
+    timings: Timings
+    files_deleted_at: datetime | None = Field(
+        None, description="When the job's checkpoints and artifacts were removed (TUNEJOB_ARTIFACT_RETENTION_DAYS).")
+    sweep_id: str | None = Field(None, description="The sweep this job is a trial of (``POST /sweeps``), if any.")
+    trial_number: int | None = Field(None, description="Its trial number in that sweep, from 0.")
+
+
+class JobList(BaseModel):
+    data: list[JobOut]
+    next_cursor: str | None
+
+
+class MetricOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True, json_schema_extra={"examples": [{
+        "step": 40, "epoch": 0.4, "name": "train_loss", "value": 0.731, "time": "2026-11-21T09:13:05.004Z",
+        "nonfinite": False}]})
+
+    step: int
+    epoch: float
+    name: str
+    value: float | None = Field(description="null when the value was not finite (NaN or Infinity)")
+    time: datetime
+
+    @computed_field(description="the value was NaN or Infinity (a step with a non-finite loss is skipped)")
+    @property
+    def nonfinite(self) -> bool:
+        return self.value is None or not math.isfinite(self.value)
+
+
+class EventOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True, json_schema_extra={"examples": [{
+        "time": "2026-11-21T09:12:11.402Z", "level": "info", "code": "started",
+        "message": "attempt 1 started on worker gpu-box-1:4242:1a2b3c4d"}]})
+
+    time: datetime
+    level: str
+    code: str
+    message: str
+
+
+class CheckpointOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True, json_schema_extra={"examples": [{
+        "step": 101, "metrics": {"loss": 0.288, "accuracy": 0.955, "f1_macro": 0.953},
+        "created_at": "2026-11-21T09:14:58.310Z"}]})
+
+    step: int
+    metrics: dict[str, Any] | None
+    created_at: datetime
+
+
+class ArtifactOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "name": "model.tar.gz", "bytes": 84213760, "url": "/jobs/job_8e2d4c1a9b7f3e05/artifacts/model.tar.gz"}]})
+
+    name: str
+    bytes: int
+    url: str
+
+
+class BaseModelOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "name": "all-MiniLM-L6-v2", "source": "builtin", "model_type": "bert"}]})
+
+    name: str
+    source: Literal["builtin", "models_dir"]
+    model_type: str | None
+
+
+class TokenLengths(BaseModel):
+    bin_edges: list[float]
+    counts: list[int]
+    mean: float
+    max: int
+
+
+class PaddingEfficiency(BaseModel):
+    unrounded: float = Field(description="real tokens / tokens padded to each micro-batch's longest example")
+    bucketed: float = Field(description="the same with each micro-batch padded up to its bucket width (what a "
+                                        "CUDA worker computes; shared.data.batching.bucket_ladder)")
+
+
+class BucketWidth(BaseModel):
+    width: int = Field(description="padded width in tokens")
+    micro_batches: int = Field(description="micro-batches of this width over the job's epochs")
+
+
+class Buckets(BaseModel):
+    ladder: list[int] = Field(description="the widths a CUDA worker pads micro-batches to, up to max_length")
+    widths: list[BucketWidth] = Field(description="the widths the chosen batching uses")
+    padding_efficiency: float = Field(description="real / padded tokens of the chosen batching at these widths")
+
+
+class Plan(BaseModel):
+    """What a job will do, computed from its tokenized training split without training
+    (``shared.jobs.planning.plan_job``). Other fields may be added."""
+
+    model_config = ConfigDict(extra="allow")
+
+    examples: int = Field(description="training examples, after any validation_split")
+    token_lengths: TokenLengths = Field(description="histogram of real tokens per example, after truncation")
+    truncated_fraction: float = Field(description="share of examples longer than max_length")
+    truncated_examples: int = Field(description="examples longer than max_length, cut there (token_classification: "
+                                                "the words past it are neither trained on nor scored)")
+    padding_efficiency: dict[str, PaddingEfficiency] = Field(description="per batching strategy")
+    buckets: Buckets = Field(description="the chosen batching's bucket widths on a CUDA worker")
+    micro_batches_per_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+    estimated_seconds: float | None = Field(description="from the newest succeeded job on the same base model; "
+                                                        "null when there is none")
+    estimate_basis: str
+
+
+class DryRunOut(BaseModel):
+    """Response of ``POST /jobs?dry_run=true``: nothing is stored or queued."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"dry_run": True, "plan": {
+        "examples": 1602,
+        "token_lengths": {"bin_edges": [24.0, 30.5, 37.0, 43.5, 50.0, 56.5, 63.0, 69.5, 76.0, 82.5, 89.0, 95.5,
+                                        102.0, 108.5, 115.0, 121.5, 128.0],
+                          "counts": [3, 5, 9, 14, 22, 31, 40, 51, 60, 72, 85, 97, 110, 121, 140, 742],
+                          "mean": 112.4, "max": 128},
+        "truncated_fraction": 0.463,
+        "padding_efficiency": {s: {"unrounded": e, "bucketed": b} for s, e, b in
+                               [("smart", 0.993, 0.947), ("token_budget", 0.991, 0.952), ("dynamic", 0.912, 0.874),
+                                ("fixed", 0.878, 0.878)]},
+        "buckets": {"ladder": [16, 32, 48, 64, 80, 96, 112, 128],
+                    "widths": [{"width": 128, "micro_batches": 88}, {"width": 112, "micro_batches": 9},
+                               {"width": 96, "micro_batches": 4}], "padding_efficiency": 0.947},
+        "micro_batches_per_epoch": 101, "steps_per_epoch": 101, "total_steps": 101,
+        "estimated_seconds": 171.4, "estimate_basis": "job job_8e2d4c1a9b7f3e05: 1907 padded tokens/s on cpu"}}]})
+
+    dry_run: Literal[True]
+    plan: Plan

@@ -1,0 +1,122 @@
+"""Engine and sessions for the job store (SQLite by default, PostgreSQL through the same URL).
+
+Two kinds of transaction:
+
+- ``read_session()``: reads only. On SQLite a plain (deferred) ``BEGIN``: in WAL mode readers see
+  the last committed state and never wait for, nor block, a writer.
+- ``session_scope()``: any transaction that writes. On SQLite it starts with ``BEGIN IMMEDIATE``,
+  taking the single write lock at once, so that a transaction that reads and then writes queues
+  on the busy timeout instead of failing with "database is locked" when it tries to upgrade a
+  read to a write (SQLAlchemy docs, pysqlite "Serializable isolation / Savepoints / Transactional
+  DDL"). A transaction that only writes takes the lock at its first statement either way, and the
+  ORM sends BEGIN just before that statement, so IMMEDIATE costs it nothing. Keep these short.
+
+A write lock that cannot be had within ``TUNEJOB_SQLITE_BUSY_TIMEOUT_SECONDS`` raises
+``sqlalchemy.exc.OperationalError``, which the API answers with 503 and ``Retry-After``.
+PostgreSQL is left as it is (READ COMMITTED; the row locks taken with ``with_for_update``).
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, Select, create_engine, event, make_url, select, tuple_
+from sqlalchemy.orm import Session, sessionmaker
+
+from shared.errors import UserError
+from shared.settings import get_settings
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+WRITE = "tunejob_write"  # execution option of the engine that begins IMMEDIATE transactions
+
+
+@lru_cache
+def engine_for(url: str, sqlite_busy_timeout: float = 5.0) -> Engine:
+    """One pooled engine per database URL (and SQLite busy timeout, in seconds)."""
+    if not url.startswith("sqlite"):
+        return create_engine(url, pool_pre_ping=True)
+    Path(make_url(url).database).parent.mkdir(parents=True, exist_ok=True)
+    # Enough pooled connections for the API's thread pool (40 threads) to read at once.
+    engine = create_engine(url, pool_size=20, max_overflow=30,
+                           connect_args={"timeout": sqlite_busy_timeout, "check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):
+        dbapi_conn.isolation_level = None  # let the "begin" hook below emit BEGIN itself
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={int(sqlite_busy_timeout * 1000)}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE) else "BEGIN")
+
+    return engine
+
+
+def get_engine() -> Engine:
+    settings = get_settings()
+    return engine_for(settings.sqlalchemy_url, settings.sqlite_busy_timeout_seconds)
+
+
+@lru_cache
+def _session_factory(engine: Engine, write: bool) -> sessionmaker[Session]:
+    return sessionmaker(engine.execution_options(**{WRITE: True}) if write else engine, expire_on_commit=False)
+
+
+@contextmanager
+def session_scope() -> Iterator[Session]:
+    """A short write transaction (``BEGIN IMMEDIATE`` on SQLite): commits on success, rolls back on
+    any error."""
+    with _session_factory(get_engine(), True).begin() as session:
+        yield session
+
+
+@contextmanager
+def read_session() -> Iterator[Session]:
+    """A read-only transaction (a deferred ``BEGIN`` on SQLite): never blocks a writer. Rolled back
+    at the end, so nothing written in it is kept."""
+    with _session_factory(get_engine(), False)() as session:  # closing rolls back
+        yield session
+
+
+def upgrade_database() -> None:
+    """Run ``alembic upgrade head`` against the configured database."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # IMMEDIATE on SQLite: the API and a worker starting together migrate one after the other.
+    config.attributes["connection_engine"] = get_engine().execution_options(**{WRITE: True})
+    command.upgrade(config, "head")
+
+
+def keyset_page(s: Session, query: Select, model, after: str | None, limit: int | None, newest_first: bool = True,
+                param: str = "after", within: Select | None = None) -> tuple[list, bool]:
+    """One page of ``query`` (rows of ``model``, which has ``id`` and ``created_at``) in
+    ``(created_at, id)`` order, starting after the row whose id is ``after`` (keyset pagination).
+    ``after`` must be a row of ``within`` (default: any row of ``model``; e.g. the caller's tenant's).
+
+    Returns:
+        (rows, has_more): at most ``limit`` rows (all when ``limit`` is None), and whether more follow.
+
+    Raises:
+        UserError: ``invalid_cursor`` when ``after`` is not the id of a row of ``within``.
+    """
+    key = tuple_(model.created_at, model.id)
+    order = (model.created_at.desc(), model.id.desc()) if newest_first else (model.created_at, model.id)
+    query = query.order_by(*order)
+    if after:
+        row = s.scalars((within if within is not None else select(model)).where(model.id == after)).first()
+        if row is None:
+            raise UserError("invalid_cursor", f"{param} {after!r} is not the id of a listed object", param)
+        cursor = tuple_(row.created_at, row.id)
+        query = query.where(key < cursor if newest_first else key > cursor)
+    if limit is None:
+        return list(s.scalars(query)), False
+    rows = s.scalars(query.limit(limit + 1)).all()
+    return list(rows[:limit]), len(rows) > limit

@@ -1,0 +1,99 @@
+"""Caps on what one request may carry, and quotas on what one tenant may hold. Every limit is a
+setting (``shared.settings``; docs/production/security.md, "Limits"), and every refusal is a 4xx
+naming the limit, the value and the setting:
+
+- ``metadata``: at most ``max_metadata_keys`` keys of at most ``max_metadata_key_chars`` characters,
+  string values of at most ``max_metadata_value_chars`` (the OpenAI limits): 422.
+- columns per uploaded dataset (``max_columns``) and classes per classification job
+  (``max_classes``): 422, checked as the data is read (``shared.datasets``).
+- queued + running jobs per tenant (``max_active_jobs_per_tenant``): 429 with ``Retry-After``.
+- storage per tenant (``max_storage_bytes_per_tenant``): uploaded datasets plus the checkpoints and
+  artifacts of its jobs, checked when a dataset is uploaded or a job submitted: 413. A running job
+  may take a tenant past it; nothing new is accepted until space is freed.
+
+The request rate per API key is limited in ``api.auth``.
+"""
+
+import os
+from pathlib import Path
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from shared.errors import UserError
+from shared.settings import get_settings
+from shared.store.rows import Dataset, Job, JobStatus
+
+ACTIVE_JOBS_RETRY_AFTER_S = 60  # a guess at how soon a slot frees: jobs take minutes to hours
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """Raises: UserError 422 ``invalid_request`` (``param`` ``metadata``) if ``metadata`` breaks the
+    caps."""
+    if not metadata:
+        return
+    settings = get_settings()
+    if len(metadata) > settings.max_metadata_keys:
+        raise _metadata_error(f"{len(metadata)} keys; at most {settings.max_metadata_keys} (TUNEJOB_MAX_METADATA_KEYS)")
+    for key, value in metadata.items():
+        if len(key) > settings.max_metadata_key_chars:
+            raise _metadata_error(f"key {key[:80]!r} has {len(key)} characters; at most "
+                                  f"{settings.max_metadata_key_chars} (TUNEJOB_MAX_METADATA_KEY_CHARS)")
+        if len(value) > settings.max_metadata_value_chars:
+            raise _metadata_error(f"value of {key!r} has {len(value)} characters; at most "
+                                  f"{settings.max_metadata_value_chars} (TUNEJOB_MAX_METADATA_VALUE_CHARS)")
+
+
+def _metadata_error(detail: str) -> UserError:
+    return UserError("invalid_request", f"metadata: {detail}", "metadata")
+
+
+def check_active_jobs(session: Session, tenant: str) -> None:
+    """Raises: UserError 429 ``too_many_active_jobs`` when ``tenant`` has its maximum of queued +
+    running jobs. Call in the transaction that inserts the job, after ``shared.store.tenancy.lock_tenant``."""
+    limit = get_settings().max_active_jobs_per_tenant
+    active = session.scalar(select(func.count()).select_from(Job).where(
+        Job.tenant == tenant, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING])))
+    if active >= limit:
+        raise UserError("too_many_active_jobs", f"tenant {tenant!r} has {active} queued or running jobs, its maximum "
+                        f"(TUNEJOB_MAX_ACTIVE_JOBS_PER_TENANT={limit}); submit again when one has finished, or "
+                        "cancel one", status=429, headers={"Retry-After": str(ACTIVE_JOBS_RETRY_AFTER_S)})
+
+
+def job_files_bytes(session: Session, tenant: str) -> int:
+    """Bytes under the checkpoint and artifact directories of ``tenant``'s jobs. It walks the
+    file system: call it before a write transaction, not inside one."""
+    data = get_settings().data_path
+    return sum(_tree_bytes(data / kind / job_id) for job_id in session.scalars(select(Job.id).where(Job.tenant == tenant))
+               for kind in ("checkpoints", "artifacts"))
+
+
+def _tree_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (0 if it does not exist). A running job deletes old
+    checkpoints: a file gone between listing and ``stat`` counts 0."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def check_storage(session: Session, tenant: str, adding: int = 0, job_files: int | None = None) -> None:
+    """Raises: UserError 413 ``storage_quota_exceeded`` when ``tenant`` would hold more than its
+    quota with ``adding`` more bytes (a job adds its checkpoints and artifacts later: 0).
+
+    ``job_files``: ``job_files_bytes`` taken before the transaction (computed here if None). The
+    dataset bytes are summed in ``session``, so that two uploads checked in transactions serialized by
+    ``shared.store.tenancy.lock_tenant`` cannot both pass on the same free space.
+    """
+    limit = get_settings().max_storage_bytes_per_tenant
+    uploads = session.scalar(select(func.coalesce(func.sum(Dataset.bytes), 0)).where(Dataset.tenant == tenant))
+    used = int(uploads) + (job_files if job_files is not None else job_files_bytes(session, tenant))
+    if used + adding > limit:
+        what = f"; this upload adds {adding:,}" if adding else ""
+        raise UserError("storage_quota_exceeded", f"tenant {tenant!r} stores {used:,} bytes of its {limit:,}-byte quota "
+                        f"(TUNEJOB_MAX_STORAGE_BYTES_PER_TENANT){what}; delete datasets or jobs to free space",
+                        "file" if adding else None, status=413)
