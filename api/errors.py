@@ -24,7 +24,7 @@ from starlette.routing import Match
 
 from api.auth import PUBLIC_PATHS
 from shared.errors import UserError
-from shared.schemas import json_safe
+from shared.schemas.jobs import json_safe
 
 log = logging.getLogger("tunejob.api")
 

@@ -1,5 +1,5 @@
 """The FastAPI application: thin routers over ``shared``. On start-up it runs the migrations and
-starts the recovery loop (reaper and sweeper, ``shared.jobs.recover``).
+starts the recovery loop (reaper and sweeper, ``shared.jobs.lifecycle.recover``).
 
 Swagger UI (``/docs``) and ReDoc (``/redoc``) load their scripts and styles from this service
 (``/docs/static``, the files bundled in the fastapi-offline package), not from a CDN, so they work
@@ -22,10 +22,9 @@ from api.metrics import install_metrics
 from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions
 from api.security import HostAndOriginCheck, allowed_hosts
 from api.ui import create_ui
-from shared.db import upgrade_database
 from shared.queue import RecoveryThread
 from shared.settings import get_settings
-
+from shared.store.engine import upgrade_database
 
 DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the public /docs pages
 

@@ -12,11 +12,13 @@ import threading
 
 from celery import Celery
 
-from shared import idempotency, jobs, predictions
-from shared.models import Job
-from shared.schemas import JobCreate, PredictionCreate
+from shared.jobs import lifecycle, predictions
+from shared.schemas.jobs import JobCreate
+from shared.schemas.predictions import PredictionCreate
 from shared.settings import Settings, get_settings
-from shared.tenancy import Caller
+from shared.store import idempotency
+from shared.store.rows import Job
+from shared.store.tenancy import Caller
 
 log = logging.getLogger(__name__)
 
@@ -72,30 +74,30 @@ def send(job_id: str) -> None:
     """Send a queued job's id to the broker (only after its row is committed) and record that the
     broker has it."""
     app.send_task(RUN_JOB, args=[job_id], queue=QUEUE)
-    jobs.mark_enqueued(job_id)
+    lifecycle.mark_enqueued(job_id)
 
 
 def submit(spec: JobCreate | PredictionCreate, caller: Caller, claim: idempotency.Claim | None = None) -> Job:
-    """Check and store a job for ``caller``: a training job (``shared.jobs.create_job``) or a
-    prediction (``shared.predictions.create_prediction``), either recording the response under an
+    """Check and store a job for ``caller``: a training job (``shared.jobs.lifecycle.create_job``) or a
+    prediction (``shared.jobs.predictions.create_prediction``), either recording the response under an
     idempotency ``claim``; then send its id to the broker. When the broker is down the job stays
     queued and ``recovery_loop`` sends it later.
 
     Raises:
-        UserError: the spec does not fit its model or data (see ``shared.planning.check_spec`` and
-            ``shared.predictions.check_prediction``), or a quota (``shared.quotas``).
+        UserError: the spec does not fit its model or data (see ``shared.jobs.planning.check_spec`` and
+            ``shared.jobs.predictions.check_prediction``), or a quota (``shared.store.quotas``).
     """
-    create = predictions.create_prediction if isinstance(spec, PredictionCreate) else jobs.create_job
+    create = predictions.create_prediction if isinstance(spec, PredictionCreate) else lifecycle.create_job
     job = create(spec, caller, claim)
     try:
         send(job.id)
     except Exception:
         log.exception("job %s stored but not yet sent to the broker", job.id)
-    return jobs.get_job(job.id, caller, kind=job.kind)
+    return lifecycle.get_job(job.id, caller, kind=job.kind)
 
 
 def resend_recovered() -> None:
-    for job_id in jobs.recover():
+    for job_id in lifecycle.recover():
         send(job_id)
 
 
@@ -119,11 +121,11 @@ class RecoveryThread:
 
 def recovery_loop(stop: threading.Event) -> None:
     """Every ``sweep_seconds`` until ``stop`` is set: re-queue jobs whose lease expired and
-    (re-)send the messages of queued jobs (``shared.jobs.recover``), apply the artifact retention
-    and remove leftover files (``shared.jobs.sweep_files``), and delete expired idempotency records.
+    (re-)send the messages of queued jobs (``shared.jobs.lifecycle.recover``), apply the artifact retention
+    and remove leftover files (``shared.jobs.lifecycle.sweep_files``), and delete expired idempotency records.
     Runs in the API and in every worker; any number of copies may run at once."""
     while True:
-        for sweep in (resend_recovered, jobs.sweep_files, idempotency.purge_expired):
+        for sweep in (resend_recovered, lifecycle.sweep_files, idempotency.purge_expired):
             try:
                 sweep()
             except Exception:

@@ -7,7 +7,11 @@ from typing import Annotated, Literal
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from shared.schemas import MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS
+from shared.schemas.jobs import (
+    MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_KEYS,
+    MAX_METADATA_VALUE_CHARS,
+)
 
 
 class Settings(BaseSettings):
@@ -37,7 +41,7 @@ class Settings(BaseSettings):
     lease_seconds: int = 120  # a running job's lease; renewed by the worker's heartbeat
     max_restarts: int = 3  # times a job is resumed after its worker died or failed unexpectedly
     metrics_flush_seconds: float = 2.0  # metrics are buffered and written at most this often
-    sweep_seconds: float = 15.0  # how often API and workers run the reaper/sweeper (shared.jobs.recover)
+    sweep_seconds: float = 15.0  # how often API and workers run the reaper/sweeper (shared.jobs.lifecycle.recover)
     resend_after_seconds: float = 600.0  # re-send a queued job's message after this long (lost messages)
     stream_poll_seconds: float = 0.5  # GET /jobs/{id}/stream: how often the one reader per job reads the store
     ui_session_hours: float = 12.0  # a dashboard sign-in (/ui) lasts this long (shared.store.ui_sessions)

@@ -24,7 +24,7 @@ def browser(stack) -> TestClient:
 def sign_in(stack, tenant: str | None = None) -> tuple[TestClient, str]:
     """A browser signed in with a new key of ``tenant`` (default: the stack's); returns it and the
     CSRF token of its pages."""
-    from shared.keys import create_key
+    from shared.store.keys import create_key
 
     key, _ = create_key(tenant or stack.tenant)
     client = browser(stack)
@@ -59,7 +59,7 @@ def test_vendored_files_are_the_pinned_ones():
 
 
 def test_pages_need_a_session_and_sign_in_sets_a_safe_cookie(stack, job):
-    from shared.keys import create_key
+    from shared.store.keys import create_key
 
     client = browser(stack)
     r = client.get(f"/ui/jobs/{job['id']}")
@@ -113,7 +113,7 @@ def test_another_tenants_job_is_a_404_page(stack, job):
 
 
 def test_sign_out_and_revoking_the_key_end_the_session(stack):
-    from shared.keys import create_key, revoke_key
+    from shared.store.keys import create_key, revoke_key
 
     client, csrf = sign_in(stack)
     assert client.post("/ui/logout", data={"csrf_token": "stale"}).status_code == 403
@@ -139,7 +139,7 @@ def test_sign_out_and_revoking_the_key_end_the_session(stack):
 
 
 def test_a_sign_in_link_works_once(stack):
-    from shared.keys import create_key
+    from shared.store.keys import create_key
     from shared.store import ui_sessions
 
     _, row = create_key(stack.tenant)

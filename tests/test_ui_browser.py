@@ -142,7 +142,7 @@ def wait_for_points(page, selector: str, more_than: int) -> int:
 
 def sign_in(page, tenant: str) -> str:
     """Sign ``page`` in with a new key of ``tenant``; returns the key (for API calls in setup)."""
-    from shared.keys import create_key
+    from shared.store.keys import create_key
 
     key, _ = create_key(tenant)
     page.goto("/ui/jobs")
@@ -217,7 +217,7 @@ def walk(page, server: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("stack", ["embedded"], indirect=True)
 def test_another_tenants_job_is_a_404_page_in_the_browser(stack, server, watched):
-    from shared.keys import create_key
+    from shared.store.keys import create_key
 
     owner, _ = create_key("ui-owner")
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {owner}"}) as api:

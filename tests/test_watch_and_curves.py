@@ -7,8 +7,8 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from client import watch as watching
-from shared import curves
-from shared.schemas import JobOut
+from shared.jobs import curves
+from shared.schemas.jobs import JobOut
 
 JOB = JobOut.model_config["json_schema_extra"]["examples"][0]
 

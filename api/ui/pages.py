@@ -12,15 +12,17 @@ from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
-from shared import artifacts, jobs, keys, predictions, uploads
-from shared.base_models import available_models
-from shared.datasets import Problems, read_batches
+from shared.jobs import lifecycle, predictions, uploads
+from shared.store import artifacts, keys
+from shared.jobs.base_models import available_models
+from shared.data.problems import Problems
+from shared.data.read import read_batches
 from shared.errors import UserError
-from shared.models import JobStatus
-from shared.schemas import Hyperparameters, JobCreate
+from shared.store.rows import JobStatus
+from shared.schemas.jobs import Hyperparameters, JobCreate
 from shared.settings import get_settings
 from shared.store import ui_sessions
-from shared.tenancy import Caller
+from shared.store.tenancy import Caller
 
 router = APIRouter()
 templates = Jinja2Templates(directory=Path(__file__).parent / "templates")
@@ -134,8 +136,8 @@ def jobs_page(request: Request, s: SessionDep, status: Annotated[str | None, Que
     status, task = status or None, task or None
     if status not in (None, *STATUSES) or task not in (None, *TASKS):
         raise UserError("invalid_filter", f"unknown filter: status {status!r}, task {task!r}", "status", status=400)
-    page, has_more = jobs.list_jobs(s.caller, PAGE_SIZE, cursor, status, param="cursor", task=task)
-    rows = [jobs.to_out(j) for j in page]
+    page, has_more = lifecycle.list_jobs(s.caller, PAGE_SIZE, cursor, status, param="cursor", task=task)
+    rows = [lifecycle.to_out(j) for j in page]
     query = {k: v for k, v in {"status": status, "task": task}.items() if v}
     next_url = f"/ui/jobs?{urlencode({**query, 'cursor': page[-1].id})}" if has_more else None
     return render(request, "jobs.html", s=s, jobs=rows, status=status, task=task, statuses=STATUSES, tasks=TASKS,
@@ -145,10 +147,10 @@ def jobs_page(request: Request, s: SessionDep, status: Annotated[str | None, Que
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(request: Request, job_id: str, s: SessionDep):
-    job = jobs.to_out(jobs.get_job(job_id, s.caller))
-    checkpoints = jobs.list_checkpoints(job_id, s.caller)
-    files = jobs.model_files(job_id, s.caller) if job.status == JobStatus.SUCCEEDED else {}
-    return render(request, "job.html", s=s, job=job, events=jobs.list_events(job_id, s.caller),
+    job = lifecycle.to_out(lifecycle.get_job(job_id, s.caller))
+    checkpoints = lifecycle.list_checkpoints(job_id, s.caller)
+    files = lifecycle.model_files(job_id, s.caller) if job.status == JobStatus.SUCCEEDED else {}
+    return render(request, "job.html", s=s, job=job, events=lifecycle.list_events(job_id, s.caller),
                   checkpoints=checkpoints, artifacts=artifacts.listing(files) if files else {},
                   chart={"job": job.id, "status": job.status, "checkpoints": [c.step for c in checkpoints],
                          "best_metric": job.hyperparameters.metric_for_best_model,
@@ -162,7 +164,7 @@ def compare_page(request: Request, s: SessionDep, jobs_: Annotated[str, Query(al
     if not 2 <= len(ids) <= MAX_COMPARED:
         raise UserError("invalid_compare", f"compare 2 to {MAX_COMPARED} jobs (?jobs=job_a,job_b); got {len(ids)}",
                         "jobs", status=400)
-    compared = [jobs.to_out(jobs.get_job(i, s.caller)) for i in ids]
+    compared = [lifecycle.to_out(lifecycle.get_job(i, s.caller)) for i in ids]
     rows = _compare_rows(compared)
     return render(request, "compare.html", s=s, jobs=compared, rows=rows, chart={"jobs": ids})
 
@@ -205,8 +207,8 @@ def dataset_page(request: Request, dataset_id: str, s: SessionDep):
 
 @router.get("/predictions", response_class=HTMLResponse)
 def predictions_page(request: Request, s: SessionDep, cursor: str | None = None):
-    page, has_more = jobs.list_jobs(s.caller, PAGE_SIZE, cursor, param="cursor", kind=predictions.KIND)
-    models, _ = jobs.list_jobs(s.caller, 200, status=JobStatus.SUCCEEDED)
+    page, has_more = lifecycle.list_jobs(s.caller, PAGE_SIZE, cursor, param="cursor", kind=predictions.KIND)
+    models, _ = lifecycle.list_jobs(s.caller, 200, status=JobStatus.SUCCEEDED)
     datasets, _ = uploads.list_datasets(s.caller)
     return render(request, "predictions.html", s=s, predictions=[predictions.to_out(j) for j in page],
                   models=models, datasets=datasets,
@@ -215,9 +217,9 @@ def predictions_page(request: Request, s: SessionDep, cursor: str | None = None)
 
 @router.get("/predictions/{prediction_id}", response_class=HTMLResponse)
 def prediction_page(request: Request, prediction_id: str, s: SessionDep):
-    prediction = predictions.to_out(jobs.get_job(prediction_id, s.caller, kind=predictions.KIND))
+    prediction = predictions.to_out(lifecycle.get_job(prediction_id, s.caller, kind=predictions.KIND))
     return render(request, "prediction.html", s=s, p=prediction,
-                  events=jobs.list_events(prediction_id, s.caller, kind=predictions.KIND))
+                  events=lifecycle.list_events(prediction_id, s.caller, kind=predictions.KIND))
 
 
 def age(when: datetime | None, until: datetime | None = None) -> str:

@@ -2,7 +2,7 @@
 
 Signing in with an API key (``/ui/login``) stores a session row that names the key; the cookie
 holds ``secrets.token_urlsafe(32)`` (256 bits) and the store keeps only its SHA-256, as for API
-keys (``shared.keys``). Each request resolves the cookie to the key's ``Caller`` (tenant, admin)
+keys (``shared.store.keys``). Each request resolves the cookie to the key's ``Caller`` (tenant, admin)
 again, so the browser goes through the same tenant checks as the API, and revoking the key ends
 its sessions at the next request. A session expires ``TUNEJOB_UI_SESSION_HOURS`` after sign-in,
 and signing out deletes it.
@@ -24,10 +24,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import ForeignKey, String, delete, select
 from sqlalchemy.orm import Mapped, mapped_column
 
-from shared.db import read_session, session_scope
-from shared.models import ApiKey, Base, utcnow
+from shared.store.engine import read_session, session_scope
+from shared.store.rows import ApiKey, Base, utcnow
 from shared.settings import get_settings
-from shared.tenancy import Caller
+from shared.store.tenancy import Caller
 
 COOKIE = "tunejob_session"
 CSRF_HEADER = "X-CSRF-Token"
