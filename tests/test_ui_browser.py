@@ -191,6 +191,7 @@ def walk(page, server: str, tmp_path: Path) -> None:
     wait_for_points(page, "#chart-loss", first)
     assert page.evaluate("window.notReloaded === true")
     assert page.locator("#chart-loss canvas").count() == 1
+    assert page.locator("#events code", has_text="created").count() == 1, "each event is listed once"
 
     # cancel, confirming in the dialog
     page.get_by_role("button", name="Cancel job").click()

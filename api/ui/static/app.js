@@ -151,8 +151,12 @@ function showStatus(status) {
   el.className = `status status-${status}`;
 }
 
+// The stream starts at the job's beginning: its first "events" message replaces the events the
+// server rendered (the same ones, and any written since); later ones are appended.
+let eventsReplaced = false;
 function appendEvents(events) {
   const list = $("#events");
+  if (!eventsReplaced) { list.textContent = ""; eventsReplaced = true; }
   for (const e of events) {
     const li = document.createElement("li");
     li.className = `level-${e.level}`;
