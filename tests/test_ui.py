@@ -68,6 +68,8 @@ def test_pages_need_a_session_and_sign_in_sets_a_safe_cookie(stack, job):
 
     r = client.post("/ui/login", data={"key": "tj_not-a-key", "next": "/ui/jobs"})
     assert r.status_code == 401 and "not valid" in r.text and "set-cookie" not in r.headers
+    r = client.post("/ui/login", data={"key": "x" * 200})
+    assert r.status_code == 400 and "key" in r.text and r.headers["content-type"].startswith("text/html")
 
     key, _ = create_key(stack.tenant)
     r = client.post("/ui/login", data={"key": key, "next": "https://evil.example/ui/x"})

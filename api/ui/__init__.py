@@ -12,6 +12,7 @@ its ``VERSIONS``), and the pages' Content-Security-Policy allows this origin onl
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -37,6 +38,11 @@ def create_ui() -> FastAPI:
     @ui.exception_handler(UserError)
     async def _user_error(request: Request, e: UserError):
         return pages.error_page(request, e.status, e.message)
+
+    @ui.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        return pages.error_page(request, 400, f"{'.'.join(map(str, first['loc'][1:]))}: {first['msg']}")
 
     @ui.exception_handler(404)
     async def _not_found(request: Request, _: Exception):
