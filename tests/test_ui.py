@@ -153,6 +153,23 @@ def test_a_sign_in_link_works_once(stack):
     assert again.status_code == 401 and "used already" in again.text
 
 
+def test_serve_prints_a_sign_in_link_for_its_local_key(stack):
+    from shared.store.keys import create_key, local_key_path
+    from tunejob.cli import signin_link
+
+    key, _ = create_key(stack.tenant, name="local key (tunejob serve)")
+    local_key_path().parent.mkdir(parents=True, exist_ok=True)
+    local_key_path().write_text(key + "\n")
+    try:
+        link = signin_link("0.0.0.0", 8123)
+        assert link.startswith("http://127.0.0.1:8123/ui/signin/") and key not in link
+        client = browser(stack)
+        assert client.get(link.removeprefix("http://127.0.0.1:8123")).status_code == 303
+        assert stack.tenant in client.get("/ui/jobs").text
+    finally:
+        local_key_path().unlink()
+
+
 def test_pages_show_the_tenants_data(stack, job):
     client, _ = sign_in(stack)
     dataset = job["training_dataset"]
