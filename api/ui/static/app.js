@@ -216,10 +216,12 @@ pages.job = () => {
   const lowerIsBetter = ["loss", "mse"].includes(info.best_metric);
   const bestName = `eval_${info.best_metric}`;
   let best = null;
-  const marks = () => ({lines: info.checkpoints, stars: best ? [best] : []});
+  // the star goes on the chart that shows the metric for the best model: loss with the training loss
+  const marks = onLossChart => () => ({lines: info.checkpoints,
+                                       stars: best && (bestName === "eval_loss") === onLossChart ? [best] : []});
   const charts = {
-    loss: new LiveChart($("#chart-loss"), {marks}),
-    eval: new LiveChart($("#chart-eval"), {points: true, marks}),
+    loss: new LiveChart($("#chart-loss"), {marks: marks(true)}),
+    eval: new LiveChart($("#chart-eval"), {points: true, marks: marks(false)}),
     lr: new LiveChart($("#chart-lr")),
     speed: new LiveChart($("#chart-speed")),
     padding: new LiveChart($("#chart-padding")),
@@ -345,10 +347,12 @@ pages.dataset = () => {
       if (lengthsChart) lengthsChart.destroy();
       el.textContent = "";
       lengthsChart = new uPlot({
-        width: Math.max(280, el.clientWidth), height: 220, scales: {x: {time: false}},
+        width: Math.max(280, el.clientWidth), height: 220,
+        scales: {x: {time: false}, y: {range: (u, min, max) => [0, max * 1.1]}},  // bars start at 0
         axes: [{stroke: c.text, grid: {stroke: c.grid}, label: "tokens"}, {stroke: c.text, grid: {stroke: c.grid}, label: "examples"}],
-        series: [{label: "tokens"}, {label: "examples", fill: "#2563eb88", stroke: "#2563eb", paths: uPlot.paths.bars({size: [0.9]})}],
-      }, [edges.slice(0, counts.length), counts], el);
+        series: [{label: "tokens"}, {label: "examples", fill: "#2563eb88", stroke: "#2563eb", points: {show: false},
+                                     paths: uPlot.paths.bars({size: [0.9]})}],
+      }, [counts.map((_, i) => (edges[i] + edges[i + 1]) / 2), counts], el);  // each bar at its bin's middle
       const bars = $("#plan-padding");
       bars.textContent = "";
       for (const [strategy, eff] of Object.entries(plan.padding_efficiency)) {
