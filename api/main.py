@@ -18,6 +18,7 @@ from api.auth import authenticate
 from api.errors import install_error_handlers
 from api.feeds import Feeds
 from api.metrics import install_metrics
+from api.request_id import RequestId
 from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions
 from api.security import HostAndOriginCheck, allowed_hosts
 from shared.db import upgrade_database
@@ -46,6 +47,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
                                      "Send `Authorization: Bearer <API key>` with every request but `/healthz`.")
     install_error_handlers(app)
     app.add_middleware(HostAndOriginCheck, allowed_hosts=allowed_hosts(bound_host or get_settings().host))
+    app.add_middleware(RequestId)  # added last: the outermost, so even a refused Host gets an id
     app.state.feeds = Feeds()  # one store reader per streamed job (GET /jobs/{id}/stream)
     app.include_router(datasets.router)
     app.include_router(models.router)

@@ -68,10 +68,11 @@ def make_celery(settings: Settings | None = None) -> Celery:
 app = make_celery()
 
 
-def send(job_id: str) -> None:
+def send(job_id: str, countdown: float | None = None) -> None:
     """Send a queued job's id to the broker (only after its row is committed) and record that the
-    broker has it."""
-    app.send_task(RUN_JOB, args=[job_id], queue=QUEUE)
+    broker has it. With ``countdown``, no worker runs it before that many seconds have passed
+    (Celery's ``countdown``: the message carries an ETA, which the worker that receives it waits for)."""
+    app.send_task(RUN_JOB, args=[job_id], queue=QUEUE, countdown=countdown)
     jobs.mark_enqueued(job_id)
 
 

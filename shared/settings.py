@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     visibility_timeout: int | None = None  # Redis: redeliver unacked messages after this; default max_job_seconds + 1h
     lease_seconds: int = 120  # a running job's lease; renewed by the worker's heartbeat
     max_restarts: int = 3  # times a job is resumed after its worker died or failed unexpectedly
+    # A job that failed unexpectedly is re-sent after restart_backoff_seconds x 2^(restarts so far):
+    # 30 s, 60 s, 120 s by default (worker.tasks.run_claimed_job), not at once.
+    restart_backoff_seconds: float = 30.0
     metrics_flush_seconds: float = 2.0  # metrics are buffered and written at most this often
     sweep_seconds: float = 15.0  # how often API and workers run the reaper/sweeper (shared.jobs.recover)
     resend_after_seconds: float = 600.0  # re-send a queued job's message after this long (lost messages)
@@ -65,6 +68,7 @@ class Settings(BaseSettings):
     # uvicorn's line per request on stderr; off by default: it cost about 5% of the API's CPU under
     # polling load, and GET /metrics counts requests by route and status.
     access_log: bool = False
+    log_level: str = "INFO"  # the API's and the workers' log lines (shared.logs), e.g. DEBUG, INFO, WARNING
     artifact_retention_days: float | None = None  # remove finished jobs' files this long after they end; None: keep
     broker_polling_seconds: float = 0.1  # filesystem broker: how often an idle worker looks for a message
     # POST /models/{job_id}/predict, answered by the API process on its CPU (api.routers.inference):
