@@ -19,11 +19,13 @@ from api.errors import install_error_handlers
 from api.feeds import Feeds
 from api.metrics import install_metrics
 from api.request_id import RequestId
-from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions
+from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, webhooks
 from api.security import HostAndOriginCheck, allowed_hosts
 from shared.db import upgrade_database
+from shared.positions import estimate_queued
 from shared.queue import RecoveryThread
 from shared.settings import get_settings
+from shared.webhooks import deliver_due
 
 
 DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the public /docs pages
@@ -32,9 +34,14 @@ DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the publi
 @asynccontextmanager
 async def lifespan(_: FastAPI):
     upgrade_database()
-    recovery = RecoveryThread()
+    recovery = RecoveryThread(extra=(estimate_queued,))  # the API plans queued jobs (shared.positions)
+    # The API sends webhooks (why the API and not the workers: shared.webhooks)
+    deliveries = RecoveryThread(sweeps=(deliver_due,), every=lambda: get_settings().webhooks_poll_seconds,
+                                name="tunejob-webhooks")
     recovery.start()
+    deliveries.start()
     yield
+    deliveries.stop()
     recovery.stop()
 
 
@@ -56,6 +63,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
     app.include_router(live.router)
     app.include_router(predictions.router)
     app.include_router(openai_v1.router)
+    app.include_router(webhooks.router)
     install_metrics(app)
 
     @app.get("/healthz", tags=["health"])

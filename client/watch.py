@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from client.api import TRAINING, Client, Kind
-from client.cli import event_line, fields_table, final_summary, prediction_summary, styled_status
+from client.cli import event_line, fields_table, final_summary, prediction_summary, queue_line, styled_status
 from shared.schemas import JobOut, PredictionOut
 
 EXIT_CODES = {"succeeded": 0, "failed": 3, "cancelled": 4}
@@ -55,6 +55,8 @@ def position(job: JobOut | PredictionOut) -> tuple[int, int | None]:
 def details(job: JobOut | PredictionOut) -> str:
     """``epoch 1.25 · loss 0.4321 · val accuracy 0.9100 · 12,345 tok/s · padding 93% · ETA 1:05``
     for training, ``61 rows/s · ETA 0:12`` for a prediction."""
+    if job.queue is not None:  # queued: its place and estimated start, from the stream's progress messages
+        return queue_line(job)
     parts = prediction_details(job) if isinstance(job, PredictionOut) else training_details(job)
     if job.progress.eta_seconds is not None and job.status == "running":
         minutes, seconds = divmod(int(job.progress.eta_seconds), 60)

@@ -111,6 +111,10 @@ class Job(Base):
     timings: Mapped[dict[str, Any] | None]  # seconds per phase (shared.schemas.Timings)
     files_deleted_at: Mapped[datetime | None]  # checkpoints and artifacts removed (DELETE or retention)
     deleted_at: Mapped[datetime | None]  # DELETE /jobs/{id}: the row is a tombstone, the id answers 404
+    # A queued job's estimated run time from its dry-run plan (shared.positions.estimate_queued),
+    # computed once in the background; planned_at says it was tried (the estimate may be None).
+    plan_seconds: Mapped[float | None]
+    planned_at: Mapped[datetime | None]
 
 
 class JobMetric(Base):

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
+from shared.schemas_queue import QueuePosition
 
 
 def json_safe(value: Any) -> Any:
@@ -277,6 +278,8 @@ class JobOut(BaseModel):
     timings: Timings
     files_deleted_at: datetime | None = Field(
         None, description="When the job's checkpoints and artifacts were removed (TUNEJOB_ARTIFACT_RETENTION_DAYS).")
+    queue: QueuePosition | None = Field(None, description="a queued job's place in the queue and estimated start; "
+                                                      "null once it runs")
 
 
 class JobList(BaseModel):
@@ -506,6 +509,8 @@ class PredictionOut(BaseModel):
     error: dict[str, Any] | None
     timings: Timings
     files_deleted_at: datetime | None = None
+    queue: QueuePosition | None = Field(None, description="a queued job's place in the queue and estimated start; "
+                                                      "null once it runs")
 
 
 class PredictionList(BaseModel):

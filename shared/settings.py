@@ -78,6 +78,20 @@ class Settings(BaseSettings):
     sync_model_cache: int = 2
     sync_predict_threads: int | None = None
 
+    # Webhooks (shared.webhooks): loopback, link-local and private URLs are refused unless
+    # allowed; each attempt waits this long for an answer; a failed one is tried again after each
+    # of these delays in turn (Svix's schedule, about 27.6 h in all: comma-separated seconds), then
+    # it is failed; the API looks for due deliveries this often.
+    webhooks_allow_private_urls: bool = False
+    webhooks_timeout_seconds: float = 10.0
+    webhooks_retry_seconds: Annotated[list[float], NoDecode] = [5, 300, 1800, 7200, 18000, 36000, 36000]
+    webhooks_poll_seconds: float = 1.0
+
+    @field_validator("webhooks_retry_seconds", mode="before")
+    @classmethod
+    def _seconds_list(cls, value):
+        return [float(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _comma_separated(cls, value):

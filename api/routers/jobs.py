@@ -13,6 +13,7 @@ from shared.db import read_session
 from shared.errors import NotFound
 from shared.models import JobMetric
 from shared.planning import check_spec, plan_job
+from shared.positions import with_positions
 from shared.schemas import ArtifactOut, CheckpointOut, DryRunOut, EventOut, JobCreate, JobList, JobOut, MetricOut
 from shared.tenancy import Caller, owned_job
 
@@ -49,12 +50,14 @@ def list_jobs(caller: CallerDep, status: Status = None, limit: Annotated[int, Qu
               cursor: str | None = None) -> JobList:
     """Jobs, newest first. Pass ``next_cursor`` back as ``cursor`` for the next page."""
     page, has_more = jobs.list_jobs(caller, limit, cursor, status, param="cursor")
-    return JobList(data=[jobs.to_out(j) for j in page], next_cursor=page[-1].id if has_more else None)
+    return JobList(data=with_positions([jobs.to_out(j) for j in page]), next_cursor=page[-1].id if has_more else None)
 
 
 @router.get("/{job_id}")
 async def get_job(job_id: str, caller: CallerDep) -> JobOut:
-    return jobs.to_out(await store.read(jobs.get_job, job_id, caller))
+    """The job; a queued one with its place in the queue and estimated start (``queue``)."""
+    job = jobs.to_out(await store.read(jobs.get_job, job_id, caller))
+    return (await store.read(with_positions, [job]))[0] if job.status == "queued" else job
 
 
 @router.delete("/{job_id}", status_code=204, responses=error_responses(409))

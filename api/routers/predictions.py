@@ -13,6 +13,7 @@ from api.errors import SafeJSONResponse, error_responses
 from api.feeds import Cursor
 from api.headers import IdempotencyKey, submit_once
 from shared import jobs, predictions
+from shared.positions import with_positions
 from shared.predictions import KIND, MEDIA_TYPES
 from shared.schemas import EventOut, PredictionCreate, PredictionDryRunOut, PredictionList, PredictionOut
 from shared.settings import get_settings
@@ -46,12 +47,14 @@ def list_predictions(caller: CallerDep, status: Status = None, limit: Annotated[
                      cursor: str | None = None) -> PredictionList:
     """Prediction jobs, newest first. Pass ``next_cursor`` back as ``cursor`` for the next page."""
     page, has_more = jobs.list_jobs(caller, limit, cursor, status, param="cursor", kind=KIND)
-    return PredictionList(data=[predictions.to_out(j) for j in page], next_cursor=page[-1].id if has_more else None)
+    return PredictionList(data=with_positions([predictions.to_out(j) for j in page]),
+                          next_cursor=page[-1].id if has_more else None)
 
 
 @router.get("/{prediction_id}")
 async def get_prediction(prediction_id: str, caller: CallerDep) -> PredictionOut:
-    return predictions.to_out(await store.read(jobs.get_job, prediction_id, caller, KIND))
+    prediction = predictions.to_out(await store.read(jobs.get_job, prediction_id, caller, KIND))
+    return (await store.read(with_positions, [prediction]))[0] if prediction.status == "queued" else prediction
 
 
 @router.delete("/{prediction_id}", status_code=204, responses=error_responses(409))
