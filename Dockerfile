@@ -47,7 +47,7 @@ COPY client/ client/
 COPY worker/ worker/
 COPY tunejob/ tunejob/
 COPY bench/ bench/
-# Editable on purpose: shared/db.py finds the Alembic scripts at <repo>/migrations, next to the
+# Editable on purpose: shared/store/engine.py finds the Alembic scripts at <repo>/migrations, next to the
 # `shared` package, and a regular install would put `shared` in site-packages without them.
 # The import check proves the api needs nothing outside the base dependencies (no torch), and that
 # the Swagger UI and ReDoc assets that /docs and /redoc load (from the fastapi-offline package, a

@@ -4,7 +4,7 @@ admin), then the key's request rate.
 ``create_app`` installs ``authenticate`` on the whole application, so every route, including any
 added later, requires a key unless its path is listed in ``PUBLIC_PATHS``. A route that needs the
 caller declares ``caller: CallerDep`` (FastAPI resolves the dependency once per request) and
-passes it to the ``shared`` query helpers (``shared.tenancy``). The static documentation pages
+passes it to the ``shared`` query helpers (``shared.store.tenancy``). The static documentation pages
 (``/docs``, ``/redoc``, ``/openapi.json`` and their assets) are not API routes and stay public:
 they carry no tenant data.
 """
@@ -22,10 +22,10 @@ from limits.strategies import SlidingWindowCounterRateLimiter
 from starlette.concurrency import run_in_threadpool
 
 from api import store
-from shared import keys
 from shared.errors import UserError
 from shared.settings import get_settings
-from shared.tenancy import Caller
+from shared.store import keys
+from shared.store.tenancy import Caller
 
 # Routes anyone may call: they carry no tenant data (liveness, and the documentation pages, which
 # fastapi-offline serves as routes of the app).
@@ -43,7 +43,7 @@ async def authenticate(
     """The caller behind the request's API key (None on a public route).
 
     Async, so that a request does not wait for a thread-pool hand-off to be authenticated: the key
-    lookup (``shared.keys.authenticate``, cached on SQLite) runs as ``api.store.read`` does, and the
+    lookup (``shared.store.keys.authenticate``, cached on SQLite) runs as ``api.store.read`` does, and the
     rate check too where its counters are in this process (``memory://``).
 
     Raises:

@@ -26,7 +26,7 @@ from api.auth import PUBLIC_PATHS
 from api.request_id import HEADER as REQUEST_ID_HEADER
 from api.request_id import current_request_id
 from shared.errors import UserError
-from shared.schemas import json_safe
+from shared.schemas.jobs import json_safe
 
 log = logging.getLogger("tunejob.api")
 

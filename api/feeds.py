@@ -26,21 +26,22 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from functools import cached_property
 from datetime import datetime
+from functools import cached_property
 
 from pydantic import TypeAdapter
 from sqlalchemy import func, select
 from sse_starlette import ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from shared import jobs, predictions
-from shared.db import read_session
 from shared.errors import NotFound, UserError
-from shared.models import Job, JobEvent, JobMetric, JobStatus
-from shared.positions import queue_positions
-from shared.schemas import EventOut, JobOut, MetricOut, PredictionOut
+from shared.jobs import lifecycle, predictions
+from shared.jobs.positions import queue_positions
+from shared.schemas.jobs import EventOut, JobOut, MetricOut
+from shared.schemas.predictions import PredictionOut
 from shared.settings import get_settings
+from shared.store.engine import read_session
+from shared.store.rows import Job, JobEvent, JobMetric, JobStatus
 
 ROWS_PER_MESSAGE = 5000  # a long job's history goes out in messages of this many rows, each resumable
 log = logging.getLogger("tunejob.api")
@@ -48,7 +49,7 @@ QUEUE_SIZE = 256  # reads a slow stream may fall behind before it is dropped and
 _CURSOR = re.compile(r"m(\d+)-e(\d+)")
 # pydantic's JSON (a non-finite metric value, e.g. a diverged loss, becomes null; json.dumps would refuse it)
 _ROWS = TypeAdapter(dict[str, list[MetricOut] | list[EventOut]])
-VIEWS = {"train": jobs.to_out, predictions.KIND: predictions.to_out}  # the API view of a job of each kind
+VIEWS = {"train": lifecycle.to_out, predictions.KIND: predictions.to_out}  # the API view of a job of each kind
 
 
 @dataclass

@@ -7,10 +7,10 @@ from fastapi import Header
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from shared import idempotency
-from shared.models import Job
 from shared.queue import submit
-from shared.tenancy import Caller
+from shared.store import idempotency
+from shared.store.rows import Job
+from shared.store.tenancy import Caller
 
 IdempotencyKey = Annotated[str | None, Header(alias=idempotency.HEADER, min_length=1, max_length=255,
                                               description=idempotency.HEADER_DESCRIPTION)]

@@ -1,5 +1,5 @@
 """The FastAPI application: thin routers over ``shared``. On start-up it runs the migrations and
-starts the recovery loop (reaper and sweeper, ``shared.jobs.recover``).
+starts the recovery loop (reaper and sweeper, ``shared.jobs.lifecycle.recover``).
 
 Swagger UI (``/docs``) and ReDoc (``/redoc``) load their scripts and styles from this service
 (``/docs/static``, the files bundled in the fastapi-offline package), not from a CDN, so they work
@@ -21,12 +21,11 @@ from api.metrics import install_metrics
 from api.request_id import RequestId
 from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, webhooks
 from api.security import HostAndOriginCheck, allowed_hosts
-from shared.db import upgrade_database
-from shared.positions import estimate_queued
+from shared.jobs.positions import estimate_queued
+from shared.jobs.webhooks import deliver_due
 from shared.queue import RecoveryThread
 from shared.settings import get_settings
-from shared.webhooks import deliver_due
-
+from shared.store.engine import upgrade_database
 
 DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the public /docs pages
 
@@ -34,8 +33,8 @@ DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the publi
 @asynccontextmanager
 async def lifespan(_: FastAPI):
     upgrade_database()
-    recovery = RecoveryThread(extra=(estimate_queued,))  # the API plans queued jobs (shared.positions)
-    # The API sends webhooks (why the API and not the workers: shared.webhooks)
+    recovery = RecoveryThread(extra=(estimate_queued,))  # the API plans queued jobs (shared.jobs.positions)
+    # The API sends webhooks (why the API and not the workers: shared.jobs.webhooks)
     deliveries = RecoveryThread(sweeps=(deliver_due,), every=lambda: get_settings().webhooks_poll_seconds,
                                 name="tunejob-webhooks")
     recovery.start()

@@ -3,7 +3,7 @@
 - HTTP requests, by route template (``handler``), method and status: ``http_requests_total`` and
   the ``http_request_duration_seconds`` histogram, recorded by prometheus-fastapi-instrumentator's
   middleware.
-- The job store, read once per scrape by ``StoreCollector`` (``shared.monitoring.snapshot``), never
+- The job store, read once per scrape by ``StoreCollector`` (``shared.store.monitoring.snapshot``), never
   per request: jobs by status, queue depth and the oldest queued job's wait, and each running
   job's step, tokens/s, padding efficiency, memory and heartbeat age.
 
@@ -15,7 +15,12 @@ seconds, bytes; ``_total`` for counters).
 import logging
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_fastapi_instrumentator import Instrumentator
@@ -25,7 +30,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from api.auth import CallerDep
 from api.errors import error_responses
 from shared.errors import UserError
-from shared.monitoring import StoreSnapshot, snapshot
+from shared.store.monitoring import StoreSnapshot, snapshot
 
 log = logging.getLogger("tunejob.api")
 disable_created_metrics()  # no `_created` series beside every counter and histogram: nothing here reads them

@@ -5,7 +5,7 @@ Shapes follow the openai-python SDK's types (``types/file_object.py``, ``file_de
 ``fine_tuning/jobs/fine_tuning_job_checkpoint.py``, ``job_create_params.py``) and its cursor pages
 (``pagination.py``: ``data`` + ``has_more``, the next page ``after`` the last item's ``id``). A
 file is a tunejob dataset and a fine-tuning job is a tunejob job, with the same ids; nothing here
-validates or stores anything itself: requests become a ``shared.schemas.JobCreate`` and go
+validates or stores anything itself: requests become a ``shared.schemas.jobs.JobCreate`` and go
 through the same checks as ``POST /jobs``.
 
 Errors keep tunejob's body, ``{"error": {"code", "message", "param"}}``, plus OpenAI's ``type``;
@@ -27,11 +27,11 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shared import uploads
 from shared.errors import NotFound, UserError
-from shared.models import Checkpoint, Dataset, Job, JobEvent, JobStatus
-from shared.schemas import Hyperparameters, JobCreate, Metadata
-from shared.tenancy import Caller
+from shared.jobs import uploads
+from shared.schemas.jobs import Hyperparameters, JobCreate, Metadata
+from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobStatus
+from shared.store.tenancy import Caller
 
 DEFAULT_LEARNING_RATE = Hyperparameters.model_fields["learning_rate"].default
 # OpenAI hyperparameter -> tunejob hyperparameter; learning_rate = learning_rate_multiplier * the default.

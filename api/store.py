@@ -4,7 +4,7 @@ is safe.
 A sync route or dependency runs in anyio's thread pool: two hand-offs between the event loop and a
 thread per call, which on the polling routes (``GET /jobs/{id}``, its metrics, and the key check of
 every request) cost more CPU than the SQLite read itself (about 0.1-0.3 ms). On SQLite in WAL mode
-a read never waits for a writer (``shared.db``), so ``read`` calls it right on the event loop; on
+a read never waits for a writer (``shared.store.engine``), so ``read`` calls it right on the event loop; on
 PostgreSQL a call is a network round trip that must not hold up the loop, so it goes to the thread
 pool as before. Only short reads run inline: the loop serves no other request meanwhile, so a read
 of many rows (``read_rows``) goes to the thread pool too.

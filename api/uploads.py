@@ -1,6 +1,6 @@
 """Receiving a dataset upload: the multipart body is streamed to disk as it arrives (never spooled
 in memory or in a temporary file first), with ``TUNEJOB_MAX_UPLOAD_BYTES`` enforced while reading,
-then handed to ``shared.uploads.store_dataset`` to be checked and recorded. Both doors that take
+then handed to ``shared.jobs.uploads.store_dataset`` to be checked and recorded. Both doors that take
 files use it: ``POST /datasets`` and the OpenAI facade's ``POST /v1/files``."""
 
 import hashlib
@@ -14,12 +14,13 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
-from shared import idempotency, uploads
-from shared.datasets import detect_format
+from shared.data.formats import detect_format
 from shared.errors import UserError
-from shared.models import Dataset
+from shared.jobs import uploads
 from shared.settings import get_settings
-from shared.tenancy import Caller
+from shared.store import idempotency
+from shared.store.rows import Dataset
+from shared.store.tenancy import Caller
 
 MULTIPART_OVERHEAD = 64 << 10  # bytes a multipart body may hold beyond its file (boundaries, part headers, fields)
 MAX_FILENAME_CHARS = 255
@@ -62,7 +63,7 @@ async def store_upload(request: Request, caller: Caller, idempotency_key: str | 
         UserError: 413 ``file_too_large`` (also at once from ``Content-Length``), 415
             ``unsupported_media_type``, ``invalid_request`` (no ``file`` part, a missing required
             field, a body that does not parse), ``invalid_filename``, ``unsupported_format``, what
-            ``shared.idempotency.begin`` and ``shared.uploads.store_dataset`` raise.
+            ``shared.store.idempotency.begin`` and ``shared.jobs.uploads.store_dataset`` raise.
     """
     settings = get_settings()
     limit = settings.max_upload_bytes

@@ -27,7 +27,7 @@ class RunSpec:
     config: str
     model: str
     device: str  # auto, cpu or cuda (``worker.device.resolve_device``)
-    precision: str  # auto, fp32, bf16 or fp16 (``shared.precision.autocast_dtype``)
+    precision: str  # auto, fp32, bf16 or fp16 (``shared.inference.precision.autocast_dtype``)
     batch_size: int
     max_length: int
     train_size: int | None  # None: the whole 80% split
@@ -46,10 +46,13 @@ def import_model_code(model: str) -> None:
     """Import the model class's code before anything is timed: transformers imports it on first
     use (about 2 s on the 2-core CPU), which would land in the load time of the engine and not of
     the peers (importing ``Trainer`` brings most of it along)."""
-    from transformers import (MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
-                              AutoConfig)
+    from transformers import (
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+        MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+        AutoConfig,
+    )
 
-    from shared.base_models import resolve_model
+    from shared.jobs.base_models import resolve_model
 
     config_class = type(AutoConfig.from_pretrained(resolve_model(model)))
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[config_class]
@@ -64,7 +67,7 @@ def run(spec: RunSpec) -> list[dict]:
     from bench.engine import run_engine
     from bench.measure import before_job, environment, mfu, peak_memory_mib
     from bench.peers import PEERS, run_peer
-    from shared.precision import autocast_dtype
+    from shared.inference.precision import autocast_dtype
     from worker.device import resolve_device, reuse_freed_cpu_memory
 
     hf_logging.set_verbosity_error()

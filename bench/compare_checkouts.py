@@ -29,8 +29,8 @@ checkout, data, hp = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 sys.path.insert(0, checkout)
 os.chdir(checkout)
 import pandas as pd, torch
-from shared.models import Job
-from shared.schemas import JobCreate
+from shared.store.rows import Job
+from shared.schemas.jobs import JobCreate
 from tests.conftest import RecordingReporter
 from worker import train as engine
 from worker.data import JobData

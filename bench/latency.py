@@ -36,7 +36,7 @@ import httpx
 
 from bench.corpora import bbc_news, stratified_split
 from bench.report import host, table, update_markdown
-from shared import artifacts
+from shared.store import artifacts
 
 SEED = 42
 RANDOM_MODELS = {  # BertConfig overrides; BertConfig() itself is the bert-base shape
@@ -51,7 +51,7 @@ def build_random_model(name: str, models_dir: Path) -> None:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from shared.base_models import available_models
+    from shared.jobs.base_models import available_models
 
     tokenizer = AutoTokenizer.from_pretrained(available_models()["all-MiniLM-L6-v2"][0])
     torch.manual_seed(SEED)

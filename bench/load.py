@@ -136,8 +136,8 @@ def configure_store(args, data_dir: Path) -> dict[str, str]:
 
 def make_keys(count: int) -> list[str]:
     """``count`` API keys of one tenant (before the service starts: it then creates no local key)."""
-    from shared.db import upgrade_database
-    from shared.keys import create_key
+    from shared.store.engine import upgrade_database
+    from shared.store.keys import create_key
 
     upgrade_database()
     return [create_key("bench", name=f"load client {i}")[0] for i in range(count)]

@@ -7,10 +7,13 @@ by then every padded width of the run has usually been seen once, so its warm-up
 """
 
 import gc
+import os
 import platform
+import re
 import resource
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -128,9 +131,19 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def host() -> str:
+    """This machine in words, for a benchmark's provenance line: CPU model, cores, and the load
+    average when the benchmark started (other work on the machine skews timings)."""
+    try:
+        cpu = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text()).group(1)
+    except (OSError, AttributeError):
+        cpu = platform.processor() or platform.machine()
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"{cpu}, {os.cpu_count()} cores, load average {load} at the start"
+
+
 def machine(device: torch.device) -> str:
     """The device in words: the GPU's name, or the CPU model, cores, load and torch threads."""
-    from bench.report import host  # (bench.report imports this module's users)
     from worker.device import describe
 
     return describe(device) if device.type == "cuda" else f"{describe(device)}; {host()}"

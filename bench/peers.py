@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
-from bench.measure import HELD_OUT, Clock, Mark, epoch_figures, flops_per_real_token, steady_from
+from bench.measure import (
+    HELD_OUT,
+    Clock,
+    Mark,
+    epoch_figures,
+    flops_per_real_token,
+    steady_from,
+)
 
 PAD_TO_MULTIPLE_OF = 8
 
@@ -70,7 +77,10 @@ class CountingCollator:
     step; the DataLoader may already have collated the next)."""
 
     def __init__(self, tokenizer, labels_per_token: bool = False):
-        from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding
+        from transformers import (
+            DataCollatorForTokenClassification,
+            DataCollatorWithPadding,
+        )
 
         pad = DataCollatorForTokenClassification if labels_per_token else DataCollatorWithPadding
         self.pad = pad(tokenizer, pad_to_multiple_of=PAD_TO_MULTIPLE_OF)
@@ -130,7 +140,11 @@ def load_model(model_dir, labels: list[str], seed: int, task: str = "classificat
     over a checkpoint's head of another size), drawn after ``set_seed(seed)`` as ``setup`` does;
     ``problem_type`` ``multi_label_classification`` for multi_label (the Trainer's loss is then
     ``BCEWithLogitsLoss``)."""
-    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, set_seed
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+        set_seed,
+    )
 
     set_seed(seed)
     names = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
@@ -152,8 +166,8 @@ def run_peer(name: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, lab
     ``worker.tagging.tagging_metrics``). Load (tokenize, model, ``Trainer``) is timed apart."""
     from transformers import AutoTokenizer, PrinterCallback, Trainer
 
-    from shared.base_models import resolve_model
-    from shared.precision import autocast_dtype
+    from shared.inference.precision import autocast_dtype
+    from shared.jobs.base_models import resolve_model
 
     peer = PEERS[name]
     if not peer.cudnn_sdp:

@@ -1,4 +1,4 @@
-"""Batch prediction throughput: ``shared.inference.predict_texts`` next to
+"""Batch prediction throughput: ``shared.inference.loop.predict_texts`` next to
 ``transformers.pipeline("text-classification", batch_size=32, truncation=True)`` on the same
 fine-tuned model and texts (every text of the corpus, at the model's max_length), each
 configuration in a fresh process (as ``bench.cold``: per-shape caches are process-wide),
@@ -101,7 +101,11 @@ def predict_in_this_process(config: str, dataset: str) -> dict:
     """Load the model fine-tuned on ``dataset`` and predict all its texts with ``config``: load and
     prediction seconds, the labels, and (tunejob) token counts. Call it in a fresh process."""
     import torch
-    from transformers import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, AutoConfig, pipeline
+    from transformers import (
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+        AutoConfig,
+        pipeline,
+    )
 
     kind, options = config_options(config)
     model_dir, (texts, _, _) = model_path(dataset), corpus_texts(dataset)
@@ -112,7 +116,7 @@ def predict_in_this_process(config: str, dataset: str) -> dict:
         loaded = time.perf_counter()
         labels, counts = [row["label"] for row in pipe(texts)], {}
     else:
-        from shared.inference import load_for_inference, predict_texts
+        from shared.inference.loop import load_for_inference, predict_texts
 
         model = load_for_inference(model_dir, torch.device("cpu"), options.get("precision", "auto"))
         loaded = time.perf_counter()
@@ -205,9 +209,9 @@ def register_model(model_dir: Path, tenant: str, label_names: list[str]) -> str:
     ``model_dir`` (no training: the benchmark measures prediction). Returns its id."""
     import shutil
 
-    from shared import artifacts
-    from shared.db import session_scope
-    from shared.models import Dataset, Job, JobStatus
+    from shared.store import artifacts
+    from shared.store.engine import session_scope
+    from shared.store.rows import Dataset, Job, JobStatus
 
     with session_scope() as s:
         dataset = Dataset(tenant=tenant, filename="bench.csv", format="csv", path="", rows=0, columns=[], bytes=0,
@@ -236,9 +240,9 @@ def measure_latency(dataset: str, requests: int, sizes: list[int]) -> dict:
     held-out texts of ``dataset`` from its median-length one on."""
     from fastapi.testclient import TestClient
 
-    from shared.db import upgrade_database
-    from shared.keys import create_key
     from shared.settings import get_settings
+    from shared.store.engine import upgrade_database
+    from shared.store.keys import create_key
 
     texts, _, held_out = corpus_texts(dataset)
     held_out_texts = sorted((texts[i] for i in held_out), key=len)
@@ -368,9 +372,9 @@ def measure_job(args: argparse.Namespace) -> dict:
 
     import httpx
 
-    from shared.db import upgrade_database
-    from shared.keys import create_key
     from shared.settings import get_settings
+    from shared.store.engine import upgrade_database
+    from shared.store.keys import create_key
     from tests.faults_support import Process, free_port, wait_for
     from tunejob.cli import SERVE_WORKER_NICENESS
 
@@ -448,8 +452,8 @@ def measure_job(args: argparse.Namespace) -> dict:
             if args.loop:
                 import torch
 
-                from shared.inference import load_for_inference, predict_texts
-                from shared.predictions import max_tokens
+                from shared.inference.loop import load_for_inference, predict_texts
+                from shared.jobs.predictions import max_tokens
 
                 # The worker's niceness, before this process's first torch operation creates its
                 # threads: the loop gets the worker's share of the shared CPU. The server started

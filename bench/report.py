@@ -11,8 +11,6 @@ them (configurations that must run in separate invocations, e.g. to fit a time l
 import argparse
 import json
 import math
-import os
-import platform
 import re
 import statistics
 from pathlib import Path
@@ -154,17 +152,6 @@ def target_rows(summary: list[dict]) -> list[list[str]]:
             out.append([f"steady MFU >= {goal['mfu_steady']:.0%}, {where}", f"{r['mfu_steady']:.1%}",
                         "met" if r["mfu_steady"] >= goal["mfu_steady"] else "missed"])
     return out
-
-
-def host() -> str:
-    """This machine in words, for a benchmark's provenance line: CPU model, cores, and the load
-    average when the benchmark started (other work on the machine skews timings)."""
-    try:
-        cpu = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text()).group(1)
-    except (OSError, AttributeError):
-        cpu = platform.processor() or platform.machine()
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"{cpu}, {os.cpu_count()} cores, load average {load} at the start"
 
 
 def update_markdown(path: Path, sections: dict[str, str]) -> list[str]:

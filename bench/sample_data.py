@@ -13,7 +13,13 @@ for ``task: "token_classification"``.
 import argparse
 from pathlib import Path
 
-from bench.corpora import bbc_news, imdb_movies, rotten_tomatoes, stratified_split, wnut16
+from bench.corpora import (
+    bbc_news,
+    imdb_movies,
+    rotten_tomatoes,
+    stratified_split,
+    wnut16,
+)
 
 CORPORA = {"bbc_news": bbc_news, "rotten_tomatoes": rotten_tomatoes, "imdb_movies": imdb_movies, "wnut16": wnut16}
 SEED = 42

@@ -20,9 +20,19 @@ import httpx
 from httpx_retries import Retry, RetryTransport
 from httpx_sse import SSEError, connect_sse
 
-from shared.manifest import MANIFEST, verify_manifest
-from shared.schemas import (ArtifactOut, BaseModelOut, CheckpointOut, DatasetOut, EventOut, JobCreate, JobList,
-                            JobOut, MetricOut, PredictionCreate, PredictionList, PredictionOut)
+from shared.schemas.jobs import (
+    ArtifactOut,
+    BaseModelOut,
+    CheckpointOut,
+    DatasetOut,
+    EventOut,
+    JobCreate,
+    JobList,
+    JobOut,
+    MetricOut,
+)
+from shared.schemas.predictions import PredictionCreate, PredictionList, PredictionOut
+from shared.store.manifest import MANIFEST, verify_manifest
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 FINISHED = ("succeeded", "failed", "cancelled")

@@ -16,23 +16,34 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, TypeAdapter
 from rich.console import Console
 from rich.filesize import decimal
 from rich.markup import escape
 from rich.table import Column, Table
 
 from client.api import PREDICTION, TRAINING, Client, Kind, TunejobError
-from shared.schemas import DatasetOut, EventOut, JobOut, MetricOut, PredictionOut
+from client.display import (
+    age,
+    dataset_table,
+    event_line,
+    id_column,
+    job_table,
+    pivot,
+    prediction_table,
+    print_json,
+    progress,
+    queue_line,
+    show,
+    styled_status,
+    texts_table,
+)
 
 COMMANDS = ("datasets", "models", "jobs", "predict", "health")
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 Handler = Callable[[Client, argparse.Namespace, Console], int | None]
-STATUS_STYLE = {"queued": "yellow", "running": "cyan", "succeeded": "green", "failed": "red", "cancelled": "magenta"}
 
 
 # ----------------------------------------------------------------------------- the commands
@@ -84,7 +95,9 @@ def create_job(client: Client, args, out: Console) -> int | None:
 
 
 def watch(client: Client, job_id: str, out: Console, kind: Kind = TRAINING) -> int:
-    from client.watch import watch  # rich.progress only when a job is watched: a faster start for the rest
+    from client.watch import (
+        watch,  # rich.progress only when a job is watched: a faster start for the rest
+    )
 
     return watch(client, job_id, out, kind)
 
@@ -439,182 +452,3 @@ def run(args: argparse.Namespace) -> int:
                 else f" (tunejob jobs cancel {job} stops it)" if job else "")
         errors.print("stopped watching; the job goes on" + hint)
         return EXIT_INTERRUPTED
-
-
-# ----------------------------------------------------------------------------- output
-
-
-def show(out: Console, args, value: Any, table: Callable[[], Any]) -> None:
-    """``value`` as JSON with ``--json``, only its id with ``-q``, else ``table()`` drawn by rich."""
-    if getattr(args, "json", False):
-        print_json(value)
-    elif getattr(args, "quiet", False):
-        print(value.id, flush=True)
-    else:
-        out.print(table())
-
-
-def print_json(value: Any) -> None:
-    """pydantic models (and lists of them) through pydantic's JSON; anything else through json."""
-    if isinstance(value, BaseModel) or (isinstance(value, list) and value and isinstance(value[0], BaseModel)):
-        print(TypeAdapter(type(value) if isinstance(value, BaseModel) else list[type(value[0])])
-              .dump_json(value, indent=2).decode(), flush=True)
-    else:
-        print(json.dumps(value, indent=2, default=str), flush=True)
-
-
-def dataset_table(d: DatasetOut) -> Table:
-    return fields_table({"id": d.id, "filename": escape(d.filename), "format": d.format, "rows": f"{d.rows:,}",
-                         "columns": escape(", ".join(d.columns)), "size": decimal(d.bytes), "sha256": d.sha256,
-                         "created": f"{d.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(d.created_at)})"})
-
-
-def job_table(job: JobOut) -> Table:
-    validation = job.validation_dataset or f"split {job.validation_split} of the training set"
-    rows = {"id": job.id, "status": styled_status(job.status), "model": escape(job.base_model), "task": job.task,
-            "training dataset": job.training_dataset, "validation": validation,
-            "columns": f"text {job.text_column!r}" + (f", pair {job.text_pair_column!r}" if job.text_pair_column
-                                                      else "") + f", label {job.label_column!r}",
-            "created": f"{job.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(job.created_at)})",
-            "progress": progress(job), "device": job.device or "", "attempts": str(job.attempts)}
-    table = fields_table(rows)
-    table.add_row("hyperparameters", escape(job.hyperparameters.model_dump_json(exclude_defaults=True)))
-    final_summary(table, job)
-    return table
-
-
-def prediction_table(p: PredictionOut) -> Table:
-    columns = f"text {p.text_column!r}" + (f", pair {p.text_pair_column!r}" if p.text_pair_column else "") \
-        + (f", id {p.id_column!r}" if p.id_column else "")
-    table = fields_table({"id": p.id, "status": styled_status(p.status), "model": escape(p.model), "task": p.task,
-                          "dataset": p.dataset, "columns": escape(columns),
-                          "created": f"{p.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(p.created_at)})",
-                          "rows": f"{p.progress.rows_done:,}/{p.progress.total_rows:,} ({p.progress.fraction:.0%})",
-                          "device": p.device or "", "attempts": str(p.attempts),
-                          **({"queue": queue_line(p)} if p.queue else {})})
-    prediction_summary(table, p)
-    return table
-
-
-def texts_table(texts: list[str], predictions: list[dict[str, Any]]) -> Table:
-    """One row per text: the text and its prediction (``prediction_text``)."""
-    table = Table(Column("text", overflow="fold"), "prediction")
-    for text, row in zip(texts, predictions, strict=True):
-        table.add_row(escape(text), escape(prediction_text(text, row)))
-    return table
-
-
-def prediction_text(text: str, row: dict[str, Any]) -> str:
-    """A prediction in a few words: classification's label and score, multi_label's labels,
-    token_classification's entities (``PER carol, LOC New York``: the text at their offsets), or
-    regression's value."""
-    if "entities" in row:
-        return ", ".join(f"{e['entity_group']} {text[e['start']:e['end']]}" for e in row["entities"]) or "no entity"
-    if "labels" in row:
-        return ", ".join(map(str, row["labels"])) or "no label"
-    if "label" in row:
-        return f"{row['label']} ({row['score']:.3f})"
-    return _number(row.get("value"))
-
-
-def id_column() -> Column:
-    """Ids are copied and pasted: never cut short, whatever the terminal's width."""
-    return Column("id", no_wrap=True, min_width=len("job_0123456789abcdef"))
-
-
-def fields_table(rows: dict[str, str]) -> Table:
-    table = Table(show_header=False, box=None)
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column(overflow="fold")
-    for name, value in rows.items():
-        table.add_row(name, value)
-    return table
-
-
-def pivot(rows: list[MetricOut]) -> tuple[list[str], dict[int, tuple[float, dict[str, float]]]]:
-    """Metric rows -> (metric names in first-seen order, {step: (epoch, {name: value})})."""
-    names: dict[str, None] = {}
-    by_step: dict[int, tuple[float, dict[str, float]]] = {}
-    for row in rows:
-        names.setdefault(row.name)
-        by_step.setdefault(row.step, (row.epoch, {}))[1][row.name] = row.value
-    return list(names), by_step
-
-
-def progress(job: JobOut) -> str:
-    """``12/40 (30%)``; for a queued job its place in the queue (``queue_line``)."""
-    p = job.progress
-    if job.queue is not None:
-        return queue_line(job)
-    if not p.total_steps:
-        return ""
-    return f"{p.step}/{p.total_steps} ({p.fraction:.0%})"
-
-
-def queue_line(job: JobOut | PredictionOut) -> str:
-    """``#3 in queue · starts in ~4:05`` (or ``· start unknown`` without an estimate); empty unless
-    the job is queued."""
-    if job.queue is None:
-        return ""
-    q = job.queue
-    if q.estimated_start_seconds is None:
-        return f"#{q.position} in queue · start unknown"
-    minutes, seconds = divmod(int(round(q.estimated_start_seconds)), 60)
-    return f"#{q.position} in queue · starts in ~{minutes}:{seconds:02d}"
-
-
-def age(when: datetime) -> str:
-    seconds = (datetime.now(UTC) - when.astimezone(UTC)).total_seconds()
-    for unit, length in [("d", 86400), ("h", 3600), ("m", 60)]:
-        if seconds >= length:
-            return f"{seconds // length:.0f}{unit} ago"
-    return f"{max(seconds, 0):.0f}s ago"
-
-
-def final_summary(table: Table, job: JobOut) -> None:
-    """Add the job's outcome to a two-column table: validation metrics (last evaluation), training
-    throughput, phase timings (servers that report them) and the error, if any."""
-    for name, value in (job.validation_metrics or {}).items():
-        if isinstance(value, dict):  # multi_label's f1_per_label
-            value = escape(", ".join(f"{label} {_number(v)}" for label, v in value.items()))
-        table.add_row(f"validation {name}", _number(value))
-    train = job.train_metrics or {}
-    for name in ("loss", "tokens_per_second", "padding_efficiency", "train_seconds", "skipped_steps"):
-        if train.get(name) is not None:
-            table.add_row(f"train {name}", _number(train[name]))
-    timings = getattr(job, "timings", None)  # servers with phase timings
-    if isinstance(timings, BaseModel):
-        timings = timings.model_dump()
-    if timings:
-        table.add_row("timings (s)", ", ".join(f"{k} {v:.1f}" for k, v in timings.items() if v is not None))
-    if job.error:
-        table.add_row("[red]error[/]", escape(f"{job.error.get('code')}: {job.error.get('message')}"))
-
-
-def prediction_summary(table: Table, p: PredictionOut) -> None:
-    """Add a prediction job's outcome to a two-column table: rows, truncation, throughput, where
-    to download the results, the error if any."""
-    for name, value in (p.result.model_dump() if p.result else {}).items():
-        if value is not None:
-            table.add_row(name.replace("_", " "), _number(value))
-    if p.results_url:
-        table.add_row("results", f"tunejob predict download {p.id} --format jsonl|csv|parquet")
-    if p.error:
-        table.add_row("[red]error[/]", escape(f"{p.error.get('code')}: {p.error.get('message')}"))
-
-
-def event_line(event: EventOut) -> str:
-    """``12:03:04 started: attempt 1 started on worker …``, coloured by level, in local time."""
-    color = {"warning": "yellow", "error": "red"}.get(event.level, "dim")
-    return f"[{color}]{event.time.astimezone():%H:%M:%S} {event.code}[/]: {escape(event.message)}"
-
-
-def styled_status(status: str) -> str:
-    return f"[{STATUS_STYLE.get(status, 'white')}]{status}[/]"
-
-
-def _number(value) -> str:
-    """Floats to 4 decimals (trailing zeros dropped), or none from 100 on; anything else as it is."""
-    if not isinstance(value, float):
-        return str(value)
-    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.4f}".rstrip("0").rstrip(".")

@@ -11,8 +11,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from client.api import TRAINING, Client, Kind
-from client.cli import event_line, fields_table, final_summary, prediction_summary, queue_line, styled_status
-from shared.schemas import JobOut, PredictionOut
+from client.display import (
+    event_line,
+    fields_table,
+    final_summary,
+    prediction_summary,
+    queue_line,
+    styled_status,
+)
+from shared.schemas.jobs import JobOut
+from shared.schemas.predictions import PredictionOut
 
 EXIT_CODES = {"succeeded": 0, "failed": 3, "cancelled": 4}
 

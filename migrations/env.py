@@ -1,9 +1,9 @@
-"""Alembic environment: runs against the engine from ``shared.db`` (the configured job store)."""
+"""Alembic environment: runs against the engine from ``shared.store.engine`` (the configured job store)."""
 
 from alembic import context
 
-from shared.db import get_engine
-from shared.models import Base
+from shared.store.engine import get_engine
+from shared.store.rows import Base
 
 target_metadata = Base.metadata
 

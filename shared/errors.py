@@ -24,7 +24,7 @@ class UserError(Exception):
         param: the request field at fault, e.g. ``"label_column"``.
         status: HTTP status for the API (4xx).
         problems: a data validation report, up to 20 ``{"row", "column", "value", "message"}``
-            dicts (``shared.datasets.Problems``); the first is also in ``message``.
+            dicts (``shared.data.problems.Problems``); the first is also in ``message``.
         headers: HTTP headers for the API's response, e.g. ``{"Retry-After": "30"}``.
     """
 

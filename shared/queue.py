@@ -13,11 +13,13 @@ from collections.abc import Callable
 
 from celery import Celery
 
-from shared import idempotency, jobs, predictions
-from shared.models import Job
-from shared.schemas import JobCreate, PredictionCreate
+from shared.jobs import lifecycle, predictions
+from shared.schemas.jobs import JobCreate
+from shared.schemas.predictions import PredictionCreate
 from shared.settings import Settings, get_settings
-from shared.tenancy import Caller
+from shared.store import idempotency
+from shared.store.rows import Job
+from shared.store.tenancy import Caller
 
 log = logging.getLogger(__name__)
 
@@ -74,30 +76,30 @@ def send(job_id: str, countdown: float | None = None) -> None:
     broker has it. With ``countdown``, no worker runs it before that many seconds have passed
     (Celery's ``countdown``: the message carries an ETA, which the worker that receives it waits for)."""
     app.send_task(RUN_JOB, args=[job_id], queue=QUEUE, countdown=countdown)
-    jobs.mark_enqueued(job_id)
+    lifecycle.mark_enqueued(job_id)
 
 
 def submit(spec: JobCreate | PredictionCreate, caller: Caller, claim: idempotency.Claim | None = None) -> Job:
-    """Check and store a job for ``caller``: a training job (``shared.jobs.create_job``) or a
-    prediction (``shared.predictions.create_prediction``), either recording the response under an
+    """Check and store a job for ``caller``: a training job (``shared.jobs.lifecycle.create_job``) or a
+    prediction (``shared.jobs.predictions.create_prediction``), either recording the response under an
     idempotency ``claim``; then send its id to the broker. When the broker is down the job stays
     queued and ``recovery_loop`` sends it later.
 
     Raises:
-        UserError: the spec does not fit its model or data (see ``shared.planning.check_spec`` and
-            ``shared.predictions.check_prediction``), or a quota (``shared.quotas``).
+        UserError: the spec does not fit its model or data (see ``shared.jobs.planning.check_spec`` and
+            ``shared.jobs.predictions.check_prediction``), or a quota (``shared.store.quotas``).
     """
-    create = predictions.create_prediction if isinstance(spec, PredictionCreate) else jobs.create_job
+    create = predictions.create_prediction if isinstance(spec, PredictionCreate) else lifecycle.create_job
     job = create(spec, caller, claim)
     try:
         send(job.id)
     except Exception:
         log.exception("job %s stored but not yet sent to the broker", job.id)
-    return jobs.get_job(job.id, caller, kind=job.kind)
+    return lifecycle.get_job(job.id, caller, kind=job.kind)
 
 
 def resend_recovered() -> None:
-    for job_id in jobs.recover():
+    for job_id in lifecycle.recover():
         send(job_id)
 
 
@@ -111,7 +113,7 @@ class RecoveryThread:
                  every: Callable[[], float] | None = None, name: str = "tunejob-recover",
                  sweeps: tuple[Callable[[], object], ...] | None = None):
         self.stopping, self.join_seconds = threading.Event(), join_seconds
-        sweeps = (resend_recovered, jobs.sweep_files, idempotency.purge_expired) if sweeps is None else sweeps
+        sweeps = (resend_recovered, lifecycle.sweep_files, idempotency.purge_expired) if sweeps is None else sweeps
         every = every or (lambda: get_settings().sweep_seconds)
         self.thread = threading.Thread(target=recovery_loop, args=(self.stopping, (*sweeps, *extra), every),
                                        name=name, daemon=True)
@@ -129,10 +131,10 @@ def recovery_loop(stop: threading.Event, sweeps: tuple[Callable[[], object], ...
                   every: Callable[[], float]) -> None:
     """Every ``every()`` seconds until ``stop`` is set, run each of ``sweeps``; by default
     (``RecoveryThread``): re-queue jobs whose lease expired and (re-)send the messages of queued
-    jobs (``shared.jobs.recover``), apply the artifact retention and remove leftover files
-    (``shared.jobs.sweep_files``), and delete expired idempotency records. Runs in the API and in
-    every worker; any number of copies may run at once. A sweep that raises is logged and tried
-    again next time."""
+    jobs (``shared.jobs.lifecycle.recover``), apply the artifact retention and remove leftover
+    files (``shared.jobs.lifecycle.sweep_files``), and delete expired idempotency records. Runs in
+    the API and in every worker; any number of copies may run at once. A sweep that raises is
+    logged and tried again next time."""
     while True:
         for sweep in sweeps:
             try:

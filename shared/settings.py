@@ -7,7 +7,11 @@ from typing import Annotated, Literal
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from shared.schemas import MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS
+from shared.schemas.jobs import (
+    MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_KEYS,
+    MAX_METADATA_VALUE_CHARS,
+)
 
 
 class Settings(BaseSettings):
@@ -40,7 +44,7 @@ class Settings(BaseSettings):
     # 30 s, 60 s, 120 s by default (worker.tasks.run_claimed_job), not at once.
     restart_backoff_seconds: float = 30.0
     metrics_flush_seconds: float = 2.0  # metrics are buffered and written at most this often
-    sweep_seconds: float = 15.0  # how often API and workers run the reaper/sweeper (shared.jobs.recover)
+    sweep_seconds: float = 15.0  # how often API and workers run the reaper/sweeper (shared.jobs.lifecycle.recover)
     resend_after_seconds: float = 600.0  # re-send a queued job's message after this long (lost messages)
     stream_poll_seconds: float = 0.5  # GET /jobs/{id}/stream: how often the one reader per job reads the store
     stream_heartbeat_seconds: float = 15.0  # GET /jobs/{id}/stream: a comment line this often keeps proxies open
@@ -78,7 +82,7 @@ class Settings(BaseSettings):
     sync_model_cache: int = 2
     sync_predict_threads: int | None = None
 
-    # Webhooks (shared.webhooks): loopback, link-local and private URLs are refused unless
+    # Webhooks (shared.jobs.webhooks): loopback, link-local and private URLs are refused unless
     # allowed; each attempt waits this long for an answer; a failed one is tried again after each
     # of these delays in turn (Svix's schedule, about 27.6 h in all: comma-separated seconds), then
     # it is failed; the API looks for due deliveries this often.

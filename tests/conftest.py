@@ -71,7 +71,7 @@ def fresh_postgres_database() -> tuple[str, callable]:
     base = POSTGRES_URL.rsplit("/", 1)[0]
 
     def drop() -> None:
-        from shared.db import engine_for
+        from shared.store.engine import engine_for
 
         engine_for(f"postgresql+psycopg://{base.split('://', 1)[1]}/{name}").dispose()
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
@@ -95,7 +95,7 @@ class Stack:
 
 def auth_header(tenant: str, admin: bool = False) -> dict[str, str]:
     """``Authorization`` with a new API key for ``tenant`` in the configured store."""
-    from shared.keys import create_key
+    from shared.store.keys import create_key
 
     key, _ = create_key(tenant, admin)
     return {"Authorization": f"Bearer {key}"}

@@ -167,7 +167,7 @@ class Cluster:
         """Migrate the job store, then start the API and ``workers`` workers side by side (each
         would run the migrations itself on start; run first, they find nothing to do). Returns
         the workers once the API answers."""
-        self.python("from shared.db import upgrade_database; upgrade_database()")
+        self.python("from shared.store.engine import upgrade_database; upgrade_database()")
         port = free_port()
         self.api = self._spawn("api", ["api", "--host", "127.0.0.1", "--port", str(port)])
         started = [self.start_worker() for _ in range(workers)]

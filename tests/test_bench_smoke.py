@@ -18,7 +18,7 @@ from bench.measure import Mark, epoch_figures, steady_from
 from bench.peers import load_model as peer_model
 from bench.peers import run_peer
 from bench.report import render, summarize, update_markdown
-from shared.base_models import resolve_model
+from shared.jobs.base_models import resolve_model
 from shared.settings import get_settings
 
 TEXTS, HELD_OUT, BATCH, MAX_LENGTH = 64, 32, 8, 64

@@ -288,7 +288,7 @@ def test_client_commands_load_no_server_stack():
 def test_a_downloaded_model_is_checked_against_its_manifest(tmp_path, monkeypatch):
     """No server: a mock transport serves a model.tar whose manifest.json matches its files, then
     one whose weights changed after the manifest was written (a corrupt transfer or disk)."""
-    from shared.artifacts import write_manifest
+    from shared.store.artifacts import write_manifest
 
     monkeypatch.setenv("TUNEJOB_API_KEY", "tj_test")
     model = tmp_path / "served"

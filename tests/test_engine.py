@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from shared.errors import UserError
-from shared.models import Job
-from shared.schemas import JobCreate
+from shared.schemas.jobs import JobCreate
+from shared.store.rows import Job
 from tests.conftest import TINY_MODEL, RecordingReporter, no_dropout
 from worker import train as engine
 from worker.data import JobData, TokenizedDataset

@@ -32,7 +32,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REDIS_URL, REQUIRE_SERVICES, fresh_postgres_database, require_services
+from tests.conftest import (
+    REDIS_URL,
+    REQUIRE_SERVICES,
+    fresh_postgres_database,
+    require_services,
+)
 from tests.faults_support import FINISHED, Cluster, Process, RedisServer
 from tests.test_api_jobs import labelled_csv
 

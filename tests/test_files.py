@@ -13,8 +13,8 @@ import time
 import pandas as pd
 import pytest
 
-from shared import artifacts
-from shared.manifest import sha256_of, verify_manifest
+from shared.store import artifacts
+from shared.store.manifest import sha256_of, verify_manifest
 from tests.conftest import RecordingReporter
 from tests.test_engine import make_job
 from worker import train as engine
@@ -168,7 +168,7 @@ def test_the_final_weights_are_written_and_hashed_beside_the_final_evaluation(en
     from safetensors.torch import load_file
     from transformers import AutoModelForSequenceClassification
 
-    from shared import manifest
+    from shared.store import manifest
 
     losses = itertools.count(1.0, -0.1)  # every evaluation is the best so far
     monkeypatch.setattr(engine, "evaluate", lambda run, reporter=None: {"loss": next(losses), "accuracy": 0.5,

@@ -16,10 +16,10 @@ from transformers import (
     pipeline,
 )
 
-from shared.base_models import BUILTIN, available_models
-from shared.batching import token_budget_batches
+from shared.data.batching import token_budget_batches
 from shared.errors import UserError
-from shared.inference import ModelCache, load_for_inference, predict_texts
+from shared.inference.loop import ModelCache, load_for_inference, predict_texts
+from shared.jobs.base_models import BUILTIN, available_models
 
 LABELS = ["business", "sport", "tech"]
 TEXTS = ["Shares fell sharply after the bank's results were published on Monday morning.",

@@ -53,7 +53,8 @@ def test_quoted_tsv_with_tabs_newlines_and_quotes_is_read_exactly(stack, writer)
     dataset = upload(stack.client, content, "quoted.tsv")
     assert dataset["rows"] == 5 and dataset["columns"] == ["text", "label"]
 
-    from shared.datasets import JobColumns, read_job_table
+    from shared.data.columns import JobColumns
+    from shared.data.labels import read_job_table
     table, _ = read_job_table(stack.data_dir / "uploads" / f"{dataset['id']}.tsv", "tsv", "quoted.tsv",
                               JobColumns("classification", "text", None, "label"))
     assert table["text"].tolist() == TEXTS
@@ -64,7 +65,8 @@ def test_unquoted_tsv_keeps_quotes_as_text(stack):
     dataset = upload(stack.client, content, "unquoted.tsv")
     assert dataset["rows"] == 4
 
-    from shared.datasets import JobColumns, read_job_table
+    from shared.data.columns import JobColumns
+    from shared.data.labels import read_job_table
     table, _ = read_job_table(stack.data_dir / "uploads" / f"{dataset['id']}.tsv", "tsv", "unquoted.tsv",
                               JobColumns("classification", "text", None, "label"))
     assert table["text"].tolist() == ['"Great movie" he said', 'say "hi" twice', '"ok"', "plain"]
@@ -236,13 +238,13 @@ def test_huge_targets_with_the_opt_out_fail_the_job_once_with_null_metrics(stack
 
 
 def test_nonfinite_metrics_are_stored_as_null_and_flagged(stack):
-    """What the worker reports goes through ``jobs.report``: NaN (which SQLite cannot store in a NOT
+    """What the worker reports goes through ``lifecycle.report``: NaN (which SQLite cannot store in a NOT
     NULL column) and Infinity become null, flagged ``nonfinite``; PostgreSQL's json gets no NaN."""
     from sqlalchemy import update
 
-    from shared import jobs
-    from shared.db import session_scope
-    from shared.models import Job, utcnow
+    from shared.jobs import lifecycle
+    from shared.store.engine import session_scope
+    from shared.store.rows import Job, utcnow
 
     dataset = upload(stack.client, b"text,label\ngoal,a\nbank,b\ncoach,a\nshares,b\n", "report.csv")
     job = stack.client.post("/jobs", json=job_body(dataset["id"], validation_split=0.5)).json()
@@ -250,7 +252,7 @@ def test_nonfinite_metrics_are_stored_as_null_and_flagged(stack):
     with session_scope() as s:  # hold the finished job's lease as a worker would
         s.execute(update(Job).where(Job.id == job["id"]).values(status="running", lease_owner="test-worker"))
     now = utcnow()
-    assert jobs.report(job["id"], "test-worker", {"train_metrics": {"loss": float("nan"), "lr": 0.1}},
+    assert lifecycle.report(job["id"], "test-worker", {"train_metrics": {"loss": float("nan"), "lr": 0.1}},
                        [(1000, 9.0, "train_loss", float("inf"), now), (1000, 9.0, "grad_norm", float("nan"), now),
                         (1000, 9.0, "learning_rate", 0.5, now)])
     with session_scope() as s:
@@ -344,7 +346,8 @@ def test_no_server_path_in_errors(stack):
 
 
 def test_worker_reads_the_table_the_api_checked_and_fails_bad_data_as_a_user_error(tmp_path):
-    from shared.datasets import JobColumns, read_job_table
+    from shared.data.columns import JobColumns
+    from shared.data.labels import read_job_table
     from shared.errors import UserError
 
     path = tmp_path / "d.jsonl"

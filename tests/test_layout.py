@@ -29,3 +29,74 @@ def test_the_images_copy_every_package():
     for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
         copied = set(re.findall(r"^COPY (\w+)/ \1/$", (root / dockerfile).read_text(), re.MULTILINE))
         assert packages <= copied, f"{dockerfile} does not copy {sorted(packages - copied)}"
+
+
+# Which parts of ``shared/`` each part may import (README, "Code layout"): the store and the data
+# at the bottom, side by side; the scoring loop on the data; the job lifecycle on all of them; the
+# queue on top. ``errors``, ``schemas`` and ``settings`` are the foundation everyone may use.
+FOUNDATION = {"errors", "schemas", "settings"}
+MAY_IMPORT = {
+    "errors": set(), "schemas": set(), "settings": {"schemas"}, "logs": {"settings"},
+    "store": FOUNDATION, "data": FOUNDATION,
+    "inference": FOUNDATION | {"data"},
+    "jobs": FOUNDATION | {"store", "data", "inference"},
+    "queue": FOUNDATION | {"store", "data", "inference", "jobs"},
+}
+
+
+def _shared_imports(path):
+    """The parts of ``shared/`` (``store``, ``data``, ...) that the module at ``path`` imports."""
+    import ast
+
+    parts = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        for name in names:
+            if name.startswith("shared."):
+                parts.add(name.split(".")[1])
+            elif name == "shared":  # from shared import x
+                parts.update(a.name for a in node.names)
+    return parts
+
+
+def test_shared_imports_run_one_way():
+    """``shared/`` is layered (store and data at the bottom, jobs above, the queue on top): a module
+    importing upwards, or across the store and the data, fails here, so no import circle can form."""
+    from pathlib import Path
+
+    shared = Path(__file__).resolve().parent.parent / "shared"
+    wrong = []
+    for path in sorted(shared.rglob("*.py")):
+        rel = path.relative_to(shared)
+        part = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        if part == "__init__":
+            continue
+        allowed = MAY_IMPORT[part] | {part}
+        wrong += [f"shared/{rel} imports shared.{p}" for p in sorted(_shared_imports(path) - allowed)]
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("module, higher", [("bench.measure", ("bench.peers", "bench.report")),
+                                            ("bench.peers", ("bench.report",)),
+                                            ("client.display", ("client.cli", "client.watch")),
+                                            ("client.watch", ("client.cli",))])
+def test_no_import_circles(module, higher):
+    """The bench's measure -> peers -> report and the client's display -> watch -> cli each run one
+    way: a lower module imports none of the higher ones, not even inside a function."""
+    import ast
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / (module.replace(".", "/") + ".py")
+    imported = {n.module for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Import) for a in n.names}
+    assert not imported & set(higher), f"{module} imports {sorted(imported & set(higher))}"
+
+
+def test_no_module_in_shared_is_long():
+    """Short modules (issue 28): none in ``shared/`` over about 500 lines."""
+    from pathlib import Path
+
+    shared = Path(__file__).resolve().parent.parent / "shared"
+    long = {str(p.relative_to(shared)): n for p in shared.rglob("*.py") if (n := len(p.read_text().splitlines())) > 550}
+    assert not long, long

@@ -68,7 +68,7 @@ def test_jsonl_list_labels_train_a_model_the_pipeline_reads(stack, tmp_path):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
-    from shared.manifest import verify_manifest
+    from shared.store.manifest import verify_manifest
 
     client = stack.client
     dataset = upload(client, jsonl(genre_rows()), "movies.jsonl")

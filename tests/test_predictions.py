@@ -489,7 +489,7 @@ def test_word_lists_and_text_pairs_are_refused_for_token_classification(stack, t
 
 
 def test_parts_regroup_the_rows_after_those_already_written():
-    from shared.predictions import PredictionBatch, parts_of
+    from shared.jobs.predictions import PredictionBatch, parts_of
 
     batches = [PredictionBatch(0, list("abcde"), list("ABCDE"), list(range(5))),
                PredictionBatch(5, list("fghij"), list("FGHIJ"), list(range(5, 10))),

@@ -8,11 +8,11 @@ them where the test puts them."""
 import json
 from datetime import timedelta
 
-from client.cli import queue_line
-from shared.db import session_scope
-from shared.models import Job, JobStatus, new_id, utcnow
-from shared.positions import estimate_queued
-from shared.schemas import JobOut
+from client.display import queue_line
+from shared.store.engine import session_scope
+from shared.store.rows import Job, JobStatus, new_id, utcnow
+from shared.jobs.positions import estimate_queued
+from shared.schemas.jobs import JobOut
 from tests.conftest import TINY_MODEL
 from tests.test_api_jobs import labelled_csv, upload
 
@@ -36,7 +36,7 @@ def queue_of(stack, job_id: str) -> dict | None:
 
 def test_queued_jobs_show_their_place_and_estimated_start(stack):
     dataset = upload(stack.client, labelled_csv())["id"]
-    # a past job on the model gives the plans their throughput (shared.planning.estimate_seconds)
+    # a past job on the model gives the plans their throughput (shared.jobs.planning.estimate_seconds)
     add_job(stack, dataset, JobStatus.SUCCEEDED, finished_at=utcnow(),
             train_metrics={"tokens_per_second": 2000.0, "padding_efficiency_unrounded": 0.5})
     running = add_job(stack, dataset, JobStatus.RUNNING, eta_seconds=100.0, lease_owner="elsewhere",

@@ -13,11 +13,11 @@ import hypothesis
 import pytest
 import schemathesis
 from fastapi.testclient import TestClient
-from schemathesis.specs.openapi.checks import positive_data_acceptance
 from schemathesis.python.asgi import ASGIClient
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from api.main import create_app
-from shared.schemas import JOB_CREATE_EXAMPLE
+from shared.schemas.jobs import JOB_CREATE_EXAMPLE
 from tests.conftest import BASE_URL, auth_header, configure_stack
 
 EXAMPLES_PER_OPERATION = 100  # per operation and stack: about a minute in all on a 2-core CPU
@@ -64,8 +64,8 @@ def seed_example_dataset(client) -> None:
     """Upload a small labelled CSV and give it the dataset id of the schema's example job spec."""
     from sqlalchemy import update
 
-    from shared.db import session_scope
-    from shared.models import Dataset
+    from shared.store.engine import session_scope
+    from shared.store.rows import Dataset
 
     rows = "".join(f"{['a good film', 'a dull plot'][i % 2]} number {i},{['pos', 'neg'][i % 2]}\n" for i in range(40))
     r = client.post("/datasets", files={"file": ("reviews.csv", io.BytesIO(f"text,label\n{rows}".encode()))})

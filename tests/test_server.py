@@ -157,11 +157,16 @@ def test_rows_created_before_api_keys_belong_to_the_default_tenant(engine_env):
     from alembic.config import Config
     from sqlalchemy import text
 
-    from shared.db import MIGRATIONS_DIR, get_engine, read_session
     from shared.errors import NotFound
-    from shared.jobs import get_job
-    from shared.keys import authenticate, create_key, ensure_key_for, local_key_path
-    from shared.tenancy import Caller, owned_job
+    from shared.jobs.lifecycle import get_job
+    from shared.store.engine import MIGRATIONS_DIR, get_engine, read_session
+    from shared.store.keys import (
+        authenticate,
+        create_key,
+        ensure_key_for,
+        local_key_path,
+    )
+    from shared.store.tenancy import Caller, owned_job
 
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))

@@ -141,11 +141,11 @@ def test_cancel_is_read_on_a_timer_and_stops_within_two_seconds(engine_env, monk
 
     requested = threading.Event()
     queries, flushed = [], []
-    monkeypatch.setattr(report.jobs, "cancel_requested", lambda job_id: queries.append(time.monotonic())
+    monkeypatch.setattr(report.lifecycle, "cancel_requested", lambda job_id: queries.append(time.monotonic())
                         or requested.is_set())
-    monkeypatch.setattr(report.jobs, "report", lambda job_id, worker, progress, metrics: flushed.extend(metrics)
+    monkeypatch.setattr(report.lifecycle, "report", lambda job_id, worker, progress, metrics: flushed.extend(metrics)
                         or True)
-    monkeypatch.setattr(report.jobs, "add_event", lambda *args, **kwargs: None)
+    monkeypatch.setattr(report.lifecycle, "add_event", lambda *args, **kwargs: None)
     read_rarely(monkeypatch, 0.5)
     reporter = Reporter("cancel", "worker-1")
     run = make_run("cancel", reporter, epochs=1000, batch_size=4, max_length=32, eval_every_steps=10**6,
@@ -348,7 +348,7 @@ def test_a_failed_capture_falls_back_to_eager_steps_and_says_so(engine_env, monk
 def test_jobs_that_cannot_be_captured_say_why(engine_env):
     from types import SimpleNamespace
 
-    from shared.schemas import Hyperparameters
+    from shared.schemas.jobs import Hyperparameters
 
     def reason(**hp):
         scaler = torch.amp.GradScaler("cpu", enabled=hp.pop("fp16", False))

@@ -11,9 +11,16 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from shared.datasets import JobColumns, read_job_table
+from shared.data.columns import JobColumns
+from shared.data.labels import read_job_table
 from tests.conftest import TINY_MODEL, wait_for_status
-from worker.tagging import IGNORE, align_labels, inside_tags, tagging_metrics, tokenize_words
+from worker.tagging import (
+    IGNORE,
+    align_labels,
+    inside_tags,
+    tagging_metrics,
+    tokenize_words,
+)
 
 PEOPLE = ["alice", "bob", "carol", "dave"]
 PLACES = [["paris"], ["london"], ["new", "york"], ["berlin"]]
@@ -233,8 +240,8 @@ def test_the_openai_facade_takes_the_task_and_its_column_defaults(stack):
 def test_accumulated_micro_batches_give_the_gradient_of_one_batch(engine_env):
     """The loss is the mean over the labelled tokens of the whole step (the model's own loss on
     one batch): two micro-batches of unequal token counts step as one batch of both."""
-    from shared.models import Job
-    from shared.schemas import JobCreate
+    from shared.schemas.jobs import JobCreate
+    from shared.store.rows import Job
     from tests.conftest import RecordingReporter, no_dropout
     from tests.test_training import capture_gradients, micro_batches
     from worker.data import JobData
@@ -261,8 +268,8 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_batch(engine_env):
 
 
 def token_job(job_id: str, **hyperparameters):
-    from shared.models import Job
-    from shared.schemas import JobCreate
+    from shared.schemas.jobs import JobCreate
+    from shared.store.rows import Job
 
     spec = JobCreate(base_model=TINY_MODEL, task="token_classification", training_dataset="ds_test",
                      hyperparameters={"epochs": 2, "batch_size": 4, "max_length": 32, "precision": "fp32",

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.models import Job
-from shared.schemas import JobCreate
+from shared.schemas.jobs import JobCreate
+from shared.store.rows import Job
 from tests.conftest import TINY_MODEL, RecordingReporter, no_dropout
 from worker.data import BatchStats, JobData
 from worker.train import evaluate, loss_sum_of, setup, train, train_step

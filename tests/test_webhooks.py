@@ -14,11 +14,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from standardwebhooks.webhooks import Webhook as Verifier
 
-from shared.db import session_scope
-from shared.jobs import request_cancel
-from shared.models import Dataset, Job, JobStatus, new_id, utcnow
+from shared.store.engine import session_scope
+from shared.jobs.lifecycle import request_cancel
+from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
 from shared.settings import get_settings
-from shared.tenancy import Caller
+from shared.store.tenancy import Caller
 from tests.conftest import TINY_MODEL, wait_until
 
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from shared.db import read_session, upgrade_database
+from shared.store.engine import read_session, upgrade_database
 from shared.store.webhook_rows import WebhookDelivery
 from tests.conftest import auth_header, configure_stack
 from tests.faults_support import Process, free_port, wait_for

@@ -18,9 +18,9 @@ SERVE_WORKER_NICENESS = 10
 
 def prepare_api(host: str) -> None:
     """Before the API listens on ``host``: migrate the store, and make sure a key exists
-    (``shared.keys.ensure_key_for``: a local key on loopback; no key beyond it is an error)."""
-    from shared.db import upgrade_database
-    from shared.keys import NoKeyError, ensure_key_for
+    (``shared.store.keys.ensure_key_for``: a local key on loopback; no key beyond it is an error)."""
+    from shared.store.engine import upgrade_database
+    from shared.store.keys import NoKeyError, ensure_key_for
 
     upgrade_database()
     try:
@@ -78,7 +78,7 @@ def run_worker(gpu: int | None, niceness: int = 0) -> None:
     if device.type == "cpu" and settings.cpu_reuse_freed_memory:
         reuse_freed_cpu_memory()
     print(f"tunejob worker: training on {device}" + (f" ({note})" if note else ""), flush=True)
-    from shared.db import upgrade_database
+    from shared.store.engine import upgrade_database
     from worker.tasks import app
 
     upgrade_database()
@@ -87,9 +87,9 @@ def run_worker(gpu: int | None, niceness: int = 0) -> None:
 
 def manage_keys(args: argparse.Namespace) -> None:
     """``tunejob keys create|list|revoke``: the new key alone on stdout (shown once), the rest on stderr."""
-    from shared import keys
-    from shared.db import upgrade_database
     from shared.errors import UserError
+    from shared.store import keys
+    from shared.store.engine import upgrade_database
 
     upgrade_database()
     try:
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(run_doctor(args.json))
     elif args.command == "db":
-        from shared.db import upgrade_database
+        from shared.store.engine import upgrade_database
 
         upgrade_database()
         print("database is at the latest revision")

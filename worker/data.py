@@ -1,6 +1,6 @@
 """Data for one job: load and split the tables, tokenize once (cached), plan batches, pad per batch.
 
-Which examples share a micro-batch is planned by ``shared.batching.BatchPlan``; this module pads
+Which examples share a micro-batch is planned by ``shared.data.batching.BatchPlan``; this module pads
 each micro-batch up to the bucket width that holds its longest member (dynamic padding).
 """
 
@@ -17,12 +17,18 @@ import pandas as pd
 import torch
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
-from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding, PreTrainedTokenizerBase
+from transformers import (
+    DataCollatorForTokenClassification,
+    DataCollatorWithPadding,
+    PreTrainedTokenizerBase,
+)
 
-from shared.artifacts import tokenized_cache_dir
-from shared.batching import bucket_ladder, bucket_width
-from shared.datasets import JobColumns, read_job_table, split_train_validation
-from shared.models import Dataset
+from shared.data.batching import bucket_ladder, bucket_width
+from shared.data.columns import JobColumns
+from shared.data.labels import read_job_table
+from shared.data.split import split_train_validation
+from shared.store.artifacts import tokenized_cache_dir
+from shared.store.rows import Dataset
 
 log = logging.getLogger(__name__)
 TOKENIZE_BATCH = 8192  # texts per call of the fast tokenizer: bounds the memory of its intermediate encodings
@@ -43,7 +49,7 @@ class JobData:
 
 
 def load_job_data(spec: dict, train: Dataset, validation: Dataset | None) -> JobData:
-    """Read a job's uploaded tables through the API's checks (``shared.datasets.read_job_table``:
+    """Read a job's uploaded tables through the API's checks (``shared.data.labels.read_job_table``:
     only the job's columns, labels as class names or float32 targets); without a validation
     dataset, hold out ``validation_split`` of the training table exactly as the API's dry run did
     (stratified for classification, seeded by ``hyperparameters.seed``).
@@ -100,7 +106,7 @@ def tokenize(
     batches of ``TOKENIZE_BATCH`` texts, truncating to ``max_length``, without padding.
 
     With ``dataset_sha256`` (the uploaded file's), the encodings are cached under the data
-    directory (``shared.artifacts.tokenized_cache_dir``) and a later job on the same texts with the
+    directory (``shared.store.artifacts.tokenized_cache_dir``) and a later job on the same texts with the
     same tokenizer and ``max_length`` reads them instead (see ``cache_key``).
 
     Labels become training targets as ``label_targets`` makes them.
@@ -214,7 +220,7 @@ class BucketCollator:
 def make_collator(tokenizer: PreTrainedTokenizerBase, batching: str, max_length: int,
                   pad_to: list[int] | int | None, labels_per_token: bool = False) -> BucketCollator:
     """The collator of a job: ``fixed`` pads everything to ``max_length``; the other strategies pad
-    each micro-batch up to a width of the ladder ``pad_to`` (``shared.batching.bucket_ladder``), or
+    each micro-batch up to a width of the ladder ``pad_to`` (``shared.data.batching.bucket_ladder``), or
     to a multiple of ``pad_to`` when it is a number (None: to the longest member).
     ``labels_per_token``: see ``BucketCollator``."""
     if batching == "fixed":

@@ -5,7 +5,7 @@ import ctypes.util
 
 import torch
 
-from shared.batching import job_ladder
+from shared.data.batching import job_ladder
 
 
 def resolve_device(setting: str) -> tuple[torch.device, str | None]:
@@ -33,7 +33,7 @@ def describe(device: torch.device) -> str:
 
 
 def padding_ladder(hp, device: torch.device) -> list[int]:
-    """The widths this job's micro-batches are padded to on ``device`` (``shared.batching.job_ladder``)."""
+    """The widths this job's micro-batches are padded to on ``device`` (``shared.data.batching.job_ladder``)."""
     return job_ladder(hp.max_length, hp.pad_to_multiple_of, hp.torch_compile, device.type == "cuda")
 
 

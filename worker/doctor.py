@@ -23,8 +23,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from shared.base_models import BUILTIN, available_models
-from shared.precision import autocast_dtype
+from shared.inference.precision import autocast_dtype
+from shared.jobs.base_models import BUILTIN, available_models
 from shared.settings import get_settings
 from worker.device import describe, resolve_device
 from worker.report import MemoryReporter
@@ -87,8 +87,8 @@ def tiny_job(steps: int, batch_size: int, max_length: int, seed: int = 0):
     ``steps`` optimizer steps of ``batch_size`` texts of 8 to ``max_length`` words."""
     import pandas as pd
 
-    from shared.models import Job
-    from shared.schemas import Hyperparameters, JobCreate
+    from shared.schemas.jobs import Hyperparameters, JobCreate
+    from shared.store.rows import Job
     from worker.data import JobData
 
     rng = random.Random(seed)

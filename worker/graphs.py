@@ -45,7 +45,13 @@ from dataclasses import dataclass
 import torch
 
 from shared.settings import get_settings
-from worker.steps import Steps, bf16_copy, make_optimizer, make_scheduler, uses_bf16_copy
+from worker.steps import (
+    Steps,
+    bf16_copy,
+    make_optimizer,
+    make_scheduler,
+    uses_bf16_copy,
+)
 
 WARMUP_RUNS = 2  # eager runs of a body before its capture (the PyTorch docs' side-stream warm-up)
 

@@ -1,9 +1,9 @@
 """The prediction recipe for one job (kind ``predict``), top to bottom: setup (the model and the
 data), score_parts (the dataset streamed a part at a time, each part scored with
-``shared.inference.predict_texts`` and written atomically), finish (the result summary).
+``shared.inference.loop.predict_texts`` and written atomically), finish (the result summary).
 
 A resumed attempt (the worker died, or was shut down) skips the rows of the parts already written
-(``shared.predictions``: their counts are in the parts' metadata), so no row is scored or written
+(``shared.jobs.predictions``: their counts are in the parts' metadata), so no row is scored or written
 twice. Cancel, shutdown, lease loss and the time limit are checked between parts
 (``worker.report.Reporter.should_stop``).
 """
@@ -14,17 +14,27 @@ from pathlib import Path
 
 import torch
 
-from shared import artifacts
-from shared.base_models import resolve_model
-from shared.datasets import Problems
-from shared.db import read_session
+from shared.data.problems import Problems
 from shared.errors import UserError
-from shared.inference import LoadedModel, load_for_inference, predict_texts
-from shared.models import Dataset, Job
-from shared.predictions import (PART_COUNTS, id_type, max_tokens, part_counts, parts_of, prediction_batches,
-                                results_dir, results_table, write_part, written_parts)
-from shared.schemas import PredictionCreate
+from shared.inference.loop import LoadedModel, load_for_inference, predict_texts
+from shared.jobs.base_models import resolve_model
+from shared.jobs.predictions import (
+    PART_COUNTS,
+    id_type,
+    max_tokens,
+    part_counts,
+    parts_of,
+    prediction_batches,
+    results_dir,
+    results_table,
+    write_part,
+    written_parts,
+)
+from shared.schemas.predictions import PredictionCreate
 from shared.settings import get_settings
+from shared.store import artifacts
+from shared.store.engine import read_session
+from shared.store.rows import Dataset, Job
 from worker.device import describe
 from worker.report import Reporter
 
@@ -100,7 +110,7 @@ def score_parts(run: Scoring, reporter: Reporter) -> str:
     problems = Problems(run.dataset.filename)
     batches = prediction_batches(run.dataset, run.spec, problems)
     run.started, run.scored = time.perf_counter(), dict.fromkeys(PART_COUNTS, 0)
-    max_length = run.spec.max_length  # resolved at submit (shared.predictions.stored_spec)
+    max_length = run.spec.max_length  # resolved at submit (shared.jobs.predictions.stored_spec)
     for part in parts_of(batches, get_settings().predict_part_rows, run.counts["rows"]):
         problems.raise_if_any()  # the file changed since the job was submitted
         if reason := reporter.should_stop():

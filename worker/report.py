@@ -9,10 +9,10 @@ from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
-from shared import jobs
-from shared.models import utcnow
-from shared.schemas import PHASES
+from shared.jobs import lifecycle
+from shared.schemas.jobs import PHASES
 from shared.settings import get_settings
+from shared.store.rows import utcnow
 
 
 class Reporter:
@@ -38,7 +38,7 @@ class Reporter:
         self._cancelled, self._next_cancel_check = False, time.monotonic()
 
     def event(self, code: str, message: str, level: str = "info") -> None:
-        jobs.add_event(self.job_id, code, message, level)
+        lifecycle.add_event(self.job_id, code, message, level)
 
     def log(self, step: int, epoch: float, values: dict[str, float]) -> None:
         now = utcnow()
@@ -59,7 +59,7 @@ class Reporter:
             self.flush()
 
     def flush(self) -> None:
-        held = jobs.report(self.job_id, self.worker_id, self._progress, self._metrics)
+        held = lifecycle.report(self.job_id, self.worker_id, self._progress, self._metrics)
         self._wrote_metrics = self._wrote_metrics or bool(self._metrics)
         self._metrics, self._progress, self._last_flush = [], {}, time.monotonic()
         self.lease_lost = self.lease_lost or not held
@@ -68,7 +68,7 @@ class Reporter:
         """Point the store at a completely written checkpoint; returns the older checkpoint
         directories, beyond the newest ``keep``, that the store no longer lists (to delete)."""
         self.flush()  # the steps up to the checkpoint are never trained again: write their metrics first
-        return jobs.record_checkpoint(self.job_id, step, str(path), metrics, keep)
+        return lifecycle.record_checkpoint(self.job_id, step, str(path), metrics, keep)
 
     def should_stop(self) -> str | None:
         """Why training must stop now, if it must: ``"shutdown"`` (the worker is shutting down),
@@ -84,7 +84,7 @@ class Reporter:
                 return reason
         now = time.monotonic()
         if not self._cancelled and now >= self._next_cancel_check:
-            self._cancelled = jobs.cancel_requested(self.job_id)
+            self._cancelled = lifecycle.cancel_requested(self.job_id)
             self._next_cancel_check = now + self.CANCEL_CHECK_SECONDS
         if self._cancelled:
             return "cancelled"
@@ -92,7 +92,7 @@ class Reporter:
 
 
 class PhaseTimer:
-    """Wall seconds per phase of a job (``shared.schemas.Timings``), reported as ``timings``.
+    """Wall seconds per phase of a job (``shared.schemas.jobs.Timings``), reported as ``timings``.
 
     Phases nest: time always counts for the innermost open phase, so an evaluation inside
     training counts as ``evaluate``, not ``train``, and the phases never overlap. Each phase's end

@@ -1,8 +1,8 @@
-"""The pictures of a run inside its model artifact: ``training_curves.png`` (``shared.curves``) and
+"""The pictures of a run inside its model artifact: ``training_curves.png`` (``shared.jobs.curves``) and
 TensorBoard event files under ``runs/`` (tensorboardX), so that ``tensorboard --logdir <model>``
 on a downloaded model shows the run. Both are drawn from the job's metric rows in the store: the
 whole run, across restarts (the store keeps one continuous step series, see
-``shared.jobs.discard_metrics_after``).
+``shared.jobs.lifecycle.discard_metrics_after``).
 """
 
 import json
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from sqlalchemy import Row
 
-from shared.curves import metric_rows, render_png, series_of
-from shared.models import Job
+from shared.jobs.curves import metric_rows, render_png, series_of
+from shared.store.rows import Job
 
 log = logging.getLogger(__name__)
 

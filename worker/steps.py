@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from transformers import get_linear_schedule_with_warmup
 
 
-
 def make_optimizer(model: torch.nn.Module, hp, device: torch.device,
                    capturable: bool = False) -> torch.optim.AdamW:
     """AdamW over trainable parameters, no weight decay on biases and LayerNorm weights (BERT recipe),

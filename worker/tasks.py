@@ -3,7 +3,7 @@
 
 While a job trains, a heartbeat thread renews its lease. SIGTERM (a deploy) makes the training
 loop save a checkpoint at its next optimizer step and give the job back to the queue; the worker
-then exits. Every worker also runs ``shared.jobs.recover`` periodically (the reaper and sweeper).
+then exits. Every worker also runs ``shared.jobs.lifecycle.recover`` periodically (the reaper and sweeper).
 
 A worker process imports the training stack once, when it starts (``preload``), not per job.
 """
@@ -19,14 +19,14 @@ from pathlib import Path
 from celery import bootsteps, signals
 from celery.exceptions import Reject
 
-from shared import jobs
-from shared.base_models import available_models
-from shared.db import read_session
 from shared.errors import UserError
+from shared.jobs import lifecycle
+from shared.jobs.base_models import available_models
 from shared.logs import configure_logging, log_context
-from shared.models import Dataset, JobStatus
 from shared.queue import RUN_JOB, RecoveryThread, app, send
 from shared.settings import get_settings
+from shared.store.engine import read_session
+from shared.store.rows import Dataset, JobStatus
 
 log = logging.getLogger(__name__)
 stopping = threading.Event()  # this worker is shutting down: the running job checkpoints and is re-queued
@@ -102,7 +102,7 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(get_settings().lease_seconds / 4):
             try:
-                if not jobs.heartbeat(self.job_id, self.worker_id):
+                if not lifecycle.heartbeat(self.job_id, self.worker_id):
                     self.lease_lost.set()
                     return
             except Exception:
@@ -117,7 +117,7 @@ def run_job(job_id: str) -> str:
         raise Reject(f"worker shutting down; job {job_id} left for another worker", requeue=True)
     log_context.set(f"job {job_id}")  # set by every task: the solo pool runs them one after another in one thread
     worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    job = jobs.claim(job_id, worker_id)
+    job = lifecycle.claim(job_id, worker_id)
     if job is None:
         log.info("job %s: not claimable (finished, cancelled or held by another worker); skipped", job_id)
         return "skipped"
@@ -139,20 +139,22 @@ def record_outcome(job, worker_id: str, outcome: str) -> None:
     succeeded job's checkpoints are deleted, its model is in the artifacts."""
     job_id = job.id
     if outcome in (JobStatus.SUCCEEDED, JobStatus.CANCELLED):
-        if jobs.finish(job_id, worker_id, outcome) and outcome == JobStatus.SUCCEEDED:
-            jobs.discard_checkpoints(job_id)
+        if lifecycle.finish(job_id, worker_id, outcome) and outcome == JobStatus.SUCCEEDED:
+            lifecycle.discard_checkpoints(job_id)
     elif outcome == "time_limit":
-        jobs.finish(job_id, worker_id, JobStatus.FAILED, {
+        lifecycle.finish(job_id, worker_id, JobStatus.FAILED, {
             "code": "time_limit", "message": f"ran past TUNEJOB_MAX_JOB_SECONDS={get_settings().max_job_seconds}"})
-    elif outcome == "shutdown" and jobs.requeue(job_id, worker_id, "requeued", "worker shut down (SIGTERM); "
-                                                 f"resumes from {jobs.RESUMES_FROM[job.kind]}", restart=False):
+    elif outcome == "shutdown" and lifecycle.requeue(job_id, worker_id, "requeued", "worker shut down (SIGTERM); "
+                                                 f"resumes from {lifecycle.RESUMES_FROM[job.kind]}", restart=False):
         send(job_id)
 
 
 def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
     """Run the job's recipe (``train_job`` or ``worker.predict.predict``, by its ``kind``) on this
     worker's device; map errors to the job's end (failed now, or re-queued)."""
-    from worker.device import resolve_device  # imported by ``preload``; the API imports this module without torch
+    from worker.device import (
+        resolve_device,  # imported by ``preload``; the API imports this module without torch
+    )
     from worker.report import Reporter
 
     reporter = Reporter(job.id, worker_id, stop_flags={"shutdown": stopping,
@@ -163,15 +165,15 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
             reporter.event("device", note, level="warning")
         return recipe(job.kind)(job, device, reporter)
     except UserError as e:  # deterministic: the same input fails the same way, so no retry
-        jobs.finish(job.id, worker_id, JobStatus.FAILED, {"code": e.code, "message": e.message,
+        lifecycle.finish(job.id, worker_id, JobStatus.FAILED, {"code": e.code, "message": e.message,
                                                           **({"problems": e.problems} if e.problems else {})})
         return JobStatus.FAILED
     except Exception as e:
         log.exception("job %s failed unexpectedly", job.id)
         message = f"{type(e).__name__}: {e}"
         countdown = restart_countdown(job.restarts)
-        if jobs.requeue(job.id, worker_id, "job_restarted",
-                        f"unexpected error, retrying in {countdown:g} s: {message}", restart=True):
+        if lifecycle.requeue(job.id, worker_id, "job_restarted",
+                             f"unexpected error, retrying in {countdown:g} s: {message}", restart=True):
             send(job.id, countdown=countdown)
         return "error"
 
@@ -203,8 +205,8 @@ def train_job(job, device, reporter) -> str:
     with read_session() as s:
         train = s.get(Dataset, job.training_dataset_id)
         validation = s.get(Dataset, job.validation_dataset_id) if job.validation_dataset_id else None
-    checkpoint = jobs.latest_checkpoint(job.id)
-    jobs.discard_metrics_after(job.id, checkpoint.step if checkpoint else 0)
+    checkpoint = lifecycle.latest_checkpoint(job.id)
+    lifecycle.discard_metrics_after(job.id, checkpoint.step if checkpoint else 0)
     with timer.phase("load"):
         data = load_job_data(job.spec, train, validation)
     return fine_tune(job, data, device, reporter, Path(checkpoint.path) if checkpoint else None, timer)

@@ -5,7 +5,7 @@ Each phase is timed once, by ``worker.report.PhaseTimer`` (``run.timer``): ``set
 ``tokenize`` and ``load``, and ``@timed`` marks ``warm_up``, ``train``, ``run_evaluation`` and the saves.
 
 Techniques and their sources:
-- smart and token-budget batching: ``shared.batching`` (seed notebooks 002 and 003); dynamic
+- smart and token-budget batching: ``shared.data.batching`` (seed notebooks 002 and 003); dynamic
   padding per micro-batch up to a bucket width: ``worker.data``;
 - the step without host synchronisation, bf16 with fp32 master weights: ``worker.steps``; the step
   as CUDA graphs, captured once per worker: ``worker.graphs`` (PyTorch docs, "CUDA Graphs");
@@ -38,25 +38,37 @@ import torch
 from scipy.stats import pearsonr
 from sklearn.metrics import accuracy_score, f1_score, mean_squared_error
 from torch.utils.data import DataLoader
-from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    set_seed,
+)
 from transformers import logging as hf_logging
-from transformers import set_seed
 
-from shared import artifacts
-from shared.base_models import resolve_model
-from shared.batching import BatchPlan
+from shared.data.batching import BatchPlan
 from shared.errors import UserError
-from shared.manifest import manifest_entries
-from shared.precision import autocast_dtype
-from shared.models import Job
-from shared.schemas import Hyperparameters, json_safe
+from shared.inference.precision import autocast_dtype
+from shared.jobs.base_models import resolve_model
+from shared.schemas.jobs import Hyperparameters, json_safe
+from shared.store import artifacts
+from shared.store.manifest import manifest_entries
+from shared.store.rows import Job
 from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
 from worker.device import describe, padding_ladder
 from worker.graphs import CapturedSteps, capture_steps, clear_cache, eager_reason
 from worker.report import PhaseTimer, Reporter, timed
 from worker.run_logs import write_run_logs
-from worker.steps import (Steps, StepValues, bf16_copy, example_losses, loss_terms, make_optimizer, make_scheduler,
-                          uses_bf16_copy)
+from worker.steps import (
+    Steps,
+    StepValues,
+    bf16_copy,
+    example_losses,
+    loss_terms,
+    make_optimizer,
+    make_scheduler,
+    uses_bf16_copy,
+)
 from worker.tagging import tagging_metrics, tokenize_words, word_sequences
 
 hf_logging.set_verbosity_error()
@@ -720,7 +732,7 @@ def save_best(run: Run) -> None:
 
 def save_final_weights(run: Run) -> dict[str, dict]:
     """Write the model's weights and config to ``<checkpoints>/final`` as ``save_best`` does, and
-    return their manifest entries (``shared.manifest.manifest_entries``: size in bytes, sha256),
+    return their manifest entries (``shared.store.manifest.manifest_entries``: size in bytes, sha256),
     hashed right after the write, while the file's pages are still in memory, and before the
     fsync. Untimed: ``finish`` runs it in a thread, and ``run.timer`` is the main thread's.
 

@@ -5,8 +5,9 @@ from api.auth import CallerDep
 from api.errors import error_responses
 from api.headers import IdempotencyKey
 from api.uploads import store_upload, upload_body
-from shared import idempotency, uploads
-from shared.schemas import DatasetOut
+from shared.jobs import uploads
+from shared.schemas.jobs import DatasetOut
+from shared.store import idempotency
 
 router = APIRouter(tags=["datasets"])
 

@@ -12,12 +12,13 @@ from fastapi import APIRouter
 
 from api.auth import CallerDep
 from api.errors import error_responses
-from shared import artifacts, jobs
 from shared.errors import Conflict, NotFound, UserError
-from shared.models import JobStatus
-from shared.schemas import PredictIn, PredictOut
+from shared.jobs import lifecycle
+from shared.schemas.predictions import PredictIn, PredictOut
 from shared.settings import get_settings
-from shared.tenancy import Caller
+from shared.store import artifacts
+from shared.store.rows import JobStatus
+from shared.store.tenancy import Caller
 
 router = APIRouter(tags=["models"])
 
@@ -39,7 +40,7 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
     if pairs is not None and cached.loaded.task == "token_classification":
         raise UserError("invalid_inputs", f"job {job_id!r} is a token_classification model: inputs are texts, "
                         "not [text, text_pair] pairs", "inputs")
-    from shared.inference import predict_texts
+    from shared.inference.loop import predict_texts
 
     with cached.lock:
         predictions = predict_texts(cached.loaded, texts, pairs, body.max_length)
@@ -55,7 +56,7 @@ def trained_model_dir(job_id: str, caller: Caller) -> Path:
             are gone (``artifact_retention_days``); a prediction job's id (``get_job`` looks up
             training jobs only). Conflict: (409) the job has not succeeded.
     """
-    job = jobs.get_job(job_id, caller)
+    job = lifecycle.get_job(job_id, caller)
     if job.status != JobStatus.SUCCEEDED:
         raise Conflict("job_not_succeeded", f"job {job_id!r} is {job.status}: only a succeeded job has a model")
     model_dir = artifacts.model_dir(job_id)
@@ -73,11 +74,11 @@ def split_inputs(inputs: list[str] | list[tuple[str, str]]) -> tuple[list[str], 
 
 @cache
 def model_cache():
-    """The API process's ``shared.inference.ModelCache`` on the CPU, built on first use: importing
+    """The API process's ``shared.inference.loop.ModelCache`` on the CPU, built on first use: importing
     it loads torch, and limits torch's threads to ``sync_predict_threads``."""
     import torch
 
-    from shared.inference import ModelCache
+    from shared.inference.loop import ModelCache
 
     settings = get_settings()
     torch.set_num_threads(settings.sync_predict_threads or max(1, (os.cpu_count() or 2) // 2))

@@ -8,14 +8,24 @@ from api import store
 from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
 from api.headers import IdempotencyKey, submit_once
-from shared import artifacts, jobs
-from shared.db import read_session
 from shared.errors import NotFound
-from shared.models import JobMetric
-from shared.planning import check_spec, plan_job
-from shared.positions import with_positions
-from shared.schemas import ArtifactOut, CheckpointOut, DryRunOut, EventOut, JobCreate, JobList, JobOut, MetricOut
-from shared.tenancy import Caller, owned_job
+from shared.jobs import lifecycle
+from shared.jobs.planning import check_spec, plan_job
+from shared.jobs.positions import with_positions
+from shared.schemas.jobs import (
+    ArtifactOut,
+    CheckpointOut,
+    DryRunOut,
+    EventOut,
+    JobCreate,
+    JobList,
+    JobOut,
+    MetricOut,
+)
+from shared.store import artifacts
+from shared.store.engine import read_session
+from shared.store.rows import JobMetric
+from shared.store.tenancy import Caller, owned_job
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 Status = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")]
@@ -42,21 +52,22 @@ def create_job(spec: JobCreate, caller: CallerDep, dry_run: bool = False, idempo
     if dry_run:
         plan = DryRunOut(dry_run=True, plan=plan_job(check_spec(spec, caller)))
         return SafeJSONResponse(plan.model_dump(mode="json"))
-    return submit_once("POST /jobs", spec, caller, idempotency_key, jobs.to_out)
+    return submit_once("POST /jobs", spec, caller, idempotency_key, lifecycle.to_out)
 
 
 @router.get("")
 def list_jobs(caller: CallerDep, status: Status = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
               cursor: str | None = None) -> JobList:
     """Jobs, newest first. Pass ``next_cursor`` back as ``cursor`` for the next page."""
-    page, has_more = jobs.list_jobs(caller, limit, cursor, status, param="cursor")
-    return JobList(data=with_positions([jobs.to_out(j) for j in page]), next_cursor=page[-1].id if has_more else None)
+    page, has_more = lifecycle.list_jobs(caller, limit, cursor, status, param="cursor")
+    return JobList(data=with_positions([lifecycle.to_out(j) for j in page]),
+                   next_cursor=page[-1].id if has_more else None)
 
 
 @router.get("/{job_id}")
 async def get_job(job_id: str, caller: CallerDep) -> JobOut:
     """The job; a queued one with its place in the queue and estimated start (``queue``)."""
-    job = jobs.to_out(await store.read(jobs.get_job, job_id, caller))
+    job = lifecycle.to_out(await store.read(lifecycle.get_job, job_id, caller))
     return (await store.read(with_positions, [job]))[0] if job.status == "queued" else job
 
 
@@ -64,14 +75,14 @@ async def get_job(job_id: str, caller: CallerDep) -> JobOut:
 def delete_job(job_id: str, caller: CallerDep) -> Response:
     """Delete a finished job's checkpoints, artifacts, metrics and events. Its id then answers 404
     (code ``deleted``). A queued or running job answers 409: cancel it first."""
-    jobs.delete_job(job_id, caller)
+    lifecycle.delete_job(job_id, caller)
     return Response(status_code=204)
 
 
 @router.post("/{job_id}/cancel")
 def cancel_job(job_id: str, caller: CallerDep) -> JobOut:
     """A queued job never starts; a running one stops within about a second, after an optimizer step."""
-    return jobs.to_out(jobs.request_cancel(job_id, caller))
+    return lifecycle.to_out(lifecycle.request_cancel(job_id, caller))
 
 
 @router.get("/{job_id}/metrics")
@@ -91,12 +102,12 @@ def _metrics(job_id: str, caller: Caller, after_step: int, limit: int) -> list[M
 
 @router.get("/{job_id}/events")
 def job_events(job_id: str, caller: CallerDep) -> dict[str, list[EventOut]]:
-    return {"data": [EventOut.model_validate(e) for e in jobs.list_events(job_id, caller)]}
+    return {"data": [EventOut.model_validate(e) for e in lifecycle.list_events(job_id, caller)]}
 
 
 @router.get("/{job_id}/checkpoints")
 def job_checkpoints(job_id: str, caller: CallerDep) -> dict[str, list[CheckpointOut]]:
-    return {"data": [CheckpointOut.model_validate(c) for c in jobs.list_checkpoints(job_id, caller)]}
+    return {"data": [CheckpointOut.model_validate(c) for c in lifecycle.list_checkpoints(job_id, caller)]}
 
 
 @router.get("/{job_id}/checkpoints/{step}/model.tar")
@@ -105,7 +116,7 @@ def download_checkpoint(job_id: str, step: Annotated[int, Path(ge=0, le=MAX_STEP
     """A checkpoint's model (weights, config, tokenizer; not the optimizer state) as an uncompressed
     tar, e.g. of a running job. Checkpoints beyond ``save_total_limit`` are rotated away, and a
     succeeded job's are deleted (its model is in the artifacts)."""
-    files = artifacts.files_of(jobs.get_checkpoint(job_id, step, caller), exclude=(artifacts.TRAINING_STATE,))
+    files = artifacts.files_of(lifecycle.get_checkpoint(job_id, step, caller), exclude=(artifacts.TRAINING_STATE,))
     return _tar_response(artifacts.TarStream(files), f"{job_id}-step-{step}.tar")
 
 
@@ -114,13 +125,13 @@ def list_artifacts(job_id: str, caller: CallerDep) -> dict[str, list[ArtifactOut
     """The job's downloadable files once it succeeded: ``model.tar`` (the model directory, ready
     for ``transformers``), ``metrics.json``, and each file of the model as ``model/<name>``."""
     return {"data": [ArtifactOut(name=name, bytes=size, url=f"/jobs/{job_id}/artifacts/{name}")
-                     for name, size in artifacts.listing(jobs.model_files(job_id, caller)).items()]}
+                     for name, size in artifacts.listing(lifecycle.model_files(job_id, caller)).items()]}
 
 
 @router.get("/{job_id}/artifacts/model/{filename:path}")
 def download_model_file(job_id: str, filename: str, caller: CallerDep) -> FileResponse:
     """One file of the model, by its name in the listing (never a path on the server)."""
-    return _file(jobs.model_files(job_id, caller), filename, f"model/{filename}")
+    return _file(lifecycle.model_files(job_id, caller), filename, f"model/{filename}")
 
 
 @router.get("/{job_id}/artifacts/{name}")
@@ -128,7 +139,7 @@ def download_artifact(job_id: str, name: str, caller: CallerDep):
     """Download an artifact by its name in the job's artifact list (never by path). ``model.tar``
     is streamed from the model directory; ``model.tar.gz`` (unlisted, for older clients) is the
     same tar gzipped on the fly at level 1: no second copy on disk."""
-    files = jobs.model_files(job_id, caller)
+    files = lifecycle.model_files(job_id, caller)
     if files and name == "model.tar":
         return _tar_response(artifacts.TarStream(files), f"{job_id}-model.tar")
     if files and name == "model.tar.gz":

@@ -8,8 +8,8 @@ from sse_starlette import EventSourceResponse
 
 from api.auth import CallerDep
 from api.feeds import Cursor
-from shared import curves, jobs
 from shared.errors import UserError
+from shared.jobs import curves, lifecycle
 from shared.settings import get_settings
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -25,7 +25,7 @@ def stream_job(job_id: str, request: Request, caller: CallerDep,
     ``end`` (the job) after it finished. Each message's id is the position to resume from with
     ``Last-Event-ID``; a comment line every ``TUNEJOB_STREAM_HEARTBEAT_SECONDS`` keeps the
     connection open. Every open stream of a job shares one reader of the job store."""
-    jobs.get_job(job_id, caller)
+    lifecycle.get_job(job_id, caller)
     cursor = Cursor.parse(last_event_id)
     return EventSourceResponse(request.app.state.feeds.stream(job_id, cursor),
                                ping=get_settings().stream_heartbeat_seconds)
@@ -39,7 +39,7 @@ def plot_job(job_id: str, caller: CallerDep) -> Response:
     same picture at the end of the job).
 
     409 ``no_metrics`` while the job has written none."""
-    job = jobs.get_job(job_id, caller)
+    job = lifecycle.get_job(job_id, caller)
     series = curves.series_of(curves.metric_rows(job_id))
     if not series:
         raise UserError("no_metrics", f"job {job_id!r} has written no metrics yet (it is {job.status})", "job_id", 409)

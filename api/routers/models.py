@@ -1,7 +1,7 @@
 from fastapi import APIRouter
 
-from shared.base_models import available_models, model_type
-from shared.schemas import BaseModelOut
+from shared.jobs.base_models import available_models, model_type
+from shared.schemas.jobs import BaseModelOut
 
 router = APIRouter(tags=["models"])
 

@@ -1,8 +1,8 @@
 """``/v1``: the OpenAI fine-tuning API over tunejob, so that the official ``openai`` SDK
 (``OpenAI(base_url="http://host:8000/v1")``) uploads files and runs fine-tuning jobs.
 
-A thin adapter: every route calls the same services as the native API (``shared.uploads``,
-``shared.jobs``, ``shared.queue.submit``, ``shared.base_models``) and only reshapes their
+A thin adapter: every route calls the same services as the native API (``shared.jobs.uploads``,
+``shared.jobs``, ``shared.queue.submit``, ``shared.jobs.base_models``) and only reshapes their
 results (``api.openai_compat``). A file is a tunejob dataset, a fine-tuning job a tunejob job,
 with the same ids in both APIs.
 """
@@ -35,9 +35,9 @@ from api.openai_compat import (
     page_after,
 )
 from api.uploads import store_upload, upload_body
-from shared import jobs, uploads
-from shared.base_models import available_models
 from shared.errors import UserError
+from shared.jobs import lifecycle, uploads
+from shared.jobs.base_models import available_models
 from shared.queue import submit
 
 router = APIRouter(prefix="/v1", tags=["openai-compatible"], route_class=OpenAIRoute)
@@ -106,25 +106,25 @@ def create_fine_tuning_job(body: FineTuningJobCreate, caller: CallerDep) -> Fine
 @router.get("/fine_tuning/jobs", responses=error_responses(400))
 def list_fine_tuning_jobs(caller: CallerDep, after: str | None = None, limit: Limit = 20) -> FineTuningJobList:
     """Jobs, newest first, ``limit`` at a time after job ``after``."""
-    page, has_more = jobs.list_jobs(caller, limit, after)
+    page, has_more = lifecycle.list_jobs(caller, limit, after)
     return FineTuningJobList(data=[fine_tuning_job(j) for j in page], has_more=has_more)
 
 
 @router.get("/fine_tuning/jobs/{job_id}", responses=error_responses(404))
 def retrieve_fine_tuning_job(job_id: str, caller: CallerDep) -> FineTuningJob:
-    return fine_tuning_job(jobs.get_job(job_id, caller))
+    return fine_tuning_job(lifecycle.get_job(job_id, caller))
 
 
 @router.post("/fine_tuning/jobs/{job_id}/cancel", responses=error_responses(404))
 def cancel_fine_tuning_job(job_id: str, caller: CallerDep) -> FineTuningJob:
     """A queued job is cancelled at once; a running one stops at its next optimizer step."""
-    return fine_tuning_job(jobs.request_cancel(job_id, caller))
+    return fine_tuning_job(lifecycle.request_cancel(job_id, caller))
 
 
 @router.get("/fine_tuning/jobs/{job_id}/events", responses=error_responses(400, 404))
 def list_fine_tuning_events(job_id: str, caller: CallerDep, after: str | None = None, limit: Limit = 20) -> FineTuningJobEventList:
     """The job's events, newest first."""
-    events, has_more = page_after(jobs.list_events(job_id, caller)[::-1], event_id, after, limit)
+    events, has_more = page_after(lifecycle.list_events(job_id, caller)[::-1], event_id, after, limit)
     return FineTuningJobEventList(data=[job_event(e) for e in events], has_more=has_more)
 
 
@@ -132,6 +132,6 @@ def list_fine_tuning_events(job_id: str, caller: CallerDep, after: str | None = 
 def list_fine_tuning_checkpoints(job_id: str, caller: CallerDep, after: str | None = None,
                                  limit: Limit = 10) -> FineTuningJobCheckpointList:
     """The job's kept checkpoints (the newest ``save_total_limit``), newest first."""
-    job = jobs.get_job(job_id, caller)
-    checkpoints, has_more = page_after(jobs.list_checkpoints(job_id, caller)[::-1], checkpoint_id, after, limit)
+    job = lifecycle.get_job(job_id, caller)
+    checkpoints, has_more = page_after(lifecycle.list_checkpoints(job_id, caller)[::-1], checkpoint_id, after, limit)
     return FineTuningJobCheckpointList(data=[job_checkpoint(c, job) for c in checkpoints], has_more=has_more)

@@ -1,5 +1,5 @@
 """Batch prediction jobs: ``/predictions``, the same lifecycle, events and stream as ``/jobs``
-(``shared.predictions``). A training job's id answers 404 here, and a prediction's on ``/jobs``."""
+(``shared.jobs.predictions``). A training job's id answers 404 here, and a prediction's on ``/jobs``."""
 
 from typing import Annotated, Literal
 
@@ -12,10 +12,16 @@ from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
 from api.feeds import Cursor
 from api.headers import IdempotencyKey, submit_once
-from shared import jobs, predictions
-from shared.positions import with_positions
-from shared.predictions import KIND, MEDIA_TYPES
-from shared.schemas import EventOut, PredictionCreate, PredictionDryRunOut, PredictionList, PredictionOut
+from shared.jobs import lifecycle, predictions
+from shared.jobs.positions import with_positions
+from shared.jobs.predictions import KIND, MEDIA_TYPES
+from shared.schemas.jobs import EventOut
+from shared.schemas.predictions import (
+    PredictionCreate,
+    PredictionDryRunOut,
+    PredictionList,
+    PredictionOut,
+)
 from shared.settings import get_settings
 
 router = APIRouter(prefix="/predictions", tags=["predictions"])
@@ -46,14 +52,14 @@ def create_prediction(spec: PredictionCreate, caller: CallerDep, dry_run: bool =
 def list_predictions(caller: CallerDep, status: Status = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
                      cursor: str | None = None) -> PredictionList:
     """Prediction jobs, newest first. Pass ``next_cursor`` back as ``cursor`` for the next page."""
-    page, has_more = jobs.list_jobs(caller, limit, cursor, status, param="cursor", kind=KIND)
+    page, has_more = lifecycle.list_jobs(caller, limit, cursor, status, param="cursor", kind=KIND)
     return PredictionList(data=with_positions([predictions.to_out(j) for j in page]),
                           next_cursor=page[-1].id if has_more else None)
 
 
 @router.get("/{prediction_id}")
 async def get_prediction(prediction_id: str, caller: CallerDep) -> PredictionOut:
-    prediction = predictions.to_out(await store.read(jobs.get_job, prediction_id, caller, KIND))
+    prediction = predictions.to_out(await store.read(lifecycle.get_job, prediction_id, caller, KIND))
     return (await store.read(with_positions, [prediction]))[0] if prediction.status == "queued" else prediction
 
 
@@ -61,7 +67,7 @@ async def get_prediction(prediction_id: str, caller: CallerDep) -> PredictionOut
 def delete_prediction(prediction_id: str, caller: CallerDep) -> Response:
     """Delete a finished prediction's results and events. Its id then answers 404 (code
     ``deleted``). A queued or running one answers 409: cancel it first."""
-    jobs.delete_job(prediction_id, caller, kind=KIND)
+    lifecycle.delete_job(prediction_id, caller, kind=KIND)
     return Response(status_code=204)
 
 
@@ -69,12 +75,12 @@ def delete_prediction(prediction_id: str, caller: CallerDep) -> Response:
 def cancel_prediction(prediction_id: str, caller: CallerDep) -> PredictionOut:
     """A queued prediction never starts; a running one stops after the part it is scoring (the
     parts written so far are kept until it is deleted)."""
-    return predictions.to_out(jobs.request_cancel(prediction_id, caller, kind=KIND))
+    return predictions.to_out(lifecycle.request_cancel(prediction_id, caller, kind=KIND))
 
 
 @router.get("/{prediction_id}/events")
 def prediction_events(prediction_id: str, caller: CallerDep) -> dict[str, list[EventOut]]:
-    return {"data": [EventOut.model_validate(e) for e in jobs.list_events(prediction_id, caller, kind=KIND)]}
+    return {"data": [EventOut.model_validate(e) for e in lifecycle.list_events(prediction_id, caller, kind=KIND)]}
 
 
 @router.get("/{prediction_id}/results", response_class=StreamingResponse, responses={
@@ -104,6 +110,6 @@ def stream_prediction(prediction_id: str, request: Request, caller: CallerDep,
     """Server-sent events, as ``GET /jobs/{id}/stream``: ``progress`` (the prediction, as
     ``GET /predictions/{id}``) whenever it changes, ``events`` as they are written, and ``end``
     (the prediction) after it finished; resumable with ``Last-Event-ID``."""
-    jobs.get_job(prediction_id, caller, kind=KIND)
+    lifecycle.get_job(prediction_id, caller, kind=KIND)
     return EventSourceResponse(request.app.state.feeds.stream(prediction_id, Cursor.parse(last_event_id)),
                                ping=get_settings().stream_heartbeat_seconds)

@@ -1,5 +1,5 @@
 """``/webhooks``: a tenant's endpoints for job, prediction, sweep and trial events, their delivery
-log, and a test ping (``shared.webhooks``)."""
+log, and a test ping (``shared.jobs.webhooks``)."""
 
 from typing import Annotated
 
@@ -7,8 +7,8 @@ from fastapi import APIRouter, Query, Response
 
 from api.auth import CallerDep
 from api.errors import error_responses
-from shared import webhooks
-from shared.schemas_webhooks import (DeliveryList, DeliveryOut, WebhookCreate, WebhookCreated, WebhookList,
+from shared.jobs import webhooks
+from shared.schemas.webhooks import (DeliveryList, DeliveryOut, WebhookCreate, WebhookCreated, WebhookList,
                                      WebhookOut)
 from shared.store.webhook_rows import Webhook, WebhookDelivery
 

@@ -8,8 +8,7 @@ Create Date: 2026-11-21 05:53:05.936014
 import sqlalchemy as sa
 from alembic import op
 
-import shared.models  # custom column types (UTCDateTime)
-
+import shared.store.rows  # custom column types (UTCDateTime)
 
 revision = '0001'
 down_revision = None
@@ -27,7 +26,7 @@ def upgrade() -> None:
     sa.Column('columns', sa.JSON(), nullable=False),
     sa.Column('bytes', sa.Integer(), nullable=False),
     sa.Column('sha256', sa.String(length=64), nullable=False),
-    sa.Column('created_at', shared.models.UTCDateTime(), nullable=False),
+    sa.Column('created_at', shared.store.rows.UTCDateTime(), nullable=False),
     sa.PrimaryKeyConstraint('id')
     )
     op.create_table('jobs',
@@ -39,11 +38,11 @@ def upgrade() -> None:
     sa.Column('validation_dataset_id', sa.String(length=32), nullable=True),
     sa.Column('spec', sa.JSON(), nullable=False),
     sa.Column('label_names', sa.JSON(), nullable=True),
-    sa.Column('created_at', shared.models.UTCDateTime(), nullable=False),
-    sa.Column('updated_at', shared.models.UTCDateTime(), nullable=False),
-    sa.Column('enqueued_at', shared.models.UTCDateTime(), nullable=True),
-    sa.Column('started_at', shared.models.UTCDateTime(), nullable=True),
-    sa.Column('finished_at', shared.models.UTCDateTime(), nullable=True),
+    sa.Column('created_at', shared.store.rows.UTCDateTime(), nullable=False),
+    sa.Column('updated_at', shared.store.rows.UTCDateTime(), nullable=False),
+    sa.Column('enqueued_at', shared.store.rows.UTCDateTime(), nullable=True),
+    sa.Column('started_at', shared.store.rows.UTCDateTime(), nullable=True),
+    sa.Column('finished_at', shared.store.rows.UTCDateTime(), nullable=True),
     sa.Column('cancel_requested', sa.Boolean(), nullable=False),
     sa.Column('step', sa.Integer(), nullable=False),
     sa.Column('total_steps', sa.Integer(), nullable=True),
@@ -54,7 +53,7 @@ def upgrade() -> None:
     sa.Column('validation_metrics', sa.JSON(), nullable=True),
     sa.Column('error', sa.JSON(), nullable=True),
     sa.Column('lease_owner', sa.String(length=255), nullable=True),
-    sa.Column('lease_expires_at', shared.models.UTCDateTime(), nullable=True),
+    sa.Column('lease_expires_at', shared.store.rows.UTCDateTime(), nullable=True),
     sa.Column('attempts', sa.Integer(), nullable=False),
     sa.Column('restarts', sa.Integer(), nullable=False),
     sa.ForeignKeyConstraint(['training_dataset_id'], ['datasets.id'], ),
@@ -70,7 +69,7 @@ def upgrade() -> None:
     sa.Column('step', sa.Integer(), nullable=False),
     sa.Column('path', sa.Text(), nullable=False),
     sa.Column('metrics', sa.JSON(), nullable=True),
-    sa.Column('created_at', shared.models.UTCDateTime(), nullable=False),
+    sa.Column('created_at', shared.store.rows.UTCDateTime(), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id')
     )
@@ -80,7 +79,7 @@ def upgrade() -> None:
     op.create_table('job_events',
     sa.Column('id', sa.Integer(), autoincrement=True, nullable=False),
     sa.Column('job_id', sa.String(length=32), nullable=False),
-    sa.Column('time', shared.models.UTCDateTime(), nullable=False),
+    sa.Column('time', shared.store.rows.UTCDateTime(), nullable=False),
     sa.Column('level', sa.String(length=16), nullable=False),
     sa.Column('code', sa.String(length=64), nullable=False),
     sa.Column('message', sa.Text(), nullable=False),
@@ -97,7 +96,7 @@ def upgrade() -> None:
     sa.Column('epoch', sa.Float(), nullable=False),
     sa.Column('name', sa.String(length=64), nullable=False),
     sa.Column('value', sa.Float(), nullable=False),
-    sa.Column('time', shared.models.UTCDateTime(), nullable=False),
+    sa.Column('time', shared.store.rows.UTCDateTime(), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id')
     )

@@ -10,7 +10,7 @@ Revises: 0001
 import sqlalchemy as sa
 from alembic import op
 
-import shared.models  # custom column types (UTCDateTime)
+import shared.store.rows  # custom column types (UTCDateTime)
 
 revision = "0002"
 down_revision = "0001"
@@ -34,8 +34,8 @@ def upgrade() -> None:
         sa.Column("prefix", sa.String(length=16), nullable=False),
         sa.Column("key_hash", sa.String(length=64), nullable=False),
         sa.Column("name", sa.String(length=255), nullable=True),
-        sa.Column("created_at", shared.models.UTCDateTime(), nullable=False),
-        sa.Column("revoked_at", shared.models.UTCDateTime(), nullable=True),
+        sa.Column("created_at", shared.store.rows.UTCDateTime(), nullable=False),
+        sa.Column("revoked_at", shared.store.rows.UTCDateTime(), nullable=True),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("key_hash"),
     )
@@ -50,7 +50,7 @@ def upgrade() -> None:
         sa.Column("fingerprint", sa.String(length=64), nullable=False),
         sa.Column("status_code", sa.Integer(), nullable=True),
         sa.Column("response", sa.JSON(), nullable=True),
-        sa.Column("created_at", shared.models.UTCDateTime(), nullable=False),
+        sa.Column("created_at", shared.store.rows.UTCDateTime(), nullable=False),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("tenant", "route", "key", name="uq_idempotency_tenant_route_key"),
     )

@@ -10,7 +10,7 @@ Revises: 0006
 import sqlalchemy as sa
 from alembic import op
 
-import shared.models  # custom column types (UTCDateTime)
+import shared.store.rows  # custom column types (UTCDateTime)
 
 revision = '0009'
 down_revision = '0006'
@@ -21,7 +21,7 @@ depends_on = None
 def upgrade() -> None:
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         batch_op.add_column(sa.Column('plan_seconds', sa.Float(), nullable=True))
-        batch_op.add_column(sa.Column('planned_at', shared.models.UTCDateTime(), nullable=True))
+        batch_op.add_column(sa.Column('planned_at', shared.store.rows.UTCDateTime(), nullable=True))
     op.create_table(
         'webhooks',
         sa.Column('id', sa.String(length=32), nullable=False),
@@ -30,7 +30,7 @@ def upgrade() -> None:
         sa.Column('events', sa.JSON(), nullable=False),
         sa.Column('secret', sa.String(length=64), nullable=False),
         sa.Column('description', sa.String(length=255), nullable=True),
-        sa.Column('created_at', shared.models.UTCDateTime(), nullable=False),
+        sa.Column('created_at', shared.store.rows.UTCDateTime(), nullable=False),
         sa.PrimaryKeyConstraint('id'),
     )
     op.create_index('ix_webhooks_tenant_created', 'webhooks', ['tenant', 'created_at'])
@@ -43,12 +43,12 @@ def upgrade() -> None:
         sa.Column('payload', sa.JSON(), nullable=False),
         sa.Column('status', sa.String(length=16), nullable=False),
         sa.Column('attempts', sa.Integer(), nullable=False),
-        sa.Column('next_attempt_at', shared.models.UTCDateTime(), nullable=False),
-        sa.Column('lease_expires_at', shared.models.UTCDateTime(), nullable=True),
+        sa.Column('next_attempt_at', shared.store.rows.UTCDateTime(), nullable=False),
+        sa.Column('lease_expires_at', shared.store.rows.UTCDateTime(), nullable=True),
         sa.Column('response_status', sa.Integer(), nullable=True),
         sa.Column('error', sa.Text(), nullable=True),
-        sa.Column('created_at', shared.models.UTCDateTime(), nullable=False),
-        sa.Column('delivered_at', shared.models.UTCDateTime(), nullable=True),
+        sa.Column('created_at', shared.store.rows.UTCDateTime(), nullable=False),
+        sa.Column('delivered_at', shared.store.rows.UTCDateTime(), nullable=True),
         sa.ForeignKeyConstraint(['webhook_id'], ['webhooks.id'], ondelete='CASCADE'),
         sa.PrimaryKeyConstraint('id'),
         sa.UniqueConstraint('webhook_id', 'event_id', name='uq_webhook_deliveries_event'),

@@ -1,5 +1,5 @@
 """The job store's webhook tables (migration 0009): a tenant's endpoints and the deliveries of
-events to them (``shared.webhooks``). A delivery row is written in the same transaction as the
+events to them (``shared.jobs.webhooks``). A delivery row is written in the same transaction as the
 change it reports (a transactional outbox), so no event is lost when a process stops."""
 
 from datetime import datetime
@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import ForeignKey, Index, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from shared.models import DEFAULT_TENANT, Base, new_id, utcnow
+from shared.store.rows import DEFAULT_TENANT, Base, new_id, utcnow
 
 
 class Webhook(Base):

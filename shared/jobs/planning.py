@@ -9,16 +9,18 @@ from pathlib import Path
 import numpy as np
 from sqlalchemy import select
 
-from shared import quotas
-from shared.base_models import resolve_model
-from shared.batching import STRATEGIES, BatchPlan, job_ladder
-from shared.datasets import (ClassIndex, JobColumns, LabelSummary, Problems, job_batches, scan_job_data,
-                             split_train_validation, validation_size)
-from shared.db import read_session
+from shared.data.batching import STRATEGIES, BatchPlan, job_ladder
+from shared.data.columns import JobColumns, job_batches
+from shared.data.labels import ClassIndex, LabelSummary, scan_job_data
+from shared.data.problems import Problems
+from shared.data.split import split_train_validation, validation_size
 from shared.errors import UserError
-from shared.models import Dataset, Job, JobStatus
-from shared.schemas import JobCreate
-from shared.tenancy import Caller, scoped
+from shared.jobs.base_models import resolve_model
+from shared.schemas.jobs import JobCreate
+from shared.store import quotas
+from shared.store.engine import read_session
+from shared.store.rows import Dataset, Job, JobStatus
+from shared.store.tenancy import Caller, scoped
 
 
 @dataclass
@@ -77,7 +79,7 @@ def _require_columns(dataset: Dataset, cols: JobColumns) -> None:
 
 def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
     """Check a spec against its model and data (datasets that ``caller`` may see) before anything
-    is stored or queued, reading the data in batches (``shared.datasets.scan_job_data``) and keeping only row counts and classes.
+    is stored or queued, reading the data in batches (``shared.data.labels.scan_job_data``) and keeping only row counts and classes.
 
     Raises:
         UserError: unknown model or dataset, ``max_length`` beyond the model's, missing column,

@@ -1,5 +1,4 @@
-"""Webhook request and response bodies (``api.routers.webhooks``). A module of its own until
-``shared/schemas.py`` becomes a package (issue 28); then ``shared.schemas.webhooks``."""
+"""Webhook request and response bodies (``api.routers.webhooks``, ``shared.jobs.webhooks``)."""
 
 from datetime import datetime
 from typing import Any, Literal

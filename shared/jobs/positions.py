@@ -20,10 +20,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from shared.db import read_session, session_scope
-from shared.models import Job, JobStatus, utcnow
-from shared.schemas_queue import QueuePosition
-from shared.tenancy import Caller
+from shared.schemas.queue import QueuePosition
+from shared.store.engine import read_session, session_scope
+from shared.store.rows import Job, JobStatus, utcnow
+from shared.store.tenancy import Caller
 
 log = logging.getLogger(__name__)
 PLANS_PER_SWEEP = 5  # queued jobs planned per sweep: a dry run tokenizes a whole dataset
@@ -71,8 +71,8 @@ def with_positions(views: list) -> list:
 
 def estimate_queued() -> int:
     """Plan up to PLANS_PER_SWEEP queued jobs that have no plan estimate yet, oldest first, and store
-    each one's ``estimated_seconds`` (``shared.planning.plan_job``,
-    ``shared.predictions.plan_prediction``) as ``Job.plan_seconds``. A plan that fails (its dataset
+    each one's ``estimated_seconds`` (``shared.jobs.planning.plan_job``,
+    ``shared.jobs.predictions.plan_prediction``) as ``Job.plan_seconds``. A plan that fails (its dataset
     was deleted meanwhile) stores none. Returns how many were planned."""
     with read_session() as s:
         todo = s.execute(select(Job.id, Job.kind, Job.tenant, Job.spec)
@@ -92,8 +92,9 @@ def estimate_queued() -> int:
 
 def plan_estimate(kind: str, spec: dict, caller: Caller) -> float | None:
     """The dry-run plan's ``estimated_seconds`` of a stored job spec of ``kind``."""
-    from shared import planning, predictions
-    from shared.schemas import JobCreate, PredictionCreate
+    from shared.jobs import planning, predictions
+    from shared.schemas.jobs import JobCreate
+    from shared.schemas.predictions import PredictionCreate
 
     if kind == predictions.KIND:
         plan = predictions.plan_prediction(predictions.check_prediction(PredictionCreate.model_validate(spec), caller))

@@ -10,7 +10,7 @@ library (or Svix's) as it is.
 Where deliveries come from and go:
 
 - **Written with the change they report.** ``job_ended`` runs inside the transaction that ends a
-  job (``shared.jobs``), and inserts one ``WebhookDelivery`` row per subscribed endpoint (a
+  job (``shared.jobs.lifecycle``), and inserts one ``WebhookDelivery`` row per subscribed endpoint (a
   transactional outbox): an event is stored exactly when its job's end is, and no process stop
   loses it. ``(webhook_id, event_id)`` is unique and the event id is the job's id and status, so
   one end is one delivery per endpoint.
@@ -49,12 +49,12 @@ import httpx
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from shared.db import keyset_page, read_session, session_scope
 from shared.errors import NotFound, UserError
-from shared.models import Job, utcnow
 from shared.settings import get_settings
+from shared.store.engine import keyset_page, read_session, session_scope
+from shared.store.rows import Job, utcnow
+from shared.store.tenancy import Caller
 from shared.store.webhook_rows import Webhook, WebhookDelivery
-from shared.tenancy import Caller
 
 log = logging.getLogger(__name__)
 

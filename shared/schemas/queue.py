@@ -1,5 +1,4 @@
-"""The API view of a queued job's place in the queue (``shared.positions``). A module of its own
-until ``shared/schemas.py`` becomes a package (issue 28); then ``shared.schemas.queue``."""
+"""The API view of a queued job's place in the queue (``shared.jobs.positions``)."""
 
 from datetime import datetime
 

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from shared.errors import UserError
 from shared.settings import get_settings
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 WRITE = "tunejob_write"  # execution option of the engine that begins IMMEDIATE transactions
 
 

@@ -12,10 +12,10 @@ its lease with a heartbeat; every write it makes is conditional on still holding
 (run periodically by the API and by every worker) re-queues jobs whose lease expired and re-sends
 the message of queued jobs that never reached the broker.
 
-Jobs are of two kinds (``Job.kind``): ``train`` and ``predict`` (``shared.predictions``). Both go
-through this one lifecycle; the routes of each kind see only its jobs (``shared.tenancy.owned_job``).
+Jobs are of two kinds (``Job.kind``): ``train`` and ``predict`` (``shared.jobs.predictions``). Both go
+through this one lifecycle; the routes of each kind see only its jobs (``shared.store.tenancy.owned_job``).
 
-Files follow the rows: ``delete_job`` (and ``shared.uploads.delete_dataset``) leave a tombstone row (the id answers
+Files follow the rows: ``delete_job`` (and ``shared.jobs.uploads.delete_dataset``) leave a tombstone row (the id answers
 404 saying it was deleted) and remove the files; a succeeded job's step checkpoints are deleted
 (``discard_checkpoints``); ``sweep_files`` applies ``artifact_retention_days`` and removes whatever
 a process that died between its commit and its clean-up left behind.
@@ -32,14 +32,30 @@ from pydantic import BaseModel
 from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
-from shared import artifacts, idempotency, quotas, webhooks
-from shared.db import keyset_page, read_session, session_scope
 from shared.errors import Conflict, NotFound, UserError, without_paths
-from shared.models import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
-from shared.planning import check_spec
-from shared.schemas import Hyperparameters, JobCreate, JobOut, Progress, Timings, json_safe
+from shared.jobs import planning, webhooks
+from shared.schemas.jobs import (
+    Hyperparameters,
+    JobCreate,
+    JobOut,
+    Progress,
+    Timings,
+    json_safe,
+)
 from shared.settings import get_settings
-from shared.tenancy import Caller, lock_tenant, owned_job, scoped
+from shared.store import artifacts, idempotency, quotas
+from shared.store.engine import keyset_page, read_session, session_scope
+from shared.store.rows import (
+    Checkpoint,
+    Dataset,
+    Job,
+    JobEvent,
+    JobMetric,
+    JobStatus,
+    new_id,
+    utcnow,
+)
+from shared.store.tenancy import Caller, lock_tenant, owned_job, scoped
 
 ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
 RESUMES_FROM = {"train": "the latest checkpoint", "predict": "the last results part written"}
@@ -88,18 +104,18 @@ def to_out(job: Job) -> JobOut:
 def create_job(spec: JobCreate, caller: Caller, claim: idempotency.Claim | None = None) -> Job:
     """Validate a job spec against its model and data, then insert it as ``queued`` for the caller's
     tenant. With an idempotency ``claim``, the response (``to_out``) is recorded in the same
-    transaction (``shared.idempotency``).
+    transaction (``shared.store.idempotency``).
 
     The caller enqueues the job id once this returns (the row is committed by then). The job's
     ``created_at`` is when this was called, so its ``queued`` time includes the checks.
 
     Raises:
-        UserError: see ``shared.planning.check_spec``; ``unknown_dataset`` if a dataset was deleted
+        UserError: see ``shared.jobs.planning.check_spec``; ``unknown_dataset`` if a dataset was deleted
             while the spec was checked; 429 ``too_many_active_jobs`` and 413
-            ``storage_quota_exceeded`` (``shared.quotas``).
+            ``storage_quota_exceeded`` (``shared.store.quotas``).
     """
     received = utcnow()
-    checked = check_spec(spec, caller)
+    checked = planning.check_spec(spec, caller)
     with admission(caller) as s:
         for dataset in filter(None, [checked.train, checked.validation]):
             # Locked against a concurrent DELETE /datasets/{id}, which locks it to check for active jobs.
@@ -120,7 +136,7 @@ def admission(caller: Caller) -> Iterator[Session]:
     active-jobs quota checked.
 
     Raises:
-        UserError: 413 ``storage_quota_exceeded``, 429 ``too_many_active_jobs`` (``shared.quotas``).
+        UserError: 413 ``storage_quota_exceeded``, 429 ``too_many_active_jobs`` (``shared.store.quotas``).
     """
     with read_session() as s:
         quotas.check_storage(s, caller.tenant)
@@ -194,8 +210,7 @@ def list_checkpoints(job_id: str, caller: Caller) -> list[Checkpoint]:
 
 
 def _end(s: Session, job: Job, status: str, now: datetime) -> None:
-    """Set a job's final status, end time and ``timings.total`` (POST to now), and store the
-    webhook deliveries of its end in the same transaction (``shared.webhooks.job_ended``)."""
+    """Set a job's final status, end time and ``timings.total``, and its webhook deliveries (``webhooks.job_ended``)."""
     job.status, job.finished_at = status, now
     job.timings = {**(job.timings or {}), "total": round((now - job.created_at).total_seconds(), 3)}
     webhooks.job_ended(s, job)
@@ -440,7 +455,7 @@ def get_checkpoint(job_id: str, step: int, caller: Caller) -> Path:
 
 
 def model_files(job_id: str, caller: Caller) -> dict[str, Path]:
-    """A succeeded job's model files by name (``shared.artifacts.listing`` names what is
+    """A succeeded job's model files by name (``shared.store.artifacts.listing`` names what is
     downloadable). Empty before the job has succeeded, and after its files were deleted.
 
     Raises:

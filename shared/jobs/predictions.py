@@ -32,19 +32,32 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from shared import artifacts, idempotency
-from shared.base_models import resolve_model
-from shared.batching import bucket_width, job_ladder, token_budget_batches
-from shared.datasets import Problems, check_text, read_batches
-from shared.db import read_session
+from shared.data.batching import bucket_width, job_ladder, token_budget_batches
+from shared.data.columns import check_text
+from shared.data.problems import Problems
+from shared.data.read import read_batches
 from shared.errors import Deleted, NotFound, UserError, without_paths
-from shared.jobs import admission, insert_queued
-from shared.models import Dataset, Job, JobStatus, new_id, utcnow
-from shared.planning import TOKENIZE_ROWS, estimate_seconds, max_input_length, visible_dataset
-from shared.schemas import (PredictionCreate, PredictionOut, PredictionProgress, PredictionResult, Timings,
-                            json_safe)
+from shared.inference.heads import task_of
+from shared.jobs.base_models import resolve_model
+from shared.jobs.lifecycle import admission, insert_queued
+from shared.jobs.planning import (
+    TOKENIZE_ROWS,
+    estimate_seconds,
+    max_input_length,
+    visible_dataset,
+)
+from shared.schemas.jobs import Timings, json_safe
+from shared.schemas.predictions import (
+    PredictionCreate,
+    PredictionOut,
+    PredictionProgress,
+    PredictionResult,
+)
 from shared.settings import get_settings
-from shared.tenancy import Caller, owned_job
+from shared.store import artifacts, idempotency
+from shared.store.engine import read_session
+from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
+from shared.store.tenancy import Caller, owned_job
 
 KIND = "predict"
 TASKS = ("classification", "regression", "multi_label", "token_classification")
@@ -52,7 +65,7 @@ PART_GLOB = "part-*.parquet"
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "csv": "text/csv", "parquet": "application/vnd.apache.parquet"}
 # Written in each part's Parquet metadata, summed over the parts for the job's result.
 PART_COUNTS = ("rows", "truncated", "tokens", "padded_tokens")
-# One entity of a token_classification row (``shared.inference.entity_rows``).
+# One entity of a token_classification row (``shared.inference.loop.entity_rows``).
 ENTITY = pa.struct([("entity_group", pa.string()), ("score", pa.float64()), ("word", pa.string()),
                     ("start", pa.int64()), ("end", pa.int64())])
 
@@ -81,7 +94,6 @@ def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
     """
     from transformers import AutoConfig
 
-    from shared.inference import task_of  # torch: loaded by the API's first prediction request
 
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
@@ -102,7 +114,7 @@ def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
 
 def prediction_model(ref: str, caller: Caller) -> PredictionModel:
     """The model ``ref`` names: a succeeded training job of ``caller``'s tenant (``job_…``), else a
-    base model (``shared.base_models``).
+    base model (``shared.jobs.base_models``).
 
     Raises:
         UserError (naming ``model``): ``unknown_model`` (404 for a job id that does not exist or is
@@ -158,7 +170,7 @@ def _columns(spec: PredictionCreate) -> list[tuple[str, str]]:
 
 
 def prediction_batches(dataset: Dataset, spec: PredictionCreate, problems: Problems) -> Iterator[PredictionBatch]:
-    """Read and check the columns a prediction uses, batch by batch (``shared.datasets.read_batches``):
+    """Read and check the columns a prediction uses, batch by batch (``shared.data.read.read_batches``):
     texts must be non-empty strings (as for training; a list of words, such as a token
     classification dataset's words column, is refused too: ``_text_problem``), ids present scalars.
     Problems go to ``problems`` (the caller raises them); no batch is yielded after the first one."""
@@ -404,7 +416,7 @@ def write_part(directory: Path, index: int, table: pa.Table, counts: dict[str, i
 def results_table(ids: list, task: str, label_names: list[str] | None, rows: list[dict],
                   id_type: pa.DataType) -> pa.Table:
     """One part's rows as a table: ``id``, then the task's ``result_fields``. ``rows``:
-    ``shared.inference.Predictions.rows``."""
+    ``shared.inference.loop.Predictions.rows``."""
     columns = {"id": pa.array(ids, id_type)}
     for name, kind in result_fields(task, label_names):
         columns[name] = pa.array([r[name] for r in rows], kind)
@@ -438,7 +450,7 @@ def results_stream(job_id: str, caller: Caller, fmt: str) -> Iterator[bytes]:
     ``entities``) as JSON text. A prediction deleted while its results are sent ends the stream early.
 
     Raises:
-        NotFound, Deleted: see ``shared.jobs.get_job``. UserError: ``results_not_ready`` (409)
+        NotFound, Deleted: see ``shared.jobs.lifecycle.get_job``. UserError: ``results_not_ready`` (409)
             before the job has succeeded; ``results_deleted`` (409) after its files were removed.
     """
     with read_session() as s:

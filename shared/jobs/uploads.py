@@ -10,20 +10,20 @@ from pathlib import Path
 
 from sqlalchemy import or_, select
 
-from shared import artifacts, idempotency, quotas
-from shared.datasets import inspect_dataset
-from shared.db import keyset_page, read_session, session_scope
+from shared.data.read import inspect_dataset
 from shared.errors import Conflict
-from shared.models import Dataset, Job, JobStatus, new_id, utcnow
-from shared.schemas import DatasetOut
+from shared.schemas.jobs import DatasetOut
 from shared.settings import get_settings
-from shared.tenancy import Caller, lock_tenant, owned, scoped
+from shared.store import artifacts, idempotency, quotas
+from shared.store.engine import keyset_page, read_session, session_scope
+from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
+from shared.store.tenancy import Caller, lock_tenant, owned, scoped
 
 
 def store_dataset(tmp: Path, filename: str, fmt: str, size: int, sha256: str, caller: Caller,
                   claim: idempotency.Claim | None = None) -> Dataset:
     """Check an uploaded file, received at ``tmp`` (``api.uploads`` streams it there), in batches
-    (``shared.datasets.inspect_dataset``: UTF-8, parses, unique header, no ragged row, at least one
+    (``shared.data.read.inspect_dataset``: UTF-8, parses, unique header, no ragged row, at least one
     row, Parquet's expanded size) and against the caller's quotas, then move it under a
     server-chosen name and record it for the caller's tenant. A rejected file leaves no row and no
     file behind (the caller removes ``tmp``). With an idempotency ``claim``, the response
@@ -35,7 +35,7 @@ def store_dataset(tmp: Path, filename: str, fmt: str, size: int, sha256: str, ca
 
     Raises:
         UserError: what ``inspect_dataset`` raises, with up to 20 problems (row, column, value);
-            422 ``too_many_columns``, 413 ``storage_quota_exceeded`` (``shared.quotas``).
+            422 ``too_many_columns``, 413 ``storage_quota_exceeded`` (``shared.store.quotas``).
     """
     dataset_id = new_id("ds")
     final = get_settings().path("uploads", f"{dataset_id}.{fmt}")
@@ -72,7 +72,7 @@ def get_dataset(dataset_id: str, caller: Caller, param: str | None = None) -> Da
 def list_datasets(caller: Caller, limit: int | None = None, after: str | None = None,
                   newest_first: bool = True) -> tuple[list[Dataset], bool]:
     """The caller's datasets (an admin's: all) in upload order (newest first by default), ``limit``
-    at a time after the dataset ``after``. Returns (datasets, has_more); see ``shared.db.keyset_page``."""
+    at a time after the dataset ``after``. Returns (datasets, has_more); see ``shared.store.engine.keyset_page``."""
     mine = scoped(select(Dataset), Dataset, caller)
     with read_session() as s:
         return keyset_page(s, mine, Dataset, after, limit, newest_first, within=mine)

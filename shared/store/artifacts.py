@@ -23,8 +23,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from shared.manifest import MANIFEST, manifest_entries
 from shared.settings import get_settings
+from shared.store.manifest import MANIFEST, manifest_entries
 
 METRICS = "metrics.json"
 TRAINING_STATE = "training_state.pt"  # in checkpoints only; never part of a downloaded model
@@ -65,7 +65,7 @@ def files_of(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, Path]:
 
 def write_manifest(directory: Path, hashed: dict[str, dict] | None = None) -> dict:
     """Write ``manifest.json`` into a model directory: every other file's name, size in bytes and
-    sha256, so that a download can be checked (``shared.manifest.verify_manifest``, or
+    sha256, so that a download can be checked (``shared.store.manifest.verify_manifest``, or
     ``sha256sum``). Files in ``hashed`` (from ``manifest_entries``) are not read again. Returns the
     manifest."""
     hashed = hashed or {}

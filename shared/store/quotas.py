@@ -21,8 +21,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from shared.errors import UserError
-from shared.models import Dataset, Job, JobStatus
 from shared.settings import get_settings
+from shared.store.rows import Dataset, Job, JobStatus
 
 ACTIVE_JOBS_RETRY_AFTER_S = 60  # a guess at how soon a slot frees: jobs take minutes to hours
 
@@ -50,7 +50,7 @@ def _metadata_error(detail: str) -> UserError:
 
 def check_active_jobs(session: Session, tenant: str) -> None:
     """Raises: UserError 429 ``too_many_active_jobs`` when ``tenant`` has its maximum of queued +
-    running jobs. Call in the transaction that inserts the job, after ``shared.tenancy.lock_tenant``."""
+    running jobs. Call in the transaction that inserts the job, after ``shared.store.tenancy.lock_tenant``."""
     limit = get_settings().max_active_jobs_per_tenant
     active = session.scalar(select(func.count()).select_from(Job).where(
         Job.tenant == tenant, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING])))
@@ -87,7 +87,7 @@ def check_storage(session: Session, tenant: str, adding: int = 0, job_files: int
 
     ``job_files``: ``job_files_bytes`` taken before the transaction (computed here if None). The
     dataset bytes are summed in ``session``, so that two uploads checked in transactions serialized by
-    ``shared.tenancy.lock_tenant`` cannot both pass on the same free space.
+    ``shared.store.tenancy.lock_tenant`` cannot both pass on the same free space.
     """
     limit = get_settings().max_storage_bytes_per_tenant
     uploads = session.scalar(select(func.coalesce(func.sum(Dataset.bytes), 0)).where(Dataset.tenant == tenant))

@@ -17,18 +17,18 @@ inside the transaction that writes the result; ``abandon`` on failure) or ``Repl
 """
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from shared.db import read_session, session_scope
 from shared.errors import UserError
-from shared.models import IdempotencyRecord, utcnow
+from shared.store.engine import read_session, session_scope
+from shared.store.rows import IdempotencyRecord, utcnow
 
 TTL = timedelta(hours=24)
 STALE_CLAIM = timedelta(minutes=10)  # longer than any request takes (a 2 GiB upload is validated in under that)

@@ -29,11 +29,11 @@ from pathlib import Path
 
 from sqlalchemy import bindparam, make_url, select
 
-from shared.db import read_session, session_scope
 from shared.errors import NotFound, UserError
-from shared.models import DEFAULT_TENANT, ApiKey, utcnow
 from shared.settings import get_settings
-from shared.tenancy import Caller
+from shared.store.engine import read_session, session_scope
+from shared.store.rows import DEFAULT_TENANT, ApiKey, utcnow
+from shared.store.tenancy import Caller
 
 KEY_PREFIX = "tj_"
 PREFIX_CHARS = len(KEY_PREFIX) + 8  # stored and shown; 48 of the key's 256 random bits

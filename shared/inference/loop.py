@@ -4,7 +4,7 @@ then predict lists of texts fast (``predict_texts``).
 The loop is the training engine's smart batching without the training (McCormick, "Smart Batching
 Tutorial"; Benesty, "Divide Hugging Face Transformers training time by 2 or more", in the seed
 notebooks): texts are tokenized once with the fast tokenizer, without padding; their indices are
-sorted by length and cut into batches by a token budget (``shared.batching.token_budget_batches``:
+sorted by length and cut into batches by a token budget (``shared.data.batching.token_budget_batches``:
 no gradients and no optimizer state, so batches can be far larger than in training); each batch is
 padded only to its longest member (the CPU) or to the next width of the bucket ladder (CUDA: few
 shapes), run under ``torch.inference_mode`` and autocast (bf16 on CUDA by default), and the
@@ -29,13 +29,21 @@ from threading import Lock
 
 import numpy as np
 import torch
-from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification,
-                          AutoTokenizer, BatchEncoding, DataCollatorWithPadding, TokenClassificationPipeline)
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    BatchEncoding,
+    DataCollatorWithPadding,
+    TokenClassificationPipeline,
+)
 from transformers.pipelines.token_classification import AggregationStrategy
 
-from shared.batching import bucket_width, job_ladder, token_budget_batches
+from shared.data.batching import bucket_width, job_ladder, token_budget_batches
 from shared.errors import UserError, without_paths
-from shared.precision import autocast_dtype
+from shared.inference.heads import task_of
+from shared.inference.precision import autocast_dtype
 
 PRECISIONS = ("auto", "fp32", "bf16")
 # Default token budget per batch (rows x padded width). CPU: on the 2-core CPU under load 6-7
@@ -125,28 +133,6 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
         if task == "multi_label" else None,
         entities=TokenClassificationPipeline(model=model, tokenizer=tokenizer, device=model.device)
         if task == "token_classification" else None)
-
-
-def task_of(config) -> str:
-    """``"token_classification"`` (a ``…ForTokenClassification`` architecture), else, for a
-    ``…ForSequenceClassification`` one: ``"regression"`` (problem_type regression, or a single
-    output), ``"multi_label"`` (problem_type multi_label_classification) or ``"classification"``.
-
-    Raises:
-        ValueError: a problem type or architecture this module has no output for.
-    """
-    architectures = config.architectures or []
-    if any(a.endswith("ForTokenClassification") for a in architectures):
-        return "token_classification"
-    if not any(a.endswith("ForSequenceClassification") for a in architectures):
-        raise ValueError(f"architectures {architectures} are not sequence or token classification")
-    if config.problem_type == "regression" or (config.problem_type is None and config.num_labels == 1):
-        return "regression"
-    if config.problem_type in (None, "single_label_classification"):
-        return "classification"
-    if config.problem_type == "multi_label_classification":
-        return "multi_label"
-    raise ValueError(f"problem_type {config.problem_type!r} is not supported for prediction")
 
 
 def predict_texts(loaded: LoadedModel, texts: list[str], pairs: list[str] | None = None,

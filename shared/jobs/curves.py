@@ -12,8 +12,8 @@ import math
 
 from sqlalchemy import Row, select
 
-from shared.db import read_session
-from shared.models import JobMetric
+from shared.store.engine import read_session
+from shared.store.rows import JobMetric
 
 Series = dict[str, tuple[list[int], list[float]]]  # metric name -> (steps, values)
 

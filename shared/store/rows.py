@@ -3,16 +3,26 @@ API keys and idempotency records.
 
 The job row is the source of truth for a job's lifecycle (see ``shared.jobs``); the broker only
 carries job ids. Datasets and jobs belong to a tenant (the tenant of the API key that created
-them); metrics, events, checkpoints and artifacts belong to their job's tenant (``shared.tenancy``).
+them); metrics, events, checkpoints and artifacts belong to their job's tenant (``shared.store.tenancy``).
 """
 
 import secrets
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-
 
 DEFAULT_TENANT = "default"  # owns the rows created before API keys existed, and the local key of `tunejob serve`
 
@@ -69,10 +79,10 @@ class Dataset(Base):
 
 
 class Job(Base):
-    """A training job (``kind`` train) or a batch prediction (``kind`` predict, ``shared.predictions``),
+    """A training job (``kind`` train) or a batch prediction (``kind`` predict, ``shared.jobs.predictions``),
     which uses the columns as commented: its model in ``base_model``, the dataset it scores in
     ``training_dataset_id``, rows written / rows in ``step`` / ``total_steps``, its result
-    (``shared.schemas.PredictionResult``) in ``train_metrics``."""
+    (``shared.schemas.predictions.PredictionResult``) in ``train_metrics``."""
 
     __tablename__ = "jobs"
     __table_args__ = (Index("ix_jobs_status_created", "status", "created_at"),
@@ -100,7 +110,7 @@ class Job(Base):
     epoch: Mapped[float] = mapped_column(Float, default=0.0)
     eta_seconds: Mapped[float | None]
     device: Mapped[str | None] = mapped_column(String(64))
-    train_metrics: Mapped[dict[str, Any] | None]  # predict: its result (shared.schemas.PredictionResult)
+    train_metrics: Mapped[dict[str, Any] | None]  # predict: its result (shared.schemas.predictions.PredictionResult)
     validation_metrics: Mapped[dict[str, Any] | None]
     error: Mapped[dict[str, Any] | None]  # {"code", "message"}
     # Lease: which worker holds the job and until when (renewed by its heartbeat).
@@ -108,10 +118,10 @@ class Job(Base):
     lease_expires_at: Mapped[datetime | None]
     attempts: Mapped[int] = mapped_column(default=0)  # times a worker claimed the job
     restarts: Mapped[int] = mapped_column(default=0)  # re-queued after its worker died or failed unexpectedly
-    timings: Mapped[dict[str, Any] | None]  # seconds per phase (shared.schemas.Timings)
+    timings: Mapped[dict[str, Any] | None]  # seconds per phase (shared.schemas.jobs.Timings)
     files_deleted_at: Mapped[datetime | None]  # checkpoints and artifacts removed (DELETE or retention)
     deleted_at: Mapped[datetime | None]  # DELETE /jobs/{id}: the row is a tombstone, the id answers 404
-    # A queued job's estimated run time from its dry-run plan (shared.positions.estimate_queued),
+    # A queued job's estimated run time from its dry-run plan (shared.jobs.positions.estimate_queued),
     # computed once in the background; planned_at says it was tried (the estimate may be None).
     plan_seconds: Mapped[float | None]
     planned_at: Mapped[datetime | None]
@@ -171,7 +181,7 @@ class ApiKey(Base):
 
 
 class IdempotencyRecord(Base):
-    """The first outcome of a POST sent with an ``Idempotency-Key`` (``shared.idempotency``).
+    """The first outcome of a POST sent with an ``Idempotency-Key`` (``shared.store.idempotency``).
 
     The unique constraint decides which of two concurrent requests with the same key does the work.
     ``status_code`` is None while that request is still in progress.

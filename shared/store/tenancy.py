@@ -20,7 +20,7 @@ from sqlalchemy import Select, bindparam, select, text
 from sqlalchemy.orm import Session
 
 from shared.errors import Deleted, NotFound
-from shared.models import Dataset, Job
+from shared.store.rows import Dataset, Job
 
 Row = TypeVar("Row", Dataset, Job)
 # Built once: building a statement costs more than reading the row from SQLite, and the polling

@@ -6,11 +6,11 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import func, select
 
-from shared.db import read_session
-from shared.models import Job, JobEvent, JobStatus, utcnow
 from shared.settings import get_settings
+from shared.store.engine import read_session
+from shared.store.rows import Job, JobEvent, JobStatus, utcnow
 
-# Event codes written when a job (re-)enters the queue (``shared.jobs.create_job`` and
+# Event codes written when a job (re-)enters the queue (``shared.jobs.lifecycle.create_job`` and
 # ``_requeue_or_fail``): the newest of them is when a queued job started waiting.
 QUEUED_EVENT_CODES = ("created", "requeued", "job_restarted")
 STATUSES = (JobStatus.QUEUED, JobStatus.RUNNING, *JobStatus.FINISHED)
@@ -43,7 +43,7 @@ def snapshot(now: datetime | None = None) -> StoreSnapshot:
     its re-queueing, not its creation), and the running jobs' rows.
 
     The heartbeat age is ``lease_seconds`` minus the lease's remaining time: every lease renewal
-    (``shared.jobs.heartbeat`` and ``report``) sets the expiry to now + ``TUNEJOB_LEASE_SECONDS``.
+    (``shared.jobs.lifecycle.heartbeat`` and ``report``) sets the expiry to now + ``TUNEJOB_LEASE_SECONDS``.
 
     Raises:
         sqlalchemy.exc.SQLAlchemyError: the store did not answer.

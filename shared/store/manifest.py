@@ -1,5 +1,5 @@
 """A model directory's ``manifest.json``: each file's name, size in bytes and sha256, written by the
-worker into every finished model (``shared.artifacts.write_manifest``) and checked by the client
+worker into every finished model (``shared.store.artifacts.write_manifest``) and checked by the client
 after a download (``client.api.Client.download_model``).
 
 Standard library only: the client imports this module and must start without the server stack.

@@ -1,0 +1,1 @@
+"""One streaming reader per dataset format (``shared.data.read.read_batches`` picks one)."""
