@@ -109,6 +109,8 @@ def test_a_private_url_is_refused(stack, url):
 
 def test_bad_webhook_bodies_name_the_field(stack):
     cases = [({"url": "ftp://example.com/x", "events": ["job.succeeded"]}, "url"),
+             ({"url": "http://", "events": ["job.succeeded"]}, "url"),
+             ({"url": "http://no-such-host.invalid/x", "events": ["job.succeeded"]}, "url"),
              ({"url": "https://example.com/x", "events": ["job.finished"]}, "events.0"),
              ({"url": "https://example.com/x", "events": []}, "events")]
     for body, param in cases:

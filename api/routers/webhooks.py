@@ -30,7 +30,7 @@ def create_webhook(body: WebhookCreate, caller: CallerDep) -> WebhookCreated:
     shown only here: verify each delivery's ``webhook-signature`` with it (Standard Webhooks). A URL
     whose host is or resolves to a loopback, link-local or private address is refused (422
     ``private_url``) unless the operator allows it."""
-    return _out(webhooks.create_webhook(caller, str(body.url), list(body.events), body.description), WebhookCreated)
+    return _out(webhooks.create_webhook(caller, body.url, list(body.events), body.description), WebhookCreated)
 
 
 @router.get("")

@@ -3,7 +3,7 @@
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 EventType = Literal["job.succeeded", "job.failed", "job.cancelled",
                     "prediction.succeeded", "prediction.failed", "prediction.cancelled",
@@ -14,11 +14,15 @@ class WebhookCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
         "url": "https://hooks.example.com/tunejob", "events": ["job.succeeded", "job.failed"]}]})
 
-    url: AnyHttpUrl = Field(description="http(s) URL that receives each event as a signed POST; loopback, "
-                                        "link-local and private addresses are refused unless the operator sets "
-                                        "TUNEJOB_WEBHOOKS_ALLOW_PRIVATE_URLS=true")
+    # A string checked by shared.jobs.webhooks.resolve (422 invalid_url or private_url, naming the host),
+    # not pydantic's URL type, which would re-write it (a trailing slash) and refuse other schemes as a
+    # schema error the JSON Schema does not document.
+    url: str = Field(pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^\x00-\x20\x7f]+$", max_length=2048,
+                     description="http(s) URL that receives each event as a signed POST; loopback, link-local and "
+                                 "private addresses are refused unless the operator sets "
+                                 "TUNEJOB_WEBHOOKS_ALLOW_PRIVATE_URLS=true")
     events: list[EventType] = Field(min_length=1, description="event types to receive")
-    description: str | None = Field(None, max_length=255)
+    description: str | None = Field(None, max_length=255, pattern=r"^[^\x00-\x1f\x7f]*$")
 
 
 class WebhookOut(BaseModel):
