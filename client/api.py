@@ -32,6 +32,7 @@ from shared.schemas.jobs import (
     MetricOut,
 )
 from shared.schemas.predictions import PredictionCreate, PredictionList, PredictionOut
+from shared.schemas.webhooks import DeliveryList, DeliveryOut, WebhookCreated, WebhookOut
 from shared.store.manifest import MANIFEST, verify_manifest
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -390,6 +391,29 @@ class Client:
         """``POST /models/{job_id}/predict``: a few texts scored at once by the API process
         (``{"predictions": [...], "truncated", "max_length", ...}``)."""
         return self.request("POST", f"/models/{job_id}/predict", json={"inputs": inputs}).json()
+
+    # ------------------------------------------------------------------ webhooks
+
+    def create_webhook(self, url: str, events: list[str], description: str | None = None) -> WebhookCreated:
+        """``POST /webhooks``: the endpoint, with its ``secret`` (``whsec_…``, shown only this once)."""
+        body = {"url": url, "events": events, **({"description": description} if description else {})}
+        return WebhookCreated.model_validate(self.request("POST", "/webhooks", json=body).json())
+
+    def list_webhooks(self) -> list[WebhookOut]:
+        return [WebhookOut.model_validate(w) for w in self.request("GET", "/webhooks").json()["data"]]
+
+    def delete_webhook(self, webhook_id: str) -> None:
+        self.request("DELETE", f"/webhooks/{webhook_id}")
+
+    def webhook_deliveries(self, webhook_id: str, limit: int = 20, cursor: int | None = None) -> DeliveryList:
+        """``GET /webhooks/{id}/deliveries``, newest first; pass ``next_cursor`` back as ``cursor``."""
+        params = {"limit": limit, **({"cursor": cursor} if cursor else {})}
+        return DeliveryList.model_validate(self.request("GET", f"/webhooks/{webhook_id}/deliveries",
+                                                        params=params).json())
+
+    def ping_webhook(self, webhook_id: str) -> DeliveryOut:
+        """``POST /webhooks/{id}/ping``: a signed ``webhook.ping`` event is sent to the endpoint."""
+        return DeliveryOut.model_validate(self.request("POST", f"/webhooks/{webhook_id}/ping").json())
 
     # ------------------------------------------------------------------ following a job
 

@@ -29,6 +29,7 @@ from client.display import (
     age,
     dataset_table,
     event_line,
+    fields_table,
     id_column,
     job_table,
     pivot,
@@ -232,6 +233,43 @@ def predict_texts(client: Client, args, out: Console) -> None:
     show(out, args, answer, lambda: texts_table(args.texts, answer["predictions"]))
 
 
+def create_webhook(client: Client, args, out: Console) -> None:
+    webhook = client.create_webhook(args.url, args.events, args.description)
+    show(out, args, webhook, lambda: fields_table({
+        "id": webhook.id, "url": escape(webhook.url), "events": ", ".join(webhook.events),
+        "secret": f"{webhook.secret}  (shown only now: verify each delivery's webhook-signature with it)"}))
+
+
+def list_webhooks(client: Client, args, out: Console) -> None:
+    hooks = client.list_webhooks()
+    table = Table(id_column(), "url", "events", "age")
+    for w in hooks:
+        table.add_row(w.id, escape(w.url), ", ".join(w.events), age(w.created_at))
+    show(out, args, hooks, lambda: table)
+
+
+def webhook_deliveries(client: Client, args, out: Console) -> None:
+    page = client.webhook_deliveries(args.webhook_id, args.limit, args.cursor)
+    table = Table("event", "type", "status", "attempts", "last answer", "age")
+    for d in page.data:
+        answer = str(d.response_status) if d.response_status else escape(d.error or "")
+        table.add_row(d.event_id, d.event_type, d.status, str(d.attempts), answer, age(d.created_at))
+    if page.next_cursor:
+        table.caption = f"more: tunejob webhooks deliveries {args.webhook_id} --cursor {page.next_cursor}"
+    show(out, args, page, lambda: table)
+
+
+def ping_webhook(client: Client, args, out: Console) -> None:
+    delivery = client.ping_webhook(args.webhook_id)
+    show(out, args, delivery, lambda: f"ping {delivery.event_id} queued; see `tunejob webhooks deliveries "
+                                      f"{args.webhook_id}`")
+
+
+def delete_webhook(client: Client, args, out: Console) -> None:
+    client.delete_webhook(args.webhook_id)
+    out.print(f"deleted webhook {args.webhook_id}")
+
+
 def health(client: Client, args, out: Console) -> None:
     answer = client.wait_until_up(args.wait) if args.wait else client.health()
     show(out, args, answer, lambda: f"tunejob at {client.url}: {answer.get('status', answer)}")
@@ -293,6 +331,20 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", type=Path, help="file (default: ./<job id>.png)")
 
     add_predict_commands(commands, command, quiet, read)
+
+    hooks = commands.add_parser("webhooks", help="endpoints that hear when jobs end (client)") \
+        .add_subparsers(dest="subcommand", required=True)
+    p = command(hooks, "create", create_webhook, "register an endpoint; prints its secret once", quiet)
+    p.add_argument("url")
+    p.add_argument("events", nargs="+", metavar="EVENT", help="e.g. job.succeeded job.failed prediction.succeeded")
+    p.add_argument("--description")
+    command(hooks, "list", list_webhooks, "the endpoints, newest first", read)
+    p = command(hooks, "deliveries", webhook_deliveries, "an endpoint's delivery log, newest first", read)
+    p.add_argument("webhook_id")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--cursor", type=int, help="next_cursor of the previous page")
+    command(hooks, "ping", ping_webhook, "send a signed test event to an endpoint", read).add_argument("webhook_id")
+    command(hooks, "delete", delete_webhook, "delete an endpoint and its log").add_argument("webhook_id")
 
     command(commands, "health", health, "is the server up? (client)", read).add_argument(
         "--wait", type=float, metavar="SECONDS", help="wait this long for a server that is starting")

@@ -8,10 +8,14 @@ Deliveries go to a local HTTP receiver on 127.0.0.1, so these tests allow privat
 is made by ending a job row that the test writes straight to the store (no broker message, so the
 stack's worker leaves it alone) through the lifecycle's own ``request_cancel``."""
 
+import argparse
+import io
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
+from rich.console import Console
 from standardwebhooks.webhooks import Webhook as Verifier
 
 from shared.store.engine import session_scope
@@ -19,7 +23,8 @@ from shared.jobs.lifecycle import request_cancel
 from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
 from shared.settings import get_settings
 from shared.store.tenancy import Caller
-from tests.conftest import TINY_MODEL, wait_until
+from client import Client, cli
+from tests.conftest import BASE_URL, TINY_MODEL, wait_until
 
 
 class Receiver:
@@ -186,3 +191,33 @@ def test_a_ping_and_a_url_refused_again_at_delivery(stack, receiver, fast_webhoo
 
     assert stack.client.delete(f"/webhooks/{webhook['id']}").status_code == 204
     assert stack.client.get(f"/webhooks/{webhook['id']}/deliveries").status_code == 404
+
+
+class ViaTestClient(httpx.BaseTransport):
+    """The Python client's requests, answered by the stack's in-process API (its TestClient)."""
+
+    def __init__(self, api):
+        self.api = api
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        answer = self.api.request(request.method, str(request.url), headers=dict(request.headers),
+                                  content=request.read())
+        return httpx.Response(answer.status_code, headers=answer.headers.multi_items(), content=answer.content)
+
+
+def test_the_client_and_the_cli(stack, receiver, fast_webhooks):
+    key = stack.client.headers["Authorization"].removeprefix("Bearer ")
+    screen = io.StringIO()
+    out = Console(file=screen, width=200)
+    with Client(BASE_URL, api_key=key, transport=ViaTestClient(stack.client)) as client:
+        cli.create_webhook(client, argparse.Namespace(url=receiver.url, events=["job.cancelled"], description="ci",
+                                                      json=False, quiet=False), out)
+        [webhook] = [w for w in client.list_webhooks() if w.description == "ci"]
+        assert "whsec_" in screen.getvalue() and "shown only now" in screen.getvalue()
+        cli.ping_webhook(client, argparse.Namespace(webhook_id=webhook.id, json=False), out)
+        wait_until(lambda: client.webhook_deliveries(webhook.id).data[0].status == "delivered", "the ping arrived")
+        screen.truncate(0)
+        cli.webhook_deliveries(client, argparse.Namespace(webhook_id=webhook.id, limit=20, cursor=None, json=False), out)
+        assert "webhook.ping" in screen.getvalue() and "delivered" in screen.getvalue() and " 200 " in screen.getvalue()
+        client.delete_webhook(webhook.id)
+        assert webhook.id not in [w.id for w in client.list_webhooks()]
