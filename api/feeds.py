@@ -36,7 +36,7 @@ from starlette.concurrency import run_in_threadpool
 
 from shared.errors import NotFound, UserError
 from shared.jobs import lifecycle, predictions
-from shared.jobs.positions import queue_positions
+from shared.jobs.positions import moved, queue_positions
 from shared.schemas.jobs import EventOut, JobOut, MetricOut
 from shared.schemas.predictions import PredictionOut
 from shared.settings import get_settings
@@ -174,9 +174,10 @@ class JobFeed:
             self.started.set()
             while self.subscribers:
                 read = await run_in_threadpool(read_store, self.job_id, cursor, updated_at)
-                if read.metrics or read.events or read.updated_at != updated_at or read.job.queue != queue:
+                if read.metrics or read.events or read.updated_at != updated_at or moved(queue, read.job.queue):
                     self._publish(read)
-                cursor, updated_at, queue = advance(cursor, read), read.updated_at, read.job.queue
+                    queue = read.job.queue
+                cursor, updated_at = advance(cursor, read), read.updated_at
                 if read.finished:
                     self._publish(self.END)
                     return

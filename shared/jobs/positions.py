@@ -51,6 +51,18 @@ def queue_positions(s: Session, now: datetime | None = None) -> dict[str, QueueP
     return positions
 
 
+def moved(before: QueuePosition | None, after: QueuePosition | None, seconds: float = 5.0) -> bool:
+    """Whether a job's place changed enough to tell a stream: another position, an estimate that
+    appeared or went, or an estimated start that moved by ``seconds`` or more (it drifts a little on
+    every read, as the running jobs' ETAs are re-read)."""
+    if before is None or after is None:
+        return before is not after
+    if (before.position, before.estimated_start_at is None) != (after.position, after.estimated_start_at is None):
+        return True
+    return after.estimated_start_at is not None and \
+        abs((after.estimated_start_at - before.estimated_start_at).total_seconds()) >= seconds
+
+
 def remaining(eta_seconds: float | None, reported_at: datetime, now: datetime) -> float:
     """Seconds until a running job ends: its ETA as last reported, less the time since; unknown
     (``math.inf``) before its worker reported one."""
