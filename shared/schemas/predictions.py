@@ -28,6 +28,9 @@ class PredictionCreate(BaseModel):
     batch_size: int = Field(64, ge=1, le=4096, description="Texts per forward pass at most.")
     max_length: int | None = Field(None, ge=8, le=8192, description="Tokens per text (pair) at most; longer "
                                    "texts are truncated and counted. Default: the model's limit.")
+    precision: Literal["auto", "fp32", "bf16", "int8"] = Field("auto", description=(
+        "``auto``: bf16 on a GPU, fp32 on the CPU; ``int8``: CPU workers only, the model's Linear layers "
+        "dynamically quantized to int8 (PyTorch ``quantize_dynamic``): faster, labels may differ slightly."))
 
     @model_validator(mode="before")
     @classmethod
@@ -93,6 +96,7 @@ class PredictionOut(BaseModel):
     id_column: str | None
     batch_size: int
     max_length: int = Field(description="tokens per text (pair) at most: as requested, else the model's limit")
+    precision: str = "auto"
     label_names: list[Any] | None
     created_at: datetime
     started_at: datetime | None
