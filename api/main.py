@@ -19,7 +19,7 @@ from api.errors import install_error_handlers
 from api.feeds import Feeds
 from api.metrics import install_metrics
 from api.request_id import RequestId
-from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, webhooks
+from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, sweeps, webhooks
 from api.security import HostAndOriginCheck, allowed_hosts
 from shared.jobs.positions import estimate_queued
 from shared.jobs.webhooks import deliver_due
@@ -61,6 +61,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(live.router)
     app.include_router(predictions.router)
+    app.include_router(sweeps.router)
     app.include_router(openai_v1.router)
     app.include_router(webhooks.router)
     install_metrics(app)

@@ -32,6 +32,7 @@ from shared.schemas.jobs import (
     MetricOut,
 )
 from shared.schemas.predictions import PredictionCreate, PredictionList, PredictionOut
+from shared.schemas.sweeps import SweepCreate, SweepList, SweepOut, TrialOut
 from shared.schemas.webhooks import DeliveryList, DeliveryOut, WebhookCreated, WebhookOut
 from shared.store.manifest import MANIFEST, verify_manifest
 
@@ -354,6 +355,36 @@ class Client:
 
     # ------------------------------------------------------------------ predictions
 
+    def create_sweep(self, spec: SweepCreate | dict[str, Any], idempotency_key: str | None = None) -> SweepOut:
+        """``POST /sweeps``: the server checks the sweep, stores it and queues its first trials.
+        With ``idempotency_key``, a retry returns the same sweep and queues nothing."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return SweepOut.model_validate(self.request("POST", "/sweeps", json=_body(spec), headers=headers).json())
+
+    def plan_sweep(self, spec: SweepCreate | dict[str, Any]) -> dict[str, Any]:
+        """``POST /sweeps?dry_run=true``: the search space as understood, the first trials, one
+        trial's plan; nothing is stored or queued."""
+        return self.request("POST", "/sweeps", params={"dry_run": "true"}, json=_body(spec)).json()
+
+    def list_sweeps(self, limit: int = 20, cursor: str | None = None) -> SweepList:
+        params = {"limit": limit, **({"cursor": cursor} if cursor else {})}
+        return SweepList.model_validate(self.request("GET", "/sweeps", params=params).json())
+
+    def get_sweep(self, sweep_id: str) -> SweepOut:
+        return SweepOut.model_validate(self.request("GET", f"/sweeps/{sweep_id}").json())
+
+    def sweep_trials(self, sweep_id: str) -> list[TrialOut]:
+        """``GET /sweeps/{id}/trials``: every trial by number (each is a job: ``get_job(t.job_id)``)."""
+        return [TrialOut.model_validate(t) for t in self.request("GET", f"/sweeps/{sweep_id}/trials").json()["data"]]
+
+    def cancel_sweep(self, sweep_id: str) -> SweepOut:
+        """``POST /sweeps/{id}/cancel``: queued trials never start, running ones stop at their next step."""
+        return SweepOut.model_validate(self.request("POST", f"/sweeps/{sweep_id}/cancel").json())
+
+    def delete_sweep(self, sweep_id: str) -> None:
+        """``DELETE /sweeps/{id}``: an ended sweep and all its trials (their models too)."""
+        self.request("DELETE", f"/sweeps/{sweep_id}")
+
     def create_prediction(self, spec: PredictionCreate | dict[str, Any]) -> PredictionOut:
         """``POST /predictions``: score every row of a dataset with a model (a succeeded job of
         yours, or a base model with a classification head); the server checks, stores and queues it."""
@@ -496,7 +527,7 @@ class Client:
             time.sleep(interval)
 
 
-def _body(spec: JobCreate | PredictionCreate | dict[str, Any]) -> dict[str, Any]:
+def _body(spec: JobCreate | PredictionCreate | SweepCreate | dict[str, Any]) -> dict[str, Any]:
     """The JSON body of a job spec. A dict goes as it is: the server checks it and names what is wrong."""
     return spec if isinstance(spec, dict) else spec.model_dump(mode="json", exclude_none=True)
 

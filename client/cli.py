@@ -1,5 +1,5 @@
 """The ``tunejob`` commands that talk to a tunejob server over HTTP (``client.api``), with ``rich``
-output: ``datasets``, ``models``, ``jobs``, ``predict`` and ``health``.
+output: ``datasets``, ``models``, ``jobs``, ``sweeps`` (``client.sweeps``), ``predict`` and ``health``.
 
 ``tunejob.cli`` registers them beside ``serve``/``api``/``worker``/``db`` and hands them straight
 to ``main`` here, so that they start without the server stack (no torch, worker, pandas, job
@@ -24,6 +24,7 @@ from rich.filesize import decimal
 from rich.markup import escape
 from rich.table import Column, Table
 
+from client import sweeps
 from client.api import PREDICTION, TRAINING, Client, Kind, TunejobError
 from client.display import (
     age,
@@ -42,7 +43,7 @@ from client.display import (
     texts_table,
 )
 
-COMMANDS = ("datasets", "models", "jobs", "predict", "health")
+COMMANDS = ("datasets", "models", "jobs", "sweeps", "predict", "health")
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 Handler = Callable[[Client, argparse.Namespace, Console], int | None]
 
@@ -308,7 +309,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     add_create_arguments(command(jobs, "create", create_job, "create a fine-tuning job (or plan it: --dry-run)",
                                  quiet))
     p = command(jobs, "list", list_jobs, "the jobs, newest first", read)
-    p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled", "pruned"])
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--cursor", help="next_cursor of the previous page")
     command(jobs, "get", get_job, "one job: status, progress, metrics, error", read).add_argument("job_id")
@@ -330,6 +331,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("job_id")
     p.add_argument("-o", "--output", type=Path, help="file (default: ./<job id>.png)")
 
+    sweeps.add_commands(commands, command, quiet, read)
     add_predict_commands(commands, command, quiet, read)
 
     hooks = commands.add_parser("webhooks", help="endpoints that hear when jobs end (client)") \
@@ -500,7 +502,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         job, prediction = getattr(args, "job_id", None), getattr(args, "prediction_id", None)
+        sweep = getattr(args, "sweep_id", None)
         hint = (f" (tunejob predict cancel {prediction} stops it)" if prediction
-                else f" (tunejob jobs cancel {job} stops it)" if job else "")
+                else f" (tunejob jobs cancel {job} stops it)" if job
+                else f" (tunejob sweeps cancel {sweep} stops it)" if sweep else "")
         errors.print("stopped watching; the job goes on" + hint)
         return EXIT_INTERRUPTED

@@ -15,7 +15,8 @@ from rich.table import Column, Table
 from shared.schemas.jobs import DatasetOut, EventOut, JobOut, MetricOut
 from shared.schemas.predictions import PredictionOut
 
-STATUS_STYLE = {"queued": "yellow", "running": "cyan", "succeeded": "green", "failed": "red", "cancelled": "magenta"}
+STATUS_STYLE = {"queued": "yellow", "running": "cyan", "succeeded": "green", "failed": "red", "cancelled": "magenta",
+                "pruned": "blue"}
 
 
 def show(out: Console, args, value: Any, table: Callable[[], Any]) -> None:

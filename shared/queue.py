@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from celery import Celery
 
-from shared.jobs import lifecycle, predictions
+from shared.jobs import lifecycle, predictions, sweeps
 from shared.schemas.jobs import JobCreate
 from shared.schemas.predictions import PredictionCreate
 from shared.settings import Settings, get_settings
@@ -98,8 +98,23 @@ def submit(spec: JobCreate | PredictionCreate, caller: Caller, claim: idempotenc
     return lifecycle.get_job(job.id, caller, kind=job.kind)
 
 
+def send_trials(sweep_id: str) -> None:
+    """Send the sweep's queued trials whose message was never sent (just asked for). Logs, and
+    leaves to ``recovery_loop``, what the broker refuses."""
+    try:
+        for job_id in sweeps.unsent_trials(sweep_id):
+            send(job_id)
+    except Exception:
+        log.exception("trials of sweep %s stored but not yet sent to the broker", sweep_id)
+
+
 def resend_recovered() -> None:
     for job_id in lifecycle.recover():
+        send(job_id)
+
+
+def top_up_sweeps() -> None:
+    for job_id in sweeps.top_up_all():
         send(job_id)
 
 
@@ -113,7 +128,8 @@ class RecoveryThread:
                  every: Callable[[], float] | None = None, name: str = "tunejob-recover",
                  sweeps: tuple[Callable[[], object], ...] | None = None):
         self.stopping, self.join_seconds = threading.Event(), join_seconds
-        sweeps = (resend_recovered, lifecycle.sweep_files, idempotency.purge_expired) if sweeps is None else sweeps
+        sweeps = (resend_recovered, top_up_sweeps, lifecycle.sweep_files, idempotency.purge_expired) \
+            if sweeps is None else sweeps
         every = every or (lambda: get_settings().sweep_seconds)
         self.thread = threading.Thread(target=recovery_loop, args=(self.stopping, (*sweeps, *extra), every),
                                        name=name, daemon=True)
@@ -131,7 +147,8 @@ def recovery_loop(stop: threading.Event, sweeps: tuple[Callable[[], object], ...
                   every: Callable[[], float]) -> None:
     """Every ``every()`` seconds until ``stop`` is set, run each of ``sweeps``; by default
     (``RecoveryThread``): re-queue jobs whose lease expired and (re-)send the messages of queued
-    jobs (``shared.jobs.lifecycle.recover``), apply the artifact retention and remove leftover
+    jobs (``shared.jobs.lifecycle.recover``), queue the trials a sweep is short of
+    (``shared.jobs.sweeps.top_up_all``), apply the artifact retention and remove leftover
     files (``shared.jobs.lifecycle.sweep_files``), and delete expired idempotency records. Runs in
     the API and in every worker; any number of copies may run at once. A sweep that raises is
     logged and tried again next time."""

@@ -48,19 +48,20 @@ class Settings(BaseSettings):
     resend_after_seconds: float = 600.0  # re-send a queued job's message after this long (lost messages)
     stream_poll_seconds: float = 0.5  # GET /jobs/{id}/stream: how often the one reader per job reads the store
     stream_heartbeat_seconds: float = 15.0  # GET /jobs/{id}/stream: a comment line this often keeps proxies open
-    # Security (README "Security"): Host names the API answers besides the bound host and the
-    # localhost forms (comma-separated; "*" turns the check off), and the request rate per API key
-    # in the notation of the `limits` library ("100/second", "20/second;1000/minute").
+    # Security (docs/production/security.md): Host names the API answers besides the bound host and
+    # the localhost forms (comma-separated; "*" turns the check off), and the request rate per API
+    # key in the notation of the `limits` library ("100/second", "20/second;1000/minute").
     allowed_hosts: Annotated[list[str], NoDecode] = []
     rate_limit: str = "100/second"
     rate_limit_storage_url: str = "memory://"  # `limits` storage; e.g. redis://… to share it across API processes
-    # Caps and quotas (README "Limits"). metadata: the OpenAI limits.
+    # Caps and quotas (docs/production/security.md, "Limits"). metadata: the OpenAI limits.
     max_metadata_keys: int = MAX_METADATA_KEYS
     max_metadata_key_chars: int = MAX_METADATA_KEY_CHARS
     max_metadata_value_chars: int = MAX_METADATA_VALUE_CHARS
     max_classes: int = 1000
     max_columns: int = 256
     max_active_jobs_per_tenant: int = 50  # queued + running
+    max_trials_per_sweep: int = 200  # POST /sweeps: max_trials at most this (shared.jobs.sweeps)
     max_storage_bytes_per_tenant: int = 100 * 1024**3  # uploads + checkpoints + artifacts
     # Timeouts. A request that cannot get SQLite's write lock in sqlite_busy_timeout_seconds is
     # answered 503 with Retry-After. HTTP: idle keep-alive connections are closed after

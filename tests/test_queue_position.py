@@ -67,14 +67,17 @@ def test_queued_jobs_show_their_place_and_estimated_start(stack):
     assert line.startswith("#3 in queue · starts in ~2:") or line.startswith("#3 in queue · starts in ~3:"), line
 
     # the stream sends a new progress message when the place changes, though the job's row does not
+    # (it may send others with the same place: its row changes when the API plans it in the background)
     with stack.client.stream("GET", f"/jobs/{third}/stream") as stream:
         places = []
         for line in stream.iter_lines():
             if line.startswith("data: {") and '"queue"' in line:
-                places.append(json.loads(line[len("data: "):])["queue"]["position"])
-                if places == [3]:
+                place = json.loads(line[len("data: "):])["queue"]["position"]
+                if not places:
                     stack.client.post(f"/jobs/{first}/cancel")
-                if places[-1] == 2:
+                if not places or places[-1] != place:
+                    places.append(place)
+                if place == 2:
                     break
     assert places == [3, 2]
     for job_id in (second, third):

@@ -25,6 +25,7 @@ from shared.settings import get_settings
 from shared.store.tenancy import Caller
 from client import Client, cli
 from tests.conftest import BASE_URL, TINY_MODEL, wait_until
+from tests.test_api_jobs import labelled_csv
 
 
 class Receiver:
@@ -221,3 +222,19 @@ def test_the_client_and_the_cli(stack, receiver, fast_webhooks):
         assert "webhook.ping" in screen.getvalue() and "delivered" in screen.getvalue() and " 200 " in screen.getvalue()
         client.delete_webhook(webhook.id)
         assert webhook.id not in [w.id for w in client.list_webhooks()]
+
+
+def test_a_cancelled_sweep_is_delivered(stack, receiver, fast_webhooks):
+    from tests.test_cancel import LONG
+    from tests.test_sweeps import create, sweep_body
+
+    webhook = stack.client.post("/webhooks", json={"url": receiver.url, "events": ["sweep.cancelled"]}).json()
+    dataset = stack.client.post("/datasets", files={"file": ("s.csv", io.BytesIO(labelled_csv(rows=48, seed=5)))}).json()
+    sweep = create(stack.client, sweep_body(dataset["id"], hyperparameters={"batch_size": 8, "max_length": 32, **LONG}))
+    assert stack.client.post(f"/sweeps/{sweep['id']}/cancel").status_code == 200
+    wait_until(lambda: [d["status"] for d in deliveries(stack.client, webhook["id"])] == ["delivered"],
+               "the sweep's end was delivered")
+    [request] = receiver.requests
+    payload = verified(webhook["secret"], request)
+    assert payload["type"] == "sweep.cancelled"
+    assert (payload["data"]["id"], payload["data"]["object"]) == (sweep["id"], "sweep")

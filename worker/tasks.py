@@ -23,7 +23,7 @@ from shared.errors import UserError
 from shared.jobs import lifecycle
 from shared.jobs.base_models import available_models
 from shared.logs import configure_logging, log_context
-from shared.queue import RUN_JOB, RecoveryThread, app, send
+from shared.queue import RUN_JOB, RecoveryThread, app, send, send_trials
 from shared.settings import get_settings
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, JobStatus
@@ -136,10 +136,11 @@ def run_job(job_id: str) -> str:
 
 def record_outcome(job, worker_id: str, outcome: str) -> None:
     """End the job in the store as ``run_claimed_job`` left it (or hand it back to the queue); a
-    succeeded job's checkpoints are deleted, its model is in the artifacts."""
+    succeeded job's checkpoints are deleted, its model is in the artifacts; a pruned trial's are
+    deleted too. A sweep's trial then sends the trials its end queued (``shared.jobs.sweeps``)."""
     job_id = job.id
-    if outcome in (JobStatus.SUCCEEDED, JobStatus.CANCELLED):
-        if lifecycle.finish(job_id, worker_id, outcome) and outcome == JobStatus.SUCCEEDED:
+    if outcome in (JobStatus.SUCCEEDED, JobStatus.CANCELLED, JobStatus.PRUNED):
+        if lifecycle.finish(job_id, worker_id, outcome) and outcome in (JobStatus.SUCCEEDED, JobStatus.PRUNED):
             lifecycle.discard_checkpoints(job_id)
     elif outcome == "time_limit":
         lifecycle.finish(job_id, worker_id, JobStatus.FAILED, {
@@ -147,6 +148,8 @@ def record_outcome(job, worker_id: str, outcome: str) -> None:
     elif outcome == "shutdown" and lifecycle.requeue(job_id, worker_id, "requeued", "worker shut down (SIGTERM); "
                                                  f"resumes from {lifecycle.RESUMES_FROM[job.kind]}", restart=False):
         send(job_id)
+    if job.sweep_id is not None:  # the trials its end asked for (shared.jobs.sweeps)
+        send_trials(job.sweep_id)
 
 
 def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
@@ -157,8 +160,8 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
     )
     from worker.report import Reporter
 
-    reporter = Reporter(job.id, worker_id, stop_flags={"shutdown": stopping,
-                                                        "lease_lost": heartbeat.lease_lost})
+    reporter = Reporter(job.id, worker_id, stop_flags={"shutdown": stopping, "lease_lost": heartbeat.lease_lost},
+                        trial=job.sweep_id is not None)
     try:
         device, note = resolve_device(get_settings().device)
         if note:

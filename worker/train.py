@@ -50,7 +50,7 @@ from shared.data.batching import BatchPlan
 from shared.errors import UserError
 from shared.inference.precision import autocast_dtype
 from shared.jobs.base_models import resolve_model
-from shared.schemas.jobs import Hyperparameters, json_safe
+from shared.schemas.jobs import GREATER_IS_BETTER, Hyperparameters, json_safe
 from shared.store import artifacts
 from shared.store.manifest import manifest_entries
 from shared.store.rows import Job
@@ -73,9 +73,6 @@ from worker.tagging import tagging_metrics, tokenize_words, word_sequences
 
 hf_logging.set_verbosity_error()
 log = logging.getLogger(__name__)
-GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True,
-                     "f1_micro": True, "subset_accuracy": True, "entity_f1": True, "entity_precision": True,
-                     "entity_recall": True, "token_accuracy": True}
 PROBLEM_TYPES = {"classification": "single_label_classification", "multi_label": "multi_label_classification"}
 THRESHOLDS = np.round(np.arange(0.05, 0.951, 0.05), 2)  # multi_label: the decision thresholds tune_threshold tries
 READ_EVERY_SECONDS = 1.0  # CUDA: copy the per-step values to the host this often (``read_every_seconds``)
@@ -401,7 +398,8 @@ def train(run: Run, reporter: Reporter) -> str:
     after every step), and always before an evaluation, a checkpoint or a stop. Every step's
     metrics are logged then; ``max_nonfinite_steps`` is checked then too.
 
-    Returns ``"completed"`` (also after early stopping) or why it stopped (see
+    Returns ``"completed"`` (also after early stopping), ``"pruned"`` (a sweep's pruner stopped the
+    trial after an evaluation: ``Reporter.should_prune``) or why it stopped (see
     ``Reporter.should_stop``); on ``"shutdown"`` it saves a checkpoint first.
     """
     hp, st = run.hp, run.state
@@ -433,6 +431,8 @@ def train(run: Run, reporter: Reporter) -> str:
                     save_best(run)
                 if should_stop_early(run, reporter):
                     return "completed"
+                if reporter.should_prune(st.step, st.last_eval):  # a sweep's trial (shared.jobs.sweeps)
+                    return "pruned"
                 run.model.train()
                 timer.restart()
             if checkpoint_due and st.nonfinite_run == 0:  # on shutdown: the next worker resumes from here

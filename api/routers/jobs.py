@@ -28,7 +28,7 @@ from shared.store.rows import JobMetric
 from shared.store.tenancy import Caller, owned_job
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
-Status = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")]
+Status = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled|pruned)$")]
 MAX_STEP = 2**31 - 1  # steps are stored as 32-bit integers (PostgreSQL INTEGER)
 # Built once: polling clients ask for a job's new metrics all the time.
 METRICS_AFTER_STEP = (select(JobMetric)

@@ -1,10 +1,10 @@
 """webhooks and their deliveries; a queued job's estimated run time from its dry-run plan
 
-Chained to 0006, the newest revision on main when it was written; once 0007 (sweeps) and 0008
-(ui sessions) land, down_revision becomes '0008'.
+Chained to 0007 (sweeps), the newest revision on main when it was written; once 0008 (ui
+sessions) lands, down_revision becomes '0008'.
 
 Revision ID: 0009
-Revises: 0006
+Revises: 0007
 """
 
 import sqlalchemy as sa
@@ -13,7 +13,7 @@ from alembic import op
 import shared.store.rows  # custom column types (UTCDateTime)
 
 revision = '0009'
-down_revision = '0006'
+down_revision = '0007'
 branch_labels = None
 depends_on = None
 

@@ -211,11 +211,12 @@ def emit(s: Session, tenant: str, event_type: str, event_id: str, data: dict[str
 
 
 def job_ended(s: Session, job: Job) -> None:
-    """``job.<status>`` (a prediction: ``prediction.<status>``) for a job that just ended, in the
-    transaction that ends it. ``data``: the job's id, kind, status, error and metadata; fetch the
+    """``job.<status>`` (a prediction: ``prediction.<status>``; a sweep's trial stopped by its
+    pruner: ``trial.pruned``) for a job that just ended, in the transaction that ends it. ``data``: the job's id, kind, status, error and metadata; fetch the
     rest from the API."""
-    noun = "prediction" if job.kind == "predict" else "job"
+    noun = "prediction" if job.kind == "predict" else "trial" if job.status == "pruned" else "job"
     data = {"id": job.id, "object": noun, "status": job.status, "error": job.error,
+            **({"sweep_id": job.sweep_id, "trial_number": job.trial_number} if job.sweep_id else {}),
             "metadata": (job.spec or {}).get("metadata"),
             "finished_at": job.finished_at.isoformat().replace("+00:00", "Z") if job.finished_at else None}
     emit(s, job.tenant, f"{noun}.{job.status}", f"evt_{job.id}_{job.status}", data)
