@@ -265,7 +265,7 @@ def test_an_error_with_problems_and_the_key_from_the_data_dir(tmp_path, monkeypa
 
 
 def test_a_few_texts_show_each_task_s_prediction():
-    from client.cli import prediction_text
+    from client.display import prediction_text
 
     text = "carol flew to New York"
     entities = [{"entity_group": "PER", "score": 0.9, "word": "carol", "start": 0, "end": 5},
