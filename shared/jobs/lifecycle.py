@@ -234,15 +234,15 @@ def request_cancel(job_id: str, caller: Caller, kind: str = "train") -> Job:
         trials.lock_sweep_of(s, job_id)
         job = owned_job(s, job_id, caller, for_update=True, kind=kind)
         cancel_in(s, job, now)
-        trials.ended(s, job)
         return job
 
 
 def cancel_in(s: Session, job: Job, now: datetime, why: str = "") -> None:
-    """With ``job``'s row locked: end it ``cancelled`` if queued; if running, flag it to stop (``why``: a note)."""
+    """Row locked: a queued job ends cancelled (a trial's sweep goes on), a running one is flagged to stop."""
     if job.status == JobStatus.QUEUED:
         _end(s, job, JobStatus.CANCELLED, now)
         s.add(JobEvent(job_id=job.id, code="cancelled", level="info", message="cancelled before it started" + why))
+        trials.ended(s, job)
     elif job.status == JobStatus.RUNNING and not job.cancel_requested:
         job.cancel_requested = True
         s.add(JobEvent(job_id=job.id, code="cancel_requested", level="info", message="cancel requested" + why))
@@ -407,10 +407,9 @@ def latest_checkpoint(job_id: str) -> Checkpoint | None:
 
 
 def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | None = None) -> bool:
-    """End a running job held by ``worker_id``, with a ``timings`` event. A succeeded job's
-    checkpoints are forgotten (its model is in the artifacts; the caller then deletes their
-    directory, ``discard_checkpoints``), and a pruned trial's; a trial's sweep goes on (``trials.ended``).
-    Returns False if ``worker_id`` no longer holds it."""
+    """End a running job held by ``worker_id``, with a ``timings`` event. A succeeded job's (or pruned
+    trial's) checkpoints are forgotten (the caller deletes their directory, ``discard_checkpoints``); a
+    trial's sweep goes on (``trials.ended``). Returns False if ``worker_id`` no longer holds it."""
     if error is not None:
         error = {**error, "message": without_paths(error["message"])}
     with session_scope() as s:
