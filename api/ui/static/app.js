@@ -182,6 +182,15 @@ function wireCancelDelete(afterDelete) {
   }));
 }
 
+// A browser opens at most 6 HTTP/1.1 connections to a host, and each open stream holds one: a tab
+// in the background closes its stream, and reloads (catching up) when it is shown again.
+function releaseWhenHidden(stream) {
+  document.addEventListener("visibilitychange", () => {
+    if (document.hidden && stream.readyState !== EventSource.CLOSED) { stream.close(); stream.released = true; }
+    else if (!document.hidden && stream.released) location.reload();
+  });
+}
+
 // ---- pages --------------------------------------------------------------------------------------
 const pages = {};
 
@@ -234,6 +243,7 @@ pages.job = () => {
 
   const wasActive = ["queued", "running"].includes(info.status);
   const stream = new EventSource(`/jobs/${encodeURIComponent(info.job)}/stream`);
+  releaseWhenHidden(stream);
   stream.addEventListener("metrics", e => {
     for (const m of JSON.parse(e.data).data) {
       const chart = chartOf(m.name);
@@ -397,6 +407,7 @@ pages.prediction = () => {
   wireCancelDelete("/ui/predictions");
   if (!["queued", "running"].includes(head.dataset.status)) return;
   const stream = new EventSource(`/predictions/${encodeURIComponent(head.dataset.id)}/stream`);
+  releaseWhenHidden(stream);
   stream.addEventListener("progress", e => {
     const p = JSON.parse(e.data);
     $("#job-progress").value = p.progress.fraction;
