@@ -90,7 +90,7 @@ class StoreCollector(Collector):
 
 
 def store_metrics(state: StoreSnapshot) -> list[GaugeMetricFamily]:
-    """The job-store metric families of one snapshot (names documented in the README)."""
+    """The job-store metric families of one snapshot (names documented in docs/production/monitoring.md)."""
     jobs = _gauge("tunejob_jobs", "Jobs in the store, by status", ("status",))
     for status, count in state.jobs_by_status.items():
         jobs.add_metric([status], count)

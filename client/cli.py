@@ -1,5 +1,5 @@
 """The ``tunejob`` commands that talk to a tunejob server over HTTP (``client.api``), with ``rich``
-output: ``datasets``, ``models``, ``jobs``, ``predict`` and ``health``.
+output: ``datasets``, ``models``, ``jobs``, ``sweeps`` (``client.sweeps``), ``predict`` and ``health``.
 
 ``tunejob.cli`` registers them beside ``serve``/``api``/``worker``/``db`` and hands them straight
 to ``main`` here, so that they start without the server stack (no torch, worker, pandas, job
@@ -24,23 +24,26 @@ from rich.filesize import decimal
 from rich.markup import escape
 from rich.table import Column, Table
 
+from client import sweeps
 from client.api import PREDICTION, TRAINING, Client, Kind, TunejobError
 from client.display import (
     age,
     dataset_table,
     event_line,
+    fields_table,
     id_column,
     job_table,
     pivot,
     prediction_table,
     print_json,
     progress,
+    queue_line,
     show,
     styled_status,
     texts_table,
 )
 
-COMMANDS = ("datasets", "models", "jobs", "predict", "health")
+COMMANDS = ("datasets", "models", "jobs", "sweeps", "predict", "health")
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 Handler = Callable[[Client, argparse.Namespace, Console], int | None]
 
@@ -194,7 +197,7 @@ def list_predictions(client: Client, args, out: Console) -> None:
     table = Table(id_column(), "status", "model", "dataset", "rows", "age")
     for p in page.data:
         table.add_row(p.id, styled_status(p.status), escape(p.model), p.dataset,
-                      f"{p.progress.rows_done:,}/{p.progress.total_rows:,}", age(p.created_at))
+                      queue_line(p) or f"{p.progress.rows_done:,}/{p.progress.total_rows:,}", age(p.created_at))
     if page.next_cursor:
         table.caption = f"more: tunejob predict list --cursor {page.next_cursor}"
     show(out, args, page, lambda: table)
@@ -229,6 +232,43 @@ def delete_prediction(client: Client, args, out: Console) -> None:
 def predict_texts(client: Client, args, out: Console) -> None:
     answer = client.predict(args.job_id, args.texts)
     show(out, args, answer, lambda: texts_table(args.texts, answer["predictions"]))
+
+
+def create_webhook(client: Client, args, out: Console) -> None:
+    webhook = client.create_webhook(args.url, args.events, args.description)
+    show(out, args, webhook, lambda: fields_table({
+        "id": webhook.id, "url": escape(webhook.url), "events": ", ".join(webhook.events),
+        "secret": f"{webhook.secret}  (shown only now: verify each delivery's webhook-signature with it)"}))
+
+
+def list_webhooks(client: Client, args, out: Console) -> None:
+    hooks = client.list_webhooks()
+    table = Table(id_column(), "url", "events", "age")
+    for w in hooks:
+        table.add_row(w.id, escape(w.url), ", ".join(w.events), age(w.created_at))
+    show(out, args, hooks, lambda: table)
+
+
+def webhook_deliveries(client: Client, args, out: Console) -> None:
+    page = client.webhook_deliveries(args.webhook_id, args.limit, args.cursor)
+    table = Table("event", "type", "status", "attempts", "last answer", "age")
+    for d in page.data:
+        answer = str(d.response_status) if d.response_status else escape(d.error or "")
+        table.add_row(d.event_id, d.event_type, d.status, str(d.attempts), answer, age(d.created_at))
+    if page.next_cursor:
+        table.caption = f"more: tunejob webhooks deliveries {args.webhook_id} --cursor {page.next_cursor}"
+    show(out, args, page, lambda: table)
+
+
+def ping_webhook(client: Client, args, out: Console) -> None:
+    delivery = client.ping_webhook(args.webhook_id)
+    show(out, args, delivery, lambda: f"ping {delivery.event_id} queued; see `tunejob webhooks deliveries "
+                                      f"{args.webhook_id}`")
+
+
+def delete_webhook(client: Client, args, out: Console) -> None:
+    client.delete_webhook(args.webhook_id)
+    out.print(f"deleted webhook {args.webhook_id}")
 
 
 def health(client: Client, args, out: Console) -> None:
@@ -269,7 +309,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     add_create_arguments(command(jobs, "create", create_job, "create a fine-tuning job (or plan it: --dry-run)",
                                  quiet))
     p = command(jobs, "list", list_jobs, "the jobs, newest first", read)
-    p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled", "pruned"])
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--cursor", help="next_cursor of the previous page")
     command(jobs, "get", get_job, "one job: status, progress, metrics, error", read).add_argument("job_id")
@@ -291,7 +331,22 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("job_id")
     p.add_argument("-o", "--output", type=Path, help="file (default: ./<job id>.png)")
 
+    sweeps.add_commands(commands, command, quiet, read)
     add_predict_commands(commands, command, quiet, read)
+
+    hooks = commands.add_parser("webhooks", help="endpoints that hear when jobs end (client)") \
+        .add_subparsers(dest="subcommand", required=True)
+    p = command(hooks, "create", create_webhook, "register an endpoint; prints its secret once", quiet)
+    p.add_argument("url")
+    p.add_argument("events", nargs="+", metavar="EVENT", help="e.g. job.succeeded job.failed prediction.succeeded")
+    p.add_argument("--description")
+    command(hooks, "list", list_webhooks, "the endpoints, newest first", read)
+    p = command(hooks, "deliveries", webhook_deliveries, "an endpoint's delivery log, newest first", read)
+    p.add_argument("webhook_id")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--cursor", type=int, help="next_cursor of the previous page")
+    command(hooks, "ping", ping_webhook, "send a signed test event to an endpoint", read).add_argument("webhook_id")
+    command(hooks, "delete", delete_webhook, "delete an endpoint and its log").add_argument("webhook_id")
 
     command(commands, "health", health, "is the server up? (client)", read).add_argument(
         "--wait", type=float, metavar="SECONDS", help="wait this long for a server that is starting")
@@ -447,7 +502,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         job, prediction = getattr(args, "job_id", None), getattr(args, "prediction_id", None)
+        sweep = getattr(args, "sweep_id", None)
         hint = (f" (tunejob predict cancel {prediction} stops it)" if prediction
-                else f" (tunejob jobs cancel {job} stops it)" if job else "")
+                else f" (tunejob jobs cancel {job} stops it)" if job
+                else f" (tunejob sweeps cancel {sweep} stops it)" if sweep else "")
         errors.print("stopped watching; the job goes on" + hint)
         return EXIT_INTERRUPTED

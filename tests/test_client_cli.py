@@ -47,14 +47,18 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, models_dir) -> Served:
-    work = tmp_path_factory.mktemp("served")
+    yield from serving(tmp_path_factory.mktemp("served"), models_dir)
+
+
+def serving(work: Path, models_dir: Path, *options: str):
+    """``tunejob serve OPTIONS`` on a free port with the tiny model, yielded once it answers, then stopped."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}
     env = {**base, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "TUNEJOB_DATA_DIR": str(work / "data"),
            "TUNEJOB_MODELS_DIR": str(models_dir), "TUNEJOB_DEVICE": "cpu", "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2",
            "TUNEJOB_STREAM_POLL_SECONDS": "0.1", "TUNEJOB_URL": f"http://127.0.0.1:{port}", "COLUMNS": "200"}
-    process = Process("serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env,
+    process = Process("serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port), *options], env,
                       work / "serve.log")
     server = Served(f"http://127.0.0.1:{port}", work / "data", env, process)
 
@@ -261,7 +265,7 @@ def test_an_error_with_problems_and_the_key_from_the_data_dir(tmp_path, monkeypa
 
 
 def test_a_few_texts_show_each_task_s_prediction():
-    from client.cli import prediction_text
+    from client.display import prediction_text
 
     text = "carol flew to New York"
     entities = [{"entity_group": "PER", "score": 0.9, "word": "carol", "start": 0, "end": 5},

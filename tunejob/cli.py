@@ -1,6 +1,6 @@
-"""The ``tunejob`` command: ``serve`` (API + one worker, the embedded default), ``api``, ``worker``,
-``db upgrade``, ``keys create|list|revoke``, ``doctor``, and the HTTP client's ``datasets``, ``models``, ``jobs`` and
-``health`` (``client.cli``)."""
+"""The ``tunejob`` command: ``serve`` (API + workers, the embedded default), ``api``, ``worker``,
+``db upgrade``, ``keys create|list|revoke``, ``doctor``, and the HTTP client's ``datasets``, ``models``, ``jobs``,
+``sweeps`` and ``health`` (``client.cli``)."""
 
 import argparse
 import os
@@ -58,24 +58,51 @@ def serve_api(host: str, port: int) -> None:
     run_api(host, port)
 
 
-def serve(host: str, port: int) -> None:
-    """Run the API and one worker process; Ctrl-C (or SIGTERM) stops both."""
+def serve(host: str, port: int, workers: int = 1, gpus: str | None = None) -> None:
+    """Run the API and its worker processes (``worker_launches``); Ctrl-C (or SIGTERM) stops them all."""
     # uvicorn re-raises the signal that stopped it; as SystemExit it reaches the `finally` below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    prepare_api(host)  # before the worker starts: it may refuse to start
+    launches = worker_launches(workers, gpus)
+    prepare_api(host)  # before the workers start: they may refuse to start
+    started = [subprocess.Popen(args, env=env) for args, env in launches]
     link = signin_link(host, port)
     print(f"tunejob: dashboard: {link} (signs one browser in, once, within "
           f"15 minutes; then sign in at /ui/login with an API key)" if link else
           f"tunejob: dashboard at http://{host}:{port}/ui (sign in with an API key)", flush=True)
-    worker = subprocess.Popen([sys.executable, "-m", "tunejob", "worker", "--nice", str(SERVE_WORKER_NICENESS)])
     try:
         run_api(host, port)
     finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        for worker in started:
+            worker.terminate()
+        for worker in started:
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+
+
+def worker_launches(workers: int, gpus: str | None) -> list[tuple[list[str], dict[str, str]]]:
+    """The (command, environment) of each worker ``serve`` starts: ``workers`` of them, or with
+    ``gpus`` (``all``, or indices such as ``0,1``) one per GPU, each seeing only its own
+    (``CUDA_VISIBLE_DEVICES``, read by CUDA when torch first touches it). Each runs one job at a time.
+
+    Raises:
+        SystemExit: ``gpus`` is not ``all`` or a list of indices, or ``all`` finds no CUDA GPU.
+    """
+    args = [sys.executable, "-m", "tunejob", "worker", "--nice", str(SERVE_WORKER_NICENESS)]
+    if gpus is None:
+        return [(args, dict(os.environ)) for _ in range(workers)]
+    if gpus == "all":
+        import torch
+
+        devices = [str(i) for i in range(torch.cuda.device_count())]
+        if not devices:
+            sys.exit("tunejob serve: --gpus all found no CUDA GPU")
+    else:
+        devices = [d.strip() for d in gpus.split(",")]
+        if not all(d.isdigit() for d in devices) or len(set(devices)) != len(devices):
+            sys.exit(f"tunejob serve: --gpus {gpus!r}: give all, or distinct GPU indices such as 0,1")
+    return [(args, {**os.environ, "CUDA_VISIBLE_DEVICES": d}) for d in devices]
 
 
 def run_worker(gpu: int | None, niceness: int = 0) -> None:
@@ -139,10 +166,14 @@ def main(argv: list[str] | None = None) -> None:
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="tunejob", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in [("serve", "API and one worker on this machine"), ("api", "the API only")]:
+    for name, help_ in [("serve", "API and its workers on this machine"), ("api", "the API only")]:
         p = commands.add_parser(name, help=help_)
         p.add_argument("--host", default=settings.host)
         p.add_argument("--port", type=int, default=settings.port)
+    serving = commands.choices["serve"]
+    workers = serving.add_mutually_exclusive_group()
+    workers.add_argument("--workers", type=int, default=1, help="worker processes, each running one job at a time")
+    workers.add_argument("--gpus", help="one worker per GPU: all, or indices such as 0,1 (each sees only its own)")
     p = commands.add_parser("worker", help="a training worker")
     p.add_argument("--gpu", type=int, default=None, help="pin to this CUDA device index")
     p.add_argument("--nice", type=int, default=0, help="lower the worker's CPU priority by this much (serve: 10)")
@@ -163,7 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.command == "serve":
-        serve(args.host, args.port)
+        if args.workers < 1:
+            serving.error("--workers must be at least 1")
+        serve(args.host, args.port, args.workers, args.gpus)
     elif args.command == "api":
         serve_api(args.host, args.port)
     elif args.command == "worker":

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
-from shared.jobs import lifecycle
+from shared.jobs import lifecycle, sweeps
 from shared.schemas.jobs import PHASES
 from shared.settings import get_settings
 from shared.store.rows import utcnow
@@ -25,8 +25,9 @@ class Reporter:
 
     CANCEL_CHECK_SECONDS = 1.0
 
-    def __init__(self, job_id: str, worker_id: str, stop_flags: dict[str, threading.Event] | None = None):
-        self.job_id, self.worker_id = job_id, worker_id
+    def __init__(self, job_id: str, worker_id: str, stop_flags: dict[str, threading.Event] | None = None,
+                 trial: bool = False):
+        self.job_id, self.worker_id, self.trial = job_id, worker_id, trial  # trial: of a sweep (shared.jobs.sweeps)
         self.stop_flags = stop_flags or {}  # e.g. {"shutdown": <SIGTERM seen>, "lease_lost": <heartbeat lost it>}
         self.flush_seconds = get_settings().metrics_flush_seconds
         self.deadline = time.monotonic() + get_settings().max_job_seconds
@@ -63,6 +64,18 @@ class Reporter:
         self._wrote_metrics = self._wrote_metrics or bool(self._metrics)
         self._metrics, self._progress, self._last_flush = [], {}, time.monotonic()
         self.lease_lost = self.lease_lost or not held
+
+    def should_prune(self, step: int, metrics: dict) -> bool:
+        """After an evaluation at optimizer ``step`` (``metrics``): whether the sweep's pruner stops
+        this trial now (``shared.jobs.sweeps.should_prune``; always False for a job outside a sweep). The
+        metrics so far are written first: the other trials' pruners read them."""
+        if not self.trial:
+            return False
+        self.flush()
+        if not sweeps.should_prune(self.job_id, step, metrics):
+            return False
+        self.event("pruned", f"the sweep's pruner stopped this trial at step {step}")
+        return True
 
     def checkpoint(self, step: int, path: Path, metrics: dict | None, keep: int) -> list[Path]:
         """Point the store at a completely written checkpoint; returns the older checkpoint
@@ -174,6 +187,9 @@ class MemoryReporter:
     def checkpoint(self, step: int, path: Path, metrics: dict | None, keep: int = 2) -> list[Path]:
         self.checkpoints.append((step, path))
         return []
+
+    def should_prune(self, step: int, metrics: dict) -> bool:
+        return False
 
     def should_stop(self) -> str | None:
         last = self.logged[-1][0] if self.logged else 0

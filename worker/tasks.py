@@ -22,7 +22,8 @@ from celery.exceptions import Reject
 from shared.errors import UserError
 from shared.jobs import lifecycle
 from shared.jobs.base_models import available_models
-from shared.queue import RUN_JOB, RecoveryThread, app, send
+from shared.logs import configure_logging, log_context
+from shared.queue import RUN_JOB, RecoveryThread, app, send, send_trials
 from shared.settings import get_settings
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, JobStatus
@@ -43,6 +44,12 @@ class WorkerRecovery(bootsteps.StartStopStep):
 
 
 app.steps["worker"].add(WorkerRecovery)
+
+
+@signals.setup_logging.connect
+def _setup_logging(**_) -> None:
+    """The API's logging configuration (``shared.logs``); Celery configures none while this receiver exists."""
+    configure_logging()
 
 
 @signals.worker_init.connect
@@ -108,6 +115,7 @@ def run_job(job_id: str) -> str:
     has finished (duplicate or redelivered messages). Returns how it ended."""
     if stopping.is_set():  # Celery may deliver one more message during warm shutdown
         raise Reject(f"worker shutting down; job {job_id} left for another worker", requeue=True)
+    log_context.set(f"job {job_id}")  # set by every task: the solo pool runs them one after another in one thread
     worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     job = lifecycle.claim(job_id, worker_id)
     if job is None:
@@ -128,10 +136,11 @@ def run_job(job_id: str) -> str:
 
 def record_outcome(job, worker_id: str, outcome: str) -> None:
     """End the job in the store as ``run_claimed_job`` left it (or hand it back to the queue); a
-    succeeded job's checkpoints are deleted, its model is in the artifacts."""
+    succeeded job's checkpoints are deleted, its model is in the artifacts; a pruned trial's are
+    deleted too. A sweep's trial then sends the trials its end queued (``shared.jobs.sweeps``)."""
     job_id = job.id
-    if outcome in (JobStatus.SUCCEEDED, JobStatus.CANCELLED):
-        if lifecycle.finish(job_id, worker_id, outcome) and outcome == JobStatus.SUCCEEDED:
+    if outcome in (JobStatus.SUCCEEDED, JobStatus.CANCELLED, JobStatus.PRUNED):
+        if lifecycle.finish(job_id, worker_id, outcome) and outcome in (JobStatus.SUCCEEDED, JobStatus.PRUNED):
             lifecycle.discard_checkpoints(job_id)
     elif outcome == "time_limit":
         lifecycle.finish(job_id, worker_id, JobStatus.FAILED, {
@@ -139,6 +148,8 @@ def record_outcome(job, worker_id: str, outcome: str) -> None:
     elif outcome == "shutdown" and lifecycle.requeue(job_id, worker_id, "requeued", "worker shut down (SIGTERM); "
                                                  f"resumes from {lifecycle.RESUMES_FROM[job.kind]}", restart=False):
         send(job_id)
+    if job.sweep_id is not None:  # the trials its end asked for (shared.jobs.sweeps)
+        send_trials(job.sweep_id)
 
 
 def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
@@ -149,8 +160,8 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
     )
     from worker.report import Reporter
 
-    reporter = Reporter(job.id, worker_id, stop_flags={"shutdown": stopping,
-                                                        "lease_lost": heartbeat.lease_lost})
+    reporter = Reporter(job.id, worker_id, stop_flags={"shutdown": stopping, "lease_lost": heartbeat.lease_lost},
+                        trial=job.sweep_id is not None)
     try:
         device, note = resolve_device(get_settings().device)
         if note:
@@ -163,9 +174,19 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
     except Exception as e:
         log.exception("job %s failed unexpectedly", job.id)
         message = f"{type(e).__name__}: {e}"
-        if lifecycle.requeue(job.id, worker_id, "job_restarted", f"unexpected error, retrying: {message}", restart=True):
-            send(job.id)
+        countdown = restart_countdown(job.restarts)
+        if lifecycle.requeue(job.id, worker_id, "job_restarted",
+                             f"unexpected error, retrying in {countdown:g} s: {message}", restart=True):
+            send(job.id, countdown=countdown)
         return "error"
+
+
+def restart_countdown(restarts: int) -> float:
+    """Seconds before a job that failed unexpectedly for the ``restarts + 1``-th time runs again:
+    ``restart_backoff_seconds x 2^restarts`` (exponential backoff, as Celery's ``retry_backoff``),
+    so that a passing fault (a full disk, a flaky file system) has time to clear before the job's
+    ``max_restarts`` are used up."""
+    return get_settings().restart_backoff_seconds * 2**restarts
 
 
 def recipe(kind: str):

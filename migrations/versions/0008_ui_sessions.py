@@ -5,14 +5,14 @@ key it stands for, its CSRF token and its expiry. One-time sign-in links (``tune
 rows of kind 'link'.
 
 Revision ID: 0008
-Revises: 0006 (0007, the sweeps' migration, is not on main yet; this chains after it once it is)
+Revises: 0007
 """
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = '0008'
-down_revision = '0006'
+down_revision = '0007'
 branch_labels = None
 depends_on = None
 

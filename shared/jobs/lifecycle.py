@@ -33,28 +33,13 @@ from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from shared.errors import Conflict, NotFound, UserError, without_paths
+from shared.jobs import trials, webhooks
 from shared.jobs.planning import check_spec
-from shared.schemas.jobs import (
-    Hyperparameters,
-    JobCreate,
-    JobOut,
-    Progress,
-    Timings,
-    json_safe,
-)
+from shared.schemas.jobs import Hyperparameters, JobCreate, JobOut, Progress, Timings, json_safe
 from shared.settings import get_settings
 from shared.store import artifacts, idempotency, quotas
 from shared.store.engine import keyset_page, read_session, session_scope
-from shared.store.rows import (
-    Checkpoint,
-    Dataset,
-    Job,
-    JobEvent,
-    JobMetric,
-    JobStatus,
-    new_id,
-    utcnow,
-)
+from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
 from shared.store.tenancy import Caller, lock_tenant, owned_job, scoped
 
 ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
@@ -98,6 +83,8 @@ def to_out(job: Job) -> JobOut:
         error=job.error,
         timings=Timings(**(job.timings or {})),
         files_deleted_at=job.files_deleted_at,
+        sweep_id=job.sweep_id,
+        trial_number=job.trial_number,
     )
 
 
@@ -210,10 +197,11 @@ def list_checkpoints(job_id: str, caller: Caller) -> list[Checkpoint]:
         return list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
 
 
-def _end(job: Job, status: str, now: datetime) -> None:
-    """Set a job's final status, end time and ``timings.total`` (POST to now)."""
+def _end(s: Session, job: Job, status: str, now: datetime) -> None:
+    """Set a job's final status, end time and ``timings.total``, and its webhook deliveries (``webhooks.job_ended``)."""
     job.status, job.finished_at = status, now
     job.timings = {**(job.timings or {}), "total": round((now - job.created_at).total_seconds(), 3)}
+    webhooks.job_ended(s, job)
 
 
 def cancel_requested(job_id: str) -> bool:
@@ -243,14 +231,21 @@ def request_cancel(job_id: str, caller: Caller, kind: str = "train") -> Job:
     with session_scope() as s:
         # Locked (PostgreSQL; SQLite's BEGIN IMMEDIATE already serializes writers), so that a claim
         # cannot slip in between reading the status and acting on it.
+        trials.lock_sweep_of(s, job_id)
         job = owned_job(s, job_id, caller, for_update=True, kind=kind)
-        if job.status == JobStatus.QUEUED:
-            _end(job, JobStatus.CANCELLED, now)
-            s.add(JobEvent(job_id=job_id, code="cancelled", level="info", message="cancelled before it started"))
-        elif job.status == JobStatus.RUNNING and not job.cancel_requested:
-            job.cancel_requested = True
-            s.add(JobEvent(job_id=job_id, code="cancel_requested", level="info", message="cancel requested"))
+        cancel_in(s, job, now)
+        trials.ended(s, job)
         return job
+
+
+def cancel_in(s: Session, job: Job, now: datetime, why: str = "") -> None:
+    """With ``job``'s row locked: end it ``cancelled`` if queued; if running, flag it to stop (``why``: a note)."""
+    if job.status == JobStatus.QUEUED:
+        _end(s, job, JobStatus.CANCELLED, now)
+        s.add(JobEvent(job_id=job.id, code="cancelled", level="info", message="cancelled before it started" + why))
+    elif job.status == JobStatus.RUNNING and not job.cancel_requested:
+        job.cancel_requested = True
+        s.add(JobEvent(job_id=job.id, code="cancel_requested", level="info", message="cancel requested" + why))
 
 
 def _lease_expiry() -> datetime:
@@ -318,6 +313,7 @@ def requeue(job_id: str, worker_id: str, code: str, message: str, restart: bool)
     SIGTERM. A job out of restarts ends ``failed`` instead. Returns True if it was re-queued.
     """
     with session_scope() as s:
+        trials.lock_sweep_of(s, job_id)
         job = s.get(Job, job_id)
         if job is None or job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
             return False
@@ -328,10 +324,11 @@ def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> boo
     message = without_paths(message)  # often a library's exception: no server path in any response
     job.lease_owner, job.lease_expires_at, job.enqueued_at = None, None, None
     if restart and job.restarts >= get_settings().max_restarts:
-        _end(job, JobStatus.FAILED, utcnow())
         job.error = {"code": "too_many_restarts",
                      "message": f"gave up after {job.restarts} restarts; last: {message}"}
+        _end(s, job, JobStatus.FAILED, utcnow())
         s.add(JobEvent(job_id=job.id, code="failed", level="error", message=job.error["message"]))
+        trials.ended(s, job)
         return False
     job.status = JobStatus.QUEUED
     job.restarts += restart
@@ -349,8 +346,9 @@ def recover() -> list[str]:
     """
     settings, now = get_settings(), utcnow()
     with session_scope() as s:
-        expired = s.scalars(select(Job).where(Job.status == JobStatus.RUNNING, Job.lease_expires_at < now)
-                            .with_for_update(skip_locked=True)).all()
+        is_expired = and_(Job.status == JobStatus.RUNNING, Job.lease_expires_at < now)
+        trials.lock_sweep_of(s, *s.scalars(select(Job.id).where(is_expired, Job.sweep_id.isnot(None))).all())
+        expired = s.scalars(select(Job).where(is_expired).with_for_update(skip_locked=True)).all()
         for job in expired:
             _requeue_or_fail(s, job, "job_restarted",
                              f"lease of worker {job.lease_owner} expired at {job.lease_expires_at:%H:%M:%S}; "
@@ -411,22 +409,25 @@ def latest_checkpoint(job_id: str) -> Checkpoint | None:
 def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | None = None) -> bool:
     """End a running job held by ``worker_id``, with a ``timings`` event. A succeeded job's
     checkpoints are forgotten (its model is in the artifacts; the caller then deletes their
-    directory, ``discard_checkpoints``). Returns False if ``worker_id`` no longer holds it."""
+    directory, ``discard_checkpoints``), and a pruned trial's; a trial's sweep goes on (``trials.ended``).
+    Returns False if ``worker_id`` no longer holds it."""
     if error is not None:
         error = {**error, "message": without_paths(error["message"])}
     with session_scope() as s:
+        trials.lock_sweep_of(s, job_id)
         job = s.get(Job, job_id, with_for_update=True, populate_existing=True)
         if job is None or job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
             return False
-        _end(job, status, utcnow())
         job.error, job.lease_owner, job.lease_expires_at = error, None, None
+        _end(s, job, status, utcnow())
         job.eta_seconds = 0.0 if status == JobStatus.SUCCEEDED else None
         level = "info" if status != JobStatus.FAILED else "error"
         message = status if error is None else f"{status}: {error['message']}"
         s.add(JobEvent(job_id=job_id, code="timings", level="info", message=describe_timings(job.timings)))
         s.add(JobEvent(job_id=job_id, code=status, level=level, message=message))  # the last event: how it ended
-        if status == JobStatus.SUCCEEDED:
+        if status in trials.NO_CHECKPOINTS:
             s.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id))
+        trials.ended(s, job)
         return True
 
 
@@ -466,9 +467,9 @@ def model_files(job_id: str, caller: Caller) -> dict[str, Path]:
 
 
 def discard_checkpoints(job_id: str) -> None:
-    """Delete the checkpoint directory of a job that ``finish`` recorded as succeeded: its step
-    checkpoints and best-model links (the artifact has the model). A directory left by a worker
-    that died before this is removed by ``sweep_files``."""
+    """Delete the checkpoint directory of a job that ``finish`` recorded as succeeded (its step
+    checkpoints and best-model links: the artifact has the model) or pruned (its weights are not
+    kept). A directory left by a worker that died before this is removed by ``sweep_files``."""
     artifacts.remove_tree(artifacts.checkpoints_dir(job_id))
 
 
@@ -524,8 +525,8 @@ def sweep_files() -> None:
                 s.add(JobEvent(job_id=job.id, code="files_deleted", level="info",
                                message=f"checkpoints and artifacts removed: finished over "
                                        f"{settings.artifact_retention_days:g} days ago (TUNEJOB_ARTIFACT_RETENTION_DAYS)"))
-    for folder, gone in [("checkpoints", or_(Job.status == JobStatus.SUCCEEDED, Job.files_deleted_at.isnot(None))),
-                         ("artifacts", Job.files_deleted_at.isnot(None))]:
+    for folder, gone in [("checkpoints", or_(Job.status.in_(trials.NO_CHECKPOINTS), Job.files_deleted_at.isnot(None))),
+                         ("artifacts", or_(Job.status == JobStatus.PRUNED, Job.files_deleted_at.isnot(None)))]:
         for job_id in _jobs_on_disk(folder, gone):
             artifacts.remove_tree(settings.data_path / folder / job_id)
     with session_scope() as s:

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
+from shared.schemas.queue import QueuePosition
 
 def json_safe(value: Any) -> Any:
     """``value`` with every non-finite float (NaN, Infinity) replaced by None, for strict JSON
@@ -49,6 +50,10 @@ TOKEN_JOB_CREATE_EXAMPLE = {  # named entities from a CoNLL file (columns tokens
 TASK_METRICS = {"classification": ("loss", "accuracy", "f1_macro"), "regression": ("loss", "mse", "pearson_r"),
                 "multi_label": ("loss", "f1_micro", "f1_macro", "subset_accuracy"),
                 "token_classification": ("loss", "entity_f1", "entity_precision", "entity_recall", "token_accuracy")}
+# Whether a larger value of each metric is better (the best evaluation; a sweep's objective direction).
+GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True,
+                     "f1_micro": True, "subset_accuracy": True, "entity_f1": True, "entity_precision": True,
+                     "entity_recall": True, "token_accuracy": True}
 
 
 def _takes_int(annotation: Any) -> bool:
@@ -56,6 +61,15 @@ def _takes_int(annotation: Any) -> bool:
     if get_origin(annotation) is Annotated:
         return _takes_int(get_args(annotation)[0])
     return annotation is int or any(_takes_int(a) for a in get_args(annotation))
+
+
+def integral_floats(model: type[BaseModel], data: Any) -> Any:
+    """``data`` with each integral float given to an ``int`` field of ``model`` made an int: JSON
+    Schema counts 3.0 as an integer; pydantic's strict mode would refuse it."""
+    if not isinstance(data, dict):
+        return data
+    ints = {name for name, f in model.model_fields.items() if _takes_int(f.annotation)}
+    return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() else v for k, v in data.items()}
 
 
 class Hyperparameters(BaseModel):
@@ -100,11 +114,7 @@ class Hyperparameters(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _integral_floats(cls, data: Any) -> Any:
-        """JSON Schema counts 3.0 as an integer; pydantic's strict mode would refuse it."""
-        if not isinstance(data, dict):
-            return data
-        ints = {name for name, f in cls.model_fields.items() if _takes_int(f.annotation)}
-        return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() else v for k, v in data.items()}
+        return integral_floats(cls, data)
 
 
 class JobCreate(BaseModel):
@@ -276,6 +286,10 @@ class JobOut(BaseModel):
     timings: Timings
     files_deleted_at: datetime | None = Field(
         None, description="When the job's checkpoints and artifacts were removed (TUNEJOB_ARTIFACT_RETENTION_DAYS).")
+    sweep_id: str | None = Field(None, description="The sweep this job is a trial of (``POST /sweeps``), if any.")
+    trial_number: int | None = Field(None, description="Its trial number in that sweep, from 0.")
+    queue: QueuePosition | None = Field(None, description="a queued job's place in the queue and estimated start; "
+                                                      "null once it runs")
 
 
 class JobList(BaseModel):

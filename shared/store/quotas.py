@@ -1,6 +1,6 @@
 """Caps on what one request may carry, and quotas on what one tenant may hold. Every limit is a
-setting (``shared.settings``; README "Limits"), and every refusal is a 4xx naming the limit, the
-value and the setting:
+setting (``shared.settings``; docs/production/security.md, "Limits"), and every refusal is a 4xx
+naming the limit, the value and the setting:
 
 - ``metadata``: at most ``max_metadata_keys`` keys of at most ``max_metadata_key_chars`` characters,
   string values of at most ``max_metadata_value_chars`` (the OpenAI limits): 422.

@@ -58,7 +58,8 @@ class JobStatus:
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
-    FINISHED = (SUCCEEDED, FAILED, CANCELLED)
+    PRUNED = "pruned"  # a sweep's trial its pruner stopped early (shared.jobs.sweeps): metrics kept, weights deleted
+    FINISHED = (SUCCEEDED, FAILED, CANCELLED, PRUNED)
 
 
 class Dataset(Base):
@@ -87,7 +88,8 @@ class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (Index("ix_jobs_status_created", "status", "created_at"),
                       Index("ix_jobs_tenant_created", "tenant", "created_at"),
-                      Index("ix_jobs_tenant_status", "tenant", "status"))
+                      Index("ix_jobs_tenant_status", "tenant", "status"),
+                      UniqueConstraint("sweep_id", "trial_number", name="uq_jobs_sweep_trial"))
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("job"))
     tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, server_default=DEFAULT_TENANT)
@@ -121,6 +123,35 @@ class Job(Base):
     timings: Mapped[dict[str, Any] | None]  # seconds per phase (shared.schemas.jobs.Timings)
     files_deleted_at: Mapped[datetime | None]  # checkpoints and artifacts removed (DELETE or retention)
     deleted_at: Mapped[datetime | None]  # DELETE /jobs/{id}: the row is a tombstone, the id answers 404
+    # A queued job's estimated run time from its dry-run plan (shared.jobs.positions.estimate_queued),
+    # computed once in the background; planned_at says it was tried (the estimate may be None).
+    plan_seconds: Mapped[float | None]
+    planned_at: Mapped[datetime | None]
+    # A sweep's trial (shared.jobs.sweeps): its sweep, its number there (unique per sweep), and the Optuna
+    # trial system attributes its sampler and pruner keep (e.g. ``grid_id``, ASHA's ``completed_rung_0``).
+    sweep_id: Mapped[str | None] = mapped_column(ForeignKey("sweeps.id"), index=True)
+    trial_number: Mapped[int | None]
+    trial_attrs: Mapped[dict[str, Any] | None]
+
+
+class Sweep(Base):
+    """A hyperparameter sweep (``shared.jobs.sweeps``): its validated ``POST /sweeps`` body, and its
+    state. Its trials are ``Job`` rows with its ``sweep_id``; Optuna's study is rebuilt from them."""
+
+    __tablename__ = "sweeps"
+    __table_args__ = (Index("ix_sweeps_tenant_created", "tenant", "created_at"),
+                      Index("ix_sweeps_status", "status"))
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("sweep"))
+    tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, server_default=DEFAULT_TENANT)
+    status: Mapped[str] = mapped_column(String(16), default="queued")  # queued | running | succeeded | failed | cancelled
+    spec: Mapped[dict[str, Any]]
+    label_names: Mapped[list[Any] | None]  # classification: index -> label name, as its trials get them
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    finished_at: Mapped[datetime | None]
+    error: Mapped[dict[str, Any] | None]  # {"code", "message"} of a failed sweep
+    deleted_at: Mapped[datetime | None]  # DELETE /sweeps/{id}: a tombstone, the id answers 404
 
 
 class JobMetric(Base):

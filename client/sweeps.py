@@ -1,0 +1,186 @@
+"""``tunejob sweeps create|list|get|trials|watch|cancel|delete``: hyperparameter sweeps (``POST /sweeps``)
+from the command line, registered by ``client.cli.add_commands``.
+
+``create`` takes the job options of ``tunejob jobs create`` (``--model``, ``--dataset``, ``--set`` for
+the fixed hyperparameters, ...) plus the search: ``--space`` (a JSON or YAML file of
+``{name: {"type", "low", "high", "log", "step", "choices"}}``), ``--objective metric[:direction]``,
+``--algorithm``, ``--early-stopping``, ``--max-trials``, ``--max-parallel-trials``. ``--watch`` (and
+``watch``) redraws the table of trials with the best so far until the sweep ends; exit 0 if it
+succeeded, 3 if it failed, 4 if it was cancelled.
+"""
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+
+from client.api import Client
+from client.display import age, id_column, print_json, show, styled_status
+
+EXIT_FOR = {"succeeded": 0, "failed": 3, "cancelled": 4}
+WATCH_SECONDS = 2.0
+
+
+def create_sweep(client: Client, args, out: Console) -> int | None:
+    from client.cli import job_spec  # the job options, as `tunejob jobs create` reads them
+
+    spec = {**job_spec(args), **read_space(args)}
+    options = {"algorithm": args.algorithm, "seed": args.seed, "max_trials": args.max_trials,
+               "max_parallel_trials": args.max_parallel_trials, "max_failed_trials": args.max_failed_trials}
+    spec.update({k: v for k, v in options.items() if v is not None})
+    if args.objective:
+        metric, _, direction = args.objective.partition(":")
+        spec["objective"] = {"metric": metric, **({"direction": direction} if direction else {})}
+    if args.early_stopping:
+        spec["early_stopping"] = {**spec.get("early_stopping", {}), "type": args.early_stopping}
+    if args.dry_run:
+        plan = client.plan_sweep(spec)
+        return print_json(plan) if args.json else out.print_json(data=plan)
+    sweep = client.create_sweep(spec)
+    if args.quiet or args.json:
+        print(sweep.model_dump_json(indent=2) if args.json else sweep.id, flush=True)
+    else:
+        out.print(f"sweep [bold]{sweep.id}[/] {sweep.status}: {sweep.max_trials} trials of {escape(sweep.base_model)}, "
+                  f"{sweep.max_parallel_trials} at a time, {sweep.objective.direction} {sweep.objective.metric}")
+    return watch(client, sweep.id, out) if args.watch else None
+
+
+def read_space(args) -> dict[str, Any]:
+    """``--space FILE`` as ``{"search_space": ...}`` (a file holding ``search_space`` itself, or a
+    whole sweep body, is taken as it is); ``{}`` without one."""
+    from client.cli import UsageError
+
+    if args.space is None:
+        return {}
+    path: Path = args.space
+    try:
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml  # PyYAML, a dependency of transformers
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except (OSError, ValueError) as e:  # yaml.YAMLError is a ValueError
+        raise UsageError(f"--space {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise UsageError(f"--space {path}: expected an object of hyperparameter ranges")
+    return data if "search_space" in data else {"search_space": data}
+
+
+def list_sweeps(client: Client, args, out: Console) -> None:
+    page = client.list_sweeps(args.limit, args.cursor)
+    table = Table(id_column(), "status", "model", "trials", "best", "age")
+    for s in page.data:
+        table.add_row(s.id, styled_status(s.status), escape(s.base_model), _counts(s), _best(s), age(s.created_at))
+    if page.next_cursor:
+        table.caption = f"more: tunejob sweeps list --cursor {page.next_cursor}"
+    show(out, args, page, lambda: table)
+
+
+def get_sweep(client: Client, args, out: Console) -> None:
+    sweep = client.get_sweep(args.sweep_id)
+    show(out, args, sweep, lambda: sweep_table(sweep))
+
+
+def sweep_trials(client: Client, args, out: Console) -> None:
+    trials = client.sweep_trials(args.sweep_id)
+    if args.json:
+        print_json(trials)
+    else:
+        out.print(trials_table(trials))
+
+
+def watch_sweep(client: Client, args, out: Console) -> int:
+    return watch(client, args.sweep_id, out)
+
+
+def cancel_sweep(client: Client, args, out: Console) -> None:
+    sweep = client.cancel_sweep(args.sweep_id)
+    out.print(f"sweep {sweep.id}: {styled_status(sweep.status)} ({_counts(sweep)})")
+
+
+def delete_sweep(client: Client, args, out: Console) -> None:
+    client.delete_sweep(args.sweep_id)
+    out.print(f"deleted sweep {args.sweep_id} and its trials")
+
+
+def watch(client: Client, sweep_id: str, out: Console) -> int:
+    """Redraw the sweep and its trials every ``WATCH_SECONDS`` until it ends; the exit code of its end."""
+    with Live(console=out, auto_refresh=False) as live:
+        while True:
+            sweep, trials = client.get_sweep(sweep_id), client.sweep_trials(sweep_id)
+            live.update(Group(sweep_table(sweep), trials_table(trials)), refresh=True)
+            if sweep.finished_at is not None:
+                return EXIT_FOR.get(sweep.status, 1)
+            time.sleep(WATCH_SECONDS)
+
+
+def sweep_table(sweep) -> Table:
+    table = Table(show_header=False, box=None)
+    for name, value in [("sweep", sweep.id), ("status", styled_status(sweep.status)),
+                        ("model", escape(sweep.base_model)), ("objective", f"{sweep.objective.direction} "
+                        f"{sweep.objective.metric}"), ("search", f"{sweep.algorithm}, pruning {sweep.early_stopping}"),
+                        ("trials", f"{_counts(sweep)} of {sweep.max_trials} ({sweep.max_parallel_trials} at a time)"),
+                        ("best", _best(sweep))]:
+        table.add_row(f"[bold]{name}[/]", value)
+    if sweep.error:
+        table.add_row("[bold]error[/]", escape(sweep.error.get("message", "")))
+    return table
+
+
+def trials_table(trials) -> Table:
+    names = sorted({name for t in trials for name in t.params})
+    table = Table("#", id_column(), "status", *names, "value", "steps")
+    for t in trials:
+        table.add_row(str(t.number), t.job_id, styled_status(t.status), *(_value(t.params.get(n)) for n in names),
+                      _value(t.value), str(t.steps))
+    return table
+
+
+def _counts(sweep) -> str:
+    return ", ".join(f"{n} {status}" for status, n in sweep.trials.items() if n) or "none yet"
+
+
+def _best(sweep) -> str:
+    best = sweep.best_trial
+    return f"#{best.trial_number} {best.value:.4g} ({best.job_id})" if best else "-"
+
+
+def _value(value) -> str:
+    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def add_commands(commands, command, quiet, read) -> None:
+    """Register ``tunejob sweeps ...`` (``command``, ``quiet`` and ``read`` as in ``client.cli.add_commands``)."""
+    from client.cli import add_create_arguments
+
+    sweeps = commands.add_parser("sweeps", help="hyperparameter sweeps: many trials, poor ones pruned, the best "
+                                 "kept (client)").add_subparsers(dest="subcommand", required=True)
+    p = command(sweeps, "create", create_sweep, "create a sweep (or plan it: --dry-run)", quiet)
+    add_create_arguments(p)
+    p.add_argument("--space", type=Path, help="JSON or YAML: {name: {type: float|int|categorical, low, high, log, "
+                   "step, choices}}")
+    p.add_argument("--objective", help="METRIC[:maximize|minimize], e.g. accuracy (default direction: the metric's)")
+    p.add_argument("--algorithm", choices=["tpe", "random", "grid"])
+    p.add_argument("--seed", type=int)
+    p.add_argument("--early-stopping", choices=["asha", "median", "none"])
+    p.add_argument("--max-trials", type=int)
+    p.add_argument("--max-parallel-trials", type=int)
+    p.add_argument("--max-failed-trials", type=int)
+    p = command(sweeps, "list", list_sweeps, "the sweeps, newest first", read)
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--cursor", help="next_cursor of the previous page")
+    command(sweeps, "get", get_sweep, "one sweep: status, trials by status, the best trial", read) \
+        .add_argument("sweep_id")
+    command(sweeps, "trials", sweep_trials, "the trials: number, job, parameters, status, value, steps", read) \
+        .add_argument("sweep_id")
+    command(sweeps, "watch", watch_sweep, "a live table of the trials until the sweep ends; exit 0 if it "
+            "succeeded, 3 if it failed, 4 if it was cancelled").add_argument("sweep_id")
+    command(sweeps, "cancel", cancel_sweep, "cancel a sweep and every trial of it").add_argument("sweep_id")
+    command(sweeps, "delete", delete_sweep, "delete an ended sweep and its trials").add_argument("sweep_id")
