@@ -158,9 +158,10 @@ def get_job(job_id: str, caller: Caller, kind: str = "train") -> Job:
 
 
 def list_jobs(caller: Caller, limit: int, after: str | None = None, status: str | None = None,
-              param: str = "after", kind: str = "train", task: str | None = None) -> tuple[list[Job], bool]:
+              param: str = "after", kind: str = "train", task: str | None = None,
+              sweep: str | None = None) -> tuple[list[Job], bool]:
     """The caller's jobs of ``kind`` (an admin's: all), newest first, ``limit`` at a time after job
-    ``after``, optionally of one ``status`` and one ``task``.
+    ``after``, optionally of one ``status``, one ``task`` and one ``sweep`` (its trials).
 
     Returns:
         (jobs, has_more).
@@ -172,6 +173,7 @@ def list_jobs(caller: Caller, limit: int, after: str | None = None, status: str 
     with read_session() as s:
         query = mine.where(Job.status == status) if status else mine
         query = query.where(Job.task == task) if task else query
+        query = query.where(Job.sweep_id == sweep) if sweep else query
         return keyset_page(s, query, Job, after, limit, param=param, within=mine)
 
 
