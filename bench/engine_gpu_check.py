@@ -17,8 +17,35 @@ prints one JSON object: each check with ``ok`` and what it measured.
 - ``fallbacks``: fp16 and gradient checkpointing train eagerly and say so.
 - ``timing``: warm_up seconds (capture) and training seconds of one epoch, graphs and eager.
 
-Usage (on the GPU machine, after ``source .device/gpu/on-device.sh``, see ../shared/gpu/README.md):
-    python -m bench.engine_gpu_check --model bert-base-rand --json $OUT/engine_gpu_check.json
+The cases of issue 29 (the CPU tests inject these faults; here the real thing runs):
+
+- ``checked``: a new capture is checked over 3 steps under a warm-up schedule with dropout on
+  (dropout masks differ between two replays) and every width over one micro-batch; the figures of
+  each check (``Parity.describe``) are in the event.
+- ``no_padding``: texts all longer than ``max_length`` (no padding in any micro-batch): the check
+  passes, no false alarm from flash attention on an all-ones mask (item 1).
+- ``later_widths``: a job of short texts captures a few widths; a later job of the same shape with
+  longer texts reuses them and adds widths, each checked before use (item 2).
+- ``failed_capture``: a capture made to fail (a host sync inside the body) three times: the job
+  trains eagerly on the default stream, and reserved memory does not grow (item 4).
+- ``replay_order``: one step whose micro-batches replay every width in reverse capture order
+  matches the eager step (item 6, the shared pool).
+- ``accumulation``: with ``gradient_accumulation_steps=4`` and dropout off, graphs match the eager
+  engine (item 7: fp32 master gradients, eager and captured alike).
+
+Expected (reasoned from the CPU runs and the tolerances, not yet measured on a GPU): every ``ok``
+true; the checks' loss differences at most about 1e-3 relative in bf16 (atomic adds in the
+backward), gradient norm 5e-3, updated weights 0.02 of the update (``TOLERANCES`` allow 2e-2,
+5e-2, 0.1); "replays draw new dropout masks" in ``checked``; ``failed_capture`` growth of reserved
+memory 0 MiB after ``empty_cache``; warm_up with graphs a few seconds for bert-base (0.25 s a
+width without cuDNN attention, ../shared/gpu/README.md, plus the checks: 2 x 3 steps and 2 steps a
+width); training an epoch of 1,024 short texts with graphs at about 9 ms a step (32 steps).
+
+The one-command acceptance run (on the GPU machine, after ``source .device/gpu/on-device.sh``, see
+../shared/gpu/README.md), this script then the whole-epoch benchmark, peers in the same lease:
+    python -m bench.engine_gpu_check --model bert-base-rand --json $OUT/engine_gpu_check.json && \
+    python -m bench.train --device cuda --precision bf16 --model bert-base-rand --dataset both \
+        --configs smart,trainer,trainer_cudnn_off --repeats 2 --json $OUT/bench.json --markdown $OUT/bench.md
 ``--device cpu --model <a local model>`` runs the same script on the CPU (graph checks are skipped),
 to check the script itself.
 """
@@ -62,15 +89,15 @@ class Recorder(MemoryReporter):
         return list(zip(self.events, self.messages))
 
 
-def texts(n: int, seed: int) -> pd.DataFrame:
-    """Short review-like texts, 3-60 words (about Rotten Tomatoes' lengths), two labels."""
+def texts(n: int, seed: int, words: tuple[int, int] = (3, 60)) -> pd.DataFrame:
+    """Review-like texts of ``words`` words (default 3-60, about Rotten Tomatoes' lengths), two labels."""
     rng = random.Random(seed)
-    rows = [{"text": " ".join(rng.choices(WORDS, k=rng.randint(3, 60))), "label": ["fresh", "rotten"][i % 2]}
+    rows = [{"text": " ".join(rng.choices(WORDS, k=rng.randint(*words))), "label": ["fresh", "rotten"][i % 2]}
             for i in range(n)]
     return pd.DataFrame(rows)
 
 
-def make_run(args, device, reporter, checkpoint=None, dropout=True, **hyperparameters):
+def make_run(args, device, reporter, checkpoint=None, dropout=True, words=(3, 60), **hyperparameters):
     from shared.schemas.jobs import JobCreate
     from shared.store.rows import Job
     from worker.data import JobData
@@ -82,7 +109,7 @@ def make_run(args, device, reporter, checkpoint=None, dropout=True, **hyperparam
     spec = JobCreate(base_model=args.model, training_dataset="check", validation_split=0.0, hyperparameters=hp)
     job = Job(id=f"check-{uuid.uuid4().hex[:8]}", task="classification", base_model=args.model,
               label_names=["fresh", "rotten"], spec=spec.model_dump(mode="json"))
-    df = texts(args.examples, seed=0)
+    df = texts(args.examples, seed=0, words=words)
     run = setup(job, JobData(df, None), device, reporter, checkpoint)
     if not dropout:
         for module in run.model.modules():
@@ -115,6 +142,108 @@ def largest_difference(a: dict[int, float], b: dict[int, float]) -> float:
     if a.keys() != b.keys() or not a:
         return math.inf
     return max(abs(a[s] - b[s]) / max(abs(b[s]), 1e-6) for s in a)
+
+
+def captured_message(recorder: "Recorder") -> str:
+    """The ``cuda_graphs`` event's message ('' when the job trained eagerly)."""
+    return next((m for c, m in recorder.said if c == "cuda_graphs"), "")
+
+
+def issue_29_cases(args, device) -> dict[str, dict]:
+    """The CUDA-graph cases of issue 29 (module docstring), each with ``ok`` and what it saw."""
+    from worker import graphs
+    from worker.train import first_steps, train, warm_up, width_sample
+
+    out = {}
+    graphs.clear_cache()
+    rec = Recorder(stop_after=3, stop_reason="cancelled")
+    run = make_run(args, device, rec)  # dropout on
+    warm_up(run, rec)
+    message = captured_message(rec)
+    out["checked"] = {"ok": "first steps: 3 step(s)" in message and "replays draw new dropout masks" in message
+                      and all(f"width {w}:" in message for w in run.steps.replays), "event": message}
+
+    # replay_order: every width of this capture in one step, in reverse capture order
+    widths = list(run.steps.replays)[::-1]
+    samples = [width_sample(run, w) for w in widths]
+    pieces, n = [p for ps, _ in samples for p in ps], sum(t for _, t in samples)
+    parity = graphs.check_against_eager(run.steps, [(pieces, n)], [run.hp.learning_rate])
+    out["replay_order"] = {"ok": not parity.failures(), "widths": widths, "parity": parity.describe(),
+                           "failures": parity.failures()}
+    train(run, rec)
+
+    # no_padding: every text longer than max_length
+    graphs.clear_cache()
+    rec = Recorder(stop_after=3, stop_reason="cancelled")
+    run = make_run(args, device, rec, words=(args.max_length + 8, args.max_length + 40))
+    warm_up(run, rec)
+    first = first_steps(run, 1)[0][0][0]
+    out["no_padding"] = {"ok": bool(captured_message(rec)) and bool(first["attention_mask"].all()),
+                         "events": rec.said}
+
+    # later_widths: short texts first, then longer texts of the same shape
+    graphs.clear_cache()
+    short, longer = Recorder(stop_after=2, stop_reason="cancelled"), Recorder(stop_after=2, stop_reason="cancelled")
+    run = make_run(args, device, short, words=(3, 12))
+    warm_up(run, short)
+    before = set(run.steps.replays)
+    run = make_run(args, device, longer, words=(3, 90))
+    warm_up(run, longer)
+    message = captured_message(longer)
+    added = sorted(set(run.steps.replays) - before)
+    out["later_widths"] = {"ok": "reused" in message and bool(added) and all(f"width {w}:" in message for w in added),
+                           "first": sorted(before), "added": added, "event": message}
+
+    out["failed_capture"] = failed_capture(args, device)
+
+    # accumulation: gradient_accumulation_steps=4, graphs against the eager engine, dropout off
+    graphs.clear_cache()
+    losses = {}
+    for name, on in (("graphs", True), ("eager", False)):
+        from shared.settings import get_settings
+        get_settings().cuda_graphs = on
+        rec = Recorder(stop_after=5, stop_reason="cancelled")
+        run = make_run(args, device, rec, dropout=False, batch_size=args.batch_size // 4, gradient_accumulation_steps=4)
+        warm_up(run, rec)
+        train(run, rec)
+        losses[name] = rec.losses
+    get_settings().cuda_graphs = True
+    difference = largest_difference(losses["graphs"], losses["eager"])
+    out["accumulation"] = {"ok": difference < 2e-2, "largest_relative_difference": difference}
+    return out
+
+
+def failed_capture(args, device) -> dict:
+    """Three captures made to fail by a host sync in the forward+backward body: each job trains
+    eagerly on the default stream, and reserved memory does not grow from one failure to the next."""
+    from worker import graphs
+    from worker.train import train, warm_up
+
+    original = graphs.CapturedSteps._micro_body
+
+    def syncing(self, width):
+        body = original(self, width)
+        return lambda: (body(), self.step_loss.item())  # a host sync: not permitted while capturing
+
+    reserved, events, streams = [], [], []
+    graphs.CapturedSteps._micro_body = syncing
+    try:
+        for _ in range(3):
+            graphs.clear_cache()
+            graphs._failed.clear()
+            rec = Recorder(stop_after=2, stop_reason="cancelled")
+            run = make_run(args, device, rec)
+            warm_up(run, rec)
+            streams.append(torch.cuda.current_stream() == torch.cuda.default_stream())
+            train(run, rec)
+            events.append([m[:200] for c, m in rec.said if c == "cuda_graphs_off"])
+            del run
+            torch.cuda.empty_cache()
+            reserved.append(torch.cuda.memory_reserved() / 2**20)
+    finally:
+        graphs.CapturedSteps._micro_body = original
+    return {"ok": all(streams) and all(events) and reserved[-1] <= reserved[0] + 1,
+            "default_stream_after": streams, "reserved_mib": reserved, "events": events}
 
 
 def main(argv=None) -> int:
@@ -218,6 +347,9 @@ def main(argv=None) -> int:
         fallbacks[name] = {"outcome": outcome, "event": said, "finite": all(map(math.isfinite, rec.losses.values()))}
     results["fallbacks"] = {"ok": all(f["outcome"] == "cancelled" and f["finite"] and (f["event"] or not cuda)
                                       for f in fallbacks.values()), **fallbacks}
+
+    if cuda:
+        results.update(issue_29_cases(args, device))
 
     results["ok"] = all(v["ok"] for v in results.values() if isinstance(v, dict) and "ok" in v)
     text = json.dumps(results, indent=1, default=str)

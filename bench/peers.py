@@ -13,6 +13,8 @@ trains, and ``dataloader_num_workers=0``. Its time is ``Trainer.train()``'s own 
 - ``trainer_cudnn_off``: ``torch.backends.cuda.enable_cudnn_sdp(False)`` first, the one line that
   spares the cuDNN attention backend's per-shape planning on a GPU (a no-op on the CPU).
 - ``trainer_compile``: ``torch_compile=True`` (compiles each new shape; minutes on the CPU).
+- ``trainer_accumulate_4``: ``gradient_accumulation_steps=4`` (the peer of an engine configuration
+  with ``gradient_accumulation_steps=4``: the same effective batch).
 """
 
 from dataclasses import dataclass, field
@@ -42,6 +44,7 @@ PEERS = {
     "trainer": Peer(),
     "trainer_cudnn_off": Peer(cudnn_sdp=False),
     "trainer_compile": Peer(arguments={"torch_compile": True}),
+    "trainer_accumulate_4": Peer(arguments={"gradient_accumulation_steps": 4}),
 }
 
 

@@ -50,7 +50,9 @@ def capture(run, rows: int | None = None) -> str:
     """What ``warm_up`` does on a CUDA worker: bucket widths, then the captured steps."""
     run.collator.ladder = LADDER
     widths = list(run.plan.width_counts(LADDER, run.hp.epochs))
-    run.steps, message = graphs.capture_steps(run, rows or run.hp.batch_size, widths, lambda: engine.first_step(run))
+    run.steps, message = graphs.capture_steps(run, rows or run.hp.batch_size, widths,
+                                              lambda: engine.first_steps(run, graphs.CHECK_STEPS),
+                                              lambda width: engine.width_sample(run, width))
     return message
 
 
@@ -223,8 +225,9 @@ def test_captured_steps_train_exactly_like_eager_steps(engine_env):
     run = make_run("captured", captured, epochs=2, batch_size=8)
     message = capture(run)
     assert isinstance(run.steps, graphs.CapturedSteps) and "captured widths" in message
-    assert "checked against an eager step" in message  # and the check left no trace: same losses below
+    assert "first steps: 3 step(s)" in message  # checked, and the checks left no trace: same losses below
     assert set(run.steps.replays) == set(run.plan.width_counts(LADDER, 2))
+    assert all(f"width {width}: 1 step(s)" in message for width in run.steps.replays)  # each width checked
     assert all(p.grad is not None for p in run.model.parameters() if p.requires_grad)  # static gradients
     lr = run.optimizer.param_groups[0]["lr"]
     assert torch.is_tensor(lr) and run.optimizer.defaults["capturable"]
@@ -332,7 +335,7 @@ def test_out_of_memory_with_captured_steps_drops_the_graphs_and_backs_off_eagerl
 
 
 def test_a_failed_capture_falls_back_to_eager_steps_and_says_so(engine_env, monkeypatch):
-    def broken(run, rows, widths, first_step):
+    def broken(run, rows, widths, first_steps, width_sample):
         raise RuntimeError("injected: operation not permitted when stream is capturing")
 
     monkeypatch.setattr(engine, "eager_reason", lambda run: None)
@@ -397,7 +400,7 @@ def test_a_capture_that_does_not_match_the_eager_step_trains_eagerly_and_is_not_
     engine.warm_up(run, reporter)
     assert type(run.steps) is Steps and reporter.events[-1] == "cuda_graphs_off"
     assert "does not match the eager step" in reporter.messages[-1]
-    assert ("updated weights differ by 1 of the update" if fault == "update_not_replayed" else "loss ") in \
+    assert ("updated weights differ by 1 of the update" if fault == "update_not_replayed" else "step 1: loss ") in \
         reporter.messages[-1]
     assert engine.train(run, reporter) == "completed"
     assert reporter.series("train_loss") == pytest.approx(reference.series("train_loss"), rel=1e-5)
@@ -413,13 +416,17 @@ def test_a_capture_that_does_not_match_the_eager_step_trains_eagerly_and_is_not_
 
 def test_parity_tolerances_are_tight_in_fp32_and_bf16_aware():
     def parity(dtype, loss=(1.0, 1.0), norm=(2.0, 2.0), update=0.0):
-        return graphs.Parity(loss, norm, update, graphs.TOLERANCES[dtype])
+        return graphs.Parity([loss], [norm], update, graphs.TOLERANCES[dtype])
 
     assert parity(torch.float32).failures() == []
-    assert parity(torch.float32, loss=(1.001, 1.0)).failures()[0].startswith("loss")  # 1e-3: not fp32 rounding
+    assert parity(torch.float32, loss=(1.001, 1.0)).failures()[0].startswith("step 1: loss")  # 1e-3: not fp32 rounding
     assert parity(torch.bfloat16, loss=(1.001, 1.0)).failures() == []  # within bf16 rounding
-    assert parity(torch.bfloat16, loss=(1.1, 1.0)).failures()[0].startswith("loss")
-    assert parity(torch.float32, norm=(2.0, float("nan"))).failures()[0].startswith("grad_norm")
+    assert parity(torch.bfloat16, loss=(1.1, 1.0)).failures()[0].startswith("step 1: loss")
+    assert parity(torch.float32, norm=(2.0, float("nan"))).failures()[0].startswith("step 1: grad_norm")
     assert parity(torch.float32, update=0.05).failures()[0].startswith("updated weights")
+    assert graphs.Parity([(1.0, 1.0)] * 3, [(2.0, 2.0), (2.0, 2.0), (3.0, 2.0)], 0.0,
+                         graphs.TOLERANCES[torch.float32]).failures()[0].startswith("step 3: grad_norm")
+    assert graphs.Parity([(1.0, 1.0)], [(2.0, 2.0)], 0.0, graphs.TOLERANCES[torch.float32],
+                         fresh_dropout=False).failures()[0].startswith("two replays")
     assert parity(torch.bfloat16, update=0.05).failures() == []
     assert parity(torch.bfloat16, update=1.0).failures()[0].startswith("updated weights")

@@ -25,24 +25,45 @@ captured (fp16 GradScaler, gradient checkpointing, ``torch_compile``, ``token_bu
 or an error or out-of-memory during capture) it trains eagerly with the same bodies and says so in
 an event.
 
-Captured graphs are not trusted blindly: before a worker uses a new capture, ``check_against_eager``
-runs the job's first optimizer step twice from the same state, once replaying the graphs and once
-running the very same bodies eagerly on the same static inputs and RNG state, and compares the
-loss, the gradient norm and the updated weights (``TOLERANCES``, looser for bf16). On a mismatch
-the capture is dropped and, like a capture that raised, never tried again for that key in this
-process; the job trains eagerly and an event says why.
+Captured graphs are not trusted blindly: ``check_against_eager`` runs optimizer steps twice from
+the same state, once replaying the graphs and once running the very same bodies eagerly on the
+same static inputs and RNG state, and compares each step's loss and gradient norm and the updated
+weights (``TOLERANCES``, looser for bf16). A new capture is checked over the job's first
+``CHECK_STEPS`` steps under a warm-up learning-rate schedule with dropout on (what a one-step check
+cannot see: a learning rate, AdamW step count or dropout RNG offset frozen into the graph), with
+"two replays of the same micro-batch draw different dropout masks" on top, and every newly captured
+width, including one a later job adds to cached graphs, by one optimizer step over one micro-batch
+of that width before it is used. On a mismatch the capture is dropped and, like a capture that
+raised, never tried again for that key in this process; the job trains eagerly and an event says why.
+
+Both sides of a check run the same attention kernel on the same mask: the graph bodies pass a
+prepared 4D boolean mask, which transformers uses as given (``masking_utils``: "If the mask is
+already 4D, simply return as-is"), instead of a 2D one that transformers drops when it is all ones
+in eager mode but keeps while capturing (``_ignore_bidirectional_mask_sdpa`` asks ``is_tracing()``,
+which covers CUDA stream capture), and both run under ``CAPTURE_ATTENTION`` (``sdpa_kernel``).
+Otherwise a batch without padding would run flash attention eagerly and the memory-efficient kernel
+in the graph, which draw dropout numbers differently, and the check would fail good graphs.
+
+A capture that fails restores the current stream and releases what it allocated in the pool
+(``capture_graph``; ``torch.cuda.graph.__exit__`` raises from ``capture_end`` before it restores
+the stream). All graphs share one memory pool and replay in any order (widths follow the data),
+which PyTorch's notes call safe only when no tensor allocated during one capture is used after it:
+``shared_tensors`` are every tensor the graphs share with each other or the host, and a capture
+whose warm-ups or body rebinds or creates one of them is refused (``SharedPoolError``).
 
 On devices other than CUDA (the tests), "capturing" runs the warm-ups and keeps the body, and
 "replaying" calls it: everything but the capture and replay calls themselves runs there.
 """
 
+import contextlib
 import json
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shared.settings import get_settings
 from worker.steps import (
@@ -54,6 +75,11 @@ from worker.steps import (
 )
 
 WARMUP_RUNS = 2  # eager runs of a body before its capture (the PyTorch docs' side-stream warm-up)
+CHECK_STEPS = 3  # consecutive optimizer steps a new capture is checked over
+# SDPA backends for capture and its eager reference: the memory-efficient kernel takes a mask and
+# dropout and plans nothing per shape (cuDNN does: ../shared/gpu/README.md); math where it cannot run
+# (and on the CPU). Flash attention takes no mask, so it never runs here.
+CAPTURE_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 _cache: "OrderedDict[tuple, CapturedSteps]" = OrderedDict()
 _failed: dict[tuple, str] = {}  # keys whose capture failed in this process: not tried again
@@ -86,6 +112,61 @@ def with_filler_rows(batch: dict[str, torch.Tensor], rows: int, pad_id: int) -> 
     return out
 
 
+def capture_attention() -> contextlib.AbstractContextManager:
+    """The SDPA backends (``CAPTURE_ATTENTION``) that captures, their replays on the CPU stand-in and
+    the eager side of ``check_against_eager`` all run under (``torch.nn.attention.sdpa_kernel``)."""
+    return sdpa_kernel(CAPTURE_ATTENTION)
+
+
+def attention_4d(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``attention_mask [rows, width]`` (1 = real token) as the boolean ``[rows, 1, width, width]``
+    mask SDPA takes (True = attend; an expanded view, no copy). transformers uses a 4D mask as given,
+    so eager and captured forwards see the same mask whether or not a row has padding."""
+    rows, width = attention_mask.shape
+    return attention_mask.bool()[:, None, None, :].expand(rows, 1, width, width)
+
+
+def capture_graph(body: Callable[[], None], pool, stream) -> "torch.cuda.CUDAGraph":
+    """Capture ``body`` on ``stream`` into a new CUDA graph drawing on memory pool ``pool``
+    (``torch.cuda.graph`` without its failure path: its ``__exit__`` raises from ``capture_end``
+    before it restores the current stream, so a failed capture would leave the eager fallback on
+    the capture stream and its allocations held in the pool).
+
+    Whatever fails, the current stream is restored; on failure the capture is ended (if it began)
+    and the graph reset, which releases its hold on the pool, and the first error is raised.
+
+    Raises:
+        Exception: what ``capture_begin``, ``body`` or ``capture_end`` raised (e.g.
+            ``RuntimeError: operation not permitted when stream is capturing``).
+    """
+    graph = torch.cuda.CUDAGraph()
+    previous = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    torch.cuda.set_stream(stream)
+    began = False
+    try:
+        # thread_local: a DataLoader pin-memory thread may allocate pinned memory meanwhile
+        graph.capture_begin(pool, capture_error_mode="thread_local")
+        began = True
+        body()
+        began = False
+        graph.capture_end()
+    except BaseException:
+        if began:
+            with contextlib.suppress(Exception):  # the capture is invalid already: keep the first error
+                graph.capture_end()
+        graph.reset()
+        raise
+    finally:
+        torch.cuda.set_stream(previous)
+    return graph
+
+
+class SharedPoolError(RuntimeError):
+    """A capture rebound or created a tensor the graphs share: it would live in the shared pool,
+    where a graph replayed out of capture order may overwrite it."""
+
+
 class CapturedSteps(Steps):
     """``Steps`` replayed from CUDA graphs: micro-batches of at most ``rows`` rows, one graph per
     width captured by ``capture(widths)``; widths not captured run eagerly (same model, same
@@ -103,7 +184,8 @@ class CapturedSteps(Steps):
         self.replay_update: Callable[[], None] | None = None
         self.graphs: list = []  # the CUDAGraph objects (their memory lives as long as they do)
         self.pool = torch.cuda.graph_pool_handle() if run.device.type == "cuda" else None
-        self.side_stream = None  # where the warm-ups run (created on first use)
+        self.side_stream = None  # where the warm-ups and captures run (created on first use)
+        self.mask_4d = getattr(run.model.config, "_attn_implementation", None) == "sdpa"
 
     def capture(self, widths: list[int]) -> list[int]:
         """Capture the update and each width not captured yet, in training mode (dropout on);
@@ -142,16 +224,33 @@ class CapturedSteps(Steps):
     def finish_step(self) -> None:
         self.replay_update()
 
-    def eager_step(self, pieces: list[dict[str, torch.Tensor]], n_examples: int) -> tuple[torch.Tensor, int]:
-        """``step`` with every captured body run eagerly instead of replayed, on the same static
-        input buffers (filler rows included): the reference of ``check_against_eager``."""
+    @contextlib.contextmanager
+    def eagerly(self) -> Iterator[None]:
+        """Within: every captured body runs eagerly instead of replayed, on the same static input
+        buffers (filler rows included) and under ``capture_attention``: the reference of
+        ``check_against_eager``."""
         replays, replay_update = self.replays, self.replay_update
         self.replays = {width: self._micro_body(width) for width in replays}
         self.replay_update = self.update
         try:
-            return self.step(pieces, n_examples)
+            with capture_attention():
+                yield
         finally:
             self.replays, self.replay_update = replays, replay_update
+
+    def shared_tensors(self) -> dict[str, int]:
+        """Address of every tensor the graphs share with each other or with the host: weights and
+        gradients (master and bf16 copy), AdamW state and learning rates, the step's sums and values,
+        the static inputs. All must be allocated outside the captures (``SharedPoolError``)."""
+        named = {"n_examples": self.n_examples, "step_loss": self.step_loss, "found_inf": self.found_inf,
+                 "values": self.values}
+        for i, p in enumerate({id(p): p for p in [*self.master, *self.compute]}.values()):
+            named[f"param.{i}"], named[f"grad.{i}"] = p, p.grad
+        for i, p in enumerate(self.master):
+            named.update({f"adamw.{i}.{k}": v for k, v in self.optimizer.state.get(p, {}).items()})
+        named.update({f"lr.{i}": g["lr"] for i, g in enumerate(self.optimizer.param_groups)})
+        named.update({f"input.{w}.{k}": v for w, buffers in self.inputs.items() for k, v in buffers.items()})
+        return {name: t.data_ptr() if torch.is_tensor(t) else -1 for name, t in named.items()}
 
     def _buffers(self, width: int) -> dict[str, torch.Tensor]:
         """Static inputs for one width, holding filler rows (what the warm-ups train on)."""
@@ -161,20 +260,46 @@ class CapturedSteps(Steps):
         return {name: t.to(device) for name, t in with_filler_rows(filler, self.rows, self.pad_id).items()}
 
     def _micro_body(self, width: int) -> Callable[[], None]:
+        """Forward and backward of the static inputs of ``width``, with the attention mask in 4D
+        (``attention_4d``) where the model uses SDPA."""
         buffers = self.inputs[width]
-        inputs = {name: buffers[name] for name in self.input_names}
-        return lambda: self.forward_backward(inputs, buffers["labels"], buffers["weights"])
+
+        def body() -> None:
+            inputs = {name: buffers[name] for name in self.input_names}
+            if self.mask_4d and "attention_mask" in inputs:
+                inputs["attention_mask"] = attention_4d(inputs["attention_mask"])
+            self.forward_backward(inputs, buffers["labels"], buffers["weights"])
+        return body
 
     def _skipped_update(self) -> None:
         self.step_loss.fill_(math.nan)  # non-finite: the fused AdamW leaves weights and moments alone
         self.update()
 
     def _capture(self, body: Callable[[], None], warm_up: Callable[[], None]) -> Callable[[], None]:
-        """Run ``warm_up`` ``WARMUP_RUNS`` times, then capture ``body``; returns what replays it."""
-        if self.device.type != "cuda":
+        """Run ``warm_up`` ``WARMUP_RUNS`` times, then capture ``body`` (both under
+        ``capture_attention``); returns what replays it.
+
+        Raises:
+            SharedPoolError: warm-ups or capture rebound or created a shared tensor.
+        """
+        before = self.shared_tensors()
+        with capture_attention():
+            replay = self._warm_up_and_capture(body, warm_up)
+        moved = sorted(name for name, address in self.shared_tensors().items() if before.get(name) != address)
+        if moved:
+            raise SharedPoolError(f"capture rebound or created shared tensors {moved[:5]}: they would live in "
+                                  "the graphs' shared pool")
+        return replay
+
+    def _warm_up_and_capture(self, body: Callable[[], None], warm_up: Callable[[], None]) -> Callable[[], None]:
+        if self.device.type != "cuda":  # the stand-in: replaying calls the body, as captured
             for _ in range(WARMUP_RUNS):
                 warm_up()
-            return body
+
+            def replay() -> None:
+                with capture_attention():
+                    body()
+            return replay
         if self.side_stream is None:
             self.side_stream = torch.cuda.Stream()
         self.side_stream.wait_stream(torch.cuda.current_stream())
@@ -182,12 +307,18 @@ class CapturedSteps(Steps):
             for _ in range(WARMUP_RUNS):
                 warm_up()
         torch.cuda.current_stream().wait_stream(self.side_stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a DataLoader pin-memory thread may allocate pinned memory meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            body()
+        graph = capture_graph(body, self.pool, self.side_stream)
         self.graphs.append(graph)
         return graph.replay
+
+    def release(self) -> None:
+        """Drop every graph (their memory returns to the pool, and the pool to the allocator once
+        no graph holds it): after a failed capture or check."""
+        for graph in self.graphs:
+            graph.reset()
+        self.graphs.clear()
+        self.replays.clear()
+        self.replay_update = None
 
 
 # ----------------------------------------------------------------------------- captured against eager
@@ -215,42 +346,59 @@ TOLERANCES = {torch.float32: Tolerance(loss=1e-4, grad_norm=1e-3, update=1e-2),
 
 @dataclass(frozen=True)
 class Parity:
-    """How one optimizer step replayed from the graphs compared with the same step run eagerly."""
+    """How optimizer steps replayed from the graphs compared with the same steps run eagerly.
 
-    loss: tuple[float, float]  # (graph, eager)
-    grad_norm: tuple[float, float]
-    update: float  # relative difference of the updated weights
+    ``loss`` and ``grad_norm`` hold one ``(graph, eager)`` pair per step; ``update`` is the relative
+    difference of the weights after the last step; ``fresh_dropout``: whether two replays of the
+    same micro-batch drew different dropout masks (None where two eager runs do not either: no
+    dropout)."""
+
+    loss: list[tuple[float, float]]
+    grad_norm: list[tuple[float, float]]
+    update: float
     tolerance: Tolerance
+    fresh_dropout: bool | None = None
 
     def failures(self) -> list[str]:
         """What is out of tolerance (or not finite), in words; empty when the graphs are trusted."""
         out = []
-        for name in ("loss", "grad_norm"):
-            graph, eager = getattr(self, name)
-            limit = getattr(self.tolerance, name)
-            diff = abs(graph - eager) / max(abs(eager), 1e-12)
-            if not diff <= limit:  # NaN fails too
-                out.append(f"{name} {graph:.6g} replayed vs {eager:.6g} eager "
-                           f"(relative difference {diff:.2g} > {limit:g})")
         if not self.update <= self.tolerance.update:
             out.append(f"updated weights differ by {self.update:.2g} of the update (> {self.tolerance.update:g})")
+        if self.fresh_dropout is False:
+            out.append("two replays of the same micro-batch drew the same dropout masks (RNG frozen in the graph)")
+        for name in ("loss", "grad_norm"):
+            limit = getattr(self.tolerance, name)
+            for step, (graph, eager) in enumerate(getattr(self, name), start=1):
+                diff = abs(graph - eager) / max(abs(eager), 1e-12)
+                if not diff <= limit:  # NaN fails too
+                    out.append(f"step {step}: {name} {graph:.6g} replayed vs {eager:.6g} eager "
+                               f"(relative difference {diff:.2g} > {limit:g})")
         return out
 
     def describe(self) -> str:
-        return (f"loss {self.loss[0]:.6g} vs {self.loss[1]:.6g}, gradient norm {self.grad_norm[0]:.6g} vs "
-                f"{self.grad_norm[1]:.6g}, updated weights differ by {self.update:.2g} of the update")
+        pairs = ", ".join(f"{g:.6g} vs {e:.6g}" for g, e in self.loss)
+        norms = ", ".join(f"{g:.6g} vs {e:.6g}" for g, e in self.grad_norm)
+        dropout = {None: "", True: "; replays draw new dropout masks", False: "; replays repeat dropout masks"}
+        return (f"{len(self.loss)} step(s): loss {pairs}, gradient norm {norms}, updated weights differ by "
+                f"{self.update:.2g} of the update{dropout[self.fresh_dropout]}")
 
 
 class CaptureMismatch(RuntimeError):
-    """The replayed step does not match the eager step (``Parity.failures``)."""
+    """The replayed steps do not match the eager steps (``Parity.failures``)."""
 
 
-def check_against_eager(steps: CapturedSteps, pieces: list[dict[str, torch.Tensor]], n_examples: int,
-                        learning_rate: float) -> Parity:
-    """One optimizer step over ``pieces`` (the job's first micro-batches, padded as training pads
-    them) run eagerly (``CapturedSteps.eager_step``) and replayed, each from the same weights, AdamW
-    state and RNG state, at ``learning_rate`` (the schedule's first step may be 0, which would hide
-    the update). Everything is restored afterwards: the job then trains as if no check had run.
+StepInputs = tuple[list[dict[str, torch.Tensor]], int]  # a step's padded micro-batches and its loss terms
+
+
+def check_against_eager(steps: CapturedSteps, step_inputs: list[StepInputs], learning_rates: list[float],
+                        dropout_probe: bool = False) -> Parity:
+    """Consecutive optimizer steps over ``step_inputs`` (micro-batches padded as training pads them)
+    run eagerly (``CapturedSteps.eagerly``) and replayed, each side from the same weights, AdamW state
+    and RNG state, step ``i`` at ``learning_rates[i]`` (filled into the learning-rate tensor in place,
+    as the scheduler does; a rising schedule shows a rate frozen into the graph, and a schedule's
+    first rate may be 0, which would hide the update). ``dropout_probe``: also replay the first
+    micro-batch twice and see that the dropout masks differ (``Parity.fresh_dropout``). Everything
+    is restored afterwards: the job then trains as if no check had run.
 
     Memory: a copy of the trainable weights, their AdamW moments and the bf16 copy, on the device.
 
@@ -259,24 +407,49 @@ def check_against_eager(steps: CapturedSteps, pieces: list[dict[str, torch.Tenso
     """
     saved = _saved_state(steps)
     try:
-        for group in steps.optimizer.param_groups:
-            group["lr"].fill_(learning_rate)
-        _restore_rng(saved)
-        eager_values, _ = steps.eager_step(pieces, n_examples)
+        with steps.eagerly():
+            eager_values = _run_steps(steps, step_inputs, learning_rates, saved)
+            eager_fresh = _draws_differ(steps, step_inputs[0][0][0], saved) if dropout_probe else None
         eager_weights = [p.detach().clone() for p in steps.master]
         _restore(steps, saved)
-        for group in steps.optimizer.param_groups:
-            group["lr"].fill_(learning_rate)
-        graph_values, _ = steps.step(pieces, n_examples)
+        graph_values = _run_steps(steps, step_inputs, learning_rates, saved)
+        graph_fresh = _draws_differ(steps, step_inputs[0][0][0], saved) if eager_fresh else None
         update = torch.stack([torch.linalg.vector_norm(e - p0) for e, p0 in zip(eager_weights, saved["master"])])
         diff = torch.stack([torch.linalg.vector_norm(p.detach() - e) for p, e in zip(steps.master, eager_weights)])
         update_norm, diff_norm = torch.linalg.vector_norm(update).item(), torch.linalg.vector_norm(diff).item()
-        (graph_loss, graph_norm, _), (eager_loss, eager_norm, _) = graph_values.tolist(), eager_values.tolist()
+        graph_rows, eager_rows = graph_values.tolist(), eager_values.tolist()
     finally:
         _restore(steps, saved)
     relative = diff_norm / update_norm if update_norm > 0 else (0.0 if diff_norm == 0 else math.inf)
-    return Parity((graph_loss, eager_loss), (graph_norm, eager_norm), relative,
-                  TOLERANCES.get(steps.compute[0].dtype, TOLERANCES[torch.float32]))
+    return Parity([(g[0], e[0]) for g, e in zip(graph_rows, eager_rows)],
+                  [(g[1], e[1]) for g, e in zip(graph_rows, eager_rows)], relative,
+                  TOLERANCES.get(steps.compute[0].dtype, TOLERANCES[torch.float32]), graph_fresh)
+
+
+def _run_steps(steps: CapturedSteps, step_inputs: list[StepInputs], learning_rates: list[float],
+               saved: dict) -> torch.Tensor:
+    """The steps from the saved RNG state; ``[steps, 3]`` values (loss, gradient norm, skipped)."""
+    _restore_rng(saved)
+    values = []
+    for (pieces, n_examples), lr in zip(step_inputs, learning_rates, strict=True):
+        for group in steps.optimizer.param_groups:
+            group["lr"].fill_(lr)
+        values.append(steps.step(pieces, n_examples)[0])
+    return torch.stack(values)
+
+
+def _draws_differ(steps: CapturedSteps, piece: dict[str, torch.Tensor], saved: dict) -> bool:
+    """Whether two forward+backward passes of ``piece`` in a row, from the same weights, give
+    different losses: they do when dropout draws new masks each time. Gradients and sums are
+    zeroed afterwards; the RNG continues from where it was."""
+    losses = []
+    for _ in range(2):
+        steps.discard_step()
+        steps.n_examples.fill_(1)
+        steps.micro_step(piece)
+        losses.append(steps.step_loss.clone())
+    steps.discard_step()
+    return not torch.equal(*losses)
 
 
 def _saved_state(steps: CapturedSteps) -> dict:
@@ -355,20 +528,23 @@ def graph_key(run, rows: int) -> tuple:
             trainable, run.job.task, rows, str(run.dtype), decay, tuple(input_names(run)), str(run.device))
 
 
-def capture_steps(run, rows: int, widths: list[int],
-                  first_step: Callable[[], tuple[list[dict[str, torch.Tensor]], int]]) -> tuple[CapturedSteps, str]:
+def capture_steps(run, rows: int, widths: list[int], first_steps: Callable[[], list[StepInputs]],
+                  width_sample: Callable[[int], StepInputs]) -> tuple[CapturedSteps, str]:
     """The job's steps as CUDA graphs for micro-batches of ``rows`` rows and these ``widths``:
     from the cache when an earlier job captured them (its weights and optimizer state copied in),
     else captured now. ``run``'s model, optimizer, scheduler and forward model become the captured
-    ones. When anything was captured now, ``first_step()`` (the job's first micro-batches and their
-    real examples; not collated otherwise) is run replayed and eagerly (``check_against_eager``) before the graphs are
-    used. Returns the steps and a sentence for the job's events.
+    ones. Before the graphs are used they are checked against eager steps (``check_against_eager``):
+    a new capture over ``first_steps()`` (the job's first ``CHECK_STEPS`` steps, padded as training
+    pads them) under a warm-up schedule, with the dropout probe; and every width captured now, this
+    job's or added to cached graphs, over ``width_sample(width)`` (one micro-batch of that width).
+    Returns the steps and a sentence for the job's events.
 
     Raises:
-        CaptureMismatch: the replayed step does not match the eager one.
-        Exception: whatever capture or the check raised (including ``torch.OutOfMemoryError``).
-            In every case the key is not tried again in this process, and ``run`` is left ready to
-            train eagerly (its initial weights and optimizer state in place).
+        CaptureMismatch: a replayed step does not match the eager one.
+        Exception: whatever capture or the checks raised (including ``torch.OutOfMemoryError`` and
+            ``SharedPoolError``). In every case the graphs are released, the key is not tried again
+            in this process, and ``run`` is left ready to train eagerly (its initial weights and
+            optimizer state in place).
     """
     key = graph_key(run, rows)
     if key in _failed:
@@ -384,18 +560,52 @@ def capture_steps(run, rows: int, widths: list[int],
             run.forward_model = bf16_copy(run.model)
         steps = CapturedSteps(run, rows)
     try:
+        new_update = steps.replay_update is None
         new = steps.capture(widths)
-        parity = check_against_eager(steps, *first_step(), run.hp.learning_rate) if new else None
-        if parity is not None and parity.failures():
-            raise CaptureMismatch("the replayed step does not match the eager step: " + "; ".join(parity.failures()))
+        checks = check_new_capture(steps, new, new_update, first_steps, width_sample, run.hp.learning_rate)
     except Exception as e:
         _failed[key] = f"{type(e).__name__}: {e}"
+        steps.release()
         raise
     _cache[key] = steps
     old = sorted(set(widths) - set(new))
     return steps, (f"CUDA graphs for micro-batches of {rows} rows: captured widths {new or 'none'}"
                    + (f", reused {old} from an earlier job" if old else "") + f" (cache of {len(_cache)})"
-                   + (f"; checked against an eager step: {parity.describe()}" if parity else ""))
+                   + (f"; checked against eager steps: {'; '.join(checks)}" if checks else ""))
+
+
+def check_new_capture(steps: CapturedSteps, new_widths: list[int], new_update: bool,
+                      first_steps: Callable[[], list[StepInputs]], width_sample: Callable[[int], StepInputs],
+                      learning_rate: float) -> list[str]:
+    """The checks ``capture_steps`` makes before graphs are used: with a new update graph, the first
+    ``CHECK_STEPS`` steps at rates rising to ``learning_rate`` (a warm-up) with the dropout probe;
+    each of ``new_widths`` over one micro-batch of that width. Returns what each check saw.
+
+    Raises:
+        CaptureMismatch: a check failed (its width or steps named).
+        ValueError: a width's sample is not of that width, or the width was not captured.
+    """
+    out = []
+    if new_update:
+        step_inputs = first_steps()[:CHECK_STEPS]
+        rates = [learning_rate * (i + 1) / len(step_inputs) for i in range(len(step_inputs))]
+        parity = check_against_eager(steps, step_inputs, rates, dropout_probe=True)
+        _raise_on_failures(parity, f"the first {len(step_inputs)} steps")
+        out.append(f"first steps: {parity.describe()}")
+    for width in new_widths:
+        pieces, n_examples = width_sample(width)
+        if pieces[0]["input_ids"].shape[1] != width or width not in steps.replays:
+            raise ValueError(f"no captured micro-batch of width {width} to check")
+        parity = check_against_eager(steps, [(pieces, n_examples)], [learning_rate])
+        _raise_on_failures(parity, f"width {width}")
+        out.append(f"width {width}: {parity.describe()}")
+    return out
+
+
+def _raise_on_failures(parity: Parity, what: str) -> None:
+    if parity.failures():
+        raise CaptureMismatch(f"the replayed step does not match the eager step ({what}): "
+                              + "; ".join(parity.failures()))
 
 
 def adopt(steps: CapturedSteps, run) -> None:

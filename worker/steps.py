@@ -15,8 +15,12 @@ weights, moments and step count untouched when its ``found_inf`` tensor is 1 (th
 bf16 on CUDA (and on the CPU when asked for) trains a bf16 copy of the model with fp32 master
 weights in the optimizer, as PyTorch FSDP's ``MixedPrecision(param_dtype=torch.bfloat16)`` and
 DeepSpeed's bf16 optimizer do, instead of ``torch.autocast`` casting every weight in every
-forward: one multi-tensor copy of the gradients to fp32 and one of the updated weights back to
-bf16 per optimizer step. ``run.model`` stays the fp32 master model (checkpoints, evaluation and the
+forward. After each micro-batch its bf16 gradients are added into fp32 master gradients (one
+multi-tensor add, then the bf16 gradients are zeroed), so accumulation over micro-batches
+(``gradient_accumulation_steps``, out-of-memory splits, filler-free pieces) sums in fp32, as
+mixed-precision training with fp32 master weights prescribes (Micikevicius et al., "Mixed
+Precision Training", ICLR 2018, sec. 3.1; DeepSpeed's bf16 optimizer accumulates in fp32 too);
+one multi-tensor copy of the updated weights back to bf16 per optimizer step. ``run.model`` stays the fp32 master model (checkpoints, evaluation and the
 artifact use it); ``run.forward_model`` is the bf16 copy.
 """
 
@@ -125,6 +129,8 @@ class Steps:
             for p in {*self.master, *self.compute}:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+            self.master_grads = [p.grad for p in self.master]  # fp32
+            self.compute_grads = [p.grad for p in self.compute]  # the bf16 copy's (the masters' without one)
 
     def step(self, pieces: list[dict[str, torch.Tensor]], n_examples: int) -> tuple[torch.Tensor, int]:
         """One optimizer step over ``pieces`` (padded micro-batches on the host, with ``labels``).
@@ -164,13 +170,21 @@ class Steps:
         loss = losses.sum() / self.n_examples
         self.scaler.scale(loss).backward()
         self.step_loss += loss.detach()
+        if self.compute_model is not None:
+            self.accumulate_master_grads()
+
+    @torch.no_grad()
+    def accumulate_master_grads(self) -> None:
+        """Add the bf16 gradients of one micro-batch into the fp32 master gradients and zero them:
+        the sum over a step's micro-batches is then rounded to bf16 once per micro-batch, never
+        accumulated in bf16."""
+        torch._foreach_add_(self.master_grads, self.compute_grads)
+        torch._foreach_zero_(self.compute_grads)
 
     @torch.no_grad()
     def update(self) -> None:
         """Clip the gradient norm to 1.0 and step AdamW unless the loss or the gradient is not
         finite; zero the gradients; write the step's values."""
-        if self.compute_model is not None:
-            torch._foreach_copy_([p.grad for p in self.master], [p.grad for p in self.compute])
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.master, 1.0)
@@ -185,17 +199,18 @@ class Steps:
         self.step_loss.zero_()
 
     def zero_grad(self) -> None:
-        """Zero the gradients the backward accumulates into (in place when static, else freed)."""
+        """Zero the gradients the backward accumulates into, and the fp32 master gradients of a bf16
+        copy (in place when static, else freed)."""
         if self.static_grads:
-            torch._foreach_zero_([p.grad for p in self.compute])
+            torch._foreach_zero_(self.compute_grads)
+            if self.compute_model is not None:
+                torch._foreach_zero_(self.master_grads)
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
     def discard_step(self) -> None:
         """Forget a step that failed part-way (out of memory): gradients and loss sum back to zero."""
         self.zero_grad()
-        if self.compute_model is not None:
-            torch._foreach_zero_([p.grad for p in self.master])
         self.step_loss.zero_()
 
 

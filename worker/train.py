@@ -46,7 +46,7 @@ from transformers import (
 )
 from transformers import logging as hf_logging
 
-from shared.data.batching import BatchPlan
+from shared.data.batching import BatchPlan, bucket_width
 from shared.errors import UserError
 from shared.inference.precision import autocast_dtype
 from shared.jobs.base_models import resolve_model
@@ -56,7 +56,7 @@ from shared.store.manifest import manifest_entries
 from shared.store.rows import Job
 from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
 from worker.device import describe, padding_ladder
-from worker.graphs import CapturedSteps, capture_steps, clear_cache, eager_reason
+from worker.graphs import CHECK_STEPS, CapturedSteps, capture_steps, clear_cache, eager_reason
 from worker.report import PhaseTimer, Reporter, timed
 from worker.run_logs import write_run_logs
 from worker.steps import (
@@ -345,7 +345,8 @@ def warm_up(run: Run, reporter: Reporter | None = None) -> None:
     if reason is None:
         widths = list(run.plan.width_counts(run.collator.ladder, run.hp.epochs))
         try:
-            run.steps, message = capture_steps(run, micro_batch_size(run), widths, lambda: first_step(run))
+            run.steps, message = capture_steps(run, micro_batch_size(run), widths, lambda: first_steps(run, CHECK_STEPS),
+                                               lambda width: width_sample(run, width))
             notify(reporter, "cuda_graphs", message)
             return
         except Exception as e:  # capture or its check failed: train this job eagerly, with the same bodies
@@ -359,13 +360,35 @@ def warm_up(run: Run, reporter: Reporter | None = None) -> None:
     run.steps = eager_steps(run)
 
 
-def first_step(run: Run) -> tuple[list[dict[str, torch.Tensor]], int]:
-    """The micro-batches of the job's next optimizer step, collated and split as ``train_step``
-    will have them, and their real examples; read from the plan, with no RNG drawn."""
+def first_steps(run: Run, n: int) -> list[tuple[list[dict[str, torch.Tensor]], int]]:
+    """The micro-batches of the job's next ``n`` optimizer steps (fewer if its epoch ends first),
+    collated and split as ``train_step`` will have them, each step with its loss terms; read from
+    the plan, with no RNG drawn."""
     batches = run.plan.epoch_batches(run.state.epoch)
     start = run.state.batch_in_epoch if run.state.batch_in_epoch < len(batches) else 0
-    group = [run.collator([run.train_set[i] for i in batch])
-             for batch in batches[start:start + run.hp.gradient_accumulation_steps]]
+    accumulation = run.hp.gradient_accumulation_steps
+    return [step_inputs(run, batches[s:s + accumulation])
+            for s in range(start, min(len(batches), start + n * accumulation), accumulation)]
+
+
+def width_sample(run: Run, width: int) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """One micro-batch the job will train on at bucket ``width`` (the first in plan order over its
+    epochs), collated and split as ``train_step`` will have it, with its loss terms.
+
+    Raises:
+        ValueError: no micro-batch of the job's plan has that width.
+    """
+    for epoch in range(max(1, math.ceil(run.hp.epochs))):
+        for batch in run.plan.epoch_batches(epoch):
+            if bucket_width(run.collator.ladder, int(run.plan.lengths[batch].max())) == width:
+                pieces, _ = step_inputs(run, [batch])
+                return pieces[:1], loss_terms(pieces[0]["labels"], run.job.task)
+    raise ValueError(f"no micro-batch of width {width} in the job's plan")
+
+
+def step_inputs(run: Run, batches: list[list[int]]) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Planned ``batches`` (example indices) collated and split into micro-batches, with their loss terms."""
+    group = [run.collator([run.train_set[i] for i in batch]) for batch in batches]
     pieces = [piece for planned in group for piece in split_batch(planned, run.state.micro_split)]
     return pieces, sum(loss_terms(piece["labels"], run.job.task) for piece in pieces)
 
