@@ -7,6 +7,12 @@ caller declares ``caller: CallerDep`` (FastAPI resolves the dependency once per 
 passes it to the ``shared`` query helpers (``shared.store.tenancy``). The static documentation pages
 (``/docs``, ``/redoc``, ``/openapi.json`` and their assets) are not API routes and stay public:
 they carry no tenant data.
+
+A browser signed in to the dashboard (``/ui``, ``shared.store.ui_sessions``) sends no key: its
+session cookie stands for the key it signed in with, on the same routes and through the same
+checks, so the dashboard's scripts use this API (streams, uploads, job creation) as any client
+does. A state-changing request (not GET/HEAD/OPTIONS) made with the cookie must also carry the
+session's CSRF token in ``X-CSRF-Token``; a request with a key never uses the cookie.
 """
 
 import math
@@ -24,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from api import store
 from shared.errors import UserError
 from shared.settings import get_settings
-from shared.store import keys
+from shared.store import keys, ui_sessions
 from shared.store.tenancy import Caller
 
 # Routes anyone may call: they carry no tenant data (liveness, and the documentation pages, which
@@ -47,24 +53,50 @@ async def authenticate(
     rate check too where its counters are in this process (``memory://``).
 
     Raises:
-        UserError: 401 ``missing_api_key`` / ``invalid_api_key`` (unknown or revoked);
+        UserError: 401 ``missing_api_key`` / ``invalid_api_key`` (unknown or revoked); 403
+            ``csrf_token_invalid`` (a dashboard session's state-changing request without its token);
             429 ``rate_limited`` with ``Retry-After`` past the key's ``TUNEJOB_RATE_LIMIT``.
     """
     route = request.scope.get("route")
     if route is not None and route.path in PUBLIC_PATHS:
         return None
-    if credentials is None:
+    if credentials is None and (session := request.cookies.get(ui_sessions.COOKIE)):
+        caller = await session_caller(request, session)
+    elif credentials is None:
         raise UserError("missing_api_key", "this route needs an API key: send `Authorization: Bearer <key>` (the "
                         "local key is in <TUNEJOB_DATA_DIR>/api_key; more with `tunejob keys create`)",
                         "Authorization", status=401, headers=UNAUTHORIZED)
-    caller = await store.read(keys.authenticate, credentials.credentials)
-    if caller is None:
-        raise UserError("invalid_api_key", "the API key is not valid, or it was revoked", "Authorization",
-                        status=401, headers=UNAUTHORIZED)
+    else:
+        caller = await store.read(keys.authenticate, credentials.credentials)
+        if caller is None:
+            raise UserError("invalid_api_key", "the API key is not valid, or it was revoked", "Authorization",
+                            status=401, headers=UNAUTHORIZED)
     if get_settings().rate_limit_storage_url.startswith("memory://"):
         check_rate(caller)
     else:
         await run_in_threadpool(check_rate, caller)  # a network round trip to the shared counters
+    return caller
+
+
+async def session_caller(request: Request, token: str) -> Caller:
+    """The caller of the dashboard session whose cookie holds ``token``, checking the CSRF token of
+    a state-changing request.
+
+    Raises:
+        UserError: 401 ``session_expired`` (unknown, expired or signed-out session, or its key
+            revoked); 403 ``csrf_token_invalid``.
+    """
+    found = await store.read(ui_sessions.resolve, token)
+    if found is None:
+        raise UserError("session_expired", "the dashboard session has expired or was signed out: sign in again at "
+                        "/ui/login", ui_sessions.COOKIE, status=401)
+    from api.security import SAFE_METHODS  # not at the top: api.security -> api.errors -> api.auth
+
+    caller, csrf = found
+    if request.method not in SAFE_METHODS and not ui_sessions.csrf_matches(
+            csrf, request.headers.get(ui_sessions.CSRF_HEADER)):
+        raise UserError("csrf_token_invalid", f"a dashboard request that changes something must send the page's "
+                        f"{ui_sessions.CSRF_HEADER} header; reload the page", ui_sessions.CSRF_HEADER, status=403)
     return caller
 
 

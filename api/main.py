@@ -6,7 +6,8 @@ Swagger UI (``/docs``) and ReDoc (``/redoc``) load their scripts and styles from
 on a machine without internet.
 
 Every route requires an API key except those in ``api.auth.PUBLIC_PATHS`` (``/healthz``);
-requests for a Host the server does not serve are refused (``api.security``).
+requests for a Host the server does not serve are refused (``api.security``). The dashboard is
+mounted at ``/ui`` (``api.ui``): its pages need a browser session instead of a key.
 """
 
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ from api.feeds import Feeds
 from api.metrics import install_metrics
 from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, sweeps
 from api.security import HostAndOriginCheck, allowed_hosts
+from api.ui import create_ui
 from shared.queue import RecoveryThread
 from shared.settings import get_settings
 from shared.store.engine import upgrade_database
@@ -55,6 +57,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
     app.include_router(sweeps.router)
     app.include_router(openai_v1.router)
     install_metrics(app)
+    app.mount("/ui", create_ui())
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict:

@@ -5,7 +5,13 @@ For a training job the bar shows step/total, epoch, the latest train loss, the l
 ``metric_for_best_model`` on the validation set, real tokens/s and padding efficiency (both over
 the attempt so far) and the server's ETA; for a prediction job rows done/total, rows/s and the
 ETA. The job's events are printed above the bar as they happen.
+
+Without a terminal (a CI log, ``nohup``, a pipe) a live bar draws nothing until the end, so there
+the same fields are printed as a plain line (``PlainLines``) when the status changes and at most
+every ``PLAIN_EVERY_SECONDS`` in between.
 """
+
+import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -22,6 +28,59 @@ from shared.schemas.jobs import JobOut
 from shared.schemas.predictions import PredictionOut
 
 EXIT_CODES = {"succeeded": 0, "failed": 3, "cancelled": 4}
+PLAIN_EVERY_SECONDS = 30.0
+
+
+class LiveBar:
+    """A ``rich`` progress bar on a terminal; events are printed above it."""
+
+    def __init__(self, out: Console, job_id: str):
+        self.bar = Progress(TextColumn("{task.fields[status]}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[details]}"), console=out)
+        self.task = self.bar.add_task(job_id, total=None, status="", details="")
+
+    def __enter__(self) -> "LiveBar":
+        self.bar.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.bar.stop()
+
+    def print(self, line) -> None:
+        self.bar.console.print(line)
+
+    def update(self, job: JobOut | PredictionOut) -> None:
+        done, total = position(job)
+        self.bar.update(self.task, completed=done, total=total, status=styled_status(job.status), details=details(job))
+
+
+class PlainLines:
+    """Progress as plain lines, for output that is not a terminal: ``<id> running 120/400 · epoch
+    0.90 · loss 0.4321 · … · ETA 1:05``, when the status changes and at most every ``every`` seconds."""
+
+    def __init__(self, out: Console, job_id: str, every: float | None = None):
+        self.out, self.job_id = out, job_id
+        self.every = PLAIN_EVERY_SECONDS if every is None else every
+        self.last_status: str | None = None
+        self.last_time = float("-inf")
+
+    def __enter__(self) -> "PlainLines":
+        return self
+
+    def __exit__(self, *_) -> None:
+        pass
+
+    def print(self, line) -> None:
+        self.out.print(line)
+
+    def update(self, job: JobOut | PredictionOut) -> None:
+        now = time.monotonic()
+        if job.status == self.last_status and now - self.last_time < self.every:
+            return
+        self.last_status, self.last_time = job.status, now
+        done, total = position(job)
+        fields = " · ".join(p for p in (f"{done}/{total if total is not None else '?'}", details(job)) if p)
+        self.out.print(f"{self.job_id} {job.status} {fields}", highlight=False, soft_wrap=True)
 
 
 def watch(client: Client, job_id: str, out: Console, kind: Kind = TRAINING) -> int:
@@ -33,18 +92,14 @@ def watch(client: Client, job_id: str, out: Console, kind: Kind = TRAINING) -> i
         KeyboardInterrupt: Ctrl-C; the job goes on.
     """
     job = client.get_of_kind(job_id, kind)
-    bar = Progress(TextColumn("{task.fields[status]}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[details]}"), console=out)
-    with bar:
-        task = bar.add_task(job_id, total=None, status="", details="")
+    with (LiveBar if out.is_terminal else PlainLines)(out, job_id) as shown:
         for message in client.follow(job_id, kind=kind):
             if message.event == "events":
                 for event in message.data:
-                    bar.console.print(event_line(event))
+                    shown.print(event_line(event))
             elif message.event in ("progress", "end"):
                 job = message.data
-                done, total = position(job)
-                bar.update(task, completed=done, total=total, status=styled_status(job.status), details=details(job))
+                shown.update(job)
     table = fields_table({})
     table.title = f"{'prediction' if isinstance(job, PredictionOut) else 'job'} {job.id} {styled_status(job.status)}"
     prediction_summary(table, job) if isinstance(job, PredictionOut) else final_summary(table, job)

@@ -32,6 +32,20 @@ def prepare_api(host: str) -> None:
               "`Authorization: Bearer <key>`.", flush=True)
 
 
+def signin_link(host: str, port: int) -> str | None:
+    """A one-time link that signs a browser in to the dashboard (``/ui``) with the local key of
+    ``tunejob serve`` (``<data dir>/api_key``); None when there is no usable local key."""
+    from shared.store.keys import authenticate, local_key_path
+    from shared.store import ui_sessions
+
+    path = local_key_path()
+    caller = authenticate(path.read_text().strip()) if path.is_file() else None
+    if caller is None:
+        return None
+    shown = "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else (f"[{host}]" if ":" in host else host)
+    return f"http://{shown}:{port}/ui/signin/{ui_sessions.signin_link(caller.key_id)}"
+
+
 def run_api(host: str, port: int) -> None:
     from api.main import create_app
     from api.server import run
@@ -51,6 +65,10 @@ def serve(host: str, port: int, workers: int = 1, gpus: str | None = None) -> No
     launches = worker_launches(workers, gpus)
     prepare_api(host)  # before the workers start: they may refuse to start
     started = [subprocess.Popen(args, env=env) for args, env in launches]
+    link = signin_link(host, port)
+    print(f"tunejob: dashboard: {link} (signs one browser in, once, within "
+          f"15 minutes; then sign in at /ui/login with an API key)" if link else
+          f"tunejob: dashboard at http://{host}:{port}/ui (sign in with an API key)", flush=True)
     try:
         run_api(host, port)
     finally:

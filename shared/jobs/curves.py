@@ -16,6 +16,8 @@ from shared.store.engine import read_session
 from shared.store.rows import JobMetric
 
 Series = dict[str, tuple[list[int], list[float]]]  # metric name -> (steps, values)
+SCORES = ("accuracy", "f1", "precision", "recall")  # validation metrics in [0, 1] (any averaging: f1_macro, …)
+MIN_SPAN = 0.1  # a panel of other metrics spans at least this share of its values' magnitude
 
 
 def metric_rows(job_id: str) -> list[Row]:
@@ -48,6 +50,8 @@ def render_png(series: Series, title: str) -> bytes:
     _plot(loss_ax.twinx(), series, {"learning_rate": "learning rate"}, "learning rate", color="tab:gray")
     names = sorted(n for n in series if n.startswith("eval_") and n != "eval_loss")
     _plot(eval_ax, series, {n: n.removeprefix("eval_") for n in names}, "validation")
+    if names:
+        eval_ax.set_ylim(*panel_range(names, series))
     _plot(speed_ax, series, {"tokens_per_second": "real tokens/s"}, "tokens/s")
     _plot(speed_ax.twinx(), series, {"padding_efficiency": "padding efficiency"}, "padding efficiency",
           color="tab:gray")
@@ -56,6 +60,24 @@ def render_png(series: Series, title: str) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
+
+
+def panel_range(names: list[str], series: Series) -> tuple[float, float]:
+    """The y range of the validation panel, so that a flat result looks flat: [0, 1] (with a small
+    margin) when every metric is a score in [0, 1] (accuracy, F1, precision, recall); otherwise the
+    values' range, widened to at least ``MIN_SPAN`` of their magnitude (matplotlib's own range
+    around a single point is ±0.0005, which makes any difference look dramatic).
+
+    Raises:
+        ValueError: none of ``names`` has a value.
+    """
+    values = [v for n in names for v in series[n][1]]
+    lo, hi = min(values), max(values)
+    if all(n.removeprefix("eval_").startswith(SCORES) for n in names) and 0 <= lo and hi <= 1:
+        return -0.02, 1.02
+    span = max(hi - lo, MIN_SPAN * max(abs(lo), abs(hi)), 1e-3)
+    middle = (lo + hi) / 2
+    return middle - 0.55 * span, middle + 0.55 * span
 
 
 def _plot(ax, series: Series, labels: dict[str, str], ylabel: str, color: str | None = None) -> None:

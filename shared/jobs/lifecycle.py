@@ -158,9 +158,9 @@ def get_job(job_id: str, caller: Caller, kind: str = "train") -> Job:
 
 
 def list_jobs(caller: Caller, limit: int, after: str | None = None, status: str | None = None,
-              param: str = "after", kind: str = "train") -> tuple[list[Job], bool]:
+              param: str = "after", kind: str = "train", task: str | None = None) -> tuple[list[Job], bool]:
     """The caller's jobs of ``kind`` (an admin's: all), newest first, ``limit`` at a time after job
-    ``after``, optionally of one ``status``.
+    ``after``, optionally of one ``status`` and one ``task``.
 
     Returns:
         (jobs, has_more).
@@ -171,6 +171,7 @@ def list_jobs(caller: Caller, limit: int, after: str | None = None, status: str 
     mine = scoped(select(Job), Job, caller).where(Job.kind == kind)
     with read_session() as s:
         query = mine.where(Job.status == status) if status else mine
+        query = query.where(Job.task == task) if task else query
         return keyset_page(s, query, Job, after, limit, param=param, within=mine)
 
 

@@ -1,0 +1,237 @@
+"""The dashboard's pages and its sign-in (see ``api.ui``). Each page reads through the ``shared``
+helpers with the session's ``Caller``: another tenant's job or dataset is a 404 page, as it is a
+404 answer of the API."""
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import quote, urlencode
+
+from fastapi import APIRouter, Depends, Form, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
+from fastapi.templating import Jinja2Templates
+
+from shared.jobs import lifecycle, predictions, uploads
+from shared.store import artifacts, keys
+from shared.jobs.base_models import available_models
+from shared.data.problems import Problems
+from shared.data.read import read_batches
+from shared.errors import UserError
+from shared.store.rows import JobStatus
+from shared.schemas.jobs import Hyperparameters, JobCreate
+from shared.settings import get_settings
+from shared.store import ui_sessions
+from shared.store.tenancy import Caller
+
+router = APIRouter()
+templates = Jinja2Templates(directory=Path(__file__).parent / "templates")
+PAGE_SIZE = 50
+SAMPLE_ROWS = 10
+MAX_COMPARED = 10
+STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+TASKS = JobCreate.model_fields["task"].annotation.__args__
+
+
+class SignInRequired(Exception):
+    """The request has no live dashboard session: ``api.ui`` sends the browser to the sign-in page."""
+
+
+@dataclass(frozen=True)
+class Session:
+    """The signed-in browser: its caller (tenant, admin) and the CSRF token its pages carry."""
+
+    caller: Caller
+    csrf: str
+
+
+def session(request: Request) -> Session:
+    """The request's dashboard session.
+
+    Raises:
+        SignInRequired: no cookie, or it names no live session (expired, signed out, key revoked).
+    """
+    found = ui_sessions.resolve(request.cookies.get(ui_sessions.COOKIE, ""))
+    if found is None:
+        raise SignInRequired()
+    return Session(*found)
+
+
+SessionDep = Annotated[Session, Depends(session)]
+
+
+def login_url(request: Request) -> str:
+    """The sign-in page, coming back to the page asked for."""
+    return "/ui/login?" + urlencode({"next": request.url.path + (f"?{request.url.query}" if request.url.query else "")})
+
+
+def render(request: Request, name: str, http_status: int = 200, **context) -> HTMLResponse:
+    return templates.TemplateResponse(request=request, name=name, context=context, status_code=http_status)
+
+
+def error_page(request: Request, status: int, message: str) -> HTMLResponse:
+    title = {404: "Not found", 401: "Sign-in needed", 409: "Conflict"}.get(status, "Something is wrong")
+    return render(request, "error.html", status, title=title, message=message, code=status)
+
+
+def _safe_next(target: str | None) -> str:
+    """Where to go after signing in: a dashboard path of this site only (no open redirect)."""
+    return target if target and target.startswith("/ui/") and not target.startswith("//") else "/ui/jobs"
+
+
+def _set_cookie(request: Request, response: RedirectResponse, token: str) -> RedirectResponse:
+    response.set_cookie(ui_sessions.COOKIE, token, max_age=int(get_settings().ui_session_hours * 3600), path="/",
+                        httponly=True, samesite="strict", secure=request.url.scheme == "https")
+    return response
+
+
+@router.get("/login", response_class=HTMLResponse)
+def login_page(request: Request, next: str | None = None):
+    return render(request, "login.html", next=_safe_next(next), error=None)
+
+
+@router.post("/login", response_class=HTMLResponse)
+def login(request: Request, key: Annotated[str, Form(max_length=128)], next: Annotated[str, Form()] = "/ui/jobs"):
+    """Sign in with an API key: a session for the key's tenant and rights (the key is not kept)."""
+    caller = keys.authenticate(key.strip())
+    if caller is None:
+        return render(request, "login.html", 401, next=_safe_next(next),
+                      error="That API key is not valid, or it was revoked.")
+    return _set_cookie(request, RedirectResponse(_safe_next(next), status_code=303), ui_sessions.start(caller))
+
+
+@router.get("/signin/{token}")
+def signin_link(request: Request, token: str):
+    """A one-time sign-in link (``tunejob serve`` prints one for its local key)."""
+    session_token = ui_sessions.redeem(token)
+    if session_token is None:
+        return render(request, "login.html", 401, next="/ui/jobs",
+                      error="That sign-in link was used already or has expired: sign in with an API key.")
+    return _set_cookie(request, RedirectResponse("/ui/jobs", status_code=303), session_token)
+
+
+@router.post("/logout")
+def logout(request: Request, csrf_token: Annotated[str, Form()] = ""):
+    token = request.cookies.get(ui_sessions.COOKIE, "")
+    found = ui_sessions.resolve(token)
+    if found is not None and not ui_sessions.csrf_matches(found[1], csrf_token):
+        raise UserError("csrf_token_invalid", "the sign-out form is stale: reload the page and try again",
+                        "csrf_token", status=403)
+    if found is not None:
+        ui_sessions.end(token)
+    response = RedirectResponse("/ui/login", status_code=303)
+    response.delete_cookie(ui_sessions.COOKIE, path="/", httponly=True, samesite="strict")
+    return response
+
+
+@router.get("/")
+def home():
+    return RedirectResponse("/ui/jobs", status_code=303)
+
+
+@router.get("/jobs", response_class=HTMLResponse)
+def jobs_page(request: Request, s: SessionDep, status: Annotated[str | None, Query()] = None,
+              task: Annotated[str | None, Query()] = None, cursor: str | None = None):
+    """Training jobs, newest first, PAGE_SIZE at a time, filtered by status and task."""
+    status, task = status or None, task or None
+    if status not in (None, *STATUSES) or task not in (None, *TASKS):
+        raise UserError("invalid_filter", f"unknown filter: status {status!r}, task {task!r}", "status", status=400)
+    page, has_more = lifecycle.list_jobs(s.caller, PAGE_SIZE, cursor, status, param="cursor", task=task)
+    rows = [lifecycle.to_out(j) for j in page]
+    query = {k: v for k, v in {"status": status, "task": task}.items() if v}
+    next_url = f"/ui/jobs?{urlencode({**query, 'cursor': page[-1].id})}" if has_more else None
+    return render(request, "jobs.html", s=s, jobs=rows, status=status, task=task, statuses=STATUSES, tasks=TASKS,
+                  next_url=next_url, first_url=f"/ui/jobs?{urlencode(query)}" if cursor else None,
+                  active=any(j.status in (JobStatus.QUEUED, JobStatus.RUNNING) for j in rows))
+
+
+@router.get("/jobs/{job_id}", response_class=HTMLResponse)
+def job_page(request: Request, job_id: str, s: SessionDep):
+    job = lifecycle.to_out(lifecycle.get_job(job_id, s.caller))
+    checkpoints = lifecycle.list_checkpoints(job_id, s.caller)
+    files = lifecycle.model_files(job_id, s.caller) if job.status == JobStatus.SUCCEEDED else {}
+    return render(request, "job.html", s=s, job=job, events=lifecycle.list_events(job_id, s.caller),
+                  checkpoints=checkpoints, artifacts=artifacts.listing(files) if files else {},
+                  chart={"job": job.id, "status": job.status, "checkpoints": [c.step for c in checkpoints],
+                         "best_metric": job.hyperparameters.metric_for_best_model,
+                         "total_steps": job.progress.total_steps})
+
+
+@router.get("/compare", response_class=HTMLResponse)
+def compare_page(request: Request, s: SessionDep, jobs_: Annotated[str, Query(alias="jobs")] = ""):
+    """2 to MAX_COMPARED jobs side by side: curves overlaid, hyperparameters and final metrics."""
+    ids = list(dict.fromkeys(i.strip() for i in jobs_.split(",") if i.strip()))
+    if not 2 <= len(ids) <= MAX_COMPARED:
+        raise UserError("invalid_compare", f"compare 2 to {MAX_COMPARED} jobs (?jobs=job_a,job_b); got {len(ids)}",
+                        "jobs", status=400)
+    compared = [lifecycle.to_out(lifecycle.get_job(i, s.caller)) for i in ids]
+    rows = _compare_rows(compared)
+    return render(request, "compare.html", s=s, jobs=compared, rows=rows, chart={"jobs": ids})
+
+
+def _compare_rows(compared: list) -> list[tuple[str, list, bool]]:
+    """(name, one value per job, whether they differ) for each setting and final metric."""
+    def flat(job) -> dict:
+        spec = {"base_model": job.base_model, "task": job.task, "training_dataset": job.training_dataset,
+                "status": job.status, **{f"hp.{k}": v for k, v in job.hyperparameters.model_dump().items()}}
+        spec.update({f"val.{k}": v for k, v in (job.validation_metrics or {}).items()})
+        spec["duration_s"] = job.timings.total
+        return spec
+
+    flats = [flat(j) for j in compared]
+    names = list(dict.fromkeys(n for f in flats for n in f))
+    return [(n, vals := [f.get(n) for f in flats], len({repr(v) for v in vals}) > 1) for n in names]
+
+
+@router.get("/datasets", response_class=HTMLResponse)
+def datasets_page(request: Request, s: SessionDep):
+    datasets, _ = uploads.list_datasets(s.caller)
+    return render(request, "datasets.html", s=s, datasets=datasets,
+                  max_upload=get_settings().max_upload_bytes)
+
+
+@router.get("/datasets/{dataset_id}", response_class=HTMLResponse)
+def dataset_page(request: Request, dataset_id: str, s: SessionDep):
+    """A dataset's columns and first rows, and the form that plans and creates a job on it."""
+    dataset = uploads.get_dataset(dataset_id, s.caller)
+    batch = next(read_batches(Path(dataset.path), dataset.format, dataset.filename, dataset.columns,
+                              Problems(dataset.filename)), None)
+    sample = [] if batch is None else [[batch.values[c][i] for c in dataset.columns]
+                                       for i in range(min(SAMPLE_ROWS, batch.size))]
+    defaults = Hyperparameters()
+    return render(request, "dataset.html", s=s, dataset=dataset, sample=sample, tasks=TASKS,
+                  models=sorted(available_models()), defaults=defaults,
+                  best_metrics=Hyperparameters.model_fields["metric_for_best_model"].annotation.__args__,
+                  batchings=Hyperparameters.model_fields["batching"].annotation.__args__)
+
+
+@router.get("/predictions", response_class=HTMLResponse)
+def predictions_page(request: Request, s: SessionDep, cursor: str | None = None):
+    page, has_more = lifecycle.list_jobs(s.caller, PAGE_SIZE, cursor, param="cursor", kind=predictions.KIND)
+    models, _ = lifecycle.list_jobs(s.caller, 200, status=JobStatus.SUCCEEDED)
+    datasets, _ = uploads.list_datasets(s.caller)
+    return render(request, "predictions.html", s=s, predictions=[predictions.to_out(j) for j in page],
+                  models=models, datasets=datasets,
+                  next_url=f"/ui/predictions?cursor={quote(page[-1].id)}" if has_more else None)
+
+
+@router.get("/predictions/{prediction_id}", response_class=HTMLResponse)
+def prediction_page(request: Request, prediction_id: str, s: SessionDep):
+    prediction = predictions.to_out(lifecycle.get_job(prediction_id, s.caller, kind=predictions.KIND))
+    return render(request, "prediction.html", s=s, p=prediction,
+                  events=lifecycle.list_events(prediction_id, s.caller, kind=predictions.KIND))
+
+
+def age(when: datetime | None, until: datetime | None = None) -> str:
+    """``when`` to ``until`` (default now) as '3 s', '4 min', '2 h', '5 d'."""
+    if when is None:
+        return "–"
+    seconds = max(0.0, ((until or datetime.now(UTC)) - when).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+templates.env.filters["age"] = age
+templates.env.globals["csrf_header"] = ui_sessions.CSRF_HEADER

@@ -1,0 +1,412 @@
+// The dashboard's scripts: one function per page (the <body>'s data-page), no build step.
+// They call the API with the session cookie; a request that changes something carries the page's
+// CSRF token in X-CSRF-Token (api/auth.py). Charts are uPlot (static/vendor/uplot, see VERSIONS).
+"use strict";
+
+const $ = (sel, root = document) => root.querySelector(sel);
+const csrfToken = () => ($('meta[name="csrf-token"]') || {}).content || "";
+
+// fetch() against the API: the JSON answer, or an Error with the API's message.
+async function api(method, url, body) {
+  const headers = {"X-CSRF-Token": csrfToken()};
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  const response = await fetch(url, {method, headers, credentials: "same-origin",
+                                     body: body === undefined ? undefined : JSON.stringify(body)});
+  const text = await response.text();
+  const data = text ? JSON.parse(text) : null;
+  if (!response.ok) throw new Error(data && data.error ? data.error.message : `${response.status} ${response.statusText}`);
+  return data;
+}
+
+function say(id, text, isError) {
+  const el = document.getElementById(id);
+  if (!el) return;
+  el.textContent = text;
+  el.classList.toggle("error", !!isError);
+}
+
+function confirmThen(text, action) {
+  const dialog = $("#confirm");
+  $("#confirm-text").textContent = text;
+  dialog.returnValue = "";
+  dialog.addEventListener("close", () => { if (dialog.returnValue === "ok") action(); }, {once: true});
+  dialog.showModal();
+}
+
+// ---- charts -------------------------------------------------------------------------------------
+const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777", "#4b5563", "#65a30d"];
+
+function themeColors() {
+  const style = getComputedStyle(document.body);
+  return {text: style.getPropertyValue("--text").trim() || "#111", grid: style.getPropertyValue("--grid").trim() || "#ddd"};
+}
+
+// A live line chart: series by name, points (step, value) added at any time, redrawn once per frame.
+class LiveChart {
+  constructor(el, {points = false, marks = null} = {}) {
+    this.el = el;
+    this.points = points;      // evaluation series: points joined by lines
+    this.marks = marks;        // () => {lines: [steps], stars: [[step, value]]}
+    this.names = [];
+    this.byStep = new Map();   // step -> {name: value}
+    this.count = 0;
+    this.plot = null;
+    this.pending = false;
+  }
+
+  add(name, step, value) {
+    if (value === null || value === undefined) return;
+    if (!this.names.includes(name)) { this.names.push(name); this.rebuild = true; }
+    let row = this.byStep.get(step);
+    if (!row) { row = {}; this.byStep.set(step, row); }
+    if (!(name in row)) this.count++;
+    row[name] = value;
+    this.schedule();
+  }
+
+  schedule() {
+    if (this.pending) return;
+    this.pending = true;
+    requestAnimationFrame(() => { this.pending = false; this.draw(); });
+  }
+
+  data() {
+    const steps = [...this.byStep.keys()].sort((a, b) => a - b);
+    return [steps, ...this.names.map(n => steps.map(s => { const v = this.byStep.get(s)[n]; return v === undefined ? null : v; }))];
+  }
+
+  options() {
+    const c = themeColors();
+    const marks = this.marks;
+    return {
+      width: Math.max(280, this.el.clientWidth), height: 220,
+      scales: {x: {time: false}},
+      legend: {show: true},
+      axes: [{stroke: c.text, grid: {stroke: c.grid}, label: "step"},
+             {stroke: c.text, grid: {stroke: c.grid}, size: 64, values: (u, splits) => splits.map(tick)}],
+      series: [{label: "step"}, ...this.names.map((n, i) => ({
+        label: n, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true,
+        points: {show: this.points, size: 6}}))],
+      hooks: marks ? {draw: [u => drawMarks(u, marks(), c.text)]} : {},
+    };
+  }
+
+  draw() {
+    if (this.names.length === 0) return;
+    const data = this.data();
+    if (!this.plot || this.rebuild) {
+      if (this.plot) this.plot.destroy();
+      this.el.textContent = "";
+      this.plot = new uPlot(this.options(), data, this.el);
+      this.rebuild = false;
+    } else {
+      this.plot.setData(data);
+    }
+    this.el.dataset.points = String(this.count);
+  }
+
+  resize() { if (this.plot) this.plot.setSize({width: Math.max(280, this.el.clientWidth), height: 220}); }
+}
+
+// An axis tick: 3 significant digits, small values (a learning rate) in exponent form.
+function tick(v) {
+  if (v === null || v === undefined) return "";
+  return v !== 0 && Math.abs(v) < 1e-2 ? v.toExponential(1) : String(+v.toPrecision(3));
+}
+
+// Checkpoints as dashed vertical lines, the best evaluation as a star.
+function drawMarks(u, {lines = [], stars = []}, color) {
+  const ctx = u.ctx;
+  ctx.save();
+  ctx.strokeStyle = color;
+  ctx.globalAlpha = 0.5;
+  ctx.setLineDash([4, 4]);
+  for (const step of lines) {
+    const x = u.valToPos(step, "x", true);
+    if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
+    ctx.beginPath(); ctx.moveTo(x, u.bbox.top); ctx.lineTo(x, u.bbox.top + u.bbox.height); ctx.stroke();
+  }
+  ctx.setLineDash([]);
+  ctx.globalAlpha = 1;
+  ctx.fillStyle = "#ca8a04";
+  ctx.font = `${Math.round(18 * devicePixelRatio)}px sans-serif`;
+  ctx.textAlign = "center";
+  ctx.textBaseline = "middle";
+  for (const [step, value] of stars) ctx.fillText("★", u.valToPos(step, "x", true), u.valToPos(value, "y", true));
+  ctx.restore();
+}
+
+function readJSON(id) { const el = document.getElementById(id); return el ? JSON.parse(el.textContent) : {}; }
+
+function formatProgress(job) {
+  const p = job.progress;
+  let text = `step ${p.step}${p.total_steps ? " / " + p.total_steps : ""} · epoch ${p.epoch.toFixed(2)}`;
+  if (p.eta_seconds !== null && p.eta_seconds !== undefined && job.status === "running") text += ` · ETA ${Math.round(p.eta_seconds)} s`;
+  return text;
+}
+
+function showStatus(status) {
+  const el = $("#job-status");
+  el.textContent = status;
+  el.className = `status status-${status}`;
+}
+
+// The stream starts at the job's beginning: its first "events" message replaces the events the
+// server rendered (the same ones, and any written since); later ones are appended.
+let eventsReplaced = false;
+function appendEvents(events) {
+  const list = $("#events");
+  if (!eventsReplaced) { list.textContent = ""; eventsReplaced = true; }
+  for (const e of events) {
+    const li = document.createElement("li");
+    li.className = `level-${e.level}`;
+    const time = document.createElement("time");
+    time.textContent = e.time.slice(11, 19);
+    const code = document.createElement("code");
+    code.textContent = e.code;
+    li.append(time, " ", code, " ", e.message);
+    list.append(li);
+  }
+}
+
+function wireCancelDelete(afterDelete) {
+  const cancel = $("#cancel-job");
+  if (cancel) cancel.addEventListener("click", () => confirmThen("Cancel this job? A running job stops after its current step.", async () => {
+    try { await api("POST", cancel.dataset.url); cancel.disabled = true; say("action-message", "Cancellation requested."); }
+    catch (e) { say("action-message", e.message, true); }
+  }));
+  const del = $("#delete-job");
+  if (del) del.addEventListener("click", () => confirmThen("Delete this job's model, checkpoints, metrics and events? This cannot be undone.", async () => {
+    try { await api("DELETE", del.dataset.url); location.assign(afterDelete); }
+    catch (e) { say("action-message", e.message, true); }
+  }));
+}
+
+// ---- pages --------------------------------------------------------------------------------------
+const pages = {};
+
+pages.jobs = () => {
+  const picks = () => [...document.querySelectorAll("input.pick:checked")].map(i => i.value);
+  const button = $("#compare-selected");
+  const update = () => { const n = picks().length; button.disabled = n < 2 || n > 10; button.textContent = `Compare selected (${n})`; };
+  document.addEventListener("change", e => { if (e.target.matches("input.pick")) update(); });
+  button.addEventListener("click", () => location.assign(`/ui/compare?jobs=${picks().map(encodeURIComponent).join(",")}`));
+  // While a job on this page is queued or running, refresh the rows every few seconds (the page's
+  // own HTML; paused while the tab is hidden). Ticked boxes stay ticked.
+  const refresh = async () => {
+    const table = $("#jobs-table");
+    if (table.dataset.live !== "yes") return;
+    if (!document.hidden) {
+      const response = await fetch(location.href, {credentials: "same-origin"});
+      if (response.ok) {
+        const doc = new DOMParser().parseFromString(await response.text(), "text/html");
+        const keep = new Set(picks());
+        $("#jobs-rows").replaceWith($("#jobs-rows", doc));
+        for (const box of document.querySelectorAll("input.pick")) box.checked = keep.has(box.value);
+        table.dataset.live = $("#jobs-table", doc).dataset.live;
+      }
+    }
+    setTimeout(refresh, 3000);
+  };
+  setTimeout(refresh, 3000);
+};
+
+pages.job = () => {
+  const info = readJSON("chart-data");
+  const lowerIsBetter = ["loss", "mse"].includes(info.best_metric);
+  const bestName = `eval_${info.best_metric}`;
+  let best = null;
+  // the star goes on the chart that shows the metric for the best model: loss with the training loss
+  const marks = onLossChart => () => ({lines: info.checkpoints,
+                                       stars: best && (bestName === "eval_loss") === onLossChart ? [best] : []});
+  const charts = {
+    loss: new LiveChart($("#chart-loss"), {marks: marks(true)}),
+    eval: new LiveChart($("#chart-eval"), {points: true, marks: marks(false)}),
+    lr: new LiveChart($("#chart-lr")),
+    speed: new LiveChart($("#chart-speed")),
+    padding: new LiveChart($("#chart-padding")),
+  };
+  const chartOf = name => name === "train_loss" || name === "eval_loss" ? charts.loss
+    : name.startsWith("eval_") ? charts.eval : name === "learning_rate" ? charts.lr
+    : name === "tokens_per_second" ? charts.speed : name === "padding_efficiency" ? charts.padding : null;
+  addEventListener("resize", () => Object.values(charts).forEach(c => c.resize()));
+  wireCancelDelete("/ui/jobs");
+
+  const wasActive = ["queued", "running"].includes(info.status);
+  const stream = new EventSource(`/jobs/${encodeURIComponent(info.job)}/stream`);
+  stream.addEventListener("metrics", e => {
+    for (const m of JSON.parse(e.data).data) {
+      const chart = chartOf(m.name);
+      if (chart) chart.add(m.name, m.step, m.value);
+      if (m.name === bestName && m.value !== null && (!best || (lowerIsBetter ? m.value < best[1] : m.value > best[1]))) {
+        best = [m.step, m.value];
+        charts.loss.schedule(); charts.eval.schedule();
+      }
+    }
+  });
+  stream.addEventListener("events", e => appendEvents(JSON.parse(e.data).data));
+  stream.addEventListener("progress", e => {
+    const job = JSON.parse(e.data);
+    $("#job-progress").value = job.progress.fraction;
+    $("#job-progress-text").textContent = formatProgress(job);
+    showStatus(job.status);
+  });
+  stream.addEventListener("end", e => {
+    stream.close();
+    showStatus(JSON.parse(e.data).status);
+    // Checkpoints, artifacts and final metrics are on the server-rendered page: show them.
+    if (wasActive) location.reload();
+  });
+  stream.addEventListener("error", e => {
+    if (e.data) { stream.close(); say("action-message", JSON.parse(e.data).error.message, true); }
+  });
+};
+
+pages.compare = () => {
+  const {jobs} = readJSON("chart-data");
+  const box = $("#compare-charts");
+  const charts = new Map();
+  const chartFor = name => {
+    if (!charts.has(name)) {
+      const figure = document.createElement("figure");
+      const caption = document.createElement("figcaption");
+      caption.textContent = name;
+      const el = document.createElement("div");
+      el.className = "chart";
+      el.dataset.points = "0";
+      el.dataset.metric = name;
+      figure.append(caption, el);
+      box.append(figure);
+      charts.set(name, new LiveChart(el, {points: name.startsWith("eval_")}));
+    }
+    return charts.get(name);
+  };
+  const order = ["train_loss", "eval_loss"];
+  Promise.all(jobs.map(id => api("GET", `/jobs/${encodeURIComponent(id)}/metrics?limit=100000`))).then(answers => {
+    const rank = n => (order.includes(n) ? order.indexOf(n) : order.length);
+    const names = [...new Set(answers.flatMap(a => a.data.map(m => m.name)))]
+      .sort((a, b) => (rank(a) - rank(b)) || a.localeCompare(b));
+    for (const name of names) chartFor(name);
+    answers.forEach((answer, i) => { for (const m of answer.data) chartFor(m.name).add(jobs[i], m.step, m.value); });
+    if (names.length === 0) box.textContent = "None of these jobs has written metrics yet.";
+  }).catch(e => { box.textContent = e.message; });
+};
+
+pages.datasets = () => {
+  $("#upload-form").addEventListener("submit", e => {
+    e.preventDefault();
+    const file = $("#upload-file").files[0];
+    if (!file) return;
+    const bar = $("#upload-progress");
+    bar.hidden = false; bar.value = 0;
+    const body = new FormData();
+    body.append("file", file, file.name);
+    const xhr = new XMLHttpRequest();  // fetch() reports no upload progress
+    xhr.open("POST", "/datasets");
+    xhr.setRequestHeader("X-CSRF-Token", csrfToken());
+    xhr.upload.addEventListener("progress", p => { if (p.lengthComputable) bar.value = p.loaded / p.total; });
+    xhr.addEventListener("load", () => {
+      let data = null;
+      try { data = JSON.parse(xhr.responseText); } catch (_) { /* not JSON: reported below */ }
+      if (xhr.status === 201) { bar.value = 1; location.assign(`/ui/datasets/${encodeURIComponent(data.id)}`); }
+      else say("upload-message", data && data.error ? data.error.message : `upload failed (${xhr.status})`, true);
+    });
+    xhr.addEventListener("error", () => say("upload-message", "the upload was interrupted", true));
+    say("upload-message", `Uploading ${file.name}…`);
+    xhr.send(body);
+  });
+};
+
+function jobSpec(form) {
+  const spec = {training_dataset: form.dataset.dataset, hyperparameters: {}};
+  for (const el of form.elements) {
+    if (!el.name) continue;
+    if (el.name.startsWith("hp.")) {
+      const value = el.type === "number" ? Number(el.value) : el.value;
+      if (el.value !== "") spec.hyperparameters[el.name.slice(3)] = value;
+    } else spec[el.name] = el.value;
+  }
+  return spec;
+}
+
+pages.dataset = () => {
+  const form = $("#job-form");
+  let lengthsChart = null;
+  $("#plan-job").addEventListener("click", async () => {
+    say("job-message", "Planning…");
+    try {
+      const {plan} = await api("POST", "/jobs?dry_run=true", jobSpec(form));
+      say("job-message", "");
+      $("#plan").hidden = false;
+      const est = plan.estimated_seconds === null ? "no estimate yet (no finished job on this model)" : `about ${Math.round(plan.estimated_seconds)} s`;
+      $("#plan-summary").textContent = `${plan.examples} training examples · ${plan.steps_per_epoch} steps per epoch, ` +
+        `${plan.total_steps} in all · ${(plan.truncated_fraction * 100).toFixed(1)}% truncated at max_length · ${est}`;
+      const edges = plan.token_lengths.bin_edges, counts = plan.token_lengths.counts;
+      const c = themeColors();
+      const el = $("#chart-lengths");
+      if (lengthsChart) lengthsChart.destroy();
+      el.textContent = "";
+      lengthsChart = new uPlot({
+        width: Math.max(280, el.clientWidth), height: 220,
+        scales: {x: {time: false}, y: {range: (u, min, max) => [0, max * 1.1]}},  // bars start at 0
+        axes: [{stroke: c.text, grid: {stroke: c.grid}, label: "tokens"}, {stroke: c.text, grid: {stroke: c.grid}, label: "examples"}],
+        series: [{label: "tokens"}, {label: "examples", fill: "#2563eb88", stroke: "#2563eb", points: {show: false},
+                                     paths: uPlot.paths.bars({size: [0.9]})}],
+      }, [counts.map((_, i) => (edges[i] + edges[i + 1]) / 2), counts], el);  // each bar at its bin's middle
+      const bars = $("#plan-padding");
+      bars.textContent = "";
+      for (const [strategy, eff] of Object.entries(plan.padding_efficiency)) {
+        const row = document.createElement("div");
+        row.className = "bar-row";
+        const label = document.createElement("span");
+        label.textContent = strategy;
+        const meter = document.createElement("meter");
+        meter.min = 0; meter.max = 1; meter.value = eff.unrounded;
+        meter.setAttribute("aria-label", `padding efficiency of ${strategy} batching`);
+        const value = document.createElement("span");
+        value.textContent = `${(eff.unrounded * 100).toFixed(1)}%`;
+        row.append(label, meter, value);
+        bars.append(row);
+      }
+    } catch (e) { say("job-message", e.message, true); }
+  });
+  form.addEventListener("submit", async e => {
+    e.preventDefault();
+    say("job-message", "Creating…");
+    try {
+      const job = await api("POST", "/jobs", jobSpec(form));
+      location.assign(`/ui/jobs/${encodeURIComponent(job.id)}`);
+    } catch (err) { say("job-message", err.message, true); }
+  });
+};
+
+pages.predictions = () => {
+  const form = $("#prediction-form");
+  form.addEventListener("submit", async e => {
+    e.preventDefault();
+    const body = {model: form.model.value, dataset: form.dataset.value, text_column: form.text_column.value,
+                  batch_size: Number(form.batch_size.value)};
+    say("prediction-message", "Starting…");
+    try { const p = await api("POST", "/predictions", body); location.assign(`/ui/predictions/${encodeURIComponent(p.id)}`); }
+    catch (err) { say("prediction-message", err.message, true); }
+  });
+};
+
+pages.prediction = () => {
+  const head = $("#prediction-head");
+  wireCancelDelete("/ui/predictions");
+  if (!["queued", "running"].includes(head.dataset.status)) return;
+  const stream = new EventSource(`/predictions/${encodeURIComponent(head.dataset.id)}/stream`);
+  stream.addEventListener("progress", e => {
+    const p = JSON.parse(e.data);
+    $("#job-progress").value = p.progress.fraction;
+    $("#job-progress-text").textContent = `${p.progress.rows_done} / ${p.progress.total_rows ?? "?"} rows`;
+    showStatus(p.status);
+  });
+  stream.addEventListener("events", e => appendEvents(JSON.parse(e.data).data));
+  stream.addEventListener("end", () => { stream.close(); location.reload(); });
+  stream.addEventListener("error", e => { if (e.data) { stream.close(); say("action-message", JSON.parse(e.data).error.message, true); } });
+};
+
+const init = pages[document.body.dataset.page];
+if (init) init();

@@ -1,0 +1,198 @@
+"""The dashboard (``/ui``) over HTTP, without a browser: the vendored files, sign-in and its cookie,
+sessions on the API with their CSRF token, tenant checks on pages, sign-out, revocation, the
+one-time sign-in link, and what the pages show. On every stack. (tests/test_ui_browser.py drives
+the same pages in chromium.)"""
+
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.conftest import BASE_URL, wait_for_status
+from tests.test_api_jobs import labelled_csv, submit, upload
+
+VENDOR = Path(__file__).resolve().parent.parent / "api" / "ui" / "static" / "vendor"
+
+
+def browser(stack) -> TestClient:
+    """A client like a browser: no API key, cookies kept, redirects not followed."""
+    return TestClient(stack.app, base_url=BASE_URL, follow_redirects=False)
+
+
+def sign_in(stack, tenant: str | None = None) -> tuple[TestClient, str]:
+    """A browser signed in with a new key of ``tenant`` (default: the stack's); returns it and the
+    CSRF token of its pages."""
+    from shared.store.keys import create_key
+
+    key, _ = create_key(tenant or stack.tenant)
+    client = browser(stack)
+    r = client.post("/ui/login", data={"key": key, "next": "/ui/jobs"})
+    assert r.status_code == 303 and r.headers["location"] == "/ui/jobs", r.text
+    return client, csrf_of(client.get("/ui/jobs").text)
+
+
+def csrf_of(html: str) -> str:
+    return re.search(r'<meta name="csrf-token" content="([^"]+)">', html)[1]
+
+
+@pytest.fixture(scope="module")
+def job(stack) -> dict:
+    """A succeeded job of the stack's tenant."""
+    dataset = upload(stack.client, labelled_csv(rows=24))
+    return wait_for_status(stack.client, submit(stack.client, dataset["id"], epochs=1)["id"], {"succeeded"})
+
+
+def test_vendored_files_are_the_pinned_ones():
+    """Every file under static/vendor is listed in VERSIONS with its sha256, and matches it."""
+    listed = {}
+    for line in (VENDOR / "VERSIONS").read_text().splitlines():
+        if line and not line.startswith("#"):
+            digest, name = line.split()
+            listed[name] = digest
+    present = {str(p.relative_to(VENDOR)) for p in VENDOR.rglob("*") if p.is_file() and p.name != "VERSIONS"}
+    assert present == set(listed), "every vendored file, and only those, must be in VERSIONS"
+    for name, digest in listed.items():
+        assert hashlib.sha256((VENDOR / name).read_bytes()).hexdigest() == digest, f"{name} is not the pinned file"
+    assert any(n.endswith("LICENSE") for n in listed)
+
+
+def test_pages_need_a_session_and_sign_in_sets_a_safe_cookie(stack, job):
+    from shared.store.keys import create_key
+
+    client = browser(stack)
+    r = client.get(f"/ui/jobs/{job['id']}")
+    assert r.status_code == 303 and r.headers["location"] == f"/ui/login?next=%2Fui%2Fjobs%2F{job['id']}"
+    assert client.get("/ui/login").status_code == 200
+
+    r = client.post("/ui/login", data={"key": "tj_not-a-key", "next": "/ui/jobs"})
+    assert r.status_code == 401 and "not valid" in r.text and "set-cookie" not in r.headers
+    r = client.post("/ui/login", data={"key": "x" * 200})
+    assert r.status_code == 400 and "key" in r.text and r.headers["content-type"].startswith("text/html")
+
+    key, _ = create_key(stack.tenant)
+    r = client.post("/ui/login", data={"key": key, "next": "https://evil.example/ui/x"})
+    assert r.status_code == 303 and r.headers["location"] == "/ui/jobs", "no redirect off this site"
+    cookie = r.headers["set-cookie"]
+    assert cookie.startswith("tunejob_session=") and key not in cookie
+    assert all(a in cookie for a in ("HttpOnly", "SameSite=strict", "Path=/", "Max-Age=43200")), cookie
+    assert "Secure" not in cookie  # plain HTTP here; HTTPS adds it
+
+    page = client.get("/ui/jobs")
+    assert page.status_code == 200 and job["id"] in page.text
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert client.get(f"/ui/jobs/{job['id']}").status_code == 200
+
+
+def test_the_session_uses_the_api_with_its_csrf_token(stack, job):
+    client, csrf = sign_in(stack)
+    assert client.get(f"/jobs/{job['id']}").json()["id"] == job["id"]  # the cookie stands for the key
+    dataset = upload(stack.client, labelled_csv(rows=24))
+    body = {"base_model": "tiny-bert", "task": "classification", "training_dataset": dataset["id"],
+            "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32}}
+
+    refused = client.post("/jobs", json=body)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "csrf_token_invalid"
+    wrong = client.post("/jobs", json=body, headers={"X-CSRF-Token": csrf[:-1] + "x"})
+    assert wrong.status_code == 403
+    created = client.post("/jobs", json=body, headers={"X-CSRF-Token": csrf})
+    assert created.status_code == 201, created.text
+    cancelled = client.post(f"/jobs/{created.json()['id']}/cancel", headers={"X-CSRF-Token": csrf})
+    assert cancelled.status_code == 200
+    wait_for_status(stack.client, created.json()["id"], {"cancelled", "succeeded"})
+
+
+def test_another_tenants_job_is_a_404_page(stack, job):
+    client, csrf = sign_in(stack, "tenant-other")
+    page = client.get(f"/ui/jobs/{job['id']}")
+    assert page.status_code == 404 and "Not found" in page.text and job["base_model"] not in page.text
+    assert client.get(f"/jobs/{job['id']}").status_code == 404
+    assert client.get(f"/jobs/{job['id']}/stream").status_code == 404
+    assert client.post(f"/jobs/{job['id']}/cancel", headers={"X-CSRF-Token": csrf}).status_code == 404
+    assert client.get(f"/ui/compare?jobs={job['id']},{job['id']}x").status_code == 404
+    assert job["id"] not in client.get("/ui/jobs").text
+
+
+def test_sign_out_and_revoking_the_key_end_the_session(stack):
+    from shared.store.keys import create_key, revoke_key
+
+    client, csrf = sign_in(stack)
+    assert client.post("/ui/logout", data={"csrf_token": "stale"}).status_code == 403
+    r = client.post("/ui/logout", data={"csrf_token": csrf})
+    assert r.status_code == 303 and 'tunejob_session=""' in r.headers["set-cookie"]
+    token = client.cookies.get("tunejob_session")
+    assert token is None
+    assert client.get("/ui/jobs").status_code == 303
+
+    key, row = create_key(stack.tenant)
+    client = browser(stack)
+    client.post("/ui/login", data={"key": key})
+    session = client.cookies.get("tunejob_session")
+    assert client.get("/jobs").status_code == 200
+    revoke_key(row.id)
+    r = client.get("/jobs")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "session_expired"
+    assert client.get("/ui/jobs").status_code == 303
+    # a signed-out token sent again is refused too
+    fresh = browser(stack)
+    fresh.cookies.set("tunejob_session", session)
+    assert fresh.get("/jobs").status_code == 401
+
+
+def test_a_sign_in_link_works_once(stack):
+    from shared.store.keys import create_key
+    from shared.store import ui_sessions
+
+    _, row = create_key(stack.tenant)
+    link = ui_sessions.signin_link(row.id)
+    client = browser(stack)
+    r = client.get(f"/ui/signin/{link}")
+    assert r.status_code == 303 and client.get("/ui/jobs").status_code == 200
+    again = browser(stack).get(f"/ui/signin/{link}")
+    assert again.status_code == 401 and "used already" in again.text
+
+
+def test_serve_prints_a_sign_in_link_for_its_local_key(stack):
+    from shared.store.keys import create_key, local_key_path
+    from tunejob.cli import signin_link
+
+    key, _ = create_key(stack.tenant, name="local key (tunejob serve)")
+    local_key_path().parent.mkdir(parents=True, exist_ok=True)
+    local_key_path().write_text(key + "\n")
+    try:
+        link = signin_link("0.0.0.0", 8123)
+        assert link.startswith("http://127.0.0.1:8123/ui/signin/") and key not in link
+        client = browser(stack)
+        assert client.get(link.removeprefix("http://127.0.0.1:8123")).status_code == 303
+        assert stack.tenant in client.get("/ui/jobs").text
+    finally:
+        local_key_path().unlink()
+
+
+def test_pages_show_the_tenants_data(stack, job):
+    client, _ = sign_in(stack)
+    dataset = job["training_dataset"]
+    page = client.get(f"/ui/datasets/{dataset}").text
+    assert "<th scope=\"col\">text</th>" in page and "<th scope=\"col\">label</th>" in page
+    assert re.search(r"<td>(sports|business)</td>", page), "sample rows are shown"
+    assert 'value="3.0"' in page, "the form shows the hyperparameters' defaults (epochs)"
+    assert dataset in client.get("/ui/datasets").text
+
+    jobs_page = client.get("/ui/jobs", params={"status": "succeeded", "task": "classification"}).text
+    assert job["id"] in jobs_page
+    assert job["id"] not in client.get("/ui/jobs", params={"task": "regression"}).text
+    assert client.get("/ui/jobs", params={"status": "sleeping"}).status_code == 400
+
+    detail = client.get(f"/ui/jobs/{job['id']}").text
+    assert "model.tar" in detail and "learning_rate" in detail
+
+    other = submit(stack.client, dataset, epochs=1, learning_rate=2e-3)
+    compare = client.get(f"/ui/compare?jobs={job['id']},{other['id']}")
+    assert compare.status_code == 200
+    assert re.search(r'<tr class="differs"><th scope="row">hp.learning_rate', compare.text)
+    assert not re.search(r'<tr class="differs"><th scope="row">hp.batch_size', compare.text)
+    assert client.get(f"/ui/compare?jobs={job['id']}").status_code == 400
+    wait_for_status(stack.client, other["id"], {"succeeded"})
+
+    assert job["id"] in client.get("/ui/predictions").text  # a model to score with
