@@ -23,6 +23,8 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from api.auth import PUBLIC_PATHS
+from api.request_id import HEADER as REQUEST_ID_HEADER
+from api.request_id import current_request_id
 from shared.errors import UserError
 from shared.schemas.jobs import json_safe
 
@@ -122,9 +124,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(e.status_code, code, str(e.detail), headers=headers)
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception):
-        log.exception("unhandled error")
-        return error_response(500, "internal_error", "internal server error; see the service log")
+    async def _internal_error(request: Request, e: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        request_id = current_request_id()
+        return error_response(500, "internal_error", "internal server error; see the service log"
+                              + (f" (request id {request_id})" if request_id else ""),
+                              headers={REQUEST_ID_HEADER: request_id} if request_id else None)
 
     app.openapi = lambda: _openapi(app)
 

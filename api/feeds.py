@@ -36,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 
 from shared.errors import NotFound, UserError
 from shared.jobs import lifecycle, predictions
+from shared.jobs.positions import moved, queue_positions
 from shared.schemas.jobs import EventOut, JobOut, MetricOut
 from shared.schemas.predictions import PredictionOut
 from shared.settings import get_settings
@@ -122,7 +123,10 @@ def read_store(job_id: str, after: Cursor, unchanged_since: datetime | None = No
         job = s.get(Job, job_id)
         if job is None:
             raise NotFound("job", job_id)
-        read = Read(VIEWS[job.kind](job), job.updated_at)
+        view = VIEWS[job.kind](job)
+        if job.status == JobStatus.QUEUED:  # its place changes while its own row does not
+            view.queue = queue_positions(s).get(job_id)
+        read = Read(view, job.updated_at)
         read.events = [(e.id, EventOut.model_validate(e)) for e in s.scalars(
             select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after.event_id)
             .order_by(JobEvent.id).limit(ROWS_PER_MESSAGE))]
@@ -166,11 +170,13 @@ class JobFeed:
         poll = get_settings().stream_poll_seconds
         try:
             cursor, updated_at = await run_in_threadpool(read_head, self.job_id)
+            queue = None  # the queued job's place as last published
             self.started.set()
             while self.subscribers:
                 read = await run_in_threadpool(read_store, self.job_id, cursor, updated_at)
-                if read.metrics or read.events or read.updated_at != updated_at:
+                if read.metrics or read.events or read.updated_at != updated_at or moved(queue, read.job.queue):
                     self._publish(read)
+                    queue = read.job.queue
                 cursor, updated_at = advance(cursor, read), read.updated_at
                 if read.finished:
                     self._publish(self.END)
@@ -265,7 +271,7 @@ class Sent:
             self.cursor = Cursor(self.cursor.metric_id, events[-1][0])
             whole = len(events) == len(read.events)
             messages.append(self._message("events", read.events_json if whole else rows_json(events)))
-        if catching_up or read.updated_at != self.updated_at:
+        if catching_up or read.updated_at != self.updated_at or read.job_json != self.job_json:
             self.updated_at, self.job_json = read.updated_at, read.job_json
             messages.append(self._message("progress", read.job_json))
         return messages

@@ -19,9 +19,12 @@ from api.auth import authenticate
 from api.errors import install_error_handlers
 from api.feeds import Feeds
 from api.metrics import install_metrics
-from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, sweeps
+from api.request_id import RequestId
+from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, sweeps, webhooks
 from api.security import HostAndOriginCheck, allowed_hosts
 from api.ui import create_ui
+from shared.jobs.positions import estimate_queued
+from shared.jobs.webhooks import deliver_due
 from shared.queue import RecoveryThread
 from shared.settings import get_settings
 from shared.store.engine import upgrade_database
@@ -32,9 +35,14 @@ DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the publi
 @asynccontextmanager
 async def lifespan(_: FastAPI):
     upgrade_database()
-    recovery = RecoveryThread()
+    recovery = RecoveryThread(extra=(estimate_queued,))  # the API plans queued jobs (shared.jobs.positions)
+    # The API sends webhooks (why the API and not the workers: shared.jobs.webhooks)
+    deliveries = RecoveryThread(sweeps=(deliver_due,), every=lambda: get_settings().webhooks_poll_seconds,
+                                name="tunejob-webhooks")
     recovery.start()
+    deliveries.start()
     yield
+    deliveries.stop()
     recovery.stop()
 
 
@@ -47,6 +55,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
                                      "Send `Authorization: Bearer <API key>` with every request but `/healthz`.")
     install_error_handlers(app)
     app.add_middleware(HostAndOriginCheck, allowed_hosts=allowed_hosts(bound_host or get_settings().host))
+    app.add_middleware(RequestId)  # added last: the outermost, so even a refused Host gets an id
     app.state.feeds = Feeds()  # one store reader per streamed job (GET /jobs/{id}/stream)
     app.include_router(datasets.router)
     app.include_router(models.router)
@@ -56,6 +65,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
     app.include_router(predictions.router)
     app.include_router(sweeps.router)
     app.include_router(openai_v1.router)
+    app.include_router(webhooks.router)
     install_metrics(app)
     app.mount("/ui", create_ui())
 

@@ -13,6 +13,7 @@ import asyncio
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from shared.logs import logging_config
 from shared.settings import get_settings
 
 
@@ -60,5 +61,5 @@ class HeaderDeadline(HttpToolsProtocol):
 def run(app, host: str, port: int) -> None:
     """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM."""
     settings = get_settings()
-    uvicorn.run(app, host=host, port=port, log_level="info", http=HeaderDeadline, access_log=settings.access_log,
-                timeout_keep_alive=settings.http_keep_alive_seconds)
+    uvicorn.run(app, host=host, port=port, log_config=logging_config(), http=HeaderDeadline,
+                access_log=settings.access_log, timeout_keep_alive=settings.http_keep_alive_seconds)

@@ -10,12 +10,14 @@ import os
 import tarfile
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+from httpx_retries import Retry, RetryTransport
 from httpx_sse import SSEError, connect_sse
 
 from shared.schemas.jobs import (
@@ -31,6 +33,7 @@ from shared.schemas.jobs import (
 )
 from shared.schemas.predictions import PredictionCreate, PredictionList, PredictionOut
 from shared.schemas.sweeps import SweepCreate, SweepList, SweepOut, TrialOut
+from shared.schemas.webhooks import DeliveryList, DeliveryOut, WebhookCreated, WebhookOut
 from shared.store.manifest import MANIFEST, verify_manifest
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -38,6 +41,28 @@ FINISHED = ("succeeded", "failed", "cancelled")
 MODEL_ARCHIVES = ("model.tar", "model.tar.gz")  # model.tar.gz: servers from before the model.tar artifact
 MAX_RECONNECTS = 5  # a stream that drops this many times in a row without a message gives up
 METRICS_PAGE = 100_000  # the most rows GET /jobs/{id}/metrics returns at once
+IDEMPOTENCY_HEADER = "Idempotency-Key"  # shared.idempotency.HEADER (the client imports no job store)
+RETRY_STATUSES = (429, 503)  # too many requests; the job store busy: both mean nothing was done, both send Retry-After
+
+
+def retrying(transport: httpx.BaseTransport | None = None, retries: int = 5) -> RetryTransport:
+    """``transport`` (default httpx's own) wrapped by httpx-retries: an answer 429 or 503, to any
+    method, is sent again up to ``retries`` times, after the answer's ``Retry-After`` seconds,
+    else after an exponential backoff with full jitter (0.5 s x 2^attempt, at most 30 s; the AWS
+    Architecture Blog's "Exponential Backoff And Jitter"). Both statuses mean the API did nothing
+    (rate limit; the store's write lock not free), and every create carries an ``Idempotency-Key``,
+    so a retried POST never makes two jobs. Errors without an answer (connection refused) are not
+    retried here: ``Client.follow`` reconnects its stream itself."""
+    retry = Retry(total=retries, status_forcelist=RETRY_STATUSES, retry_on_exceptions=(),
+                  allowed_methods=("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"),
+                  backoff_factor=0.5, backoff_jitter=1.0, max_backoff_wait=30.0, respect_retry_after_header=True)
+    return RetryTransport(transport=transport or httpx.HTTPTransport(), retry=retry)
+
+
+def idempotency_key() -> dict[str, str]:
+    """A new ``Idempotency-Key`` header for one create: the API answers a repeat of the same
+    request (a retry) with the first answer and stores nothing again."""
+    return {IDEMPOTENCY_HEADER: str(uuid.uuid4())}
 
 
 class TunejobError(Exception):
@@ -133,16 +158,19 @@ class Client:
         api_key: sent as ``Authorization: Bearer``; default ``default_api_key()``.
         timeout: seconds for connecting and for each read (uploads and downloads stream).
         transport: an httpx transport (tests pass ``httpx.MockTransport``).
+        retries: how often an answer 429 or 503 is retried (``retrying``) before it raises; the
+            stream of ``follow`` (``jobs watch``) goes through the same transport.
 
     Every method raises ``TunejobError`` on failure.
     """
 
     def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = 60.0,
-                 transport: httpx.BaseTransport | None = None):
+                 transport: httpx.BaseTransport | None = None, retries: int = 5):
         self.url = (url or os.environ.get("TUNEJOB_URL") or DEFAULT_URL).rstrip("/")
         key = api_key if api_key is not None else default_api_key()
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
+                                 transport=retrying(transport, retries))
 
     def close(self) -> None:
         self.http.close()
@@ -208,7 +236,7 @@ class Client:
         """``POST /datasets``: upload a CSV, TSV, JSONL or Parquet file (the server checks it)."""
         path = Path(path)
         with open(path, "rb") as f:
-            response = self.request("POST", "/datasets", files={"file": (path.name, f)})
+            response = self.request("POST", "/datasets", files={"file": (path.name, f)}, headers=idempotency_key())
         return DatasetOut.model_validate(response.json())
 
     def list_datasets(self) -> list[DatasetOut]:
@@ -226,7 +254,7 @@ class Client:
 
     def create_job(self, spec: JobCreate | dict[str, Any]) -> JobOut:
         """``POST /jobs``: the server checks ``spec`` against its model and data, stores and queues it."""
-        return JobOut.model_validate(self.request("POST", "/jobs", json=_body(spec)).json())
+        return JobOut.model_validate(self.request("POST", "/jobs", json=_body(spec), headers=idempotency_key()).json())
 
     def plan_job(self, spec: JobCreate | dict[str, Any]) -> dict[str, Any]:
         """``POST /jobs?dry_run=true``: the job's plan (token lengths, padding efficiency of each
@@ -360,7 +388,8 @@ class Client:
     def create_prediction(self, spec: PredictionCreate | dict[str, Any]) -> PredictionOut:
         """``POST /predictions``: score every row of a dataset with a model (a succeeded job of
         yours, or a base model with a classification head); the server checks, stores and queues it."""
-        return PredictionOut.model_validate(self.request("POST", "/predictions", json=_body(spec)).json())
+        return PredictionOut.model_validate(self.request("POST", "/predictions", json=_body(spec),
+                                                         headers=idempotency_key()).json())
 
     def plan_prediction(self, spec: PredictionCreate | dict[str, Any]) -> dict[str, Any]:
         """``POST /predictions?dry_run=true``: rows, tokens, texts truncated at ``max_length``,
@@ -393,6 +422,29 @@ class Client:
         """``POST /models/{job_id}/predict``: a few texts scored at once by the API process
         (``{"predictions": [...], "truncated", "max_length", ...}``)."""
         return self.request("POST", f"/models/{job_id}/predict", json={"inputs": inputs}).json()
+
+    # ------------------------------------------------------------------ webhooks
+
+    def create_webhook(self, url: str, events: list[str], description: str | None = None) -> WebhookCreated:
+        """``POST /webhooks``: the endpoint, with its ``secret`` (``whsec_…``, shown only this once)."""
+        body = {"url": url, "events": events, **({"description": description} if description else {})}
+        return WebhookCreated.model_validate(self.request("POST", "/webhooks", json=body).json())
+
+    def list_webhooks(self) -> list[WebhookOut]:
+        return [WebhookOut.model_validate(w) for w in self.request("GET", "/webhooks").json()["data"]]
+
+    def delete_webhook(self, webhook_id: str) -> None:
+        self.request("DELETE", f"/webhooks/{webhook_id}")
+
+    def webhook_deliveries(self, webhook_id: str, limit: int = 20, cursor: int | None = None) -> DeliveryList:
+        """``GET /webhooks/{id}/deliveries``, newest first; pass ``next_cursor`` back as ``cursor``."""
+        params = {"limit": limit, **({"cursor": cursor} if cursor else {})}
+        return DeliveryList.model_validate(self.request("GET", f"/webhooks/{webhook_id}/deliveries",
+                                                        params=params).json())
+
+    def ping_webhook(self, webhook_id: str) -> DeliveryOut:
+        """``POST /webhooks/{id}/ping``: a signed ``webhook.ping`` event is sent to the endpoint."""
+        return DeliveryOut.model_validate(self.request("POST", f"/webhooks/{webhook_id}/ping").json())
 
     # ------------------------------------------------------------------ following a job
 

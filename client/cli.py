@@ -30,12 +30,14 @@ from client.display import (
     age,
     dataset_table,
     event_line,
+    fields_table,
     id_column,
     job_table,
     pivot,
     prediction_table,
     print_json,
     progress,
+    queue_line,
     show,
     styled_status,
     texts_table,
@@ -195,7 +197,7 @@ def list_predictions(client: Client, args, out: Console) -> None:
     table = Table(id_column(), "status", "model", "dataset", "rows", "age")
     for p in page.data:
         table.add_row(p.id, styled_status(p.status), escape(p.model), p.dataset,
-                      f"{p.progress.rows_done:,}/{p.progress.total_rows:,}", age(p.created_at))
+                      queue_line(p) or f"{p.progress.rows_done:,}/{p.progress.total_rows:,}", age(p.created_at))
     if page.next_cursor:
         table.caption = f"more: tunejob predict list --cursor {page.next_cursor}"
     show(out, args, page, lambda: table)
@@ -230,6 +232,43 @@ def delete_prediction(client: Client, args, out: Console) -> None:
 def predict_texts(client: Client, args, out: Console) -> None:
     answer = client.predict(args.job_id, args.texts)
     show(out, args, answer, lambda: texts_table(args.texts, answer["predictions"]))
+
+
+def create_webhook(client: Client, args, out: Console) -> None:
+    webhook = client.create_webhook(args.url, args.events, args.description)
+    show(out, args, webhook, lambda: fields_table({
+        "id": webhook.id, "url": escape(webhook.url), "events": ", ".join(webhook.events),
+        "secret": f"{webhook.secret}  (shown only now: verify each delivery's webhook-signature with it)"}))
+
+
+def list_webhooks(client: Client, args, out: Console) -> None:
+    hooks = client.list_webhooks()
+    table = Table(id_column(), "url", "events", "age")
+    for w in hooks:
+        table.add_row(w.id, escape(w.url), ", ".join(w.events), age(w.created_at))
+    show(out, args, hooks, lambda: table)
+
+
+def webhook_deliveries(client: Client, args, out: Console) -> None:
+    page = client.webhook_deliveries(args.webhook_id, args.limit, args.cursor)
+    table = Table("event", "type", "status", "attempts", "last answer", "age")
+    for d in page.data:
+        answer = str(d.response_status) if d.response_status else escape(d.error or "")
+        table.add_row(d.event_id, d.event_type, d.status, str(d.attempts), answer, age(d.created_at))
+    if page.next_cursor:
+        table.caption = f"more: tunejob webhooks deliveries {args.webhook_id} --cursor {page.next_cursor}"
+    show(out, args, page, lambda: table)
+
+
+def ping_webhook(client: Client, args, out: Console) -> None:
+    delivery = client.ping_webhook(args.webhook_id)
+    show(out, args, delivery, lambda: f"ping {delivery.event_id} queued; see `tunejob webhooks deliveries "
+                                      f"{args.webhook_id}`")
+
+
+def delete_webhook(client: Client, args, out: Console) -> None:
+    client.delete_webhook(args.webhook_id)
+    out.print(f"deleted webhook {args.webhook_id}")
 
 
 def health(client: Client, args, out: Console) -> None:
@@ -294,6 +333,20 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
     sweeps.add_commands(commands, command, quiet, read)
     add_predict_commands(commands, command, quiet, read)
+
+    hooks = commands.add_parser("webhooks", help="endpoints that hear when jobs end (client)") \
+        .add_subparsers(dest="subcommand", required=True)
+    p = command(hooks, "create", create_webhook, "register an endpoint; prints its secret once", quiet)
+    p.add_argument("url")
+    p.add_argument("events", nargs="+", metavar="EVENT", help="e.g. job.succeeded job.failed prediction.succeeded")
+    p.add_argument("--description")
+    command(hooks, "list", list_webhooks, "the endpoints, newest first", read)
+    p = command(hooks, "deliveries", webhook_deliveries, "an endpoint's delivery log, newest first", read)
+    p.add_argument("webhook_id")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--cursor", type=int, help="next_cursor of the previous page")
+    command(hooks, "ping", ping_webhook, "send a signed test event to an endpoint", read).add_argument("webhook_id")
+    command(hooks, "delete", delete_webhook, "delete an endpoint and its log").add_argument("webhook_id")
 
     command(commands, "health", health, "is the server up? (client)", read).add_argument(
         "--wait", type=float, metavar="SECONDS", help="wait this long for a server that is starting")

@@ -65,7 +65,8 @@ def prediction_table(p: PredictionOut) -> Table:
                           "dataset": p.dataset, "columns": escape(columns),
                           "created": f"{p.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(p.created_at)})",
                           "rows": f"{p.progress.rows_done:,}/{p.progress.total_rows:,} ({p.progress.fraction:.0%})",
-                          "device": p.device or "", "attempts": str(p.attempts)})
+                          "device": p.device or "", "attempts": str(p.attempts),
+                          **({"queue": queue_line(p)} if p.queue else {})})
     prediction_summary(table, p)
     return table
 
@@ -116,10 +117,25 @@ def pivot(rows: list[MetricOut]) -> tuple[list[str], dict[int, tuple[float, dict
 
 
 def progress(job: JobOut) -> str:
+    """``12/40 (30%)``; for a queued job its place in the queue (``queue_line``)."""
     p = job.progress
+    if job.queue is not None:
+        return queue_line(job)
     if not p.total_steps:
         return ""
     return f"{p.step}/{p.total_steps} ({p.fraction:.0%})"
+
+
+def queue_line(job: JobOut | PredictionOut) -> str:
+    """``#3 in queue · starts in ~4:05`` (or ``· start unknown`` without an estimate); empty unless
+    the job is queued."""
+    if job.queue is None:
+        return ""
+    q = job.queue
+    if q.estimated_start_seconds is None:
+        return f"#{q.position} in queue · start unknown"
+    minutes, seconds = divmod(int(round(q.estimated_start_seconds)), 60)
+    return f"#{q.position} in queue · starts in ~{minutes}:{seconds:02d}"
 
 
 def age(when: datetime) -> str:

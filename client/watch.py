@@ -22,6 +22,7 @@ from client.display import (
     fields_table,
     final_summary,
     prediction_summary,
+    queue_line,
     styled_status,
 )
 from shared.schemas.jobs import JobOut
@@ -117,6 +118,8 @@ def position(job: JobOut | PredictionOut) -> tuple[int, int | None]:
 def details(job: JobOut | PredictionOut) -> str:
     """``epoch 1.25 · loss 0.4321 · val accuracy 0.9100 · 12,345 tok/s · padding 93% · ETA 1:05``
     for training, ``61 rows/s · ETA 0:12`` for a prediction."""
+    if job.queue is not None:  # queued: its place and estimated start, from the stream's progress messages
+        return queue_line(job)
     parts = prediction_details(job) if isinstance(job, PredictionOut) else training_details(job)
     if job.progress.eta_seconds is not None and job.status == "running":
         minutes, seconds = divmod(int(job.progress.eta_seconds), 60)

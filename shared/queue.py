@@ -9,6 +9,7 @@ production points ``TUNEJOB_BROKER_URL`` at Redis.
 
 import logging
 import threading
+from collections.abc import Callable
 
 from celery import Celery
 
@@ -70,10 +71,11 @@ def make_celery(settings: Settings | None = None) -> Celery:
 app = make_celery()
 
 
-def send(job_id: str) -> None:
+def send(job_id: str, countdown: float | None = None) -> None:
     """Send a queued job's id to the broker (only after its row is committed) and record that the
-    broker has it."""
-    app.send_task(RUN_JOB, args=[job_id], queue=QUEUE)
+    broker has it. With ``countdown``, no worker runs it before that many seconds have passed
+    (Celery's ``countdown``: the message carries an ETA, which the worker that receives it waits for)."""
+    app.send_task(RUN_JOB, args=[job_id], queue=QUEUE, countdown=countdown)
     lifecycle.mark_enqueued(job_id)
 
 
@@ -118,12 +120,19 @@ def top_up_sweeps() -> None:
 
 class RecoveryThread:
     """``recovery_loop`` in a daemon thread, started with its process's API or worker and stopped with
-    it: ``start()``, then ``stop()`` (sets the loop's event and waits up to ``join_seconds``)."""
+    it: ``start()``, then ``stop()`` (sets the loop's event and waits up to ``join_seconds``).
+    ``extra`` sweeps run after the usual ones (the API adds its own, ``api.main``); ``every`` is
+    the period in seconds (default ``TUNEJOB_SWEEP_SECONDS``, read at each turn)."""
 
-    def __init__(self, join_seconds: float = 10.0):
+    def __init__(self, join_seconds: float = 10.0, extra: tuple[Callable[[], object], ...] = (),
+                 every: Callable[[], float] | None = None, name: str = "tunejob-recover",
+                 sweeps: tuple[Callable[[], object], ...] | None = None):
         self.stopping, self.join_seconds = threading.Event(), join_seconds
-        self.thread = threading.Thread(target=recovery_loop, args=(self.stopping,), name="tunejob-recover",
-                                       daemon=True)
+        sweeps = (resend_recovered, top_up_sweeps, lifecycle.sweep_files, idempotency.purge_expired) \
+            if sweeps is None else sweeps
+        every = every or (lambda: get_settings().sweep_seconds)
+        self.thread = threading.Thread(target=recovery_loop, args=(self.stopping, (*sweeps, *extra), every),
+                                       name=name, daemon=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -134,17 +143,20 @@ class RecoveryThread:
             self.thread.join(self.join_seconds)
 
 
-def recovery_loop(stop: threading.Event) -> None:
-    """Every ``sweep_seconds`` until ``stop`` is set: re-queue jobs whose lease expired and
-    (re-)send the messages of queued jobs (``shared.jobs.lifecycle.recover``), queue the trials a sweep is
-    short of (``shared.jobs.sweeps.top_up_all``), apply the artifact retention
-    and remove leftover files (``shared.jobs.lifecycle.sweep_files``), and delete expired idempotency records.
-    Runs in the API and in every worker; any number of copies may run at once."""
+def recovery_loop(stop: threading.Event, sweeps: tuple[Callable[[], object], ...],
+                  every: Callable[[], float]) -> None:
+    """Every ``every()`` seconds until ``stop`` is set, run each of ``sweeps``; by default
+    (``RecoveryThread``): re-queue jobs whose lease expired and (re-)send the messages of queued
+    jobs (``shared.jobs.lifecycle.recover``), queue the trials a sweep is short of
+    (``shared.jobs.sweeps.top_up_all``), apply the artifact retention and remove leftover
+    files (``shared.jobs.lifecycle.sweep_files``), and delete expired idempotency records. Runs in
+    the API and in every worker; any number of copies may run at once. A sweep that raises is
+    logged and tried again next time."""
     while True:
-        for sweep in (resend_recovered, top_up_sweeps, lifecycle.sweep_files, idempotency.purge_expired):
+        for sweep in sweeps:
             try:
                 sweep()
             except Exception:
-                log.exception("%s failed; trying again in %ss", sweep.__name__, get_settings().sweep_seconds)
-        if stop.wait(get_settings().sweep_seconds):
+                log.exception("%s failed; trying again in %ss", sweep.__name__, every())
+        if stop.wait(every()):
             return

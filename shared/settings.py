@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     visibility_timeout: int | None = None  # Redis: redeliver unacked messages after this; default max_job_seconds + 1h
     lease_seconds: int = 120  # a running job's lease; renewed by the worker's heartbeat
     max_restarts: int = 3  # times a job is resumed after its worker died or failed unexpectedly
+    # A job that failed unexpectedly is re-sent after restart_backoff_seconds x 2^(restarts so far):
+    # 30 s, 60 s, 120 s by default (worker.tasks.run_claimed_job), not at once.
+    restart_backoff_seconds: float = 30.0
     metrics_flush_seconds: float = 2.0  # metrics are buffered and written at most this often
     sweep_seconds: float = 15.0  # how often API and workers run the reaper/sweeper (shared.jobs.lifecycle.recover)
     resend_after_seconds: float = 600.0  # re-send a queued job's message after this long (lost messages)
@@ -71,6 +74,7 @@ class Settings(BaseSettings):
     # uvicorn's line per request on stderr; off by default: it cost about 5% of the API's CPU under
     # polling load, and GET /metrics counts requests by route and status.
     access_log: bool = False
+    log_level: str = "INFO"  # the API's and the workers' log lines (shared.logs), e.g. DEBUG, INFO, WARNING
     artifact_retention_days: float | None = None  # remove finished jobs' files this long after they end; None: keep
     broker_polling_seconds: float = 0.1  # filesystem broker: how often an idle worker looks for a message
     # POST /models/{job_id}/predict, answered by the API process on its CPU (api.routers.inference):
@@ -79,6 +83,20 @@ class Settings(BaseSettings):
     max_sync_inputs: int = 64
     sync_model_cache: int = 2
     sync_predict_threads: int | None = None
+
+    # Webhooks (shared.jobs.webhooks): loopback, link-local and private URLs are refused unless
+    # allowed; each attempt waits this long for an answer; a failed one is tried again after each
+    # of these delays in turn (Svix's schedule, about 27.6 h in all: comma-separated seconds), then
+    # it is failed; the API looks for due deliveries this often.
+    webhooks_allow_private_urls: bool = False
+    webhooks_timeout_seconds: float = 10.0
+    webhooks_retry_seconds: Annotated[list[float], NoDecode] = [5, 300, 1800, 7200, 18000, 36000, 36000]
+    webhooks_poll_seconds: float = 1.0
+
+    @field_validator("webhooks_retry_seconds", mode="before")
+    @classmethod
+    def _seconds_list(cls, value):
+        return [float(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod

@@ -36,7 +36,7 @@ def test_the_images_copy_every_package():
 # queue on top. ``errors``, ``schemas`` and ``settings`` are the foundation everyone may use.
 FOUNDATION = {"errors", "schemas", "settings"}
 MAY_IMPORT = {
-    "errors": set(), "schemas": set(), "settings": {"schemas"},
+    "errors": set(), "schemas": set(), "settings": {"schemas"}, "logs": {"settings"},
     "store": FOUNDATION, "data": FOUNDATION,
     "inference": FOUNDATION | {"data"},
     "jobs": FOUNDATION | {"store", "data", "inference"},

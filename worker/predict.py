@@ -91,7 +91,7 @@ def setup(job: Job, device: torch.device, reporter: Reporter) -> Scoring:
     """Load the model on ``device`` and find the parts an earlier attempt wrote."""
     start = time.perf_counter()
     spec = PredictionCreate.model_validate(job.spec)
-    loaded = load_for_inference(model_directory(job.base_model), device)
+    loaded = load_for_inference(model_directory(job.base_model), device, spec.precision)
     with read_session() as s:
         dataset = s.get(Dataset, job.training_dataset_id)
     directory = results_dir(job.id)

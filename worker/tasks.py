@@ -22,6 +22,7 @@ from celery.exceptions import Reject
 from shared.errors import UserError
 from shared.jobs import lifecycle
 from shared.jobs.base_models import available_models
+from shared.logs import configure_logging, log_context
 from shared.queue import RUN_JOB, RecoveryThread, app, send, send_trials
 from shared.settings import get_settings
 from shared.store.engine import read_session
@@ -43,6 +44,12 @@ class WorkerRecovery(bootsteps.StartStopStep):
 
 
 app.steps["worker"].add(WorkerRecovery)
+
+
+@signals.setup_logging.connect
+def _setup_logging(**_) -> None:
+    """The API's logging configuration (``shared.logs``); Celery configures none while this receiver exists."""
+    configure_logging()
 
 
 @signals.worker_init.connect
@@ -108,6 +115,7 @@ def run_job(job_id: str) -> str:
     has finished (duplicate or redelivered messages). Returns how it ended."""
     if stopping.is_set():  # Celery may deliver one more message during warm shutdown
         raise Reject(f"worker shutting down; job {job_id} left for another worker", requeue=True)
+    log_context.set(f"job {job_id}")  # set by every task: the solo pool runs them one after another in one thread
     worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     job = lifecycle.claim(job_id, worker_id)
     if job is None:
@@ -166,9 +174,19 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
     except Exception as e:
         log.exception("job %s failed unexpectedly", job.id)
         message = f"{type(e).__name__}: {e}"
-        if lifecycle.requeue(job.id, worker_id, "job_restarted", f"unexpected error, retrying: {message}", restart=True):
-            send(job.id)
+        countdown = restart_countdown(job.restarts)
+        if lifecycle.requeue(job.id, worker_id, "job_restarted",
+                             f"unexpected error, retrying in {countdown:g} s: {message}", restart=True):
+            send(job.id, countdown=countdown)
         return "error"
+
+
+def restart_countdown(restarts: int) -> float:
+    """Seconds before a job that failed unexpectedly for the ``restarts + 1``-th time runs again:
+    ``restart_backoff_seconds x 2^restarts`` (exponential backoff, as Celery's ``retry_backoff``),
+    so that a passing fault (a full disk, a flaky file system) has time to clear before the job's
+    ``max_restarts`` are used up."""
+    return get_settings().restart_backoff_seconds * 2**restarts
 
 
 def recipe(kind: str):

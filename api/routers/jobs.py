@@ -11,6 +11,7 @@ from api.headers import IdempotencyKey, submit_once
 from shared.errors import NotFound
 from shared.jobs import lifecycle
 from shared.jobs.planning import check_spec, plan_job
+from shared.jobs.positions import with_positions
 from shared.schemas.jobs import (
     ArtifactOut,
     CheckpointOut,
@@ -59,12 +60,15 @@ def list_jobs(caller: CallerDep, status: Status = None, limit: Annotated[int, Qu
               cursor: str | None = None) -> JobList:
     """Jobs, newest first. Pass ``next_cursor`` back as ``cursor`` for the next page."""
     page, has_more = lifecycle.list_jobs(caller, limit, cursor, status, param="cursor")
-    return JobList(data=[lifecycle.to_out(j) for j in page], next_cursor=page[-1].id if has_more else None)
+    return JobList(data=with_positions([lifecycle.to_out(j) for j in page]),
+                   next_cursor=page[-1].id if has_more else None)
 
 
 @router.get("/{job_id}")
 async def get_job(job_id: str, caller: CallerDep) -> JobOut:
-    return lifecycle.to_out(await store.read(lifecycle.get_job, job_id, caller))
+    """The job; a queued one with its place in the queue and estimated start (``queue``)."""
+    job = lifecycle.to_out(await store.read(lifecycle.get_job, job_id, caller))
+    return (await store.read(with_positions, [job]))[0] if job.status == "queued" else job
 
 
 @router.delete("/{job_id}", status_code=204, responses=error_responses(409))

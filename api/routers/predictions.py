@@ -13,6 +13,7 @@ from api.errors import SafeJSONResponse, error_responses
 from api.feeds import Cursor
 from api.headers import IdempotencyKey, submit_once
 from shared.jobs import lifecycle, predictions
+from shared.jobs.positions import with_positions
 from shared.jobs.predictions import KIND, MEDIA_TYPES
 from shared.schemas.jobs import EventOut
 from shared.schemas.predictions import (
@@ -52,12 +53,14 @@ def list_predictions(caller: CallerDep, status: Status = None, limit: Annotated[
                      cursor: str | None = None) -> PredictionList:
     """Prediction jobs, newest first. Pass ``next_cursor`` back as ``cursor`` for the next page."""
     page, has_more = lifecycle.list_jobs(caller, limit, cursor, status, param="cursor", kind=KIND)
-    return PredictionList(data=[predictions.to_out(j) for j in page], next_cursor=page[-1].id if has_more else None)
+    return PredictionList(data=with_positions([predictions.to_out(j) for j in page]),
+                          next_cursor=page[-1].id if has_more else None)
 
 
 @router.get("/{prediction_id}")
 async def get_prediction(prediction_id: str, caller: CallerDep) -> PredictionOut:
-    return predictions.to_out(await store.read(lifecycle.get_job, prediction_id, caller, KIND))
+    prediction = predictions.to_out(await store.read(lifecycle.get_job, prediction_id, caller, KIND))
+    return (await store.read(with_positions, [prediction]))[0] if prediction.status == "queued" else prediction
 
 
 @router.delete("/{prediction_id}", status_code=204, responses=error_responses(409))

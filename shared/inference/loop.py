@@ -45,7 +45,7 @@ from shared.errors import UserError, without_paths
 from shared.inference.heads import task_of
 from shared.inference.precision import autocast_dtype
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "int8")
 # Default token budget per batch (rows x padded width). CPU: on the 2-core CPU under load 6-7
 # (fine-tuned all-MiniLM-L6-v2, 2,000 Rotten Tomatoes texts, 1 thread), 1,024 to 4,096 ran at
 # 76-92 rows/s, within noise of each other, 8,192 slower (86 vs 124 rows/s at 2,048, one run
@@ -98,7 +98,10 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
     ``model.safetensors``, tokenizer files): safetensors only, no remote code. A multi_label
     model's threshold is its config's ``decision_threshold`` (``DEFAULT_DECISION_THRESHOLD`` if absent).
 
-    ``precision``: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``fp32`` or ``bf16`` (bf16 autocast).
+    ``precision``: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``fp32``, ``bf16`` (bf16 autocast) or
+    ``int8`` (CPU only: every ``nn.Linear`` replaced by its dynamically quantized int8 version,
+    ``torch.ao.quantization.quantize_dynamic``; weights int8, activations quantized per batch;
+    PyTorch docs, "Dynamic Quantization"). int8 is unmeasured on BBC News @512 (issue 27 item 4).
     bf16 is opt-in on the CPU: it changed 0.05% of Rotten Tomatoes labels, and on a CPU with
     avx512_bf16 but no AMX it ran at 0.54x fp32's rows/s (docs/benchmarks.md, "Prediction"; an
     earlier session's AMX CPU ran it about twice as fast, changing about 0.1% of labels).
@@ -113,7 +116,10 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
     if precision not in PRECISIONS:
         raise UserError("invalid_precision", f"precision {precision!r} is not one of {', '.join(PRECISIONS)}",
                         "precision")
-    dtype = autocast_dtype(precision, device, param="precision")
+    if precision == "int8" and device.type != "cpu":
+        raise UserError("unsupported_precision", "precision int8 (dynamic quantization) runs on CPU workers only; "
+                        "use auto, fp32 or bf16 on a GPU", "precision")
+    dtype = autocast_dtype("fp32" if precision == "int8" else precision, device, param="precision")
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
         task = task_of(config)
@@ -127,8 +133,10 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
         raise UserError("model_not_predictable", "the model's tokenizer has no fast version", "model")
     labels = [config.id2label[i] for i in range(config.num_labels)] if task != "regression" else None
     max_length = min(tokenizer.model_max_length, config.max_position_embeddings)
+    if precision == "int8":
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     return LoadedModel(
-        model, tokenizer, task, labels, max_length, device, PRECISION_NAMES[dtype],
+        model, tokenizer, task, labels, max_length, device, "int8" if precision == "int8" else PRECISION_NAMES[dtype],
         decision_threshold=getattr(config, "decision_threshold", DEFAULT_DECISION_THRESHOLD)
         if task == "multi_label" else None,
         entities=TokenClassificationPipeline(model=model, tokenizer=tokenizer, device=model.device)

@@ -33,7 +33,7 @@ from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from shared.errors import Conflict, NotFound, UserError, without_paths
-from shared.jobs import trials
+from shared.jobs import trials, webhooks
 from shared.jobs.planning import check_spec
 from shared.schemas.jobs import Hyperparameters, JobCreate, JobOut, Progress, Timings, json_safe
 from shared.settings import get_settings
@@ -197,10 +197,11 @@ def list_checkpoints(job_id: str, caller: Caller) -> list[Checkpoint]:
         return list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
 
 
-def _end(job: Job, status: str, now: datetime) -> None:
-    """Set a job's final status, end time and ``timings.total`` (POST to now)."""
+def _end(s: Session, job: Job, status: str, now: datetime) -> None:
+    """Set a job's final status, end time and ``timings.total``, and its webhook deliveries (``webhooks.job_ended``)."""
     job.status, job.finished_at = status, now
     job.timings = {**(job.timings or {}), "total": round((now - job.created_at).total_seconds(), 3)}
+    webhooks.job_ended(s, job)
 
 
 def cancel_requested(job_id: str) -> bool:
@@ -240,7 +241,7 @@ def request_cancel(job_id: str, caller: Caller, kind: str = "train") -> Job:
 def cancel_in(s: Session, job: Job, now: datetime, why: str = "") -> None:
     """With ``job``'s row locked: end it ``cancelled`` if queued; if running, flag it to stop (``why``: a note)."""
     if job.status == JobStatus.QUEUED:
-        _end(job, JobStatus.CANCELLED, now)
+        _end(s, job, JobStatus.CANCELLED, now)
         s.add(JobEvent(job_id=job.id, code="cancelled", level="info", message="cancelled before it started" + why))
     elif job.status == JobStatus.RUNNING and not job.cancel_requested:
         job.cancel_requested = True
@@ -323,9 +324,9 @@ def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> boo
     message = without_paths(message)  # often a library's exception: no server path in any response
     job.lease_owner, job.lease_expires_at, job.enqueued_at = None, None, None
     if restart and job.restarts >= get_settings().max_restarts:
-        _end(job, JobStatus.FAILED, utcnow())
         job.error = {"code": "too_many_restarts",
                      "message": f"gave up after {job.restarts} restarts; last: {message}"}
+        _end(s, job, JobStatus.FAILED, utcnow())
         s.add(JobEvent(job_id=job.id, code="failed", level="error", message=job.error["message"]))
         trials.ended(s, job)
         return False
@@ -417,8 +418,8 @@ def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | Non
         job = s.get(Job, job_id, with_for_update=True, populate_existing=True)
         if job is None or job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
             return False
-        _end(job, status, utcnow())
         job.error, job.lease_owner, job.lease_expires_at = error, None, None
+        _end(s, job, status, utcnow())
         job.eta_seconds = 0.0 if status == JobStatus.SUCCEEDED else None
         level = "info" if status != JobStatus.FAILED else "error"
         message = status if error is None else f"{status}: {error['message']}"

@@ -224,13 +224,18 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
     return lengths[train_rows]
 
 
-def estimate_seconds(base_model: str, padded_tokens: float, caller: Caller, kind: str = "train") -> dict:
+def estimate_seconds(base_model: str, padded_tokens: float, caller: Caller, kind: str = "train",
+                     precision: str | None = None) -> dict:
     """Time for ``padded_tokens`` at the padded-token throughput of the newest succeeded job of
     ``kind`` (training, or prediction: a forward pass only) of ``caller``'s tenant on
-    ``base_model`` (throughput depends on the worker's device, so this is a guide)."""
+    ``base_model`` (throughput depends on the worker's device, so this is a guide); with
+    ``precision``, of the newest among the last 20 whose spec asked for that precision (a
+    prediction's ``int8`` runs at its own speed)."""
     with read_session() as s:
         query = select(Job).where(Job.status == JobStatus.SUCCEEDED, Job.base_model == base_model, Job.kind == kind)
-        job = s.scalars(scoped(query, Job, caller).order_by(Job.finished_at.desc()).limit(1)).first()
+        recent = s.scalars(scoped(query, Job, caller).order_by(Job.finished_at.desc()).limit(20 if precision else 1))
+        job = next((j for j in recent if precision is None or (j.spec or {}).get("precision", "auto") == precision),
+                   None)
     metrics = (job.train_metrics or {}) if job else {}
     if not metrics.get("tokens_per_second"):
         return {"estimated_seconds": None, "estimate_basis": f"no succeeded job on {base_model} yet"}

@@ -335,7 +335,7 @@ def plan_prediction(checked: CheckedPrediction) -> dict:
     return {"rows": rows, "task": checked.model.task, "label_names": checked.model.label_names,
             "max_length": max_length, "tokens": tokens, "truncated": truncated, "padded_tokens": padded,
             "padding_efficiency": tokens / padded if padded else 1.0,
-            **estimate_seconds(spec.model, padded, checked.caller, kind=KIND)}
+            **estimate_seconds(spec.model, padded, checked.caller, kind=KIND, precision=spec.precision)}
 
 
 def padded_tokens(lengths: np.ndarray, budget: int, ladder: list[int]) -> int:
@@ -368,7 +368,7 @@ def to_out(job: Job) -> PredictionOut:
         id=job.id, status=job.status, model=job.base_model, task=job.task, dataset=job.training_dataset_id,
         text_column=spec["text_column"], text_pair_column=spec.get("text_pair_column"),
         id_column=spec.get("id_column"), batch_size=spec["batch_size"], max_length=spec.get("max_length"),
-        label_names=job.label_names, created_at=job.created_at, started_at=job.started_at,
+        precision=spec.get("precision", "auto"), label_names=job.label_names, created_at=job.created_at, started_at=job.started_at,
         finished_at=job.finished_at,
         progress=PredictionProgress(rows_done=done, total_rows=total, fraction=min(1.0, done / total) if total else 0.0,
                                     rows_per_second=(result or {}).get("rows_per_second"),

@@ -40,7 +40,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from shared.errors import Conflict, Deleted, NotFound, UserError
-from shared.jobs import lifecycle
+from shared.jobs import lifecycle, webhooks
 from shared.jobs.planning import check_spec, plan_job
 from shared.schemas.jobs import GREATER_IS_BETTER, TASK_METRICS, Hyperparameters, JobCreate
 from shared.schemas.sweeps import BestTrial, SweepCreate, SweepOut, SweepPlan, TrialOut
@@ -350,9 +350,13 @@ def trial_ended(s: Session, job: Job) -> None:
 
 
 def end_sweep(s: Session, sweep: Sweep, status: str, error: dict | None = None) -> None:
-    """End the sweep ``status`` and cancel its queued and running trials."""
+    """End the sweep ``status`` and cancel its queued and running trials; its ``sweep.<status>``
+    webhook deliveries are stored in the same transaction (``shared.jobs.webhooks``)."""
     now = utcnow()
     sweep.status, sweep.finished_at, sweep.error = status, now, error
+    webhooks.emit(s, sweep.tenant, f"sweep.{status}", f"evt_{sweep.id}_{status}",
+                  {"id": sweep.id, "object": "sweep", "status": status, "error": error,
+                   "finished_at": now.isoformat().replace("+00:00", "Z")})
     for job in s.scalars(select(Job).where(Job.sweep_id == sweep.id, Job.status.in_(lifecycle.ACTIVE))
                          .with_for_update()):
         lifecycle.cancel_in(s, job, now, f" (sweep {sweep.id} {status})")

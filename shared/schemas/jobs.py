@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
+from shared.schemas.queue import QueuePosition
 
 def json_safe(value: Any) -> Any:
     """``value`` with every non-finite float (NaN, Infinity) replaced by None, for strict JSON
@@ -287,6 +288,8 @@ class JobOut(BaseModel):
         None, description="When the job's checkpoints and artifacts were removed (TUNEJOB_ARTIFACT_RETENTION_DAYS).")
     sweep_id: str | None = Field(None, description="The sweep this job is a trial of (``POST /sweeps``), if any.")
     trial_number: int | None = Field(None, description="Its trial number in that sweep, from 0.")
+    queue: QueuePosition | None = Field(None, description="a queued job's place in the queue and estimated start; "
+                                                      "null once it runs")
 
 
 class JobList(BaseModel):

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.schemas.jobs import Timings
+from shared.schemas.queue import QueuePosition
 
 PREDICTION_CREATE_EXAMPLE = {"model": "job_8e2d4c1a9b7f3e05", "dataset": "ds_5b0e7d21c9a84f13", "text_column": "text",
                              "id_column": "article_id", "batch_size": 64, "max_length": 128}
@@ -27,6 +28,9 @@ class PredictionCreate(BaseModel):
     batch_size: int = Field(64, ge=1, le=4096, description="Texts per forward pass at most.")
     max_length: int | None = Field(None, ge=8, le=8192, description="Tokens per text (pair) at most; longer "
                                    "texts are truncated and counted. Default: the model's limit.")
+    precision: Literal["auto", "fp32", "bf16", "int8"] = Field("auto", description=(
+        "``auto``: bf16 on a GPU, fp32 on the CPU; ``int8``: CPU workers only, the model's Linear layers "
+        "dynamically quantized to int8 (PyTorch ``quantize_dynamic``): faster, labels may differ slightly."))
 
     @model_validator(mode="before")
     @classmethod
@@ -92,6 +96,7 @@ class PredictionOut(BaseModel):
     id_column: str | None
     batch_size: int
     max_length: int = Field(description="tokens per text (pair) at most: as requested, else the model's limit")
+    precision: str = "auto"
     label_names: list[Any] | None
     created_at: datetime
     started_at: datetime | None
@@ -104,6 +109,8 @@ class PredictionOut(BaseModel):
     error: dict[str, Any] | None
     timings: Timings
     files_deleted_at: datetime | None = None
+    queue: QueuePosition | None = Field(None, description="a queued job's place in the queue and estimated start; "
+                                                      "null once it runs")
 
 
 class PredictionList(BaseModel):

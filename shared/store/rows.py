@@ -123,6 +123,10 @@ class Job(Base):
     timings: Mapped[dict[str, Any] | None]  # seconds per phase (shared.schemas.jobs.Timings)
     files_deleted_at: Mapped[datetime | None]  # checkpoints and artifacts removed (DELETE or retention)
     deleted_at: Mapped[datetime | None]  # DELETE /jobs/{id}: the row is a tombstone, the id answers 404
+    # A queued job's estimated run time from its dry-run plan (shared.jobs.positions.estimate_queued),
+    # computed once in the background; planned_at says it was tried (the estimate may be None).
+    plan_seconds: Mapped[float | None]
+    planned_at: Mapped[datetime | None]
     # A sweep's trial (shared.jobs.sweeps): its sweep, its number there (unique per sweep), and the Optuna
     # trial system attributes its sampler and pruner keep (e.g. ``grid_id``, ASHA's ``completed_rung_0``).
     sweep_id: Mapped[str | None] = mapped_column(ForeignKey("sweeps.id"), index=True)

@@ -1,0 +1,54 @@
+"""One logging configuration for the API and the worker: every line on stderr as
+``2026-11-25 21:04:38,123 WARNING tunejob.api [req 3f2a…] message``, with the request id of the
+API request (or the job id in a worker) that the line was logged for.
+
+The API's server (uvicorn) applies it through its ``log_config`` (``api.server.run``), so its own
+lines (start-up, access log) look the same; a Celery worker applies it from Celery's
+``setup_logging`` signal (while a receiver exists, Celery configures no logging of its own; Celery
+docs, "Signals: setup_logging"). The level is ``TUNEJOB_LOG_LEVEL``. Python's ``logging.config``
+dictionary schema: https://docs.python.org/3/library/logging.config.html#logging-config-dictschema
+"""
+
+import contextvars
+import logging
+import logging.config
+from typing import Any
+
+from shared.settings import get_settings
+
+log_context: contextvars.ContextVar[str] = contextvars.ContextVar("tunejob_log_context", default="-")
+"""What a log line is about: ``req <request id>`` in the API, ``job <id>`` in a worker; ``-`` for
+neither. Set per request (``api.request_id``) or per job (``worker.tasks.run_job``)."""
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s [%(context)s] %(message)s"
+
+
+class ContextFilter(logging.Filter):
+    """Adds ``record.context`` (``log_context``) to every record a handler emits."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.context = log_context.get()
+        return True
+
+
+def logging_config(level: str | None = None) -> dict[str, Any]:
+    """The ``logging.config.dictConfig`` dictionary: one stderr handler on the root logger, at
+    ``level`` (default ``TUNEJOB_LOG_LEVEL``); uvicorn's and Celery's loggers pass their records to
+    it instead of keeping handlers of their own."""
+    level = (level or get_settings().log_level).upper()
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "filters": {"context": {"()": ContextFilter}},
+        "formatters": {"default": {"format": FORMAT}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr",
+                                "formatter": "default", "filters": ["context"]}},
+        "root": {"level": level, "handlers": ["stderr"]},
+        "loggers": {name: {"level": level, "handlers": [], "propagate": True}
+                    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "celery")},
+    }
+
+
+def configure_logging(level: str | None = None) -> None:
+    """Apply ``logging_config(level)`` to this process."""
+    logging.config.dictConfig(logging_config(level))

@@ -1,0 +1,70 @@
+"""One logging configuration for the API and the worker (``shared.logs``): every line has its time,
+level, logger and the request id (API) or job id (worker) it belongs to; a request's id comes back
+in ``X-Request-ID``, and an unhandled error is logged under it and named in the 500 answer."""
+
+import io
+import logging
+import re
+import sys
+
+import pytest
+import uvicorn
+
+from api.request_id import HEADER
+from shared.logs import logging_config
+from shared.queue import send
+from tests.conftest import TINY_MODEL, wait_until
+from tests.test_api_jobs import labelled_csv, upload
+
+LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?P<level>[A-Z]+) (?P<logger>\S+) \[(?P<context>[^]]+)] ")
+
+
+@pytest.fixture
+def log_lines():
+    """The lines the configured root handler writes, once the configuration is applied as the
+    API's server applies it (uvicorn's ``log_config``)."""
+    uvicorn.Config("api.main:app", log_config=logging_config("INFO"))  # applies the configuration
+    stream = io.StringIO()
+    handler = logging.getLogger().handlers[0]
+    handler.setStream(stream)
+    yield lambda: stream.getvalue().splitlines()
+    handler.setStream(sys.stderr)
+
+
+def test_each_request_gets_an_id_echoed_back(stack):
+    first, second = stack.client.get("/models"), stack.client.get("/models")
+    assert re.fullmatch(r"[0-9a-f]{32}", first.headers[HEADER]) and first.headers[HEADER] != second.headers[HEADER]
+    assert stack.client.get("/models", headers={HEADER: "edge-42.abc"}).headers[HEADER] == "edge-42.abc"
+    forged = stack.client.get("/models", headers={HEADER: "x\ty" * 40}).headers[HEADER]
+    assert re.fullmatch(r"[0-9a-f]{32}", forged)  # not a sane id: replaced
+
+
+def test_an_unhandled_error_is_logged_with_time_level_and_request_id(stack, log_lines):
+    def boom():
+        raise RuntimeError("the disk vanished")
+
+    stack.app.add_api_route("/test-boom", boom)
+    from fastapi.testclient import TestClient
+
+    client = TestClient(stack.app, base_url=str(stack.client.base_url), headers=dict(stack.client.headers),
+                        raise_server_exceptions=False)
+    answer = client.get("/test-boom", headers={HEADER: "boom-1"})
+    assert answer.status_code == 500 and answer.headers[HEADER] == "boom-1"
+    assert answer.json()["error"]["message"].endswith("(request id boom-1)")
+    errors = [m for line in log_lines() if (m := LINE.match(line)) and m["level"] == "ERROR"]
+    assert [(m["logger"], m["context"]) for m in errors] == [("tunejob.api", "req boom-1")]
+    assert "RuntimeError: the disk vanished" in "\n".join(log_lines())  # with its traceback
+
+
+def test_a_worker_logs_under_the_job_id(stack, log_lines):
+    dataset = upload(stack.client, labelled_csv())
+    job = stack.client.post("/jobs", json={"base_model": TINY_MODEL, "training_dataset": dataset["id"],
+                                           "text_column": "text", "label_column": "label"}).json()
+    stack.client.post(f"/jobs/{job['id']}/cancel")
+    send(job["id"])  # a message for a job that has ended: the worker skips it, and says so
+
+    def skipped() -> list[re.Match]:
+        return [m for line in log_lines() if (m := LINE.match(line)) and "not claimable" in line]
+
+    wait_until(lambda: skipped(), "the worker logged the skipped message")
+    assert {(m["logger"], m["context"]) for m in skipped()} == {("worker.tasks", f"job {job['id']}")}

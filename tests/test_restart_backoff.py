@@ -1,0 +1,42 @@
+"""A job that fails unexpectedly is re-sent after an exponential countdown (Celery's ``countdown``),
+not at once, until its ``max_restarts`` are used up; on every stack."""
+
+from datetime import datetime
+
+import worker.tasks
+from shared.settings import get_settings
+from tests.conftest import TINY_MODEL, wait_for_status
+from tests.test_api_jobs import labelled_csv, upload
+
+
+def test_an_unexpected_failure_is_retried_after_a_growing_countdown(stack, monkeypatch):
+    monkeypatch.setattr(get_settings(), "restart_backoff_seconds", 0.4)
+    sent: list[float | None] = []
+    real_send = worker.tasks.send
+
+    def recording_send(job_id: str, countdown: float | None = None) -> None:
+        sent.append(countdown)
+        real_send(job_id, countdown=countdown)
+
+    def broken_recipe(kind: str):
+        def run(job, device, reporter):
+            raise OSError("No space left on device")
+        return run
+
+    monkeypatch.setattr(worker.tasks, "send", recording_send)
+    monkeypatch.setattr(worker.tasks, "recipe", broken_recipe)
+    dataset = upload(stack.client, labelled_csv())
+    job = stack.client.post("/jobs", json={"base_model": TINY_MODEL, "training_dataset": dataset["id"],
+                                           "text_column": "text", "label_column": "label"}).json()
+    ended = wait_for_status(stack.client, job["id"], {"failed", "succeeded"}, timeout=60)
+    assert ended["status"] == "failed" and ended["error"]["code"] == "too_many_restarts"
+    assert sent == [0.4, 0.8, 1.6]  # restart_backoff_seconds x 2^restarts, for max_restarts = 3
+    events = stack.client.get(f"/jobs/{job['id']}/events").json()["data"]
+    restarted = [datetime.fromisoformat(e["time"]) for e in events if e["code"] == "job_restarted"]
+    started = [datetime.fromisoformat(e["time"]) for e in events if e["code"] == "started"]
+    assert len(started) == 4 and len(restarted) == 3
+    for countdown, failed_at, next_start in zip(sent, restarted, started[1:]):
+        # the message's ETA is set after the event was written: the next attempt cannot start earlier
+        assert (next_start - failed_at).total_seconds() >= countdown, (failed_at, next_start)
+    assert "retrying in 0.4 s: OSError: No space left on device" in [e["message"] for e in events
+                                                                     if e["code"] == "job_restarted"][0]
