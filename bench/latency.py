@@ -35,7 +35,8 @@ from pathlib import Path
 import httpx
 
 from bench.corpora import bbc_news, stratified_split
-from bench.report import host, table, update_markdown
+from bench.measure import host
+from bench.report import table, update_markdown
 from shared.store import artifacts
 
 SEED = 42

@@ -35,7 +35,8 @@ import psutil
 from httpx_sse import aconnect_sse
 
 from bench.corpora import bbc_news, stratified_split
-from bench.report import host, update_markdown
+from bench.measure import host
+from bench.report import update_markdown
 
 WORK_DIR = Path(".bench-streams")
 

@@ -196,3 +196,23 @@ def test_pages_show_the_tenants_data(stack, job):
     wait_for_status(stack.client, other["id"], {"succeeded"})
 
     assert job["id"] in client.get("/ui/predictions").text  # a model to score with
+
+
+def test_a_sweeps_trials_on_its_page(stack):
+    from tests.test_sweeps import create, sweep_body, wait_for_sweep
+
+    dataset = upload(stack.client, labelled_csv(rows=48, seed=5))
+    sweep = wait_for_sweep(stack.client, create(stack.client, sweep_body(dataset["id"]))["id"])
+    client, _ = sign_in(stack)
+    assert sweep["id"] in client.get("/ui/sweeps").text
+    page = client.get(f"/ui/sweeps/{sweep['id']}").text
+    trials = stack.client.get(f"/sweeps/{sweep['id']}/trials").json()["data"]
+    assert len(trials) == 2 and all(f'href="/ui/jobs/{t["job_id"]}"' in page for t in trials)
+    assert '<th scope="col">learning_rate</th>' in page and '"metric": "accuracy"' in page
+    best = sweep["best_trial"]
+    assert f'<a href="/ui/jobs/{best["job_id"]}">trial {best["trial_number"]}' in page
+    listed = client.get("/ui/jobs", params={"sweep": sweep["id"]}).text
+    assert all(t["job_id"] in listed for t in trials) and dataset["id"] not in listed
+    other, _ = sign_in(stack, "tenant-other")
+    assert other.get(f"/ui/sweeps/{sweep['id']}").status_code == 404
+    assert sweep["id"] not in other.get("/ui/sweeps").text

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
-from shared.jobs import lifecycle, predictions, uploads
+from shared.jobs import lifecycle, predictions, sweeps, uploads
 from shared.store import artifacts, keys
 from shared.jobs.base_models import available_models
 from shared.data.problems import Problems
@@ -29,7 +29,7 @@ templates = Jinja2Templates(directory=Path(__file__).parent / "templates")
 PAGE_SIZE = 50
 SAMPLE_ROWS = 10
 MAX_COMPARED = 10
-STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "pruned")
 TASKS = JobCreate.model_fields["task"].annotation.__args__
 
 
@@ -131,16 +131,18 @@ def home():
 
 @router.get("/jobs", response_class=HTMLResponse)
 def jobs_page(request: Request, s: SessionDep, status: Annotated[str | None, Query()] = None,
-              task: Annotated[str | None, Query()] = None, cursor: str | None = None):
-    """Training jobs, newest first, PAGE_SIZE at a time, filtered by status and task."""
-    status, task = status or None, task or None
+              task: Annotated[str | None, Query()] = None, sweep: Annotated[str | None, Query(max_length=64)] = None,
+              cursor: str | None = None):
+    """Training jobs, newest first, PAGE_SIZE at a time, filtered by status, task and sweep."""
+    status, task, sweep = status or None, task or None, (sweep or "").strip() or None
     if status not in (None, *STATUSES) or task not in (None, *TASKS):
         raise UserError("invalid_filter", f"unknown filter: status {status!r}, task {task!r}", "status", status=400)
-    page, has_more = lifecycle.list_jobs(s.caller, PAGE_SIZE, cursor, status, param="cursor", task=task)
+    page, has_more = lifecycle.list_jobs(s.caller, PAGE_SIZE, cursor, status, param="cursor", task=task, sweep=sweep)
     rows = [lifecycle.to_out(j) for j in page]
-    query = {k: v for k, v in {"status": status, "task": task}.items() if v}
+    query = {k: v for k, v in {"status": status, "task": task, "sweep": sweep}.items() if v}
     next_url = f"/ui/jobs?{urlencode({**query, 'cursor': page[-1].id})}" if has_more else None
-    return render(request, "jobs.html", s=s, jobs=rows, status=status, task=task, statuses=STATUSES, tasks=TASKS,
+    return render(request, "jobs.html", s=s, jobs=rows, status=status, task=task, sweep=sweep, statuses=STATUSES,
+                  tasks=TASKS,
                   next_url=next_url, first_url=f"/ui/jobs?{urlencode(query)}" if cursor else None,
                   active=any(j.status in (JobStatus.QUEUED, JobStatus.RUNNING) for j in rows))
 
@@ -220,6 +222,25 @@ def prediction_page(request: Request, prediction_id: str, s: SessionDep):
     prediction = predictions.to_out(lifecycle.get_job(prediction_id, s.caller, kind=predictions.KIND))
     return render(request, "prediction.html", s=s, p=prediction,
                   events=lifecycle.list_events(prediction_id, s.caller, kind=predictions.KIND))
+
+
+@router.get("/sweeps", response_class=HTMLResponse)
+def sweeps_page(request: Request, s: SessionDep, cursor: str | None = None):
+    page, more = sweeps.list_sweeps(s.caller, PAGE_SIZE, cursor)
+    return render(request, "sweeps.html", s=s, sweeps=page,
+                  next_url=f"/ui/sweeps?cursor={quote(page[-1].id)}" if more else None)
+
+
+@router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
+def sweep_page(request: Request, sweep_id: str, s: SessionDep):
+    """A sweep's trials: a table, the objective by trial, each parameter against the objective."""
+    sweep = sweeps.get_sweep(sweep_id, s.caller)
+    trials = sweeps.list_trials(sweep_id, s.caller)
+    params = list(dict.fromkeys(k for t in trials for k in t.params))
+    return render(request, "sweep.html", s=s, sweep=sweep, trials=trials, params=params,
+                  chart={"metric": sweep.objective.metric, "params": params,
+                         "trials": [{"number": t.number, "status": t.status, "value": t.value, "params": t.params}
+                                    for t in trials]})
 
 
 def age(when: datetime | None, until: datetime | None = None) -> str:

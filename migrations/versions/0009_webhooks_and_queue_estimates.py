@@ -1,7 +1,6 @@
 """webhooks and their deliveries; a queued job's estimated run time from its dry-run plan
 
-Chained to 0007 (sweeps), the newest revision on main when it was written; once 0008 (ui
-sessions) lands, down_revision becomes '0008'.
+Follows 0007 (sweeps) and 0008 (ui sessions).
 
 Revision ID: 0009
 Revises: 0008

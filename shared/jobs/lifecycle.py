@@ -83,8 +83,7 @@ def to_out(job: Job) -> JobOut:
         error=job.error,
         timings=Timings(**(job.timings or {})),
         files_deleted_at=job.files_deleted_at,
-        sweep_id=job.sweep_id,
-        trial_number=job.trial_number,
+        sweep_id=job.sweep_id, trial_number=job.trial_number,
     )
 
 
@@ -158,9 +157,10 @@ def get_job(job_id: str, caller: Caller, kind: str = "train") -> Job:
 
 
 def list_jobs(caller: Caller, limit: int, after: str | None = None, status: str | None = None,
-              param: str = "after", kind: str = "train", task: str | None = None) -> tuple[list[Job], bool]:
+              param: str = "after", kind: str = "train", task: str | None = None,
+              sweep: str | None = None) -> tuple[list[Job], bool]:
     """The caller's jobs of ``kind`` (an admin's: all), newest first, ``limit`` at a time after job
-    ``after``, optionally of one ``status`` and one ``task``.
+    ``after``, optionally of one ``status``, one ``task`` and one ``sweep`` (its trials).
 
     Returns:
         (jobs, has_more).
@@ -172,6 +172,7 @@ def list_jobs(caller: Caller, limit: int, after: str | None = None, status: str 
     with read_session() as s:
         query = mine.where(Job.status == status) if status else mine
         query = query.where(Job.task == task) if task else query
+        query = query.where(Job.sweep_id == sweep) if sweep else query
         return keyset_page(s, query, Job, after, limit, param=param, within=mine)
 
 
@@ -407,9 +408,8 @@ def latest_checkpoint(job_id: str) -> Checkpoint | None:
 
 
 def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | None = None) -> bool:
-    """End a running job held by ``worker_id``, with a ``timings`` event. A succeeded job's (or pruned
-    trial's) checkpoints are forgotten (the caller deletes their directory, ``discard_checkpoints``); a
-    trial's sweep goes on (``trials.ended``). Returns False if ``worker_id`` no longer holds it."""
+    """End a running job held by ``worker_id`` (a ``timings`` event): a succeeded job's or pruned trial's checkpoints
+    are forgotten (the caller deletes them: ``discard_checkpoints``), a trial's sweep goes on. False: not held."""
     if error is not None:
         error = {**error, "message": without_paths(error["message"])}
     with session_scope() as s:

@@ -43,8 +43,10 @@ function themeColors() {
 
 // A live line chart: series by name, points (step, value) added at any time, redrawn once per frame.
 class LiveChart {
-  constructor(el, {points = false, marks = null} = {}) {
+  constructor(el, {points = false, marks = null, scatter = false, xLabel = "step"} = {}) {
     this.el = el;
+    this.scatter = scatter;    // points only, no lines (a sweep's trials)
+    this.xLabel = xLabel;
     this.points = points;      // evaluation series: points joined by lines
     this.marks = marks;        // () => {lines: [steps], stars: [[step, value]]}
     this.names = [];
@@ -82,11 +84,11 @@ class LiveChart {
       width: Math.max(280, this.el.clientWidth), height: 220,
       scales: {x: {time: false}},
       legend: {show: true},
-      axes: [{stroke: c.text, grid: {stroke: c.grid}, label: "step"},
+      axes: [{stroke: c.text, grid: {stroke: c.grid}, label: this.xLabel, values: (u, splits) => splits.map(tick)},
              {stroke: c.text, grid: {stroke: c.grid}, size: 64, values: (u, splits) => splits.map(tick)}],
-      series: [{label: "step"}, ...this.names.map((n, i) => ({
+      series: [{label: this.xLabel}, ...this.names.map((n, i) => ({
         label: n, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true,
-        points: {show: this.points, size: 6}}))],
+        points: {show: this.points || this.scatter, size: 7}, ...(this.scatter ? {paths: () => null} : {})}))],
       hooks: marks ? {draw: [u => drawMarks(u, marks(), c.text)]} : {},
     };
   }
@@ -182,6 +184,15 @@ function wireCancelDelete(afterDelete) {
   }));
 }
 
+// A browser opens at most 6 HTTP/1.1 connections to a host, and each open stream holds one: a tab
+// in the background closes its stream, and reloads (catching up) when it is shown again.
+function releaseWhenHidden(stream) {
+  document.addEventListener("visibilitychange", () => {
+    if (document.hidden && stream.readyState !== EventSource.CLOSED) { stream.close(); stream.released = true; }
+    else if (!document.hidden && stream.released) location.reload();
+  });
+}
+
 // ---- pages --------------------------------------------------------------------------------------
 const pages = {};
 
@@ -234,6 +245,7 @@ pages.job = () => {
 
   const wasActive = ["queued", "running"].includes(info.status);
   const stream = new EventSource(`/jobs/${encodeURIComponent(info.job)}/stream`);
+  releaseWhenHidden(stream);
   stream.addEventListener("metrics", e => {
     for (const m of JSON.parse(e.data).data) {
       const chart = chartOf(m.name);
@@ -397,6 +409,7 @@ pages.prediction = () => {
   wireCancelDelete("/ui/predictions");
   if (!["queued", "running"].includes(head.dataset.status)) return;
   const stream = new EventSource(`/predictions/${encodeURIComponent(head.dataset.id)}/stream`);
+  releaseWhenHidden(stream);
   stream.addEventListener("progress", e => {
     const p = JSON.parse(e.data);
     $("#job-progress").value = p.progress.fraction;
@@ -406,6 +419,28 @@ pages.prediction = () => {
   stream.addEventListener("events", e => appendEvents(JSON.parse(e.data).data));
   stream.addEventListener("end", () => { stream.close(); location.reload(); });
   stream.addEventListener("error", e => { if (e.data) { stream.close(); say("action-message", JSON.parse(e.data).error.message, true); } });
+};
+
+pages.sweep = () => {
+  const {metric, params, trials} = readJSON("chart-data");
+  const scored = trials.filter(t => t.value !== null);
+  const series = t => (t.status === "pruned" ? "pruned" : "trials");
+  const byTrial = new LiveChart($("#chart-trials"), {scatter: true, xLabel: "trial"});
+  for (const t of scored) byTrial.add(series(t), t.number, t.value);
+  const box = $("#sweep-charts");
+  for (const name of params) {  // each numeric parameter against the objective
+    const points = scored.filter(t => typeof t.params[name] === "number");
+    if (points.length === 0) continue;
+    const figure = document.createElement("figure");
+    const caption = document.createElement("figcaption");
+    caption.textContent = `${metric} against ${name}`;
+    const el = document.createElement("div");
+    el.className = "chart";
+    figure.append(caption, el);
+    box.append(figure);
+    const chart = new LiveChart(el, {scatter: true, xLabel: name});
+    for (const t of points) chart.add(series(t), t.params[name], t.value);
+  }
 };
 
 const init = pages[document.body.dataset.page];
