@@ -24,6 +24,7 @@ from shared.settings import get_settings
 from tests.conftest import wait_for_status
 from tests.test_api_errors import assert_error, job_body
 from tests.test_api_jobs import labelled_csv, submit, upload
+from tests.test_sweeps import sweep_body, wait_for_sweep
 
 # Routes that answer without a key, and why. A public route must also be in api.auth.PUBLIC_PATHS.
 PUBLIC = {("GET", "/healthz"): "liveness probe for load balancers and `tunejob serve` callers; no tenant data"}
@@ -41,6 +42,9 @@ PATH_VALUES: dict[str, Callable[[dict], str]] = {
     "name": lambda ids: "metrics.json",  # an artifact every succeeded job has
     "filename": lambda ids: "config.json",  # a file of the model directory
     "step": lambda ids: "1",  # a checkpoint step
+    "sweep_id": lambda ids: ids["sweep"],
+    "report": lambda ids: "trials.csv",  # a sweep's report file
+    "webhook_id": lambda ids: ids["webhook"],
 }
 
 # Extra request arguments (httpx keywords) for routes that need a body or a query, by (method, path).
@@ -52,7 +56,10 @@ REQUESTS: dict[tuple[str, str], Callable[[dict], dict]] = {
     ("POST", "/v1/files"): lambda ids: {"files": {"file": ("t.csv", labelled_csv(rows=8), "text/csv")},
                                         "data": {"purpose": "fine-tune"}},
     ("POST", "/v1/fine_tuning/jobs"): lambda ids: {"json": {"model": "tiny-bert", "training_file": ids["dataset"]}},
+    ("POST", "/sweeps"): lambda ids: {"json": sweep_body(ids["dataset"])},
+    ("POST", "/webhooks"): lambda ids: {"json": {"url": WEBHOOK_URL, "events": ["job.succeeded"]}},
 }
+WEBHOOK_URL = "http://127.0.0.1:9/hook"  # nothing listens: deliveries fail, which these tests do not look at
 
 # Routes whose owner's request is not sent (it would change what the other checks need).
 OWNER_SKIPS = {"DELETE"}
@@ -86,15 +93,23 @@ def prediction_body(job_id: str, dataset_id: str) -> dict:
 
 @pytest.fixture(scope="module")
 def owned(stack) -> dict:
-    """A dataset, a finished job (metrics, events, checkpoints, artifacts) and a finished prediction
-    (events, results) of ``stack.tenant``."""
+    """A dataset, a finished job (metrics, events, checkpoints, artifacts), a finished prediction
+    (events, results), a finished sweep of one trial and a webhook of ``stack.tenant``. Webhook URLs
+    to loopback are allowed for the module (``WEBHOOK_URL``)."""
     finished = {"succeeded", "failed", "cancelled"}
+    patch = pytest.MonkeyPatch()
+    patch.setattr(get_settings(), "webhooks_allow_private_urls", True)
     dataset = upload(stack.client, labelled_csv(rows=24, seed=5))
     job = submit(stack.client, dataset["id"], epochs=1, save_every_steps=1)
     assert wait_for_status(stack.client, job["id"], finished)["status"] == "succeeded"
     prediction = stack.client.post("/predictions", json=prediction_body(job["id"], dataset["id"])).json()
     assert wait_for_status(stack.client, prediction["id"], finished, path="/predictions")["status"] == "succeeded"
-    return {"job": job["id"], "dataset": dataset["id"], "prediction": prediction["id"]}
+    sweep = stack.client.post("/sweeps", json=sweep_body(dataset["id"], max_trials=1)).json()
+    assert wait_for_sweep(stack.client, sweep["id"])["status"] == "succeeded"
+    webhook = stack.client.post("/webhooks", json={"url": WEBHOOK_URL, "events": ["job.succeeded"]}).json()
+    yield {"job": job["id"], "dataset": dataset["id"], "prediction": prediction["id"], "sweep": sweep["id"],
+           "webhook": webhook["id"]}
+    patch.undo()
 
 
 @pytest.fixture(scope="module")

@@ -78,15 +78,15 @@ def delete_sweep(sweep_id: str, caller: CallerDep) -> Response:
     return Response(status_code=204)
 
 
-@router.get("/{sweep_id}/report/{name}", response_class=Response, responses={
+@router.get("/{sweep_id}/report/{report}", response_class=Response, responses={
     200: {"content": {"text/csv": {}, "image/png": {}}, "description": "the report file"}, **error_responses(409)})
-def sweep_report_file(sweep_id: str, name: str, caller: CallerDep) -> Response:
+def sweep_report_file(sweep_id: str, report: str, caller: CallerDep) -> Response:
     """The sweep's report, drawn from its trials now: ``trials.csv`` (number, job, parameters,
     status, value, steps), and Optuna's ``optimization_history.png`` and ``param_importances.png``
     (409 ``not_enough_trials`` until enough trials completed)."""
-    content, media_type = sweep_report.report_file(sweep_id, name, caller)
+    content, media_type = sweep_report.report_file(sweep_id, report, caller)
     return Response(content, media_type=media_type,
-                    headers={"Content-Disposition": f'attachment; filename="{sweep_id}-{name}"'})
+                    headers={"Content-Disposition": f'attachment; filename="{sweep_id}-{report}"'})
 
 
 @router.get("/{sweep_id}/stream", response_class=EventSourceResponse,

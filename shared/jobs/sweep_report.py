@@ -23,7 +23,7 @@ def report_file(sweep_id: str, name: str, caller: Caller) -> tuple[bytes, str]:
             ``not_enough_trials``: a picture needs a completed trial (importances: two, with different values).
     """
     if name not in NAMES:
-        raise NotFound("report file", name, "name")
+        raise NotFound("report file", name, "report")
     with read_session() as s:
         spec, trials, trial_curves = sweeps.trials_of(s, sweeps.owned_sweep(s, sweep_id, caller))
     if name == "trials.csv":
