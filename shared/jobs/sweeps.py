@@ -90,13 +90,13 @@ def check_sweep(spec: SweepCreate) -> tuple[SweepCreate, dict[str, BaseDistribut
         raise UserError("too_many_trials", f"max_trials {spec.max_trials} is over this server's quota of {limit} "
                         "trials per sweep (TUNEJOB_MAX_TRIALS_PER_SWEEP)", "max_trials")
     if spec.max_parallel_trials > spec.max_trials:
-        raise UserError("invalid_request", f"max_parallel_trials {spec.max_parallel_trials} is over max_trials "
+        raise UserError("too_many_parallel_trials", f"max_parallel_trials {spec.max_parallel_trials} is over max_trials "
                         f"{spec.max_trials}", "max_parallel_trials")
     spec = spec.model_copy(update={"objective": spec.objective.model_copy(update={"metric": metric,
                                                                                    "direction": natural})})
     space = distributions(spec)
     if spec.algorithm == "grid" and spec.max_trials > (size := math.prod(len(v) for v in grid(spec).values())):
-        raise UserError("invalid_request", f"max_trials {spec.max_trials} is over the grid's {size} points: "
+        raise UserError("grid_too_small", f"max_trials {spec.max_trials} is over the grid's {size} points: "
                         "trials would repeat parameters", "max_trials")
     return spec, space
 
