@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
@@ -108,6 +108,13 @@ def install_error_handlers(app: FastAPI) -> None:
         log.warning("job store busy or unreachable: %s", e)
         return error_response(503, "store_busy", "the job store is busy or unreachable; retry shortly", None,
                               headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+
+    @app.exception_handler(DataError)
+    async def _data_error(request: Request, e: DataError):
+        if "NUL" not in str(e.orig):  # anything else PostgreSQL refuses is a bug of ours: a 500
+            return await _internal_error(request, e)
+        return error_response(422, "invalid_request", "a text in the request holds a NUL character (0x00), which "
+                              "the job store (PostgreSQL) cannot keep; nothing was written")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):

@@ -289,6 +289,20 @@ def test_unknown_validation_dataset_is_refused(stack, train_ds):
     before.assert_unchanged()
 
 
+def test_a_nul_character_is_refused_on_both_stacks_not_a_500(stack, train_ds):
+    """PostgreSQL text and jsonb cannot hold NUL (0x00): ids holding one name nothing (a 4xx,
+    as for any unknown id), and one in metadata is a 422 that says so; SQLite answers alike."""
+    before = Snapshot(stack)
+    assert_error(stack.client.post("/jobs", json=job_body("ds_\x00")), 422, "unknown_dataset", "training_dataset")
+    r = stack.client.post("/v1/fine_tuning/jobs", json={"model": TINY_MODEL, "training_file": "\x00"})
+    assert_error(r, 400, "unknown_dataset", "training_file")  # the OpenAI routes answer 400
+    assert_error(stack.client.get("/jobs/job_%00"), 404, "not_found")
+    assert_error(stack.client.get(f"/datasets/{train_ds['id']}%00"), 404, "not_found")
+    r = stack.client.post("/jobs", json=job_body(train_ds["id"], metadata={"note": "a\x00b"}))
+    assert_error(r, 422, "invalid_request", "metadata", "'note'", "NUL")
+    before.assert_unchanged()
+
+
 def test_validation_label_unseen_in_training_is_refused(stack, train_ds):
     val = upload(stack.client, pd.DataFrame({"text": ["goal", "vote", "film"], "label": ["sports", "politics", "arts"]})
                  .to_csv(index=False).encode(), "val_labels.csv")

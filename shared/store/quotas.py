@@ -29,13 +29,16 @@ ACTIVE_JOBS_RETRY_AFTER_S = 60  # a guess at how soon a slot frees: jobs take mi
 
 def check_metadata(metadata: dict[str, str] | None) -> None:
     """Raises: UserError 422 ``invalid_request`` (``param`` ``metadata``) if ``metadata`` breaks the
-    caps."""
+    caps or holds a NUL character."""
     if not metadata:
         return
     settings = get_settings()
     if len(metadata) > settings.max_metadata_keys:
         raise _metadata_error(f"{len(metadata)} keys; at most {settings.max_metadata_keys} (TUNEJOB_MAX_METADATA_KEYS)")
     for key, value in metadata.items():
+        if "\x00" in key + value:  # PostgreSQL's jsonb cannot keep one: refused on every store alike
+            raise _metadata_error(f"{'value of ' + repr(key) if chr(0) in value else 'key ' + repr(key)} holds a NUL "
+                                  "character (0x00)")
         if len(key) > settings.max_metadata_key_chars:
             raise _metadata_error(f"key {key[:80]!r} has {len(key)} characters; at most "
                                   f"{settings.max_metadata_key_chars} (TUNEJOB_MAX_METADATA_KEY_CHARS)")

@@ -59,7 +59,9 @@ def owned(session: Session, model: type[Row], id_: str, caller: Caller, param: s
         NotFound: (404) no such row, or it belongs to another tenant: the two are not told apart.
         Deleted: (404) the caller's row was deleted (a tombstone), saying so and when.
     """
-    if for_update:
+    if "\x00" in id_:  # no id holds one, and PostgreSQL text cannot: not a DataError, a 404
+        row = None
+    elif for_update:
         row = session.get(model, id_, with_for_update=True)
     else:
         row = session.scalars(ROW_BY_ID[model], {"id": id_}).first()
