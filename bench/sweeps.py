@@ -10,9 +10,11 @@ one after the other in one invocation (so the machine's load hits both alike).
   its docs show it (its default Optuna study: TPE, median pruner), the objective held-out accuracy.
   Wall time: the call.
 
-Both report the optimizer steps all their trials ran and the best trial's held-out accuracy.
+Both report the optimizer steps all their trials ran and the best trial's held-out accuracy. With
+``--default-job``, tunejob's side then runs one job with the default hyperparameters on the same
+data and seed (outside the sweep's timer): the model a user gets without a sweep.
 
-    python -m bench.sweeps --train-size 4000 --val-size 2000 --trials 12 --workers 2   # the issue's run
+    python -m bench.sweeps --train-size 4000 --val-size 2000 --trials 12 --workers 2 --default-job   # the issue's run
     python -m bench.sweeps --train-size 400 --val-size 400 --trials 6 --max-epochs 2   # a bounded CPU run
 """
 
@@ -87,10 +89,23 @@ def run_tunejob(args, work: Path) -> dict:
             time.sleep(1)
         wall = time.monotonic() - began
         trials = http.get(f"/sweeps/{sweep_id}/trials").json()["data"]
-        return {"finished": True, "status": sweep["status"], "wall_seconds": wall,
-                "optimizer_steps": sum(t["steps"] for t in trials), "counts": sweep["trials"],
-                "best_accuracy": sweep["best_trial"]["value"] if sweep["best_trial"] else None,
-                "best_params": sweep["best_trial"]["params"] if sweep["best_trial"] else None, "trials": trials}
+        result = {"finished": True, "status": sweep["status"], "wall_seconds": wall,
+                  "optimizer_steps": sum(t["steps"] for t in trials), "counts": sweep["trials"],
+                  "best_accuracy": sweep["best_trial"]["value"] if sweep["best_trial"] else None,
+                  "best_params": sweep["best_trial"]["params"] if sweep["best_trial"] else None, "trials": trials}
+        if args.default_job:  # after the sweep's timer: the job a user gets without a sweep, same data and seed
+            job = {key: body[key] for key in ("base_model", "task", "training_dataset", "validation_dataset",
+                                              "text_column", "label_column", "hyperparameters")}
+            began = time.monotonic()
+            job_id = http.post("/jobs", json=job).raise_for_status().json()["id"]
+            while (view := http.get(f"/jobs/{job_id}").json())["finished_at"] is None:
+                time.sleep(1)
+            rows = http.get(f"/jobs/{job_id}/metrics", params={"limit": 10000}).json()["data"]
+            result["default_job"] = {"status": view["status"], "wall_seconds": time.monotonic() - began,
+                                     "hyperparameters": view["hyperparameters"],
+                                     "best_accuracy": max((r["value"] for r in rows if r["name"] == "eval_accuracy"
+                                                           and r["value"] is not None), default=None)}
+        return result
     finally:
         serve.terminate()
         try:
@@ -157,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--timeout", type=float, default=1200,
                    help="seconds per side, start-up included; tunejob's sweep still running then is cancelled")
+    p.add_argument("--default-job", action="store_true",
+                   help="after tunejob's sweep, one job with the default hyperparameters on the same data and seed "
+                        "(held-out accuracy at its best evaluation, as a trial's value)")
     p.add_argument("--side", choices=["both", "tunejob", "trainer"], default="both")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
@@ -171,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                    "max-epochs": args.max_epochs, "workers": args.workers, "seed": args.seed, "timeout": args.timeout,
                    "threads-per-worker": args.threads_per_worker}
         cmd = [sys.executable, "-m", "bench.sweeps", "--side", side,
-               *[part for name, value in options.items() for part in (f"--{name}", str(value))]]
+               *[part for name, value in options.items() for part in (f"--{name}", str(value))],
+               *(["--default-job"] if args.default_job else [])]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 120)
             results[side] = (json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0
