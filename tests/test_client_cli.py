@@ -224,16 +224,19 @@ def test_the_stream_delivers_each_metric_row_once_across_a_reconnect(served, tmp
     assert events.count("created") == events.count("succeeded") == 1
 
 
-def test_errors_carry_the_api_error_and_the_status(served):
+def test_errors_carry_the_api_error_and_the_status(served, tmp_path):
     result = served.cli("jobs", "get", "job_nope")
     assert result.returncode == 1 and "not_found" in result.stderr and "job_nope" in result.stderr
     client = served.client()
     with pytest.raises(TunejobError) as error:
         list(client.stream("job_nope"))
     assert (error.value.status, error.value.code) == (404, "not_found")
-    job_id = client.list_jobs(limit=1).data[0].id
+    dataset = client.upload_dataset(write_csv(tmp_path / "train.csv", 16))  # a job of its own: runs alone too
+    job = client.create_job({"base_model": TINY_MODEL, "training_dataset": dataset.id, "text_column": "text",
+                             "label_column": "label", "hyperparameters": {"epochs": 1, "batch_size": 8}})
+    client.cancel_job(job.id)
     with pytest.raises(TunejobError) as error:
-        list(client.stream(job_id, last_event_id="42"))
+        list(client.stream(job.id, last_event_id="42"))
     assert (error.value.status, error.value.code, error.value.param) == (422, "invalid_last_event_id", "Last-Event-ID")
 
 
