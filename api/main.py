@@ -18,7 +18,7 @@ from fastapi_offline import FastAPIOffline
 from api.auth import authenticate
 from api.errors import install_error_handlers
 from api.feeds import Feeds
-from api.metrics import install_metrics
+from api.metrics import install_metrics, process_exiting
 from api.request_id import RequestId
 from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, sweeps, webhooks
 from api.security import HostAndOriginCheck, allowed_hosts
@@ -44,6 +44,7 @@ async def lifespan(_: FastAPI):
     yield
     deliveries.stop()
     recovery.stop()
+    process_exiting()
 
 
 def create_app(bound_host: str | None = None) -> FastAPI:

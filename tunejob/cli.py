@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 from client import cli as client_cli
 
@@ -46,16 +47,43 @@ def signin_link(host: str, port: int) -> str | None:
     return f"http://{shown}:{port}/ui/signin/{ui_sessions.signin_link(caller.key_id)}"
 
 
-def run_api(host: str, port: int) -> None:
-    from api.main import create_app
+def run_api(host: str, port: int, workers: int = 1) -> None:
+    """The API in this process, or in ``workers`` processes (uvicorn's), which count their HTTP
+    metrics in a fresh directory of their own (Prometheus multiprocess mode, ``api.metrics``),
+    removed when they stop."""
     from api.server import run
 
-    run(create_app(bound_host=host), host, port)
+    if workers == 1:
+        from api.main import create_app
+
+        run(create_app(bound_host=host), host, port)
+        return
+    os.environ["TUNEJOB_HOST"] = host  # each process makes `api.main.app`, which serves TUNEJOB_HOST
+    with tempfile.TemporaryDirectory(prefix="tunejob-metrics-") as metrics_dir:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        run("api.main:app", host, port, workers)
 
 
-def serve_api(host: str, port: int) -> None:
+def serve_api(host: str, port: int, workers: int = 1) -> None:
+    """``tunejob api``. Several processes must share the rate-limit counters: with ``workers`` > 1
+    and counters in each process's memory (``TUNEJOB_RATE_LIMIT_STORAGE_URL=memory://``, the
+    default) it refuses to start, rather than let each key make N times its rate.
+
+    Raises:
+        SystemExit: that refusal, or ``prepare_api``'s.
+    """
+    from shared.settings import get_settings
+
+    settings = get_settings()
+    if workers > 1 and settings.rate_limit_storage_url.startswith("memory://"):
+        broker = settings.celery_broker_url
+        example = broker if broker.startswith("redis") else "redis://HOST:6379/0"
+        sys.exit(f"tunejob api: --workers {workers} needs rate-limit counters that the processes share, but "
+                 f"TUNEJOB_RATE_LIMIT_STORAGE_URL is {settings.rate_limit_storage_url!r} (each process's own memory, "
+                 f"so each key could make {workers} times its TUNEJOB_RATE_LIMIT). Set it to a Redis, e.g. "
+                 f"TUNEJOB_RATE_LIMIT_STORAGE_URL={example}, or use --workers 1.")
     prepare_api(host)
-    run_api(host, port)
+    run_api(host, port, workers)
 
 
 def serve(host: str, port: int, workers: int = 1, gpus: str | None = None) -> None:
@@ -171,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--host", default=settings.host)
         p.add_argument("--port", type=int, default=settings.port)
     serving = commands.choices["serve"]
+    commands.choices["api"].add_argument("--workers", type=int, default=1,
+                                         help="API processes (more than 1 needs TUNEJOB_RATE_LIMIT_STORAGE_URL=redis://…)")
     workers = serving.add_mutually_exclusive_group()
     workers.add_argument("--workers", type=int, default=1, help="worker processes, each running one job at a time")
     workers.add_argument("--gpus", help="one worker per GPU: all, or indices such as 0,1 (each sees only its own)")
@@ -198,7 +228,9 @@ def main(argv: list[str] | None = None) -> None:
             serving.error("--workers must be at least 1")
         serve(args.host, args.port, args.workers, args.gpus)
     elif args.command == "api":
-        serve_api(args.host, args.port)
+        if args.workers < 1:
+            commands.choices["api"].error("--workers must be at least 1")
+        serve_api(args.host, args.port, args.workers)
     elif args.command == "worker":
         run_worker(args.gpu, args.nice)
     elif args.command == "keys":
