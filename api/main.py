@@ -27,6 +27,7 @@ from shared.jobs.positions import estimate_queued
 from shared.jobs.webhooks import deliver_due
 from shared.queue import RecoveryThread
 from shared.settings import get_settings
+from shared.store import engine
 from shared.store.engine import upgrade_database
 
 DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the public /docs pages
@@ -49,6 +50,7 @@ async def lifespan(_: FastAPI):
 
 def create_app(bound_host: str | None = None) -> FastAPI:
     """The application, for a server listening on ``bound_host`` (default ``TUNEJOB_HOST``)."""
+    engine.PING_CONNECTIONS = False  # a stale connection costs one 503, not a round trip per request
     app = FastAPIOffline(title="tunejob", version="0.1.0", lifespan=lifespan, static_url=DOCS_STATIC_URL,
                          dependencies=[Depends(authenticate)],
                          description="Fine-tune Hugging Face encoders for text classification (single- and "
