@@ -37,7 +37,7 @@ import logging
 import secrets
 import sqlite3
 import threading
-import time
+import weakref
 from functools import lru_cache
 from pathlib import Path
 
@@ -177,13 +177,25 @@ class PostgresKeyCache(KeyCache):
     the PostgreSQL database at ``conninfo`` (a libpq URL), which a daemon thread keeps listening;
     None while it is not listening."""
 
+    instances: "weakref.WeakSet[PostgresKeyCache]" = weakref.WeakSet()
+
     def __init__(self, conninfo: str, max_entries: int = 10_000):
         super().__init__(max_entries)
         self.conninfo = conninfo
         self.counter = 0
         self.listening: int | None = None  # the version while listening
         self.listener_pid: int | None = None  # the listening connection's server process (for tests)
+        self.closed = threading.Event()
+        self.instances.add(self)
         threading.Thread(target=self._listen, name="tunejob-key-cache", daemon=True).start()
+
+    @classmethod
+    def close_all(cls) -> None:
+        """Stop using every cache; each listener ends once its connection is closed or lost (tests,
+        before they drop their databases)."""
+        for cache in list(cls.instances):
+            cache.closed.set()
+            cache._changed(listening=False)
 
     def version(self) -> int | None:
         return self.listening
@@ -191,11 +203,11 @@ class PostgresKeyCache(KeyCache):
     def _changed(self, listening: bool) -> None:
         with self.lock:
             self.counter += 1
-            self.listening = self.counter if listening else None
+            self.listening = self.counter if listening and not self.closed.is_set() else None
 
     def _listen(self) -> None:
         wait = LISTEN_RETRY_SECONDS[0]
-        while True:
+        while not self.closed.is_set():
             try:
                 with psycopg.connect(self.conninfo, autocommit=True, keepalives=1, keepalives_idle=LISTEN_KEEPALIVE // 2,
                                      keepalives_interval=1, keepalives_count=LISTEN_KEEPALIVE // 2) as conn:
@@ -206,10 +218,12 @@ class PostgresKeyCache(KeyCache):
                     for _ in conn.notifies():
                         self._changed(listening=True)
             except psycopg.Error as e:
+                if self.closed.is_set():
+                    return
                 log.warning("API key cache: not listening for key changes on PostgreSQL (%s); every request reads "
                             "its key until it listens again, in %.1f s", e, wait)
             self._changed(listening=False)
-            time.sleep(wait)
+            self.closed.wait(wait)
             wait = min(2 * wait, LISTEN_RETRY_SECONDS[1])
 
 
