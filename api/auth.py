@@ -48,9 +48,10 @@ async def authenticate(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller | None:
     """The caller behind the request's API key (None on a public route).
 
-    Async, so that a request does not wait for a thread-pool hand-off to be authenticated: the key
-    lookup (``shared.store.keys.authenticate``, cached on SQLite) runs as ``api.store.read`` does, and the
-    rate check too where its counters are in this process (``memory://``).
+    Async, so that a request does not wait for a thread-pool hand-off to be authenticated: a cached
+    key (``shared.store.keys.cached_caller``) is found on the event loop, a key not cached is looked
+    up (``shared.store.keys.authenticate``) as ``api.store.read`` does, and the rate check runs on
+    the event loop too where its counters are in this process (``memory://``).
 
     Raises:
         UserError: 401 ``missing_api_key`` / ``invalid_api_key`` (unknown or revoked); 403
@@ -67,7 +68,8 @@ async def authenticate(
                         "local key is in <TUNEJOB_DATA_DIR>/api_key; more with `tunejob keys create`)",
                         "Authorization", status=401, headers=UNAUTHORIZED)
     else:
-        caller = await store.read(keys.authenticate, credentials.credentials)
+        caller = keys.cached_caller(credentials.credentials) or await store.read(keys.authenticate,
+                                                                                 credentials.credentials)
         if caller is None:
             raise UserError("invalid_api_key", "the API key is not valid, or it was revoked", "Authorization",
                             status=401, headers=UNAUTHORIZED)

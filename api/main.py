@@ -18,7 +18,7 @@ from fastapi_offline import FastAPIOffline
 from api.auth import authenticate
 from api.errors import install_error_handlers
 from api.feeds import Feeds
-from api.metrics import install_metrics
+from api.metrics import install_metrics, process_exiting
 from api.request_id import RequestId
 from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, sweeps, webhooks
 from api.security import HostAndOriginCheck, allowed_hosts
@@ -27,6 +27,7 @@ from shared.jobs.positions import estimate_queued
 from shared.jobs.webhooks import deliver_due
 from shared.queue import RecoveryThread
 from shared.settings import get_settings
+from shared.store import engine
 from shared.store.engine import upgrade_database
 
 DOCS_STATIC_URL = "/docs/static"  # Swagger UI and ReDoc assets, under the public /docs pages
@@ -44,10 +45,12 @@ async def lifespan(_: FastAPI):
     yield
     deliveries.stop()
     recovery.stop()
+    process_exiting()
 
 
 def create_app(bound_host: str | None = None) -> FastAPI:
     """The application, for a server listening on ``bound_host`` (default ``TUNEJOB_HOST``)."""
+    engine.PING_CONNECTIONS = False  # a stale connection costs one 503, not a round trip per request
     app = FastAPIOffline(title="tunejob", version="0.1.0", lifespan=lifespan, static_url=DOCS_STATIC_URL,
                          dependencies=[Depends(authenticate)],
                          description="Fine-tune Hugging Face encoders for text classification (single- and "

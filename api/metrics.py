@@ -8,11 +8,17 @@
   job's step, tokens/s, padding efficiency, memory and heartbeat age.
 
 Each app has its own registry (``app.state.metrics_registry``), so apps built in one process (the
-tests) do not share or clash. Names and units follow the Prometheus naming guide (base units:
+tests) do not share or clash. Under ``tunejob api --workers N`` (N processes) the command sets
+``PROMETHEUS_MULTIPROC_DIR`` to a fresh directory: prometheus_client then keeps each process's
+counters and histograms in files there, and a scrape, whichever process answers it, adds up every
+process's (``MultiProcessCollector``), so the counts stay right across processes; a process that
+exits marks its files dead (``process_exiting``). The job-store gauges are not per process: they
+are read from the store at scrape time. Names and units follow the Prometheus naming guide (base units:
 seconds, bytes; ``_total`` for counters).
 """
 
 import logging
+import os
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import (
@@ -20,6 +26,7 @@ from prometheus_client import (
     CollectorRegistry,
     disable_created_metrics,
     generate_latest,
+    multiprocess,
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -62,9 +69,25 @@ def install_metrics(app: FastAPI) -> None:
     instrumentator.add(http_metrics.requests(registry=registry))
     instrumentator.add(http_metrics.latency(should_include_status=True, buckets=LATENCY_BUCKETS, registry=registry))
     instrumentator.instrument(app)
+    if multiprocess_mode():  # the values are in files; this registry would hold this process's only
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
     registry.register(StoreCollector())
     app.state.metrics_registry = registry
     app.include_router(router)
+
+
+def multiprocess_mode() -> bool:
+    """Whether this API process is one of several (``tunejob api --workers N``, which sets
+    ``PROMETHEUS_MULTIPROC_DIR``)."""
+    return "PROMETHEUS_MULTIPROC_DIR" in os.environ
+
+
+def process_exiting() -> None:
+    """At the end of an API process: in multiprocess mode, drop its live gauges' files (prometheus_client's
+    ``mark_process_dead``; its counters and histograms stay counted)."""
+    if multiprocess_mode():
+        multiprocess.mark_process_dead(os.getpid())
 
 
 def _gauge(name: str, help_: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:

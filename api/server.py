@@ -58,8 +58,10 @@ class HeaderDeadline(HttpToolsProtocol):
             self.transport.close()
 
 
-def run(app, host: str, port: int) -> None:
-    """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM."""
+def run(app, host: str, port: int, workers: int = 1) -> None:
+    """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM; with ``workers`` > 1, ``app`` is the
+    import string of an application, which each of ``workers`` processes imports (uvicorn's
+    supervisor restarts one that dies)."""
     settings = get_settings()
-    uvicorn.run(app, host=host, port=port, log_config=logging_config(), http=HeaderDeadline,
+    uvicorn.run(app, host=host, port=port, workers=workers, log_config=logging_config(), http=HeaderDeadline,
                 access_log=settings.access_log, timeout_keep_alive=settings.http_keep_alive_seconds)

@@ -16,7 +16,9 @@ uploads BBC News, starts a real fine-tuning job, and then, while it trains, meas
    law, clients / rate). Each window follows ``--warmup`` seconds of the same load.
 
 With ``--idle-worker`` the job is cancelled once it has trained a few steps, and the windows run
-with the worker idle (the same requests, the job's metrics in place).
+with the worker idle (the same requests, the job's metrics in place). With ``--api-workers N``
+(N > 1, PostgreSQL + Redis) the API runs in N processes (``tunejob serve --api-workers N``), with
+its rate limits in the broker's Redis.
 
 Reported per window: requests/s, latency p50/p99/max (wrk's), the count of 5xx and of other
 non-2xx answers, socket errors and timeouts, the job's real tokens/s (median of its per-step
@@ -31,6 +33,7 @@ Ubuntu; it is built with LuaJIT, whose FFI reads the clock for pacing).
     python -m bench.load --idle-worker                        # the same with the worker idle
     python -m bench.load --database-url postgresql+psycopg://postgres@127.0.0.1:5432/tunejob_load \\
                          --broker-url redis://127.0.0.1:6379/9
+    python -m bench.load --database-url … --broker-url … --api-workers 2  # two API processes
     python -m bench.load --clients 10 --seconds 5 --warmup 1  # smoke run
 """
 
@@ -125,8 +128,9 @@ def free_port() -> int:
 def configure_store(args, data_dir: Path) -> dict[str, str]:
     """The service's environment (other ``TUNEJOB_*`` settings pass through); this process uses it
     too, to migrate and make the API keys."""
+    shared_limits = args.broker_url if args.api_workers > 1 else None  # several API processes: counts in Redis
     for name, value in [("TUNEJOB_DATABASE_URL", args.database_url), ("TUNEJOB_BROKER_URL", args.broker_url),
-                        ("TUNEJOB_API_KEY", None)]:
+                        ("TUNEJOB_API_KEY", None), ("TUNEJOB_RATE_LIMIT_STORAGE_URL", shared_limits)]:
         os.environ.pop(name, None)
         if value:
             os.environ[name] = value
@@ -144,13 +148,13 @@ def make_keys(count: int) -> list[str]:
 
 
 class CpuMeter:
-    """CPU seconds (user + system) of processes between ``start`` and ``stop``."""
+    """CPU seconds (user + system) of groups of processes between ``start`` and ``stop``."""
 
-    def __init__(self, processes: dict[str, psutil.Process]):
+    def __init__(self, processes: dict[str, list[psutil.Process]]):
         self.processes = processes
 
     def _times(self) -> dict[str, float]:
-        return {name: sum(p.cpu_times()[:2]) for name, p in self.processes.items()}
+        return {name: sum(sum(p.cpu_times()[:2]) for p in group) for name, group in self.processes.items()}
 
     def start(self) -> None:
         self.t0, self.before = time.perf_counter(), self._times()
@@ -207,6 +211,8 @@ def main() -> int:
     parser.add_argument("--idle-worker", action="store_true", help="cancel the job first: the worker is idle")
     parser.add_argument("--database-url", help="PostgreSQL job store (default: the embedded SQLite)")
     parser.add_argument("--broker-url", help="Redis broker (default: the embedded filesystem broker)")
+    parser.add_argument("--api-workers", type=int, default=1,
+                        help="API processes (more than 1: their rate limits in the --broker-url Redis)")
     parser.add_argument("--base-model", default="all-MiniLM-L6-v2")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -214,6 +220,8 @@ def main() -> int:
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("bench.load: wrk is not installed (apt-get install wrk)")
+    if args.api_workers > 1 and not (args.broker_url or "").startswith("redis"):
+        parser.error("--api-workers above 1 needs --broker-url redis://… (the rate limits are shared there)")
     rates = [None if r.strip() == "max" else float(r) for r in args.rates.split(",")]
 
     work = Path(tempfile.mkdtemp(prefix="tunejob-load-"))
@@ -223,8 +231,8 @@ def main() -> int:
     keys = make_keys(args.clients + 1)
     port = free_port()
     log = open(work / "serve.log", "w")
-    serve = subprocess.Popen([sys.executable, "-m", "tunejob", "serve", "--port", str(port)], cwd=ROOT, env=env,
-                             stdout=log, stderr=subprocess.STDOUT)
+    serve = subprocess.Popen([sys.executable, "-m", "tunejob", "serve", "--port", str(port), "--api-workers",
+                              str(args.api_workers)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
     driver = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {keys[-1]}"}, timeout=120,
                           transport=httpx.HTTPTransport(retries=10))
@@ -252,7 +260,9 @@ def main() -> int:
                 time.sleep(0.5)
         api = psutil.Process(serve.pid)
         worker = next(p for p in api.children() if "worker" in " ".join(p.cmdline()))
-        meter = CpuMeter({"api": api, "worker": worker})
+        # the API's processes: serve itself, and with --api-workers its uvicorn worker processes
+        api_processes = [api, *(p for p in api.children() if "spawn_main" in " ".join(p.cmdline()))]
+        meter = CpuMeter({"api": api_processes, "worker": [worker]})
 
         step0, t0 = driver.get(job_url).json()["progress"]["step"], time.time()
         meter.start()
@@ -280,7 +290,7 @@ def main() -> int:
             "stack": "postgres+redis" if args.database_url else "embedded",
             "machine": f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} CPUs",
             "load_average_at_end": [round(x, 1) for x in os.getloadavg()],
-            "worker": "idle (job cancelled)" if args.idle_worker else "training",
+            "worker": "idle (job cancelled)" if args.idle_worker else "training", "api_processes": args.api_workers,
             "clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "windows": windows,
         }
     finally:

@@ -25,6 +25,10 @@ class Settings(BaseSettings):
 
     data_dir: Path = Path("~/.tunejob")
     database_url: str | None = None  # default: sqlite:///<data_dir>/tunejob.db
+    # PostgreSQL connections each process keeps open (made on demand; none beyond): the API's thread
+    # pool (40 threads) waits for one instead of opening and closing extra connections under load.
+    # PostgreSQL's max_connections (100 by default) must cover API processes and workers x this.
+    database_pool_size: int = 20
     broker_url: str | None = None  # default: filesystem:// under <data_dir>/broker
     models_dir: Path | None = None  # extra Hugging Face model directories, one per model
     device: Literal["auto", "cuda", "cpu"] = "auto"

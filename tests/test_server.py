@@ -1,9 +1,11 @@
 """The API as a real process (``python -m tunejob ...``): API keys from the command line, secure
 by default on start (a local key on loopback, a refusal beyond it), the Host check over real HTTP,
-slow and idle connections (slowloris), and the migration of rows created before API keys."""
+slow and idle connections (slowloris), the migration of rows created before API keys, and several
+API processes (``tunejob api --workers 2``) sharing metrics and rate limits."""
 
 import os
 import re
+import signal
 import socket
 import stat
 import subprocess
@@ -12,9 +14,14 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import REDIS_URL, require_services
 from tests.faults_support import ROOT, Process, free_port, wait_for
+from tests.test_metrics import requests_counted
 
 KEY_PATTERN = re.compile(r"tj_[A-Za-z0-9_-]{43}")
 
@@ -34,10 +41,10 @@ def tunejob(env: dict[str, str], *args: str, check: bool = True) -> subprocess.C
 class Api:
     """``tunejob api`` on a free port, stopped at the end of the ``with``."""
 
-    def __init__(self, tmp_path: Path, env: dict[str, str], host: str = "127.0.0.1"):
+    def __init__(self, tmp_path: Path, env: dict[str, str], host: str = "127.0.0.1", *args: str):
         self.port, self.host = free_port(), host
         self.process = Process("api", [sys.executable, "-m", "tunejob", "api", "--host", host, "--port",
-                                       str(self.port)], env, tmp_path / f"api-{self.port}.log")
+                                       str(self.port), *args], env, tmp_path / f"api-{self.port}.log")
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "Api":
@@ -210,3 +217,44 @@ def test_worker_nice_lowers_its_cpu_priority(tmp_path):
                  diagnostics=worker.tail)
     finally:
         worker.stop()
+
+
+def test_api_processes_share_their_metrics_and_rate_limits(tmp_path):
+    """``tunejob api --workers 2``: requests answered by either process are all counted at
+    ``/metrics``, and a key's rate limit counts its requests to both (Redis). Which process
+    accepts a new connection is up to the kernel, so each is made to, by stopping the other
+    (SIGSTOP: it accepts nothing until SIGCONT). Without shared counters it refuses to start."""
+    require_services()
+    redis.Redis.from_url(REDIS_URL).flushdb()
+    env = tunejob_env(tmp_path / "data", TUNEJOB_RATE_LIMIT="3/minute")
+    refused = tunejob(env, "api", "--workers", "2", "--port", str(free_port()), check=False)
+    assert refused.returncode != 0 and "TUNEJOB_RATE_LIMIT_STORAGE_URL" in refused.stderr
+
+    env["TUNEJOB_RATE_LIMIT_STORAGE_URL"] = REDIS_URL
+    user = {"Authorization": f"Bearer {tunejob(env, 'keys', 'create', '--tenant', 'acme').stdout.strip()}"}
+    admin = {"Authorization": f"Bearer {tunejob(env, 'keys', 'create', '--tenant', 'ops', '--admin').stdout.strip()}"}
+    with Api(tmp_path, env, "127.0.0.1", "--workers", "2") as api:
+        workers = [p for p in psutil.Process(api.process.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+
+        def served_by(worker: psutil.Process, path: str, headers: dict | None = None) -> int:
+            """GET ``path`` on a new connection, which only ``worker`` can accept; its status."""
+            other = next(w for w in workers if w.pid != worker.pid)
+            other.send_signal(signal.SIGSTOP)
+            try:
+                return httpx.get(f"{api.url}{path}", headers=headers, timeout=10).status_code
+            finally:
+                other.send_signal(signal.SIGCONT)
+
+        def scrape() -> dict[str, list]:
+            r = httpx.get(f"{api.url}/metrics", headers=admin, timeout=10)
+            assert r.status_code == 200
+            return {f.name: f.samples for f in text_string_to_metric_families(r.text)}
+
+        before = requests_counted(scrape(), "/healthz", "GET", "200")
+        assert [served_by(workers[0], "/healthz") for _ in range(2)] == [200, 200]
+        assert [served_by(workers[1], "/healthz") for _ in range(3)] == [200, 200, 200]
+        assert requests_counted(scrape(), "/healthz", "GET", "200") - before == 5
+
+        assert [served_by(workers[0], "/datasets", user) for _ in range(2)] == [200, 200]
+        assert [served_by(workers[1], "/datasets", user) for _ in range(2)] == [200, 429]  # 3/minute in all

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 from client import cli as client_cli
 
@@ -46,22 +47,56 @@ def signin_link(host: str, port: int) -> str | None:
     return f"http://{shown}:{port}/ui/signin/{ui_sessions.signin_link(caller.key_id)}"
 
 
-def run_api(host: str, port: int) -> None:
-    from api.main import create_app
+def run_api(host: str, port: int, workers: int = 1) -> None:
+    """The API in this process, or in ``workers`` processes (uvicorn's), which count their HTTP
+    metrics in a fresh directory of their own (Prometheus multiprocess mode, ``api.metrics``),
+    removed when they stop."""
     from api.server import run
 
-    run(create_app(bound_host=host), host, port)
+    if workers == 1:
+        from api.main import create_app
+
+        run(create_app(bound_host=host), host, port)
+        return
+    os.environ["TUNEJOB_HOST"] = host  # each process makes `api.main.app`, which serves TUNEJOB_HOST
+    with tempfile.TemporaryDirectory(prefix="tunejob-metrics-") as metrics_dir:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        run("api.main:app", host, port, workers)
 
 
-def serve_api(host: str, port: int) -> None:
+def require_shared_rate_limits(api_workers: int) -> None:
+    """Several API processes must share the rate-limit counters: with ``api_workers`` > 1 and
+    counters in each process's memory (``TUNEJOB_RATE_LIMIT_STORAGE_URL=memory://``, the default),
+    refuse to start rather than let each key make N times its rate.
+
+    Raises:
+        SystemExit: that refusal.
+    """
+    from shared.settings import get_settings
+
+    settings = get_settings()
+    if api_workers > 1 and settings.rate_limit_storage_url.startswith("memory://"):
+        broker = settings.celery_broker_url
+        example = broker if broker.startswith("redis") else "redis://HOST:6379/0"
+        sys.exit(f"tunejob: {api_workers} API processes need rate-limit counters that they share, but "
+                 f"TUNEJOB_RATE_LIMIT_STORAGE_URL is {settings.rate_limit_storage_url!r} (each process's own memory, "
+                 f"so each key could make {api_workers} times its TUNEJOB_RATE_LIMIT). Set it to a Redis, e.g. "
+                 f"TUNEJOB_RATE_LIMIT_STORAGE_URL={example}, or run one API process.")
+
+
+def serve_api(host: str, port: int, workers: int = 1) -> None:
+    """``tunejob api``: ``workers`` API processes (``require_shared_rate_limits``)."""
+    require_shared_rate_limits(workers)
     prepare_api(host)
-    run_api(host, port)
+    run_api(host, port, workers)
 
 
-def serve(host: str, port: int, workers: int = 1, gpus: str | None = None) -> None:
-    """Run the API and its worker processes (``worker_launches``); Ctrl-C (or SIGTERM) stops them all."""
+def serve(host: str, port: int, workers: int = 1, gpus: str | None = None, api_workers: int = 1) -> None:
+    """Run the API (in ``api_workers`` processes, ``run_api``) and its worker processes
+    (``worker_launches``); Ctrl-C (or SIGTERM) stops them all."""
     # uvicorn re-raises the signal that stopped it; as SystemExit it reaches the `finally` below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    require_shared_rate_limits(api_workers)
     launches = worker_launches(workers, gpus)
     prepare_api(host)  # before the workers start: they may refuse to start
     started = [subprocess.Popen(args, env=env) for args, env in launches]
@@ -70,7 +105,7 @@ def serve(host: str, port: int, workers: int = 1, gpus: str | None = None) -> No
           f"15 minutes; then sign in at /ui/login with an API key)" if link else
           f"tunejob: dashboard at http://{host}:{port}/ui (sign in with an API key)", flush=True)
     try:
-        run_api(host, port)
+        run_api(host, port, api_workers)
     finally:
         for worker in started:
             worker.terminate()
@@ -171,9 +206,13 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--host", default=settings.host)
         p.add_argument("--port", type=int, default=settings.port)
     serving = commands.choices["serve"]
+    commands.choices["api"].add_argument("--workers", type=int, default=1,
+                                         help="API processes (more than 1 needs TUNEJOB_RATE_LIMIT_STORAGE_URL=redis://…)")
     workers = serving.add_mutually_exclusive_group()
     workers.add_argument("--workers", type=int, default=1, help="worker processes, each running one job at a time")
     workers.add_argument("--gpus", help="one worker per GPU: all, or indices such as 0,1 (each sees only its own)")
+    serving.add_argument("--api-workers", type=int, default=1,
+                         help="API processes (more than 1 needs TUNEJOB_RATE_LIMIT_STORAGE_URL=redis://…)")
     p = commands.add_parser("worker", help="a training worker")
     p.add_argument("--gpu", type=int, default=None, help="pin to this CUDA device index")
     p.add_argument("--nice", type=int, default=0, help="lower the worker's CPU priority by this much (serve: 10)")
@@ -194,11 +233,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.command == "serve":
-        if args.workers < 1:
-            serving.error("--workers must be at least 1")
-        serve(args.host, args.port, args.workers, args.gpus)
+        if args.workers < 1 or args.api_workers < 1:
+            serving.error("--workers and --api-workers must be at least 1")
+        serve(args.host, args.port, args.workers, args.gpus, args.api_workers)
     elif args.command == "api":
-        serve_api(args.host, args.port)
+        if args.workers < 1:
+            commands.choices["api"].error("--workers must be at least 1")
+        serve_api(args.host, args.port, args.workers)
     elif args.command == "worker":
         run_worker(args.gpu, args.nice)
     elif args.command == "keys":

@@ -13,7 +13,14 @@ Two kinds of transaction:
 
 A write lock that cannot be had within ``TUNEJOB_SQLITE_BUSY_TIMEOUT_SECONDS`` raises
 ``sqlalchemy.exc.OperationalError``, which the API answers with 503 and ``Retry-After``.
-PostgreSQL is left as it is (READ COMMITTED; the row locks taken with ``with_for_update``).
+PostgreSQL is left as it is (READ COMMITTED; the row locks taken with ``with_for_update``). A
+worker pings a pooled connection before each transaction (``pool_pre_ping``), so that a server
+restart while it trains costs it nothing. The API does not (``PING_CONNECTIONS``, turned off by
+``api.main``): under polling load that round trip is a third of a request's store work. There,
+when the server has closed a connection (a restart), the first transaction to use it fails with
+``OperationalError`` (503 with ``Retry-After``), and SQLAlchemy, seeing a disconnect, drops every
+connection of the pool made before it, so the next ones connect afresh (SQLAlchemy docs, "Dealing
+with Disconnects", optimistic handling).
 """
 
 from collections.abc import Iterator
@@ -31,13 +38,17 @@ from shared.settings import get_settings
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 WRITE = "tunejob_write"  # execution option of the engine that begins IMMEDIATE transactions
+PING_CONNECTIONS = True  # PostgreSQL: ping a pooled connection before each transaction (see above)
 
 
 @lru_cache
-def engine_for(url: str, sqlite_busy_timeout: float = 5.0) -> Engine:
-    """One pooled engine per database URL (and SQLite busy timeout, in seconds)."""
+def engine_for(url: str, sqlite_busy_timeout: float = 5.0, pool_size: int = 20, ping: bool = True) -> Engine:
+    """One pooled engine per database URL (and SQLite busy timeout, in seconds; PostgreSQL pool
+    size, and whether to ping connections)."""
     if not url.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True)
+        # A fixed pool (no overflow): under load a connection opened and closed per request costs
+        # more than the request (PostgreSQL starts a process for each).
+        return create_engine(url, pool_pre_ping=ping, pool_size=pool_size, max_overflow=0)
     Path(make_url(url).database).parent.mkdir(parents=True, exist_ok=True)
     # Enough pooled connections for the API's thread pool (40 threads) to read at once.
     engine = create_engine(url, pool_size=20, max_overflow=30,
@@ -62,7 +73,8 @@ def engine_for(url: str, sqlite_busy_timeout: float = 5.0) -> Engine:
 
 def get_engine() -> Engine:
     settings = get_settings()
-    return engine_for(settings.sqlalchemy_url, settings.sqlite_busy_timeout_seconds)
+    return engine_for(settings.sqlalchemy_url, settings.sqlite_busy_timeout_seconds, settings.database_pool_size,
+                      PING_CONNECTIONS)
 
 
 @lru_cache
