@@ -59,7 +59,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(HostAndOriginCheck, allowed_hosts=allowed_hosts(bound_host or get_settings().host))
     app.add_middleware(RequestId)  # added last: the outermost, so even a refused Host gets an id
-    app.state.feeds = Feeds()  # one store reader per streamed job (GET /jobs/{id}/stream)
+    app.state.feeds = Feeds()  # one store reader for every streamed job (GET /jobs/{id}/stream, /ui)
     app.include_router(datasets.router)
     app.include_router(models.router)
     app.include_router(inference.router)
@@ -70,7 +70,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
     app.include_router(openai_v1.router)
     app.include_router(webhooks.router)
     install_metrics(app)
-    app.mount("/ui", create_ui())
+    app.mount("/ui", create_ui(app.state.feeds))
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict:

@@ -4,6 +4,7 @@ one-time sign-in link, and what the pages show. On every stack. (tests/test_ui_b
 the same pages in chromium.)"""
 
 import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -216,3 +217,38 @@ def test_a_sweeps_trials_on_its_page(stack):
     other, _ = sign_in(stack, "tenant-other")
     assert other.get(f"/ui/sweeps/{sweep['id']}").status_code == 404
     assert sweep["id"] not in other.get("/ui/sweeps").text
+
+
+def test_the_jobs_page_follows_its_running_jobs_through_one_stream(stack, job):
+    """The jobs page lists its queued and running jobs in ``data-live``, and ``/ui/jobs/live``
+    streams their progress and end (another tenant's job is left out), then ends."""
+    from sqlalchemy import update
+
+    from shared.store.engine import session_scope
+    from shared.store.rows import Job, utcnow
+    from tests.test_queue_position import add_job
+
+    running = add_job(stack, job["training_dataset"], "running", step=5, total_steps=10)
+    client, _ = sign_in(stack)
+    assert f'data-live="{running}"' in client.get("/ui/jobs").text
+    other, _ = sign_in(stack, "tenant-other")
+    assert 'data-live=""' in other.get("/ui/jobs").text
+
+    seen = []
+    with client.stream("GET", "/ui/jobs/live", params={"ids": f"{running},{job['id']},job_nope"}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        event = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                event = line[len("event: "):]
+            elif line.startswith("data: "):
+                body = json.loads(line[len("data: "):])
+                seen.append((event, body["id"], body["status"]))
+                if (event, body["id"]) == ("progress", running) and body["status"] == "running":
+                    assert body["progress"]["fraction"] == 0.5
+                    with session_scope() as s:  # as its worker would, when it ends
+                        s.execute(update(Job).where(Job.id == running).values(
+                            status="succeeded", step=10, finished_at=utcnow(), updated_at=utcnow()))
+    assert ("end", job["id"], "succeeded") in seen and ("end", running, "succeeded") in seen
+    assert {i for _, i, _ in seen} == {running, job["id"]}
+    assert other.get("/ui/jobs/live", params={"ids": running}).text == ""  # not its job: nothing, and done

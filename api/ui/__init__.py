@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
+from api.feeds import Feeds
 from api.ui import pages
 from shared.errors import UserError
 
@@ -25,9 +26,11 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline';
        "connect-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'")
 
 
-def create_ui() -> FastAPI:
-    """The dashboard application, to be mounted at ``/ui``."""
+def create_ui(feeds: Feeds) -> FastAPI:
+    """The dashboard application, to be mounted at ``/ui``, reading live jobs through ``feeds``
+    (the API's: one store reader for the API and its dashboard)."""
     ui = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    ui.state.feeds = feeds
     ui.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     ui.include_router(pages.router)
 

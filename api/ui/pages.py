@@ -11,13 +11,14 @@ from urllib.parse import quote, urlencode
 from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
+from sse_starlette import EventSourceResponse
 
 from shared.jobs import lifecycle, predictions, sweeps, uploads
 from shared.store import artifacts, keys
 from shared.jobs.base_models import available_models
 from shared.data.problems import Problems
 from shared.data.read import read_batches
-from shared.errors import UserError
+from shared.errors import NotFound, UserError
 from shared.store.rows import JobStatus
 from shared.schemas.jobs import Hyperparameters, JobCreate
 from shared.settings import get_settings
@@ -144,7 +145,27 @@ def jobs_page(request: Request, s: SessionDep, status: Annotated[str | None, Que
     return render(request, "jobs.html", s=s, jobs=rows, status=status, task=task, sweep=sweep, statuses=STATUSES,
                   tasks=TASKS,
                   next_url=next_url, first_url=f"/ui/jobs?{urlencode(query)}" if cursor else None,
-                  active=any(j.status in (JobStatus.QUEUED, JobStatus.RUNNING) for j in rows))
+                  live=",".join(j.id for j in rows if j.status in (JobStatus.QUEUED, JobStatus.RUNNING)))
+
+
+@router.get("/jobs/live", response_class=EventSourceResponse,
+            responses={200: {"content": {"text/event-stream": {}}, "description": "progress and end of each job"}})
+def jobs_live(request: Request, s: SessionDep, ids: Annotated[str, Query(max_length=PAGE_SIZE * 40)]):
+    """Server-sent ``progress`` (the job, as ``GET /jobs/{id}``) of each of the comma-separated
+    ``ids`` (at most PAGE_SIZE; the caller's jobs only, others are left out) whenever its row
+    changes, and ``end`` (the job) once it finished; the answer ends after the last ``end``. What
+    keeps the jobs page's queued and running rows live (``api.feeds``: no extra store reads)."""
+    job_ids = list(dict.fromkeys(i.strip() for i in ids.split(",") if i.strip()))[:PAGE_SIZE]
+    return EventSourceResponse(request.app.state.feeds.watch([i for i in job_ids if _owned(i, s)]),
+                               ping=get_settings().stream_heartbeat_seconds)
+
+
+def _owned(job_id: str, s: Session) -> bool:
+    try:
+        lifecycle.get_job(job_id, s.caller)
+    except NotFound:
+        return False
+    return True
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)

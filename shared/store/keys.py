@@ -35,7 +35,6 @@ import os
 import re
 import logging
 import secrets
-import sqlite3
 import threading
 import weakref
 from functools import lru_cache
@@ -47,7 +46,7 @@ from sqlalchemy.orm import Session
 
 from shared.errors import NotFound, UserError
 from shared.settings import get_settings
-from shared.store.engine import read_session, session_scope
+from shared.store.engine import DataVersion, read_session, session_scope
 from shared.store.rows import DEFAULT_TENANT, ApiKey, utcnow
 from shared.store.tenancy import Caller
 
@@ -162,14 +161,14 @@ class KeyCache:
 
 
 class SqliteKeyCache(KeyCache):
-    """The version is the SQLite database's ``PRAGMA data_version``, read on a connection of its own."""
+    """The version is the SQLite database's ``PRAGMA data_version`` (``shared.store.engine.DataVersion``)."""
 
     def __init__(self, path: str, max_entries: int = 10_000):
         super().__init__(max_entries)
-        self.connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.store = DataVersion(path)
 
     def version(self) -> int:
-        return self.connection.execute("PRAGMA data_version").fetchone()[0]
+        return self.store.read()
 
 
 class PostgresKeyCache(KeyCache):

@@ -202,24 +202,29 @@ pages.jobs = () => {
   const update = () => { const n = picks().length; button.disabled = n < 2 || n > 10; button.textContent = `Compare selected (${n})`; };
   document.addEventListener("change", e => { if (e.target.matches("input.pick")) update(); });
   button.addEventListener("click", () => location.assign(`/ui/compare?jobs=${picks().map(encodeURIComponent).join(",")}`));
-  // While a job on this page is queued or running, refresh the rows every few seconds (the page's
-  // own HTML; paused while the tab is hidden). Ticked boxes stay ticked.
-  const refresh = async () => {
-    const table = $("#jobs-table");
-    if (table.dataset.live !== "yes") return;
-    if (!document.hidden) {
-      const response = await fetch(location.href, {credentials: "same-origin"});
-      if (response.ok) {
-        const doc = new DOMParser().parseFromString(await response.text(), "text/html");
-        const keep = new Set(picks());
-        $("#jobs-rows").replaceWith($("#jobs-rows", doc));
-        for (const box of document.querySelectorAll("input.pick")) box.checked = keep.has(box.value);
-        table.dataset.live = $("#jobs-table", doc).dataset.live;
-      }
-    }
-    setTimeout(refresh, 3000);
+  // The page's queued and running jobs (data-live) follow their jobs through one stream of them
+  // all, closed once each has ended: no polling.
+  const live = $("#jobs-table").dataset.live;
+  if (!live) return;
+  const pending = new Set(live.split(","));
+  const stream = new EventSource(`/ui/jobs/live?ids=${encodeURIComponent(live)}`);
+  releaseWhenHidden(stream);
+  const show = e => {
+    const job = JSON.parse(e.data);
+    const row = document.querySelector(`tr[data-job="${CSS.escape(job.id)}"]`);
+    if (!row) return;
+    const status = $(".status", row);
+    status.textContent = job.status;
+    status.className = `status status-${job.status}`;
+    $("progress", row).value = job.progress.fraction;
+    $(".percent", row).textContent = `${Math.round(job.progress.fraction * 100)}%`;
   };
-  setTimeout(refresh, 3000);
+  stream.addEventListener("progress", show);
+  stream.addEventListener("end", e => {
+    show(e);
+    pending.delete(JSON.parse(e.data).id);
+    if (pending.size === 0) stream.close();
+  });
 };
 
 pages.job = () => {
