@@ -270,7 +270,8 @@ class Feeds:
                     heads = await run_in_threadpool(read_heads, [feed.job_id for feed in new])
                     for feed in new:
                         self._start_or_end(feed, heads.get(feed.job_id))
-                running = [feed for feed in self.by_job.values() if feed not in new]
+                # not those just started (read after `version`), nor those subscribed meanwhile (next round)
+                running = [feed for feed in self.by_job.values() if feed.started.is_set() and feed not in new]
                 if running and (version is None or version != seen):
                     reads = await run_in_threadpool(read_store, {f.job_id: f.cursor for f in running},
                                                     {f.job_id: f.updated_at for f in running})

@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     metrics_flush_seconds: float = 2.0  # metrics are buffered and written at most this often
     sweep_seconds: float = 15.0  # how often API and workers run the reaper/sweeper (shared.jobs.lifecycle.recover)
     resend_after_seconds: float = 600.0  # re-send a queued job's message after this long (lost messages)
-    stream_poll_seconds: float = 0.5  # GET /jobs/{id}/stream: how often the one reader per job reads the store
+    stream_poll_seconds: float = 0.5  # GET /jobs/{id}/stream: how often the one reader of every streamed job polls
     ui_session_hours: float = 12.0  # a dashboard sign-in (/ui) lasts this long (shared.store.ui_sessions)
     stream_heartbeat_seconds: float = 15.0  # GET /jobs/{id}/stream: a comment line this often keeps proxies open
     # Security (docs/production/security.md): Host names the API answers besides the bound host and

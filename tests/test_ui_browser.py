@@ -204,8 +204,15 @@ def walk(page, server: str, tmp_path: Path) -> None:
         body = {"base_model": TINY_MODEL, "task": "classification", "training_dataset": spec["training_dataset"],
                 "hyperparameters": {"epochs": 1, "batch_size": 16, "max_length": 32}}
         other = api.post("/jobs", json=body).json()["id"]
+        # the jobs page follows it through one stream until it succeeds: no reload, no polling
+        fetched = []
+        page.on("request", lambda request: fetched.append(urlsplit(request.url).path))
+        page.goto("/ui/jobs")
+        page.evaluate("window.notReloaded = true")
+        expect(page.locator(f'tr[data-job="{other}"] .status')).to_have_text("succeeded", timeout=TIMEOUT_MS)
+        expect(page.locator(f'tr[data-job="{other}"] .percent')).to_have_text("100%")
+        assert page.evaluate("window.notReloaded === true") and fetched.count("/ui/jobs") == 1, fetched
         wait_for_status(api, other, {"succeeded"})
-    page.goto("/ui/jobs")
     page.get_by_label(f"select {job_id} to compare").check()
     page.get_by_label(f"select {other} to compare").check()
     page.get_by_role("button", name="Compare selected (2)").click()
