@@ -11,6 +11,7 @@ from urllib.parse import quote, urlencode
 from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
+from markupsafe import Markup
 from sse_starlette import EventSourceResponse
 
 from shared.jobs import lifecycle, predictions, sweeps, uploads
@@ -277,3 +278,4 @@ def age(when: datetime | None, until: datetime | None = None) -> str:
 
 templates.env.filters["age"] = age
 templates.env.globals["csrf_header"] = ui_sessions.CSRF_HEADER
+templates.env.globals["app_css"] = Markup((Path(__file__).parent / "static" / "app.css").read_text())

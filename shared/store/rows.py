@@ -86,7 +86,8 @@ class Job(Base):
     (``shared.schemas.predictions.PredictionResult``) in ``train_metrics``."""
 
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_status_created", "status", "created_at"),
+    __table_args__ = (Index("ix_jobs_created", "created_at"),  # an admin's lists (all tenants), newest first
+                      Index("ix_jobs_status_created", "status", "created_at"),
                       Index("ix_jobs_tenant_created", "tenant", "created_at"),
                       Index("ix_jobs_tenant_status", "tenant", "status"),
                       UniqueConstraint("sweep_id", "trial_number", name="uq_jobs_sweep_trial"))
