@@ -27,7 +27,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -338,11 +338,11 @@ class Feeds:
             finally:
                 feed.subscribers.discard(queue)
 
-    async def watch(self, job_ids: list[str]) -> AsyncIterator[ServerSentEvent]:
+    async def watch(self, job_ids: list[str], gone: Sequence[str] = ()) -> AsyncIterator[ServerSentEvent]:
         """``progress`` (the job) of each of ``job_ids`` whenever its row changes, and ``end`` (the
         job) once it finished, from now on, until all of them ended: the streams of the jobs from
         their newest rows, merged, without their metrics and events (the jobs page's live rows).
-        Jobs not in the store are left out."""
+        ``gone`` (``{"id": ...}``) for each of ``gone``, and for a job not, or no longer, in the store."""
         merged: asyncio.Queue = asyncio.Queue()  # messages, and None when a job's stream ended
 
         async def forward(job_id: str, cursor: Cursor) -> None:
@@ -350,10 +350,14 @@ class Feeds:
                 async for message in self.stream(job_id, cursor):
                     if message.event in ("progress", "end"):  # without its id: a cursor of one job
                         merged.put_nowait(ServerSentEvent(message.data, event=message.event))
+                    elif message.event == "error":
+                        merged.put_nowait(gone_message(job_id))
             finally:
                 merged.put_nowait(None)
 
         heads = await run_in_threadpool(read_heads, job_ids)
+        for job_id in [*gone, *(i for i in job_ids if i not in heads)]:
+            yield gone_message(job_id)
         tasks = [asyncio.create_task(forward(job_id, cursor)) for job_id, (cursor, _) in heads.items()]
         try:
             running = len(tasks)
@@ -366,6 +370,10 @@ class Feeds:
         finally:
             for task in tasks:
                 task.cancel()
+
+
+def gone_message(job_id: str) -> ServerSentEvent:
+    return ServerSentEvent(json.dumps({"id": job_id}), event="gone")
 
 
 class Sent:

@@ -221,7 +221,7 @@ def test_a_sweeps_trials_on_its_page(stack):
 
 def test_the_jobs_page_follows_its_running_jobs_through_one_stream(stack, job):
     """The jobs page lists its queued and running jobs in ``data-live``, and ``/ui/jobs/live``
-    streams their progress and end (another tenant's job is left out), then ends."""
+    streams their progress and end (``gone`` for an unknown job, or another tenant's), then ends."""
     from sqlalchemy import update
 
     from shared.store.engine import session_scope
@@ -243,12 +243,13 @@ def test_the_jobs_page_follows_its_running_jobs_through_one_stream(stack, job):
                 event = line[len("event: "):]
             elif line.startswith("data: "):
                 body = json.loads(line[len("data: "):])
-                seen.append((event, body["id"], body["status"]))
+                seen.append((event, body["id"], body.get("status")))
                 if (event, body["id"]) == ("progress", running) and body["status"] == "running":
                     assert body["progress"]["fraction"] == 0.5
                     with session_scope() as s:  # as its worker would, when it ends
                         s.execute(update(Job).where(Job.id == running).values(
                             status="succeeded", step=10, finished_at=utcnow(), updated_at=utcnow()))
     assert ("end", job["id"], "succeeded") in seen and ("end", running, "succeeded") in seen
-    assert {i for _, i, _ in seen} == {running, job["id"]}
-    assert other.get("/ui/jobs/live", params={"ids": running}).text == ""  # not its job: nothing, and done
+    assert seen[0] == ("gone", "job_nope", None) and {i for _, i, _ in seen[1:]} == {running, job["id"]}
+    gone = other.get("/ui/jobs/live", params={"ids": running}).text  # not its job: gone, and done
+    assert gone.replace("\r\n", "\n") == f'event: gone\ndata: {{"id": "{running}"}}\n\n'

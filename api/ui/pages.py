@@ -153,11 +153,13 @@ def jobs_page(request: Request, s: SessionDep, status: Annotated[str | None, Que
             responses={200: {"content": {"text/event-stream": {}}, "description": "progress and end of each job"}})
 def jobs_live(request: Request, s: SessionDep, ids: Annotated[str, Query(max_length=PAGE_SIZE * 40)]):
     """Server-sent ``progress`` (the job, as ``GET /jobs/{id}``) of each of the comma-separated
-    ``ids`` (at most PAGE_SIZE; the caller's jobs only, others are left out) whenever its row
-    changes, and ``end`` (the job) once it finished; the answer ends after the last ``end``. What
-    keeps the jobs page's queued and running rows live (``api.feeds``: no extra store reads)."""
+    ``ids`` (at most PAGE_SIZE) whenever its row changes, ``end`` (the job) once it finished, and
+    ``gone`` (``{"id": ...}``) for an id that names none of the caller's jobs (any more); the answer
+    ends after the last of them. What keeps the jobs page's queued and running rows live
+    (``api.feeds``: no store reads of its own)."""
     job_ids = list(dict.fromkeys(i.strip() for i in ids.split(",") if i.strip()))[:PAGE_SIZE]
-    return EventSourceResponse(request.app.state.feeds.watch([i for i in job_ids if _owned(i, s)]),
+    owned = [i for i in job_ids if _owned(i, s)]
+    return EventSourceResponse(request.app.state.feeds.watch(owned, gone=[i for i in job_ids if i not in owned]),
                                ping=get_settings().stream_heartbeat_seconds)
 
 

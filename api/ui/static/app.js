@@ -219,12 +219,13 @@ pages.jobs = () => {
     $("progress", row).value = job.progress.fraction;
     $(".percent", row).textContent = `${Math.round(job.progress.fraction * 100)}%`;
   };
-  stream.addEventListener("progress", show);
-  stream.addEventListener("end", e => {
-    show(e);
+  const done = e => {  // the server ends the stream after the last one: it must not reconnect
     pending.delete(JSON.parse(e.data).id);
     if (pending.size === 0) stream.close();
-  });
+  };
+  stream.addEventListener("progress", show);
+  stream.addEventListener("end", e => { show(e); done(e); });
+  stream.addEventListener("gone", done);  // deleted meanwhile: its row stays as it was
 };
 
 pages.job = () => {
