@@ -20,7 +20,7 @@ from shared.schemas.jobs import JobCreate
 from shared.store import quotas
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job, JobStatus
-from shared.store.tenancy import Caller, scoped
+from shared.store.tenancy import Caller, by_id, scoped
 
 
 @dataclass
@@ -47,7 +47,7 @@ def visible_dataset(s, dataset_id: str, param: str, caller: Caller) -> Dataset:
         UserError: ``unknown_dataset`` (422, naming ``param``): no such dataset, another tenant's,
             or deleted.
     """
-    dataset = s.get(Dataset, dataset_id) if "\x00" not in dataset_id else None  # PostgreSQL text holds no NUL
+    dataset = by_id(s, Dataset, dataset_id)
     if dataset is None or not caller.sees(dataset.tenant) or dataset.deleted_at is not None:
         deleted = dataset is not None and caller.sees(dataset.tenant)
         raise UserError("unknown_dataset", f"{param} {dataset_id!r} does not exist"

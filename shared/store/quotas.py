@@ -37,8 +37,7 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
         raise _metadata_error(f"{len(metadata)} keys; at most {settings.max_metadata_keys} (TUNEJOB_MAX_METADATA_KEYS)")
     for key, value in metadata.items():
         if "\x00" in key + value:  # PostgreSQL's jsonb cannot keep one: refused on every store alike
-            raise _metadata_error(f"{'value of ' + repr(key) if chr(0) in value else 'key ' + repr(key)} holds a NUL "
-                                  "character (0x00)")
+            raise _metadata_error(f"the entry {key!r} holds a NUL character (0x00)")
         if len(key) > settings.max_metadata_key_chars:
             raise _metadata_error(f"key {key[:80]!r} has {len(key)} characters; at most "
                                   f"{settings.max_metadata_key_chars} (TUNEJOB_MAX_METADATA_KEY_CHARS)")

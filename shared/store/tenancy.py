@@ -50,6 +50,12 @@ def scoped(query: Select, model: type[Row], caller: Caller) -> Select:
     return query if caller.admin else query.where(model.tenant == caller.tenant)
 
 
+def by_id(session: Session, model: type[Row], id_: str, **options) -> Row | None:
+    """``session.get(model, id_, **options)``, or None for an id holding a NUL character: no id
+    holds one, and PostgreSQL text cannot (it would raise ``DataError``, a 500, not a 404)."""
+    return None if "\x00" in id_ else session.get(model, id_, **options)
+
+
 def owned(session: Session, model: type[Row], id_: str, caller: Caller, param: str | None = None,
           for_update: bool = False) -> Row:
     """The ``model`` row ``id_`` if ``caller`` may see it; ``for_update`` locks it on PostgreSQL
@@ -59,10 +65,8 @@ def owned(session: Session, model: type[Row], id_: str, caller: Caller, param: s
         NotFound: (404) no such row, or it belongs to another tenant: the two are not told apart.
         Deleted: (404) the caller's row was deleted (a tombstone), saying so and when.
     """
-    if "\x00" in id_:  # no id holds one, and PostgreSQL text cannot: not a DataError, a 404
-        row = None
-    elif for_update:
-        row = session.get(model, id_, with_for_update=True)
+    if for_update or "\x00" in id_:
+        row = by_id(session, model, id_, with_for_update=for_update or None)
     else:
         row = session.scalars(ROW_BY_ID[model], {"id": id_}).first()
     if row is None or not caller.sees(row.tenant):
