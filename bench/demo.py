@@ -7,7 +7,10 @@ through ``POST /jobs``, follows it with the live progress bar of ``tunejob jobs 
 server-sent event stream), downloads ``model.tar`` and scores it on the held-out split with a
 ``transformers`` pipeline.
 
-    python -m bench.demo [--port 8765] [--epochs 1] [--max-length 128]
+    python -m bench.demo [--port 8765] [--epochs 1] [--max-length 128] [--model all-MiniLM-L6-v2]
+
+On a GPU machine (``TUNEJOB_DEVICE=cuda``), ``--model`` names any model under ``TUNEJOB_MODELS_DIR``
+(the GPU kit's randomly initialised ``bert-base-rand``: its accuracy means nothing, its timings do).
 """
 
 import argparse
@@ -54,6 +57,7 @@ def main() -> int:
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--model", default="all-MiniLM-L6-v2", help="a built-in model or one under TUNEJOB_MODELS_DIR")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -74,7 +78,7 @@ def main() -> int:
             dataset = client.upload_dataset(train_csv)
             print(f"uploaded {dataset.filename}: {dataset.rows} rows ({dataset.id}); {len(test)} held out")
             job = client.create_job({
-                "base_model": "all-MiniLM-L6-v2", "task": "classification", "training_dataset": dataset.id,
+                "base_model": args.model, "task": "classification", "training_dataset": dataset.id,
                 "text_column": "text", "label_column": "label",
                 "hyperparameters": {"epochs": args.epochs, "max_length": args.max_length,
                                     "batch_size": args.batch_size, "learning_rate": args.learning_rate},

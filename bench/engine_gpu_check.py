@@ -57,6 +57,7 @@ import os
 import random
 import tempfile
 import time
+import traceback
 import uuid
 import warnings
 from pathlib import Path
@@ -78,7 +79,14 @@ class Recorder(MemoryReporter):
     training losses by step and the events as (code, message) pairs."""
 
     def __init__(self, stop_after: int | None = None, stop_reason: str = "shutdown"):
-        super().__init__(stop_after, stop_reason)
+        super().__init__(None, stop_reason)
+        self.stop_after, self.asked = stop_after, 0
+
+    def should_stop(self) -> str | None:
+        """Stop once ``stop_after`` steps have run, counted by the loop's asking (once a step): on a
+        GPU the loop reads its losses only every few seconds, so the logged steps lag behind."""
+        self.asked += 1
+        return self.stop_reason if self.stop_after is not None and self.asked >= self.stop_after else None
 
     @property
     def losses(self) -> dict[int, float]:
@@ -150,9 +158,21 @@ def captured_message(recorder: "Recorder") -> str:
 
 
 def issue_29_cases(args, device) -> dict[str, dict]:
-    """The CUDA-graph cases of issue 29 (module docstring), each with ``ok`` and what it saw."""
+    """The CUDA-graph cases of issue 29 (module docstring), each with ``ok`` and what it saw; a case
+    that raises is ``ok: false`` with its traceback, and the others still run."""
+    out = {}
+    for case in (checked_and_replay_order, no_padding, later_widths, failed_capture, accumulation):
+        try:
+            out.update(case(args, device))
+        except Exception:  # noqa: BLE001 - one case's crash must not hide the others' results
+            out[case.__name__] = {"ok": False, "error": traceback.format_exc()[-2000:]}
+    return out
+
+
+def checked_and_replay_order(args, device) -> dict[str, dict]:
+    """``checked`` and ``replay_order`` (module docstring)."""
     from worker import graphs
-    from worker.train import first_steps, train, warm_up, width_sample
+    from worker.train import train, warm_up, width_sample
 
     out = {}
     graphs.clear_cache()
@@ -171,17 +191,28 @@ def issue_29_cases(args, device) -> dict[str, dict]:
     out["replay_order"] = {"ok": not parity.failures(), "widths": widths, "parity": parity.describe(),
                            "failures": parity.failures()}
     train(run, rec)
+    return out
 
-    # no_padding: every text longer than max_length
+
+def no_padding(args, device) -> dict[str, dict]:
+    """``no_padding``: every text longer than max_length (item 1)."""
+    from worker import graphs
+    from worker.train import first_steps, warm_up
+
     graphs.clear_cache()
     rec = Recorder(stop_after=3, stop_reason="cancelled")
     run = make_run(args, device, rec, words=(args.max_length + 8, args.max_length + 40))
     warm_up(run, rec)
     first = first_steps(run, 1)[0][0][0]
-    out["no_padding"] = {"ok": bool(captured_message(rec)) and bool(first["attention_mask"].all()),
-                         "events": rec.said}
+    return {"no_padding": {"ok": bool(captured_message(rec)) and bool(first["attention_mask"].all()),
+                           "events": rec.said}}
 
-    # later_widths: short texts first, then longer texts of the same shape
+
+def later_widths(args, device) -> dict[str, dict]:
+    """``later_widths``: short texts first, then longer texts of the same shape (item 2)."""
+    from worker import graphs
+    from worker.train import warm_up
+
     graphs.clear_cache()
     short, longer = Recorder(stop_after=2, stop_reason="cancelled"), Recorder(stop_after=2, stop_reason="cancelled")
     run = make_run(args, device, short, words=(3, 12))
@@ -191,16 +222,20 @@ def issue_29_cases(args, device) -> dict[str, dict]:
     warm_up(run, longer)
     message = captured_message(longer)
     added = sorted(set(run.steps.replays) - before)
-    out["later_widths"] = {"ok": "reused" in message and bool(added) and all(f"width {w}:" in message for w in added),
-                           "first": sorted(before), "added": added, "event": message}
+    return {"later_widths": {"ok": "reused" in message and bool(added)
+                             and all(f"width {w}:" in message for w in added),
+                             "first": sorted(before), "added": added, "event": message}}
 
-    out["failed_capture"] = failed_capture(args, device)
 
-    # accumulation: gradient_accumulation_steps=4, graphs against the eager engine, dropout off
+def accumulation(args, device) -> dict[str, dict]:
+    """``accumulation``: gradient_accumulation_steps=4, graphs against the eager engine, dropout off (item 7)."""
+    from shared.settings import get_settings
+    from worker import graphs
+    from worker.train import train, warm_up
+
     graphs.clear_cache()
     losses = {}
     for name, on in (("graphs", True), ("eager", False)):
-        from shared.settings import get_settings
         get_settings().cuda_graphs = on
         rec = Recorder(stop_after=5, stop_reason="cancelled")
         run = make_run(args, device, rec, dropout=False, batch_size=args.batch_size // 4, gradient_accumulation_steps=4)
@@ -209,11 +244,10 @@ def issue_29_cases(args, device) -> dict[str, dict]:
         losses[name] = rec.losses
     get_settings().cuda_graphs = True
     difference = largest_difference(losses["graphs"], losses["eager"])
-    out["accumulation"] = {"ok": difference < 2e-2, "largest_relative_difference": difference}
-    return out
+    return {"accumulation": {"ok": difference < 2e-2, "largest_relative_difference": difference}}
 
 
-def failed_capture(args, device) -> dict:
+def failed_capture(args, device) -> dict[str, dict]:
     """Three captures made to fail by a host sync in the forward+backward body: each job trains
     eagerly on the default stream, and reserved memory does not grow from one failure to the next."""
     from worker import graphs
@@ -242,8 +276,8 @@ def failed_capture(args, device) -> dict:
             reserved.append(torch.cuda.memory_reserved() / 2**20)
     finally:
         graphs.CapturedSteps._micro_body = original
-    return {"ok": all(streams) and all(events) and reserved[-1] <= reserved[0] + 1,
-            "default_stream_after": streams, "reserved_mib": reserved, "events": events}
+    return {"failed_capture": {"ok": all(streams) and all(events) and reserved[-1] <= reserved[0] + 1,
+                               "default_stream_after": streams, "reserved_mib": reserved, "events": events}}
 
 
 def main(argv=None) -> int:
@@ -266,87 +300,90 @@ def main(argv=None) -> int:
     results: dict[str, dict] = {"device": torch.cuda.get_device_name() if cuda else "cpu",
                                 "torch": torch.__version__, "model": args.model}
 
-    # captured: warm_up captures and moves nothing
-    rec = Recorder()
-    run = make_run(args, device, rec, dropout=False)
-    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
-    _, warm_seconds = timed(lambda: warm_up(run, rec))
-    after = state_of(run)
-    moved = [n for n, p in before.items() if not torch.equal(after[f"w.{n}"], p)]
-    fresh = all(torch.count_nonzero(v) == 0 for k, v in after.items() if k.startswith("o."))
-    results["captured"] = {"ok": (not cuda or isinstance(run.steps, graphs.CapturedSteps)) and not moved and fresh
-                           and not (cuda and torch.backends.cuda.cudnn_sdp_enabled()),
-                           "steps": type(run.steps).__name__, "events": rec.said, "warm_up_seconds": warm_seconds,
-                           "moved_weights": moved[:5], "optimizer_state_zero": fresh}
+    try:  # the engine cases depend on each other; a crash is recorded and issue 29's cases still run
+        # captured: warm_up captures and moves nothing
+        rec = Recorder()
+        run = make_run(args, device, rec, dropout=False)
+        before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+        _, warm_seconds = timed(lambda: warm_up(run, rec))
+        after = state_of(run)
+        moved = [n for n, p in before.items() if not torch.equal(after[f"w.{n}"], p)]
+        fresh = all(torch.count_nonzero(v) == 0 for k, v in after.items() if k.startswith("o."))
+        results["captured"] = {"ok": (not cuda or isinstance(run.steps, graphs.CapturedSteps)) and not moved and fresh
+                               and not (cuda and torch.backends.cuda.cudnn_sdp_enabled()),
+                               "steps": type(run.steps).__name__, "events": rec.said, "warm_up_seconds": warm_seconds,
+                               "moved_weights": moved[:5], "optimizer_state_zero": fresh}
 
-    # no_syncs (steady state) and the losses with graphs
-    if cuda:
-        torch.cuda.set_sync_debug_mode("warn")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, graph_seconds = timed(lambda: train(run, rec))
-    if cuda:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
-    steps = len(rec.losses)
-    results["no_syncs"] = {"ok": len(syncs) <= steps // 20 + 2, "steps": steps, "sync_warnings": len(syncs),
-                           "examples": syncs[:3]}
-    graph_losses = rec.losses
+        # no_syncs (steady state) and the losses with graphs
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, graph_seconds = timed(lambda: train(run, rec))
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+        steps = len(rec.losses)
+        results["no_syncs"] = {"ok": len(syncs) <= steps // 20 + 2, "steps": steps, "sync_warnings": len(syncs),
+                               "examples": syncs[:3]}
+        graph_losses = rec.losses
 
-    # matches_eager
-    get_settings().cuda_graphs = False
-    eager = Recorder()
-    erun = make_run(args, device, eager, dropout=False)
-    _, eager_warm = timed(lambda: warm_up(erun, eager))
-    _, eager_seconds = timed(lambda: train(erun, eager))
-    get_settings().cuda_graphs = True
-    difference = largest_difference(graph_losses, eager.losses)
-    results["matches_eager"] = {"ok": difference < 2e-2, "largest_relative_difference": difference,
-                                "eager_events": eager.said,
-                                "first_losses": {"graphs": [graph_losses[s] for s in sorted(graph_losses)[:5]],
-                                                 "eager": [eager.losses[s] for s in sorted(eager.losses)[:5]]}}
-    results["timing"] = {"graphs": {"warm_up_s": warm_seconds, "train_s": graph_seconds},
-                         "eager": {"warm_up_s": eager_warm, "train_s": eager_seconds}, "steps": steps}
+        # matches_eager
+        get_settings().cuda_graphs = False
+        eager = Recorder()
+        erun = make_run(args, device, eager, dropout=False)
+        _, eager_warm = timed(lambda: warm_up(erun, eager))
+        _, eager_seconds = timed(lambda: train(erun, eager))
+        get_settings().cuda_graphs = True
+        difference = largest_difference(graph_losses, eager.losses)
+        results["matches_eager"] = {"ok": difference < 2e-2, "largest_relative_difference": difference,
+                                    "eager_events": eager.said,
+                                    "first_losses": {"graphs": [graph_losses[s] for s in sorted(graph_losses)[:5]],
+                                                     "eager": [eager.losses[s] for s in sorted(eager.losses)[:5]]}}
+        results["timing"] = {"graphs": {"warm_up_s": warm_seconds, "train_s": graph_seconds},
+                             "eager": {"warm_up_s": eager_warm, "train_s": eager_seconds}, "steps": steps}
 
-    # reused: two jobs of the same shape, dropout on, train identically; the second captures nothing
-    first, second = Recorder(), Recorder()
-    graphs.clear_cache()
-    run = make_run(args, device, first)
-    warm_up(run, first)
-    train(run, first)
-    run = make_run(args, device, second)
-    _, reuse_seconds = timed(lambda: warm_up(run, second))
-    train(run, second)
-    reused = any(code == "cuda_graphs" and "reused" in message for code, message in second.said)
-    difference = largest_difference(second.losses, first.losses)  # attention/embedding backward use atomics
-    results["reused"] = {"ok": (reused or not cuda) and difference < 1e-2, "warm_up_seconds": reuse_seconds,
-                         "events": second.said, "largest_relative_difference": difference}
+        # reused: two jobs of the same shape, dropout on, train identically; the second captures nothing
+        first, second = Recorder(), Recorder()
+        graphs.clear_cache()
+        run = make_run(args, device, first)
+        warm_up(run, first)
+        train(run, first)
+        run = make_run(args, device, second)
+        _, reuse_seconds = timed(lambda: warm_up(run, second))
+        train(run, second)
+        reused = any(code == "cuda_graphs" and "reused" in message for code, message in second.said)
+        difference = largest_difference(second.losses, first.losses)  # attention/embedding backward use atomics
+        results["reused"] = {"ok": (reused or not cuda) and difference < 1e-2, "warm_up_seconds": reuse_seconds,
+                             "events": second.said, "largest_relative_difference": difference}
 
-    # resume: stop after step 10 (checkpoint), resume, compare with the uninterrupted run above
-    stopped = Recorder(stop_after=10)
-    run = make_run(args, device, stopped)
-    warm_up(run, stopped)
-    train(run, stopped)
-    resumed = Recorder()
-    run = make_run(args, device, resumed, checkpoint=stopped.checkpoints[-1][1])
-    warm_up(run, resumed)
-    train(run, resumed)
-    tail = {s: v for s, v in first.losses.items() if s > stopped.checkpoints[-1][0]}
-    difference = largest_difference(resumed.losses, tail)
-    results["resume"] = {"ok": difference < 1e-2, "largest_relative_difference": difference,
-                         "resumed_steps": len(resumed.losses)}
+        # resume: stop after a third of the steps (checkpoint), resume, compare with the uninterrupted run above
+        stopped = Recorder(stop_after=max(1, steps // 3))
+        run = make_run(args, device, stopped)
+        warm_up(run, stopped)
+        train(run, stopped)
+        resumed = Recorder()
+        run = make_run(args, device, resumed, checkpoint=stopped.checkpoints[-1][1])
+        warm_up(run, resumed)
+        train(run, resumed)
+        tail = {s: v for s, v in first.losses.items() if s > stopped.checkpoints[-1][0]}
+        difference = largest_difference(resumed.losses, tail)
+        results["resume"] = {"ok": difference < 1e-2, "largest_relative_difference": difference,
+                             "resumed_steps": len(resumed.losses)}
 
-    # fallbacks: features that cannot be captured train eagerly and say so
-    fallbacks = {}
-    for name, hp in {"fp16": {"precision": "fp16"}, "gradient_checkpointing": {"gradient_checkpointing": True}}.items():
-        rec = Recorder(stop_after=3, stop_reason="cancelled")
-        run = make_run(args, device, rec, **hp)
-        warm_up(run, rec)
-        outcome = train(run, rec)
-        said = [m for c, m in rec.said if c == "cuda_graphs_off"]
-        fallbacks[name] = {"outcome": outcome, "event": said, "finite": all(map(math.isfinite, rec.losses.values()))}
-    results["fallbacks"] = {"ok": all(f["outcome"] == "cancelled" and f["finite"] and (f["event"] or not cuda)
-                                      for f in fallbacks.values()), **fallbacks}
+        # fallbacks: features that cannot be captured train eagerly and say so
+        fallbacks = {}
+        for name, hp in {"fp16": {"precision": "fp16"}, "gradient_checkpointing": {"gradient_checkpointing": True}}.items():
+            rec = Recorder(stop_after=3, stop_reason="cancelled")
+            run = make_run(args, device, rec, **hp)
+            warm_up(run, rec)
+            outcome = train(run, rec)
+            said = [m for c, m in rec.said if c == "cuda_graphs_off"]
+            fallbacks[name] = {"outcome": outcome, "event": said, "finite": all(map(math.isfinite, rec.losses.values()))}
+        results["fallbacks"] = {"ok": all(f["outcome"] == "cancelled" and f["finite"] and (f["event"] or not cuda)
+                                          for f in fallbacks.values()), **fallbacks}
+    except Exception:  # noqa: BLE001
+        results["crashed"] = {"ok": False, "error": traceback.format_exc()[-3000:]}
 
     if cuda:
         results.update(issue_29_cases(args, device))

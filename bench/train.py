@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i}/{len(runs)}, {(time.perf_counter() - started) / 60:.1f} min] {spec.dataset} @{spec.max_length}, "
                   f"batch {spec.batch_size}, {spec.config}, seed {spec.seed}, repeat {spec.repeat}: fresh process", flush=True)
             rows += run_cold(spec, Path(scratch))
+            if args.json:  # the rows so far, in case the run is cut short (a GPU lease's time limit)
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps({"meta": {"command": command, "partial": True}, "rows": rows}, indent=1))
     failed = [r for r in rows if "error" in r]
     good = [r for r in rows if "error" not in r]
     meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "command": command, "model": args.model,

@@ -10,6 +10,7 @@ transformers keeps only while capturing, a ``capture_end`` that raises.
 5. the transformers floor; 6. shared-pool safety; 7. fp32 accumulation of bf16 micro-batch gradients.
 """
 
+import contextlib
 import tomllib
 from pathlib import Path
 
@@ -235,46 +236,93 @@ def test_replays_draw_new_dropout_masks_and_the_checks_leave_no_trace(engine_env
 # ----------------------------------------------------------------------------- 4. failed capture
 
 
-class FakeGraph:
-    """``torch.cuda.CUDAGraph`` without CUDA: records calls, fails where told."""
+class FakeCuda:
+    """What torch 2.11's ``CUDAGraph`` does to the allocator and the default CUDA generator, without
+    CUDA: ``capture_begin`` takes a hold on its pool and sets the generator capturing; a
+    ``capture_end`` that succeeds ends both; one that raises (an invalidated capture) ends neither,
+    and ``reset`` releases the pool only after a successful end (aten/src/ATen/cuda/CUDAGraph.cpp)."""
 
-    def __init__(self, fail_end: bool = False):
-        self.calls, self.fail_end = [], fail_end
+    def __init__(self, fail_end: bool):
+        self.fail_end, self.holds, self.routing = fail_end, {}, set()
+        self.generator_capturing, self.graphs = False, []
 
-    def capture_begin(self, pool, capture_error_mode):
-        self.calls.append(("begin", pool))
+    def graph(self):
+        cuda = self
 
-    def capture_end(self):
-        self.calls.append("end")
-        if self.fail_end:
-            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        class Graph:
+            def __init__(self):
+                self.calls, self.pool, self.ended = [], None, False
+                cuda.graphs.append(self)
 
-    def reset(self):
-        self.calls.append("reset")
+            def capture_begin(self, pool=None, capture_error_mode="global"):
+                self.pool = pool or f"private-{len(cuda.graphs)}"
+                self.calls.append(("begin", pool))
+                cuda.holds[self.pool] = cuda.holds.get(self.pool, 0) + 1
+                cuda.routing.add(self.pool)
+                cuda.generator_capturing = True
+
+            def capture_end(self):
+                self.calls.append("end")
+                if cuda.fail_end and self is cuda.graphs[0]:  # the real capture fails, a probe does not
+                    raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+                cuda.routing.discard(self.pool)
+                cuda.generator_capturing, self.ended = False, True
+
+            def reset(self):
+                self.calls.append("reset")
+                if self.ended:
+                    cuda.holds[self.pool] -= 1
+                    self.ended = False
+
+        return Graph()
+
+    def end_routing(self, device, pool):
+        self.routing.discard(pool)
+
+    def release(self, device, pool):
+        self.holds[pool] -= 1
+
+    def rand(self, *size, device=None):
+        if self.generator_capturing:
+            raise RuntimeError("Offset increment outside graph capture encountered unexpectedly.")
+        return torch.zeros(size)
 
 
-@pytest.mark.parametrize("failure", [None, "capture_end", "body"])
-def test_a_failed_capture_restores_the_stream_and_releases_its_graph(monkeypatch, failure):
-    current, made = ["default"], []
+@pytest.mark.parametrize("failure", [None, "capture_end", "body", "body_and_capture_end"])
+def test_a_failed_capture_restores_the_stream_the_pool_and_the_generator(monkeypatch, failure):
+    """Item 4, and what the first GPU run showed (2026-11-26): after a capture whose ``capture_end``
+    raised, the generator stayed capturing and the eager fallback's first dropout failed."""
+    cuda = FakeCuda(fail_end=failure in ("capture_end", "body_and_capture_end"))
+    current = ["default"]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: current.__setitem__(0, stream))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: made.append(FakeGraph(failure == "capture_end"))
-                        or made[-1])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", cuda.graph)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", cuda.end_routing, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", cuda.release, raising=False)
+    monkeypatch.setattr(torch, "rand", cuda.rand)
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *size, device=None: real_zeros(*size))
+    cuda.holds["pool"] = 1  # the graphs captured before this one
     seen = []
 
     def body():
         seen.append(current[0])  # captured on the capture stream
-        if failure == "body":
+        if failure in ("body", "body_and_capture_end"):
             raise RuntimeError("injected: operation not permitted when stream is capturing")
 
     if failure is None:
         graph = graphs.capture_graph(body, "pool", "capture")
-        assert graph.calls == [("begin", "pool"), "end"]
+        assert graph.calls == [("begin", "pool"), "end"] and cuda.holds["pool"] == 2
     else:
-        with pytest.raises(RuntimeError, match="injected" if failure == "body" else "previous error"):
+        with pytest.raises(RuntimeError, match="previous error" if failure == "capture_end" else "injected"):
             graphs.capture_graph(body, "pool", "capture")
-        assert made[0].calls == [("begin", "pool"), "end", "reset"]  # capture ended, graph released
+        assert cuda.graphs[0].calls == [("begin", "pool"), "end", "reset"]  # capture ended, graph released
+        assert cuda.holds["pool"] == 1  # the earlier graphs' hold, no more and no less
+        assert not cuda.routing and not cuda.generator_capturing
+        torch.rand(1, device="cuda")  # the eager fallback can draw dropout masks
     assert seen == ["capture"] and current == ["default"]  # the eager fallback runs on the default stream
 
 
