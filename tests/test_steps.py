@@ -8,6 +8,7 @@ import math
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -348,15 +349,20 @@ def test_a_failed_capture_falls_back_to_eager_steps_and_says_so(engine_env, monk
     assert all(math.isfinite(v) for v in reporter.series("train_loss").values())
 
 
-def test_jobs_that_cannot_be_captured_say_why(engine_env):
+def test_jobs_that_cannot_be_captured_say_why(engine_env, monkeypatch):
     from types import SimpleNamespace
 
+    from shared.data.batching import BatchPlan
     from shared.schemas.jobs import Hyperparameters
+    from shared.settings import get_settings
 
-    def reason(**hp):
+    def reason(length=40, **hp):
         scaler = torch.amp.GradScaler("cpu", enabled=hp.pop("fp16", False))
         job = SimpleNamespace(task=hp.pop("task", "classification"))
-        run = SimpleNamespace(device=torch.device("cuda", 0), hp=Hyperparameters(**hp), scaler=scaler, job=job)
+        hp = Hyperparameters(**hp)
+        plan = BatchPlan(np.full(96, length), hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch)
+        run = SimpleNamespace(device=torch.device("cuda", 0), hp=hp, scaler=scaler, job=job, plan=plan,
+                              collator=SimpleNamespace(ladder=[64, 128, 256, 512]))
         return graphs.eager_reason(run)
 
     assert reason() is None
@@ -366,6 +372,12 @@ def test_jobs_that_cannot_be_captured_say_why(engine_env):
     assert "token_budget" in reason(batching="token_budget")
     assert "token_classification" in reason(task="token_classification")
     assert graphs.eager_reason(SimpleNamespace(device=CPU)) == "cpu trains eagerly"
+    # micro-batches of many padded tokens keep the GPU busy: eager (TUNEJOB_CUDA_GRAPHS_MAX_TOKENS, 8,192)
+    assert reason(length=100, batch_size=32) is None  # 32 rows x width 128 = 4,096
+    assert "8,192 padded tokens on average" in reason(length=200, batch_size=32)  # 32 x 256
+    assert "padded tokens" in reason(length=40, batch_size=128)  # 128 x 64
+    monkeypatch.setattr(get_settings(), "cuda_graphs_max_tokens", 16384)
+    assert reason(length=200, batch_size=32) is None
 
 
 @pytest.mark.parametrize("fault", ["update_not_replayed", "loss_of_other_inputs"])
