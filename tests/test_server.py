@@ -219,6 +219,30 @@ def test_worker_nice_lowers_its_cpu_priority(tmp_path):
         worker.stop()
 
 
+def test_workers_stop_when_serve_is_killed(tmp_path):
+    """A SIGKILL of `tunejob serve` (which cannot stop its workers) does not leave them running
+    beside the workers of the next serve: each stops as on SIGTERM (issue 25: kill -9 mid-sweep)."""
+    serve = Process("serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(free_port()), "--workers", "2"],
+                    tunejob_env(tmp_path / "data", TUNEJOB_DEVICE="cpu"), tmp_path / "serve.log")
+    try:
+        def two_workers_up() -> bool:
+            assert serve.alive(), serve.tail()
+            children = psutil.Process(serve.pid).children()
+            return (len(children) == 2 and all(str(serve.pid) in c.cmdline() for c in children)
+                    and serve.tail(400).count(" ready.") >= 2)  # both consuming: "celery@<host> ready."
+
+        wait_for("serve's two workers", two_workers_up, 60, diagnostics=serve.tail)
+        workers = psutil.Process(serve.pid).children()
+        serve.kill()
+        gone, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive, f"workers still running after serve was killed: {[w.pid for w in alive]}\n{serve.tail()}"
+    finally:
+        serve.kill()
+        for worker in psutil.Process().children(recursive=True):
+            if "tunejob" in " ".join(worker.cmdline()):
+                worker.kill()
+
+
 def test_api_processes_share_their_metrics_and_rate_limits(tmp_path):
     """``tunejob api --workers 2``: requests answered by either process are all counted at
     ``/metrics``, and a key's rate limit counts its requests to both (Redis). Which process

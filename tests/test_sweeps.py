@@ -301,7 +301,8 @@ def test_serve_starts_one_worker_per_gpu_each_seeing_only_its_own(monkeypatch):
     from tunejob.cli import worker_launches
 
     plain = worker_launches(3, None)
-    assert len(plain) == 3 and all(args[-3:] == ["worker", "--nice", "10"] for args, _ in plain)
+    assert len(plain) == 3 and all(args[-5:] == ["worker", "--nice", "10", "--parent", str(os.getpid())]
+                                   for args, _ in plain)
     assert all(env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES") for _, env in plain)
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in worker_launches(1, "0,2")] == ["0", "2"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)

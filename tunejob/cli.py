@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 from client import cli as client_cli
 
@@ -124,7 +126,7 @@ def worker_launches(workers: int, gpus: str | None) -> list[tuple[list[str], dic
     Raises:
         SystemExit: ``gpus`` is not ``all`` or a list of indices, or ``all`` finds no CUDA GPU.
     """
-    args = [sys.executable, "-m", "tunejob", "worker", "--nice", str(SERVE_WORKER_NICENESS)]
+    args = [sys.executable, "-m", "tunejob", "worker", "--nice", str(SERVE_WORKER_NICENESS), "--parent", str(os.getpid())]
     if gpus is None:
         return [(args, dict(os.environ)) for _ in range(workers)]
     if gpus == "all":
@@ -140,11 +142,30 @@ def worker_launches(workers: int, gpus: str | None) -> list[tuple[list[str], dic
     return [(args, {**os.environ, "CUDA_VISIBLE_DEVICES": d}) for d in devices]
 
 
-def run_worker(gpu: int | None, niceness: int = 0) -> None:
+def exit_with_parent(parent: int) -> None:
+    """SIGTERM this process once process ``parent`` is no longer its parent: ``tunejob serve``
+    killed with SIGKILL cannot stop its workers, which would otherwise train on beside the workers
+    of the next ``serve``. The worker then stops as on ``serve``'s own Ctrl-C: its job checkpointed
+    and queued again (``worker.tasks``). A daemon thread compares ``os.getppid()`` (an orphan is
+    re-parented) with ``parent`` each second, from the start: ``serve`` passes its pid, so a
+    ``serve`` that died before the worker got here counts too."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def run_worker(gpu: int | None, niceness: int = 0, parent: int | None = None) -> None:
     """One Celery worker running one job at a time (solo pool, prefetch 1), pinned to GPU ``gpu``,
-    at CPU priority ``niceness`` (added to its nice value, before any thread starts)."""
+    at CPU priority ``niceness`` (added to its nice value, before any thread starts); given
+    ``parent`` (a pid), it stops once that process is gone (``exit_with_parent``)."""
     if niceness:
         os.nice(niceness)
+    if parent is not None:
+        exit_with_parent(parent)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before torch is imported anywhere
     from shared.settings import get_settings
@@ -216,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     p = commands.add_parser("worker", help="a training worker")
     p.add_argument("--gpu", type=int, default=None, help="pin to this CUDA device index")
     p.add_argument("--nice", type=int, default=0, help="lower the worker's CPU priority by this much (serve: 10)")
+    p.add_argument("--parent", type=int, default=None, metavar="PID",
+                   help="stop (as on SIGTERM) once process PID, its parent, is gone (serve passes its own)")
     db = commands.add_parser("db", help="database maintenance").add_subparsers(dest="db_command", required=True)
     db.add_parser("upgrade", help="alembic upgrade head")
     k = commands.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
@@ -241,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
             commands.choices["api"].error("--workers must be at least 1")
         serve_api(args.host, args.port, args.workers)
     elif args.command == "worker":
-        run_worker(args.gpu, args.nice)
+        run_worker(args.gpu, args.nice, args.parent)
     elif args.command == "keys":
         manage_keys(args)
     elif args.command == "doctor":
