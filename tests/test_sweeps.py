@@ -257,7 +257,7 @@ def test_another_tenant_gets_404(stack, dataset):
 
 
 @pytest.mark.parametrize("kind", ["embedded", "postgres+redis"])
-def test_kill_9_of_the_whole_service_mid_sweep_then_a_restart_ends_with_exactly_max_trials(stacks, kind):
+def test_kill_9_of_the_whole_service_mid_sweep_then_a_restart_ends_with_exactly_max_trials(stacks, kind):  # noqa: F811
     """The API and its worker (what ``tunejob serve`` runs) killed with SIGKILL while a trial trains
     and another waits: after a restart on the same data the killed trial resumes from its checkpoint
     (a second attempt), the sweep asks for the rest and ends with trials 0..3, each once."""
