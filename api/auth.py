@@ -25,7 +25,6 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from limits import RateLimitItem, parse_many
 from limits.storage import storage_from_string
 from limits.strategies import SlidingWindowCounterRateLimiter
-from starlette.concurrency import run_in_threadpool
 
 from api import store
 from shared.errors import UserError
@@ -76,7 +75,7 @@ async def authenticate(
     if get_settings().rate_limit_storage_url.startswith("memory://"):
         check_rate(caller)
     else:
-        await run_in_threadpool(check_rate, caller)  # a network round trip to the shared counters
+        await store.in_thread(check_rate, caller)  # a network round trip to the shared counters
     return caller
 
 

@@ -6,19 +6,38 @@ thread per call, which on the polling routes (``GET /jobs/{id}``, its metrics, a
 every request) cost more CPU than the SQLite read itself (about 0.1-0.3 ms). On SQLite in WAL mode
 a read never waits for a writer (``shared.store.engine``), so ``read`` calls it right on the event loop; on
 PostgreSQL a call is a network round trip that must not hold up the loop, so it goes to the thread
-pool as before. Only short reads run inline: the loop serves no other request meanwhile, so a read
+pool (``in_thread``). Only short reads run inline: the loop serves no other request meanwhile, so a read
 of many rows (``read_rows``) goes to the thread pool too.
 """
 
+import asyncio
+import contextvars
+import functools
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
-
-from starlette.concurrency import run_in_threadpool
 
 from shared.settings import get_settings
 
 T = TypeVar("T")
 INLINE_ROWS = 100  # a poll's new rows (e.g. a few steps' metrics): about 1 ms of CPU
+
+
+@functools.cache
+def _threads() -> ThreadPoolExecutor:
+    """The threads that make the API's blocking store and rate-limit calls: one per pooled
+    database connection (``TUNEJOB_DATABASE_POOL_SIZE``), so none waits for a connection."""
+    return ThreadPoolExecutor(get_settings().database_pool_size, thread_name_prefix="tunejob-store")
+
+
+async def in_thread(fn: Callable[..., T], *args) -> T:
+    """``fn(*args)`` in the store's threads, in this request's context (its request id).
+
+    ``loop.run_in_executor`` rather than starlette's ``run_in_threadpool``: anyio's hand-off (its
+    capacity limiter, cancel scope and ``current_task`` lookups) was about a sixth of the API's CPU
+    per request on PostgreSQL under polling load (py-spy, docs/benchmarks.md)."""
+    context = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(_threads(), functools.partial(context.run, fn, *args))
 
 
 def reads_inline() -> bool:
@@ -29,7 +48,7 @@ def reads_inline() -> bool:
 async def read(fn: Callable[..., T], *args) -> T:
     """``fn(*args)``, a read of a few rows of the job store: on the event loop on SQLite, else in the
     thread pool."""
-    return fn(*args) if reads_inline() else await run_in_threadpool(fn, *args)
+    return fn(*args) if reads_inline() else await in_thread(fn, *args)
 
 
 async def read_rows(fn: Callable[..., list], *args, limit: int) -> list:
@@ -40,4 +59,4 @@ async def read_rows(fn: Callable[..., list], *args, limit: int) -> list:
         rows = fn(*args, min(limit, INLINE_ROWS))
         if len(rows) < INLINE_ROWS or limit <= INLINE_ROWS:
             return rows
-    return await run_in_threadpool(fn, *args, limit)
+    return await in_thread(fn, *args, limit)
