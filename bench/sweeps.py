@@ -144,7 +144,9 @@ def run_trainer(args, work: Path) -> dict:
     def hp_space(trial):
         return {"learning_rate": trial.suggest_float("learning_rate", 1e-5, 3e-4, log=True),
                 "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [16, 32]),
-                "warmup_ratio": trial.suggest_float("warmup_ratio", 0.0, 0.2),
+                # transformers 5 dropped TrainingArguments.warmup_ratio: a float warmup_steps in
+                # [0, 1) is the ratio of total steps (the Trainer ignored "warmup_ratio" here before)
+                "warmup_steps": trial.suggest_float("warmup_ratio", 0.0, 0.2),
                 "num_train_epochs": trial.suggest_int("num_train_epochs", 1, args.max_epochs)}
 
     arguments = TrainingArguments(output_dir=str(work / "trainer"), eval_strategy="epoch", save_strategy="no",
