@@ -77,16 +77,6 @@ class Recorder(MemoryReporter):
     """The engine's reporter without a job store (``worker.report.MemoryReporter``), with the
     training losses by step and the events as (code, message) pairs."""
 
-    def __init__(self, stop_after: int | None = None, stop_reason: str = "shutdown"):
-        super().__init__(None, stop_reason)
-        self.stop_after, self.asked = stop_after, 0
-
-    def should_stop(self) -> str | None:
-        """Stop once ``stop_after`` steps have run, counted by the loop's asking (once a step): on a
-        GPU the loop reads its losses only every few seconds, so the logged steps lag behind."""
-        self.asked += 1
-        return self.stop_reason if self.stop_after is not None and self.asked >= self.stop_after else None
-
     @property
     def losses(self) -> dict[int, float]:
         return self.series("train_loss")
@@ -175,7 +165,7 @@ def checked_and_replay_order(args, device) -> dict[str, dict]:
 
     out = {}
     graphs.clear_cache()
-    rec = Recorder(stop_after=3, stop_reason="cancelled")
+    rec = Recorder(stop_after_step=3, stop_reason="cancelled")
     run = make_run(args, device, rec)  # dropout on
     warm_up(run, rec)
     message = captured_message(rec)
@@ -199,7 +189,7 @@ def no_padding(args, device) -> dict[str, dict]:
     from worker.train import first_steps, warm_up
 
     graphs.clear_cache()
-    rec = Recorder(stop_after=3, stop_reason="cancelled")
+    rec = Recorder(stop_after_step=3, stop_reason="cancelled")
     run = make_run(args, device, rec, words=(args.max_length + 8, args.max_length + 40))
     warm_up(run, rec)
     first = first_steps(run, 1)[0][0][0]
@@ -213,7 +203,7 @@ def later_widths(args, device) -> dict[str, dict]:
     from worker.train import warm_up
 
     graphs.clear_cache()
-    short, longer = Recorder(stop_after=2, stop_reason="cancelled"), Recorder(stop_after=2, stop_reason="cancelled")
+    short, longer = Recorder(stop_after_step=2, stop_reason="cancelled"), Recorder(stop_after_step=2, stop_reason="cancelled")
     run = make_run(args, device, short, words=(3, 12))
     warm_up(run, short)
     before = set(run.steps.replays)
@@ -236,7 +226,7 @@ def accumulation(args, device) -> dict[str, dict]:
     losses = {}
     for name, on in (("graphs", True), ("eager", False)):
         get_settings().cuda_graphs = on
-        rec = Recorder(stop_after=5, stop_reason="cancelled")
+        rec = Recorder(stop_after_step=5, stop_reason="cancelled")
         run = make_run(args, device, rec, dropout=False, batch_size=args.batch_size // 4, gradient_accumulation_steps=4)
         warm_up(run, rec)
         train(run, rec)
@@ -264,7 +254,7 @@ def failed_capture(args, device) -> dict[str, dict]:
         for _ in range(3):
             graphs.clear_cache()
             graphs._failed.clear()
-            rec = Recorder(stop_after=2, stop_reason="cancelled")
+            rec = Recorder(stop_after_step=2, stop_reason="cancelled")
             run = make_run(args, device, rec)
             warm_up(run, rec)
             streams.append(torch.cuda.current_stream() == torch.cuda.default_stream())
@@ -272,7 +262,6 @@ def failed_capture(args, device) -> dict[str, dict]:
             events.append([m[:200] for c, m in rec.said if c == "cuda_graphs_off"])
             del run
             gc.collect()
-            torch._C._cuda_clearCublasWorkspaces()  # each job's new side stream gets its own cuBLAS workspace
             torch.cuda.empty_cache()
             reserved.append(torch.cuda.memory_reserved() / 2**20)
     finally:
@@ -359,7 +348,7 @@ def main(argv=None) -> int:
                              "events": second.said, "largest_relative_difference": difference}
 
         # resume: stop after a third of the steps (checkpoint), resume, compare with the uninterrupted run above
-        stopped = Recorder(stop_after=max(1, steps // 3))
+        stopped = Recorder(stop_after_step=max(1, steps // 3))
         run = make_run(args, device, stopped)
         warm_up(run, stopped)
         train(run, stopped)
@@ -375,7 +364,7 @@ def main(argv=None) -> int:
         # fallbacks: features that cannot be captured train eagerly and say so
         fallbacks = {}
         for name, hp in {"fp16": {"precision": "fp16"}, "gradient_checkpointing": {"gradient_checkpointing": True}}.items():
-            rec = Recorder(stop_after=3, stop_reason="cancelled")
+            rec = Recorder(stop_after_step=3, stop_reason="cancelled")
             run = make_run(args, device, rec, **hp)
             warm_up(run, rec)
             outcome = train(run, rec)

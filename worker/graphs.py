@@ -57,6 +57,7 @@ On devices other than CUDA (the tests), "capturing" runs the warm-ups and keeps 
 """
 
 import contextlib
+import functools
 import json
 import math
 from collections import OrderedDict
@@ -202,6 +203,16 @@ def settle_failed_capture(pool, stream) -> None:
         raise RuntimeError(f"after a failed CUDA graph capture the CUDA generator cannot draw: {e}") from e
 
 
+@functools.cache
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The one stream of this process where warm-ups and captures run (captures need a stream other
+    than the default one). One for every capture, not one per ``CapturedSteps``: cuBLAS keeps a
+    workspace for each stream it has run on (about 66 MiB each on an H100, seen as reserved memory
+    growing by that much per job in ``bench.engine_gpu_check``'s ``failed_capture``), which PyTorch
+    never frees, and its stream pool hands out up to 32 different streams."""
+    return torch.cuda.Stream(device)
+
+
 class SharedPoolError(RuntimeError):
     """A capture rebound or created a tensor the graphs share: it would live in the shared pool,
     where a graph replayed out of capture order may overwrite it."""
@@ -224,7 +235,6 @@ class CapturedSteps(Steps):
         self.replay_update: Callable[[], None] | None = None
         self.graphs: list = []  # the CUDAGraph objects (their memory lives as long as they do)
         self.pool = torch.cuda.graph_pool_handle() if run.device.type == "cuda" else None
-        self.side_stream = None  # where the warm-ups and captures run (created on first use)
         self.mask_4d = getattr(run.model.config, "_attn_implementation", None) == "sdpa"
 
     def capture(self, widths: list[int]) -> list[int]:
@@ -340,14 +350,13 @@ class CapturedSteps(Steps):
                 with capture_attention():
                     body()
             return replay
-        if self.side_stream is None:
-            self.side_stream = torch.cuda.Stream()
-        self.side_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side_stream):
+        stream = side_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
                 warm_up()
-        torch.cuda.current_stream().wait_stream(self.side_stream)
-        graph = capture_graph(body, self.pool, self.side_stream)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = capture_graph(body, self.pool, stream)
         self.graphs.append(graph)
         return graph.replay
 

@@ -157,8 +157,9 @@ def timed(phase: str):
 class MemoryReporter:
     """A ``Reporter`` for runs outside the job store (``tunejob doctor``, ``bench.engine_gpu_check``,
     the tests): keeps the metrics, progress fields, events and checkpoints in memory, and asks the
-    run to stop (``stop_reason``: "shutdown", "cancelled", ...) once ``stop_after_step`` is logged
-    (never, by default)."""
+    run to stop (``stop_reason``: "shutdown", "cancelled", ...) once it has run ``stop_after_step``
+    optimizer steps (never, by default): counted by its asking, once a step, not by the logged
+    steps, which a CUDA job reads only every second or so."""
 
     def __init__(self, stop_after_step: int | None = None, stop_reason: str = "shutdown"):
         self.logged: list[tuple[int, float, dict]] = []  # (step, epoch, {name: value})
@@ -167,6 +168,7 @@ class MemoryReporter:
         self.messages: list[str] = []  # their messages
         self.checkpoints: list[tuple[int, Path]] = []
         self.stop_after_step, self.stop_reason = stop_after_step, stop_reason
+        self.steps_run = 0
 
     def log(self, step: int, epoch: float, values: dict[str, float]) -> None:
         self.logged.append((step, epoch, dict(values)))
@@ -192,8 +194,8 @@ class MemoryReporter:
         return False
 
     def should_stop(self) -> str | None:
-        last = self.logged[-1][0] if self.logged else 0
-        return self.stop_reason if self.stop_after_step is not None and last >= self.stop_after_step else None
+        self.steps_run += 1
+        return self.stop_reason if self.stop_after_step is not None and self.steps_run >= self.stop_after_step else None
 
     def series(self, name: str) -> dict[int, float]:
         """Metric ``name`` by step."""
