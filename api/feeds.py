@@ -36,8 +36,8 @@ from pydantic import TypeAdapter
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 from sse_starlette import ServerSentEvent
-from starlette.concurrency import run_in_threadpool
 
+from api import store
 from shared.errors import NotFound, UserError
 from shared.jobs import lifecycle, predictions
 from shared.jobs.positions import moved, queue_positions
@@ -255,26 +255,26 @@ class Feeds:
         read was cut short, or a new feed waits for its start), one read for all the started feeds,
         unless the SQLite store is unchanged since the last one."""
         settings = get_settings()
-        poll, store = settings.stream_poll_seconds, data_version(settings.sqlalchemy_url)  # None on PostgreSQL
+        poll, changes = settings.stream_poll_seconds, data_version(settings.sqlalchemy_url)  # None on PostgreSQL
         seen = None  # the store's data_version before the last read that covered every feed
         while self.by_job:
             self.wake.clear()
             complete = True
             try:
                 # asked before reading: a commit after it changes it again, and the next poll reads
-                version = store.read() if store is not None else None
+                version = changes.read() if changes is not None else None
                 for job_id in [i for i, feed in self.by_job.items() if feed.started.is_set() and not feed.subscribers]:
                     del self.by_job[job_id]  # its last stream closed
                 new = [feed for feed in self.by_job.values() if not feed.started.is_set()]
                 if new:
-                    heads = await run_in_threadpool(read_heads, [feed.job_id for feed in new])
+                    heads = await store.in_thread(read_heads, [feed.job_id for feed in new])
                     for feed in new:
                         self._start_or_end(feed, heads.get(feed.job_id))
                 # not those just started (read after `version`), nor those subscribed meanwhile (next round)
                 running = [feed for feed in self.by_job.values() if feed.started.is_set() and feed not in new]
                 if running and (version is None or version != seen):
-                    reads = await run_in_threadpool(read_store, {f.job_id: f.cursor for f in running},
-                                                    {f.job_id: f.updated_at for f in running})
+                    reads = await store.in_thread(read_store, {f.job_id: f.cursor for f in running},
+                                                  {f.job_id: f.updated_at for f in running})
                     complete = all(read.complete for read in reads.values())
                     for feed in running:
                         self._take(feed, reads.get(feed.job_id))
@@ -314,11 +314,11 @@ class Feeds:
         while True:  # a second round only after falling behind the feed
             feed, queue = await self.subscribe(job_id)
             try:
-                read = await run_in_threadpool(read_job, job_id, sent.cursor)
+                read = await store.in_thread(read_job, job_id, sent.cursor)
                 for message in sent.new(read, catching_up=True):
                     yield message
                 while not read.complete:
-                    read = await run_in_threadpool(read_job, job_id, sent.cursor)
+                    read = await store.in_thread(read_job, job_id, sent.cursor)
                     for message in sent.new(read):
                         yield message
                 if read.finished:
@@ -355,7 +355,7 @@ class Feeds:
             finally:
                 merged.put_nowait(None)
 
-        heads = await run_in_threadpool(read_heads, job_ids)
+        heads = await store.in_thread(read_heads, job_ids)
         for job_id in [*gone, *(i for i in job_ids if i not in heads)]:
             yield gone_message(job_id)
         tasks = [asyncio.create_task(forward(job_id, cursor)) for job_id, (cursor, _) in heads.items()]

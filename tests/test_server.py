@@ -19,7 +19,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REDIS_URL, require_services
+from tests.conftest import REDIS_URL, configure_stack, require_services
 from tests.faults_support import ROOT, Process, free_port, wait_for
 from tests.test_metrics import requests_counted
 
@@ -282,3 +282,27 @@ def test_api_processes_share_their_metrics_and_rate_limits(tmp_path):
 
         assert [served_by(workers[0], "/datasets", user) for _ in range(2)] == [200, 200]
         assert [served_by(workers[1], "/datasets", user) for _ in range(2)] == [200, 429]  # 3/minute in all
+
+
+def test_on_postgres_a_read_session_holds_no_transaction_and_a_write_session_one(tmp_path):
+    """Read sessions run in autocommit on PostgreSQL (``shared.store.engine``): no BEGIN and
+    ROLLBACK round trips, and no connection left idle in a transaction between their statements;
+    a write session is still one transaction."""
+    from psycopg.pq import TransactionStatus
+    from sqlalchemy import text
+
+    from shared.store.engine import read_session, session_scope
+
+    drop = configure_stack("postgres+redis", {"TUNEJOB_DATA_DIR": str(tmp_path)})
+    try:
+        def status(session) -> TransactionStatus:
+            return session.connection().connection.dbapi_connection.info.transaction_status
+
+        with read_session() as s:
+            assert s.execute(text("SELECT 1")).scalar() == 1
+            assert status(s) == TransactionStatus.IDLE
+        with session_scope() as s:
+            s.execute(text("SELECT 1"))
+            assert status(s) == TransactionStatus.INTRANS
+    finally:
+        drop()

@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.concurrency import run_in_threadpool
 
+from api import store
 from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
 from api.headers import IdempotencyKey
@@ -106,8 +106,8 @@ def stream_sweep(sweep_id: str, caller: CallerDep,
 async def _feed(sweep_id: str, caller: Caller, after: int):
     best = None
     while True:
-        sweep = await run_in_threadpool(sweeps.get_sweep, sweep_id, caller)  # first: the events read next are all
-        for event_id, job_id, event, number in await run_in_threadpool(sweeps.events_since, sweep_id, caller, after):
+        sweep = await store.in_thread(sweeps.get_sweep, sweep_id, caller)  # first: the events read next are all
+        for event_id, job_id, event, number in await store.in_thread(sweeps.events_since, sweep_id, caller, after):
             after = event_id
             if event.code in TRIAL_EVENTS:
                 yield ServerSentEvent(event=TRIAL_EVENTS[event.code], id=str(event_id), data=json.dumps({
