@@ -8,16 +8,25 @@ a read never waits for a writer (``shared.store.engine``), so ``read`` calls it 
 PostgreSQL a call is a network round trip that must not hold up the loop, so it goes to the thread
 pool (``in_thread``). Only short reads run inline: the loop serves no other request meanwhile, so a read
 of many rows (``read_rows``) goes to the thread pool too.
+
+What the polling routes read (a job's row, a few new metrics) is kept between requests while no
+process has changed the jobs or their metrics (``cached``, ``job``; ``shared.store.cache``): under
+polling load a job changes about once a step, and most polls then cost no read at all (on
+PostgreSQL, no thread hand-off, no round trip and none of the server's CPU).
 """
 
 import asyncio
 import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from shared.jobs.lifecycle import find_job
 from shared.settings import get_settings
+from shared.store.cache import JOBS, cache_for
+from shared.store.rows import Job
+from shared.store.tenancy import Caller, of_kind, visible
 
 T = TypeVar("T")
 INLINE_ROWS = 100  # a poll's new rows (e.g. a few steps' metrics): about 1 ms of CPU
@@ -60,3 +69,27 @@ async def read_rows(fn: Callable[..., list], *args, limit: int) -> list:
         if len(rows) < INLINE_ROWS or limit <= INLINE_ROWS:
             return rows
     return await in_thread(fn, *args, limit)
+
+
+async def cached(key: Hashable, fn: Callable[..., T], *args, limit: int | None = None) -> T:
+    """``fn(*args)`` read with ``read`` (with ``limit``: ``fn(*args, limit)`` with ``read_rows``), a
+    read of jobs or their metrics, kept under ``key`` in this process's cache until a job or a
+    metric changes (``shared.store.cache.JOBS``). Not kept: None (nothing found), and lists of more
+    than ``INLINE_ROWS``."""
+    cache = cache_for(get_settings().sqlalchemy_url, JOBS)
+    value, version = cache.get(key) if cache is not None else (None, None)
+    if value is None:
+        value = await (read(fn, *args) if limit is None else read_rows(fn, *args, limit=limit))
+        if cache is not None and value is not None and (limit is None or len(value) <= INLINE_ROWS):
+            cache.put(key, value, version)
+    return value
+
+
+async def job(job_id: str, caller: Caller, kind: str = "train") -> Job:
+    """The row of job ``job_id`` (``cached``; read only: never change it) if ``caller`` may see it
+    and it is of ``kind``.
+
+    Raises:
+        NotFound, Deleted: as ``shared.store.tenancy.owned_job``.
+    """
+    return of_kind(visible(await cached(("job", job_id), find_job, job_id), Job, job_id, caller), kind)

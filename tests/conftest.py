@@ -72,10 +72,10 @@ def fresh_postgres_database() -> tuple[str, callable]:
 
     def drop() -> None:
         from shared.store.engine import engine_for
-        from shared.store.keys import PostgresKeyCache, key_cache
+        from shared.store.cache import PostgresCache, cache_for
 
-        PostgresKeyCache.close_all()  # their listeners end when the drop below closes their connections
-        key_cache.cache_clear()
+        PostgresCache.close_all()  # their listeners end when the drop below closes their connections
+        cache_for.cache_clear()
         engine_for(f"postgresql+psycopg://{base.split('://', 1)[1]}/{name}").dispose()
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

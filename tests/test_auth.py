@@ -197,7 +197,7 @@ def test_lists_hold_only_the_callers_rows_and_admins_see_all(stack, owned, other
 
 def test_a_revoked_key_fails_at_once(stack):
     """Revoking a key in another process (``tunejob keys revoke``) refuses its very next request,
-    although the API has its caller cached (``shared.store.keys.KeyCache``). On SQLite whether it
+    although the API has its caller cached (``shared.store.keys.key_cache``). On SQLite whether it
     still is when the revocation lands depends on the other writers of the store, so the cache's
     own rule is tested without them below; on PostgreSQL only key changes empty it, so the key is
     in the cache when it is revoked."""
@@ -209,7 +209,7 @@ def test_a_revoked_key_fails_at_once(stack):
     assert [client.get("/jobs").status_code for _ in range(2)] == [200, 200]
     if stack.name == "postgres+redis":  # cached once the notifications of the keys made above are in
         cache = key_cache(get_settings().sqlalchemy_url)
-        wait_until(lambda: client.get("/jobs").status_code == 200 and hash_key(key) in cache.callers,
+        wait_until(lambda: client.get("/jobs").status_code == 200 and hash_key(key) in cache.values,
                    "the key is cached")
     subprocess.run([sys.executable, "-m", "tunejob", "keys", "revoke", row.id], check=True, capture_output=True)
     assert_error(client.get("/jobs"), 401, "invalid_api_key")
@@ -233,13 +233,13 @@ def test_cached_keys_keep_to_their_own_tenant(stack, owned, other):
 def test_the_key_cache_drops_what_was_looked_up_before_a_commit(tmp_path):
     """A caller looked up before another connection's commit (which may have revoked the key) is
     not stored; one looked up after it is kept until the next commit."""
-    from shared.store.keys import SqliteKeyCache
+    from shared.store.cache import KEYS, SqliteCache
     from shared.store.tenancy import Caller
 
     path = tmp_path / "store.db"
     writer = sqlite3.connect(path, isolation_level=None)
     writer.execute("CREATE TABLE t (x)")
-    cache = SqliteKeyCache(str(path))
+    cache = SqliteCache(str(path), KEYS.max_entries)
     _, before = cache.get("digest")
     writer.execute("INSERT INTO t VALUES (1)")  # e.g. `tunejob keys revoke`, during the lookup
     cache.put("digest", Caller("t"), before)
@@ -252,13 +252,14 @@ def test_the_key_cache_drops_what_was_looked_up_before_a_commit(tmp_path):
 
 
 def test_postgres_key_caches_of_two_processes_drop_a_revoked_key_and_do_without_a_listener(tmp_path):
-    """Two API processes' caches on one PostgreSQL store (two ``PostgresKeyCache``, each with its
+    """Two API processes' caches on one PostgreSQL store (two ``PostgresCache``, each with its
     own listening connection): a key revoked elsewhere leaves both, and a cache whose listening
     connection is lost empties and caches again only once it listens again."""
     import psycopg
 
     from shared.store.engine import upgrade_database
-    from shared.store.keys import PostgresKeyCache, authenticate, create_key, hash_key, revoke_key
+    from shared.store.cache import KEYS, PostgresCache
+    from shared.store.keys import authenticate, create_key, hash_key, revoke_key
     from tests.conftest import POSTGRES_URL
 
     drop = configure_stack("postgres+redis", {"TUNEJOB_DATA_DIR": str(tmp_path)})
@@ -267,7 +268,7 @@ def test_postgres_key_caches_of_two_processes_drop_a_revoked_key_and_do_without_
         key, row = create_key("tenant-c")  # before the caches listen: no notification still to come
         caller, digest = authenticate(key), hash_key(key)
         conninfo = get_settings().sqlalchemy_url.replace("+psycopg", "")
-        caches = [PostgresKeyCache(conninfo) for _ in range(2)]
+        caches = [PostgresCache(conninfo, KEYS) for _ in range(2)]
         wait_until(lambda: all(c.get(digest)[1] is not None for c in caches), "both caches listen")
         for cache in caches:
             cache.put(digest, caller, cache.get(digest)[1])

@@ -25,7 +25,6 @@ from shared.schemas.jobs import (
 from shared.store import artifacts
 from shared.store.engine import read_session
 from shared.store.rows import JobMetric
-from shared.store.tenancy import Caller, owned_job
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 Status = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled|pruned)$")]
@@ -67,7 +66,7 @@ def list_jobs(caller: CallerDep, status: Status = None, limit: Annotated[int, Qu
 @router.get("/{job_id}")
 async def get_job(job_id: str, caller: CallerDep) -> JobOut:
     """The job; a queued one with its place in the queue and estimated start (``queue``)."""
-    job = lifecycle.to_out(await store.read(lifecycle.get_job, job_id, caller))
+    job = lifecycle.to_out(await store.job(job_id, caller))
     return (await store.read(with_positions, [job]))[0] if job.status == "queued" else job
 
 
@@ -90,12 +89,13 @@ async def job_metrics(job_id: str, caller: CallerDep, after_step: Annotated[int,
                       limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> dict[str, list[MetricOut]]:
     """The metric series (step, epoch, name, value, time), ordered by step. A value that was not
     finite (NaN, Infinity) is null, with ``nonfinite`` true."""
-    return {"data": await store.read_rows(_metrics, job_id, caller, after_step, limit=limit)}
+    await store.job(job_id, caller)
+    return {"data": await store.cached(("metrics", job_id, after_step, limit), _metrics, job_id, after_step,
+                                       limit=limit)}
 
 
-def _metrics(job_id: str, caller: Caller, after_step: int, limit: int) -> list[MetricOut]:
+def _metrics(job_id: str, after_step: int, limit: int) -> list[MetricOut]:
     with read_session() as s:
-        owned_job(s, job_id, caller)
         rows = s.scalars(METRICS_AFTER_STEP, {"job_id": job_id, "after_step": after_step, "limit": limit}).all()
         return [MetricOut.model_validate(m) for m in rows]
 

@@ -24,7 +24,7 @@ connection of the pool made before it, so the next ones connect afresh (SQLAlche
 with Disconnects", optimistic handling).
 
 ``data_version()`` tells whether a SQLite store changed since it was last asked, for what caches
-reads (``shared.store.keys.SqliteKeyCache``) or polls the store (``api.feeds``).
+reads (``shared.store.cache.SqliteCache``) or polls the store (``api.feeds``).
 """
 
 import sqlite3

@@ -56,19 +56,21 @@ def by_id(session: Session, model: type[Row], id_: str, **options) -> Row | None
     return None if "\x00" in id_ else session.get(model, id_, **options)
 
 
-def owned(session: Session, model: type[Row], id_: str, caller: Caller, param: str | None = None,
-          for_update: bool = False) -> Row:
-    """The ``model`` row ``id_`` if ``caller`` may see it; ``for_update`` locks it on PostgreSQL
-    (``SELECT … FOR UPDATE``) before a change that depends on what it holds.
+def find(session: Session, model: type[Row], id_: str, for_update: bool = False) -> Row | None:
+    """The ``model`` row ``id_``, whoever's it is, or None; ``for_update`` locks it on PostgreSQL
+    (``SELECT … FOR UPDATE``) before a change that depends on what it holds."""
+    if for_update or "\x00" in id_:
+        return by_id(session, model, id_, with_for_update=for_update or None)
+    return session.scalars(ROW_BY_ID[model], {"id": id_}).first()
+
+
+def visible(row: Row | None, model: type[Row], id_: str, caller: Caller, param: str | None = None) -> Row:
+    """``row`` (the ``model`` row ``id_``, as ``find`` returned it) if ``caller`` may see it.
 
     Raises:
         NotFound: (404) no such row, or it belongs to another tenant: the two are not told apart.
         Deleted: (404) the caller's row was deleted (a tombstone), saying so and when.
     """
-    if for_update or "\x00" in id_:
-        row = by_id(session, model, id_, with_for_update=for_update or None)
-    else:
-        row = session.scalars(ROW_BY_ID[model], {"id": id_}).first()
     if row is None or not caller.sees(row.tenant):
         raise NotFound(model.__name__.lower(), id_, param)
     if row.deleted_at is not None:
@@ -76,18 +78,36 @@ def owned(session: Session, model: type[Row], id_: str, caller: Caller, param: s
     return row
 
 
-def owned_job(session: Session, job_id: str, caller: Caller, for_update: bool = False, kind: str = "train") -> Job:
-    """``owned(session, Job, job_id, caller)``: check this before reading a job's metrics, events,
-    checkpoints or artifacts, or changing it. The one place jobs are told apart by ``kind``: a job
-    of another kind (a prediction on ``/jobs/…``, a training job on ``/predictions/…``) is absent.
+def owned(session: Session, model: type[Row], id_: str, caller: Caller, param: str | None = None,
+          for_update: bool = False) -> Row:
+    """The ``model`` row ``id_`` if ``caller`` may see it: ``visible(find(...))``.
 
     Raises:
-        NotFound, Deleted: see ``owned``; NotFound also for a job of another ``kind``.
+        NotFound, Deleted: see ``visible``.
     """
-    job = owned(session, Job, job_id, caller, for_update=for_update)
+    return visible(find(session, model, id_, for_update), model, id_, caller, param)
+
+
+def of_kind(job: Job, kind: str) -> Job:
+    """``job`` if it is of ``kind``: the one place jobs are told apart by ``kind``; a job of another
+    kind (a prediction on ``/jobs/…``, a training job on ``/predictions/…``) is absent.
+
+    Raises:
+        NotFound: the job is of another kind.
+    """
     if job.kind != kind:
-        raise NotFound("job" if kind == "train" else "prediction", job_id)
+        raise NotFound("job" if kind == "train" else "prediction", job.id)
     return job
+
+
+def owned_job(session: Session, job_id: str, caller: Caller, for_update: bool = False, kind: str = "train") -> Job:
+    """``owned(session, Job, job_id, caller)`` of ``kind``: check this before reading a job's
+    metrics, events, checkpoints or artifacts, or changing it.
+
+    Raises:
+        NotFound, Deleted: see ``visible`` and ``of_kind``.
+    """
+    return of_kind(owned(session, Job, job_id, caller, for_update=for_update), kind)
 
 
 def lock_tenant(session: Session, tenant: str) -> None:
