@@ -22,11 +22,11 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from shared.jobs.lifecycle import find_job
 from shared.settings import get_settings
 from shared.store.cache import JOBS, cache_for
 from shared.store.rows import Job
-from shared.store.tenancy import Caller, of_kind, visible
+from shared.store.engine import read_session
+from shared.store.tenancy import Caller, find, of_kind, visible
 
 T = TypeVar("T")
 INLINE_ROWS = 100  # a poll's new rows (e.g. a few steps' metrics): about 1 ms of CPU
@@ -83,6 +83,12 @@ async def cached(key: Hashable, fn: Callable[..., T], *args, limit: int | None =
         if cache is not None and value is not None and (limit is None or len(value) <= INLINE_ROWS):
             cache.put(key, value, version)
     return value
+
+
+def find_job(job_id: str) -> Job | None:
+    """The row of job ``job_id``, whoever's it is, or None (check it before showing it)."""
+    with read_session() as s:
+        return find(s, Job, job_id)
 
 
 async def job(job_id: str, caller: Caller, kind: str = "train") -> Job:

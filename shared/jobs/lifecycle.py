@@ -40,7 +40,7 @@ from shared.settings import get_settings
 from shared.store import artifacts, idempotency, quotas
 from shared.store.engine import keyset_page, read_session, session_scope
 from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
-from shared.store.tenancy import Caller, find, lock_tenant, of_kind, owned_job, scoped, visible
+from shared.store.tenancy import Caller, lock_tenant, owned_job, scoped
 
 ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
 RESUMES_FROM = {"train": "the latest checkpoint", "predict": "the last results part written"}
@@ -152,14 +152,8 @@ def get_job(job_id: str, caller: Caller, kind: str = "train") -> Job:
         NotFound: no such job, another tenant's, or one of another kind. Deleted: the job was
             deleted (``delete_job``).
     """
-    return of_kind(visible(find_job(job_id), Job, job_id, caller), kind)
-
-
-def find_job(job_id: str) -> Job | None:
-    """The row of job ``job_id``, whoever's it is, or None: check it with ``tenancy.visible`` and
-    ``tenancy.of_kind`` before showing it."""
     with read_session() as s:
-        return find(s, Job, job_id)
+        return owned_job(s, job_id, caller, kind=kind)
 
 
 def list_jobs(caller: Caller, limit: int, after: str | None = None, status: str | None = None,
