@@ -11,9 +11,15 @@ after one warm-up:
   EmbedLayerNormalization, Attention, BiasGelu, SkipLayerNormalization), then
   ``onnxruntime.quantization.quantize_dynamic`` (QInt8 weights).
 
-Needs ``pip install onnxruntime onnx`` (not a dependency of tunejob). Prints one line per path.
+Also PyTorch bf16 autocast (``precision: "bf16"``), and with ``--pt2e`` torchao's PT2E dynamic int8
+quantization (``X86InductorQuantizer``, the int8 kernels of oneDNN, AMX where the CPU has it)
+compiled by inductor, in fp32 and under bf16 autocast ("int8-mixed-bf16"), with the seconds the
+batch's one shape took to compile (a prediction job's batches have many widths).
 
-    python -m bench.onnx_int8 [--batch-size 32] [--max-length 512] [--threads 2]
+Needs ``pip install onnxruntime onnx`` (not a dependency of tunejob), and for ``--pt2e``
+``pip install --no-deps torchao`` and a C++ compiler. Prints one line per path.
+
+    python -m bench.onnx_int8 [--batch-size 32] [--max-length 512] [--threads 2] [--pt2e]
 """
 
 import argparse
@@ -38,11 +44,36 @@ def mean_seconds(fn, runs: int = 3):
     return (time.perf_counter() - started) / runs, out
 
 
+def pt2e(model, inputs: dict, fp32: float, reference: torch.Tensor) -> None:
+    """Print the PT2E int8 paths (see the module's docstring): compile seconds, ms a batch, and the
+    largest logit difference from PyTorch fp32's ``reference``."""
+    import torch._inductor.config
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        X86InductorQuantizer, get_default_x86_inductor_quantization_config)
+
+    torch._inductor.config.freezing = True  # constant-folds the weights into the int8 kernels
+    for name, bf16 in (("int8", False), ("int8-mixed-bf16", True)):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config(is_dynamic=True))
+            prepared = prepare_pt2e(torch.export.export(model, (), inputs, strict=False).module(), quantizer)
+            prepared(**inputs)
+            compiled = torch.compile(convert_pt2e(prepared))
+            started = time.perf_counter()
+            compiled(**inputs)
+            compile_seconds = time.perf_counter() - started
+            seconds, out = mean_seconds(lambda: compiled(**inputs))
+        logits = (out.logits if hasattr(out, "logits") else out[0]).float()
+        print(f"torchao PT2E {name}, inductor: compiled in {compile_seconds:.1f} s, {seconds * 1000:.0f} ms a batch "
+              f"({fp32 / seconds:.2f}x PyTorch fp32); largest logit difference {float((logits - reference).abs().max()):.4f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--pt2e", action="store_true", help="also torchao's PT2E int8 paths, compiled by inductor")
     args = p.parse_args(argv)
     import onnx
     import onnxruntime as ort
@@ -66,7 +97,12 @@ def main(argv=None) -> int:
         fp32, reference = mean_seconds(lambda: model(**inputs).logits)
         quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
         int8, _ = mean_seconds(lambda: quantized(**inputs).logits)
-    print(f"PyTorch fp32 {fp32 * 1000:.0f} ms a batch; PyTorch int8 {int8 * 1000:.0f} ms ({fp32 / int8:.2f}x fp32)")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16, _ = mean_seconds(lambda: model(**inputs).logits)
+    print(f"PyTorch fp32 {fp32 * 1000:.0f} ms a batch; PyTorch int8 {int8 * 1000:.0f} ms ({fp32 / int8:.2f}x fp32); "
+          f"PyTorch bf16 autocast {bf16 * 1000:.0f} ms ({fp32 / bf16:.2f}x fp32)")
+    if args.pt2e:
+        pt2e(model, inputs, fp32, reference)
 
     model.config._attn_implementation = "eager"  # the pattern ORT's BERT fusion recognises
     with tempfile.TemporaryDirectory() as tmp:
