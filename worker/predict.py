@@ -16,6 +16,7 @@ import torch
 
 from shared.data.problems import Problems
 from shared.errors import UserError
+from shared.inference.int8 import Int8Model
 from shared.inference.loop import LoadedModel, load_for_inference, predict_texts
 from shared.jobs.base_models import resolve_model
 from shared.jobs.predictions import (
@@ -37,6 +38,9 @@ from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job
 from worker.device import describe
 from worker.report import Reporter
+
+INT8_WAYS = {"compiled": "int8: torchao PT2E dynamic quantization compiled by inductor, under bf16 autocast",
+             "eager": "int8: eager dynamic quantization of the Linear layers (torch.ao quantize_dynamic)"}
 
 
 @dataclass
@@ -92,6 +96,10 @@ def setup(job: Job, device: torch.device, reporter: Reporter) -> Scoring:
     start = time.perf_counter()
     spec = PredictionCreate.model_validate(job.spec)
     loaded = load_for_inference(model_directory(job.base_model), device, spec.precision)
+    if isinstance(loaded.model, Int8Model):
+        reporter.event("int8", INT8_WAYS[loaded.model.way] + (f" (the compiled model failed: {loaded.model.fallback})"
+                                                             if loaded.model.fallback else ""),
+                       level="warning" if loaded.model.fallback else "info")
     with read_session() as s:
         dataset = s.get(Dataset, job.training_dataset_id)
     directory = results_dir(job.id)

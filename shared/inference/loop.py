@@ -43,6 +43,7 @@ from transformers.pipelines.token_classification import AggregationStrategy
 from shared.data.batching import bucket_width, job_ladder, token_budget_batches
 from shared.errors import UserError, without_paths
 from shared.inference.heads import task_of
+from shared.inference.int8 import Int8Model, eager_int8
 from shared.inference.precision import autocast_dtype
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
@@ -67,7 +68,7 @@ class LoadedModel:
     label is predicted; ``entities`` (token_classification only) the pipeline whose post-processing
     groups tokens into entities."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module  # an ``Int8Model`` for int8 but token classification
     tokenizer: object  # a transformers fast tokenizer
     task: str
     label_names: list[str] | None
@@ -99,10 +100,10 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
     model's threshold is its config's ``decision_threshold`` (``DEFAULT_DECISION_THRESHOLD`` if absent).
 
     ``precision``: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``fp32``, ``bf16`` (bf16 autocast) or
-    ``int8`` (CPU only: every ``nn.Linear`` replaced by its dynamically quantized int8 version,
-    ``torch.ao.quantization.quantize_dynamic``; weights int8, activations quantized per batch;
-    PyTorch docs, "Dynamic Quantization"). On BBC News @512 (2-core AMD EPYC): 1.36x fp32's
-    rows/s, 99.42% of labels equal (docs/benchmarks.md).
+    ``int8`` (CPU only: every ``nn.Linear`` in int8, weights quantized once and activations per
+    batch: ``shared.inference.int8``, compiled on CPUs with AMX, eager elsewhere and for token
+    classification). On BBC News @512 (2-core AMD EPYC, eager): 1.36x fp32's rows/s, 99.42% of
+    labels equal (docs/benchmarks.md).
     bf16 is opt-in on the CPU: it changed 0.05% of Rotten Tomatoes labels, and on a CPU with
     avx512_bf16 but no AMX it ran at 0.54x fp32's rows/s (docs/benchmarks.md, "Prediction"; an
     earlier session's AMX CPU ran it about twice as fast, changing about 0.1% of labels).
@@ -134,8 +135,11 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
         raise UserError("model_not_predictable", "the model's tokenizer has no fast version", "model")
     labels = [config.id2label[i] for i in range(config.num_labels)] if task != "regression" else None
     max_length = min(tokenizer.model_max_length, config.max_position_embeddings)
-    if precision == "int8":
-        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    if precision == "int8" and task == "token_classification":
+        model = eager_int8(model)
+    elif precision == "int8":
+        example = tokenizer(["an example", "a longer example text"], padding=True, return_tensors="pt")
+        model = Int8Model(model, {k: example[k] for k in tokenizer.model_input_names if k in example}, max_length)
     return LoadedModel(
         model, tokenizer, task, labels, max_length, device, "int8" if precision == "int8" else PRECISION_NAMES[dtype],
         decision_threshold=getattr(config, "decision_threshold", DEFAULT_DECISION_THRESHOLD)

@@ -30,7 +30,8 @@ class PredictionCreate(BaseModel):
                                    "texts are truncated and counted. Default: the model's limit.")
     precision: Literal["auto", "fp32", "bf16", "int8"] = Field("auto", description=(
         "``auto``: bf16 on a GPU, fp32 on the CPU; ``int8``: CPU workers only, the model's Linear layers "
-        "dynamically quantized to int8 (PyTorch ``quantize_dynamic``): faster, labels may differ slightly."))
+        "dynamically quantized to int8 (compiled on CPUs with AMX, else PyTorch ``quantize_dynamic``): faster, "
+        "labels may differ slightly."))
 
     @model_validator(mode="before")
     @classmethod

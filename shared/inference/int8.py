@@ -1,0 +1,103 @@
+"""``precision: "int8"`` on the CPU: the model's ``nn.Linear`` layers in int8.
+
+Two ways, one chosen per CPU (measured in docs/benchmarks.md, "BBC News @512: throughput"):
+
+- **Compiled** (CPUs with AMX, ``torch.cpu._is_amx_tile_supported()``): torchao's PT2E dynamic
+  int8 quantization (``X86InductorQuantizer``: weights int8 per channel, activations quantized per
+  batch) of the model exported with a dynamic number of rows and width (``torch.export``), compiled
+  by inductor (``torch.compile(dynamic=True)``: one compile serves every batch shape) and run under
+  bf16 autocast, so that the float ops between the int8 products (attention, GELU) use AMX-BF16 too
+  ("int8-mixed-bf16", torchao's "PyTorch 2 Export Quantization with X86 Backend through Inductor"
+  tutorial). On the 2-core AMX Xeon, one 32 x 512 batch of all-MiniLM-L6-v2 ran 3.46x fp32, and
+  one compile of 10-20 s served every width. It needs a C++ compiler at run time: where export,
+  quantization or the first compiled batch fails, the eager way is used and ``Int8Model.fallback``
+  says why.
+- **Eager** (every other CPU, and the fallback): ``torch.ao.quantization.quantize_dynamic`` of every
+  ``nn.Linear`` (PyTorch docs, "Dynamic Quantization"): 1.36x fp32's rows/s on BBC News @512 on the
+  2-core AMD EPYC (AVX2), 1.55x on one batch on the AMX Xeon.
+"""
+
+import copy
+import logging
+from types import SimpleNamespace
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def eager_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with every ``nn.Linear`` dynamically quantized to int8."""
+    return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+class Int8Model(torch.nn.Module):
+    """A sequence-classification model in int8, called like the model (``input_ids``,
+    ``attention_mask``, ``token_type_ids`` of shape ``[rows, width]``) and answering an object with
+    ``logits`` (``[rows, labels]``, float). ``way`` is ``"compiled"`` or ``"eager"``; ``fallback``
+    why a compiled model was not used (None if it was, or if the CPU has no AMX)."""
+
+    def __init__(self, model: torch.nn.Module, example: dict[str, torch.Tensor], max_width: int):
+        super().__init__()
+        self.eager, self.compiled, self.fallback = eager_int8(model), None, None
+        if torch.cpu._is_amx_tile_supported():
+            try:
+                self.compiled = compiled_int8(model, example, max_width)
+                self.compiled(**example)  # compiles now: a failure falls back here, not in a job's batch
+            except Exception as e:  # no C++ compiler, an op export or inductor cannot take, ...
+                self.fail(e)
+
+    @property
+    def way(self) -> str:
+        return "compiled" if self.compiled is not None else "eager"
+
+    def fail(self, error: Exception) -> None:
+        self.compiled, self.fallback = None, f"{type(error).__name__}: {str(error)[:300]}"
+        log.warning("int8: the compiled model failed (%s); using eager dynamic quantization", self.fallback)
+
+    def forward(self, **batch: torch.Tensor) -> SimpleNamespace:
+        if self.compiled is not None:
+            try:
+                return SimpleNamespace(logits=self.compiled(**batch).float())
+            except Exception as e:
+                self.fail(e)
+        return SimpleNamespace(logits=self.eager(**batch).logits)
+
+
+def compiled_int8(model: torch.nn.Module, example: dict[str, torch.Tensor], max_width: int):
+    """``model`` (its inputs as in ``example``, ``[rows, width]`` each) exported with dynamic rows
+    and width (2 to ``max_width``), quantized by torchao's PT2E (dynamic int8,
+    ``X86InductorQuantizer``) and compiled by inductor; returns a function of the same inputs that
+    answers the logits, running under bf16 autocast."""
+    import torch._inductor.config
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        X86InductorQuantizer, get_default_x86_inductor_quantization_config)
+
+    torch._inductor.config.freezing = True  # folds the int8 weights into the compiled kernels
+    rows, width = torch.export.Dim("rows", min=1), torch.export.Dim("width", min=2, max=max_width)
+    logits_of = LogitsOf(copy.deepcopy(model))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        exported = torch.export.export(logits_of, (), example, strict=False,
+                                       dynamic_shapes={name: {0: rows, 1: width} for name in example}).module()
+        quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config(is_dynamic=True))
+        prepared = prepare_pt2e(exported, quantizer)
+        prepared(**example)
+        compiled = torch.compile(convert_pt2e(prepared), dynamic=True)
+
+    def run(**batch: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return compiled(**batch)
+    return run
+
+
+class LogitsOf(torch.nn.Module):
+    """``model``'s ``logits`` alone (a tensor, which export keeps as the graph's one output)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
