@@ -102,8 +102,8 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
     ``precision``: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``fp32``, ``bf16`` (bf16 autocast) or
     ``int8`` (CPU only: every ``nn.Linear`` in int8, weights quantized once and activations per
     batch: ``shared.inference.int8``, compiled on CPUs with AMX, eager elsewhere and for token
-    classification). On BBC News @512 (2-core AMD EPYC, eager): 1.36x fp32's rows/s, 99.42% of
-    labels equal (docs/benchmarks.md).
+    classification). On BBC News @512: 2.69x fp32's rows/s compiled (2-core AMX Xeon), 1.36x
+    eager (2-core AMD EPYC); 99.73% and 99.42% of labels equal (docs/benchmarks.md).
     bf16 is opt-in on the CPU: it changed 0.05% of Rotten Tomatoes labels, and on a CPU with
     avx512_bf16 but no AMX it ran at 0.54x fp32's rows/s (docs/benchmarks.md, "Prediction"; an
     earlier session's AMX CPU ran it about twice as fast, changing about 0.1% of labels).
