@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from shared.errors import UserError
 from shared.inference.loop import load_for_inference, predict_texts
@@ -44,9 +45,11 @@ def test_int8_quantizes_every_linear_layer_and_predicts(models_dir, monkeypatch,
               or isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
     assert layers and all(t is torch.ao.nn.quantized.dynamic.Linear for t in layers), set(layers)
     texts = texts_of_many_widths()
+    compiled_at_load = counters["stats"]["unique_graphs"]
     a, b = predict_texts(fp32, texts), predict_texts(int8, texts, max_tokens=256)  # batches of several widths
     assert len(b.rows) == 40 and (a.tokens, a.truncated) == (b.tokens, b.truncated)
     assert int8.model.way == ("compiled" if amx else "eager")  # no batch fell back
+    assert counters["stats"]["unique_graphs"] == compiled_at_load  # the load's one compile served every batch
     # the same model: probabilities close (tiny-bert's random head separates classes barely, so labels may flip)
     assert largest_gap(a, b) < 0.05, largest_gap(a, b)
 
