@@ -9,9 +9,9 @@ Two ways, one chosen per CPU (measured in docs/benchmarks.md, "BBC News @512: th
   bf16 autocast, so that the float ops between the int8 products (attention, GELU) use AMX-BF16 too
   ("int8-mixed-bf16", torchao's "PyTorch 2 Export Quantization with X86 Backend through Inductor"
   tutorial). On the 2-core AMX Xeon, all-MiniLM-L6-v2 scored BBC News @512 at 2.69x fp32's rows/s
-  (1.86x counting the one compile, 22 s, that served every width), 99.73% of labels equal. It needs a C++ compiler at run time: where export,
-  quantization or the first compiled batch fails, the eager way is used and ``Int8Model.fallback``
-  says why.
+  (1.86x counting the one compile, 22 s, that served every width), 99.73% of labels equal. It
+  needs a C++ compiler at run time: where export, quantization or a compiled batch fails, the
+  eager way is used and ``Int8Model.fallback`` says why.
 - **Eager** (every other CPU, and the fallback): ``torch.ao.quantization.quantize_dynamic`` of every
   ``nn.Linear`` (PyTorch docs, "Dynamic Quantization"): 1.36x fp32's rows/s on BBC News @512 on the
   2-core AMD EPYC (AVX2), 1.55x on one batch on the AMX Xeon.
