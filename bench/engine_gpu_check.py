@@ -39,6 +39,15 @@ with dropout off (``matches_eager``); "replays draw new dropout masks" in ``chec
 ``failed_capture`` reserved memory flat at 6,430 MiB; capture 1.2-2.2 s for 4 widths; 17 steps
 with graphs 0.14 s against 0.47 s eagerly.
 
+The cases of issue 40 (packed micro-batches, ``worker.packing``):
+
+- ``packed_matches_padded``: with dropout off and graphs off, a job with ``packing: true`` trains
+  like the same job padded (losses within bf16 rounding), says so in an event, computes no
+  padding, and reads nothing back per step (no synchronising call).
+- ``packed_speed``: long texts at ``--long-length`` (BBC-like: most near the limit, some short),
+  dropout on, eager steps: training seconds and real tokens/s padded and packed, with the peak
+  memory of each.
+
 The one-command acceptance run (on the GPU machine, after ``source .device/gpu/on-device.sh``, see
 ../shared/gpu/README.md), this script then the whole-epoch benchmark, peers in the same lease:
     python -m bench.engine_gpu_check --model bert-base-rand --json $OUT/engine_gpu_check.json && \
@@ -150,11 +159,62 @@ def issue_29_cases(args, device) -> dict[str, dict]:
     """The CUDA-graph cases of issue 29 (module docstring), each with ``ok`` and what it saw; a case
     that raises is ``ok: false`` with its traceback, and the others still run."""
     out = {}
-    for case in (checked_and_replay_order, no_padding, later_widths, failed_capture, accumulation):
+    for case in (checked_and_replay_order, no_padding, later_widths, failed_capture, accumulation, packed_cases):
         try:
             out.update(case(args, device))
         except Exception:  # noqa: BLE001 - one case's crash must not hide the others' results
             out[case.__name__] = {"ok": False, "error": traceback.format_exc()[-2000:]}
+    return out
+
+
+def packed_cases(args, device) -> dict[str, dict]:
+    """``packed_matches_padded`` and ``packed_speed`` (module docstring)."""
+    from shared.settings import get_settings
+    from worker.train import train, warm_up
+
+    out, trained = {}, {}
+    get_settings().cuda_graphs = False
+    try:
+        for packing in (False, True):
+            rec = Recorder()
+            run = make_run(args, device, rec, dropout=False, packing=packing)
+            warm_up(run, rec)
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                train(run, rec)
+            torch.cuda.set_sync_debug_mode("default")
+            syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+            trained[packing] = rec, run.state, syncs
+        (padded, _, _), (packed, state, syncs) = trained[False], trained[True]
+        difference = largest_difference(packed.losses, padded.losses)
+        steps = len(packed.losses)
+        out["packed_matches_padded"] = {
+            "ok": difference < 2e-2 and state.padded_tokens == state.real_tokens and len(syncs) <= steps // 20 + 2
+            and any(c == "packing" and m.startswith("packed") for c, m in packed.said),
+            "largest_relative_difference": difference, "steps": steps, "sync_warnings": len(syncs),
+            "sync_examples": syncs[:3], "events": [m for c, m in packed.said if c == "packing"]}
+
+        long_args = argparse.Namespace(**{**vars(args), "max_length": args.long_length})
+        speed = {}
+        for packing in ("padded", "packed"):
+            rec = Recorder()
+            run = make_run(long_args, device, rec, words=(args.long_length // 4, args.long_length),
+                           packing=packing == "packed")
+            warm_up(run, rec)
+            torch.cuda.reset_peak_memory_stats()
+            _, seconds = timed(lambda: train(run, rec))
+            st = run.state
+            speed[packing] = {"train_s": round(seconds, 3), "steps": st.step, "real_tokens": st.real_tokens,
+                              "computed_tokens": st.padded_tokens,
+                              "real_tokens_per_s": round(st.real_tokens / seconds),
+                              "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20),
+                              "events": [m for c, m in rec.said if c == "packing"]}
+        out["packed_speed"] = {"ok": speed["packed"]["computed_tokens"] == speed["packed"]["real_tokens"],
+                               "max_length": args.long_length,
+                               "speedup": round(speed["padded"]["train_s"] / speed["packed"]["train_s"], 3), **speed}
+    finally:
+        get_settings().cuda_graphs = True
     return out
 
 
@@ -278,6 +338,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--examples", type=int, default=1024)
+    parser.add_argument("--long-length", type=int, default=512, help="max_length of packed_speed's long texts")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     os.environ.setdefault("TUNEJOB_DATA_DIR", tempfile.mkdtemp(prefix="engine-check-"))

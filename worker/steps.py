@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from transformers import get_linear_schedule_with_warmup
 
+from worker.packing import pack, packed_logits, position_offset
+
 
 def make_optimizer(model: torch.nn.Module, hp, device: torch.device,
                    capturable: bool = False) -> torch.optim.AdamW:
@@ -99,7 +101,8 @@ class Steps:
 
     Takes from ``run``: ``model``, the fp32 (master) weights the optimizer updates;
     ``forward_model``, what computes (the model, its ``torch.compile`` wrapper, or its bf16 copy);
-    ``optimizer``, ``scaler``, ``dtype``, ``device`` and the task. With ``static_grads``
+    ``optimizer``, ``scaler``, ``dtype``, ``device`` and the task. With ``packing`` each padded
+    micro-batch is laid out without padding before it runs (``worker.packing``). With ``static_grads``
     every gradient tensor is allocated once and zeroed in place (CUDA graphs need fixed addresses;
     so does the bf16 copy); otherwise gradients are freed after each step, as
     ``zero_grad(set_to_none=True)`` does (less memory traffic on the CPU).
@@ -108,11 +111,12 @@ class Steps:
         ValueError: the optimizer is not fused (only fused AdamW honours ``found_inf``).
     """
 
-    def __init__(self, run, static_grads: bool = False):
+    def __init__(self, run, static_grads: bool = False, packing: bool = False):
         if not run.optimizer.defaults.get("fused"):
             raise ValueError("the training step needs a fused AdamW: it skips non-finite steps through found_inf")
         self.model, self.forward_model, self.optimizer, self.scaler = run.model, run.forward_model, run.optimizer, run.scaler
         self.device, self.task = run.device, run.job.task
+        self.packing, self.position_offset = packing, position_offset(run.model)
         self.compute_model = run.forward_model if uses_bf16_copy(run) else None
         self.autocast = run.dtype if self.compute_model is None else None  # bf16 copies need no autocast
         self.static_grads = static_grads or self.compute_model is not None
@@ -137,7 +141,8 @@ class Steps:
 
         Returns:
             (``[loss, grad_norm, skipped]`` on the device, a copy the caller may keep; tokens
-            computed beyond the pieces' own, for filler rows).
+            computed beyond the pieces' padded ones: filler rows of CUDA graphs, or minus the
+            padding that packing dropped).
         """
         self.n_examples.fill_(n_examples)
         filler_tokens = sum(self.micro_step(piece) for piece in pieces)
@@ -146,11 +151,19 @@ class Steps:
 
     def micro_step(self, batch: dict[str, torch.Tensor]) -> int:
         """Forward and backward of one padded micro-batch (``[rows, width]`` inputs and ``labels``,
-        on the host, pinned on CUDA); returns the filler tokens it computed (none here)."""
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        on the host, pinned on CUDA), packed first with ``packing``; returns the tokens it computed
+        beyond its padded ones: none, or minus its padding when packed."""
+        computed = 0
+        if self.packing:
+            padded = batch["input_ids"].numel()
+            batch = pack(batch, self.position_offset, token_labels=self.task == "token_classification")
+            computed = batch["input_ids"].numel() - padded
+            if self.device.type == "cuda":  # a copy from pageable memory would wait for the GPU
+                batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         labels = batch.pop("labels")
         self.forward_backward(batch, labels, None)
-        return 0
+        return computed
 
     def finish_step(self) -> None:
         """The optimizer step after the micro-batches (``update``)."""
@@ -163,7 +176,10 @@ class Steps:
         into the gradients and ``step_loss``."""
         autocast = self.autocast
         with torch.autocast(self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-            logits = self.forward_model(**inputs).logits
+            if "cu_seq_lens_q" in inputs:  # packed (``pack``)
+                logits = packed_logits(self.forward_model, inputs, self.task)
+            else:
+                logits = self.forward_model(**inputs).logits
         losses = example_losses(logits, labels, self.task)
         if weights is not None:
             losses = losses * weights

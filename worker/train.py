@@ -57,6 +57,7 @@ from shared.store.rows import Job
 from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
 from worker.device import describe, padding_ladder
 from worker.graphs import CHECK_STEPS, CapturedSteps, capture_steps, clear_cache, eager_reason
+from worker.packing import padded_reason
 from worker.report import PhaseTimer, Reporter, timed
 from worker.run_logs import write_run_logs
 from worker.steps import (
@@ -357,7 +358,7 @@ def warm_up(run: Run, reporter: Reporter | None = None) -> None:
                    f"{str(e)[:400]})", "warning")
     elif run.device.type == "cuda":
         notify(reporter, "cuda_graphs_off", f"training eagerly: {reason}", "info")
-    run.steps = eager_steps(run)
+    run.steps = eager_steps(run, reporter)
 
 
 def first_steps(run: Run, n: int) -> list[tuple[list[dict[str, torch.Tensor]], int]]:
@@ -399,12 +400,20 @@ def notify(reporter: Reporter | None, code: str, message: str, level: str = "inf
         reporter.event(code, message, level=level)
 
 
-def eager_steps(run: Run) -> Steps:
-    """Eager steps for ``run``; bf16 trains a bf16 copy of the model (``worker.steps``)."""
+def eager_steps(run: Run, reporter: Reporter | None = None) -> Steps:
+    """Eager steps for ``run``; bf16 trains a bf16 copy of the model (``worker.steps``). A job
+    with ``packing`` trains on packed micro-batches unless ``worker.packing.padded_reason`` says
+    why not; an event (``packing``) says which."""
     if uses_bf16_copy(run) and next(run.forward_model.parameters()).dtype != torch.bfloat16:
         compute = bf16_copy(run.model)
         run.forward_model = torch.compile(compute) if run.hp.torch_compile else compute
-    return Steps(run)
+    hp = run.hp
+    reason = padded_reason(run.model, hp.torch_compile, hp.gradient_checkpointing) if hp.packing else "packing is off"
+    if reason is None:
+        notify(reporter, "packing", "packed micro-batches: no padding, attention per example (variable-length kernel)")
+    elif hp.packing:
+        notify(reporter, "packing", f"padded micro-batches: {reason}", "warning")
+    return Steps(run, packing=reason is None)
 
 
 # ----------------------------------------------------------------------------- train
@@ -502,7 +511,7 @@ def train_step_with_backoff(run: Run, reporter: Reporter, group: list[dict]) -> 
             run.steps.discard_step()
             if isinstance(run.steps, CapturedSteps):
                 clear_cache()
-                run.steps = Steps(run)
+                run.steps = eager_steps(run, reporter)
                 reporter.event("cuda_graphs_off", "out of memory: dropped the CUDA graphs, training eagerly",
                                level="warning")
             if run.device.type == "cuda":

@@ -104,6 +104,10 @@ class Hyperparameters(BaseModel):
     gradient_checkpointing: bool = False
     freeze_embeddings: bool = False
     torch_compile: bool = Field(False, description="torch.compile the model; lengths are padded to multiples of 64.")
+    packing: bool = Field(
+        False, description="Lay each micro-batch's examples end to end without padding, attention per example on a "
+        "variable-length kernel (flash on CUDA in bf16/fp16). Eager steps only: CUDA graphs capture padded widths. "
+        "BERT and RoBERTa families; others train padded, with an event.")
     eval_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
     save_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
     save_total_limit: int = Field(2, ge=1, le=1000, description="Checkpoints kept on disk (the newest).")
