@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     # CPU threads in the API process (None: half the cores, at least 1; the rest serve requests).
     max_sync_inputs: int = 64
     sync_model_cache: int = 2
+    # Prediction jobs: models a worker keeps loaded between them (least recently used evicted), so a
+    # model's second job pays neither its load nor int8's compile; a training job on CUDA empties it.
+    worker_model_cache: int = 1
     sync_predict_threads: int | None = None
 
     # Webhooks (shared.jobs.webhooks): loopback, link-local and private URLs are refused unless

@@ -58,6 +58,9 @@ def _on_worker_init(**_) -> None:
     job (its recovery loop is the bootstep ``WorkerRecovery``)."""
     global stopping
     stopping = threading.Event()
+    # Inductor's caches (compiled kernels and graphs, e.g. int8 prediction's) on disk under the data
+    # directory, where a restarted worker finds them, not in /tmp
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(get_settings().path("cache", "inductor")))
     preload()
 
 
@@ -204,6 +207,10 @@ def train_job(job, device, reporter) -> str:
     from worker.report import PhaseTimer
     from worker.train import fine_tune
 
+    if device.type == "cuda":
+        from worker.predict import release_models
+
+        release_models()
     timer = PhaseTimer(reporter, queued=(job.timings or {}).get("queued"))
     with read_session() as s:
         train = s.get(Dataset, job.training_dataset_id)

@@ -289,8 +289,9 @@ class ModelCache:
         self._models: OrderedDict[str, CachedModel] = OrderedDict()
         self._lock = Lock()
 
-    def get(self, key: str, model_dir: Path) -> CachedModel:
-        """The model cached under ``key``, loaded from ``model_dir`` if it is not.
+    def get(self, key: str, model_dir: Path, precision: str | None = None) -> CachedModel:
+        """The model cached under ``key``, loaded from ``model_dir`` if it is not, in ``precision``
+        (default: the cache's; a key must name one precision).
 
         Raises:
             UserError: see ``load_for_inference``.
@@ -299,7 +300,7 @@ class ModelCache:
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
-        loaded = CachedModel(load_for_inference(model_dir, self.device, self.precision), Lock())
+        loaded = CachedModel(load_for_inference(model_dir, self.device, precision or self.precision), Lock())
         with self._lock:
             cached = self._models.setdefault(key, loaded)
             self._models.move_to_end(key)
@@ -311,3 +312,8 @@ class ModelCache:
         """The cached keys, least recently used first."""
         with self._lock:
             return list(self._models)
+
+    def clear(self) -> None:
+        """Drop every cached model."""
+        with self._lock:
+            self._models.clear()
