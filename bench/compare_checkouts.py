@@ -60,7 +60,7 @@ with torch.no_grad():
     for i in range(0, len(test), 64):
         chunk = test.iloc[i:i + 64]
         enc = tokenizer(list(chunk.text), truncation=True, max_length=hp["max_length"], padding=True,
-                            return_tensors="pt")
+                        return_tensors="pt")
         predicted = run.model(**enc).logits.argmax(-1).tolist()
         correct += sum(labels[p] == label for p, label in zip(predicted, chunk.label))
 print("RESULT " + json.dumps({"loss": reporter.series("train_loss"), "grad_norm": reporter.series("grad_norm"),
