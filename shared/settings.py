@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     models_dir: Path | None = None  # extra Hugging Face model directories, one per model
     device: Literal["auto", "cuda", "cpu"] = "auto"
     cpu_reuse_freed_memory: bool = True  # CPU workers: keep freed memory in the heap (worker.device)
-    cuda_graphs: bool = True  # CUDA workers replay captured training steps (worker.graphs); off: eager
+    cuda_graphs: bool = True  # CUDA workers replay captured training steps (worker.training.graphs); off: eager
     # ... for jobs whose micro-batches average fewer padded tokens than this (above it the GPU is busy)
     cuda_graphs_max_tokens: int = 8192
     cuda_graph_cache: int = 1  # captured models (with their graphs, weights, optimizer) a worker keeps

@@ -126,13 +126,13 @@ def test_markdown_sections_are_replaced_in_place(tmp_path):
 def test_trainer_starts_from_the_engines_initial_weights(tiny_models):
     from transformers import set_seed
 
-    from worker.train import load_model
+    from worker.training.setup import load_model
 
     spec = RunSpec(dataset="bbc", config="smart", model="tiny-bert", device="cpu", precision="auto",
                    batch_size=BATCH, max_length=MAX_LENGTH, train_size=TEXTS, val_size=HELD_OUT)
     labels = ["business", "entertainment", "politics", "sport", "tech"]
     peer = peer_model(resolve_model("tiny-bert"), labels, seed=42).state_dict()
-    set_seed(42)  # as worker.train.setup does before it loads the model
+    set_seed(42)  # as worker.training.setup.prepare_job does before the recipe loads the model
     engine = load_model(resolve_model("tiny-bert"), make_job("smart", spec, labels)).state_dict()
     assert peer.keys() == engine.keys() and all(torch.equal(peer[k], engine[k]) for k in peer)
 

@@ -1,4 +1,4 @@
-"""Packed (padding-free) micro-batches give the padded step's loss and gradients (worker.packing).
+"""Packed (padding-free) micro-batches give the padded step's loss and gradients (worker.training.packing).
 
 fp32, dropout off, tiny models built from a config: classification, pairs (token_type_ids),
 multi_label, regression, token classification and RoBERTa positions (``padding_idx + 1``), at
@@ -17,8 +17,8 @@ from transformers import (
     RobertaConfig,
 )
 
-from worker.packing import pack, packed_logits, position_offset, unsupported_reason
-from worker.steps import example_losses
+from worker.training.packing import pack, packed_logits, position_offset, unsupported_reason
+from worker.training.steps import example_losses
 
 MAX_LENGTH = 12
 VOCAB = 50
@@ -119,17 +119,18 @@ def test_a_family_without_packed_attention_is_named():
 
 
 def test_a_packed_job_trains_like_the_padded_job(engine_env):
-    """The whole loop (``worker.train``) with ``packing: true`` on the CPU: the same losses, weights
+    """The whole loop (``worker.training.recipe``) with ``packing: true`` on the CPU: the same losses, weights
     and real tokens as padded, no padding computed, and an event that says so."""
     from tests.conftest import RecordingReporter
     from tests.test_steps import make_run
-    from worker import train as engine
 
     padded_reporter, packed_reporter = RecordingReporter(), RecordingReporter()
     padded = make_run("padded", padded_reporter, epochs=2, batch_size=8)
-    assert engine.train(padded, padded_reporter) == "completed" and not padded.steps.packing
+    padded.warm_up(padded_reporter)
+    assert padded.train(padded_reporter) == "completed" and not padded.steps.packing
     packed = make_run("packed", packed_reporter, epochs=2, batch_size=8, packing=True)
-    assert engine.train(packed, packed_reporter) == "completed" and packed.steps.packing
+    packed.warm_up(packed_reporter)
+    assert packed.train(packed_reporter) == "completed" and packed.steps.packing
     losses = padded_reporter.series("train_loss")
     assert len(losses) > 2 and packed_reporter.series("train_loss") == pytest.approx(losses, rel=1e-5)
     for (name, p), q in zip(packed.model.named_parameters(), padded.model.parameters()):

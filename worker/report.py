@@ -143,8 +143,8 @@ class PhaseTimer:
 
 
 def timed(phase: str):
-    """Decorator: time a function whose first argument is a ``worker.train.Run`` as ``phase`` of
-    ``run.timer``."""
+    """Decorator: time a method of ``worker.training.recipe.Recipe`` (anything with a ``timer``) as
+    ``phase`` of its ``timer``."""
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper(run, *args, **kwargs):

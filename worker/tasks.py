@@ -66,7 +66,7 @@ def _on_worker_init(**_) -> None:
 
 def preload() -> None:
     """Import what every job needs once per worker process: torch, transformers, scikit-learn and
-    SciPy (through ``worker.train``; ``worker.predict`` for predictions), the model class of each available base model, and matplotlib
+    SciPy (through ``worker.training.recipe``; ``worker.predict`` for predictions), the model class of each available base model, and matplotlib
     and tensorboardX, which draw every artifact's training curves and TensorBoard logs
     (``worker.run_logs``). On the 2-core CPU, with other test suites running, that was about 9 s
     the first job of a worker used to pay: 7 s of imports beyond torch (which the worker already
@@ -78,7 +78,7 @@ def preload() -> None:
     import transformers
 
     import worker.predict  # noqa: F401
-    import worker.train  # noqa: F401
+    import worker.training.recipe  # noqa: F401
 
     for path, _ in available_models().values():
         try:
@@ -202,10 +202,10 @@ def recipe(kind: str):
 
 
 def train_job(job, device, reporter) -> str:
-    """Load the job's data and train it, resuming from its latest checkpoint (``worker.train``)."""
+    """Load the job's data and train it, resuming from its latest checkpoint (``worker.training.recipe``)."""
     from worker.data import load_job_data
     from worker.report import PhaseTimer
-    from worker.train import fine_tune
+    from worker.training.recipe import fine_tune
 
     if device.type == "cuda":
         from worker.predict import release_models

@@ -1,5 +1,5 @@
 """The ``torch.autocast`` dtype a precision setting means on a device: one rule for training
-(``worker.train``) and prediction (``shared.inference``)."""
+(``worker.training``) and prediction (``shared.inference``)."""
 
 import torch
 

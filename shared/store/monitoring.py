@@ -18,7 +18,7 @@ STATUSES = (JobStatus.QUEUED, JobStatus.RUNNING, *JobStatus.FINISHED)
 
 @dataclass
 class RunningJob:
-    """A running job's row as its worker last reported it (``worker.train.log_step``)."""
+    """A running job's row as its worker last reported it (``worker.training.progress.log_steps``)."""
 
     id: str
     base_model: str
