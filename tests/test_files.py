@@ -19,7 +19,7 @@ from tests.conftest import RecordingReporter
 from tests.test_engine import make_job
 from worker import train as engine
 from worker.data import tokenize
-from worker.report import PhaseTimer
+from worker.progress import PhaseTimer
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The recovery loop (reaper and sweeper) lives exactly as long as the API or worker that runs it.
+"""The recovery loop lives exactly as long as the API or worker that runs it.
 
 The in-process worker of the API tests (``celery.contrib.testing.worker.start_worker``) stops with
 a cold shutdown, which sends no ``worker_shutdown`` signal. Its recovery loop used to be started by

@@ -38,8 +38,8 @@ def prepare_api(host: str) -> None:
 def signin_link(host: str, port: int) -> str | None:
     """A one-time link that signs a browser in to the dashboard (``/ui``) with the local key of
     ``tunejob serve`` (``<data dir>/api_key``); None when there is no usable local key."""
-    from shared.store.keys import authenticate, local_key_path
     from shared.store import ui_sessions
+    from shared.store.keys import authenticate, local_key_path
 
     path = local_key_path()
     caller = authenticate(path.read_text().strip()) if path.is_file() else None

@@ -57,7 +57,7 @@ from shared.store.rows import Job
 from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
 from worker.device import describe, padding_ladder
 from worker.graphs import CHECK_STEPS, CapturedSteps, capture_steps, clear_cache, eager_reason
-from worker.report import PhaseTimer, Reporter, timed
+from worker.progress import PhaseTimer, Reporter, timed
 from worker.run_logs import write_run_logs
 from worker.steps import (
     Steps,

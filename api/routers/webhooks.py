@@ -8,8 +8,7 @@ from fastapi import APIRouter, Query, Response
 from api.auth import CallerDep
 from api.errors import error_responses
 from shared.jobs import webhooks
-from shared.schemas.webhooks import (DeliveryList, DeliveryOut, WebhookCreate, WebhookCreated, WebhookList,
-                                     WebhookOut)
+from shared.schemas.webhooks import DeliveryList, DeliveryOut, WebhookCreate, WebhookCreated, WebhookList, WebhookOut
 from shared.store.webhook_rows import Webhook, WebhookDelivery
 
 router = APIRouter(prefix="/webhooks", tags=["webhooks"])

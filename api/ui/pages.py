@@ -14,16 +14,15 @@ from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
 from sse_starlette import EventSourceResponse
 
-from shared.jobs import lifecycle, predictions, sweeps, uploads
-from shared.store import artifacts, keys
-from shared.jobs.base_models import available_models
 from shared.data.problems import Problems
 from shared.data.read import read_batches
 from shared.errors import NotFound, UserError
-from shared.store.rows import JobStatus
+from shared.jobs import lifecycle, predictions, sweeps, uploads
+from shared.jobs.base_models import available_models
 from shared.schemas.jobs import Hyperparameters, JobCreate
 from shared.settings import get_settings
-from shared.store import ui_sessions
+from shared.store import artifacts, keys, ui_sessions
+from shared.store.rows import JobStatus
 from shared.store.tenancy import Caller
 
 router = APIRouter()

@@ -47,10 +47,9 @@ from shared.inference.int8 import Int8Model, eager_int8
 from shared.inference.precision import autocast_dtype
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
-# Default token budget per batch (rows x padded width). CPU: on the 2-core CPU under load 6-7
-# (fine-tuned all-MiniLM-L6-v2, 2,000 Rotten Tomatoes texts, 1 thread), 1,024 to 4,096 ran at
-# 76-92 rows/s, within noise of each other, 8,192 slower (86 vs 124 rows/s at 2,048, one run
-# each); larger batches pad more. CUDA: unmeasured, sized for a BERT-base forward in bf16.
+# Default token budget per batch (rows x padded width). CPU: the largest budget not slower than the
+# smaller ones (docs/benchmarks.md, "Measurements behind the defaults"); larger batches pad more.
+# CUDA: sized for a BERT-base forward in bf16.
 DEFAULT_MAX_TOKENS = {"cpu": 4096, "cuda": 65536}
 PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # autocast dtype -> name
 DEFAULT_DECISION_THRESHOLD = 0.5  # multi_label: a model saved without ``decision_threshold`` in its config
@@ -102,11 +101,8 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
     ``precision``: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``fp32``, ``bf16`` (bf16 autocast) or
     ``int8`` (CPU only: every ``nn.Linear`` in int8, weights quantized once and activations per
     batch: ``shared.inference.int8``, compiled on CPUs with AMX, eager elsewhere and for token
-    classification). On BBC News @512: 2.69x fp32's rows/s compiled (2-core AMX Xeon), 1.36x
-    eager (2-core AMD EPYC); 99.73% and 99.42% of labels equal (docs/benchmarks.md).
-    bf16 is opt-in on the CPU: it changed 0.05% of Rotten Tomatoes labels, and on a CPU with
-    avx512_bf16 but no AMX it ran at 0.54x fp32's rows/s (docs/benchmarks.md, "Prediction"; an
-    earlier session's AMX CPU ran it about twice as fast, changing about 0.1% of labels).
+    classification). bf16 is opt-in on the CPU: it changes a few labels, and is slower than fp32 on
+    a CPU without AMX (the speed and agreement of each precision: docs/benchmarks.md, "Prediction").
 
     Returns:
         the model in eval mode on ``device``, with its task, label names and length limit.

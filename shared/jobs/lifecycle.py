@@ -17,24 +17,24 @@ through this one lifecycle; the routes of each kind see only its jobs (``shared.
 
 Files follow the rows: ``delete_job`` (and ``shared.jobs.uploads.delete_dataset``) leave a tombstone row (the id answers
 404 saying it was deleted) and remove the files; a succeeded job's step checkpoints are deleted
-(``discard_checkpoints``); ``sweep_files`` applies ``artifact_retention_days`` and removes whatever
+(``discard_checkpoints``); ``clean_up_files`` applies ``artifact_retention_days`` and removes whatever
 a process that died between its commit and its clean-up left behind.
 """
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
 from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from shared.errors import Conflict, NotFound, UserError, without_paths
-from shared.jobs import trials, webhooks
+from shared.jobs import trials
 from shared.jobs.planning import check_spec
+from shared.jobs.trials import ACTIVE, cancel_in, end_job, insert_queued
 from shared.schemas.jobs import Hyperparameters, JobCreate, JobOut, Progress, Timings, json_safe
 from shared.settings import get_settings
 from shared.store import artifacts, idempotency, quotas
@@ -42,7 +42,6 @@ from shared.store.engine import keyset_page, read_session, session_scope
 from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
 from shared.store.tenancy import Caller, lock_tenant, owned_job, scoped
 
-ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
 RESUMES_FROM = {"train": "the latest checkpoint", "predict": "the last results part written"}
 
 
@@ -132,19 +131,6 @@ def admission(caller: Caller) -> Iterator[Session]:
         yield s
 
 
-def insert_queued(s: Session, job: Job, message: str, claim: idempotency.Claim | None,
-                  view: Callable[[Job], BaseModel]) -> Job:
-    """Add ``job`` (queued) and its ``created`` event to session ``s``; with an idempotency
-    ``claim``, record its API view (``view(job)``, once the row's defaults are filled) as the 201
-    answer in the same transaction."""
-    s.add(job)
-    s.add(JobEvent(job_id=job.id, code="created", level="info", message=message))
-    s.flush()
-    if claim is not None:
-        idempotency.complete(s, claim, 201, view(job).model_dump(mode="json"))
-    return job
-
-
 def get_job(job_id: str, caller: Caller, kind: str = "train") -> Job:
     """The job, if ``caller`` may see it and it is of ``kind`` (``train`` or ``predict``).
 
@@ -198,13 +184,6 @@ def list_checkpoints(job_id: str, caller: Caller) -> list[Checkpoint]:
         return list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
 
 
-def _end(s: Session, job: Job, status: str, now: datetime) -> None:
-    """Set a job's final status, end time and ``timings.total``, and its webhook deliveries (``webhooks.job_ended``)."""
-    job.status, job.finished_at = status, now
-    job.timings = {**(job.timings or {}), "total": round((now - job.created_at).total_seconds(), 3)}
-    webhooks.job_ended(s, job)
-
-
 def cancel_requested(job_id: str) -> bool:
     with read_session() as s:
         return bool(s.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
@@ -216,7 +195,7 @@ def add_event(job_id: str, code: str, message: str, level: str = "info") -> None
 
 
 def mark_enqueued(job_id: str) -> None:
-    """Record that the broker accepted the job's message (the sweeper re-sends jobs without it)."""
+    """Record that the broker accepted the job's message (the recovery loop re-sends jobs without it)."""
     with session_scope() as s:
         s.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
 
@@ -236,17 +215,6 @@ def request_cancel(job_id: str, caller: Caller, kind: str = "train") -> Job:
         job = owned_job(s, job_id, caller, for_update=True, kind=kind)
         cancel_in(s, job, now)
         return job
-
-
-def cancel_in(s: Session, job: Job, now: datetime, why: str = "") -> None:
-    """Row locked: a queued job ends cancelled (a trial's sweep goes on), a running one is flagged to stop."""
-    if job.status == JobStatus.QUEUED:
-        _end(s, job, JobStatus.CANCELLED, now)
-        s.add(JobEvent(job_id=job.id, code="cancelled", level="info", message="cancelled before it started" + why))
-        trials.ended(s, job)
-    elif job.status == JobStatus.RUNNING and not job.cancel_requested:
-        job.cancel_requested = True
-        s.add(JobEvent(job_id=job.id, code="cancel_requested", level="info", message="cancel requested" + why))
 
 
 def _lease_expiry() -> datetime:
@@ -327,7 +295,7 @@ def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> boo
     if restart and job.restarts >= get_settings().max_restarts:
         job.error = {"code": "too_many_restarts",
                      "message": f"gave up after {job.restarts} restarts; last: {message}"}
-        _end(s, job, JobStatus.FAILED, utcnow())
+        end_job(s, job, JobStatus.FAILED, utcnow())
         s.add(JobEvent(job_id=job.id, code="failed", level="error", message=job.error["message"]))
         trials.ended(s, job)
         return False
@@ -338,7 +306,7 @@ def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> boo
 
 
 def recover() -> list[str]:
-    """The reaper and the sweeper, safe to run from any number of processes at once.
+    """Expired leases and lost messages, safe to run from any number of processes at once.
 
     Re-queues running jobs whose lease expired (``job_restarted``; ``failed`` after
     ``max_restarts``), and returns the ids of queued jobs whose message must be (re-)sent: never
@@ -354,7 +322,7 @@ def recover() -> list[str]:
             _requeue_or_fail(s, job, "job_restarted",
                              f"lease of worker {job.lease_owner} expired at {job.lease_expires_at:%H:%M:%S}; "
                              f"resuming from {RESUMES_FROM[job.kind]}", restart=True)
-        grace = now - timedelta(seconds=settings.sweep_seconds)
+        grace = now - timedelta(seconds=settings.recovery_seconds)
         stale = now - timedelta(seconds=settings.resend_after_seconds)
         return list(s.scalars(select(Job.id).where(
             Job.status == JobStatus.QUEUED,
@@ -362,7 +330,7 @@ def recover() -> list[str]:
         )))
 
 
-def report(
+def record_progress(
     job_id: str,
     worker_id: str,
     progress: dict[str, Any] | None = None,
@@ -418,7 +386,7 @@ def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | Non
         if job is None or job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
             return False
         job.error, job.lease_owner, job.lease_expires_at = error, None, None
-        _end(s, job, status, utcnow())
+        end_job(s, job, status, utcnow())
         job.eta_seconds = 0.0 if status == JobStatus.SUCCEEDED else None
         level = "info" if status != JobStatus.FAILED else "error"
         message = status if error is None else f"{status}: {error['message']}"
@@ -468,7 +436,7 @@ def model_files(job_id: str, caller: Caller) -> dict[str, Path]:
 def discard_checkpoints(job_id: str) -> None:
     """Delete the checkpoint directory of a job that ``finish`` recorded as succeeded (its step
     checkpoints and best-model links: the artifact has the model) or pruned (its weights are not
-    kept). A directory left by a worker that died before this is removed by ``sweep_files``."""
+    kept). A directory left by a worker that died before this is removed by ``clean_up_files``."""
     artifacts.remove_tree(artifacts.checkpoints_dir(job_id))
 
 
@@ -502,7 +470,7 @@ def delete_job(job_id: str, caller: Caller, kind: str = "train") -> None:
     artifacts.remove_tree(artifacts.artifacts_dir(job_id))
 
 
-def sweep_files() -> None:
+def clean_up_files() -> None:
     """Retention and clean-up of files, safe to run from any number of processes at once.
 
     Marks the files of jobs that finished more than ``artifact_retention_days`` ago as deleted

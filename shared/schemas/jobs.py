@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validat
 
 from shared.schemas.queue import QueuePosition
 
+
 def json_safe(value: Any) -> Any:
     """``value`` with every non-finite float (NaN, Infinity) replaced by None, for strict JSON
     (and for SQLite, which stores NaN as NULL, and PostgreSQL's json, which has no NaN)."""

@@ -24,9 +24,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import ForeignKey, String, delete, select
 from sqlalchemy.orm import Mapped, mapped_column
 
+from shared.settings import get_settings
 from shared.store.engine import read_session, session_scope
 from shared.store.rows import ApiKey, Base, utcnow
-from shared.settings import get_settings
 from shared.store.tenancy import Caller
 
 COOKIE = "tunejob_session"
