@@ -68,11 +68,12 @@ async def authenticate(
                         "local key is in <TUNEJOB_DATA_DIR>/api_key; more with `tunejob keys create`)",
                         "Authorization", status=401, headers=UNAUTHORIZED)
     else:
-        caller = keys.cached_caller(credentials.credentials) or await db.read(keys.authenticate,
-                                                                                 credentials.credentials)
-        if caller is None:
+        found = keys.cached_caller(credentials.credentials) or await db.read(keys.authenticate,
+                                                                                credentials.credentials)
+        if found is None:
             raise UserError("invalid_api_key", "the API key is not valid, or it was revoked", "Authorization",
                             status=401, headers=UNAUTHORIZED)
+        caller = found
     if get_settings().rate_limit_storage_url.startswith("memory://"):
         check_rate(caller)
     else:
@@ -119,6 +120,8 @@ def check_rate(caller: Caller) -> None:
     Raises:
         UserError: 429 ``rate_limited``, ``Retry-After`` = seconds until the window lets one through.
     """
+    if caller.key_id is None:  # an internal caller: no key to count against
+        return
     settings = get_settings()
     limiter = _limiter(settings.rate_limit_storage_url)
     for item in _rate_limits(settings.rate_limit):

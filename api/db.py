@@ -20,7 +20,7 @@ import contextvars
 import functools
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from shared.settings import get_settings
 from shared.store.cache import JOBS, cache_for
@@ -71,7 +71,7 @@ async def read_rows(fn: Callable[..., list], *args, limit: int) -> list:
     return await in_thread(fn, *args, limit)
 
 
-async def cached(key: Hashable, fn: Callable[..., T], *args, limit: int | None = None) -> T:
+async def cached(key: Hashable, fn: Callable[..., Any], *args, limit: int | None = None) -> Any:
     """``fn(*args)`` read with ``read`` (with ``limit``: ``fn(*args, limit)`` with ``read_rows``), a
     read of jobs or their metrics, kept under ``key`` in this process's cache until a job or a
     metric changes (``shared.store.cache.JOBS``). Not kept: None (nothing found), and lists of more

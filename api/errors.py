@@ -11,6 +11,7 @@ later inherit this.
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -89,7 +90,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict]:
 
 
 def error_response(status: int, code: str, message: str, param: str | None = None,
-                   problems: list[dict] | None = None, headers: dict | None = None) -> JSONResponse:
+                   problems: list[dict] | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
     error = {"code": code, "message": message, "param": param, **({"problems": problems} if problems else {})}
     return SafeJSONResponse({"error": error}, status_code=status, headers=headers)
 
@@ -162,7 +163,7 @@ def field_path(error: dict, body: Any) -> list[str]:
 
 def allowed_methods(request: Request) -> list[str]:
     """Every method some route serves at this path (Starlette's own 405 names only the first route's)."""
-    methods = set()
+    methods: set[str] = set()
     for route in request.app.router.routes:
         if route.matches(request.scope)[0] != Match.NONE:
             methods |= getattr(route, "methods", None) or set()

@@ -27,7 +27,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -53,8 +53,9 @@ log = logging.getLogger("tunejob.api")
 QUEUE_SIZE = 256  # reads a slow stream may fall behind before it is dropped and re-reads the store
 _CURSOR = re.compile(r"m(\d+)-e(\d+)")
 # pydantic's JSON (a non-finite metric value, e.g. a diverged loss, becomes null; json.dumps would refuse it)
-_ROWS = TypeAdapter(dict[str, list[MetricOut] | list[EventOut]])
-VIEWS = {"train": lifecycle.to_out, predictions.KIND: predictions.to_out}  # the API view of a job of each kind
+_ROWS = TypeAdapter(dict[str, list[MetricOut | EventOut]])
+VIEWS: dict[str, Callable[[Job], JobOut | PredictionOut]] = {  # the API view of a job of each kind
+    "train": lifecycle.to_out, predictions.KIND: predictions.to_out}
 
 
 @dataclass
@@ -417,7 +418,7 @@ class Sent:
         return ServerSentEvent(data, event=event, id=str(self.cursor))
 
 
-def rows_json(rows: list[tuple[int, MetricOut | EventOut]]) -> str:
+def rows_json(rows: Sequence[tuple[int, MetricOut | EventOut]]) -> str:
     """``{"data": [rows]}`` without the ids."""
     return _ROWS.dump_json({"data": [row for _, row in rows]}).decode()
 

@@ -86,7 +86,11 @@ def create_job(client: Client, args, out: Console) -> int | None:
     spec = job_spec(args)
     if args.dry_run:
         plan = client.plan_job(spec)
-        return print_json(plan) if args.json else out.print_json(data=plan)
+        if args.json:
+            print_json(plan)
+        else:
+            out.print_json(data=plan)
+        return None
     job = client.create_job(spec)
     if args.quiet or args.json:
         print(job.model_dump_json(indent=2) if args.json else job.id, flush=True)
@@ -181,7 +185,11 @@ def create_prediction(client: Client, args, out: Console) -> int | None:
     spec = prediction_spec(args)
     if args.dry_run:
         plan = client.plan_prediction(spec)
-        return print_json(plan) if args.json else out.print_json(data=plan)
+        if args.json:
+            print_json(plan)
+        else:
+            out.print_json(data=plan)
+        return None
     prediction = client.create_prediction(spec)
     if args.quiet or args.json:
         print(prediction.model_dump_json(indent=2) if args.json else prediction.id, flush=True)

@@ -39,7 +39,11 @@ def create_sweep(client: Client, args, out: Console) -> int | None:
         spec["early_stopping"] = {**spec.get("early_stopping", {}), "type": args.early_stopping}
     if args.dry_run:
         plan = client.plan_sweep(spec)
-        return print_json(plan) if args.json else out.print_json(data=plan)
+        if args.json:
+            print_json(plan)
+        else:
+            out.print_json(data=plan)
+        return None
     sweep = client.create_sweep(spec)
     if args.quiet or args.json:
         print(sweep.model_dump_json(indent=2) if args.json else sweep.id, flush=True)

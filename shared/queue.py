@@ -90,8 +90,10 @@ def submit(spec: JobCreate | PredictionCreate, caller: Caller, claim: idempotenc
         UserError: the spec does not fit its model or data (see ``shared.jobs.planning.check_spec`` and
             ``shared.jobs.predictions.check_prediction``), or a quota (``shared.store.quotas``).
     """
-    create = predictions.create_prediction if isinstance(spec, PredictionCreate) else lifecycle.create_job
-    job = create(spec, caller, claim)
+    if isinstance(spec, PredictionCreate):
+        job = predictions.create_prediction(spec, caller, claim)
+    else:
+        job = lifecycle.create_job(spec, caller, claim)
     try:
         send(job.id)
     except Exception:

@@ -43,7 +43,7 @@ def signin_link(host: str, port: int) -> str | None:
 
     path = local_key_path()
     caller = authenticate(path.read_text().strip()) if path.is_file() else None
-    if caller is None:
+    if caller is None or caller.key_id is None:
         return None
     shown = "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else (f"[{host}]" if ":" in host else host)
     return f"http://{shown}:{port}/ui/signin/{ui_sessions.signin_link(caller.key_id)}"

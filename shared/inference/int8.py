@@ -36,7 +36,8 @@ class Int8Model(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, example: dict[str, torch.Tensor], max_width: int):
         super().__init__()
-        self.eager, self.compiled, self.fallback = eager_int8(model), None, None
+        self.eager, self.compiled = eager_int8(model), None
+        self.fallback: str | None = None
         if torch.cpu._is_amx_tile_supported():
             try:
                 self.compiled = compiled_int8(model, example, max_width)

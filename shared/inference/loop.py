@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from threading import Lock
+from typing import cast
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from transformers import (
     AutoTokenizer,
     BatchEncoding,
     DataCollatorWithPadding,
+    PreTrainedTokenizerBase,
     TokenClassificationPipeline,
 )
 from transformers.pipelines.token_classification import AggregationStrategy
@@ -68,7 +70,7 @@ class LoadedModel:
     groups tokens into entities."""
 
     model: torch.nn.Module  # an ``Int8Model`` for int8 but token classification
-    tokenizer: object  # a transformers fast tokenizer
+    tokenizer: PreTrainedTokenizerBase  # a transformers fast tokenizer
     task: str
     label_names: list[str] | None
     model_max_length: int
@@ -207,7 +209,7 @@ def run_batches(loaded: LoadedModel, features: list[dict], batches: list[np.ndar
         for indices in batches:
             width = bucket_width(ladder, max(len(features[i]["input_ids"]) for i in indices))
             pad = DataCollatorWithPadding(loaded.tokenizer, padding="max_length", max_length=width)
-            batch = pad([features[i] for i in indices]).to(loaded.device)
+            batch = pad([features[i] for i in indices]).to(loaded.device)  # type: ignore[attr-defined]  # a BatchEncoding
             outputs.append((indices, loaded.model(**batch).logits.float(), batch["attention_mask"]))
             padded += len(indices) * width
     logits: list[torch.Tensor | None] = [None] * len(features)
@@ -215,13 +217,13 @@ def run_batches(loaded: LoadedModel, features: list[dict], batches: list[np.ndar
         out, mask = out.cpu(), mask.cpu().bool()
         for j, i in enumerate(indices.tolist()):
             logits[i] = out[j, mask[j]] if out.dim() == 3 else out[j]
-    return logits, padded
+    return cast(list[torch.Tensor], logits), padded  # every text's row filled
 
 
 def classification_rows(loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str],
                         encoded: BatchEncoding) -> list[dict]:
     """Softmax over each text's ``[classes]`` logits: the top label, its probability, and every class's."""
-    names = loaded.label_names
+    names = loaded.label_names or []
     probabilities = torch.softmax(torch.stack(logits), dim=-1)
     top = probabilities.argmax(dim=-1).tolist()
     return [{"label": names[best], "score": row[best], "probabilities": dict(zip(names, row))}
@@ -238,7 +240,7 @@ def multi_label_rows(loaded: LoadedModel, logits: list[torch.Tensor], texts: lis
                      encoded: BatchEncoding) -> list[dict]:
     """The sigmoid of each text's ``[labels]`` logits: every label's score, and the labels (in
     label order) whose score is at least ``loaded.decision_threshold``."""
-    names, threshold = loaded.label_names, loaded.decision_threshold
+    names, threshold = loaded.label_names or [], loaded.decision_threshold
     return [{"labels": [n for n, p in zip(names, row) if p >= threshold], "probabilities": dict(zip(names, row))}
             for row in torch.sigmoid(torch.stack(logits)).tolist()]
 
@@ -251,6 +253,7 @@ def entity_rows(loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str
     top softmax probability), ``word`` (its tokens decoded), ``start`` and ``end`` (character
     offsets into the text, end exclusive). ``encoded``: with ``offset_mapping`` and
     ``special_tokens_mask``."""
+    assert loaded.entities is not None, "a token_classification model has its entities pipeline"
     rows = []
     for i, (text, scores) in enumerate(zip(texts, logits)):
         outputs = {"logits": scores[None], "sentence": text,

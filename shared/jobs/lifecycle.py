@@ -22,7 +22,7 @@ a process that died between its commit and its clean-up left behind.
 """
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -244,9 +244,10 @@ def claim(job_id: str, worker_id: str) -> Job | None:
                 error=None,
             )
         )
-        if result.rowcount != 1:
+        if result.rowcount != 1:  # type: ignore[attr-defined]  # DML returns a CursorResult
             return None
         job = s.get(Job, job_id, populate_existing=True)
+        assert job is not None  # the row the UPDATE just claimed
         if job.started_at is None:
             job.started_at = now
             job.timings = {"queued": round((now - job.created_at).total_seconds(), 3)}
@@ -265,7 +266,7 @@ def heartbeat(job_id: str, worker_id: str) -> bool:
             .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
             .values(lease_expires_at=_lease_expiry())
         )
-        return result.rowcount == 1
+        return result.rowcount == 1  # type: ignore[attr-defined]  # DML returns a CursorResult
 
 
 def discard_metrics_after(job_id: str, step: int) -> None:
@@ -334,7 +335,7 @@ def record_progress(
     job_id: str,
     worker_id: str,
     progress: dict[str, Any] | None = None,
-    metrics: list[tuple[int, float, str, float, datetime]] = (),
+    metrics: Sequence[tuple[int, float, str, float, datetime]] = (),
 ) -> bool:
     """One short transaction from the running worker: renew the lease, update progress fields and
     append metric rows ``(step, epoch, name, value, time)``. Non-finite values (NaN, Infinity) are
@@ -346,7 +347,7 @@ def record_progress(
             .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
             .values(lease_expires_at=_lease_expiry(), **json_safe(progress or {}))
         )
-        if result.rowcount != 1:
+        if result.rowcount != 1:  # type: ignore[attr-defined]  # DML returns a CursorResult
             return False
         s.add_all(
             JobMetric(job_id=job_id, step=st, epoch=ep, name=n, value=json_safe(v), time=t)
@@ -390,7 +391,7 @@ def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | Non
         job.eta_seconds = 0.0 if status == JobStatus.SUCCEEDED else None
         level = "info" if status != JobStatus.FAILED else "error"
         message = status if error is None else f"{status}: {error['message']}"
-        s.add(JobEvent(job_id=job_id, code="timings", level="info", message=describe_timings(job.timings)))
+        s.add(JobEvent(job_id=job_id, code="timings", level="info", message=describe_timings(job.timings or {})))
         s.add(JobEvent(job_id=job_id, code=status, level=level, message=message))  # the last event: how it ended
         if status in trials.NO_CHECKPOINTS:
             s.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id))
@@ -511,7 +512,7 @@ def _jobs_on_disk(folder: str, condition) -> list[str]:
         names = [n for n in os.listdir(get_settings().data_path / folder) if not n.startswith(".")]
     except FileNotFoundError:
         return []
-    found = []
+    found: list[str] = []
     with session_scope() as s:
         for i in range(0, len(names), 500):
             found += s.scalars(select(Job.id).where(Job.id.in_(names[i:i + 500]), condition)).all()

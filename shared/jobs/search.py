@@ -133,8 +133,10 @@ def grid(spec: SweepCreate) -> dict[str, list]:
     values = {}
     for name, d in spec.search_space.items():
         if d.type == "categorical":
-            values[name] = list(d.choices)
-        elif d.type == "int":
+            values[name] = list(d.choices or [])
+            continue
+        assert d.low is not None and d.high is not None  # a range: distributions() checked its bounds
+        if d.type == "int":
             values[name] = list(range(int(d.low), int(d.high) + 1, int(d.step or 1)))
         elif d.step:
             values[name] = [d.low + i * d.step for i in range(int((d.high - d.low) / d.step + 1e-9) + 1)]
@@ -191,7 +193,8 @@ def curves(s: Session, job_ids: list[str], metric: str) -> dict[str, dict[int, f
                      .where(JobMetric.job_id.in_(job_ids), JobMetric.name == f"eval_{metric}",
                             JobMetric.value.isnot(None)).order_by(JobMetric.id))
     for job_id, step, value in rows:
-        out[job_id].setdefault(step, value)
+        if value is not None:  # as the query asks: typed Optional, as the column is
+            out[job_id].setdefault(step, value)
     return out
 
 
@@ -222,7 +225,7 @@ def study_of(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: di
     """An in-memory Optuna study holding ``trials`` (in number order, so Optuna numbers them as we do)."""
     study = optuna.create_study(direction=spec.objective.direction, sampler=sampler(spec, asked),
                                 pruner=pruner(spec))
-    for job in sorted(trials, key=lambda j: j.trial_number):
+    for job in sorted(trials, key=lambda j: j.trial_number or 0):  # every trial has its number
         study.add_trial(frozen(job, spec, space, trial_curves[job.id]))
     return study
 

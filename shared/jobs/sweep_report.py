@@ -6,11 +6,15 @@ pictures of the rebuilt study, ``optimization_history.png`` and ``param_importan
 
 import csv
 import io
+from typing import TYPE_CHECKING, cast
 
 from shared.errors import NotFound, UserError
 from shared.jobs import search, sweeps
 from shared.store.engine import read_session
 from shared.store.tenancy import Caller
+
+if TYPE_CHECKING:  # matplotlib is imported only to draw
+    from matplotlib.figure import Figure
 
 NAMES = ("trials.csv", "optimization_history.png", "param_importances.png")
 
@@ -41,7 +45,7 @@ def report_file(sweep_id: str, name: str, caller: Caller) -> tuple[bytes, str]:
                         f"for {name}", "name", status=409)
     draw = plots.plot_optimization_history if name == "optimization_history.png" else plots.plot_param_importances
     axes = draw(study)
-    figure = axes.figure
+    figure = cast("Figure", axes.figure)  # a plot's own figure, never a subfigure
     figure.set_size_inches(8, 5)
     figure.tight_layout()
     out = io.BytesIO()

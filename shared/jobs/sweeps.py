@@ -75,7 +75,7 @@ def create_sweep(spec: SweepCreate, caller: Caller, claim: idempotency.Claim | N
     with lifecycle.admission(caller) as s:
         first = min(spec.max_parallel_trials, spec.max_trials)
         active = s.scalar(select(func.count()).select_from(Job).where(
-            Job.tenant == caller.tenant, Job.status.in_(ACTIVE)))
+            Job.tenant == caller.tenant, Job.status.in_(ACTIVE))) or 0
         limit = get_settings().max_active_jobs_per_tenant
         if active + first > limit:
             raise UserError("too_many_active_jobs", f"tenant {caller.tenant!r} has {active} queued or running jobs; "
@@ -109,7 +109,7 @@ def top_up_all() -> list[str]:
     for sweep_id in ids:
         with session_scope() as s:
             sweep = s.get(Sweep, sweep_id, with_for_update=True, populate_existing=True)
-            new += [job.id for job in top_up(s, sweep)]
+            new += [job.id for job in top_up(s, sweep)] if sweep is not None else []
     return new
 
 
@@ -128,7 +128,7 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
     with read_session() as s:
         job = s.get(Job, job_id)
         sweep = s.get(Sweep, job.sweep_id) if job is not None and job.sweep_id else None
-        if sweep is None:
+        if job is None or sweep is None:
             return False
         spec = spec_of(sweep)
         value = metrics.get(spec.objective.metric)
@@ -146,7 +146,8 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
     attrs = dict(study.get_trials(deepcopy=False)[-1].system_attrs)
     if attrs != (job.trial_attrs or {}):
         with session_scope() as s:
-            s.get(Job, job_id).trial_attrs = attrs
+            if (row := s.get(Job, job_id)) is not None:
+                row.trial_attrs = attrs
     return prune
 
 
@@ -247,7 +248,7 @@ def delete_sweep(sweep_id: str, caller: Caller) -> None:
         lifecycle.delete_job(job_id, Caller(sweep.tenant, admin=True))
 
 
-def events_since(sweep_id: str, caller: Caller, after_id: int) -> list[tuple[int, str, JobEvent, int]]:
+def events_since(sweep_id: str, caller: Caller, after_id: int) -> list[tuple[int, str, JobEvent, int | None]]:
     """For ``GET /sweeps/{id}/stream``: the trials' events after event id ``after_id``, as
     ``(event id, job id, event, trial number)``. Raises: NotFound, Deleted."""
     with read_session() as s:

@@ -29,7 +29,7 @@ def lock_sweep_of(s: Session, *job_ids: str) -> None:
     transaction that ends a trial takes its sweep's lock first, then job rows (``shared.jobs.sweeps``
     cancels a sweep's trials with its lock held), so that two never wait on each other."""
     ids = s.scalars(select(Job.sweep_id).where(Job.id.in_(job_ids), Job.sweep_id.isnot(None)).distinct()).all()
-    for sweep_id in sorted(ids):
+    for sweep_id in sorted(i for i in ids if i is not None):
         s.get(Sweep, sweep_id, with_for_update=True)
 
 

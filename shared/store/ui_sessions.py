@@ -64,6 +64,7 @@ def _insert(key_id: str, kind: str, lifetime: timedelta) -> str:
 
 def start(caller: Caller) -> str:
     """A new session for the key behind ``caller`` (an authenticated key); returns the cookie's token."""
+    assert caller.key_id is not None, "an internal caller has no key to sign in with"
     return _insert(caller.key_id, SESSION, timedelta(hours=get_settings().ui_session_hours))
 
 
