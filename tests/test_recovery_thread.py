@@ -35,3 +35,15 @@ def test_the_apis_recovery_loop_stops_with_the_app(tmp_path, models_dir):
     with TestClient(create_app(), base_url=BASE_URL):
         assert len(recovery_threads() - before) == 1
     assert recovery_threads() == before
+
+
+def test_the_recovery_period_is_read_under_its_former_name_too(monkeypatch):
+    """``TUNEJOB_RECOVERY_SECONDS`` was ``TUNEJOB_SWEEP_SECONDS`` before sweeps meant hyperparameter
+    sweeps: a deployment that sets the old name keeps its period; the new name wins over it."""
+    from shared.settings import Settings
+
+    monkeypatch.delenv("TUNEJOB_RECOVERY_SECONDS", raising=False)
+    monkeypatch.setenv("TUNEJOB_SWEEP_SECONDS", "3")
+    assert Settings().recovery_seconds == 3
+    monkeypatch.setenv("TUNEJOB_RECOVERY_SECONDS", "4")
+    assert Settings().recovery_seconds == 4
