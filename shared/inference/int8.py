@@ -1,6 +1,6 @@
 """``precision: "int8"`` on the CPU: the model's ``nn.Linear`` layers in int8.
 
-Two ways, one chosen per CPU (their speed and agreement with fp32: docs/benchmarks.md, "Prediction"):
+Two ways, one chosen per CPU (their speed and agreement with fp32: docs/benchmarks.md):
 
 - **Compiled** (CPUs with AMX, ``torch.cpu._is_amx_tile_supported()``): torchao's PT2E dynamic
   int8 quantization (``X86InductorQuantizer``: weights int8 per channel, activations quantized per

@@ -104,7 +104,7 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
     ``int8`` (CPU only: every ``nn.Linear`` in int8, weights quantized once and activations per
     batch: ``shared.inference.int8``, compiled on CPUs with AMX, eager elsewhere and for token
     classification). bf16 is opt-in on the CPU: it changes a few labels, and is slower than fp32 on
-    a CPU without AMX (the speed and agreement of each precision: docs/benchmarks.md, "Prediction").
+    a CPU without AMX (the speed and agreement of each precision: docs/benchmarks.md).
 
     Returns:
         the model in eval mode on ``device``, with its task, label names and length limit.
