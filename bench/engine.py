@@ -68,7 +68,7 @@ def make_job(config: str, spec, labels: list[str], task: str = "classification")
 
 
 class BenchReporter:
-    """The engine's reporter without a job store (the methods ``worker.report.Reporter`` offers the
+    """The engine's reporter without a job store (the methods ``worker.reporter.Reporter`` offers the
     recipe): events are kept, metrics dropped, the run never stopped. ``should_stop``, which the
     recipe asks after every optimizer step but the last, marks the end of each epoch and the start
     of a one-epoch run's steady-state window; it reads the host-side counts of ``run.state`` and

@@ -75,7 +75,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pandas as pd
 import torch
 
-from worker.report import (
+from worker.reporter import (
     MemoryReporter,  # settings are read at run time, after main sets TUNEJOB_DATA_DIR
 )
 
@@ -83,7 +83,7 @@ WORDS = "the a film story plot actor scene great bad dull fun long short music e
 
 
 class Recorder(MemoryReporter):
-    """The engine's reporter without a job store (``worker.report.MemoryReporter``), with the
+    """The engine's reporter without a job store (``worker.reporter.MemoryReporter``), with the
     training losses by step and the events as (code, message) pairs."""
 
     @property
@@ -162,7 +162,7 @@ def issue_29_cases(args, device) -> dict[str, dict]:
     for case in (checked_and_replay_order, no_padding, later_widths, failed_capture, accumulation, packed_cases):
         try:
             out.update(case(args, device))
-        except Exception:  # noqa: BLE001 - one case's crash must not hide the others' results
+        except Exception:
             out[case.__name__] = {"ok": False, "error": traceback.format_exc()[-2000:]}
     return out
 
@@ -202,7 +202,7 @@ def packed_cases(args, device) -> dict[str, dict]:
                            packing=packing == "packed")
             run.warm_up(rec)
             torch.cuda.reset_peak_memory_stats()
-            _, seconds = timed(lambda: run.train(rec))
+            _, seconds = timed(lambda run=run, rec=rec: run.train(rec))
             st = run.state
             speed[packing] = {"train_s": round(seconds, 3), "steps": st.step, "real_tokens": st.real_tokens,
                               "computed_tokens": st.padded_tokens,
@@ -428,7 +428,7 @@ def main(argv=None) -> int:
             fallbacks[name] = {"outcome": outcome, "event": said, "finite": all(map(math.isfinite, rec.losses.values()))}
         results["fallbacks"] = {"ok": all(f["outcome"] == "cancelled" and f["finite"] and (f["event"] or not cuda)
                                           for f in fallbacks.values()), **fallbacks}
-    except Exception:  # noqa: BLE001
+    except Exception:
         results["crashed"] = {"ok": False, "error": traceback.format_exc()[-3000:]}
 
     if cuda:

@@ -178,7 +178,7 @@ def run(args: argparse.Namespace, command: str) -> None:
     """Every configuration ``args.repeats`` times, each in a fresh process, the first configuration
     rotating per repeat; print the table and write it into ``args.markdown``'s section."""
     from bench.measure import host
-    from bench.report import update_markdown
+    from bench.tables import update_markdown
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for config in configs:
@@ -280,7 +280,7 @@ def measure_latency(dataset: str, requests: int, sizes: list[int]) -> dict:
 def latency(args: argparse.Namespace, command: str) -> None:
     """Measure and print the endpoint's latency; write it into ``args.markdown``'s section."""
     from bench.measure import host
-    from bench.report import update_markdown
+    from bench.tables import update_markdown
 
     machine = host()
     result = measure_latency(args.dataset, args.requests, [1, 64])
@@ -499,7 +499,7 @@ def measure_job(args: argparse.Namespace) -> dict:
 def job(args: argparse.Namespace, command: str) -> None:
     """Measure whole prediction jobs; print the table and write it into ``args.markdown``'s section."""
     from bench.measure import host
-    from bench.report import update_markdown
+    from bench.tables import update_markdown
 
     machine = host()
     result = measure_job(args)

@@ -17,7 +17,7 @@ from bench.engine import engine_hyperparameters, make_job, run_engine
 from bench.measure import Mark, epoch_figures, steady_from
 from bench.peers import load_model as peer_model
 from bench.peers import run_peer
-from bench.report import render, summarize, update_markdown
+from bench.tables import render, summarize, update_markdown
 from shared.jobs.base_models import resolve_model
 from shared.settings import get_settings
 
@@ -232,7 +232,7 @@ def test_token_classification_engine_and_trainer_on_wnut16(tiny_models):
 
 
 def test_saved_runs_render_as_one_table(tmp_path):
-    from bench.report import main as report_main
+    from bench.tables import main as report_main
 
     meta = {"date": "d1", "device": "cpu, load average 7.0", "device_type": "cpu", "command": "python -m bench.train A",
             "torch": "t", "transformers": "x", "model": "m", "dtype": "fp32", "epochs": 1, "repeats": 1,

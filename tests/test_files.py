@@ -18,7 +18,7 @@ from shared.store.manifest import sha256_of, verify_manifest
 from tests.conftest import RecordingReporter
 from tests.test_engine import make_job
 from worker.data import tokenize
-from worker.report import PhaseTimer
+from worker.reporter import PhaseTimer
 from worker.training.recipe import Recipe
 
 

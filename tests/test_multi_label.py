@@ -182,7 +182,7 @@ def test_openai_facade_maps_multi_label(stack):
 def test_cli_sends_the_multi_label_options():
     import argparse
 
-    from client.cli import add_create_arguments, job_spec
+    from client.options import add_create_arguments, job_spec
 
     parser = argparse.ArgumentParser()
     add_create_arguments(parser)

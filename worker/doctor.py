@@ -27,7 +27,7 @@ from shared.inference.precision import autocast_dtype
 from shared.jobs.base_models import BUILTIN, available_models
 from shared.settings import get_settings
 from worker.device import describe, resolve_device
-from worker.report import MemoryReporter
+from worker.reporter import MemoryReporter
 
 MODEL_NAME = "doctor-tiny-bert"
 WORDS = "the a film story plot actor scene great bad dull fun long short music ending cast".split()

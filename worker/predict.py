@@ -5,7 +5,7 @@ data), score_parts (the dataset streamed a part at a time, each part scored with
 A resumed attempt (the worker died, or was shut down) skips the rows of the parts already written
 (``shared.jobs.predictions``: their counts are in the parts' metadata), so no row is scored or written
 twice. Cancel, shutdown, lease loss and the time limit are checked between parts
-(``worker.report.Reporter.should_stop``).
+(``worker.reporter.Reporter.should_stop``).
 """
 
 import time
@@ -37,7 +37,7 @@ from shared.store import artifacts
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job
 from worker.device import describe
-from worker.report import Reporter
+from worker.reporter import Reporter
 
 INT8_WAYS = {"compiled": "int8: torchao PT2E dynamic quantization compiled by inductor, under bf16 autocast",
              "eager": "int8: eager dynamic quantization of the Linear layers (torch.ao quantize_dynamic)"}

@@ -12,7 +12,7 @@ import torch
 from shared.schemas.jobs import json_safe
 from shared.store import artifacts
 from shared.store.manifest import manifest_entries
-from worker.report import PhaseTimer
+from worker.reporter import PhaseTimer
 from worker.run_logs import write_run_logs
 from worker.training.files import write_atomically
 from worker.training.setup import JobSetup

@@ -9,7 +9,7 @@ from scipy.stats import pearsonr
 from sklearn.metrics import accuracy_score, f1_score, mean_squared_error
 
 from shared.data.batching import BatchPlan
-from worker.report import Reporter
+from worker.reporter import Reporter
 from worker.tagging import tagging_metrics, word_sequences
 from worker.training.batches import make_loader
 from worker.training.setup import JobSetup

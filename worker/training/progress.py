@@ -11,7 +11,7 @@ import torch
 from shared.errors import UserError
 from shared.schemas.jobs import Hyperparameters
 from worker.data import BatchStats
-from worker.report import Reporter
+from worker.reporter import Reporter
 from worker.training.batches import micro_batch_size
 from worker.training.setup import JobSetup
 from worker.training.state import TrainState

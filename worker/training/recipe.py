@@ -2,7 +2,7 @@
 
 ``Recipe`` follows torchtune's single-device recipe: one class whose methods are the phases, the
 only code that assigns the parts that train; what never changes during a run is the frozen
-``JobSetup``. Each phase is timed once (``worker.report.PhaseTimer``): ``setup`` times ``tokenize``
+``JobSetup``. Each phase is timed once (``worker.reporter.PhaseTimer``): ``setup`` times ``tokenize``
 and ``load``, ``@timed`` marks ``warm_up``, ``train``, ``run_evaluation`` and the saves.
 
 Techniques and their sources:
@@ -31,7 +31,7 @@ from shared.schemas.jobs import GREATER_IS_BETTER
 from shared.store.rows import Job
 from worker.data import BatchStats, JobData
 from worker.device import describe
-from worker.report import PhaseTimer, Reporter, timed
+from worker.reporter import PhaseTimer, Reporter, timed
 from worker.training import batches, export, metrics
 from worker.training.capture import CapturedSteps
 from worker.training.graphs import capture_steps, clear_cache, eager_reason
@@ -40,8 +40,16 @@ from worker.training.parity import CHECK_STEPS
 from worker.training.progress import StepRecord, StepTimer, log_steps, notify, read_every_seconds, should_stop_early
 from worker.training.setup import load_model, prepare_job
 from worker.training.state import TrainState, load_training_state, training_state, write_checkpoint
-from worker.training.steps import (Steps, StepValues, bf16_copy, loss_terms, make_optimizer, make_scheduler,
-                                   next_learning_rate, uses_bf16_copy)
+from worker.training.steps import (
+    Steps,
+    StepValues,
+    bf16_copy,
+    loss_terms,
+    make_optimizer,
+    make_scheduler,
+    next_learning_rate,
+    uses_bf16_copy,
+)
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer,
-                          PreTrainedTokenizerBase, set_seed)
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    set_seed,
+)
 from transformers import logging as hf_logging
 
 from shared.data.batching import BatchPlan
@@ -18,7 +23,7 @@ from shared.store import artifacts
 from shared.store.rows import Job
 from worker.data import BucketCollator, JobData, TokenizedDataset, make_collator, tokenize
 from worker.device import padding_ladder
-from worker.report import PhaseTimer, Reporter
+from worker.reporter import PhaseTimer, Reporter
 from worker.tagging import tokenize_words
 
 hf_logging.set_verbosity_error()
