@@ -4,8 +4,9 @@ CUDA-graph capture and its checks train on)."""
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -67,20 +68,27 @@ def first_steps(job_setup: JobSetup, state: TrainState, n: int) -> list[StepInpu
             for s in range(start, min(len(batches), start + n * accumulation), accumulation)]
 
 
-def width_sample(job_setup: JobSetup, micro_split: int, width: int) -> StepInputs:
+def width_sample(job_setup: JobSetup, micro_split: int, width: int,
+                 shape_of: Callable[[np.ndarray], int] | None = None) -> StepInputs:
     """One micro-batch the job will train on at bucket ``width`` (the first in plan order over its
-    epochs), collated and split as ``train_step`` will have it, with its loss terms.
+    epochs), collated and split as ``train_step`` will have it, with its loss terms. ``shape_of``:
+    the shape of a planned batch (its example indices) if not its bucket width (a packed job's
+    token bucket).
 
     Raises:
         ValueError: no micro-batch of the job's plan has that width.
     """
     plan = job_setup.plan
+
+    def bucket(batch: np.ndarray) -> int:
+        return bucket_width(job_setup.collator.ladder, int(plan.lengths[batch].max()))
+
     for epoch in range(max(1, math.ceil(job_setup.hp.epochs))):
         for batch in plan.epoch_batches(epoch):
-            if bucket_width(job_setup.collator.ladder, int(plan.lengths[batch].max())) == width:
+            if (shape_of or bucket)(batch) == width:
                 pieces, _ = step_inputs(job_setup, micro_split, [batch])
                 return pieces[:1], loss_terms(pieces[0]["labels"], job_setup.job.task)
-    raise ValueError(f"no micro-batch of width {width} in the job's plan")
+    raise ValueError(f"no micro-batch of shape {width} in the job's plan")
 
 
 def step_inputs(job_setup: JobSetup, micro_split: int, batches: list[list[int]]) -> StepInputs:

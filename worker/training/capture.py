@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from worker.training.packing import pack_fixed, token_bucket
 from worker.training.steps import Steps
 
 WARMUP_RUNS = 2  # eager runs of a body before its capture (the PyTorch docs' side-stream warm-up)
@@ -185,17 +186,21 @@ class SharedPoolError(RuntimeError):
 
 class CapturedSteps(Steps):
     """``Steps`` replayed from CUDA graphs: micro-batches of at most ``rows`` rows, one graph per
-    width captured by ``capture(widths)``; widths not captured run eagerly (same model, same
+    shape captured by ``capture(widths)``; shapes not captured run eagerly (same model, same
     gradients). The parts are ``Steps``'s (with an optimizer made ``capturable``);
     ``input_names``: the model inputs of a micro-batch (``labels`` aside); ``pad_id``: the
-    tokenizer's pad token, for filler rows."""
+    tokenizer's pad token, for filler rows.
+
+    A shape (``key_of``) is a padded micro-batch's bucket width, or with ``packing`` its token
+    bucket (``packing.token_bucket``): the micro-batch is laid out by ``packing.pack_fixed`` into
+    that many tokens, ``rows`` classifier rows and filler sequences of at most ``max_length``."""
 
     def __init__(self, model: torch.nn.Module, forward_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, *, dtype: torch.dtype | None, device: torch.device, task: str,
-                 rows: int, input_names: list[str], pad_id: int):
+                 rows: int, input_names: list[str], pad_id: int, packing: bool = False, max_length: int = 0):
         super().__init__(model, forward_model, optimizer, scaler, dtype=dtype, device=device, task=task,
-                         static_grads=True)
-        self.rows, self.input_names, self.pad_id = rows, input_names, pad_id
+                         static_grads=True, packing=packing)
+        self.rows, self.input_names, self.pad_id, self.max_length = rows, input_names, pad_id, max_length
         self.label_dtype = torch.float32 if task in ("regression", "multi_label") else torch.long
         self.label_shape = (model.config.num_labels,) if task == "multi_label" else ()
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}  # width -> static input buffers
@@ -226,18 +231,35 @@ class CapturedSteps(Steps):
             self.discard_step()
         return new
 
+    def key_of(self, batch: dict[str, torch.Tensor]) -> int:
+        """The captured shape a padded micro-batch (on the host) replays: its width, or with
+        ``packing`` its token bucket."""
+        if self.packing:
+            return token_bucket(int(batch["attention_mask"].sum()), len(batch["input_ids"]), self.rows,
+                                self.max_length)
+        return batch["input_ids"].shape[1]
+
     def micro_step(self, batch: dict[str, torch.Tensor]) -> int:
-        rows, width = batch["input_ids"].shape
-        replay = self.replays.get(width)
-        if replay is None or rows > self.rows:
+        key = self.key_of(batch)
+        replay = self.replays.get(key)
+        if replay is None or len(batch["input_ids"]) > self.rows:
             return super().micro_step(batch)
-        buffers, cuda = self.inputs[width], self.device.type == "cuda"
-        for name, tensor in with_filler_rows(batch, self.rows, self.pad_id).items():
+        buffers, cuda = self.inputs[key], self.device.type == "cuda"
+        for name, tensor in self._fill(batch, key).items():
             if cuda and not tensor.is_pinned():
                 tensor = tensor.pin_memory()  # a copy from pageable memory would wait for the GPU
             buffers[name].copy_(tensor, non_blocking=True)
         replay()
-        return (self.rows - rows) * width
+        return (key if self.packing else self.rows * key) - batch["input_ids"].numel()
+
+    def _fill(self, batch: dict[str, torch.Tensor], key: int) -> dict[str, torch.Tensor]:
+        """``batch`` laid out as the graph of shape ``key`` reads it (static input buffers' names and shapes)."""
+        if self.packing:
+            filled = pack_fixed(batch, self.rows, key, self.max_length, self.position_offset, self.pad_id,
+                                token_labels=self.task == "token_classification")
+            filled.pop("max_length_q")
+            return filled
+        return with_filler_rows(batch, self.rows, self.pad_id)
 
     def finish_step(self) -> None:
         self.replay_update()
@@ -270,22 +292,27 @@ class CapturedSteps(Steps):
         named.update({f"input.{w}.{k}": v for w, buffers in self.inputs.items() for k, v in buffers.items()})
         return {name: t.data_ptr() if torch.is_tensor(t) else -1 for name, t in named.items()}
 
-    def _buffers(self, width: int) -> dict[str, torch.Tensor]:
-        """Static inputs for one width, holding filler rows (what the warm-ups train on)."""
-        device = self.device
+    def _buffers(self, key: int) -> dict[str, torch.Tensor]:
+        """Static inputs for one shape, holding filler rows only (what the warm-ups train on)."""
+        width = 1 if self.packing else key
         filler = {name: torch.zeros(0, width, dtype=torch.long) for name in self.input_names}
         filler["labels"] = torch.zeros(0, *self.label_shape, dtype=self.label_dtype)
-        return {name: t.to(device) for name, t in with_filler_rows(filler, self.rows, self.pad_id).items()}
+        return {name: t.to(self.device) for name, t in self._fill(filler, key).items()}
 
-    def _micro_body(self, width: int) -> Callable[[], None]:
-        """Forward and backward of the static inputs of ``width``, with the attention mask in 4D
-        (``attention_4d``) where the model uses SDPA."""
-        buffers = self.inputs[width]
+    def _micro_body(self, key: int) -> Callable[[], None]:
+        """Forward and backward of the static inputs of shape ``key``: padded, with the attention
+        mask in 4D (``attention_4d``) where the model uses SDPA; or packed, with ``max_length_q``
+        fixed at ``max_length`` (the kernel sizes its grid by it)."""
+        buffers = self.inputs[key]
 
         def body() -> None:
-            inputs = {name: buffers[name] for name in self.input_names}
-            if self.mask_4d and "attention_mask" in inputs:
-                inputs["attention_mask"] = attention_4d(inputs["attention_mask"])
+            if self.packing:
+                inputs = {name: t for name, t in buffers.items() if name not in ("labels", "weights")}
+                inputs["max_length_q"] = self.max_length
+            else:
+                inputs = {name: buffers[name] for name in self.input_names}
+                if self.mask_4d and "attention_mask" in inputs:
+                    inputs["attention_mask"] = attention_4d(inputs["attention_mask"])
             self.forward_backward(inputs, buffers["labels"], buffers["weights"])
         return body
 

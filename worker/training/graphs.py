@@ -48,8 +48,11 @@ class CapturedParts:
     steps: CapturedSteps
 
 
-def eager_reason(job_setup: JobSetup) -> str | None:
-    """Why this job trains eagerly, or None when its steps can be captured as CUDA graphs."""
+def eager_reason(job_setup: JobSetup, packing: bool = False) -> str | None:
+    """Why this job trains eagerly, or None when its steps can be captured as CUDA graphs. A packed
+    job (``packing``) is captured whatever its micro-batches' size: the size threshold was measured
+    for padded graphs, whose attention runs on the masked memory-efficient kernel, while eager
+    packed steps are bound by the host (docs/benchmarks.md)."""
     if job_setup.device.type != "cuda":
         return f"{job_setup.device.type} trains eagerly"
     hp = job_setup.hp
@@ -66,7 +69,7 @@ def eager_reason(job_setup: JobSetup) -> str | None:
     if job_setup.job.task == "token_classification":
         return "token_classification (the captured step takes one label per row)"
     tokens, most = mean_padded_tokens(job_setup), get_settings().cuda_graphs_max_tokens
-    if tokens >= most:
+    if tokens >= most and not packing:
         return (f"micro-batches of {tokens:,.0f} padded tokens on average keep the GPU busy, where eager steps "
                 f"are as fast and need no capture (TUNEJOB_CUDA_GRAPHS_MAX_TOKENS={most})")
     return None
@@ -90,8 +93,10 @@ def input_names(job_setup: JobSetup) -> list[str]:
     return [name for name in job_setup.collator([job_setup.train_set[0]]) if name != "labels"]
 
 
-def graph_key(job_setup: JobSetup, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: int) -> tuple:
-    """What captured graphs bake in: a later job with an equal key can replay them."""
+def graph_key(job_setup: JobSetup, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: int,
+              packing: bool = False) -> tuple:
+    """What captured graphs bake in: a later job with an equal key can replay them (packed graphs
+    also bake in ``max_length``, the longest sequence their attention kernel takes)."""
     config = model.config.to_dict()
     for name in ("id2label", "label2id", "_name_or_path", "transformers_version"):
         config.pop(name, None)
@@ -99,15 +104,16 @@ def graph_key(job_setup: JobSetup, model: torch.nn.Module, optimizer: torch.opti
     decay = tuple(g["weight_decay"] for g in optimizer.param_groups)
     return (type(model).__name__, json.dumps(config, sort_keys=True, default=str), model.config.num_labels,
             trainable, job_setup.job.task, rows, str(job_setup.dtype), decay, tuple(input_names(job_setup)),
-            str(job_setup.device))
+            str(job_setup.device), job_setup.hp.max_length if packing else None)
 
 
 def capture_steps(job_setup: JobSetup, model: torch.nn.Module, forward_model: torch.nn.Module,
                   optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                   scaler: torch.amp.GradScaler, rows: int, widths: list[int],
                   first_steps: Callable[[], list[StepInputs]],
-                  width_sample: Callable[[int], StepInputs]) -> tuple[CapturedParts, str]:
-    """The job's steps as CUDA graphs for micro-batches of ``rows`` rows and these ``widths``:
+                  width_sample: Callable[[int], StepInputs], packing: bool = False) -> tuple[CapturedParts, str]:
+    """The job's steps as CUDA graphs for micro-batches of ``rows`` rows and these ``widths`` (with
+    ``packing``: token buckets, ``CapturedSteps.key_of``):
     from the cache when an earlier job captured them (the job's weights and optimizer state copied
     in: ``adopt``), else captured now over ``model`` (with a capturable copy of ``optimizer``).
     Before the graphs are used they are checked against eager steps (``check_new_capture``): a new
@@ -123,7 +129,7 @@ def capture_steps(job_setup: JobSetup, model: torch.nn.Module, forward_model: to
             ``SharedPoolError``). In every case the graphs are released and the key is not tried
             again in this process; the given parts still train eagerly from their initial state.
     """
-    key = graph_key(job_setup, model, optimizer, rows)
+    key = graph_key(job_setup, model, optimizer, rows, packing)
     if key in _failed:
         raise RuntimeError(f"capture failed earlier in this worker: {_failed[key]}")
     steps = _cache.pop(key, None)
@@ -132,7 +138,7 @@ def capture_steps(job_setup: JobSetup, model: torch.nn.Module, forward_model: to
     else:
         while len(_cache) >= max(1, get_settings().cuda_graph_cache):
             _cache.popitem(last=False)  # least recently used: frees its graphs, model and optimizer
-        parts = uncaptured_parts(job_setup, model, forward_model, optimizer, scheduler, scaler, rows)
+        parts = uncaptured_parts(job_setup, model, forward_model, optimizer, scheduler, scaler, rows, packing)
         steps = parts.steps
     try:
         new_update = steps.replay_update is None
@@ -144,14 +150,16 @@ def capture_steps(job_setup: JobSetup, model: torch.nn.Module, forward_model: to
         raise
     _cache[key] = steps
     old = sorted(set(widths) - set(new))
-    return parts, (f"CUDA graphs for micro-batches of {rows} rows: captured widths {new or 'none'}"
+    shapes = "token buckets" if packing else "widths"
+    return parts, (f"CUDA graphs for {'packed ' if packing else ''}micro-batches of {rows} rows: captured {shapes} "
+                   f"{new or 'none'}"
                    + (f", reused {old} from an earlier job" if old else "") + f" (cache of {len(_cache)})"
                    + (f"; checked against eager steps: {'; '.join(checks)}" if checks else ""))
 
 
 def uncaptured_parts(job_setup: JobSetup, model: torch.nn.Module, forward_model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                     scaler: torch.amp.GradScaler, rows: int) -> CapturedParts:
+                     scaler: torch.amp.GradScaler, rows: int, packing: bool = False) -> CapturedParts:
     """New ``CapturedSteps`` over ``model`` for micro-batches of ``rows`` rows, nothing captured
     yet (``CapturedSteps.capture``), with a capturable copy of ``optimizer`` (its state and
     schedule carried over: ``move_optimizer_state``) and, under bf16, a bf16 copy of the model to
@@ -162,7 +170,8 @@ def uncaptured_parts(job_setup: JobSetup, model: torch.nn.Module, forward_model:
         forward_model = bf16_copy(model)
     steps = CapturedSteps(model, forward_model, captured, scaler, dtype=job_setup.dtype, device=job_setup.device,
                           task=job_setup.job.task, rows=rows, input_names=input_names(job_setup),
-                          pad_id=job_setup.tokenizer.pad_token_id or 0)
+                          pad_id=job_setup.tokenizer.pad_token_id or 0, packing=packing,
+                          max_length=job_setup.hp.max_length)
     return CapturedParts(model, forward_model, captured, captured_scheduler, steps)
 
 

@@ -205,8 +205,8 @@ def check_new_capture(steps: CapturedSteps, new_widths: list[int], new_update: b
         out.append(f"first steps: {parity.describe()}")
     for width in new_widths:
         pieces, n_examples = width_sample(width)
-        if pieces[0]["input_ids"].shape[1] != width or width not in steps.replays:
-            raise ValueError(f"no captured micro-batch of width {width} to check")
+        if steps.key_of(pieces[0]) != width or width not in steps.replays:
+            raise ValueError(f"no captured micro-batch of shape {width} to check")
         parity = check_against_eager(steps, [(pieces, n_examples)], [learning_rate])
         _raise_on_failures(parity, f"width {width}")
         out.append(f"width {width}: {parity.describe()}")

@@ -35,7 +35,7 @@ from worker.reporter import PhaseTimer, Reporter, timed
 from worker.training import batches, export, metrics
 from worker.training.capture import CapturedSteps
 from worker.training.graphs import capture_steps, clear_cache, eager_reason
-from worker.training.packing import padded_reason
+from worker.training.packing import bucket_counts, padded_reason, token_bucket
 from worker.training.parity import CHECK_STEPS
 from worker.training.progress import StepRecord, StepTimer, log_steps, notify, read_every_seconds, should_stop_early
 from worker.training.setup import load_model, prepare_job
@@ -145,12 +145,15 @@ class Recipe:
         """
         if self.device.type == "cuda":
             torch.backends.cuda.enable_cudnn_sdp(False)
-        reason = eager_reason(self.job_setup)
+        js, hp = self.job_setup, self.job_setup.hp
+        packing = hp.packing and padded_reason(self.model, hp.torch_compile, hp.gradient_checkpointing) is None
+        reason = eager_reason(js, packing)
         if reason is None:
-            widths = list(self.job_setup.plan.width_counts(self.job_setup.collator.ladder, self.job_setup.hp.epochs))
+            rows = batches.micro_batch_size(hp, self.state.micro_split)
+            shapes = (bucket_counts(js.plan, rows, hp.max_length, hp.epochs) if packing
+                      else js.plan.width_counts(js.collator.ladder, hp.epochs))
             try:
-                notify(reporter, "cuda_graphs", self.capture(batches.micro_batch_size(self.job_setup.hp,
-                                                                                     self.state.micro_split), widths))
+                notify(reporter, "cuda_graphs", self.capture(rows, list(shapes), packing))
                 return
             except Exception as e:  # capture or its check failed: train this job eagerly, with the same bodies
                 log.exception("job %s: CUDA graphs not used; training eagerly", self.job.id)
@@ -163,8 +166,9 @@ class Recipe:
         self.forward_model = self._setup_forward_model()
         self.steps = self._setup_eager_steps(reporter)
 
-    def capture(self, rows: int, widths: list[int]) -> str:
-        """Train on CUDA graphs for micro-batches of ``rows`` rows at these bucket ``widths``
+    def capture(self, rows: int, widths: list[int], packing: bool = False) -> str:
+        """Train on CUDA graphs for micro-batches of ``rows`` rows at these bucket ``widths`` (with
+        ``packing``: packed micro-batches at these token buckets, ``packing.bucket_counts``)
         (``graphs.capture_steps``: captured now or by an earlier job, checked against eager steps):
         every part but the scaler becomes the captured one. Returns a sentence for the job's events.
 
@@ -172,10 +176,16 @@ class Recipe:
             Exception: what capture or its check raised; the parts are as they were.
         """
         js = self.job_setup
+        lengths = js.plan.lengths
+
+        def token_bucket_of(batch) -> int:
+            return token_bucket(int(lengths[batch].sum()), len(batch), rows, js.hp.max_length)
+
         parts, message = capture_steps(
             js, self.model, self.forward_model, self.optimizer, self.scheduler, self.scaler, rows, widths,
             lambda: batches.first_steps(js, self.state, CHECK_STEPS),
-            lambda width: batches.width_sample(js, self.state.micro_split, width))
+            lambda width: batches.width_sample(js, self.state.micro_split, width,
+                                               token_bucket_of if packing else None), packing)
         self.model, self.forward_model, self.steps = parts.model, parts.forward_model, parts.steps
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         return message
