@@ -144,15 +144,15 @@ def test_nonfinite_steps_are_skipped_without_a_sync_and_fail_the_job_at_the_next
 
 
 def test_cancel_is_read_on_a_timer_and_stops_within_two_seconds(engine_env, monkeypatch):
-    from worker import progress
+    from worker import reporter as reporting
 
     requested = threading.Event()
     queries, flushed = [], []
-    monkeypatch.setattr(progress.lifecycle, "cancel_requested", lambda job_id: queries.append(time.monotonic())
+    monkeypatch.setattr(reporting.lifecycle, "cancel_requested", lambda job_id: queries.append(time.monotonic())
                         or requested.is_set())
-    monkeypatch.setattr(progress.lifecycle, "record_progress", lambda job_id, worker, progress, metrics: flushed.extend(metrics)
+    monkeypatch.setattr(reporting.lifecycle, "record_progress", lambda job_id, worker, progress, metrics: flushed.extend(metrics)
                         or True)
-    monkeypatch.setattr(progress.lifecycle, "add_event", lambda *args, **kwargs: None)
+    monkeypatch.setattr(reporting.lifecycle, "add_event", lambda *args, **kwargs: None)
     read_rarely(monkeypatch, 0.5)
     reporter = Reporter("cancel", "worker-1")
     run = make_run("cancel", reporter, epochs=1000, batch_size=4, max_length=32, eval_every_steps=10**6,
