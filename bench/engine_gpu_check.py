@@ -45,14 +45,17 @@ The cases of issue 40 (packed micro-batches, ``worker.training.packing``):
   like the same job padded (losses within bf16 rounding), says so in an event, computes no
   padding, and reads nothing back per step (no synchronising call).
 - ``packed_speed``: long texts at ``--long-length`` (BBC-like: most near the limit, some short),
-  dropout on, eager steps: training seconds and real tokens/s padded and packed, with the peak
-  memory of each.
+  dropout on: training seconds and real tokens/s of eager steps padded and packed, and of packed
+  steps on CUDA graphs (token buckets), with the peak memory of each.
+- ``packed_graphs``: with dropout off, the packed job on CUDA graphs (captured per token bucket and
+  checked) trains like the eager packed job (losses within bf16 rounding), with no synchronising
+  call.
 
 The one-command acceptance run (on the GPU machine, after ``source .device/gpu/on-device.sh``, see
 ../shared/gpu/README.md), this script then the whole-epoch benchmark, peers in the same lease:
     python -m bench.engine_gpu_check --model bert-base-rand --json $OUT/engine_gpu_check.json && \
     python -m bench.train --device cuda --precision bf16 --model bert-base-rand --dataset both \
-        --configs smart,trainer,trainer_cudnn_off --repeats 2 --json $OUT/bench.json --markdown $OUT/bench.md
+        --configs smart,smart:packing=true,trainer,trainer_cudnn_off --repeats 2 --json $OUT/bench.json --markdown $OUT/bench.md
 ``--device cpu --model <a local model>`` runs the same script on the CPU (graph checks are skipped),
 to check the script itself.
 """
@@ -194,24 +197,45 @@ def packed_cases(args, device) -> dict[str, dict]:
             "largest_relative_difference": difference, "steps": steps, "sync_warnings": len(syncs),
             "sync_examples": syncs[:3], "events": [m for c, m in packed.said if c == "packing"]}
 
+        get_settings().cuda_graphs = True
+        rec = Recorder()
+        run = make_run(args, device, rec, dropout=False, packing=True)
+        run.warm_up(rec)
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run.train(rec)
+        torch.cuda.set_sync_debug_mode("default")
+        graph_syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+        difference = largest_difference(rec.losses, packed.losses)
+        message = captured_message(rec)
+        out["packed_graphs"] = {"ok": "packed micro-batches" in message and difference < 2e-2
+                                and len(graph_syncs) <= len(rec.losses) // 20 + 2,
+                                "largest_relative_difference": difference, "sync_warnings": len(graph_syncs),
+                                "event": message}
+
         long_args = argparse.Namespace(**{**vars(args), "max_length": args.long_length})
         speed = {}
-        for packing in ("padded", "packed"):
+        for packing in ("padded", "packed", "packed_graphs"):
+            get_settings().cuda_graphs = packing == "packed_graphs"
             rec = Recorder()
             run = make_run(long_args, device, rec, words=(args.long_length // 4, args.long_length),
-                           packing=packing == "packed")
-            run.warm_up(rec)
+                           packing=packing != "padded")
+            _, warm_seconds = timed(lambda run=run, rec=rec: run.warm_up(rec))
             torch.cuda.reset_peak_memory_stats()
             _, seconds = timed(lambda run=run, rec=rec: run.train(rec))
             st = run.state
-            speed[packing] = {"train_s": round(seconds, 3), "steps": st.step, "real_tokens": st.real_tokens,
+            speed[packing] = {"warm_up_s": round(warm_seconds, 3), "train_s": round(seconds, 3), "steps": st.step,
+                              "real_tokens": st.real_tokens,
                               "computed_tokens": st.padded_tokens,
                               "real_tokens_per_s": round(st.real_tokens / seconds),
                               "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20),
-                              "events": [m for c, m in rec.said if c == "packing"]}
+                              "events": [m for c, m in rec.said if c in ("packing", "cuda_graphs", "cuda_graphs_off")]}
         out["packed_speed"] = {"ok": speed["packed"]["computed_tokens"] == speed["packed"]["real_tokens"],
                                "max_length": args.long_length,
-                               "speedup": round(speed["padded"]["train_s"] / speed["packed"]["train_s"], 3), **speed}
+                               "speedup": round(speed["padded"]["train_s"] / speed["packed"]["train_s"], 3),
+                               "graphs_speedup": round(speed["padded"]["train_s"] / speed["packed_graphs"]["train_s"], 3),
+                               **speed}
     finally:
         get_settings().cuda_graphs = True
     return out
