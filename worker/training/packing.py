@@ -220,9 +220,15 @@ def bucket_counts(plan, rows: int, max_length: int, epochs: float) -> dict[int, 
     counts: dict[int, int] = {}
     for epoch in range(max(1, math.ceil(epochs))):
         for batch in plan.epoch_batches(epoch):
-            bucket = token_bucket(int(plan.lengths[batch].sum()), len(batch), rows, max_length)
+            bucket = batch_bucket(plan.lengths, batch, rows, max_length)
             counts[bucket] = counts.get(bucket, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def batch_bucket(lengths: np.ndarray, batch: np.ndarray, rows: int, max_length: int) -> int:
+    """The ``token_bucket`` of a planned micro-batch: ``batch`` indexes the examples' real token
+    counts ``lengths``."""
+    return token_bucket(int(lengths[batch].sum()), len(batch), rows, max_length)
 
 
 def position_offset(model: torch.nn.Module) -> int:

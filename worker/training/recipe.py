@@ -22,6 +22,7 @@ import logging
 import math
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from worker.reporter import PhaseTimer, Reporter, timed
 from worker.training import batches, export, metrics
 from worker.training.capture import CapturedSteps
 from worker.training.graphs import capture_steps, clear_cache, eager_reason
-from worker.training.packing import bucket_counts, padded_reason, token_bucket
+from worker.training.packing import batch_bucket, bucket_counts, padded_reason
 from worker.training.parity import CHECK_STEPS
 from worker.training.progress import StepRecord, StepTimer, log_steps, notify, read_every_seconds, should_stop_early
 from worker.training.setup import load_model, prepare_job
@@ -168,24 +169,19 @@ class Recipe:
 
     def capture(self, rows: int, widths: list[int], packing: bool = False) -> str:
         """Train on CUDA graphs for micro-batches of ``rows`` rows at these bucket ``widths`` (with
-        ``packing``: packed micro-batches at these token buckets, ``packing.bucket_counts``)
-        (``graphs.capture_steps``: captured now or by an earlier job, checked against eager steps):
-        every part but the scaler becomes the captured one. Returns a sentence for the job's events.
+        ``packing``: packed, at these token buckets) (``graphs.capture_steps``: captured now or by an
+        earlier job, checked against eager steps): every part but the scaler becomes the captured
+        one. Returns a sentence for the job's events.
 
         Raises:
             Exception: what capture or its check raised; the parts are as they were.
         """
         js = self.job_setup
-        lengths = js.plan.lengths
-
-        def token_bucket_of(batch) -> int:
-            return token_bucket(int(lengths[batch].sum()), len(batch), rows, js.hp.max_length)
-
+        shape_of = partial(batch_bucket, js.plan.lengths, rows=rows, max_length=js.hp.max_length) if packing else None
         parts, message = capture_steps(
             js, self.model, self.forward_model, self.optimizer, self.scheduler, self.scaler, rows, widths,
             lambda: batches.first_steps(js, self.state, CHECK_STEPS),
-            lambda width: batches.width_sample(js, self.state.micro_split, width,
-                                               token_bucket_of if packing else None), packing)
+            lambda width: batches.width_sample(js, self.state.micro_split, width, shape_of), packing)
         self.model, self.forward_model, self.steps = parts.model, parts.forward_model, parts.steps
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         return message
