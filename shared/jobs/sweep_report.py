@@ -9,6 +9,7 @@ import io
 
 from shared.errors import NotFound, UserError
 from shared.jobs import sweeps
+from shared.jobs.search_space import distributions
 from shared.store.engine import read_session
 from shared.store.tenancy import Caller
 
@@ -33,7 +34,7 @@ def report_file(sweep_id: str, name: str, caller: Caller) -> tuple[bytes, str]:
     matplotlib.use("Agg")  # no display: draw into memory
     import optuna.visualization.matplotlib as plots
 
-    study = sweeps.study_of(spec, sweeps.distributions(spec), trials, trial_curves, asked=len(trials))
+    study = sweeps.study_of(spec, distributions(spec), trials, trial_curves)
     completed = [t for t in study.get_trials(deepcopy=False) if t.value is not None]
     if len(completed) < (2 if name == "param_importances.png" else 1) or (
             name == "param_importances.png" and len({t.value for t in completed}) < 2):

@@ -35,10 +35,10 @@ class Distribution(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["float", "int", "categorical"]
-    low: float | None = None
-    high: float | None = None
+    low: float | None = Field(None, allow_inf_nan=False)
+    high: float | None = Field(None, allow_inf_nan=False)
     log: bool = False
-    step: float | None = Field(None, gt=0)
+    step: float | None = Field(None, gt=0, allow_inf_nan=False)
     choices: list[Any] | None = Field(None, min_length=1, max_length=1000)
 
 
