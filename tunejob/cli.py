@@ -1,6 +1,6 @@
 """The ``tunejob`` command: ``serve`` (API + workers, the embedded default), ``api``, ``worker``,
 ``db upgrade``, ``keys create|list|revoke``, ``doctor``, and the HTTP client's ``datasets``, ``models``, ``jobs``,
-``sweeps`` and ``health`` (``client.cli``)."""
+``sweeps``, ``predict``, ``webhooks`` and ``health`` (``client.cli``); ``--version``."""
 
 import argparse
 import os
@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+from importlib.metadata import version
 
 from client import cli as client_cli
 
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="tunejob", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('tunejob')}")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_ in [("serve", "API and its workers on this machine"), ("api", "the API only")]:
         p = commands.add_parser(name, help=help_)
