@@ -1,12 +1,14 @@
 """Issue 34's sweep findings, on every stack: no search space makes the API build something huge
 (a grid's points are counted from its ranges first; int ranges and float steps are bounded), a
 float range over an integer hyperparameter is refused, one broken job row never fails a list,
-and no body or ``Last-Event-ID`` gets anything but a 2xx or a 4xx (Hypothesis property tests).
+no body or ``Last-Event-ID`` gets anything but a 2xx or a 4xx (Hypothesis property tests), and
+the report's pictures are drawn without pyplot.
 
 The app runs without a worker: nothing here needs a trial to train.
 """
 
 import json
+from pathlib import Path
 
 import hypothesis
 import optuna
@@ -283,3 +285,35 @@ def test_any_sweep_body_gets_a_2xx_or_a_4xx_from_a_dry_run(client, dataset, spac
     r = client.post("/sweeps", content=json.dumps(sweep), params={"dry_run": "true"},  # NaN too, as Python's json
                     headers={"Content-Type": "application/json"})
     assert 200 <= r.status_code < 500, (sweep, r.status_code, r.text)
+
+
+# ----------------------------------------------------------------------------- Low 13: the report's pictures
+
+
+def test_report_pictures_are_drawn_in_threads_without_pyplot():
+    """The API draws a sweep's pictures in its threads: each drawn on its own ``Figure``, never
+    through pyplot's global state (issue 34); 16 at once all come out whole."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from optuna.distributions import FloatDistribution, IntDistribution
+
+    from shared.jobs.sweep_report import picture
+
+    space = {"learning_rate": FloatDistribution(1e-5, 1e-2, log=True), "epochs": IntDistribution(1, 3)}
+    study = optuna.create_study(direction="maximize")
+    for i in range(6):
+        study.add_trial(optuna.trial.create_trial(params={"learning_rate": 10 ** -(2 + i % 3), "epochs": 1 + i % 3},
+                                                  distributions=space, value=0.5 + 0.07 * i * (-1) ** i))
+    names = ["optimization_history.png", "param_importances.png"] * 8
+    with ThreadPoolExecutor(8) as pool:
+        pngs = list(pool.map(lambda name: picture(study, name), names))
+    assert all(p.startswith(b"\x89PNG\r\n\x1a\n") and len(p) > 5000 for p in pngs)
+    assert len(set(pngs[::2])) == 1  # the same history each time, whatever was drawn beside it
+    code = ("import sys, optuna; from shared.jobs.sweep_report import picture\n"
+            "s = optuna.create_study(); s.enqueue_trial({'x': 1.0}); s.optimize(lambda t: t.suggest_float('x', 0, 2), 3)\n"
+            "picture(s, 'optimization_history.png'); print('matplotlib.pyplot' in sys.modules)")
+    root = Path(__file__).resolve().parent.parent
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=root).stdout.strip() == "False"
