@@ -306,3 +306,21 @@ def test_on_postgres_a_read_session_holds_no_transaction_and_a_write_session_one
             assert status(s) == TransactionStatus.INTRANS
     finally:
         drop()
+
+
+def test_on_postgres_processes_starting_at_once_migrate_one_after_the_other(tmp_path):
+    """Four ``tunejob db upgrade`` processes started together on an empty PostgreSQL database (as
+    API processes and workers starting at once do) all succeed: an advisory lock makes them migrate
+    one after the other (issue 34; without it, concurrent CREATE TABLEs fail with a duplicate)."""
+    from tests.conftest import fresh_postgres_database
+
+    require_services()
+    database_url, drop = fresh_postgres_database()
+    try:
+        env = tunejob_env(tmp_path, TUNEJOB_DATABASE_URL=database_url)
+        processes = [subprocess.Popen([sys.executable, "-m", "tunejob", "db", "upgrade"], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        results = [(p.wait(timeout=120), p.stderr.read()) for p in processes]
+        assert all(code == 0 for code, _ in results), [err[-2000:] for code, err in results if code]
+    finally:
+        drop()
