@@ -81,6 +81,14 @@ class Settings(BaseSettings):
     # uvicorn's line per request on stderr; off by default: it cost about 5% of the API's CPU under
     # polling load, and GET /metrics counts requests by route and status.
     access_log: bool = False
+    # Behind a reverse proxy (docs/production/security.md): uvicorn takes the client's address and
+    # scheme from X-Forwarded-For/-Proto sent by these addresses (comma-separated, "*" any; uvicorn's
+    # own defaults); `tunejob api|serve --proxy-headers/--no-proxy-headers --forwarded-allow-ips` set them.
+    proxy_headers: bool = True
+    forwarded_allow_ips: str = "127.0.0.1"
+    # The dashboard's session cookie is Secure: true always, false never; unset, when the request came
+    # over https (as uvicorn sees it: through a proxy, only with the proxy headers trusted above).
+    cookie_secure: bool | None = None
     log_level: str = "INFO"  # the API's and the workers' log lines (shared.logs), e.g. DEBUG, INFO, WARNING
     artifact_retention_days: float | None = None  # remove finished jobs' files this long after they end; None: keep
     broker_polling_seconds: float = 0.1  # filesystem broker: how often an idle worker looks for a message

@@ -67,6 +67,19 @@ def run_api(host: str, port: int, workers: int = 1) -> None:
         run("api.main:app", host, port, workers)
 
 
+def proxy_options(proxy_headers: bool | None, forwarded_allow_ips: str | None) -> None:
+    """``--proxy-headers`` and ``--forwarded-allow-ips`` given: they become the settings
+    (``TUNEJOB_PROXY_HEADERS``, ``TUNEJOB_FORWARDED_ALLOW_IPS``) of this process and of the API
+    processes it starts, as ``--host`` does (``run_api``)."""
+    from shared.settings import get_settings
+
+    if proxy_headers is not None:
+        os.environ["TUNEJOB_PROXY_HEADERS"] = str(proxy_headers).lower()
+    if forwarded_allow_ips is not None:
+        os.environ["TUNEJOB_FORWARDED_ALLOW_IPS"] = forwarded_allow_ips
+    get_settings.cache_clear()
+
+
 def require_shared_rate_limits(api_workers: int) -> None:
     """Several API processes must share the rate-limit counters: with ``api_workers`` > 1 and
     counters in each process's memory (``TUNEJOB_RATE_LIMIT_STORAGE_URL=memory://``, the default),
@@ -228,6 +241,10 @@ def main(argv: list[str] | None = None) -> None:
         p = commands.add_parser(name, help=help_)
         p.add_argument("--host", default=settings.host)
         p.add_argument("--port", type=int, default=settings.port)
+        p.add_argument("--proxy-headers", action=argparse.BooleanOptionalAction, default=None,
+                       help="trust X-Forwarded-For/-Proto from --forwarded-allow-ips (default: TUNEJOB_PROXY_HEADERS, on)")
+        p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
+                       help="comma-separated proxy addresses, or * (default: TUNEJOB_FORWARDED_ALLOW_IPS, 127.0.0.1)")
     serving = commands.choices["serve"]
     commands.choices["api"].add_argument("--workers", type=int, default=1,
                                          help="API processes (more than 1 needs TUNEJOB_RATE_LIMIT_STORAGE_URL=redis://…)")
@@ -257,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     client_cli.add_commands(commands)  # listed in --help; run above
     args = parser.parse_args(argv)
 
+    if args.command in ("serve", "api"):
+        proxy_options(args.proxy_headers, args.forwarded_allow_ips)
     if args.command == "serve":
         if args.workers < 1 or args.api_workers < 1:
             serving.error("--workers and --api-workers must be at least 1")
