@@ -104,7 +104,8 @@ class Settings(BaseSettings):
     # of these delays in turn (Svix's schedule, about 27.6 h in all: comma-separated seconds), then
     # it is failed; the API looks for due deliveries this often.
     webhooks_allow_private_urls: bool = False
-    webhooks_timeout_seconds: float = 10.0
+    webhooks_timeout_seconds: float = 10.0  # one attempt in all: resolving, connecting, sending, reading the answer
+    webhooks_senders: int = 16  # attempts in flight at once per API process (shared.jobs.webhooks)
     webhooks_retry_seconds: Annotated[list[float], NoDecode] = [5, 300, 1800, 7200, 18000, 36000, 36000]
     webhooks_poll_seconds: float = 1.0
 

@@ -11,6 +11,7 @@ stack's worker leaves it alone) through the lifecycle's own ``request_cancel``."
 import argparse
 import io
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -238,3 +239,105 @@ def test_a_cancelled_sweep_is_delivered(stack, receiver, fast_webhooks):
     payload = verified(webhook["secret"], request)
     assert payload["type"] == "sweep.cancelled"
     assert (payload["data"]["id"], payload["data"]["object"]) == (sweep["id"], "sweep")
+
+
+class Endpoint:
+    """An HTTP endpoint on 127.0.0.1 whose every POST is answered by ``answer(handler)`` (which writes
+    the whole response); counts the requests that arrived."""
+
+    def __init__(self, answer):
+        self.arrived = []
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["content-length"]))
+                endpoint.arrived.append(time.monotonic())
+                try:
+                    answer(self)
+                except OSError:  # the sender hung up, as it should
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def trickle(handler) -> None:
+    """A 200 whose body comes a byte a second, for ever (each read well within httpx's read timeout)."""
+    handler.send_response(200)
+    handler.end_headers()
+    while True:
+        handler.wfile.write(b"x")
+        handler.wfile.flush()
+        time.sleep(1)
+
+
+def flood(handler) -> None:
+    """A 200 with an endless body, as fast as the socket takes it."""
+    handler.send_response(200)
+    handler.end_headers()
+    chunk = b"x" * 65536
+    while True:
+        handler.wfile.write(chunk)
+
+
+def test_an_attempt_has_a_whole_deadline_and_reads_at_most_64_kib(stack, fast_webhooks, monkeypatch):
+    """httpx's timeout is per read: an endpoint answering a byte a second held an attempt open for
+    ever, and an endless answer was read whole (issue 34). An attempt now ends at
+    TUNEJOB_WEBHOOKS_TIMEOUT_SECONDS in all, and stops reading an answer after 64 KiB."""
+    monkeypatch.setattr(get_settings(), "webhooks_timeout_seconds", 2.0)
+    monkeypatch.setattr(get_settings(), "webhooks_retry_seconds", [])
+    slow, endless = Endpoint(trickle), Endpoint(flood)
+    try:
+        hooks = [stack.client.post("/webhooks", json={"url": e.url, "events": ["job.cancelled"]}).json()
+                 for e in (slow, endless)]
+        end_a_job(stack.tenant)
+        wait_until(lambda: all(deliveries(stack.client, h["id"])[0]["status"] != "pending" for h in hooks),
+                   "both attempts ended", timeout=20)
+        [cut], [read] = (deliveries(stack.client, h["id"]) for h in hooks)
+        assert (cut["status"], cut["response_status"]) == ("failed", None), cut
+        assert "no complete answer within 2 s" in cut["error"], cut
+        assert (read["status"], read["response_status"], read["error"]) == ("delivered", 200, None), read
+    finally:
+        slow.close()
+        endless.close()
+
+
+def test_a_slow_endpoint_does_not_hold_up_another(stack, fast_webhooks, monkeypatch):
+    """Attempts run side by side (``TUNEJOB_WEBHOOKS_SENDERS``) and a turn takes a few of each
+    endpoint's due deliveries: another tenant's deliveries arrive while one endpoint takes 4 s to
+    answer each of its own (before issue 34, one at a time: after all of them)."""
+    monkeypatch.setattr(get_settings(), "webhooks_timeout_seconds", 10.0)
+
+    def slowly(handler) -> None:
+        time.sleep(4)
+        handler.send_response(200)
+        handler.send_header("content-length", "0")
+        handler.end_headers()
+
+    slow, fast = Endpoint(slowly), Receiver()
+    try:
+        slow_hook = stack.client.post("/webhooks", json={"url": slow.url, "events": ["job.cancelled"]}).json()
+        for _ in range(6):
+            end_a_job(stack.tenant)
+        wait_until(lambda: slow.arrived, "the slow endpoint is busy", timeout=20)
+        other = stack.client_for("tenant-fair")
+        other.post("/webhooks", json={"url": fast.url, "events": ["job.cancelled"]})
+        started = time.monotonic()
+        end_a_job("tenant-fair")
+        wait_until(lambda: fast.requests, "the other tenant's delivery arrived", timeout=20)
+        assert time.monotonic() - started < 3.5, "it waited for the slow endpoint"
+        wait_until(lambda: all(d["status"] == "delivered" for d in deliveries(stack.client, slow_hook["id"])),
+                   "the slow endpoint's deliveries all arrived", timeout=60)
+    finally:
+        slow.close()
+        fast.close()
