@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from celery import Celery
 
-from shared.jobs import lifecycle, predictions, sweeps
+from shared.jobs import lifecycle, predictions, sweeps, webhooks
 from shared.schemas.jobs import JobCreate
 from shared.schemas.predictions import PredictionCreate
 from shared.settings import Settings, get_settings
@@ -128,8 +128,8 @@ class RecoveryThread:
                  every: Callable[[], float] | None = None, name: str = "tunejob-recover",
                  sweeps: tuple[Callable[[], object], ...] | None = None):
         self.stopping, self.join_seconds = threading.Event(), join_seconds
-        sweeps = (resend_recovered, top_up_sweeps, lifecycle.sweep_files, idempotency.purge_expired) \
-            if sweeps is None else sweeps
+        sweeps = (resend_recovered, top_up_sweeps, lifecycle.sweep_files, idempotency.purge_expired,
+                  webhooks.purge_deliveries) if sweeps is None else sweeps
         every = every or (lambda: get_settings().sweep_seconds)
         self.thread = threading.Thread(target=recovery_loop, args=(self.stopping, (*sweeps, *extra), every),
                                        name=name, daemon=True)
@@ -149,7 +149,8 @@ def recovery_loop(stop: threading.Event, sweeps: tuple[Callable[[], object], ...
     (``RecoveryThread``): re-queue jobs whose lease expired and (re-)send the messages of queued
     jobs (``shared.jobs.lifecycle.recover``), queue the trials a sweep is short of
     (``shared.jobs.sweeps.top_up_all``), apply the artifact retention and remove leftover
-    files (``shared.jobs.lifecycle.sweep_files``), and delete expired idempotency records. Runs in
+    files (``shared.jobs.lifecycle.sweep_files``), delete expired idempotency records and old webhook
+    deliveries (``shared.jobs.webhooks.purge_deliveries``). Runs in
     the API and in every worker; any number of copies may run at once. A sweep that raises is
     logged and tried again next time."""
     while True:

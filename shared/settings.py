@@ -106,6 +106,8 @@ class Settings(BaseSettings):
     webhooks_allow_private_urls: bool = False
     webhooks_timeout_seconds: float = 10.0  # one attempt in all: resolving, connecting, sending, reading the answer
     webhooks_senders: int = 16  # attempts in flight at once per API process (shared.jobs.webhooks)
+    max_webhooks_per_tenant: int = 20  # POST /webhooks: endpoints per tenant
+    webhooks_log_retention_days: float = 30.0  # ended deliveries are deleted this long after they were stored
     webhooks_retry_seconds: Annotated[list[float], NoDecode] = [5, 300, 1800, 7200, 18000, 36000, 36000]
     webhooks_poll_seconds: float = 1.0
 

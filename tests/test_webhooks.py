@@ -341,3 +341,54 @@ def test_a_slow_endpoint_does_not_hold_up_another(stack, fast_webhooks, monkeypa
     finally:
         slow.close()
         fast.close()
+
+
+def test_endpoints_per_tenant_are_capped_and_pings_do_not_pile_up(stack, fast_webhooks, monkeypatch):
+    """Issue 34: endpoints per tenant are capped (``TUNEJOB_MAX_WEBHOOKS_PER_TENANT``, 409), and an
+    endpoint takes a ping only once its last one was delivered (429 ``ping_pending``)."""
+    def slowly(handler) -> None:
+        time.sleep(3)
+        handler.send_response(200)
+        handler.send_header("content-length", "0")
+        handler.end_headers()
+
+    endpoint = Endpoint(slowly)
+    try:
+        client = stack.client_for("tenant-capped")
+        monkeypatch.setattr(get_settings(), "max_webhooks_per_tenant", 2)
+        hooks = [client.post("/webhooks", json={"url": endpoint.url, "events": ["job.failed"]}) for _ in range(3)]
+        assert [h.status_code for h in hooks] == [201, 201, 409], [h.text for h in hooks]
+        assert hooks[2].json()["error"]["code"] == "too_many_webhooks"
+        assert stack.client_for("tenant-other").post("/webhooks", json={"url": endpoint.url,
+                                                                       "events": ["job.failed"]}).status_code == 201
+        hook = hooks[0].json()["id"]
+        assert client.post(f"/webhooks/{hook}/ping").status_code == 202
+        again = client.post(f"/webhooks/{hook}/ping")
+        assert again.status_code == 429 and again.json()["error"]["code"] == "ping_pending", again.text
+        wait_until(lambda: deliveries(client, hook)[0]["status"] == "delivered", "the ping arrived", timeout=20)
+        assert client.post(f"/webhooks/{hook}/ping").status_code == 202
+    finally:
+        endpoint.close()
+
+
+def test_the_delivery_log_keeps_30_days(stack):
+    """Issue 34: ended deliveries stored over TUNEJOB_WEBHOOKS_LOG_RETENTION_DAYS (30) ago are
+    deleted by the recovery loop's ``purge_deliveries``; pending ones and recent ones stay."""
+    from datetime import timedelta
+
+    from shared.jobs import webhooks
+    from shared.queue import RecoveryThread
+    from shared.store.webhook_rows import WebhookDelivery
+
+    client = stack.client_for("tenant-log")
+    hook = client.post("/webhooks", json={"url": "https://93.184.216.34/hook", "events": ["job.failed"]}).json()["id"]
+    old, recent = utcnow() - timedelta(days=31), utcnow() - timedelta(days=29)
+    with session_scope() as s:
+        for n, (status, created) in enumerate([("delivered", old), ("failed", old), ("pending", old),
+                                               ("delivered", recent)]):
+            s.add(WebhookDelivery(webhook_id=hook, event_id=f"evt_{n}", event_type="job.failed", payload={},
+                                  status=status, attempts=1, next_attempt_at=utcnow() + timedelta(days=1),
+                                  created_at=created))
+    assert webhooks.purge_deliveries() >= 2
+    assert sorted(d["event_id"] for d in deliveries(client, hook)) == ["evt_2", "evt_3"]
+    assert webhooks.purge_deliveries in RecoveryThread().thread._args[1]  # the API's and workers' loop runs it

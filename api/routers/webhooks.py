@@ -24,12 +24,13 @@ def _delivery(d: WebhookDelivery) -> DeliveryOut:
                                        "next_attempt_at": d.next_attempt_at if d.status == webhooks.PENDING else None})
 
 
-@router.post("", status_code=201)
+@router.post("", status_code=201, responses=error_responses(409))
 def create_webhook(body: WebhookCreate, caller: CallerDep) -> WebhookCreated:
     """Register an endpoint for the caller's tenant. The answer carries its ``secret`` (``whsec_…``),
     shown only here: verify each delivery's ``webhook-signature`` with it (Standard Webhooks). A URL
     whose host is or resolves to a loopback, link-local or private address is refused (422
-    ``private_url``) unless the operator allows it."""
+    ``private_url``) unless the operator allows it; 409 ``too_many_webhooks`` at
+    ``TUNEJOB_MAX_WEBHOOKS_PER_TENANT`` (20) endpoints."""
     return _out(webhooks.create_webhook(caller, body.url, list(body.events), body.description), WebhookCreated)
 
 
@@ -60,8 +61,8 @@ def list_deliveries(webhook_id: str, caller: CallerDep, limit: Annotated[int, Qu
     return DeliveryList(data=[_delivery(d) for d in page], next_cursor=page[-1].id if has_more else None)
 
 
-@router.post("/{webhook_id}/ping", status_code=202, responses=error_responses(404))
+@router.post("/{webhook_id}/ping", status_code=202, responses=error_responses(404, 429))
 def ping_webhook(webhook_id: str, caller: CallerDep) -> DeliveryOut:
     """Send a ``webhook.ping`` event to the endpoint now (signed like any delivery); follow it in
-    the delivery log."""
+    the delivery log. One at a time: 429 ``ping_pending`` while the last ping is not yet delivered."""
     return _delivery(webhooks.ping(webhook_id, caller))

@@ -52,14 +52,14 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from shared.errors import NotFound, UserError
 from shared.settings import get_settings
 from shared.store.engine import keyset_page, read_session, session_scope
 from shared.store.rows import Job, utcnow
-from shared.store.tenancy import Caller
+from shared.store.tenancy import Caller, lock_tenant
 from shared.store.webhook_rows import Webhook, WebhookDelivery
 
 log = logging.getLogger(__name__)
@@ -136,10 +136,16 @@ def create_webhook(caller: Caller, url: str, events: list[str], description: str
     """Store an endpoint for ``caller``'s tenant; its ``secret`` is in the returned row (shown once).
 
     Raises:
-        UserError: see ``resolve``.
+        UserError: see ``resolve``; 409 ``too_many_webhooks`` at ``max_webhooks_per_tenant`` endpoints.
     """
     resolve(url)
     with session_scope() as s:
+        lock_tenant(s, caller.tenant)  # two creations at once count each other
+        limit = get_settings().max_webhooks_per_tenant
+        if (count := s.scalar(select(func.count()).select_from(Webhook).where(Webhook.tenant == caller.tenant))) >= limit:
+            raise UserError("too_many_webhooks", f"tenant {caller.tenant!r} has {count} webhook endpoints, this "
+                            f"server's maximum (TUNEJOB_MAX_WEBHOOKS_PER_TENANT={limit}); delete one first", "url",
+                            status=409)
         webhook = Webhook(tenant=caller.tenant, url=url, events=list(dict.fromkeys(events)), secret=new_secret(),
                           description=description, created_at=utcnow())
         s.add(webhook)
@@ -186,14 +192,31 @@ def list_deliveries(webhook_id: str, caller: Caller, limit: int, after: int | No
 
 
 def ping(webhook_id: str, caller: Caller) -> WebhookDelivery:
-    """Queue a ``webhook.ping`` event to the endpoint (sent by the delivery loop like any other).
+    """Queue a ``webhook.ping`` event to the endpoint (sent by the delivery loop like any other),
+    one at a time: pings cannot pile up on an endpoint.
 
-    Raises: NotFound."""
+    Raises: NotFound; UserError 429 ``ping_pending`` while the endpoint's last ping is unsent."""
     with session_scope() as s:
+        s.get(Webhook, webhook_id, with_for_update=True)  # one ping check at a time per endpoint
         webhook = _owned(s, webhook_id, caller)
+        if s.scalar(select(WebhookDelivery.id).where(WebhookDelivery.webhook_id == webhook_id,
+                                                     WebhookDelivery.event_type == PING,
+                                                     WebhookDelivery.status == PENDING).limit(1)) is not None:
+            raise UserError("ping_pending", f"webhook {webhook_id!r} has a ping not yet delivered; follow it in "
+                            "its deliveries (GET /webhooks/{id}/deliveries), then ping again", "webhook_id",
+                            status=429, headers={"Retry-After": "5"})
         delivery = _delivery(webhook.id, f"evt_ping_{secrets.token_hex(8)}", PING, {"webhook": webhook.id})
         s.add(delivery)
     return delivery
+
+
+def purge_deliveries() -> int:
+    """For the recovery loop: delete deliveries that ended (delivered or failed) over
+    ``webhooks_log_retention_days`` ago, so that the log does not grow for ever. Returns how many."""
+    cutoff = utcnow() - timedelta(days=get_settings().webhooks_log_retention_days)
+    with session_scope() as s:
+        return s.execute(delete(WebhookDelivery).where(WebhookDelivery.status != PENDING,
+                                                       WebhookDelivery.created_at < cutoff)).rowcount
 
 
 # ----------------------------------------------------------------------------- events
