@@ -317,3 +317,36 @@ def test_report_pictures_are_drawn_in_threads_without_pyplot():
     root = Path(__file__).resolve().parent.parent
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=root).stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------- Medium 7: trials pass admission
+
+
+def test_later_trials_pass_admission_pause_and_resume(client, dataset, monkeypatch):
+    """A sweep's later trials count against the tenant's active-jobs maximum like any job (before
+    issue 34, ``top_up`` inserted them past it): with no room the sweep pauses and says why, and
+    the recovery loop's ``top_up_all`` resumes it once room frees."""
+    from shared.jobs import sweeps
+    from shared.settings import get_settings
+
+    r = client.post("/sweeps", json=body(dataset["id"], max_trials=4, max_parallel_trials=2))
+    assert r.status_code == 201, r.text
+    sweep_id = r.json()["id"]
+    first = client.get(f"/sweeps/{sweep_id}/trials").json()["data"][0]["job_id"]
+    active = sum(j["status"] in ("queued", "running") for j in client.get("/jobs", params={"limit": 100}).json()["data"])
+    monkeypatch.setattr(get_settings(), "max_active_jobs_per_tenant", active - 1)  # one trial's end leaves no room
+    assert client.post(f"/jobs/{first}/cancel").status_code == 200
+    assert len(client.get(f"/sweeps/{sweep_id}/trials").json()["data"]) == 2  # no third trial
+    sweep = client.get(f"/sweeps/{sweep_id}").json()
+    assert sweep["status"] == "paused" and sweep["error"]["code"] == "trials_paused", sweep
+    assert "TUNEJOB_MAX_ACTIVE_JOBS_PER_TENANT" in sweep["error"]["message"], sweep
+    sweeps.top_up_all()  # still no room: still paused
+    assert len(client.get(f"/sweeps/{sweep_id}/trials").json()["data"]) == 2
+
+    monkeypatch.setattr(get_settings(), "max_active_jobs_per_tenant", 1000)
+    sweeps.top_up_all()  # the recovery loop, once room freed
+    trials = client.get(f"/sweeps/{sweep_id}/trials").json()["data"]
+    assert [t["status"] for t in trials] == ["cancelled", "queued", "queued"], trials
+    sweep = client.get(f"/sweeps/{sweep_id}").json()
+    assert sweep["error"] is None and sweep["status"] in ("queued", "running"), sweep
+    client.post(f"/sweeps/{sweep_id}/cancel")

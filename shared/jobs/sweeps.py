@@ -46,16 +46,17 @@ from shared.jobs.search_space import distributions
 from shared.schemas.jobs import GREATER_IS_BETTER, TASK_METRICS, Hyperparameters, JobCreate
 from shared.schemas.sweeps import BestTrial, SweepCreate, SweepOut, SweepPlan, TrialOut
 from shared.settings import get_settings
-from shared.store import idempotency
+from shared.store import idempotency, quotas
 from shared.store.engine import keyset_page, read_session, session_scope
 from shared.store.rows import Job, JobEvent, JobMetric, JobStatus, Sweep, new_id, utcnow
-from shared.store.tenancy import Caller, lock_tenant
+from shared.store.tenancy import Caller, lock_tenant, try_lock_tenant
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger(__name__)
 
 RUNNING, SUCCEEDED, FAILED, CANCELLED = "running", "succeeded", "failed", "cancelled"  # sweep statuses stored
 ENDED = (SUCCEEDED, FAILED, CANCELLED)
+PAUSED = "trials_paused"  # a running sweep's error while its tenant has no room for its next trials
 METRIC_ALIASES = {"f1": "entity_f1"}  # the issue's "f1 for entities"
 STATES = {JobStatus.SUCCEEDED: TrialState.COMPLETE, JobStatus.PRUNED: TrialState.PRUNED,
           JobStatus.FAILED: TrialState.FAIL, JobStatus.CANCELLED: TrialState.FAIL,
@@ -260,6 +261,9 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
             end_sweep(s, sweep, SUCCEEDED if ok else FAILED,
                       None if ok else {"code": "no_trial_succeeded", "message": "no trial succeeded"})
         return []
+    wanted = admitted(s, sweep, wanted)
+    if wanted <= 0:
+        return []
     space = distributions(spec)
     asked = ask(spec, space, trials, curves(s, [t.id for t in trials], spec.objective.metric), wanted)
     template = trial_template(spec).model_dump(mode="json")
@@ -278,6 +282,34 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
                   label_names=sweep.label_names, sweep_id=sweep.id, trial_number=number, trial_attrs=attrs)
         new.append(lifecycle.insert_queued(s, job, f"trial {number} of sweep {sweep.id} queued: {params}", None, None))
     return new
+
+
+def admitted(s: Session, sweep: Sweep, wanted: int) -> int:
+    """How many of ``wanted`` new trials the sweep's tenant may queue now: trials pass the same
+    admission as jobs (the storage quota and the active-jobs maximum, ``shared.store.quotas``). With
+    no room the sweep is paused: ``error`` says why (code ``trials_paused``) until the recovery loop's
+    ``top_up_all`` finds room and clears it. 0 also while another transaction of the tenant holds its
+    lock (taken without waiting: ``try_lock_tenant``), to be tried again."""
+    if not try_lock_tenant(s, sweep.tenant):
+        return 0
+    limit = get_settings().max_active_jobs_per_tenant
+    active = s.scalar(select(func.count()).select_from(Job).where(Job.tenant == sweep.tenant,
+                                                                  Job.status.in_(lifecycle.ACTIVE)))
+    why = (f"tenant {sweep.tenant!r} has {active} queued or running jobs, its maximum "
+           f"(TUNEJOB_MAX_ACTIVE_JOBS_PER_TENANT={limit})") if active >= limit else None
+    if why is None:
+        try:
+            quotas.check_storage(s, sweep.tenant)
+        except UserError as e:
+            why = e.message
+    if why is not None:
+        if (sweep.error or {}).get("code") != PAUSED:
+            log.info("sweep %s paused: %s", sweep.id, why)
+        sweep.error = {"code": PAUSED, "message": f"the next trials wait: {why}; they start when room frees"}
+        return 0
+    if (sweep.error or {}).get("code") == PAUSED:
+        sweep.error = None
+    return min(wanted, limit - active)
 
 
 def trial_hyperparameters(fixed: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -404,6 +436,7 @@ def to_out(s: Session, sweep: Sweep) -> SweepOut:
             best = BestTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=value)
     started = [t.started_at for t in trials if t.started_at is not None]
     status = sweep.status if sweep.status != RUNNING or started else "queued"
+    status = "paused" if sweep.status == RUNNING and (sweep.error or {}).get("code") == PAUSED else status
     return SweepOut(id=sweep.id, status=status, base_model=spec.base_model, task=spec.task, objective=spec.objective,
                     algorithm=spec.algorithm, early_stopping=spec.early_stopping.type, max_trials=spec.max_trials,
                     max_parallel_trials=spec.max_parallel_trials,

@@ -108,7 +108,8 @@ class SweepOut(BaseModel):
         "error": None}]})
 
     id: str
-    status: str = Field(description="queued | running | succeeded | failed | cancelled")
+    status: str = Field(description="queued | running | paused (its next trials wait for room in the tenant's "
+                                    "quotas: see error) | succeeded | failed | cancelled")
     base_model: str
     task: str
     objective: Objective
