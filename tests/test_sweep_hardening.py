@@ -103,15 +103,16 @@ def test_a_grid_at_the_cap_passes_and_one_point_more_does_not(client, dataset, g
 def test_pruning_and_reports_build_no_grid(grid_points):
     """The worker's pruning check (every evaluation) and the report rebuild the study without the
     sweep's sampler: only asking for trials builds a grid."""
-    from shared.jobs import sweeps
+    from shared.jobs import search
+    from shared.jobs.search_space import distributions
     from shared.schemas.sweeps import SweepCreate
 
     spec = SweepCreate.model_validate(body("ds_x", algorithm="grid", search_space={
         "eval_every_steps": {"type": "int", "low": 1, "high": 100}}))
-    space = sweeps.distributions(spec)
-    sweeps.study_of(spec, space, [], {})
+    space = distributions(spec)
+    search.study_of(spec, space, [], {})
     assert grid_points == []
-    sweeps.study_of(spec, space, [], {}, asking=True)
+    search.study_of(spec, space, [], {}, asking=True)
     assert grid_points == [100]
 
 
@@ -152,7 +153,7 @@ def test_a_float_range_over_an_integer_hyperparameter_is_refused(client, dataset
 
 def test_every_trial_is_checked_whole_before_it_is_stored():
     from shared.errors import UserError
-    from shared.jobs.sweeps import trial_hyperparameters
+    from shared.jobs.search import trial_hyperparameters
 
     assert trial_hyperparameters({"batch_size": 8, "epochs": 1}, {"batch_size": 16})["batch_size"] == 16
     with pytest.raises(UserError) as e:

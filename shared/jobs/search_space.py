@@ -55,9 +55,10 @@ def distributions(spec: SweepCreate) -> dict[str, BaseDistribution]:
             values, out[name] = d.choices, CategoricalDistribution(d.choices)
         else:
             _check_range(name, d, field)
+            assert d.low is not None and d.high is not None  # _check_range refuses a range without them
             if d.type == "int":
                 values = [int(d.low), int(d.high)]
-                out[name] = IntDistribution(*values, log=d.log, step=int(d.step or 1))
+                out[name] = IntDistribution(values[0], values[1], log=d.log, step=int(d.step or 1))
             else:
                 values, out[name] = [d.low, d.high], FloatDistribution(d.low, d.high, log=d.log, step=d.step)
         for value in values:
@@ -100,6 +101,7 @@ def range_size(d: Distribution) -> int | None:
         return len(d.choices or ())
     if d.type == "float" and not d.step:
         return None
+    assert d.low is not None and d.high is not None  # a range: _check_range refused one without them
     steps = (d.high - d.low) / (d.step or 1)  # inf where the difference overflows
     return int(steps + 1e-9) + 1 if steps < MAX_RANGE_VALUES else MAX_RANGE_VALUES + 1
 
@@ -111,10 +113,11 @@ def check_grid(spec: SweepCreate) -> int:
         UserError: 422 ``invalid_search_space`` naming ``search_space.<name>.step`` (a float range
             without a step); ``grid_too_large`` naming ``search_space`` (over ``max_grid_points``).
     """
-    sizes = {name: range_size(d) for name, d in spec.search_space.items()}
-    for name, size in sizes.items():
-        if size is None:
+    sizes: dict[str, int] = {}
+    for name, d in spec.search_space.items():
+        if (size := range_size(d)) is None:
             raise refuse("a grid over a float range needs a step", f"search_space.{name}.step")
+        sizes[name] = size
     points, limit = math.prod(sizes.values()), get_settings().max_grid_points
     if points > limit:
         counts = " x ".join(f"{name} {n:,}" for name, n in sizes.items())
@@ -128,12 +131,15 @@ def grid(spec: SweepCreate) -> dict[str, list[Any]]:
     """``algorithm: grid``: each hyperparameter's values (choices, or low to high by step), for
     Optuna's ``GridSampler``. Call ``check_grid`` first: this lists every value.
     """
-    values = {}
+    values: dict[str, list[Any]] = {}
     for name, d in spec.search_space.items():
         if d.type == "categorical":
-            values[name] = list(d.choices)
-        elif d.type == "int":
+            values[name] = list(d.choices or [])
+            continue
+        assert d.low is not None and d.high is not None  # a range: distributions() checked its bounds
+        if d.type == "int":
             values[name] = list(range(int(d.low), int(d.high) + 1, int(d.step or 1)))
         else:
-            values[name] = [d.low + i * d.step for i in range(range_size(d))]
+            assert d.step is not None  # check_grid refuses a float range without a step
+            values[name] = [d.low + i * d.step for i in range(range_size(d) or 0)]
     return values

@@ -7,11 +7,12 @@ the rebuilt study, ``optimization_history.png`` and ``param_importances.png`` (t
 import csv
 import io
 import itertools
+from collections.abc import Callable
 
 import optuna
 
 from shared.errors import NotFound, UserError
-from shared.jobs import sweeps
+from shared.jobs import search, sweeps
 from shared.jobs.search_space import distributions
 from shared.store.engine import read_session
 from shared.store.tenancy import Caller
@@ -32,7 +33,7 @@ def report_file(sweep_id: str, name: str, caller: Caller) -> tuple[bytes, str]:
         spec, trials, trial_curves = sweeps.trials_of(s, sweeps.owned_sweep(s, sweep_id, caller))
     if name == "trials.csv":
         return trials_csv(spec, trials, trial_curves).encode(), "text/csv"
-    study = sweeps.study_of(spec, distributions(spec), trials, trial_curves)
+    study = search.study_of(spec, distributions(spec), trials, trial_curves)
     completed = [t for t in study.get_trials(deepcopy=False) if t.value is not None]
     if len(completed) < (2 if name == "param_importances.png" else 1) or (
             name == "param_importances.png" and len({t.value for t in completed}) < 2):
@@ -52,11 +53,12 @@ def picture(study: optuna.Study, name: str) -> bytes:
     figure = Figure(figsize=(8, 5), dpi=100, layout="constrained")
     axes = figure.subplots()
     if name == "optimization_history.png":
-        completed = [t for t in study.get_trials(deepcopy=False) if t.value is not None]
-        better = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
-        best = list(itertools.accumulate((t.value for t in completed), better))
-        axes.scatter([t.number for t in completed], [t.value for t in completed], label="objective value")
-        axes.plot([t.number for t in completed], best, color="tab:red", label="best value")
+        completed = [(t.number, t.value) for t in study.get_trials(deepcopy=False) if t.value is not None]
+        numbers, values = [n for n, _ in completed], [v for _, v in completed]
+        better: Callable[[float, float], float] = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
+        best = list(itertools.accumulate(values, better))
+        axes.scatter(numbers, values, label="objective value")
+        axes.plot(numbers, best, color="tab:red", label="best value")
         axes.set(title="Optimization history", xlabel="trial", ylabel="objective value")
         axes.legend()
     else:
@@ -76,7 +78,7 @@ def trials_csv(spec, trials, trial_curves) -> str:
     writer = csv.writer(out)
     writer.writerow(["number", "job_id", "status", *names, "value", "steps", "started_at", "finished_at"])
     for t in trials:
-        params = sweeps.params_of(t, spec)
+        params = search.params_of(t, spec)
         writer.writerow([t.trial_number, t.id, t.status, *(params[n] for n in names),
-                         sweeps.best_value(trial_curves[t.id], spec), t.step, t.started_at, t.finished_at])
+                         search.best_value(trial_curves[t.id], spec), t.step, t.started_at, t.finished_at])
     return out.getvalue()

@@ -119,7 +119,7 @@ def resolve(url: str) -> list[str]:
         infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
     except (OSError, ValueError) as e:
         raise UserError("invalid_url", f"webhook url host {parts.hostname!r} does not resolve ({e})", "url") from e
-    addresses = list(dict.fromkeys(info[4][0] for info in infos))
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
     if not get_settings().webhooks_allow_private_urls:
         for address in addresses:
             if (reason := refused_address(address)) is not None:
@@ -142,7 +142,8 @@ def create_webhook(caller: Caller, url: str, events: list[str], description: str
     with session_scope() as s:
         lock_tenant(s, caller.tenant)  # two creations at once count each other
         limit = get_settings().max_webhooks_per_tenant
-        if (count := s.scalar(select(func.count()).select_from(Webhook).where(Webhook.tenant == caller.tenant))) >= limit:
+        count = s.scalar(select(func.count()).select_from(Webhook).where(Webhook.tenant == caller.tenant)) or 0
+        if count >= limit:
             raise UserError("too_many_webhooks", f"tenant {caller.tenant!r} has {count} webhook endpoints, this "
                             f"server's maximum (TUNEJOB_MAX_WEBHOOKS_PER_TENANT={limit}); delete one first", "url",
                             status=409)
@@ -215,8 +216,9 @@ def purge_deliveries() -> int:
     ``webhooks_log_retention_days`` ago, so that the log does not grow for ever. Returns how many."""
     cutoff = utcnow() - timedelta(days=get_settings().webhooks_log_retention_days)
     with session_scope() as s:
-        return s.execute(delete(WebhookDelivery).where(WebhookDelivery.status != PENDING,
-                                                       WebhookDelivery.created_at < cutoff)).rowcount
+        result = s.execute(delete(WebhookDelivery).where(WebhookDelivery.status != PENDING,
+                                                         WebhookDelivery.created_at < cutoff))
+        return result.rowcount  # type: ignore[attr-defined]  # DML returns a CursorResult
 
 
 # ----------------------------------------------------------------------------- events
@@ -270,7 +272,7 @@ def deliver_due() -> int:
     with read_session() as s:
         rows = s.execute(select(due.c.id, due.c.webhook_id).where(due.c.rank <= SENDS_PER_ENDPOINT)
                          .order_by(due.c.next_attempt_at, due.c.id).limit(DELIVERIES_PER_TURN)).all()
-    return SENDERS.start(rows)
+    return SENDERS.start([(delivery_id, webhook_id) for delivery_id, webhook_id in rows])
 
 
 class Senders:
@@ -330,10 +332,11 @@ def _take(delivery_id: int) -> tuple[WebhookDelivery, Webhook, datetime] | None:
             WebhookDelivery.id == delivery_id, WebhookDelivery.status == PENDING,
             or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now))
             .values(lease_expires_at=lease))
-        if result.rowcount != 1:
+        if result.rowcount != 1:  # type: ignore[attr-defined]  # DML returns a CursorResult
             return None
         delivery = s.get(WebhookDelivery, delivery_id, populate_existing=True)
-        return delivery, s.get(Webhook, delivery.webhook_id), lease
+        webhook = s.get(Webhook, delivery.webhook_id) if delivery is not None else None
+        return (delivery, webhook, lease) if delivery is not None and webhook is not None else None
 
 
 async def attempt(delivery: WebhookDelivery, webhook: Webhook, lease: datetime) -> tuple[int | None, str | None]:
