@@ -44,5 +44,8 @@ class WebhookDelivery(Base):
     lease_expires_at: Mapped[datetime | None]  # a process is sending it until then
     response_status: Mapped[int | None]  # HTTP status of the last attempt
     error: Mapped[str | None] = mapped_column(Text)  # why the last attempt failed
+    # every attempt, oldest first (migration 0012): {"at", "status_code", "error", "duration_ms"}; at most
+    # len(TUNEJOB_WEBHOOKS_RETRY_SECONDS) + 1 of them
+    attempt_log: Mapped[list[Any] | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     delivered_at: Mapped[datetime | None]
