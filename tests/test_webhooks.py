@@ -415,3 +415,26 @@ def test_a_url_with_a_user_and_password_is_refused(stack):
     r = stack.client.post("/webhooks", json={"url": "https://user:secret@93.184.216.34/hook", "events": ["job.failed"]})
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_url", r.text
     assert "secret" not in r.text
+
+
+def test_a_rotated_secret_signs_beside_the_old_one_for_a_day(stack, receiver, fast_webhooks):
+    """Issue 34: ``POST /webhooks/{id}/rotate-secret`` gives a new secret; for 24 h deliveries carry
+    both signatures (Standard Webhooks: space-separated), so either secret verifies them; after that
+    only the new one."""
+    from shared.store.webhook_rows import Webhook
+
+    old = stack.client.post("/webhooks", json={"url": receiver.url, "events": ["job.failed"]}).json()
+    rotated = stack.client.post(f"/webhooks/{old['id']}/rotate-secret")
+    assert rotated.status_code == 200 and rotated.json()["secret"] != old["secret"], rotated.text
+    new = rotated.json()["secret"]
+    assert stack.client.post(f"/webhooks/{old['id']}/ping").status_code == 202
+    wait_until(lambda: receiver.requests, "the ping arrived")
+    for secret in (old["secret"], new):
+        verified(secret, receiver.requests[0])
+    with session_scope() as s:
+        s.get(Webhook, old["id"]).previous_secret_expires_at = utcnow()
+    assert stack.client.post(f"/webhooks/{old['id']}/ping").status_code == 202
+    wait_until(lambda: len(receiver.requests) == 2, "the second ping arrived")
+    verified(new, receiver.requests[1])
+    with pytest.raises(Exception, match="signature"):
+        verified(old["secret"], receiver.requests[1])

@@ -63,6 +63,13 @@ def list_deliveries(webhook_id: str, caller: CallerDep, limit: Annotated[int, Qu
     return DeliveryList(data=[_delivery(d) for d in page], next_cursor=page[-1].id if has_more else None)
 
 
+@router.post("/{webhook_id}/rotate-secret", responses=error_responses(404))
+def rotate_secret(webhook_id: str, caller: CallerDep) -> WebhookCreated:
+    """Give the endpoint a new ``secret`` (in this answer only). For 24 hours deliveries carry the
+    old secret's signature too, so the receiver can switch to the new one without losing any."""
+    return _out(webhooks.rotate_secret(webhook_id, caller), WebhookCreated)
+
+
 @router.post("/{webhook_id}/ping", status_code=202, responses=error_responses(404, 429))
 def ping_webhook(webhook_id: str, caller: CallerDep) -> DeliveryOut:
     """Send a ``webhook.ping`` event to the endpoint now (signed like any delivery); follow it in

@@ -70,6 +70,7 @@ EVENT_TYPES = ("job.succeeded", "job.failed", "job.cancelled",
 PING = "webhook.ping"  # POST /webhooks/{id}/ping: sent whatever the endpoint subscribed to
 SECRET_PREFIX = "whsec_"
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
+ROTATION_OVERLAP = timedelta(hours=24)  # the old secret keeps signing this long after a rotation (as Svix)
 NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052: the last 32 bits are an IPv4 address
 DELIVERIES_PER_TURN = 100
 SENDS_PER_ENDPOINT = 4  # of one endpoint's due deliveries in one turn
@@ -202,6 +203,28 @@ def list_deliveries(webhook_id: str, caller: Caller, limit: int, after: int | No
         _owned(s, webhook_id, caller)
         query = select(WebhookDelivery).where(WebhookDelivery.webhook_id == webhook_id)
         return keyset_page(s, query, WebhookDelivery, after, limit, param="cursor")
+
+
+def rotate_secret(webhook_id: str, caller: Caller) -> Webhook:
+    """Give the endpoint a new secret (in the returned row, shown once). For ``ROTATION_OVERLAP`` the
+    old one signs deliveries too (``webhook-signature`` then holds both signatures, space-separated,
+    as Standard Webhooks allows), so the receiver can switch without rejecting any delivery.
+
+    Raises: NotFound."""
+    with session_scope() as s:
+        webhook = _owned(s, webhook_id, caller)
+        webhook.previous_secret, webhook.previous_secret_expires_at = webhook.secret, utcnow() + ROTATION_OVERLAP
+        webhook.secret = new_secret()
+    return webhook
+
+
+def signatures(webhook: Webhook, event_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` header: the current secret's signature, and the previous one's
+    while a rotation's overlap lasts."""
+    secrets_ = [webhook.secret]
+    if webhook.previous_secret and webhook.previous_secret_expires_at and webhook.previous_secret_expires_at > utcnow():
+        secrets_.append(webhook.previous_secret)
+    return " ".join(sign(secret, event_id, timestamp, body) for secret in secrets_)
 
 
 def ping(webhook_id: str, caller: Caller) -> WebhookDelivery:
@@ -371,7 +394,7 @@ async def _post(client: httpx.AsyncClient, delivery: WebhookDelivery, webhook: W
     timestamp = int(time.time())
     headers = {"content-type": "application/json", "user-agent": "tunejob-webhooks",
                "webhook-id": delivery.event_id, "webhook-timestamp": str(timestamp),
-               "webhook-signature": sign(webhook.secret, delivery.event_id, timestamp, body)}
+               "webhook-signature": signatures(webhook, delivery.event_id, timestamp, body)}
     try:
         address = (await asyncio.to_thread(resolve, webhook.url))[0]
     except UserError as e:
