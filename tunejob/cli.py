@@ -36,6 +36,28 @@ def prepare_api(host: str) -> None:
               "`Authorization: Bearer <key>`.", flush=True)
 
 
+def announce_dashboard(host: str, port: int, link: str | None) -> None:
+    """Say where the dashboard is. The one-time sign-in ``link`` signs in as the local admin key, so
+    it is printed only to a terminal; otherwise (stdout goes to a log, which log shippers copy) it
+    is written to ``<data dir>/signin_link`` (mode 0600) and only that path is printed."""
+    if link is None:
+        print(f"tunejob: dashboard at http://{host}:{port}/ui (sign in with an API key)", flush=True)
+        return
+    if sys.stdout.isatty():
+        print(f"tunejob: dashboard: {link} (signs one browser in, once, within 15 minutes; then sign in at "
+              "/ui/login with an API key)", flush=True)
+        return
+    from shared.settings import get_settings
+
+    path = get_settings().data_path / "signin_link"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file's mode too
+    with os.fdopen(fd, "w") as f:
+        f.write(link + "\n")
+    print(f"tunejob: dashboard at http://{host}:{port}/ui; a one-time sign-in link (15 minutes) is in {path}",
+          flush=True)
+
+
 def signin_link(host: str, port: int) -> str | None:
     """A one-time link that signs a browser in to the dashboard (``/ui``) with the local key of
     ``tunejob serve`` (``<data dir>/api_key``); None when there is no usable local key."""
@@ -116,10 +138,7 @@ def serve(host: str, port: int, workers: int = 1, gpus: str | None = None, api_w
     launches = worker_launches(workers, gpus)
     prepare_api(host)  # before the workers start: they may refuse to start
     started = [subprocess.Popen(args, env=env) for args, env in launches]
-    link = signin_link(host, port)
-    print(f"tunejob: dashboard: {link} (signs one browser in, once, within "
-          f"15 minutes; then sign in at /ui/login with an API key)" if link else
-          f"tunejob: dashboard at http://{host}:{port}/ui (sign in with an API key)", flush=True)
+    announce_dashboard(host, port, signin_link(host, port))
     try:
         run_api(host, port, api_workers)
     finally:

@@ -22,7 +22,8 @@ def _out(webhook: Webhook, model: type[Out]) -> Out:
 
 def _delivery(d: WebhookDelivery) -> DeliveryOut:
     return DeliveryOut.model_validate({**{c: getattr(d, c) for c in DeliveryOut.model_fields if hasattr(d, c)},
-                                       "next_attempt_at": d.next_attempt_at if d.status == webhooks.PENDING else None})
+                                       "next_attempt_at": d.next_attempt_at if d.status == webhooks.PENDING else None,
+                                       "attempt_log": d.attempt_log or []})
 
 
 @router.post("", status_code=201, responses=error_responses(409))
@@ -56,10 +57,18 @@ def delete_webhook(webhook_id: str, caller: CallerDep) -> Response:
 def list_deliveries(webhook_id: str, caller: CallerDep, limit: Annotated[int, Query(ge=1, le=100)] = 20,
                     cursor: Annotated[int | None, Query(ge=1)] = None) -> DeliveryList:
     """The delivery log, newest first: each event's status (``pending``, ``delivered``,
-    ``failed``), attempts, the status code of the last answer and why it failed. Pass
+    ``failed``), attempts, the status code of the last answer and why it failed, and every attempt
+    (``attempt_log``: its time, status code, error and duration). Pass
     ``next_cursor`` back as ``cursor`` for the next page."""
     page, has_more = webhooks.list_deliveries(webhook_id, caller, limit, cursor)
     return DeliveryList(data=[_delivery(d) for d in page], next_cursor=page[-1].id if has_more else None)
+
+
+@router.post("/{webhook_id}/rotate-secret", responses=error_responses(404))
+def rotate_secret(webhook_id: str, caller: CallerDep) -> WebhookCreated:
+    """Give the endpoint a new ``secret`` (in this answer only). For 24 hours deliveries carry the
+    old secret's signature too, so the receiver can switch to the new one without losing any."""
+    return _out(webhooks.rotate_secret(webhook_id, caller), WebhookCreated)
 
 
 @router.post("/{webhook_id}/ping", status_code=202, responses=error_responses(404, 429))

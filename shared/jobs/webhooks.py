@@ -70,6 +70,8 @@ EVENT_TYPES = ("job.succeeded", "job.failed", "job.cancelled",
 PING = "webhook.ping"  # POST /webhooks/{id}/ping: sent whatever the endpoint subscribed to
 SECRET_PREFIX = "whsec_"
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
+ROTATION_OVERLAP = timedelta(hours=24)  # the old secret keeps signing this long after a rotation (as Svix)
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052: the last 32 bits are an IPv4 address
 DELIVERIES_PER_TURN = 100
 SENDS_PER_ENDPOINT = 4  # of one endpoint's due deliveries in one turn
 MAX_ANSWER_BYTES = 64 * 1024  # of an endpoint's answer read (its status is what counts)
@@ -95,8 +97,17 @@ def sign(secret: str, event_id: str, timestamp: int, body: bytes) -> str:
 def refused_address(address: str) -> str | None:
     """Why the webhook may not reach IP ``address`` (e.g. ``"private"``), or None when it is public."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        # An IPv4 address inside an IPv6 one reaches that IPv4 host: mapped (::ffff:a.b.c.d), 6to4
+        # (2002::/16), Teredo (2001::/32: server and client) and NAT64 (64:ff9b::/96). Checked here on
+        # every Python: which of them is_private or is_global counts has changed between versions.
+        embedded = [ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ()),
+                    ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if ip in NAT64 else None]
+        for inner in filter(None, embedded):
+            if (reason := refused_address(str(inner))) is not None:
+                return f"{reason} (inside {ip})"
+        if ip.ipv4_mapped:
+            return None
     for reason in ("loopback", "link_local", "private", "multicast", "reserved", "unspecified"):
         if getattr(ip, f"is_{reason}"):
             return reason.replace("_", "-")
@@ -108,12 +119,15 @@ def resolve(url: str) -> list[str]:
     ``TUNEJOB_WEBHOOKS_ALLOW_PRIVATE_URLS``).
 
     Raises:
-        UserError: 422 ``invalid_url`` (not http(s), no host, a name that does not resolve),
+        UserError: 422 ``invalid_url`` (not http(s), no host, user:password@, a name that does not resolve),
             ``private_url`` (an address in a refused range).
     """
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UserError("invalid_url", f"webhook url {url!r} must be an http:// or https:// URL with a host", "url")
+    if parts.username is not None or parts.password is not None:
+        raise UserError("invalid_url", "webhook url must not carry a user name or password (user:password@); "
+                        "verify deliveries with the webhook-signature header instead", "url")
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
@@ -190,6 +204,28 @@ def list_deliveries(webhook_id: str, caller: Caller, limit: int, after: int | No
         _owned(s, webhook_id, caller)
         query = select(WebhookDelivery).where(WebhookDelivery.webhook_id == webhook_id)
         return keyset_page(s, query, WebhookDelivery, after, limit, param="cursor")
+
+
+def rotate_secret(webhook_id: str, caller: Caller) -> Webhook:
+    """Give the endpoint a new secret (in the returned row, shown once). For ``ROTATION_OVERLAP`` the
+    old one signs deliveries too (``webhook-signature`` then holds both signatures, space-separated,
+    as Standard Webhooks allows), so the receiver can switch without rejecting any delivery.
+
+    Raises: NotFound."""
+    with session_scope() as s:
+        webhook = _owned(s, webhook_id, caller)
+        webhook.previous_secret, webhook.previous_secret_expires_at = webhook.secret, utcnow() + ROTATION_OVERLAP
+        webhook.secret = new_secret()
+    return webhook
+
+
+def signatures(webhook: Webhook, event_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` header: the current secret's signature, and the previous one's
+    while a rotation's overlap lasts."""
+    secrets_ = [webhook.secret]
+    if webhook.previous_secret and webhook.previous_secret_expires_at and webhook.previous_secret_expires_at > utcnow():
+        secrets_.append(webhook.previous_secret)
+    return " ".join(sign(secret, event_id, timestamp, body) for secret in secrets_)
 
 
 def ping(webhook_id: str, caller: Caller) -> WebhookDelivery:
@@ -361,7 +397,7 @@ async def _post(client: httpx.AsyncClient, delivery: WebhookDelivery, webhook: W
     timestamp = int(time.time())
     headers = {"content-type": "application/json", "user-agent": "tunejob-webhooks",
                "webhook-id": delivery.event_id, "webhook-timestamp": str(timestamp),
-               "webhook-signature": sign(webhook.secret, delivery.event_id, timestamp, body)}
+               "webhook-signature": signatures(webhook, delivery.event_id, timestamp, body)}
     try:
         address = (await asyncio.to_thread(resolve, webhook.url))[0]
     except UserError as e:
@@ -398,6 +434,9 @@ def _record(delivery_id: int, lease: datetime, status_code: int | None, error: s
             return
         delivery.attempts += 1
         delivery.response_status, delivery.error, delivery.lease_expires_at = status_code, error, None
+        delivery.attempt_log = [*(delivery.attempt_log or []), {
+            "at": now.isoformat().replace("+00:00", "Z"), "status_code": status_code, "error": error,
+            "duration_ms": round(seconds * 1000)}]
         if error is None:
             delivery.status, delivery.delivered_at = DELIVERED, now
         elif delivery.attempts > len(delays):
