@@ -51,7 +51,7 @@ from shared.store.rows import Job, JobEvent, JobMetric, JobStatus
 ROWS_PER_MESSAGE = 5000  # a long job's history goes out in messages of this many rows, each resumable
 log = logging.getLogger("tunejob.api")
 QUEUE_SIZE = 256  # reads a slow stream may fall behind before it is dropped and re-reads the store
-_CURSOR = re.compile(r"m(\d+)-e(\d+)")
+_CURSOR = re.compile(r"m([0-9]{1,18})-e([0-9]{1,18})")  # ASCII digits, ids a 64-bit integer column holds
 # pydantic's JSON (a non-finite metric value, e.g. a diverged loss, becomes null; json.dumps would refuse it)
 _ROWS = TypeAdapter(dict[str, list[MetricOut | EventOut]])
 VIEWS: dict[str, Callable[[Job], JobOut | PredictionOut]] = {  # the API view of a job of each kind

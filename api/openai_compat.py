@@ -30,6 +30,7 @@ from pydantic_core import ErrorDetails
 
 from shared.errors import NotFound, UserError
 from shared.jobs import uploads
+from shared.jobs.trials import stored_hyperparameters
 from shared.schemas.jobs import Hyperparameters, JobCreate, Metadata
 from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobStatus
 from shared.store.tenancy import Caller
@@ -41,6 +42,7 @@ OPENAI_HYPERPARAMETERS = {"n_epochs": "epochs", "batch_size": "batch_size", "lea
 OPENAI_FIELDS = {"base_model": "model", "training_dataset": "training_file", "validation_dataset": "validation_file"}
 EVENT_LEVELS = {"info": "info", "warning": "warn", "error": "error"}
 OWNERS = {"builtin": "system", "models_dir": "local"}
+OPENAI_STATUS = {JobStatus.PRUNED: "cancelled"}  # statuses OpenAI lacks: a pruned trial was stopped by its sweep
 
 
 # ----------------------------------------------------------------------------- errors
@@ -431,7 +433,8 @@ def fine_tuned_model_name(job: Job) -> str:
 
 
 def fine_tuning_job(job: Job) -> FineTuningJob:
-    hp = Hyperparameters(**job.spec["hyperparameters"])
+    """Job ``job`` as OpenAI's object (a sweep's pruned trial ``cancelled``: ``OPENAI_STATUS``)."""
+    hp, error = stored_hyperparameters(job)
     hyperparameters = JobHyperparameters(
         n_epochs=int(hp.epochs) if float(hp.epochs).is_integer() else hp.epochs, batch_size=hp.batch_size,
         learning_rate_multiplier=float(f"{hp.learning_rate / DEFAULT_LEARNING_RATE:.12g}"))
@@ -439,10 +442,10 @@ def fine_tuning_job(job: Job) -> FineTuningJob:
     running_eta = job.status == JobStatus.RUNNING and job.eta_seconds is not None
     return FineTuningJob(
         id=job.id, created_at=unix(job.created_at), finished_at=unix(job.finished_at),
-        error=JobError(code=job.error["code"], message=job.error["message"]) if job.error else None,
+        error=JobError(code=error["code"], message=error["message"]) if error else None,
         fine_tuned_model=fine_tuned_model_name(job) if job.status == JobStatus.SUCCEEDED else None,
         hyperparameters=hyperparameters, model=job.base_model, organization_id="tunejob", result_files=[],
-        seed=hp.seed, status=job.status,
+        seed=hp.seed, status=OPENAI_STATUS.get(job.status, job.status),
         trained_tokens=(job.train_metrics or {}).get("real_tokens") if finished else None,
         training_file=job.training_dataset_id, validation_file=job.validation_dataset_id,
         estimated_finish=int(time.time() + job.eta_seconds) if running_eta and job.eta_seconds is not None else None,

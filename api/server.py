@@ -61,7 +61,9 @@ class HeaderDeadline(HttpToolsProtocol):
 def run(app, host: str, port: int, workers: int = 1) -> None:
     """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM; with ``workers`` > 1, ``app`` is the
     import string of an application, which each of ``workers`` processes imports (uvicorn's
-    supervisor restarts one that dies)."""
+    supervisor restarts one that dies). Proxy headers are trusted as ``TUNEJOB_PROXY_HEADERS`` and
+    ``TUNEJOB_FORWARDED_ALLOW_IPS`` say."""
     settings = get_settings()
     uvicorn.run(app, host=host, port=port, workers=workers, log_config=logging_config(), http=HeaderDeadline,
-                access_log=settings.access_log, timeout_keep_alive=settings.http_keep_alive_seconds)
+                access_log=settings.access_log, timeout_keep_alive=settings.http_keep_alive_seconds,
+                proxy_headers=settings.proxy_headers, forwarded_allow_ips=settings.forwarded_allow_ips)

@@ -37,7 +37,7 @@ from shared.schemas.webhooks import DeliveryList, DeliveryOut, WebhookCreated, W
 from shared.store.manifest import MANIFEST, verify_manifest
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-FINISHED = ("succeeded", "failed", "cancelled")
+FINISHED = ("succeeded", "failed", "cancelled", "pruned")  # a sweep's pruned trial ends too
 MODEL_ARCHIVES = ("model.tar", "model.tar.gz")  # model.tar.gz: servers from before the model.tar artifact
 MAX_RECONNECTS = 5  # a stream that drops this many times in a row without a message gives up
 METRICS_PAGE = 100_000  # the most rows GET /jobs/{id}/metrics returns at once

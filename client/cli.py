@@ -42,7 +42,7 @@ from client.display import (
 )
 from client.options import UsageError, add_create_arguments, job_spec, prediction_spec
 
-COMMANDS = ("datasets", "models", "jobs", "sweeps", "predict", "health")
+COMMANDS = ("datasets", "models", "jobs", "sweeps", "predict", "webhooks", "health")  # add_commands' (a test checks)
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 Handler = Callable[[Client, argparse.Namespace, Console], int | None]
 

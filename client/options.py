@@ -83,9 +83,12 @@ def prediction_spec(args) -> dict[str, Any]:
 def read_spec(path: Path | None) -> dict[str, Any]:
     """The JSON object in ``path`` (``--spec``), or ``{}`` without one. Raises UsageError if unreadable."""
     try:
-        return json.loads(path.read_text()) if path else {}
+        spec = json.loads(path.read_text()) if path else {}
     except (OSError, ValueError) as e:
         raise UsageError(f"--spec {path}: {e}") from e
+    if not isinstance(spec, dict):
+        raise UsageError(f"--spec {path}: expected a JSON object (the request body), not {type(spec).__name__}")
+    return spec
 
 
 def require(spec: dict[str, Any], options: list[tuple[str, str]]) -> None:

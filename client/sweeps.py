@@ -58,16 +58,13 @@ def read_space(args) -> dict[str, Any]:
     whole sweep body, is taken as it is); ``{}`` without one."""
     if args.space is None:
         return {}
+    import yaml  # PyYAML (a dependency of the project)
+
     path: Path = args.space
     try:
         text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml  # PyYAML, a dependency of transformers
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except (OSError, ValueError) as e:  # yaml.YAMLError is a ValueError
+        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (OSError, ValueError, yaml.YAMLError) as e:  # a YAMLError is no ValueError
         raise UsageError(f"--space {path}: {e}") from e
     if not isinstance(data, dict):
         raise UsageError(f"--space {path}: expected an object of hyperparameter ranges")

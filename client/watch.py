@@ -28,7 +28,7 @@ from client.display import (
 from shared.schemas.jobs import JobOut
 from shared.schemas.predictions import PredictionOut
 
-EXIT_CODES = {"succeeded": 0, "failed": 3, "cancelled": 4}
+EXIT_CODES = {"succeeded": 0, "failed": 3, "cancelled": 4, "pruned": 5}
 PLAIN_EVERY_SECONDS = 30.0
 
 
@@ -86,7 +86,7 @@ class PlainLines:
 
 def watch(client: Client, job_id: str, out: Console, kind: Kind = TRAINING) -> int:
     """Follow job ``job_id`` (of ``kind``) until it ends; print its outcome. Returns the exit code:
-    0 succeeded, 3 failed, 4 cancelled (EXIT_CODES).
+    0 succeeded, 3 failed, 4 cancelled, 5 pruned (a sweep's trial stopped early; EXIT_CODES).
 
     Raises:
         TunejobError: no such job, or the server stopped answering.

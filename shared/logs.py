@@ -12,6 +12,7 @@ dictionary schema: https://docs.python.org/3/library/logging.config.html#logging
 import contextvars
 import logging
 import logging.config
+import re
 from typing import Any
 
 from shared.settings import get_settings
@@ -52,3 +53,34 @@ def logging_config(level: str | None = None) -> dict[str, Any]:
 def configure_logging(level: str | None = None) -> None:
     """Apply ``logging_config(level)`` to this process."""
     logging.config.dictConfig(logging_config(level))
+
+
+# Lines a dependency logs on every import that read as errors but are none (issue 34): torchao's
+# wheel ships optional CUDA kernels (mxfp8, CUTLASS) built for other Python and CUDA versions, and
+# fails to load them at import (transformers imports torchao whenever it is installed; its int8 path,
+# shared.inference.int8, needs none of them); and torchao registers enums with torch's pytree, which
+# torch now deprecates. Only these messages are dropped: anything else either logs still shows.
+KNOWN_NOISE = {
+    "torchao": re.compile(r"^Failed to load .*/torchao/_C\w*\.[\w.-]*so: "),
+    "torch.utils._pytree": re.compile(r" is an Enum subclass and is now natively supported by torch\.compile"),
+}
+
+
+class DropKnownNoise(logging.Filter):
+    """Drops the records of one logger whose message matches ``pattern`` (``KNOWN_NOISE``)."""
+
+    def __init__(self, pattern: re.Pattern[str]):
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+def drop_known_noise() -> None:
+    """Attach ``DropKnownNoise`` to each logger of ``KNOWN_NOISE``, once; call before those packages are
+    imported (``worker/__init__.py`` does, so any import of the worker does)."""
+    for name, pattern in KNOWN_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, DropKnownNoise) for f in logger.filters):
+            logger.addFilter(DropKnownNoise(pattern))

@@ -72,6 +72,7 @@ class Settings(BaseSettings):
     max_columns: int = 256
     max_active_jobs_per_tenant: int = 50  # queued + running
     max_trials_per_sweep: int = 200  # POST /sweeps: max_trials at most this (shared.jobs.sweeps)
+    max_grid_points: int = 100_000  # POST /sweeps, algorithm grid: points at most this (shared.jobs.search_space)
     max_storage_bytes_per_tenant: int = 100 * 1024**3  # uploads + checkpoints + artifacts
     # Timeouts. A request that cannot get SQLite's write lock in sqlite_busy_timeout_seconds is
     # answered 503 with Retry-After. HTTP: idle keep-alive connections are closed after
@@ -83,6 +84,14 @@ class Settings(BaseSettings):
     # uvicorn's line per request on stderr; off by default: it cost about 5% of the API's CPU under
     # polling load, and GET /metrics counts requests by route and status.
     access_log: bool = False
+    # Behind a reverse proxy (docs/production/security.md): uvicorn takes the client's address and
+    # scheme from X-Forwarded-For/-Proto sent by these addresses (comma-separated, "*" any; uvicorn's
+    # own defaults); `tunejob api|serve --proxy-headers/--no-proxy-headers --forwarded-allow-ips` set them.
+    proxy_headers: bool = True
+    forwarded_allow_ips: str = "127.0.0.1"
+    # The dashboard's session cookie is Secure: true always, false never; unset, when the request came
+    # over https (as uvicorn sees it: through a proxy, only with the proxy headers trusted above).
+    cookie_secure: bool | None = None
     log_level: str = "INFO"  # the API's and the workers' log lines (shared.logs), e.g. DEBUG, INFO, WARNING
     artifact_retention_days: float | None = None  # remove finished jobs' files this long after they end; None: keep
     broker_polling_seconds: float = 0.1  # filesystem broker: how often an idle worker looks for a message
@@ -101,7 +110,10 @@ class Settings(BaseSettings):
     # of these delays in turn (Svix's schedule, about 27.6 h in all: comma-separated seconds), then
     # it is failed; the API looks for due deliveries this often.
     webhooks_allow_private_urls: bool = False
-    webhooks_timeout_seconds: float = 10.0
+    webhooks_timeout_seconds: float = 10.0  # one attempt in all: resolving, connecting, sending, reading the answer
+    webhooks_senders: int = 16  # attempts in flight at once per API process (shared.jobs.webhooks)
+    max_webhooks_per_tenant: int = 20  # POST /webhooks: endpoints per tenant
+    webhooks_log_retention_days: float = 30.0  # ended deliveries are deleted this long after they were stored
     webhooks_retry_seconds: Annotated[list[float], NoDecode] = [5, 300, 1800, 7200, 18000, 36000, 36000]
     webhooks_poll_seconds: float = 1.0
 

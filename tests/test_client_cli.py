@@ -325,3 +325,42 @@ def test_a_downloaded_model_is_checked_against_its_manifest(tmp_path, monkeypatc
     assert error.value.code == "download_corrupt" and "model.safetensors" in error.value.message
     assert not (tmp_path / "bad").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "served"]  # no temporary directory left
+
+
+def test_every_client_command_runs_as_a_client_command():
+    """``COMMANDS`` (what ``tunejob`` hands to the client) lists every command the client adds: one
+    left out (``webhooks`` was, issue 34) parsed as a server command, did nothing and exited 0."""
+    import argparse
+
+    from client import cli
+
+    parser = argparse.ArgumentParser()
+    commands = parser.add_subparsers()
+    cli.add_commands(commands)
+    assert set(commands.choices) == set(cli.COMMANDS)
+
+
+def run_tunejob(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}, "TUNEJOB_DATA_DIR": str(cwd)}
+    return subprocess.run([sys.executable, "-m", "tunejob", *args], env=env, cwd=ROOT, text=True, capture_output=True,
+                          timeout=60)
+
+
+def test_webhooks_reach_the_server_and_bad_files_are_a_usage_error(tmp_path):
+    r = run_tunejob("webhooks", "list", "--url", "http://127.0.0.1:9", cwd=tmp_path)  # nothing listens there
+    assert r.returncode == 1 and "cannot reach tunejob" in r.stderr, (r.returncode, r.stderr)
+    (tmp_path / "bad.yaml").write_text("learning_rate: {type: float, low: [\n")
+    r = run_tunejob("sweeps", "create", "--model", TINY_MODEL, "--dataset", "ds_x", "--objective", "accuracy",
+                    "--space", str(tmp_path / "bad.yaml"), "--url", "http://127.0.0.1:9", cwd=tmp_path)
+    assert r.returncode == 2 and "usage: --space" in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    r = run_tunejob("jobs", "create", "--spec", str(tmp_path / "list.json"), "--url", "http://127.0.0.1:9", cwd=tmp_path)
+    assert r.returncode == 2 and "expected a JSON object" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_version():
+    from importlib.metadata import version
+
+    r = subprocess.run([sys.executable, "-m", "tunejob", "--version"], cwd=ROOT, text=True, capture_output=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"tunejob {version('tunejob')}", (r.stdout, r.stderr)

@@ -68,3 +68,19 @@ def test_a_worker_logs_under_the_job_id(stack, log_lines):
 
     wait_until(lambda: skipped(), "the worker logged the skipped message")
     assert {(m["logger"], m["context"]) for m in skipped()} == {("worker.tasks", f"job {job['id']}")}
+
+
+def test_loading_a_model_in_the_worker_prints_no_known_noise():
+    """torchao's optional CUDA kernels that fail to load, and torch's pytree deprecation, read as
+    errors on every worker start (issue 34): dropped; any other line of those loggers still shows."""
+    import subprocess
+    import sys
+
+    code = ("import logging, worker\n"
+            "from transformers import AutoModelForSequenceClassification, BertConfig\n"
+            "AutoModelForSequenceClassification.from_config(BertConfig(hidden_size=32, num_hidden_layers=1, "
+            "num_attention_heads=2, intermediate_size=37))\n"
+            "logging.getLogger('torchao').warning('Failed to load something else')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert "torchao/_C" not in result.stderr and "Enum subclass" not in result.stderr, result.stderr
+    assert "Failed to load something else" in result.stderr

@@ -306,3 +306,43 @@ def test_on_postgres_a_read_session_holds_no_transaction_and_a_write_session_one
             assert status(s) == TransactionStatus.INTRANS
     finally:
         drop()
+
+
+def test_on_postgres_processes_starting_at_once_migrate_one_after_the_other(tmp_path):
+    """Four ``tunejob db upgrade`` processes started together on an empty PostgreSQL database (as
+    API processes and workers starting at once do) all succeed: an advisory lock makes them migrate
+    one after the other (issue 34; without it, concurrent CREATE TABLEs fail with a duplicate)."""
+    from tests.conftest import fresh_postgres_database
+
+    require_services()
+    database_url, drop = fresh_postgres_database()
+    try:
+        env = tunejob_env(tmp_path, TUNEJOB_DATABASE_URL=database_url)
+        processes = [subprocess.Popen([sys.executable, "-m", "tunejob", "db", "upgrade"], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        results = [(p.wait(timeout=120), p.stderr.read()) for p in processes]
+        assert all(code == 0 for code, _ in results), [err[-2000:] for code, err in results if code]
+    finally:
+        drop()
+
+
+def signed_in_cookie(url: str, key: str, **headers: str) -> str:
+    """The Set-Cookie header of a dashboard sign-in with ``key``."""
+    r = httpx.post(f"{url}/ui/login", data={"key": key, "next": "/ui/jobs"}, headers=headers)
+    assert r.status_code == 303, r.text
+    return r.headers["set-cookie"]
+
+
+def test_the_session_cookie_is_secure_as_the_proxy_options_and_tunejob_cookie_secure_say(tmp_path):
+    """Behind a proxy, ``tunejob api --forwarded-allow-ips`` says whose X-Forwarded-Proto to trust:
+    from an address not listed, https is not believed, so the cookie is not ``Secure``; from one
+    listed it is; ``TUNEJOB_COOKIE_SECURE=true`` makes it ``Secure`` whatever the scheme (issue 34)."""
+    data = tmp_path / "data"
+    with Api(tmp_path, tunejob_env(data), "127.0.0.1", "--forwarded-allow-ips", "10.9.9.9") as api:
+        key = (data / "api_key").read_text().strip()
+        assert "secure" not in signed_in_cookie(api.url, key, **{"X-Forwarded-Proto": "https"}).lower()
+    with Api(tmp_path, tunejob_env(data), "127.0.0.1", "--forwarded-allow-ips", "127.0.0.1") as api:
+        assert "secure" in signed_in_cookie(api.url, key, **{"X-Forwarded-Proto": "https"}).lower()
+        assert "secure" not in signed_in_cookie(api.url, key).lower()
+    with Api(tmp_path, tunejob_env(data, TUNEJOB_COOKIE_SECURE="true"), "127.0.0.1", "--no-proxy-headers") as api:
+        assert "secure" in signed_in_cookie(api.url, key).lower()

@@ -253,3 +253,41 @@ def test_the_jobs_page_follows_its_running_jobs_through_one_stream(stack, job):
     assert seen[0] == ("gone", "job_nope", None) and {i for _, i, _ in seen[1:]} == {running, job["id"]}
     gone = other.get("/ui/jobs/live", params={"ids": running}).text  # not its job: gone, and done
     assert gone.replace("\r\n", "\n") == f'event: gone\ndata: {{"id": "{running}"}}\n\n'
+
+
+def test_a_sign_in_link_is_redeemed_once_when_many_bring_it_at_once(stack):
+    """Issue 34: redeeming is one DELETE ... RETURNING, so of 12 requests racing with one link only
+    one gets a session (a read, then a delete, let several through on PostgreSQL)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shared.store import ui_sessions
+    from shared.store.keys import create_key
+
+    _, row = create_key(stack.tenant)
+    for _ in range(3):
+        link, start = ui_sessions.signin_link(row.id), threading.Barrier(12)
+
+        def redeem(_, link=link, start=start):
+            start.wait()
+            return ui_sessions.redeem(link)
+
+        with ThreadPoolExecutor(12) as pool:
+            sessions = [s for s in pool.map(redeem, range(12)) if s is not None]
+        assert len(sessions) == 1, sessions
+
+
+def test_without_a_terminal_serve_writes_the_sign_in_link_to_a_private_file(stack, capsys):
+    """Issue 34: the link signs in as the local admin key; stdout that is no terminal often ends in
+    a log shipper, so the link goes to ``<data dir>/signin_link`` (0600) and only its path is printed."""
+    import stat
+
+    from shared.settings import get_settings
+    from tunejob.cli import announce_dashboard
+
+    link = "http://127.0.0.1:8123/ui/signin/secret-token"
+    announce_dashboard("127.0.0.1", 8123, link)
+    printed = capsys.readouterr().out
+    path = get_settings().data_path / "signin_link"
+    assert "secret-token" not in printed and str(path) in printed, printed
+    assert path.read_text().strip() == link and stat.S_IMODE(path.stat().st_mode) == 0o600

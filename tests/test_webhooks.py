@@ -11,6 +11,7 @@ stack's worker leaves it alone) through the lifecycle's own ``request_cancel``."
 import argparse
 import io
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -171,6 +172,11 @@ def test_failed_attempts_are_retried_with_backoff_then_given_up(stack, fast_webh
         # 3 retry delays: 4 attempts, then failed, with the last answer logged
         assert (failed["attempts"], failed["response_status"], failed["error"]) == (4, 500, "answered HTTP 500")
         assert len(down.requests) == 4
+        # every attempt is logged (issue 34), not only the last answer
+        assert [(a["status_code"], a["error"]) for a in delivered["attempt_log"]] == [
+            (500, "answered HTTP 500"), (503, "answered HTTP 503"), (200, None)]
+        assert [a["status_code"] for a in failed["attempt_log"]] == [500] * 4
+        assert all(a["duration_ms"] >= 0 and a["at"].endswith("Z") for a in failed["attempt_log"])
     finally:
         flaky.close()
         down.close()
@@ -239,3 +245,202 @@ def test_a_cancelled_sweep_is_delivered(stack, receiver, fast_webhooks):
     payload = verified(webhook["secret"], request)
     assert payload["type"] == "sweep.cancelled"
     assert (payload["data"]["id"], payload["data"]["object"]) == (sweep["id"], "sweep")
+
+
+class Endpoint:
+    """An HTTP endpoint on 127.0.0.1 whose every POST is answered by ``answer(handler)`` (which writes
+    the whole response); counts the requests that arrived."""
+
+    def __init__(self, answer):
+        self.arrived = []
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["content-length"]))
+                endpoint.arrived.append(time.monotonic())
+                try:
+                    answer(self)
+                except OSError:  # the sender hung up, as it should
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def trickle(handler) -> None:
+    """A 200 whose body comes a byte a second, for ever (each read well within httpx's read timeout)."""
+    handler.send_response(200)
+    handler.end_headers()
+    while True:
+        handler.wfile.write(b"x")
+        handler.wfile.flush()
+        time.sleep(1)
+
+
+def flood(handler) -> None:
+    """A 200 with an endless body, as fast as the socket takes it."""
+    handler.send_response(200)
+    handler.end_headers()
+    chunk = b"x" * 65536
+    while True:
+        handler.wfile.write(chunk)
+
+
+def test_an_attempt_has_a_whole_deadline_and_reads_at_most_64_kib(stack, fast_webhooks, monkeypatch):
+    """httpx's timeout is per read: an endpoint answering a byte a second held an attempt open for
+    ever, and an endless answer was read whole (issue 34). An attempt now ends at
+    TUNEJOB_WEBHOOKS_TIMEOUT_SECONDS in all, and stops reading an answer after 64 KiB."""
+    monkeypatch.setattr(get_settings(), "webhooks_retry_seconds", [])
+    for answer, timeout in ((trickle, 2.0), (flood, 15.0)):  # the endless answer: a deadline it cannot reach
+        monkeypatch.setattr(get_settings(), "webhooks_timeout_seconds", timeout)
+        endpoint = Endpoint(answer)
+        try:
+            client = stack.client_for(f"tenant-{answer.__name__}")
+            hook = client.post("/webhooks", json={"url": endpoint.url, "events": ["job.cancelled"]}).json()
+            end_a_job(f"tenant-{answer.__name__}")
+            wait_until(lambda c=client, h=hook: deliveries(c, h["id"])[0]["status"] != "pending", "the attempt ended",
+                       timeout=40)
+            [logged] = deliveries(client, hook["id"])
+            if answer is trickle:
+                assert (logged["status"], logged["response_status"]) == ("failed", None), logged
+                assert "no complete answer within 2 s" in logged["error"], logged
+                assert logged["attempt_log"][0]["duration_ms"] < 10_000, logged
+            else:
+                assert (logged["status"], logged["response_status"], logged["error"]) == ("delivered", 200, None), logged
+        finally:
+            endpoint.close()
+
+
+def test_a_slow_endpoint_does_not_hold_up_another(stack, fast_webhooks, monkeypatch):
+    """Attempts run side by side (``TUNEJOB_WEBHOOKS_SENDERS``), at most 4 to one endpoint: another
+    tenant's delivery arrives while one endpoint takes 4 s to answer each of its six (before issue
+    34, one at a time: after all of them, 24 s later)."""
+    monkeypatch.setattr(get_settings(), "webhooks_timeout_seconds", 10.0)
+
+    def slowly(handler) -> None:
+        time.sleep(4)
+        handler.send_response(200)
+        handler.send_header("content-length", "0")
+        handler.end_headers()
+
+    slow, fast = Endpoint(slowly), Receiver()
+    try:
+        slow_hook = stack.client.post("/webhooks", json={"url": slow.url, "events": ["job.cancelled"]}).json()
+        for _ in range(6):
+            end_a_job(stack.tenant)
+        wait_until(lambda: slow.arrived, "the slow endpoint is busy", timeout=20)
+        other = stack.client_for("tenant-fair")
+        other.post("/webhooks", json={"url": fast.url, "events": ["job.cancelled"]})
+        end_a_job("tenant-fair")
+        wait_until(lambda: fast.requests, "the other tenant's delivery arrived", timeout=30)
+        # the slow endpoint's six take two rounds of 4 s (4 at once): far from all answered yet
+        assert sum(d["status"] == "delivered" for d in deliveries(stack.client, slow_hook["id"])) < 6
+        wait_until(lambda: all(d["status"] == "delivered" for d in deliveries(stack.client, slow_hook["id"])),
+                   "the slow endpoint's deliveries all arrived", timeout=60)
+    finally:
+        slow.close()
+        fast.close()
+
+
+def test_endpoints_per_tenant_are_capped_and_pings_do_not_pile_up(stack, fast_webhooks, monkeypatch):
+    """Issue 34: endpoints per tenant are capped (``TUNEJOB_MAX_WEBHOOKS_PER_TENANT``, 409), and an
+    endpoint takes a ping only once its last one was delivered (429 ``ping_pending``)."""
+    def slowly(handler) -> None:
+        time.sleep(3)
+        handler.send_response(200)
+        handler.send_header("content-length", "0")
+        handler.end_headers()
+
+    endpoint = Endpoint(slowly)
+    try:
+        client = stack.client_for("tenant-capped")
+        monkeypatch.setattr(get_settings(), "max_webhooks_per_tenant", 2)
+        hooks = [client.post("/webhooks", json={"url": endpoint.url, "events": ["job.failed"]}) for _ in range(3)]
+        assert [h.status_code for h in hooks] == [201, 201, 409], [h.text for h in hooks]
+        assert hooks[2].json()["error"]["code"] == "too_many_webhooks"
+        assert stack.client_for("tenant-other").post("/webhooks", json={"url": endpoint.url,
+                                                                       "events": ["job.failed"]}).status_code == 201
+        hook = hooks[0].json()["id"]
+        assert client.post(f"/webhooks/{hook}/ping").status_code == 202
+        again = client.post(f"/webhooks/{hook}/ping")
+        assert again.status_code == 429 and again.json()["error"]["code"] == "ping_pending", again.text
+        wait_until(lambda: deliveries(client, hook)[0]["status"] == "delivered", "the ping arrived", timeout=20)
+        assert client.post(f"/webhooks/{hook}/ping").status_code == 202
+    finally:
+        endpoint.close()
+
+
+def test_the_delivery_log_keeps_30_days(stack):
+    """Issue 34: ended deliveries stored over TUNEJOB_WEBHOOKS_LOG_RETENTION_DAYS (30) ago are
+    deleted by the recovery loop's ``purge_deliveries``; pending ones and recent ones stay."""
+    from datetime import timedelta
+
+    from shared.jobs import webhooks
+    from shared.queue import RecoveryThread
+    from shared.store.webhook_rows import WebhookDelivery
+
+    client = stack.client_for("tenant-log")
+    hook = client.post("/webhooks", json={"url": "https://93.184.216.34/hook", "events": ["job.failed"]}).json()["id"]
+    old, recent = utcnow() - timedelta(days=31), utcnow() - timedelta(days=29)
+    with session_scope() as s:
+        for n, (status, created) in enumerate([("delivered", old), ("failed", old), ("pending", old),
+                                               ("delivered", recent)]):
+            s.add(WebhookDelivery(webhook_id=hook, event_id=f"evt_{n}", event_type="job.failed", payload={},
+                                  status=status, attempts=1, next_attempt_at=utcnow() + timedelta(days=1),
+                                  created_at=created))
+    assert webhooks.purge_deliveries() >= 2
+    assert sorted(d["event_id"] for d in deliveries(client, hook)) == ["evt_2", "evt_3"]
+    assert webhooks.purge_deliveries in RecoveryThread().thread._args[1]  # the API's and workers' loop runs it
+
+
+@pytest.mark.parametrize("address", ["2002:a00:1::1", "2002:c0a8:101::1", "2001:0:4136:e378:8000:63bf:f5ff:fffe",
+                                     "64:ff9b::a00:1", "::ffff:127.0.0.1"],
+                         ids=["6to4-10.0.0.1", "6to4-192.168.1.1", "teredo-client-10.0.0.1", "nat64-10.0.0.1", "mapped"])
+def test_ipv6_addresses_that_embed_a_private_one_are_refused(address):
+    """Issue 34: a 6to4, Teredo or NAT64 address reaches the IPv4 address inside it, which is checked
+    on every Python (which of them ``is_private`` counts has changed between versions)."""
+    from shared.jobs.webhooks import refused_address
+
+    assert refused_address(address) is not None
+    assert refused_address("2002:808:808::1") is None  # 6to4 of a public address (8.8.8.8)
+
+
+def test_a_url_with_a_user_and_password_is_refused(stack):
+    r = stack.client.post("/webhooks", json={"url": "https://user:secret@93.184.216.34/hook", "events": ["job.failed"]})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_url", r.text
+    assert "secret" not in r.text
+
+
+def test_a_rotated_secret_signs_beside_the_old_one_for_a_day(stack, receiver, fast_webhooks):
+    """Issue 34: ``POST /webhooks/{id}/rotate-secret`` gives a new secret; for 24 h deliveries carry
+    both signatures (Standard Webhooks: space-separated), so either secret verifies them; after that
+    only the new one."""
+    from shared.store.webhook_rows import Webhook
+
+    old = stack.client.post("/webhooks", json={"url": receiver.url, "events": ["job.failed"]}).json()
+    rotated = stack.client.post(f"/webhooks/{old['id']}/rotate-secret")
+    assert rotated.status_code == 200 and rotated.json()["secret"] != old["secret"], rotated.text
+    new = rotated.json()["secret"]
+    assert stack.client.post(f"/webhooks/{old['id']}/ping").status_code == 202
+    wait_until(lambda: receiver.requests, "the ping arrived")
+    for secret in (old["secret"], new):
+        verified(secret, receiver.requests[0])
+    with session_scope() as s:
+        s.get(Webhook, old["id"]).previous_secret_expires_at = utcnow()
+    assert stack.client.post(f"/webhooks/{old['id']}/ping").status_code == 202
+    wait_until(lambda: len(receiver.requests) == 2, "the second ping arrived")
+    verified(new, receiver.requests[1])
+    from standardwebhooks.webhooks import WebhookVerificationError
+
+    with pytest.raises(WebhookVerificationError):
+        verified(old["secret"], receiver.requests[1])

@@ -1,6 +1,6 @@
 """The ``tunejob`` command: ``serve`` (API + workers, the embedded default), ``api``, ``worker``,
 ``db upgrade``, ``keys create|list|revoke``, ``doctor``, and the HTTP client's ``datasets``, ``models``, ``jobs``,
-``sweeps`` and ``health`` (``client.cli``)."""
+``sweeps``, ``predict``, ``webhooks`` and ``health`` (``client.cli``); ``--version``."""
 
 import argparse
 import os
@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+from importlib.metadata import version
 
 from client import cli as client_cli
 
@@ -33,6 +34,28 @@ def prepare_api(host: str) -> None:
     if path is not None:
         print(f"tunejob: no API key existed; created one for tenant 'default' in {path} (mode 0600). Send it as "
               "`Authorization: Bearer <key>`.", flush=True)
+
+
+def announce_dashboard(host: str, port: int, link: str | None) -> None:
+    """Say where the dashboard is. The one-time sign-in ``link`` signs in as the local admin key, so
+    it is printed only to a terminal; otherwise (stdout goes to a log, which log shippers copy) it
+    is written to ``<data dir>/signin_link`` (mode 0600) and only that path is printed."""
+    if link is None:
+        print(f"tunejob: dashboard at http://{host}:{port}/ui (sign in with an API key)", flush=True)
+        return
+    if sys.stdout.isatty():
+        print(f"tunejob: dashboard: {link} (signs one browser in, once, within 15 minutes; then sign in at "
+              "/ui/login with an API key)", flush=True)
+        return
+    from shared.settings import get_settings
+
+    path = get_settings().data_path / "signin_link"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file's mode too
+    with os.fdopen(fd, "w") as f:
+        f.write(link + "\n")
+    print(f"tunejob: dashboard at http://{host}:{port}/ui; a one-time sign-in link (15 minutes) is in {path}",
+          flush=True)
 
 
 def signin_link(host: str, port: int) -> str | None:
@@ -64,6 +87,19 @@ def run_api(host: str, port: int, workers: int = 1) -> None:
     with tempfile.TemporaryDirectory(prefix="tunejob-metrics-") as metrics_dir:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         run("api.main:app", host, port, workers)
+
+
+def proxy_options(proxy_headers: bool | None, forwarded_allow_ips: str | None) -> None:
+    """``--proxy-headers`` and ``--forwarded-allow-ips`` given: they become the settings
+    (``TUNEJOB_PROXY_HEADERS``, ``TUNEJOB_FORWARDED_ALLOW_IPS``) of this process and of the API
+    processes it starts, as ``--host`` does (``run_api``)."""
+    from shared.settings import get_settings
+
+    if proxy_headers is not None:
+        os.environ["TUNEJOB_PROXY_HEADERS"] = str(proxy_headers).lower()
+    if forwarded_allow_ips is not None:
+        os.environ["TUNEJOB_FORWARDED_ALLOW_IPS"] = forwarded_allow_ips
+    get_settings.cache_clear()
 
 
 def require_shared_rate_limits(api_workers: int) -> None:
@@ -102,10 +138,7 @@ def serve(host: str, port: int, workers: int = 1, gpus: str | None = None, api_w
     launches = worker_launches(workers, gpus)
     prepare_api(host)  # before the workers start: they may refuse to start
     started = [subprocess.Popen(args, env=env) for args, env in launches]
-    link = signin_link(host, port)
-    print(f"tunejob: dashboard: {link} (signs one browser in, once, within "
-          f"15 minutes; then sign in at /ui/login with an API key)" if link else
-          f"tunejob: dashboard at http://{host}:{port}/ui (sign in with an API key)", flush=True)
+    announce_dashboard(host, port, signin_link(host, port))
     try:
         run_api(host, port, api_workers)
     finally:
@@ -221,11 +254,16 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="tunejob", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('tunejob')}")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_ in [("serve", "API and its workers on this machine"), ("api", "the API only")]:
         p = commands.add_parser(name, help=help_)
         p.add_argument("--host", default=settings.host)
         p.add_argument("--port", type=int, default=settings.port)
+        p.add_argument("--proxy-headers", action=argparse.BooleanOptionalAction, default=None,
+                       help="trust X-Forwarded-For/-Proto from --forwarded-allow-ips (default: TUNEJOB_PROXY_HEADERS, on)")
+        p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
+                       help="comma-separated proxy addresses, or * (default: TUNEJOB_FORWARDED_ALLOW_IPS, 127.0.0.1)")
     serving = commands.choices["serve"]
     commands.choices["api"].add_argument("--workers", type=int, default=1,
                                          help="API processes (more than 1 needs TUNEJOB_RATE_LIMIT_STORAGE_URL=redis://…)")
@@ -255,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     client_cli.add_commands(commands)  # listed in --help; run above
     args = parser.parse_args(argv)
 
+    if args.command in ("serve", "api"):
+        proxy_options(args.proxy_headers, args.forwarded_allow_ips)
     if args.command == "serve":
         if args.workers < 1 or args.api_workers < 1:
             serving.error("--workers and --api-workers must be at least 1")

@@ -10,7 +10,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from api import db
 from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
-from api.headers import IdempotencyKey, respond
+from api.headers import IdempotencyKey, after_event_id, respond
 from shared.jobs import sweep_report, sweeps
 from shared.queue import send_trials
 from shared.schemas.sweeps import SweepCreate, SweepList, SweepOut, SweepPlan, TrialOut
@@ -96,9 +96,9 @@ def stream_sweep(sweep_id: str, caller: CallerDep,
     """Server-sent events: ``trial_started``, ``trial_ended``, ``trial_pruned`` and
     ``trial_restarted`` (``{"trial_number", "job_id", "code", "message"}``), ``best`` (the sweep,
     whenever its best trial changes) and ``end`` (the sweep, once it ended). Message ids are job
-    event ids: reconnect with ``Last-Event-ID`` to resume."""
+    event ids: reconnect with ``Last-Event-ID`` to resume (anything but such an id: 422)."""
+    after = after_event_id(last_event_id)
     sweeps.get_sweep(sweep_id, caller)
-    after = int(last_event_id) if last_event_id and last_event_id.isdigit() else 0
     return EventSourceResponse(_feed(sweep_id, caller, after), ping=get_settings().stream_heartbeat_seconds)
 
 

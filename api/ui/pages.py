@@ -81,8 +81,10 @@ def _safe_next(target: str | None) -> str:
 
 
 def _set_cookie(request: Request, response: RedirectResponse, token: str) -> RedirectResponse:
-    response.set_cookie(ui_sessions.COOKIE, token, max_age=int(get_settings().ui_session_hours * 3600), path="/",
-                        httponly=True, samesite="strict", secure=request.url.scheme == "https")
+    settings = get_settings()
+    secure = settings.cookie_secure if settings.cookie_secure is not None else request.url.scheme == "https"
+    response.set_cookie(ui_sessions.COOKIE, token, max_age=int(settings.ui_session_hours * 3600), path="/",
+                        httponly=True, samesite="strict", secure=secure)
     return response
 
 

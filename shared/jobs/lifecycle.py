@@ -35,7 +35,7 @@ from shared.errors import Conflict, NotFound, UserError, without_paths
 from shared.jobs import trials
 from shared.jobs.planning import check_spec
 from shared.jobs.trials import ACTIVE, cancel_in, end_job, insert_queued
-from shared.schemas.jobs import Hyperparameters, JobCreate, JobOut, Progress, Timings, json_safe
+from shared.schemas.jobs import JobCreate, JobOut, Progress, Timings, json_safe
 from shared.settings import get_settings
 from shared.store import artifacts, idempotency, quotas
 from shared.store.engine import keyset_page, read_session, session_scope
@@ -46,8 +46,8 @@ RESUMES_FROM = {"train": "the latest checkpoint", "predict": "the last results p
 
 
 def to_out(job: Job) -> JobOut:
-    """The API view of a job row."""
-    spec = job.spec
+    """The API view of a job row (a broken one too: ``trials.stored_hyperparameters``)."""
+    spec, (hyperparameters, error) = job.spec, trials.stored_hyperparameters(job)
     fraction = min(1.0, job.step / job.total_steps) if job.total_steps else 0.0
     if job.status == JobStatus.SUCCEEDED:
         fraction = 1.0
@@ -66,7 +66,7 @@ def to_out(job: Job) -> JobOut:
         decision_threshold=spec.get("decision_threshold", 0.5),
         tune_threshold=spec.get("tune_threshold", False),
         label_names=job.label_names,
-        hyperparameters=Hyperparameters(**spec["hyperparameters"]),
+        hyperparameters=hyperparameters,
         metadata=spec.get("metadata"),
         suffix=spec.get("suffix"),
         created_at=job.created_at,
@@ -79,7 +79,7 @@ def to_out(job: Job) -> JobOut:
         validation_metrics=job.validation_metrics,
         device=job.device,
         attempts=job.attempts,
-        error=job.error,
+        error=error,
         timings=Timings(**(job.timings or {})),
         files_deleted_at=job.files_deleted_at,
         sweep_id=job.sweep_id, trial_number=job.trial_number,

@@ -1,7 +1,7 @@
-"""A sweep's search: its spec checked and turned into Optuna distributions, and its study rebuilt
-from the job store's rows to ask for trials and to prune them (Optuna's samplers and pruners;
-Akiba et al. 2019, https://optuna.org). No writes: ``shared.jobs.trials`` and ``shared.jobs.sweeps``
-act on what it answers.
+"""A sweep's search: its spec checked (the search space itself: ``shared.jobs.search_space``) and a
+trial's hyperparameters checked whole, and its study rebuilt from the job store's rows to ask for
+trials and to prune them (Optuna's samplers and pruners; Akiba et al. 2019, https://optuna.org). No
+writes: ``shared.jobs.trials`` and ``shared.jobs.sweeps`` act on what it answers.
 
 **Where the study lives.** In tunejob's own rows, not in an Optuna storage: each decision rebuilds an
 in-memory study (``optuna.create_study`` with its default ``InMemoryStorage``) from the sweep's trial
@@ -12,17 +12,18 @@ one job lease covers trials (Optuna's heartbeat does not cover ask/tell; Optuna'
 against SQLite with concurrent writers), and the same code runs on SQLite and PostgreSQL.
 """
 
-import math
 from typing import Any
 
 import optuna
-from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from shared.errors import UserError
+from shared.jobs import search_space
+from shared.jobs.search_space import distributions
 from shared.schemas.jobs import GREATER_IS_BETTER, TASK_METRICS, Hyperparameters, JobCreate
 from shared.schemas.sweeps import SweepCreate
 from shared.settings import get_settings
@@ -32,7 +33,6 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 RUNNING, SUCCEEDED, FAILED, CANCELLED = "running", "succeeded", "failed", "cancelled"  # sweep statuses stored
 ENDED = (SUCCEEDED, FAILED, CANCELLED)
-SEARCHABLE = tuple(name for name in Hyperparameters.model_fields if name != "metric_for_best_model")
 METRIC_ALIASES = {"f1": "entity_f1"}  # the issue's "f1 for entities"
 STATES = {JobStatus.SUCCEEDED: TrialState.COMPLETE, JobStatus.PRUNED: TrialState.PRUNED,
           JobStatus.FAILED: TrialState.FAIL, JobStatus.CANCELLED: TrialState.FAIL,
@@ -72,78 +72,10 @@ def check_sweep(spec: SweepCreate) -> tuple[SweepCreate, dict[str, BaseDistribut
     spec = spec.model_copy(update={"objective": spec.objective.model_copy(update={"metric": metric,
                                                                                    "direction": natural})})
     space = distributions(spec)
-    if spec.algorithm == "grid" and spec.max_trials > (size := math.prod(len(v) for v in grid(spec).values())):
+    if spec.algorithm == "grid" and spec.max_trials > (size := search_space.check_grid(spec)):
         raise UserError("grid_too_small", f"max_trials {spec.max_trials} is over the grid's {size} points: "
                         "trials would repeat parameters", "max_trials")
     return spec, space
-
-
-def distributions(spec: SweepCreate) -> dict[str, BaseDistribution]:
-    """The search space as Optuna distributions, each bound checked as a value of its hyperparameter.
-
-    Raises:
-        UserError: 422 naming ``search_space.<name>`` (or its ``.low``, ``.choices``) and the value.
-    """
-    fixed = spec.hyperparameters.model_dump()
-    out: dict[str, BaseDistribution] = {}
-    for name, d in spec.search_space.items():
-        field = f"search_space.{name}"
-
-        def refuse(message: str, param: str = field) -> UserError:
-            return UserError("invalid_search_space", f"{param}: {message}", param)
-
-        if name not in SEARCHABLE:
-            raise refuse(f"{name!r} is not a hyperparameter; use one of {', '.join(SEARCHABLE)}")
-        if d.type == "categorical":
-            if not d.choices:
-                raise refuse("a categorical range needs choices", f"{field}.choices")
-            if any(v is not None and not isinstance(v, (bool, int, float, str)) for v in d.choices):
-                raise refuse("choices must be numbers, strings, booleans or null", f"{field}.choices")
-            values, out[name] = d.choices, CategoricalDistribution(d.choices)
-        else:
-            if d.low is None or d.high is None:
-                raise refuse(f"a {d.type} range needs low and high")
-            if d.low > d.high:
-                raise refuse(f"low {d.low:g} is above high {d.high:g}", f"{field}.low")
-            if d.log and d.low <= 0:
-                raise refuse(f"a log range must start above 0, not at low {d.low:g}", f"{field}.low")
-            if d.log and d.step:
-                raise refuse("log and step cannot be combined")
-            if d.type == "int":
-                if not all(float(v).is_integer() for v in (d.low, d.high, d.step or 1)):
-                    raise refuse("an int range needs integer low, high and step")
-                values, out[name] = [int(d.low), int(d.high)], IntDistribution(int(d.low), int(d.high), log=d.log,
-                                                                                step=int(d.step or 1))
-            else:
-                values, out[name] = [d.low, d.high], FloatDistribution(d.low, d.high, log=d.log, step=d.step)
-        for value in values:
-            try:
-                Hyperparameters.model_validate({**fixed, name: value})
-            except ValidationError as e:
-                raise refuse(f"{value!r} is not a valid {name}: {e.errors()[0]['msg']}") from None
-    return out
-
-
-def grid(spec: SweepCreate) -> dict[str, list]:
-    """``algorithm: grid``: each hyperparameter's values (choices, or low to high by step).
-
-    Raises:
-        UserError: a float range without a step (``search_space.<name>.step``).
-    """
-    values = {}
-    for name, d in spec.search_space.items():
-        if d.type == "categorical":
-            values[name] = list(d.choices or [])
-            continue
-        assert d.low is not None and d.high is not None  # a range: distributions() checked its bounds
-        if d.type == "int":
-            values[name] = list(range(int(d.low), int(d.high) + 1, int(d.step or 1)))
-        elif d.step:
-            values[name] = [d.low + i * d.step for i in range(int((d.high - d.low) / d.step + 1e-9) + 1)]
-        else:
-            raise UserError("invalid_search_space", f"search_space.{name}.step: a grid over a float range needs a "
-                            "step", f"search_space.{name}.step")
-    return values
 
 
 def trial_template(spec: SweepCreate) -> JobCreate:
@@ -152,6 +84,23 @@ def trial_template(spec: SweepCreate) -> JobCreate:
     fields = spec.model_dump(include=set(JobCreate.model_fields))
     fields["hyperparameters"] = {**fields["hyperparameters"], "metric_for_best_model": spec.objective.metric}
     return JobCreate.model_validate(fields)
+
+
+def trial_hyperparameters(fixed: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A trial's full hyperparameters (the sweep's ``fixed`` ones with the asked ``params``), as
+    stored: checked whole as ``Hyperparameters`` first, so that no stored trial fails to be read back.
+
+    Raises:
+        UserError: 422 ``invalid_trial`` naming ``search_space.<name>`` and the asked value.
+    """
+    hyperparameters = {**fixed, **params}
+    try:
+        Hyperparameters.model_validate(hyperparameters)
+    except ValidationError as e:
+        name = str(e.errors()[0]["loc"][0]) if e.errors()[0]["loc"] else ""
+        raise UserError("invalid_trial", f"search_space.{name}: the trial asked {name}={params.get(name)!r}, which "
+                        f"is not a valid {name}: {e.errors()[0]['msg']}", f"search_space.{name}") from None
+    return hyperparameters
 
 
 def spec_of(sweep: Sweep) -> SweepCreate:
@@ -166,7 +115,7 @@ def sampler(spec: SweepCreate, asked: int) -> optuna.samplers.BaseSampler:
     if spec.algorithm == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if spec.algorithm == "grid":
-        return optuna.samplers.GridSampler(grid(spec), seed=seed)
+        return optuna.samplers.GridSampler(search_space.grid(spec), seed=seed)
     return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
 
 
@@ -221,10 +170,12 @@ def frozen(job: Job, spec: SweepCreate, space: dict, curve: dict[int, float], st
 
 
 def study_of(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict[str, dict[int, float]],
-             asked: int) -> optuna.Study:
-    """An in-memory Optuna study holding ``trials`` (in number order, so Optuna numbers them as we do)."""
-    study = optuna.create_study(direction=spec.objective.direction, sampler=sampler(spec, asked),
-                                pruner=pruner(spec))
+             asking: bool = False) -> optuna.Study:
+    """An in-memory Optuna study holding ``trials`` (in number order, so Optuna numbers them as we do).
+    Only a study ``asking`` for trials gets the sweep's sampler (``sampler``: a grid's is built from
+    all its points); pruning and the report get a random one, which costs nothing to build."""
+    chosen = sampler(spec, len(trials)) if asking else optuna.samplers.RandomSampler(seed=spec.seed)
+    study = optuna.create_study(direction=spec.objective.direction, sampler=chosen, pruner=pruner(spec))
     for job in sorted(trials, key=lambda j: j.trial_number or 0):  # every trial has its number
         study.add_trial(frozen(job, spec, space, trial_curves[job.id]))
     return study
@@ -233,7 +184,7 @@ def study_of(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: di
 def ask(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict, n: int) -> list[tuple[dict, dict]]:
     """The next ``n`` trials' (params, Optuna system attributes), each asked with the ones before it
     (and every queued or running trial) in the study as running."""
-    study = study_of(spec, space, trials, trial_curves, asked=len(trials))
+    study = study_of(spec, space, trials, trial_curves, asking=True)
     asked = []
     for _ in range(n):
         trial = study.ask(fixed_distributions=space)

@@ -1,20 +1,21 @@
 """A sweep's report (``GET /sweeps/{id}/report/{name}``), drawn from its rows when asked, so that it is
-never stale and nothing is stored: ``trials.csv`` (the trials table) and Optuna's matplotlib
-pictures of the rebuilt study, ``optimization_history.png`` and ``param_importances.png``
-(``optuna.visualization.matplotlib``; importances by fANOVA, Hutter et al. 2014).
+never stale and nothing is stored: ``trials.csv`` (the trials table) and matplotlib pictures of
+the rebuilt study, ``optimization_history.png`` and ``param_importances.png`` (the pictures of
+``optuna.visualization.matplotlib``, drawn without pyplot; importances by fANOVA, Hutter et al. 2014).
 """
 
 import csv
 import io
-from typing import TYPE_CHECKING, cast
+import itertools
+from collections.abc import Callable
+
+import optuna
 
 from shared.errors import NotFound, UserError
 from shared.jobs import search, sweeps
+from shared.jobs.search_space import distributions
 from shared.store.engine import read_session
 from shared.store.tenancy import Caller
-
-if TYPE_CHECKING:  # matplotlib is imported only to draw
-    from matplotlib.figure import Figure
 
 NAMES = ("trials.csv", "optimization_history.png", "param_importances.png")
 
@@ -32,28 +33,42 @@ def report_file(sweep_id: str, name: str, caller: Caller) -> tuple[bytes, str]:
         spec, trials, trial_curves = sweeps.trials_of(s, sweeps.owned_sweep(s, sweep_id, caller))
     if name == "trials.csv":
         return trials_csv(spec, trials, trial_curves).encode(), "text/csv"
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: draw into memory
-    import optuna.visualization.matplotlib as plots
-
-    study = search.study_of(spec, search.distributions(spec), trials, trial_curves, asked=len(trials))
+    study = search.study_of(spec, distributions(spec), trials, trial_curves)
     completed = [t for t in study.get_trials(deepcopy=False) if t.value is not None]
     if len(completed) < (2 if name == "param_importances.png" else 1) or (
             name == "param_importances.png" and len({t.value for t in completed}) < 2):
         raise UserError("not_enough_trials", f"sweep {sweep_id!r} has {len(completed)} completed trials: too few "
                         f"for {name}", "name", status=409)
-    draw = plots.plot_optimization_history if name == "optimization_history.png" else plots.plot_param_importances
-    axes = draw(study)
-    figure = cast("Figure", axes.figure)  # a plot's own figure, never a subfigure
-    figure.set_size_inches(8, 5)
-    figure.tight_layout()
-    out = io.BytesIO()
-    figure.savefig(out, format="png", dpi=100)
-    import matplotlib.pyplot as plt
+    return picture(study, name), "image/png"
 
-    plt.close(figure)
-    return out.getvalue(), "image/png"
+
+def picture(study: optuna.Study, name: str) -> bytes:
+    """``optimization_history.png`` (each completed trial's value by trial number, and the best so
+    far) or ``param_importances.png`` (``optuna.importance.get_param_importances``: fANOVA) of
+    ``study``, as PNG bytes (800 x 500 pixels). Drawn on a ``matplotlib.figure.Figure`` with the Agg
+    canvas, never through pyplot, whose global state is not thread-safe (the API draws in its
+    threads: issue 34)."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 5), dpi=100, layout="constrained")
+    axes = figure.subplots()
+    if name == "optimization_history.png":
+        completed = [(t.number, t.value) for t in study.get_trials(deepcopy=False) if t.value is not None]
+        numbers, values = [n for n, _ in completed], [v for _, v in completed]
+        better: Callable[[float, float], float] = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
+        best = list(itertools.accumulate(values, better))
+        axes.scatter(numbers, values, label="objective value")
+        axes.plot(numbers, best, color="tab:red", label="best value")
+        axes.set(title="Optimization history", xlabel="trial", ylabel="objective value")
+        axes.legend()
+    else:
+        importances = optuna.importance.get_param_importances(study)
+        names = list(importances)[::-1]  # the most important on top
+        axes.barh(names, [importances[n] for n in names])
+        axes.set(title="Hyperparameter importances (fANOVA)", xlabel="importance")
+    out = io.BytesIO()
+    figure.savefig(out, format="png")
+    return out.getvalue()
 
 
 def trials_csv(spec, trials, trial_curves) -> str:

@@ -14,8 +14,10 @@ creates the sweep, with the sweep's row locked (``SELECT … FOR UPDATE`` on Pos
 ``BEGIN IMMEDIATE`` single writer): trial numbers come from the rows (unique per sweep), never
 exceed ``max_trials``, and survive a kill -9 of any process. Queued and running trials enter the
 rebuilt study as RUNNING, so TPE's ``constant_liar`` keeps parallel trials apart; the sampler is
-seeded with ``seed + trials so far`` (the same sweep asks the same trials). The recovery loop also
-calls ``top_up_all`` (a sweep left short by an error goes on).
+seeded with ``seed + trials so far`` (the same sweep asks the same trials). Later trials pass the
+tenant's admission as jobs do (``shared.jobs.trials.admitted``): without room the sweep is
+``paused``. The recovery loop also calls ``top_up_all`` (a sweep left short by an error, or paused
+until room freed, goes on).
 
 **Pruning**: at each evaluation the worker asks ``should_prune`` with the objective; the pruner
 (``MedianPruner`` or ``SuccessiveHalvingPruner``) sees the other trials' stored curves. A trial's
@@ -43,14 +45,14 @@ from shared.jobs.search import (
     best_value,
     check_sweep,
     curves,
-    distributions,
     frozen,
     params_of,
     spec_of,
     study_of,
     trial_template,
 )
-from shared.jobs.trials import ACTIVE, end_sweep, top_up
+from shared.jobs.search_space import distributions
+from shared.jobs.trials import ACTIVE, PAUSED, end_sweep, top_up
 from shared.schemas.sweeps import BestTrial, SweepCreate, SweepOut, SweepPlan, TrialOut
 from shared.settings import get_settings
 from shared.store import idempotency
@@ -137,7 +139,7 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
         others = [t for t in s.scalars(select(Job).where(Job.sweep_id == sweep.id, Job.id != job_id))]
         trial_curves = curves(s, [t.id for t in others] + [job_id], spec.objective.metric)
     space = distributions(spec)
-    study = study_of(spec, space, others, trial_curves, asked=0)
+    study = study_of(spec, space, others, trial_curves)
     curve = trial_curves[job_id]
     curve.setdefault(step, float(value))
     study.add_trial(frozen(job, spec, space, curve, TrialState.RUNNING))
@@ -184,6 +186,7 @@ def to_out(s: Session, sweep: Sweep) -> SweepOut:
             best = BestTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=value)
     started = [t.started_at for t in trials if t.started_at is not None]
     status = sweep.status if sweep.status != RUNNING or started else "queued"
+    status = "paused" if sweep.status == RUNNING and (sweep.error or {}).get("code") == PAUSED else status
     return SweepOut(id=sweep.id, status=status, base_model=spec.base_model, task=spec.task, objective=spec.objective,
                     algorithm=spec.algorithm, early_stopping=spec.early_stopping.type, max_trials=spec.max_trials,
                     max_parallel_trials=spec.max_parallel_trials,

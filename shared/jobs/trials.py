@@ -1,26 +1,34 @@
 """How jobs end, and a sweep's side of it: the transitions that ``shared.jobs.lifecycle`` (any job)
 and ``shared.jobs.sweeps`` (a sweep's trials) share. A trial's sweep is locked before the trial's
 row, and asks for its next trials in the transaction that ends one (``ended``), so that no crash
-comes between; ending a sweep cancels its trials here too. Below both: it imports neither.
+comes between; ending a sweep cancels its trials here too. Later trials pass the tenant's admission
+as jobs do (``admitted``: without room the sweep is paused). Below both: it imports neither.
 """
 
 import logging
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
-from pydantic import BaseModel
-from sqlalchemy import select
+from pydantic import BaseModel, ValidationError
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from shared.errors import UserError
 from shared.jobs import webhooks
-from shared.jobs.search import ENDED, FAILED, SUCCEEDED, ask, curves, distributions, spec_of, trial_template
-from shared.store import idempotency
+from shared.jobs.search import ENDED, FAILED, SUCCEEDED, ask, curves, spec_of, trial_hyperparameters, trial_template
+from shared.jobs.search_space import distributions
+from shared.schemas.jobs import Hyperparameters
+from shared.settings import get_settings
+from shared.store import idempotency, quotas
 from shared.store.rows import Job, JobEvent, JobStatus, Sweep, new_id, utcnow
+from shared.store.tenancy import try_lock_tenant
 
 log = logging.getLogger(__name__)
 
 ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
+PAUSED = "trials_paused"  # a running sweep's error while its tenant has no room for its next trials
 NO_CHECKPOINTS = (JobStatus.SUCCEEDED, JobStatus.PRUNED)  # jobs whose step checkpoints are deleted when they end
 
 
@@ -101,17 +109,55 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
             end_sweep(s, sweep, SUCCEEDED if ok else FAILED,
                       None if ok else {"code": "no_trial_succeeded", "message": "no trial succeeded"})
         return []
+    wanted = admitted(s, sweep, wanted)
+    if wanted <= 0:
+        return []
     space = distributions(spec)
     asked = ask(spec, space, trials, curves(s, [t.id for t in trials], spec.objective.metric), wanted)
     template = trial_template(spec).model_dump(mode="json")
+    try:
+        hyperparameters = [trial_hyperparameters(template["hyperparameters"], params) for params, _ in asked]
+    except UserError as e:
+        if not trials:  # the sweep's first trials: its creation is refused
+            raise
+        end_sweep(s, sweep, FAILED, {"code": e.code, "message": e.message})
+        return []
     new = []
-    for number, (params, attrs) in enumerate(asked, start=len(trials)):
+    for number, ((params, attrs), hp) in enumerate(zip(asked, hyperparameters), start=len(trials)):
         job = Job(id=new_id("job"), tenant=sweep.tenant, base_model=spec.base_model, task=spec.task,
                   training_dataset_id=spec.training_dataset, validation_dataset_id=spec.validation_dataset,
-                  spec={**template, "hyperparameters": {**template["hyperparameters"], **params}},
+                  spec={**template, "hyperparameters": hp},
                   label_names=sweep.label_names, sweep_id=sweep.id, trial_number=number, trial_attrs=attrs)
         new.append(insert_queued(s, job, f"trial {number} of sweep {sweep.id} queued: {params}", None, None))
     return new
+
+
+def admitted(s: Session, sweep: Sweep, wanted: int) -> int:
+    """How many of ``wanted`` new trials the sweep's tenant may queue now: trials pass the same
+    admission as jobs (the storage quota and the active-jobs maximum, ``shared.store.quotas``). With
+    no room the sweep is paused: ``error`` says why (code ``trials_paused``) until the recovery loop's
+    ``top_up_all`` finds room and clears it. 0 also while another transaction of the tenant holds its
+    lock (taken without waiting: ``try_lock_tenant``), to be tried again."""
+    if not try_lock_tenant(s, sweep.tenant):
+        return 0
+    limit = get_settings().max_active_jobs_per_tenant
+    active = s.scalar(select(func.count()).select_from(Job).where(Job.tenant == sweep.tenant,
+                                                                  Job.status.in_(ACTIVE))) or 0
+    why = (f"tenant {sweep.tenant!r} has {active} queued or running jobs, its maximum "
+           f"(TUNEJOB_MAX_ACTIVE_JOBS_PER_TENANT={limit})") if active >= limit else None
+    if why is None:
+        try:
+            quotas.check_storage(s, sweep.tenant)
+        except UserError as e:
+            why = e.message
+    if why is not None:
+        if (sweep.error or {}).get("code") != PAUSED:
+            log.info("sweep %s paused: %s", sweep.id, why)
+        sweep.error = {"code": PAUSED, "message": f"the next trials wait: {why}; they start when room frees"}
+        return 0
+    if (sweep.error or {}).get("code") == PAUSED:
+        sweep.error = None
+    return min(wanted, limit - active)
 
 
 def end_sweep(s: Session, sweep: Sweep, status: str, error: dict | None = None) -> None:
@@ -125,3 +171,27 @@ def end_sweep(s: Session, sweep: Sweep, status: str, error: dict | None = None) 
     for job in s.scalars(select(Job).where(Job.sweep_id == sweep.id, Job.status.in_(ACTIVE))
                          .with_for_update()):
         cancel_in(s, job, now, f" (sweep {sweep.id} {status})")
+
+
+def stored_hyperparameters(job: Job) -> tuple[Hyperparameters, dict[str, Any] | None]:
+    """The job's stored hyperparameters and its error, for its API view. A row whose stored
+    hyperparameters do not validate (a trial stored before trials were checked whole, issue 34) is
+    logged and shown anyway, as broken: each invalid value replaced by its default, and an error
+    (code ``invalid_stored_hyperparameters``) naming those values, so that one bad row cannot fail a
+    whole list (``GET /jobs``, ``/v1/fine_tuning/jobs``, ``/ui/jobs``)."""
+    stored = job.spec["hyperparameters"]
+    try:
+        return Hyperparameters(**stored), job.error
+    except ValidationError as e:
+        bad = {str(err["loc"][0]) for err in e.errors() if err["loc"]}
+        log.error("job %s: stored hyperparameters do not validate, shown with defaults for %s: %s",
+                  job.id, sorted(bad), e.errors(include_url=False))
+        kept = {k: v for k, v in stored.items() if k not in bad}
+        try:
+            hyperparameters = Hyperparameters(**kept)
+        except ValidationError:
+            hyperparameters = Hyperparameters()
+        values = ", ".join(f"{k}={stored.get(k)!r}" for k in sorted(bad))
+        return hyperparameters, {"code": "invalid_stored_hyperparameters", "message": f"job {job.id}'s stored "
+                                 f"hyperparameters are invalid ({values}), shown as their defaults; this job's row "
+                                 f"is broken: delete it", "stored_error": job.error}

@@ -21,6 +21,10 @@ Where deliveries come from and go:
   loop: a process takes a due delivery with a compare-and-set lease (as workers claim jobs), so two
   never send it at once, and one that dies while sending leaves it to be sent again after the
   lease (the same ``webhook-id``: at least once, never concurrently).
+- **Side by side, each bounded** (issue 34): a process's ``Senders`` run ``TUNEJOB_WEBHOOKS_SENDERS``
+  attempts at once, at most ``SENDS_PER_ENDPOINT`` to one endpoint; an attempt ends after
+  ``TUNEJOB_WEBHOOKS_TIMEOUT_SECONDS`` in all (``asyncio.timeout`` around the whole request: httpx's
+  timeouts are per operation) and before its lease, and reads at most ``MAX_ANSWER_BYTES`` of the answer.
 - **Retried with backoff for a day**: after a failed attempt (no 2xx answer in
   ``TUNEJOB_WEBHOOKS_TIMEOUT_SECONDS``) it is due again after the next of
   ``TUNEJOB_WEBHOOKS_RETRY_SECONDS`` (Svix's schedule: 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h,
@@ -32,6 +36,7 @@ Where deliveries come from and go:
   name the host), so a name re-pointed after the check (DNS rebinding) reaches nothing private.
 """
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -40,20 +45,21 @@ import json
 import logging
 import secrets
 import socket
+import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-from sqlalchemy import or_, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from shared.errors import NotFound, UserError
 from shared.settings import get_settings
 from shared.store.engine import keyset_page, read_session, session_scope
 from shared.store.rows import Job, utcnow
-from shared.store.tenancy import Caller
+from shared.store.tenancy import Caller, lock_tenant
 from shared.store.webhook_rows import Webhook, WebhookDelivery
 
 log = logging.getLogger(__name__)
@@ -64,7 +70,12 @@ EVENT_TYPES = ("job.succeeded", "job.failed", "job.cancelled",
 PING = "webhook.ping"  # POST /webhooks/{id}/ping: sent whatever the endpoint subscribed to
 SECRET_PREFIX = "whsec_"
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
-DELIVERIES_PER_TURN = 20
+ROTATION_OVERLAP = timedelta(hours=24)  # the old secret keeps signing this long after a rotation (as Svix)
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052: the last 32 bits are an IPv4 address
+DELIVERIES_PER_TURN = 100
+SENDS_PER_ENDPOINT = 4  # of one endpoint's due deliveries in one turn
+MAX_ANSWER_BYTES = 64 * 1024  # of an endpoint's answer read (its status is what counts)
+LEASE_MARGIN_SECONDS = 30.0  # a delivery's lease outlasts its attempt's deadline by this
 
 
 def new_secret() -> str:
@@ -86,8 +97,17 @@ def sign(secret: str, event_id: str, timestamp: int, body: bytes) -> str:
 def refused_address(address: str) -> str | None:
     """Why the webhook may not reach IP ``address`` (e.g. ``"private"``), or None when it is public."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        # An IPv4 address inside an IPv6 one reaches that IPv4 host: mapped (::ffff:a.b.c.d), 6to4
+        # (2002::/16), Teredo (2001::/32: server and client) and NAT64 (64:ff9b::/96). Checked here on
+        # every Python: which of them is_private or is_global counts has changed between versions.
+        embedded = [ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ()),
+                    ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if ip in NAT64 else None]
+        for inner in filter(None, embedded):
+            if (reason := refused_address(str(inner))) is not None:
+                return f"{reason} (inside {ip})"
+        if ip.ipv4_mapped:
+            return None
     for reason in ("loopback", "link_local", "private", "multicast", "reserved", "unspecified"):
         if getattr(ip, f"is_{reason}"):
             return reason.replace("_", "-")
@@ -99,12 +119,15 @@ def resolve(url: str) -> list[str]:
     ``TUNEJOB_WEBHOOKS_ALLOW_PRIVATE_URLS``).
 
     Raises:
-        UserError: 422 ``invalid_url`` (not http(s), no host, a name that does not resolve),
+        UserError: 422 ``invalid_url`` (not http(s), no host, user:password@, a name that does not resolve),
             ``private_url`` (an address in a refused range).
     """
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UserError("invalid_url", f"webhook url {url!r} must be an http:// or https:// URL with a host", "url")
+    if parts.username is not None or parts.password is not None:
+        raise UserError("invalid_url", "webhook url must not carry a user name or password (user:password@); "
+                        "verify deliveries with the webhook-signature header instead", "url")
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
@@ -127,10 +150,17 @@ def create_webhook(caller: Caller, url: str, events: list[str], description: str
     """Store an endpoint for ``caller``'s tenant; its ``secret`` is in the returned row (shown once).
 
     Raises:
-        UserError: see ``resolve``.
+        UserError: see ``resolve``; 409 ``too_many_webhooks`` at ``max_webhooks_per_tenant`` endpoints.
     """
     resolve(url)
     with session_scope() as s:
+        lock_tenant(s, caller.tenant)  # two creations at once count each other
+        limit = get_settings().max_webhooks_per_tenant
+        count = s.scalar(select(func.count()).select_from(Webhook).where(Webhook.tenant == caller.tenant)) or 0
+        if count >= limit:
+            raise UserError("too_many_webhooks", f"tenant {caller.tenant!r} has {count} webhook endpoints, this "
+                            f"server's maximum (TUNEJOB_MAX_WEBHOOKS_PER_TENANT={limit}); delete one first", "url",
+                            status=409)
         webhook = Webhook(tenant=caller.tenant, url=url, events=list(dict.fromkeys(events)), secret=new_secret(),
                           description=description, created_at=utcnow())
         s.add(webhook)
@@ -176,15 +206,55 @@ def list_deliveries(webhook_id: str, caller: Caller, limit: int, after: int | No
         return keyset_page(s, query, WebhookDelivery, after, limit, param="cursor")
 
 
-def ping(webhook_id: str, caller: Caller) -> WebhookDelivery:
-    """Queue a ``webhook.ping`` event to the endpoint (sent by the delivery loop like any other).
+def rotate_secret(webhook_id: str, caller: Caller) -> Webhook:
+    """Give the endpoint a new secret (in the returned row, shown once). For ``ROTATION_OVERLAP`` the
+    old one signs deliveries too (``webhook-signature`` then holds both signatures, space-separated,
+    as Standard Webhooks allows), so the receiver can switch without rejecting any delivery.
 
     Raises: NotFound."""
     with session_scope() as s:
         webhook = _owned(s, webhook_id, caller)
+        webhook.previous_secret, webhook.previous_secret_expires_at = webhook.secret, utcnow() + ROTATION_OVERLAP
+        webhook.secret = new_secret()
+    return webhook
+
+
+def signatures(webhook: Webhook, event_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` header: the current secret's signature, and the previous one's
+    while a rotation's overlap lasts."""
+    secrets_ = [webhook.secret]
+    if webhook.previous_secret and webhook.previous_secret_expires_at and webhook.previous_secret_expires_at > utcnow():
+        secrets_.append(webhook.previous_secret)
+    return " ".join(sign(secret, event_id, timestamp, body) for secret in secrets_)
+
+
+def ping(webhook_id: str, caller: Caller) -> WebhookDelivery:
+    """Queue a ``webhook.ping`` event to the endpoint (sent by the delivery loop like any other),
+    one at a time: pings cannot pile up on an endpoint.
+
+    Raises: NotFound; UserError 429 ``ping_pending`` while the endpoint's last ping is unsent."""
+    with session_scope() as s:
+        s.get(Webhook, webhook_id, with_for_update=True)  # one ping check at a time per endpoint
+        webhook = _owned(s, webhook_id, caller)
+        if s.scalar(select(WebhookDelivery.id).where(WebhookDelivery.webhook_id == webhook_id,
+                                                     WebhookDelivery.event_type == PING,
+                                                     WebhookDelivery.status == PENDING).limit(1)) is not None:
+            raise UserError("ping_pending", f"webhook {webhook_id!r} has a ping not yet delivered; follow it in "
+                            "its deliveries (GET /webhooks/{id}/deliveries), then ping again", "webhook_id",
+                            status=429, headers={"Retry-After": "5"})
         delivery = _delivery(webhook.id, f"evt_ping_{secrets.token_hex(8)}", PING, {"webhook": webhook.id})
         s.add(delivery)
     return delivery
+
+
+def purge_deliveries() -> int:
+    """For the recovery loop: delete deliveries that ended (delivered or failed) over
+    ``webhooks_log_retention_days`` ago, so that the log does not grow for ever. Returns how many."""
+    cutoff = utcnow() - timedelta(days=get_settings().webhooks_log_retention_days)
+    with session_scope() as s:
+        result = s.execute(delete(WebhookDelivery).where(WebhookDelivery.status != PENDING,
+                                                         WebhookDelivery.created_at < cutoff))
+        return result.rowcount  # type: ignore[attr-defined]  # DML returns a CursorResult
 
 
 # ----------------------------------------------------------------------------- events
@@ -226,27 +296,73 @@ def job_ended(s: Session, job: Job) -> None:
 
 
 def deliver_due() -> int:
-    """Send up to DELIVERIES_PER_TURN due deliveries, oldest due first, each taken with a lease so
-    that no other process sends it meanwhile, and record each attempt. Returns how many were sent."""
+    """Start sending the due deliveries, oldest due first (up to ``DELIVERIES_PER_TURN``), on this
+    process's ``SENDERS``: at most ``SENDS_PER_ENDPOINT`` of one endpoint's in flight at once, so that
+    a slow or backlogged endpoint cannot take the senders from the others. Returns how many were started."""
     now = utcnow()
+    rank = func.row_number().over(partition_by=WebhookDelivery.webhook_id,
+                                  order_by=(WebhookDelivery.next_attempt_at, WebhookDelivery.id)).label("rank")
+    due = select(WebhookDelivery.id, WebhookDelivery.webhook_id, WebhookDelivery.next_attempt_at, rank).where(
+        WebhookDelivery.status == PENDING, WebhookDelivery.next_attempt_at <= now,
+        or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now)).subquery()
     with read_session() as s:
-        due = list(s.scalars(select(WebhookDelivery.id).where(
-            WebhookDelivery.status == PENDING, WebhookDelivery.next_attempt_at <= now,
-            or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now))
-            .order_by(WebhookDelivery.next_attempt_at, WebhookDelivery.id).limit(DELIVERIES_PER_TURN)))
-    sent = 0
-    for delivery_id in due:
-        taken = _take(delivery_id)
-        if taken is not None:
-            _record(delivery_id, *attempt(*taken))
-            sent += 1
-    return sent
+        rows = s.execute(select(due.c.id, due.c.webhook_id).where(due.c.rank <= SENDS_PER_ENDPOINT)
+                         .order_by(due.c.next_attempt_at, due.c.id).limit(DELIVERIES_PER_TURN)).all()
+    return SENDERS.start([(delivery_id, webhook_id) for delivery_id, webhook_id in rows])
 
 
-def _take(delivery_id: int) -> tuple[WebhookDelivery, Webhook] | None:
-    """Lease a due delivery for this process (compare-and-set); None if another process has it."""
+class Senders:
+    """A process's bounded pool of webhook senders: one event loop, in a daemon thread of its own
+    (started on first use), running at most ``TUNEJOB_WEBHOOKS_SENDERS`` attempts at once and at most
+    ``SENDS_PER_ENDPOINT`` per endpoint. Each attempt takes its delivery's lease when a sender is free
+    (``_take``), so a delivery waiting here is not leased and any process may send it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.in_flight: dict[int, str] = {}  # delivery id -> its endpoint, from start to recorded
+
+    def start(self, due: list[tuple[int, str]]) -> int:
+        """Start an attempt of each ``(delivery id, endpoint id)`` not in flight here, within the per-endpoint share."""
+        with self.lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                self.senders = asyncio.Semaphore(get_settings().webhooks_senders)
+                threading.Thread(target=self.loop.run_forever, name="tunejob-webhook-senders", daemon=True).start()
+            started = []
+            for delivery_id, webhook_id in due:
+                busy = sum(1 for w in self.in_flight.values() if w == webhook_id)
+                if delivery_id not in self.in_flight and busy < SENDS_PER_ENDPOINT:
+                    self.in_flight[delivery_id] = webhook_id
+                    started.append(delivery_id)
+        for delivery_id in started:
+            asyncio.run_coroutine_threadsafe(self._send(delivery_id), self.loop)
+        return len(started)
+
+    async def _send(self, delivery_id: int) -> None:
+        try:
+            async with self.senders:
+                taken = await asyncio.to_thread(_take, delivery_id)
+                if taken is None:
+                    return
+                started = time.monotonic()
+                status_code, error = await attempt(*taken)
+                await asyncio.to_thread(_record, delivery_id, taken[2], status_code, error, time.monotonic() - started)
+        except Exception:  # a sender must outlive any one delivery: the lease expires, it is sent again
+            log.exception("webhook delivery %s: the attempt failed unexpectedly", delivery_id)
+        finally:
+            with self.lock:
+                self.in_flight.pop(delivery_id, None)
+
+
+SENDERS = Senders()
+
+
+def _take(delivery_id: int) -> tuple[WebhookDelivery, Webhook, datetime] | None:
+    """Lease a due delivery for this process (compare-and-set) for one attempt's deadline and a
+    margin; None if another process has it. Returns the delivery, its endpoint and the lease's end."""
     now = utcnow()
-    lease = now + timedelta(seconds=4 * get_settings().webhooks_timeout_seconds + 30)
+    lease = now + timedelta(seconds=get_settings().webhooks_timeout_seconds + LEASE_MARGIN_SECONDS)
     with session_scope() as s:
         result = s.execute(update(WebhookDelivery).where(
             WebhookDelivery.id == delivery_id, WebhookDelivery.status == PENDING,
@@ -256,18 +372,34 @@ def _take(delivery_id: int) -> tuple[WebhookDelivery, Webhook] | None:
             return None
         delivery = s.get(WebhookDelivery, delivery_id, populate_existing=True)
         webhook = s.get(Webhook, delivery.webhook_id) if delivery is not None else None
-        return (delivery, webhook) if delivery is not None and webhook is not None else None
+        return (delivery, webhook, lease) if delivery is not None and webhook is not None else None
 
 
-def attempt(delivery: WebhookDelivery, webhook: Webhook) -> tuple[int | None, str | None]:
-    """POST the delivery to its endpoint once, signed. Returns (HTTP status or None, error or None)."""
+async def attempt(delivery: WebhookDelivery, webhook: Webhook, lease: datetime) -> tuple[int | None, str | None]:
+    """POST the delivery to its endpoint once, signed, within ``TUNEJOB_WEBHOOKS_TIMEOUT_SECONDS``
+    in all (resolving, connecting, sending, and reading the answer: httpx's own timeouts are per
+    operation, so an endpoint answering a byte a second would hold it for ever), and ended before
+    ``lease`` (so that no other process can send it meanwhile). Of the answer, only its status and
+    at most ``MAX_ANSWER_BYTES`` are read, as they stream in. Returns (HTTP status or None, error or None).
+    """
+    timeout = get_settings().webhooks_timeout_seconds
+    deadline = min(timeout, (lease - utcnow()).total_seconds() - LEASE_MARGIN_SECONDS / 2)
+    try:
+        async with asyncio.timeout(deadline), httpx.AsyncClient(follow_redirects=False) as client:
+            return await _post(client, delivery, webhook)
+    except TimeoutError:
+        return None, f"no complete answer within {timeout:g} s (TUNEJOB_WEBHOOKS_TIMEOUT_SECONDS)"
+
+
+async def _post(client: httpx.AsyncClient, delivery: WebhookDelivery, webhook: Webhook
+                ) -> tuple[int | None, str | None]:
     body = json.dumps(delivery.payload, separators=(",", ":"), ensure_ascii=False).encode()
     timestamp = int(time.time())
     headers = {"content-type": "application/json", "user-agent": "tunejob-webhooks",
                "webhook-id": delivery.event_id, "webhook-timestamp": str(timestamp),
-               "webhook-signature": sign(webhook.secret, delivery.event_id, timestamp, body)}
+               "webhook-signature": signatures(webhook, delivery.event_id, timestamp, body)}
     try:
-        address = resolve(webhook.url)[0]
+        address = (await asyncio.to_thread(resolve, webhook.url))[0]
     except UserError as e:
         return None, e.message
     parts = urlsplit(webhook.url)
@@ -276,24 +408,35 @@ def attempt(delivery: WebhookDelivery, webhook: Webhook) -> tuple[int | None, st
     headers["host"] = parts.netloc.rsplit("@", 1)[-1]
     extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
     try:
-        with httpx.Client(timeout=get_settings().webhooks_timeout_seconds, follow_redirects=False) as client:
-            answer = client.post(target, content=body, headers=headers, extensions=extensions)
+        async with client.stream("POST", target, content=body, headers=headers, extensions=extensions) as answer:
+            read = 0
+            async for chunk in answer.aiter_raw():  # the body is not kept: read to let a short answer finish
+                read += len(chunk)
+                if read >= MAX_ANSWER_BYTES:
+                    break
     except httpx.HTTPError as e:
         return None, f"{type(e).__name__}: {e}"[:500]
     return answer.status_code, None if answer.is_success else f"answered HTTP {answer.status_code}"
 
 
-def _record(delivery_id: int, status_code: int | None, error: str | None) -> None:
-    """Record an attempt: ``delivered`` on a 2xx, else due again after the next retry delay, or
-    ``failed`` once ``TUNEJOB_WEBHOOKS_RETRY_SECONDS`` is used up."""
+def _record(delivery_id: int, lease: datetime, status_code: int | None, error: str | None, seconds: float) -> None:
+    """Record an attempt (taking ``seconds``) of the delivery leased until ``lease``: ``delivered``
+    on a 2xx, else due again after the next retry delay, or ``failed`` once
+    ``TUNEJOB_WEBHOOKS_RETRY_SECONDS`` is used up. Nothing is recorded once the lease is another's."""
     delays = get_settings().webhooks_retry_seconds
     now = utcnow()
     with session_scope() as s:
         delivery = s.get(WebhookDelivery, delivery_id, with_for_update=True, populate_existing=True)
         if delivery is None:  # its endpoint was deleted meanwhile
             return
+        if delivery.lease_expires_at is None or abs((delivery.lease_expires_at - lease).total_seconds()) > 1e-3:
+            log.error("webhook delivery %s: its lease passed to another process during an attempt", delivery_id)
+            return
         delivery.attempts += 1
         delivery.response_status, delivery.error, delivery.lease_expires_at = status_code, error, None
+        delivery.attempt_log = [*(delivery.attempt_log or []), {
+            "at": now.isoformat().replace("+00:00", "Z"), "status_code": status_code, "error": error,
+            "duration_ms": round(seconds * 1000)}]
         if error is None:
             delivery.status, delivery.delivered_at = DELIVERED, now
         elif delivery.attempts > len(delays):
@@ -301,5 +444,5 @@ def _record(delivery_id: int, status_code: int | None, error: str | None) -> Non
         else:
             delivery.next_attempt_at = now + timedelta(seconds=delays[delivery.attempts - 1])
     if error is not None:
-        log.warning("webhook delivery %s failed (attempt %s): %s", delivery_id, delivery.attempts, error)
-
+        log.warning("webhook delivery %s failed (attempt %s, %.1f s): %s", delivery_id, delivery.attempts, seconds,
+                    error)

@@ -71,12 +71,12 @@ def integral_floats(model: type[BaseModel], data: Any) -> Any:
     Schema counts 3.0 as an integer; pydantic's strict mode would refuse it."""
     if not isinstance(data, dict):
         return data
-    ints = _int_fields(model)
+    ints = int_fields(model)
     return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() else v for k, v in data.items()}
 
 
 @lru_cache
-def _int_fields(model: type[BaseModel]) -> frozenset[str]:
+def int_fields(model: type[BaseModel]) -> frozenset[str]:
     """The names of ``model``'s ``int`` fields (worked out once: a job's view validates its
     hyperparameters, and the jobs page shows 50 jobs)."""
     return frozenset(name for name, f in model.model_fields.items() if _takes_int(f.annotation))

@@ -36,10 +36,10 @@ class Distribution(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["float", "int", "categorical"]
-    low: float | None = None
-    high: float | None = None
+    low: float | None = Field(None, allow_inf_nan=False)
+    high: float | None = Field(None, allow_inf_nan=False)
     log: bool = False
-    step: float | None = Field(None, gt=0)
+    step: float | None = Field(None, gt=0, allow_inf_nan=False)
     choices: list[Any] | None = Field(None, min_length=1, max_length=1000)
 
 
@@ -109,7 +109,8 @@ class SweepOut(BaseModel):
         "error": None}]})
 
     id: str
-    status: str = Field(description="queued | running | succeeded | failed | cancelled")
+    status: str = Field(description="queued | running | paused (its next trials wait for room in the tenant's "
+                                    "quotas: see error) | succeeded | failed | cancelled")
     base_model: str
     task: str
     objective: Objective

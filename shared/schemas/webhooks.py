@@ -42,6 +42,13 @@ class WebhookList(BaseModel):
     data: list[WebhookOut]
 
 
+class AttemptOut(BaseModel):
+    at: datetime = Field(description="when the attempt ended")
+    status_code: int | None = Field(description="the endpoint's HTTP status; null when it gave none")
+    error: str | None = Field(description="why the attempt failed; null when it was answered 2xx")
+    duration_ms: int = Field(description="from resolving the endpoint's name to the end of its answer")
+
+
 class DeliveryOut(BaseModel):
     id: int
     event_id: str = Field(description="the `webhook-id` header: the same for every attempt of this event")
@@ -54,6 +61,7 @@ class DeliveryOut(BaseModel):
     next_attempt_at: datetime | None = Field(description="when a pending delivery is tried next")
     delivered_at: datetime | None
     payload: dict[str, Any] = Field(description="the body sent: `{type, timestamp, data}`")
+    attempt_log: list[AttemptOut] = Field([], description="every attempt, oldest first (as Stripe and Svix list them)")
 
 
 class DeliveryList(BaseModel):

@@ -119,3 +119,13 @@ def lock_tenant(session: Session, tenant: str) -> None:
     """
     if session.get_bind().dialect.name == "postgresql":
         session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:tenant))"), {"tenant": tenant})
+
+
+def try_lock_tenant(session: Session, tenant: str) -> bool:
+    """``lock_tenant`` if the lock is free (or already this transaction's) now; False if another
+    transaction holds it. For a transaction that already holds other locks (a sweep's row, when a
+    trial ends), which must not wait for the tenant's: ``cancel_sweep`` takes the tenant's lock
+    first, then the sweep's, and waiting the other way round could deadlock."""
+    if session.get_bind().dialect.name != "postgresql":
+        return True
+    return bool(session.execute(text("SELECT pg_try_advisory_xact_lock(hashtext(:tenant))"), {"tenant": tenant}).scalar())

@@ -75,12 +75,15 @@ def signin_link(key_id: str) -> str:
 
 def redeem(link_token: str) -> str | None:
     """Exchange a sign-in link's token for a new session's token; None when the link is unknown,
-    used, expired or its key revoked. The link is deleted either way."""
+    used, expired or its key revoked. The link is deleted either way, and redeemed once even when
+    several requests bring it at once."""
     with session_scope() as s:
-        row = s.get(UiSession, _hash(link_token))
-        if row is None or row.kind != LINK:
+        # One DELETE ... RETURNING: of two redeems at once, only the one whose DELETE took the row gets it
+        # (a read then a delete let both through on PostgreSQL).
+        row = s.execute(delete(UiSession).where(UiSession.token_hash == _hash(link_token), UiSession.kind == LINK)
+                        .returning(UiSession.key_id, UiSession.expires_at)).first()
+        if row is None:
             return None
-        s.delete(row)
         key = s.get(ApiKey, row.key_id)
         if row.expires_at < utcnow() or key is None or key.revoked_at is not None:
             return None

@@ -20,6 +20,9 @@ class Webhook(Base):
     url: Mapped[str] = mapped_column(Text)
     events: Mapped[list[Any]]  # event types, e.g. ["job.succeeded", "job.failed"]
     secret: Mapped[str] = mapped_column(String(64))  # whsec_<base64>: signs every delivery
+    # after a rotation (migration 0012), the old secret also signs deliveries until then
+    previous_secret: Mapped[str | None] = mapped_column(String(64))
+    previous_secret_expires_at: Mapped[datetime | None]
     description: Mapped[str | None] = mapped_column(String(255))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -44,5 +47,8 @@ class WebhookDelivery(Base):
     lease_expires_at: Mapped[datetime | None]  # a process is sending it until then
     response_status: Mapped[int | None]  # HTTP status of the last attempt
     error: Mapped[str | None] = mapped_column(Text)  # why the last attempt failed
+    # every attempt, oldest first (migration 0012): {"at", "status_code", "error", "duration_ms"}; at most
+    # len(TUNEJOB_WEBHOOKS_RETRY_SECONDS) + 1 of them
+    attempt_log: Mapped[list[Any] | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     delivered_at: Mapped[datetime | None]
