@@ -163,8 +163,11 @@ class Steps:
         into the gradients and ``step_loss``."""
         autocast = self.autocast
         with torch.autocast(self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-            logits = self.forward_model(**inputs).logits
-        losses = example_losses(logits, labels, self.task)
+            if self.task == "embedding":  # the model computes its own loss (worker.embedding.Objective)
+                output = self.forward_model(**inputs, labels=labels)
+            else:
+                logits = self.forward_model(**inputs).logits
+        losses = output.losses if self.task == "embedding" else example_losses(logits, labels, self.task)
         if weights is not None:
             losses = losses * weights
         loss = losses.sum() / self.n_examples

@@ -54,6 +54,7 @@ from shared.schemas.jobs import GREATER_IS_BETTER, Hyperparameters, json_safe
 from shared.store import artifacts
 from shared.store.manifest import manifest_entries
 from shared.store.rows import Job
+from worker import embedding
 from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
 from worker.device import describe, padding_ladder
 from worker.graphs import CHECK_STEPS, CapturedSteps, capture_steps, clear_cache, eager_reason
@@ -192,6 +193,8 @@ def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter,
             ``max_nonfinite_steps`` non-finite steps in a row (the job fails without retry).
     """
     run = setup(job, data, device, reporter, checkpoint, timer or PhaseTimer(reporter))
+    if job.task == "embedding" and run.val_set is not None and run.state.step == 0:
+        embedding.score_zero_shot(run, reporter)
     warm_up(run, reporter)
     outcome = train(run, reporter)
     if outcome != "completed":
@@ -215,11 +218,15 @@ def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, che
     """
     timer = timer or PhaseTimer()
     hp = Hyperparameters(**job.spec["hyperparameters"])
+    if job.task == "embedding":
+        hp = embedding.contrastive_hyperparameters(hp)
     spec = job.spec
     set_seed(hp.seed)
     model_dir = resolve_model(job.base_model)
 
     def encode(df, sha256, training=True):
+        if job.task == "embedding":
+            return embedding.tokenize_pairs(tokenizer, df, spec, hp.max_length, sha256)
         if job.task == "token_classification":  # validation scores words: first subwords only
             return tokenize_words(tokenizer, df, spec["text_column"], spec["label_column"], job.label_names,
                                   hp.max_length, training and spec.get("label_all_subwords", False))
@@ -243,7 +250,8 @@ def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, che
         if hp.gradient_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
-        plan = BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch)
+        plan = (embedding.make_plan(train_set, hp) if job.task == "embedding" else
+                BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch))
         total_steps = plan.count_steps(hp.epochs, hp.gradient_accumulation_steps)
         optimizer = make_optimizer(model, hp, device)
         scheduler = make_scheduler(optimizer, hp, total_steps)
@@ -251,6 +259,8 @@ def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, che
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         collator = make_collator(tokenizer, hp.batching, hp.max_length, padding_ladder(hp, device),
                                  labels_per_token=job.task == "token_classification")
+        if job.task == "embedding":
+            collator = embedding.PairsCollator(tokenizer, collator.ladder)
 
         run = Run(job, hp, device, dtype, tokenizer, model, optimizer, scheduler, scaler, train_set, val_set, plan,
                   collator, total_steps, artifacts.checkpoints_dir(job.id),
@@ -284,7 +294,9 @@ def load_model(path: Path, job: Job, device: torch.device | None = None) -> torc
     one logit per token and tag) from a base model or checkpoint directory: safetensors only,
     no remote code, SDPA attention where the architecture supports it, its weights read straight
     onto ``device`` (``device_map``; no copy through host memory first). Its config names the
-    labels (``id2label``, ``label2id``), which pipelines read."""
+    labels (``id2label``, ``label2id``), which pipelines read. embedding: ``worker.embedding.load_objective``."""
+    if job.task == "embedding":
+        return embedding.load_objective(path, job, device)
     if job.task == "regression":
         labels = {"num_labels": 1, "problem_type": "regression"}
     else:
@@ -639,6 +651,8 @@ def evaluate(run: Run, reporter: Reporter | None = None) -> dict[str, float]:
     renews the job's lease while a long evaluation runs.
     """
     model, task = run.model, run.job.task
+    if task == "embedding":
+        return embedding.evaluate(run, reporter)
     model.eval()
     plan = BatchPlan(run.val_set.lengths, run.hp.batch_size * 2, "smart", run.hp.seed)
     loss_total, predictions, targets = torch.zeros((), device=run.device), [], []

@@ -146,23 +146,28 @@ def scan_job_data(path: Path, fmt: str, filename: str, cols: JobColumns) -> Labe
 def read_job_table(path: Path, fmt: str, filename: str, cols: JobColumns) -> tuple[pd.DataFrame, LabelSummary]:
     """The worker's view of one file: a DataFrame with only the job's columns, checked as the API
     checked them, texts as ``str``, labels as class names (``str``) or float32 targets
-    (multi_label: lists of class names; token_classification: lists of words and of tag names);
+    (multi_label: lists of class names; token_classification: lists of words and of tag names;
+    embedding: anchors, positives, each hard-negative column and any float32 scores);
     and the same ``LabelSummary`` as ``scan_job_data`` (classes and per-row codes, to split alike).
 
     Raises:
         UserError: as ``scan_job_data``; the worker fails the job at once with it.
     """
     problems, texts, pairs, labels = Problems(filename), [], [], []
+    negatives: dict[str, list[str]] = {column: [] for column in cols.negatives}
     classes = ClassIndex.of(filename, cols)
     for batch in job_batches(path, fmt, filename, cols, problems):
         texts += batch.texts
         pairs += batch.pairs or []
         labels += batch.labels
+        for column, values in batch.negatives.items():
+            negatives[column] += values
         if classes is not None:
             classes.add(batch)
     problems.raise_if_any()
-    frame = {cols.text: texts, **({cols.text_pair: pairs} if cols.text_pair else {}),
-             cols.label: labels if classes is not None else np.array(labels, dtype=np.float32)}
+    frame = {cols.text: texts, **({cols.text_pair: pairs} if cols.text_pair else {}), **negatives}
+    if cols.label:
+        frame[cols.label] = labels if classes is not None else np.array(labels, dtype=np.float32)
     return pd.DataFrame(frame), classes.summary() if classes is not None else LabelSummary(len(texts))
 
 
