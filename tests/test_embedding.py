@@ -290,3 +290,50 @@ def test_dry_run_plans_rows_by_their_longest_text(stack, tiny_st):
     assert r.status_code == 200, r.text
     plan = r.json()["plan"]
     assert plan["examples"] == 30 and plan["token_lengths"]["max"] >= 8  # the positives, longer than anchors
+
+
+def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, tiny_st):
+    """A job through the API and the worker; its artifact loads in ``SentenceTransformer`` and
+    encodes as ``/models/{id}/embed`` and ``/v1/embeddings`` (the ``openai`` SDK, float and its
+    default base64) answer."""
+    from openai import BadRequestError, OpenAI
+    from sentence_transformers import SentenceTransformer
+
+    client = stack.client
+    train, validation = upload(client, pairs(64, seed=1)), upload(client, pairs(16, seed=2), "dev.csv")
+    r = submit(client, train, validation_dataset=validation, negative_columns=["negative"])
+    assert r.status_code == 201, r.text
+    job = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job["error"]
+    assert (job["anchor_column"], job["positive_column"], job["negative_columns"]) == ("anchor", "positive",
+                                                                                       ["negative"])
+    assert set(job["validation_metrics"]) >= {"ndcg@10", "mrr@10", "recall@1", "recall@10", "map@100"}
+    steps = {m["step"] for m in client.get(f"/jobs/{job['id']}/metrics").json()["data"]
+             if m["name"] == "eval_ndcg@10"}
+    assert 0 in steps and len(steps) >= 2  # the zero-shot figure, then each evaluation
+
+    texts = ["football question 3", "an answer about the glacier number 7"]
+    r = client.post(f"/models/{job['id']}/embed", json={"inputs": texts})
+    assert r.status_code == 200, r.text
+    served = np.array(r.json()["embeddings"])
+    assert r.json()["dimensions"] == served.shape[1] and r.json()["tokens"] > 0
+    local = SentenceTransformer(str(stack.data_dir / "artifacts" / job["id"] / "model"), device="cpu",
+                                local_files_only=True).encode(texts)
+    cosine = (served * local).sum(1) / np.linalg.norm(served, axis=1) / np.linalg.norm(local, axis=1)
+    assert cosine.min() >= 0.9999
+
+    key = client.headers["Authorization"].removeprefix("Bearer ")
+    sdk = OpenAI(base_url="http://localhost/v1", api_key=key, http_client=client, max_retries=0)
+    for fmt in ("float", "base64"):
+        response = sdk.embeddings.create(model=job["id"], input=texts, encoding_format=fmt)
+        vectors = np.array([d.embedding for d in response.data]) if fmt == "float" else None
+        if fmt == "base64":  # the SDK returns the base64 text when asked for it explicitly
+            import base64
+            vectors = np.stack([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in response.data])
+        np.testing.assert_allclose(vectors, served, atol=1e-6)
+        assert response.usage.prompt_tokens == r.json()["tokens"]
+    default = sdk.embeddings.create(model=TINY_ST, input="football question 3")  # a base model, one string
+    assert len(default.data) == 1 and len(default.data[0].embedding) == served.shape[1]
+    with pytest.raises(BadRequestError):
+        sdk.embeddings.create(model="no-such-model", input="x")
+    assert client.post(f"/models/{job['id']}/predict", json={"inputs": texts}).status_code == 422
