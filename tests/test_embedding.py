@@ -337,3 +337,19 @@ def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, tiny_st):
     with pytest.raises(BadRequestError):
         sdk.embeddings.create(model="no-such-model", input="x")
     assert client.post(f"/models/{job['id']}/predict", json={"inputs": texts}).status_code == 422
+
+
+def test_cli_jobs_create_takes_the_embedding_columns():
+    import argparse
+
+    from client.cli import add_commands, job_spec
+    from shared.schemas.jobs import JobCreate
+
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["jobs", "create", "--model", "all-MiniLM-L6-v2", "--dataset", "ds_1", "--task",
+                              "embedding", "--anchor-column", "title", "--positive-column", "body",
+                              "--negative-column", "n1", "--negative-column", "n2"])
+    spec = JobCreate(**job_spec(args))
+    assert (spec.task, spec.anchor_column, spec.positive_column, spec.negative_columns) == (
+        "embedding", "title", "body", ["n1", "n2"])

@@ -68,6 +68,8 @@ def example_losses(logits: torch.Tensor, labels: torch.Tensor, task: str) -> tor
         return F.mse_loss(logits.float().squeeze(-1), labels.float(), reduction="none")
     if task == "multi_label":
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(-1)
+    if task == "reranking":  # one logit per (query, passage) pair, a label in [0, 1]
+        return F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), labels.float(), reduction="none")
     return F.cross_entropy(logits.float(), labels, reduction="none")
 
 

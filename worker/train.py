@@ -47,6 +47,7 @@ from transformers import (
 from transformers import logging as hf_logging
 
 from shared.data.batching import BatchPlan, bucket_width
+from shared.data.columns import JobColumns
 from shared.errors import UserError
 from shared.inference.precision import autocast_dtype
 from shared.jobs.base_models import resolve_model
@@ -54,7 +55,7 @@ from shared.schemas.jobs import GREATER_IS_BETTER, Hyperparameters, json_safe
 from shared.store import artifacts
 from shared.store.manifest import manifest_entries
 from shared.store.rows import Job
-from worker import embedding
+from worker import embedding, reranking
 from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
 from worker.device import describe, padding_ladder
 from worker.graphs import CHECK_STEPS, CapturedSteps, capture_steps, clear_cache, eager_reason
@@ -230,8 +231,10 @@ def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, che
         if job.task == "token_classification":  # validation scores words: first subwords only
             return tokenize_words(tokenizer, df, spec["text_column"], spec["label_column"], job.label_names,
                                   hp.max_length, training and spec.get("label_all_subwords", False))
-        return tokenize(tokenizer, df, spec["text_column"], spec.get("text_pair_column"), spec["label_column"],
-                        job.label_names, hp.max_length, sha256)
+        cols = JobColumns.of(spec)  # reranking: its query and passage columns as text and text pair
+        encoded = tokenize(tokenizer, df, cols.text, cols.text_pair, cols.label, job.label_names, hp.max_length, sha256)
+        encoded.queries = df[cols.text].tolist() if job.task == "reranking" else None  # reranking.evaluate groups
+        return encoded
 
     with timer.phase("tokenize"):
         tokenizer = load_tokenizer(model_dir, job.base_model, hp.max_length)
@@ -297,8 +300,8 @@ def load_model(path: Path, job: Job, device: torch.device | None = None) -> torc
     labels (``id2label``, ``label2id``), which pipelines read. embedding: ``worker.embedding.load_objective``."""
     if job.task == "embedding":
         return embedding.load_objective(path, job, device)
-    if job.task == "regression":
-        labels = {"num_labels": 1, "problem_type": "regression"}
+    if job.task in ("regression", "reranking"):  # reranking: one logit, a sigmoid score (CrossEncoder's)
+        labels = {"num_labels": 1, "problem_type": "regression"} if job.task == "regression" else {"num_labels": 1}
     else:
         names = job.label_names
         labels = {"num_labels": len(names), "id2label": dict(enumerate(names)),
@@ -653,6 +656,8 @@ def evaluate(run: Run, reporter: Reporter | None = None) -> dict[str, float]:
     model, task = run.model, run.job.task
     if task == "embedding":
         return embedding.evaluate(run, reporter)
+    if task == "reranking":
+        return reranking.evaluate(run, reporter)
     model.eval()
     plan = BatchPlan(run.val_set.lengths, run.hp.batch_size * 2, "smart", run.hp.seed)
     loss_total, predictions, targets = torch.zeros((), device=run.device), [], []

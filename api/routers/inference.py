@@ -1,9 +1,10 @@
-"""``POST /models/{job_id}/predict`` and ``/embed``: a fine-tuned model answers a few texts right away,
+"""``POST /models/{job_id}/predict``, ``/embed`` and ``/rerank``: a fine-tuned model answers a few texts right away,
 on the API process's CPU (``shared.inference``). Up to ``sync_model_cache`` models of each kind stay loaded.
 
 torch and transformers load on the first prediction, not when the API starts.
 """
 
+import math
 import os
 from functools import cache
 from pathlib import Path
@@ -14,8 +15,8 @@ from api.auth import CallerDep
 from api.errors import error_responses
 from shared.errors import Conflict, NotFound, UserError
 from shared.jobs import lifecycle
-from shared.jobs.models import embedding_model
-from shared.schemas.predictions import EmbedIn, EmbedOut, PredictIn, PredictOut
+from shared.jobs.models import embedding_model, trained_model
+from shared.schemas.predictions import EmbedIn, EmbedOut, PredictIn, PredictOut, RerankIn, RerankOut, RerankResult
 from shared.settings import get_settings
 from shared.store import artifacts
 from shared.store.rows import JobStatus
@@ -57,6 +58,29 @@ def embed(job_id: str, body: EmbedIn, caller: CallerDep) -> EmbedOut:
     result, loaded = embed_texts_with(job_id, body.inputs, body.normalize, caller, "inputs")
     return EmbedOut(model=job_id, embeddings=result.vectors.tolist(), dimensions=loaded.dimensions,
                     tokens=result.tokens, truncated=result.truncated, max_length=loaded.max_length)
+
+
+@router.post("/models/{job_id}/rerank", responses=error_responses(404, 409, 422))
+def rerank(job_id: str, body: RerankIn, caller: CallerDep) -> RerankOut:
+    """Order up to ``max_sync_inputs`` documents by a succeeded ``reranking`` job's score of each
+    (query, document) pair (the sigmoid of its one logit, as ``CrossEncoder(path).predict``), best
+    first; ``top_n`` keeps the best few."""
+    limit = get_settings().max_sync_inputs
+    if len(body.documents) > limit:
+        raise UserError("too_many_inputs", f"documents has {len(body.documents)} items; at most {limit} are "
+                        "answered at once (max_sync_inputs)", "documents")
+    job, model_dir = trained_model(job_id, caller)
+    if job.task != "reranking":
+        raise UserError("unsupported_task", f"job {job_id!r} was trained for {job.task}; reranking needs a "
+                        "reranking job", "job_id")
+    cached = model_cache().get(job_id, model_dir)
+    from shared.inference.loop import predict_texts
+
+    with cached.lock:
+        rows = predict_texts(cached.loaded, [body.query] * len(body.documents), body.documents).rows
+    scores = [1 / (1 + math.exp(-row["value"])) for row in rows]
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n]
+    return RerankOut(model=job_id, results=[RerankResult(index=i, relevance_score=scores[i]) for i in order])
 
 
 def embed_texts_with(ref: str, texts: list[str], normalize: bool, caller: Caller, param: str):

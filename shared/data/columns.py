@@ -35,6 +35,9 @@ class JobColumns:
         if get("task") == "embedding":
             return cls("embedding", get("anchor_column", "anchor"), get("positive_column", "positive"),
                        get("score_column"), negatives=tuple(get("negative_columns") or ()))
+        if get("task") == "reranking":
+            return cls("reranking", get("query_column", "query"), get("passage_column", "passage"),
+                       get("label_column", "label"))
         return cls(get("task", "classification"), get("text_column", "text"), get("text_pair_column"),
                    get("label_column", "label"), bool(get("allow_large_targets", False)), get("label_separator"))
 
@@ -53,7 +56,7 @@ class JobColumns:
             return regression_target(value, self.allow_large_targets)
         if self.task == "multi_label":
             return label_list(value, self.label_separator)
-        if self.task == "embedding":
+        if self.task in ("embedding", "reranking"):
             return similarity_score(value)
         return class_name(value)
 
@@ -68,6 +71,8 @@ class JobColumns:
         if self.task == "embedding":
             return [(self.text, "anchor_column"), (self.text_pair, "positive_column"),
                     *((column, "negative_columns") for column in self.negatives)]
+        if self.task == "reranking":
+            return [(self.text, "query_column"), (self.text_pair, "passage_column")]
         return [(self.text, "text_column")] + ([(self.text_pair, "text_pair_column")] if self.text_pair else [])
 
     @property
@@ -187,7 +192,7 @@ def regression_target(value: Any, allow_large: bool = False) -> float:
 
 
 def similarity_score(value: Any) -> float:
-    """An embedding pair's score (``regression_target``) in [0, 1].
+    """An embedding pair's score or a reranking label (``regression_target``) in [0, 1].
 
     Raises:
         ValueError: not a number, or outside [0, 1].
@@ -238,8 +243,8 @@ def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems:
                        {column: batch.values[column] for column in cols.negatives})
     # Text problems first (as a job reads its columns), then labels, each in row order.
     rank = {param: i for i, param in enumerate(["file", "text_column", "text_pair_column", "anchor_column",
-                                                "positive_column", "negative_columns", "label_column",
-                                                "score_column"])}
+                                                "positive_column", "negative_columns", "query_column",
+                                                "passage_column", "label_column", "score_column"])}
     problems.items.sort(key=lambda p: (rank.get(p.param, 0), p.row or 0))
 
 

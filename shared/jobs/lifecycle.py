@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session
 from shared.errors import Conflict, NotFound, UserError, without_paths
 from shared.jobs import trials, webhooks
 from shared.jobs.planning import check_spec
-from shared.schemas.jobs import EMBEDDING_FIELDS, Hyperparameters, JobCreate, JobOut, Progress, Timings, json_safe
+from shared.schemas.jobs import TASK_FIELDS, Hyperparameters, JobCreate, JobOut, Progress, Timings, json_safe
 from shared.settings import get_settings
 from shared.store import artifacts, idempotency, quotas
 from shared.store.engine import keyset_page, read_session, session_scope
@@ -63,7 +63,7 @@ def to_out(job: Job) -> JobOut:
         label_separator=spec.get("label_separator"),
         decision_threshold=spec.get("decision_threshold", 0.5),
         tune_threshold=spec.get("tune_threshold", False),
-        **{k: spec.get(k) for k in EMBEDDING_FIELDS if job.task == "embedding"},
+        **{k: spec.get(k) for k in TASK_FIELDS.get(job.task, ())},
         label_names=job.label_names,
         hyperparameters=Hyperparameters(**spec["hyperparameters"]),
         metadata=spec.get("metadata"),

@@ -51,10 +51,13 @@ TOKEN_JOB_CREATE_EXAMPLE = {  # named entities from a CoNLL file (columns tokens
 TASK_METRICS = {"classification": ("loss", "accuracy", "f1_macro"), "regression": ("loss", "mse", "pearson_r"),
                 "multi_label": ("loss", "f1_micro", "f1_macro", "subset_accuracy"),
                 "token_classification": ("loss", "entity_f1", "entity_precision", "entity_recall", "token_accuracy"),
-                "embedding": ("ndcg@10", "mrr@10", "recall@1", "recall@10", "map@100")}
+                "embedding": ("ndcg@10", "mrr@10", "recall@1", "recall@10", "map@100"),
+                "reranking": ("ndcg@10", "mrr@10", "loss")}
 # embedding: information-retrieval metrics of the validation split (worker.embedding.retrieval_metrics)
 IR_METRICS = TASK_METRICS["embedding"]
-EMBEDDING_FIELDS = ("anchor_column", "positive_column", "negative_columns", "score_column")  # the spec's, for embedding
+# The spec's fields that only one task reads (JobOut shows them for that task)
+TASK_FIELDS = {"embedding": ("anchor_column", "positive_column", "negative_columns", "score_column"),
+               "reranking": ("query_column", "passage_column")}
 # Whether a larger value of each metric is better (the best evaluation; a sweep's objective direction).
 GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True,
                      "f1_micro": True, "subset_accuracy": True, "entity_f1": True, "entity_precision": True,
@@ -137,14 +140,17 @@ class JobCreate(BaseModel):
         "examples": [JOB_CREATE_EXAMPLE, MULTI_LABEL_EXAMPLE, TOKEN_JOB_CREATE_EXAMPLE]})
 
     base_model: str
-    task: Literal["classification", "regression", "multi_label", "token_classification", "embedding"] = Field(
+    task: Literal["classification", "regression", "multi_label", "token_classification", "embedding",
+                  "reranking"] = Field(
         "classification", description="multi_label: each row has a list of labels (none, one or several); "
         "sigmoid outputs trained with BCEWithLogitsLoss. token_classification (named entities, IOB/BIO tags): "
         "text_column names a column of word lists (default `tokens`), label_column one of tag lists of the same "
         "length (default `tags`); JSONL, Parquet (list columns) or CoNLL files. embedding (a bi-encoder, saved as a "
         "sentence-transformers model): pairs of anchor_column and positive_column texts, trained with "
         "MultipleNegativesRankingLoss (with negative_columns as hard negatives), or with a score_column in [0, 1], "
-        "trained with CoSENT; validated by retrieval (ndcg@10, mrr@10, recall@1, recall@10, map@100).")
+        "trained with CoSENT; validated by retrieval (ndcg@10, mrr@10, recall@1, recall@10, map@100). reranking "
+        "(a cross-encoder): query_column and passage_column texts with a label_column of 0/1 or a score in [0, 1], "
+        "trained with binary cross-entropy; validated by reranking each query's passages (ndcg@10, mrr@10).")
     training_dataset: str
     validation_dataset: str | None = None
     validation_split: float | None = Field(None, ge=0, lt=1, description="Default 0.1 when no validation_dataset.")
@@ -169,6 +175,8 @@ class JobCreate(BaseModel):
     score_column: str | None = Field(
         None, description="embedding: a similarity in [0, 1] of each anchor and positive (trained with CoSENT "
                           "instead of MultipleNegativesRankingLoss; no negative_columns)")
+    query_column: str = Field("query", description="reranking: the queries")
+    passage_column: str = Field("passage", description="reranking: the passage scored against each query")
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     allow_large_targets: bool = Field(
         False, description="Regression: accept targets with |y| > 1e6 (refused by default: targets that large "
@@ -185,10 +193,10 @@ class JobCreate(BaseModel):
     def _task_defaults(cls, data: Any) -> Any:
         """token_classification reads word lists and tag lists: their columns default to ``tokens``
         and ``tags`` (the names the CoNLL reader gives them). embedding's best model is the one with
-        the best ``ndcg@10`` unless ``metric_for_best_model`` says otherwise."""
+        the best ``ndcg@10`` unless ``metric_for_best_model`` says otherwise, and so is reranking's."""
         if isinstance(data, dict) and data.get("task") == "token_classification":
             return {"text_column": "tokens", "label_column": "tags", **data}
-        if isinstance(data, dict) and data.get("task") == "embedding":  # no validation loss: best by ndcg@10
+        if isinstance(data, dict) and data.get("task") in ("embedding", "reranking"):  # best by ndcg@10
             hp = data.get("hyperparameters")
             if hp is None or isinstance(hp, dict) and "metric_for_best_model" not in hp:
                 return {**data, "hyperparameters": {**(hp or {}), "metric_for_best_model": "ndcg@10"}}
@@ -216,18 +224,24 @@ class JobCreate(BaseModel):
             raise ValueError("token_classification takes one column of words: text_pair_column must be null")
         if self.label_all_subwords and self.task != "token_classification":
             raise ValueError("label_all_subwords applies to token_classification only")
-        self._check_embedding_columns()
+        self._check_retrieval_columns()
         if hp.early_stopping_patience and not (self.validation_dataset or self.validation_split):
             raise ValueError("hyperparameters.early_stopping_patience needs a validation set")
         return self
 
-    def _check_embedding_columns(self) -> None:
-        """embedding's columns are distinct and apply to embedding only; the others do not apply to it."""
+    def _check_retrieval_columns(self) -> None:
+        """embedding's and reranking's columns are distinct and apply to their task only."""
         given = {"negative_columns": self.negative_columns is not None, "score_column": self.score_column is not None,
                  "anchor_column": self.anchor_column != "anchor", "positive_column": self.positive_column != "positive"}
+        reranking = {"query_column": self.query_column != "query", "passage_column": self.passage_column != "passage"}
+        for task, fields in (("embedding", given), ("reranking", reranking)):
+            if self.task != task and (names := [name for name, set_ in fields.items() if set_]):
+                raise ValueError(f"{', '.join(names)} apply to task {task!r} only")
+        if self.task == "reranking" and (self.text_pair_column or self.query_column == self.passage_column or
+                                         self.label_column in (self.query_column, self.passage_column)):
+            raise ValueError("reranking reads query_column, passage_column and label_column: three distinct "
+                             "columns, and text_pair_column null")
         if self.task != "embedding":
-            if names := [name for name, set_ in given.items() if set_]:
-                raise ValueError(f"{', '.join(names)} apply to task 'embedding' only")
             return
         if self.text_pair_column:
             raise ValueError("embedding reads anchor_column and positive_column: text_pair_column must be null")
@@ -321,6 +335,8 @@ class JobOut(BaseModel):
     positive_column: str | None = None
     negative_columns: list[str] | None = None
     score_column: str | None = None
+    query_column: str | None = Field(None, description="reranking only")
+    passage_column: str | None = None
     label_names: list[Any] | None
     hyperparameters: Hyperparameters
     metadata: dict[str, Any] | None
