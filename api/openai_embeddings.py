@@ -2,7 +2,7 @@
 over the same model lookup and encoder as ``POST /models/{job_id}/embed``."""
 
 import base64
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,7 +16,8 @@ class EmbeddingCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    input: str | list[str] = Field(description="a text or a list of texts; at most max_sync_inputs (default 64)")
+    input: str | Annotated[list[str], Field(min_length=1)] = Field(
+        description="a text or a list of texts; at most max_sync_inputs (default 64)")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None

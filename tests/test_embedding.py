@@ -290,6 +290,9 @@ def test_dry_run_plans_rows_by_their_longest_text(stack, tiny_st):
     assert r.status_code == 200, r.text
     plan = r.json()["plan"]
     assert plan["examples"] == 30 and plan["token_lengths"]["max"] >= 8  # the positives, longer than anchors
+    r = submit(stack.client, upload(stack.client, pairs(40)), dry_run=True, validation_split=0.25,
+               hyperparameters={"batch_size": 16, "gradient_accumulation_steps": 2})
+    assert r.json()["plan"]["micro_batches_per_epoch"] == 1  # GradCache: one micro-batch of 32 per step
 
 
 def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, tiny_st):

@@ -59,17 +59,6 @@ def columns_of(spec: dict) -> list[str]:
             *(spec.get("negative_columns") or [])]
 
 
-def contrastive_hyperparameters(hp: Hyperparameters) -> Hyperparameters:
-    """The hyperparameters the loop runs an embedding job with: with ``gradient_accumulation_steps``
-    k > 1, one micro-batch of ``batch_size`` x k examples per optimizer step, which
-    ``CachedMultipleNegativesRankingLoss`` computes ``batch_size`` examples at a time (so the
-    accumulated examples are each other's negatives and memory stays that of ``batch_size``)."""
-    k = hp.gradient_accumulation_steps
-    if k == 1:
-        return hp
-    return hp.model_copy(update={"batch_size": hp.batch_size * k, "gradient_accumulation_steps": 1})
-
-
 # ----------------------------------------------------------------------------- data
 
 

@@ -51,7 +51,7 @@ from shared.data.columns import JobColumns
 from shared.errors import UserError
 from shared.inference.precision import autocast_dtype
 from shared.jobs.base_models import resolve_model
-from shared.schemas.jobs import GREATER_IS_BETTER, Hyperparameters, json_safe
+from shared.schemas.jobs import GREATER_IS_BETTER, Hyperparameters, contrastive_hyperparameters, json_safe
 from shared.store import artifacts
 from shared.store.manifest import manifest_entries
 from shared.store.rows import Job
@@ -218,9 +218,7 @@ def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, che
     silent one) times ``tokenize`` and ``load`` and goes on timing the run's phases.
     """
     timer = timer or PhaseTimer()
-    hp = Hyperparameters(**job.spec["hyperparameters"])
-    if job.task == "embedding":
-        hp = embedding.contrastive_hyperparameters(hp)
+    hp = contrastive_hyperparameters(Hyperparameters(**job.spec["hyperparameters"]), job.task)
     spec = job.spec
     set_seed(hp.seed)
     model_dir = resolve_model(job.base_model)

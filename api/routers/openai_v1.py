@@ -95,11 +95,9 @@ def list_models() -> ModelList:
 def create_embeddings(body: EmbeddingCreate, caller: CallerDep) -> EmbeddingList:
     """Embed ``input`` with ``model`` (an embedding job's id or fine-tuned name, or a base model's
     name), as ``POST /models/{job_id}/embed`` does; ``usage`` counts the inputs' tokens."""
-    if isinstance(body.input, list) and not body.input:
-        raise UserError("invalid_request", "input must hold at least one text", "input")
     result, loaded = embed_texts_with(body.model, body.texts, True, caller, "input")
     if body.dimensions is not None and body.dimensions != loaded.dimensions:
-        raise UserError("invalid_request", f"dimensions {body.dimensions}: model {body.model!r} gives "
+        raise UserError("unsupported_dimensions", f"dimensions {body.dimensions}: model {body.model!r} gives "
                         f"{loaded.dimensions}-dimensional vectors", "dimensions")
     return embedding_list(body.model, result.vectors, result.tokens, body.encoding_format)
 

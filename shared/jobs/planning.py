@@ -16,7 +16,7 @@ from shared.data.problems import Problems
 from shared.data.split import split_train_validation, validation_size
 from shared.errors import UserError
 from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
-from shared.schemas.jobs import JobCreate
+from shared.schemas.jobs import JobCreate, contrastive_hyperparameters
 from shared.store import quotas
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job, JobStatus
@@ -152,7 +152,7 @@ def plan_job(checked: CheckedSpec) -> dict:
         from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # no warning for texts longer than max_length: we count them
-    spec, hp = checked.spec, checked.spec.hyperparameters
+    spec, hp = checked.spec, contrastive_hyperparameters(checked.spec.hyperparameters, checked.spec.task)
     tokenizer = AutoTokenizer.from_pretrained(checked.model_dir)
     full = training_lengths(tokenizer, checked)
     lengths = np.minimum(full, hp.max_length)

@@ -133,6 +133,18 @@ class Hyperparameters(BaseModel):
         return integral_floats(cls, data)
 
 
+def contrastive_hyperparameters(hp: Hyperparameters, task: str) -> Hyperparameters:
+    """The hyperparameters the loop (and the dry run's plan) runs a job of ``task`` with: ``hp``,
+    but for an embedding job with ``gradient_accumulation_steps`` k > 1, one micro-batch of
+    ``batch_size`` x k examples per optimizer step, which
+    ``CachedMultipleNegativesRankingLoss`` computes ``batch_size`` examples at a time (so the
+    accumulated examples are each other's negatives and memory stays that of ``batch_size``)."""
+    k = hp.gradient_accumulation_steps
+    if task != "embedding" or k == 1:
+        return hp
+    return hp.model_copy(update={"batch_size": hp.batch_size * k, "gradient_accumulation_steps": 1})
+
+
 class JobCreate(BaseModel):
     """Body of ``POST /jobs``."""
 
