@@ -1,7 +1,7 @@
 """BBC News as title -> article retrieval (issue 36): each article's first line is its title, the rest
 its body. The articles are split at random (by article) into training and validation pairs; an
 ``embedding`` job fine-tunes a base model on the training pairs through the worker's own recipe
-(``worker.train.fine_tune``, a transient ``Job``) and reports the validation ``ndcg@10`` of the
+(``worker.training.recipe.fine_tune``, a transient ``Job``) and reports the validation ``ndcg@10`` of the
 base model (zero-shot, before the first step) and after each epoch.
 
     python -m bench.retrieval --train 400 --validation 200 --epochs 1 --max-length 128
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> dict:
     from shared.schemas.jobs import JobCreate
     from shared.store.rows import Job
     from worker.data import JobData
-    from worker.report import MemoryReporter
-    from worker.train import fine_tune
+    from worker.reporter import MemoryReporter
+    from worker.training.recipe import fine_tune
 
     pairs = title_pairs().sample(frac=1.0, random_state=args.seed).reset_index(drop=True)
     train = pairs.iloc[:args.train].reset_index(drop=True)

@@ -121,6 +121,15 @@ def capture_gradients(run) -> list[dict[str, torch.Tensor]]:
     return captured
 
 
+def setup(job, data, reporter):
+    """The recipe of ``job`` set up on the CPU, its steps ready (``warm_up``)."""
+    from worker.training.recipe import Recipe
+
+    run = Recipe(job, torch.device("cpu")).setup(data, reporter)
+    run.warm_up()
+    return run
+
+
 def st_batch(model, frame: pd.DataFrame, columns: list[str]) -> list[dict]:
     return [model.tokenize(frame[c].tolist()) for c in columns]
 
@@ -137,16 +146,15 @@ def test_loss_and_gradients_equal_sentence_transformers_own(engine_env, tiny_st,
 
     from tests.conftest import no_dropout
     from worker.data import JobData
-    from worker.train import setup, train_step
 
     frame = pairs(8)
     frame["score"] = np.linspace(0, 1, 8).astype(np.float32)
     job = embedding_job("parity", negatives=kind == "negatives", score=kind == "score")
-    run = setup(job, JobData(frame, None), torch.device("cpu"), RecordingReporter())
+    run = setup(job, JobData(frame, None), RecordingReporter())
     no_dropout(run.model)
     grads = capture_gradients(run)
-    batch = run.collator([run.train_set[i] for i in range(8)])
-    values, _ = train_step(run, [batch])
+    js = run.job_setup
+    values, _ = run.train_step([js.collator([js.train_set[i] for i in range(8)])])
 
     reference = SentenceTransformer(str(tiny_st), device="cpu", local_files_only=True)
     no_dropout(reference)
@@ -169,16 +177,16 @@ def test_cached_loss_takes_the_accumulated_examples_as_one_batch_of_negatives(en
     time) whose loss and gradients equal plain MNRL over all 8."""
     from tests.conftest import no_dropout
     from worker.data import JobData
-    from worker.train import setup, train_step
 
     frame = pairs(8)
     runs = {}
     for name, hp in [("cached", {"batch_size": 4, "gradient_accumulation_steps": 2}), ("plain", {"batch_size": 8})]:
-        run = setup(embedding_job(name, **hp), JobData(frame, None), torch.device("cpu"), RecordingReporter())
+        run = setup(embedding_job(name, **hp), JobData(frame, None), RecordingReporter())
         no_dropout(run.model)
         grads = capture_gradients(run)
-        assert len(run.plan.batches) == 1 and run.hp.gradient_accumulation_steps == 1
-        values, _ = train_step(run, [run.collator([run.train_set[i] for i in range(8)])])
+        js = run.job_setup
+        assert len(js.plan.batches) == 1 and js.hp.gradient_accumulation_steps == 1
+        values, _ = run.train_step([js.collator([js.train_set[i] for i in range(8)])])
         runs[name] = values[0].item(), grads
     assert runs["cached"][0] == pytest.approx(runs["plain"][0], rel=1e-5)
     cached, plain = runs["cached"][1][0], runs["plain"][1][0]
@@ -194,7 +202,7 @@ def test_training_end_to_end_improves_retrieval_and_saves_a_sentence_transformer
     from sentence_transformers import SentenceTransformer
 
     from worker.data import JobData
-    from worker.train import fine_tune
+    from worker.training.recipe import fine_tune
 
     train, val = pairs(96, seed=1), pairs(24, seed=2)
     reporter = RecordingReporter()
@@ -218,21 +226,26 @@ def test_training_end_to_end_improves_retrieval_and_saves_a_sentence_transformer
 
 def test_a_resumed_job_continues_with_the_same_losses(engine_env, tiny_st):
     from tests.conftest import RecordingReporter as Reporter
-    from worker import train as engine
     from worker.data import JobData
+    from worker.training.recipe import Recipe
 
     data, cpu = JobData(pairs(48, seed=3), None), torch.device("cpu")
+
+    def train(job, reporter, checkpoint=None):
+        run = Recipe(job, cpu).setup(data, reporter, checkpoint)
+        run.warm_up(reporter)
+        return run, run.train(reporter)
+
     whole = Reporter()
-    run = engine.setup(embedding_job("whole", epochs=2, save_every_steps=100), data, cpu, whole)
-    engine.train(run, whole)
+    run, _ = train(embedding_job("whole", epochs=2, save_every_steps=100), whole)
     first = Reporter(stop_after_step=4)  # a SIGTERM after step 4: checkpoint, then stop
     job = embedding_job("resumed", epochs=2, save_every_steps=100)
-    assert engine.train(engine.setup(job, data, cpu, first), first) == "shutdown"
+    assert train(job, first)[1] == "shutdown"
     [(step, path)] = first.checkpoints
     second = Reporter()
-    assert engine.train(engine.setup(job, data, cpu, second, checkpoint=path), second) == "completed"
+    assert train(job, second, checkpoint=path)[1] == "completed"
     expected, after = whole.series("train_loss"), second.series("train_loss")
-    assert sorted(after) == list(range(step + 1, run.total_steps + 1))
+    assert sorted(after) == list(range(step + 1, run.job_setup.total_steps + 1))
     for s in after:
         assert after[s] == pytest.approx(expected[s], rel=1e-5, abs=1e-6), s
 
@@ -345,7 +358,8 @@ def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, tiny_st):
 def test_cli_jobs_create_takes_the_embedding_columns():
     import argparse
 
-    from client.cli import add_commands, job_spec
+    from client.cli import add_commands
+    from client.options import job_spec
     from shared.schemas.jobs import JobCreate
 
     parser = argparse.ArgumentParser()

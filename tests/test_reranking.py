@@ -67,7 +67,7 @@ def test_training_raises_ndcg_and_the_artifact_loads_in_a_cross_encoder(engine_e
 
     from shared.store import artifacts
     from worker.data import JobData
-    from worker.train import fine_tune
+    from worker.training.recipe import fine_tune
 
     reporter = RecordingReporter()
     job = reranking_job("rerank")

@@ -1,7 +1,7 @@
 """Task ``embedding``: a bi-encoder (a sentence-transformers model) trained in tunejob's own loop.
 
-The loop (``worker.train``) is the same as for every task: smart batching, accumulation, bf16,
-checkpoints and exact resume. What differs lives here:
+The loop (``worker.training.recipe``) is the same as for every task: smart batching, accumulation,
+bf16, checkpoints and exact resume. What differs lives here:
 
 - data: every text column (anchor, positive, hard negatives) is tokenized on its own
   (``tokenize_pairs``, through ``worker.data.tokenize`` and its cache); a micro-batch lays the
@@ -9,7 +9,8 @@ checkpoints and exact resume. What differs lives here:
   loop's row-wise splitting (out-of-memory backoff) keeps rows whole;
 - no false negatives: no micro-batch holds the same anchor or positive text twice
   (``DistinctBatchPlan``, as sentence-transformers' ``NoDuplicatesBatchSampler``);
-- the model computes its own loss (``Objective``): sentence-transformers'
+- the model computes its own loss (``Objective``, whose ``losses`` are what
+  ``worker.training.steps.Steps.forward_losses`` returns): sentence-transformers'
   ``MultipleNegativesRankingLoss`` (in-batch negatives plus the hard negatives; van den Oord et
   al., "Representation Learning with Contrastive Predictive Coding", 2018; Henderson et al.,
   "Efficient Natural Language Response Suggestion for Smart Reply", 2017), its cached form
@@ -48,7 +49,7 @@ from shared.errors import UserError
 from shared.schemas.jobs import IR_METRICS, Hyperparameters
 from shared.store.rows import Job
 from worker.data import tokenize
-from worker.report import Reporter
+from worker.reporter import PhaseTimer, Reporter
 
 EVAL_BATCH = 64  # texts per forward pass when the evaluator encodes the validation split
 
@@ -195,7 +196,7 @@ class Objective(torch.nn.Module):
 
     ``forward`` takes a ``PairsCollator`` batch (``labels``: the scores) and returns ``losses``
     ``[rows]``: the loss's mean over the micro-batch, once per row, so that the loop's sum over a
-    step's rows divided by their number (``worker.steps``) is the loss of the step, and
+    step's rows divided by their number (``worker.training.steps``) is the loss of the step, and
     micro-batches of unequal size weigh as their rows. ``save_pretrained`` writes the
     sentence-transformers model directory; ``base_model`` is the transformer (frozen embeddings).
     """
@@ -295,22 +296,26 @@ def retrieval_metrics(model: SentenceTransformer, data: PairsDataset) -> dict[st
     return {name: float(scores[f"cosine_{name}"]) for name in IR_METRICS}
 
 
-def evaluate(run, reporter: Reporter | None = None) -> dict[str, float]:
-    """The validation metrics of an embedding job (``retrieval_metrics`` of ``run.model``'s fp32
-    master weights, in eval mode)."""
-    run.model.eval()
-    metrics = retrieval_metrics(run.model.st, run.val_set)
+def evaluate(model: Objective, data: PairsDataset, reporter: Reporter | None = None) -> dict[str, float]:
+    """The validation metrics of an embedding job (``retrieval_metrics`` of ``model``, the fp32
+    master weights, on the validation split ``data``); leaves ``model`` in eval mode."""
+    model.eval()
+    metrics = retrieval_metrics(model.st, data)
     if reporter is not None:
         reporter.heartbeat()
     return {k: float(v) for k, v in metrics.items()}
 
 
-def score_zero_shot(run, reporter: Reporter) -> dict[str, float]:
-    """Score the base model on the validation split before the first step, so that the job
-    reports what fine-tuning added: logged as the ``eval_*`` metrics of step 0 and as a
-    ``zero_shot`` event. Timed as ``evaluate``."""
-    with run.timer.phase("evaluate"):
-        metrics = evaluate(run, reporter)
+def score_zero_shot(job_setup, model: Objective, step: int, timer: PhaseTimer,
+                    reporter: Reporter) -> dict[str, float] | None:
+    """Score the base model on the validation split before the first step (an embedding job with
+    a validation split, not resumed: ``step`` 0; else nothing, None), so that the job reports what
+    fine-tuning added: logged as the ``eval_*`` metrics of step 0 and as a ``zero_shot`` event.
+    Timed as ``evaluate``. ``job_setup``: the recipe's (``worker.training.setup.JobSetup``)."""
+    if job_setup.job.task != "embedding" or job_setup.val_set is None or step != 0:
+        return None
+    with timer.phase("evaluate"):
+        metrics = evaluate(model, job_setup.val_set, reporter)
     reporter.log(0, 0.0, {f"eval_{k}": v for k, v in metrics.items() if math.isfinite(v)})
     reporter.event("zero_shot", "the base model before training: " + ", ".join(
         f"{k} {v:.4f}" for k, v in metrics.items()))

@@ -1,6 +1,6 @@
 """Task ``reranking``: a cross-encoder (``AutoModelForSequenceClassification`` with one logit, the
 query and the passage as the tokenizer's pair input) trained with binary cross-entropy on labels
-of 0/1 or scores in [0, 1] (``worker.steps.example_losses``), as sentence-transformers'
+of 0/1 or scores in [0, 1] (``worker.training.steps.example_losses``), as sentence-transformers'
 ``CrossEncoder`` with ``BinaryCrossEntropyLoss``; ``CrossEncoder(path)`` loads the artifact (one
 label: a sigmoid score).
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from sklearn.metrics import ndcg_score
 
 from shared.data.batching import BatchPlan
-from worker.report import Reporter
+from worker.reporter import Reporter
 
 
 def ranking_metrics(queries: list[str], scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
@@ -42,17 +42,19 @@ def ranking_metrics(queries: list[str], scores: np.ndarray, labels: np.ndarray) 
 
 
 @torch.no_grad()
-def evaluate(run, reporter: Reporter | None = None) -> dict[str, float]:
-    """Validation ``loss`` (binary cross-entropy per pair) and ``ranking_metrics`` of ``run.model``
-    (fp32 master weights, under the job's autocast dtype); ``run.val_set.queries`` holds each
-    pair's query text (set by ``worker.train.setup``)."""
-    model, data = run.model.eval(), run.val_set
-    plan = BatchPlan(data.lengths, run.hp.batch_size * 2, "smart", run.hp.seed)
+def evaluate(model: torch.nn.Module, job_setup, reporter: Reporter | None = None) -> dict[str, float]:
+    """Validation ``loss`` (binary cross-entropy per pair) and ``ranking_metrics`` of ``model``
+    (the fp32 master weights, under the job's autocast dtype) on ``job_setup.val_set`` (the
+    recipe's ``worker.training.setup.JobSetup``), whose ``queries`` hold each pair's query text
+    (set by ``worker.training.setup.prepare_job``). Leaves ``model`` in eval mode."""
+    data, device, dtype = job_setup.val_set, job_setup.device, job_setup.dtype
+    model.eval()
+    plan = BatchPlan(data.lengths, job_setup.hp.batch_size * 2, "smart", job_setup.hp.seed)
     scores = np.zeros(len(data), dtype=np.float32)
     for batch in plan.epoch_batches(0):
-        inputs = run.collator([data[i] for i in batch])
-        inputs = {k: v.to(run.device) for k, v in inputs.items() if k != "labels"}
-        with torch.autocast(run.device.type, dtype=run.dtype or torch.float32, enabled=run.dtype is not None):
+        inputs = job_setup.collator([data[i] for i in batch])
+        inputs = {k: v.to(device) for k, v in inputs.items() if k != "labels"}
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             scores[batch] = model(**inputs).logits.float().squeeze(-1).cpu().numpy()
         if reporter is not None:
             reporter.heartbeat()

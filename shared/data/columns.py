@@ -68,11 +68,12 @@ class JobColumns:
     @property
     def texts(self) -> list[tuple[str, str]]:
         """(column, spec field) of each text input."""
-        if self.task == "embedding":
+        if self.task in ("embedding", "reranking"):
+            assert self.text_pair is not None  # ``of`` names both text columns of these tasks
+            if self.task == "reranking":
+                return [(self.text, "query_column"), (self.text_pair, "passage_column")]
             return [(self.text, "anchor_column"), (self.text_pair, "positive_column"),
                     *((column, "negative_columns") for column in self.negatives)]
-        if self.task == "reranking":
-            return [(self.text, "query_column"), (self.text_pair, "passage_column")]
         return [(self.text, "text_column")] + ([(self.text_pair, "text_pair_column")] if self.text_pair else [])
 
     @property
@@ -82,6 +83,8 @@ class JobColumns:
     @property
     def list_columns(self) -> tuple[str, ...]:
         """Columns of lists: multi_label's labels, token_classification's words and tags."""
+        if self.label is None:  # embedding without a score_column
+            return ()
         return {"multi_label": (self.label,), "token_classification": (self.text, self.label)}.get(self.task, ())
 
 
@@ -211,7 +214,7 @@ class JobBatch:
     index of the first row."""
 
     start: int
-    texts: list[str]
+    texts: list[str] | list[list[str]]
     pairs: list[str] | None
     labels: list
     negatives: dict[str, list[str]] = field(default_factory=dict)  # embedding: each hard-negative column's texts
@@ -292,6 +295,7 @@ def tag_names(value: Any, words: Any) -> list[str]:
 def _tagged_batch(batch: Batch, cols: JobColumns, problems: Problems) -> Iterator[JobBatch]:
     """A token_classification batch checked (``check_words``, ``tag_names``): a ``JobBatch`` of
     word lists and tag-name lists, or nothing once ``problems`` has any."""
+    assert cols.label is not None  # token_classification's tags
     words, tags = batch.values[cols.text], []
     for i, (value, label) in enumerate(zip(words, batch.values[cols.label])):
         if (message := check_words(value)) is not None:

@@ -5,6 +5,7 @@ import math
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -63,6 +64,8 @@ class ClassIndex:
         """The index for a job's labels: a ``TagIndex`` for token_classification's tags, None when
         they are not class names (regression). Per-row codes are kept for single-label
         classification only (they stratify the split)."""
+        if cols.label is None:  # embedding without a score_column
+            return None
         if cols.task == "token_classification":
             return TagIndex(filename, cols.label)
         if not cols.has_classes:
@@ -153,7 +156,8 @@ def read_job_table(path: Path, fmt: str, filename: str, cols: JobColumns) -> tup
     Raises:
         UserError: as ``scan_job_data``; the worker fails the job at once with it.
     """
-    problems, texts, pairs, labels = Problems(filename), [], [], []
+    problems, pairs, labels = Problems(filename), list[str](), list[Any]()
+    texts: list[Any] = []  # strings, or lists of words (token_classification)
     negatives: dict[str, list[str]] = {column: [] for column in cols.negatives}
     classes = ClassIndex.of(filename, cols)
     for batch in job_batches(path, fmt, filename, cols, problems):
@@ -165,7 +169,7 @@ def read_job_table(path: Path, fmt: str, filename: str, cols: JobColumns) -> tup
         if classes is not None:
             classes.add(batch)
     problems.raise_if_any()
-    frame = {cols.text: texts, **({cols.text_pair: pairs} if cols.text_pair else {}), **negatives}
+    frame: dict[str, Any] = {cols.text: texts, **({cols.text_pair: pairs} if cols.text_pair else {}), **negatives}
     if cols.label:
         frame[cols.label] = labels if classes is not None else np.array(labels, dtype=np.float32)
     return pd.DataFrame(frame), classes.summary() if classes is not None else LabelSummary(len(texts))

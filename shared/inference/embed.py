@@ -56,7 +56,11 @@ def load_embedder(model_dir: Path, device: torch.device, precision: str = "auto"
     except (OSError, ValueError, KeyError) as e:
         raise UserError("model_not_embeddable", f"not a model tunejob can embed with: {without_paths(str(e))}",
                         "model") from e
-    return LoadedEmbedder(model, model.max_seq_length, model.get_embedding_dimension(), device)
+    max_length, dimensions = model.max_seq_length, model.get_embedding_dimension()
+    if max_length is None or dimensions is None:
+        raise UserError("model_not_embeddable", "not a model tunejob can embed with: its length limit or vector size "
+                        "is unknown", "model")
+    return LoadedEmbedder(model, max_length, dimensions, device)
 
 
 def embed_texts(loaded: LoadedEmbedder, texts: list[str], normalize: bool = True) -> Embeddings:
