@@ -195,6 +195,19 @@ def test_cached_loss_takes_the_accumulated_examples_as_one_batch_of_negatives(en
         torch.testing.assert_close(cached[name], plain[name], rtol=1e-4, atol=1e-6)
 
 
+def test_an_embedding_job_asked_to_pack_trains_padded_and_says_so(engine_env, tiny_st):
+    """``packing: true`` (issue 40) lays out a classifier's micro-batch; an embedding job's columns
+    side by side cannot be packed: it trains padded, and its ``packing`` event says why."""
+    from worker.data import JobData
+    from worker.training.recipe import Recipe
+
+    reporter = RecordingReporter()
+    run = Recipe(embedding_job("packed", packing=True), torch.device("cpu")).setup(JobData(pairs(16), None), reporter)
+    run.warm_up(reporter)
+    assert not run.steps.packing and reporter.events[-1] == "packing"
+    assert reporter.messages[-1].startswith("padded micro-batches: Objective")
+
+
 # ----------------------------------------------------------------------------- training and artifact
 
 
