@@ -19,9 +19,17 @@ def add_create_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", help="training_dataset: a dataset id (tunejob datasets upload FILE)")
     p.add_argument("--validation", help="validation_dataset id (default: validation_split 0.1 of the training set)")
     p.add_argument("--validation-split", type=float)
-    p.add_argument("--task", choices=["classification", "regression", "multi_label", "token_classification"],
+    p.add_argument("--task", choices=["classification", "regression", "multi_label", "token_classification",
+                                      "embedding", "reranking"],
                    help="token_classification: --text-column holds word lists (default tokens), "
-                        "--label-column tag lists (default tags)")
+                        "--label-column tag lists (default tags); embedding: the columns below")
+    p.add_argument("--anchor-column", help="embedding: the queries (default anchor)")
+    p.add_argument("--positive-column", help="embedding: the text each anchor should find (default positive)")
+    p.add_argument("--negative-column", action="append", dest="negative_columns", metavar="COLUMN",
+                   help="embedding: a column of hard negatives (repeat for several)")
+    p.add_argument("--score-column", help="embedding: a similarity in [0, 1] per pair (CoSENT)")
+    p.add_argument("--query-column", help="reranking: the queries (default query)")
+    p.add_argument("--passage-column", help="reranking: the passage scored against each query (default passage)")
     p.add_argument("--text-column")
     p.add_argument("--text-pair-column")
     p.add_argument("--label-column")
@@ -58,7 +66,10 @@ def job_spec(args) -> dict[str, Any]:
                "validation_split": args.validation_split, "task": args.task, "text_column": args.text_column,
                "text_pair_column": args.text_pair_column, "label_column": args.label_column,
                "label_separator": args.label_separator, "decision_threshold": args.decision_threshold,
-               "tune_threshold": args.tune_threshold}
+               "tune_threshold": args.tune_threshold, "anchor_column": args.anchor_column,
+               "positive_column": args.positive_column, "negative_columns": args.negative_columns,
+               "score_column": args.score_column, "query_column": args.query_column,
+               "passage_column": args.passage_column}
     spec.update({k: v for k, v in options.items() if v is not None})
     spec.setdefault("hyperparameters", {}).update(dict(args.set))
     require(spec, [("--model", "base_model"), ("--dataset", "training_dataset")])

@@ -1,9 +1,10 @@
-"""``POST /models/{job_id}/predict``: a fine-tuned model answers a few texts right away, on the API
-process's CPU (``shared.inference``). Up to ``sync_model_cache`` models stay loaded.
+"""``POST /models/{job_id}/predict``, ``/embed`` and ``/rerank``: a fine-tuned model answers a few texts right away,
+on the API process's CPU (``shared.inference``). Up to ``sync_model_cache`` models of each kind stay loaded.
 
 torch and transformers load on the first prediction, not when the API starts.
 """
 
+import math
 import os
 from functools import cache
 from pathlib import Path
@@ -14,7 +15,8 @@ from api.auth import CallerDep
 from api.errors import error_responses
 from shared.errors import Conflict, NotFound, UserError
 from shared.jobs import lifecycle
-from shared.schemas.predictions import PredictIn, PredictOut
+from shared.jobs.models import embedding_model, trained_model
+from shared.schemas.predictions import EmbedIn, EmbedOut, PredictIn, PredictOut, RerankIn, RerankOut, RerankResult
 from shared.settings import get_settings
 from shared.store import artifacts
 from shared.store.rows import JobStatus
@@ -46,6 +48,58 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
         predictions = predict_texts(cached.loaded, texts, pairs, body.max_length)
     return PredictOut(model=job_id, predictions=predictions.rows, truncated=predictions.truncated,
                       max_length=body.max_length or cached.loaded.model_max_length)
+
+
+@router.post("/models/{job_id}/embed", responses=error_responses(404, 409, 422))
+def embed(job_id: str, body: EmbedIn, caller: CallerDep) -> EmbedOut:
+    """Embed up to ``max_sync_inputs`` (default 64) texts with the model of a succeeded ``embedding``
+    job (or a base model, by name), in input order: the vectors ``SentenceTransformer(path).encode``
+    gives for the job's artifact. Texts longer than the job's ``max_length`` are truncated and counted."""
+    result, loaded = embed_texts_with(job_id, body.inputs, body.normalize, caller, "inputs")
+    return EmbedOut(model=job_id, embeddings=result.vectors.tolist(), dimensions=loaded.dimensions,
+                    tokens=result.tokens, truncated=result.truncated, max_length=loaded.max_length)
+
+
+@router.post("/models/{job_id}/rerank", responses=error_responses(404, 409, 422))
+def rerank(job_id: str, body: RerankIn, caller: CallerDep) -> RerankOut:
+    """Order up to ``max_sync_inputs`` documents by a succeeded ``reranking`` job's score of each
+    (query, document) pair (the sigmoid of its one logit, as ``CrossEncoder(path).predict``), best
+    first; ``top_n`` keeps the best few."""
+    limit = get_settings().max_sync_inputs
+    if len(body.documents) > limit:
+        raise UserError("too_many_inputs", f"documents has {len(body.documents)} items; at most {limit} are "
+                        "answered at once (max_sync_inputs)", "documents")
+    job, model_dir = trained_model(job_id, caller)
+    if job.task != "reranking":
+        raise UserError("unsupported_task", f"job {job_id!r} was trained for {job.task}; reranking needs a "
+                        "reranking job", "job_id")
+    cached = model_cache().get(job_id, model_dir)
+    from shared.inference.loop import predict_texts
+
+    with cached.lock:
+        rows = predict_texts(cached.loaded, [body.query] * len(body.documents), body.documents).rows
+    scores = [1 / (1 + math.exp(-row["value"])) for row in rows]
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n]
+    return RerankOut(model=job_id, results=[RerankResult(index=i, relevance_score=scores[i]) for i in order])
+
+
+def embed_texts_with(ref: str, texts: list[str], normalize: bool, caller: Caller, param: str):
+    """(``shared.inference.embed.Embeddings``, the ``LoadedEmbedder``) of ``texts`` with the model
+    ``ref`` names (``shared.jobs.models.embedding_model``), loaded once into ``embedder_cache``.
+
+    Raises:
+        UserError: ``too_many_inputs`` (naming ``param``), and those of ``embedding_model`` and ``load_embedder``.
+    """
+    limit = get_settings().max_sync_inputs
+    if len(texts) > limit:
+        raise UserError("too_many_inputs", f"{param} has {len(texts)} items; at most {limit} are answered at once "
+                        "(max_sync_inputs)", param)
+    model_dir = embedding_model(ref, caller)
+    cached = embedder_cache().get(str(model_dir), model_dir)
+    from shared.inference.embed import embed_texts
+
+    with cached.lock:
+        return embed_texts(cached.loaded, texts, normalize), cached.loaded
 
 
 def trained_model_dir(job_id: str, caller: Caller) -> Path:
@@ -83,3 +137,16 @@ def model_cache():
     settings = get_settings()
     torch.set_num_threads(settings.sync_predict_threads or max(1, (os.cpu_count() or 2) // 2))
     return ModelCache(settings.sync_model_cache, torch.device("cpu"))
+
+
+@cache
+def embedder_cache():
+    """``model_cache``'s counterpart for embedding models (``shared.inference.embed.load_embedder``),
+    keyed by model directory."""
+    import torch
+
+    from shared.inference.embed import load_embedder
+    from shared.inference.loop import ModelCache
+
+    model_cache()  # torch's thread count, set once
+    return ModelCache(get_settings().sync_model_cache, torch.device("cpu"), load=load_embedder)

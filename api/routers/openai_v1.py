@@ -34,6 +34,8 @@ from api.openai_compat import (
     model_object,
     page_after,
 )
+from api.openai_embeddings import EmbeddingCreate, EmbeddingList, embedding_list
+from api.routers.inference import embed_texts_with
 from api.uploads import store_upload, upload_body
 from shared.errors import UserError
 from shared.jobs import lifecycle, uploads
@@ -90,6 +92,17 @@ def delete_file(file_id: str, caller: CallerDep) -> FileDeleted:
 def list_models() -> ModelList:
     """The base models that can be fine-tuned."""
     return ModelList(data=[model_object(name, path, source) for name, (path, source) in available_models().items()])
+
+
+@router.post("/embeddings", responses=error_responses(400, 404, 409))
+def create_embeddings(body: EmbeddingCreate, caller: CallerDep) -> EmbeddingList:
+    """Embed ``input`` with ``model`` (an embedding job's id or fine-tuned name, or a base model's
+    name), as ``POST /models/{job_id}/embed`` does; ``usage`` counts the inputs' tokens."""
+    result, loaded = embed_texts_with(body.model, body.texts, True, caller, "input")
+    if body.dimensions is not None and body.dimensions != loaded.dimensions:
+        raise UserError("unsupported_dimensions", f"dimensions {body.dimensions}: model {body.model!r} gives "
+                        f"{loaded.dimensions}-dimensional vectors", "dimensions")
+    return embedding_list(body.model, result.vectors, result.tokens, body.encoding_format)
 
 
 @router.post("/fine_tuning/jobs", responses=error_responses(400))

@@ -4,7 +4,7 @@ report."""
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +22,22 @@ class JobColumns:
     ``spec`` dict)."""
 
     task: str
-    text: str
-    text_pair: str | None
-    label: str
+    text: str  # embedding: the anchor column
+    text_pair: str | None  # embedding: the positive column
+    label: str | None  # embedding: the score column, if any
     allow_large_targets: bool = False
     label_separator: str | None = None  # multi_label: splits a text label cell
+    negatives: tuple[str, ...] = ()  # embedding: hard-negative columns
 
     @classmethod
     def of(cls, spec) -> "JobColumns":
         get = spec.get if isinstance(spec, dict) else lambda k, default=None: getattr(spec, k, default)
+        if get("task") == "embedding":
+            return cls("embedding", get("anchor_column", "anchor"), get("positive_column", "positive"),
+                       get("score_column"), negatives=tuple(get("negative_columns") or ()))
+        if get("task") == "reranking":
+            return cls("reranking", get("query_column", "query"), get("passage_column", "passage"),
+                       get("label_column", "label"))
         return cls(get("task", "classification"), get("text_column", "text"), get("text_pair_column"),
                    get("label_column", "label"), bool(get("allow_large_targets", False)), get("label_separator"))
 
@@ -49,20 +56,35 @@ class JobColumns:
             return regression_target(value, self.allow_large_targets)
         if self.task == "multi_label":
             return label_list(value, self.label_separator)
+        if self.task in ("embedding", "reranking"):
+            return similarity_score(value)
         return class_name(value)
+
+    @property
+    def label_param(self) -> str:
+        """The spec field that names the label column."""
+        return "score_column" if self.task == "embedding" else "label_column"
 
     @property
     def texts(self) -> list[tuple[str, str]]:
         """(column, spec field) of each text input."""
+        if self.task in ("embedding", "reranking"):
+            assert self.text_pair is not None  # ``of`` names both text columns of these tasks
+            if self.task == "reranking":
+                return [(self.text, "query_column"), (self.text_pair, "passage_column")]
+            return [(self.text, "anchor_column"), (self.text_pair, "positive_column"),
+                    *((column, "negative_columns") for column in self.negatives)]
         return [(self.text, "text_column")] + ([(self.text_pair, "text_pair_column")] if self.text_pair else [])
 
     @property
     def names(self) -> list[str]:
-        return list(dict.fromkeys([c for c, _ in self.texts] + [self.label]))
+        return list(dict.fromkeys([c for c, _ in self.texts] + ([self.label] if self.label else [])))
 
     @property
     def list_columns(self) -> tuple[str, ...]:
         """Columns of lists: multi_label's labels, token_classification's words and tags."""
+        if self.label is None:  # embedding without a score_column
+            return ()
         return {"multi_label": (self.label,), "token_classification": (self.text, self.label)}.get(self.task, ())
 
 
@@ -172,6 +194,18 @@ def regression_target(value: Any, allow_large: bool = False) -> float:
     return y
 
 
+def similarity_score(value: Any) -> float:
+    """An embedding pair's score or a reranking label (``regression_target``) in [0, 1].
+
+    Raises:
+        ValueError: not a number, or outside [0, 1].
+    """
+    y = regression_target(value)
+    if not 0.0 <= y <= 1.0:
+        raise ValueError("is outside [0, 1]; scores are similarities from 0 (unrelated) to 1 (the same meaning)")
+    return y
+
+
 @dataclass
 class JobBatch:
     """Validated rows of a job's file: ``texts`` (and ``pairs``) are non-empty strings, ``labels``
@@ -183,6 +217,7 @@ class JobBatch:
     texts: list[str] | list[list[str]]
     pairs: list[str] | None
     labels: list
+    negatives: dict[str, list[str]] = field(default_factory=dict)  # embedding: each hard-negative column's texts
 
 
 def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems: Problems) -> Iterator[JobBatch]:
@@ -198,18 +233,21 @@ def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems:
                 if (message := check_text(value)) is not None:
                     code = "missing_value" if message in ("is missing", "is empty") else "invalid_text"
                     problems.add(batch.start + i + 1, column, value, message, code, param)
-        for i, value in enumerate(batch.values[cols.label]):
+        for i, value in enumerate(batch.values[cols.label] if cols.label else []):
             try:
                 labels.append(cols.label_of(value))
             except ValueError as e:
                 code = "missing_value" if str(e) in ("is missing", "is empty") else "invalid_label"
-                problems.add(batch.start + i + 1, cols.label, value, str(e), code, "label_column")
+                problems.add(batch.start + i + 1, cols.label, value, str(e), code, cols.label_param)
         if problems.items:
             continue  # keep reading to report up to MAX_PROBLEMS, but hand out no data
         yield JobBatch(batch.start, batch.values[cols.text],
-                       batch.values[cols.text_pair] if cols.text_pair else None, labels)
+                       batch.values[cols.text_pair] if cols.text_pair else None, labels,
+                       {column: batch.values[column] for column in cols.negatives})
     # Text problems first (as a job reads its columns), then labels, each in row order.
-    rank = {param: i for i, param in enumerate(["file", "text_column", "text_pair_column", "label_column"])}
+    rank = {param: i for i, param in enumerate(["file", "text_column", "text_pair_column", "anchor_column",
+                                                "positive_column", "negative_columns", "query_column",
+                                                "passage_column", "label_column", "score_column"])}
     problems.items.sort(key=lambda p: (rank.get(p.param, 0), p.row or 0))
 
 
@@ -257,6 +295,7 @@ def tag_names(value: Any, words: Any) -> list[str]:
 def _tagged_batch(batch: Batch, cols: JobColumns, problems: Problems) -> Iterator[JobBatch]:
     """A token_classification batch checked (``check_words``, ``tag_names``): a ``JobBatch`` of
     word lists and tag-name lists, or nothing once ``problems`` has any."""
+    assert cols.label is not None  # token_classification's tags
     words, tags = batch.values[cols.text], []
     for i, (value, label) in enumerate(zip(words, batch.values[cols.label])):
         if (message := check_words(value)) is not None:

@@ -64,6 +64,8 @@ class ClassIndex:
         """The index for a job's labels: a ``TagIndex`` for token_classification's tags, None when
         they are not class names (regression). Per-row codes are kept for single-label
         classification only (they stratify the split)."""
+        if cols.label is None:  # embedding without a score_column
+            return None
         if cols.task == "token_classification":
             return TagIndex(filename, cols.label)
         if not cols.has_classes:
@@ -147,7 +149,8 @@ def scan_job_data(path: Path, fmt: str, filename: str, cols: JobColumns) -> Labe
 def read_job_table(path: Path, fmt: str, filename: str, cols: JobColumns) -> tuple[pd.DataFrame, LabelSummary]:
     """The worker's view of one file: a DataFrame with only the job's columns, checked as the API
     checked them, texts as ``str``, labels as class names (``str``) or float32 targets
-    (multi_label: lists of class names; token_classification: lists of words and of tag names);
+    (multi_label: lists of class names; token_classification: lists of words and of tag names;
+    embedding: anchors, positives, each hard-negative column and any float32 scores);
     and the same ``LabelSummary`` as ``scan_job_data`` (classes and per-row codes, to split alike).
 
     Raises:
@@ -155,16 +158,20 @@ def read_job_table(path: Path, fmt: str, filename: str, cols: JobColumns) -> tup
     """
     problems, pairs, labels = Problems(filename), list[str](), list[Any]()
     texts: list[Any] = []  # strings, or lists of words (token_classification)
+    negatives: dict[str, list[str]] = {column: [] for column in cols.negatives}
     classes = ClassIndex.of(filename, cols)
     for batch in job_batches(path, fmt, filename, cols, problems):
         texts += batch.texts
         pairs += batch.pairs or []
         labels += batch.labels
+        for column, values in batch.negatives.items():
+            negatives[column] += values
         if classes is not None:
             classes.add(batch)
     problems.raise_if_any()
-    frame = {cols.text: texts, **({cols.text_pair: pairs} if cols.text_pair else {}),
-             cols.label: labels if classes is not None else np.array(labels, dtype=np.float32)}
+    frame: dict[str, Any] = {cols.text: texts, **({cols.text_pair: pairs} if cols.text_pair else {}), **negatives}
+    if cols.label:
+        frame[cols.label] = labels if classes is not None else np.array(labels, dtype=np.float32)
     return pd.DataFrame(frame), classes.summary() if classes is not None else LabelSummary(len(texts))
 
 

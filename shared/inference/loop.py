@@ -281,10 +281,12 @@ class CachedModel:
 class ModelCache:
     """Up to ``size`` loaded models by key (a job id), the least recently used evicted first;
     thread-safe. A model loads outside the cache's lock (seconds), so two first requests for one
-    key may both load it; the first stored is kept."""
+    key may both load it; the first stored is kept. ``load``: ``load_for_inference``, or
+    ``shared.inference.embed.load_embedder`` for embedding models."""
 
-    def __init__(self, size: int, device: torch.device, precision: str = "auto"):
-        self.size, self.device, self.precision = size, device, precision
+    def __init__(self, size: int, device: torch.device, precision: str = "auto",
+                 load: Callable = load_for_inference):
+        self.size, self.device, self.precision, self.load = size, device, precision, load
         self._models: OrderedDict[str, CachedModel] = OrderedDict()
         self._lock = Lock()
 
@@ -299,7 +301,7 @@ class ModelCache:
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
-        loaded = CachedModel(load_for_inference(model_dir, self.device, precision or self.precision), Lock())
+        loaded = CachedModel(self.load(model_dir, self.device, precision or self.precision), Lock())
         with self._lock:
             cached = self._models.setdefault(key, loaded)
             self._models.move_to_end(key)

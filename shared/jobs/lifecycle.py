@@ -35,7 +35,7 @@ from shared.errors import Conflict, NotFound, UserError, without_paths
 from shared.jobs import trials
 from shared.jobs.planning import check_spec
 from shared.jobs.trials import ACTIVE, cancel_in, end_job, insert_queued
-from shared.schemas.jobs import JobCreate, JobOut, Progress, Timings, json_safe
+from shared.schemas.jobs import TASK_FIELDS, JobCreate, JobOut, Progress, Timings, json_safe
 from shared.settings import get_settings
 from shared.store import artifacts, idempotency, quotas
 from shared.store.engine import keyset_page, read_session, session_scope
@@ -52,10 +52,7 @@ def to_out(job: Job) -> JobOut:
     if job.status == JobStatus.SUCCEEDED:
         fraction = 1.0
     return JobOut(
-        id=job.id,
-        status=job.status,
-        base_model=job.base_model,
-        task=job.task,
+        id=job.id, status=job.status, base_model=job.base_model, task=job.task,
         training_dataset=job.training_dataset_id,
         validation_dataset=job.validation_dataset_id,
         validation_split=spec.get("validation_split"),
@@ -65,6 +62,7 @@ def to_out(job: Job) -> JobOut:
         label_separator=spec.get("label_separator"),
         decision_threshold=spec.get("decision_threshold", 0.5),
         tune_threshold=spec.get("tune_threshold", False),
+        **{k: spec.get(k) for k in TASK_FIELDS.get(job.task, ())},
         label_names=job.label_names,
         hyperparameters=hyperparameters,
         metadata=spec.get("metadata"),

@@ -16,7 +16,7 @@ from shared.data.problems import Problems
 from shared.data.split import split_train_validation, validation_size
 from shared.errors import UserError
 from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
-from shared.schemas.jobs import JobCreate
+from shared.schemas.jobs import JobCreate, contrastive_hyperparameters
 from shared.store import quotas
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job, JobStatus
@@ -71,7 +71,7 @@ def max_input_length(model_dir: Path) -> int | None:
 
 
 def _require_columns(dataset: Dataset, cols: JobColumns) -> None:
-    for column, param in cols.texts + [(cols.label, "label_column")]:
+    for column, param in cols.texts + ([(cols.label, cols.label_param)] if cols.label else []):
         if column not in dataset.columns:
             raise UserError("missing_column", f"column {column!r} ({param}) not found in {dataset.filename!r}; "
                             f"its columns are {dataset.columns}", param)
@@ -114,7 +114,7 @@ def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
     return CheckedSpec(spec, model_dir, train, val, summary.names, caller, summary.empty_rows)
 
 
-def _check_validation_labels(names: list[str] | None, val: LabelSummary, filename: str, column: str) -> None:
+def _check_validation_labels(names: list[str] | None, val: LabelSummary, filename: str, column: str | None) -> None:
     """A validation set may only hold classes the training set has; the report gives the first row
     of each unseen class."""
     if names is None:
@@ -154,7 +154,7 @@ def plan_job(checked: CheckedSpec) -> dict:
         from transformers import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # no warning for texts longer than max_length: we count them
-    spec, hp = checked.spec, checked.spec.hyperparameters
+    spec, hp = checked.spec, contrastive_hyperparameters(checked.spec.hyperparameters, checked.spec.task)
     tokenizer = AutoTokenizer.from_pretrained(checked.model_dir)
     full = training_lengths(tokenizer, checked)
     lengths = np.minimum(full, hp.max_length)
@@ -204,7 +204,8 @@ TOKENIZE_ROWS = 4096  # texts per tokenizer call in a dry run
 
 
 def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
-    """Tokens per example (text pairs as the tokenizer's pair input, word lists as words, no truncation) of the rows the
+    """Tokens per example (text pairs as the tokenizer's pair input, word lists as words, embedding rows
+    as their longest text, no truncation) of the rows the
     job trains on: the training file tokenized ``TOKENIZE_ROWS`` texts at a time, then split as
     the worker splits it (``split_train_validation``). Memory holds one batch of texts and an
     int32 or two per row (length, class)."""
@@ -215,16 +216,26 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
         if classes is not None:
             classes.add(batch)
         for a in range(0, len(batch.texts), TOKENIZE_ROWS):
+            if cols.task == "embedding":  # each text is encoded alone; a row is as long as its longest
+                assert batch.pairs is not None  # the positives
+                columns = [batch.texts, batch.pairs, *batch.negatives.values()]
+                parts.append(np.max([token_counts(tokenizer, c[a:a + TOKENIZE_ROWS], None) for c in columns], axis=0))
+                continue
             pairs = batch.pairs[a:a + TOKENIZE_ROWS] if batch.pairs is not None else None
-            ids = tokenizer(batch.texts[a:a + TOKENIZE_ROWS], pairs, truncation=False, return_attention_mask=False,
-                            return_token_type_ids=False,
-                            is_split_into_words=cols.task == "token_classification")["input_ids"]
-            parts.append(np.fromiter(map(len, ids), dtype=np.int32, count=len(ids)))
+            parts.append(token_counts(tokenizer, batch.texts[a:a + TOKENIZE_ROWS], pairs,
+                                      cols.task == "token_classification"))
     problems.raise_if_any()  # the file changed since check_spec read it
     lengths = np.concatenate(parts)
     codes = classes.summary().codes if classes is not None else None
     train_rows, _ = split_train_validation(len(lengths), codes, spec.validation_split or 0.0, spec.hyperparameters.seed)
     return lengths[train_rows]
+
+
+def token_counts(tokenizer, texts: list, pairs: list[str] | None, words: bool = False) -> np.ndarray:
+    """Tokens of each text (with its pair; ``words``: lists of words), untruncated, as int32 ``[len(texts)]``."""
+    ids = tokenizer(texts, pairs, truncation=False, return_attention_mask=False, return_token_type_ids=False,
+                    is_split_into_words=words)["input_ids"]
+    return np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
 
 
 def estimate_seconds(base_model: str, padded_tokens: float, caller: Caller, kind: str = "train",

@@ -36,10 +36,11 @@ from shared.data.batching import bucket_width, job_ladder, token_budget_batches
 from shared.data.columns import check_text
 from shared.data.problems import Problems
 from shared.data.read import read_batches
-from shared.errors import Deleted, NotFound, UserError, without_paths
+from shared.errors import UserError, without_paths
 from shared.inference.heads import task_of
 from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
 from shared.jobs.lifecycle import admission, insert_queued
+from shared.jobs.models import trained_model
 from shared.jobs.planning import (
     TOKENIZE_ROWS,
     estimate_seconds,
@@ -130,20 +131,7 @@ def prediction_model(ref: str, caller: Caller) -> PredictionModel:
             raise UserError(e.code, e.message.replace("base_model", "model"), "model") from None
         task, names = head_of(directory, ref)
         return PredictionModel(directory, task, names, max_input_length(directory))
-    try:
-        with read_session() as s:
-            job = owned_job(s, ref, caller)
-    except Deleted as e:
-        raise UserError("model_deleted", f"model {e.message}", "model", 404) from None
-    except NotFound:
-        raise UserError("unknown_model", f"model {ref!r}: no such training job", "model", 404) from None
-    if job.status != JobStatus.SUCCEEDED:
-        raise UserError("model_not_ready", f"model {ref!r} is a training job that is {job.status}; only a succeeded "
-                        "job has a model", "model", 409)
-    directory = artifacts.model_dir(ref)
-    if job.files_deleted_at is not None or not directory.is_dir():
-        raise UserError("model_files_deleted", f"model {ref!r}: the job's files were deleted "
-                        "(TUNEJOB_ARTIFACT_RETENTION_DAYS)", "model", 409)
+    job, directory = trained_model(ref, caller)
     if job.task not in TASKS:
         raise UserError("unsupported_task", f"model {ref!r} was trained for {job.task}; predictions support "
                         f"{' and '.join(TASKS)}", "model")

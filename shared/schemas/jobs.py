@@ -52,11 +52,18 @@ TOKEN_JOB_CREATE_EXAMPLE: JsonDict = {  # named entities from a CoNLL file (colu
 # The values of Hyperparameters.metric_for_best_model that apply to each task.
 TASK_METRICS = {"classification": ("loss", "accuracy", "f1_macro"), "regression": ("loss", "mse", "pearson_r"),
                 "multi_label": ("loss", "f1_micro", "f1_macro", "subset_accuracy"),
-                "token_classification": ("loss", "entity_f1", "entity_precision", "entity_recall", "token_accuracy")}
+                "token_classification": ("loss", "entity_f1", "entity_precision", "entity_recall", "token_accuracy"),
+                "embedding": ("ndcg@10", "mrr@10", "recall@1", "recall@10", "map@100"),
+                "reranking": ("ndcg@10", "mrr@10", "loss")}
+# embedding: information-retrieval metrics of the validation split (worker.embedding.retrieval_metrics)
+IR_METRICS = TASK_METRICS["embedding"]
+# The spec's fields that only one task reads (JobOut shows them for that task)
+TASK_FIELDS = {"embedding": ("anchor_column", "positive_column", "negative_columns", "score_column"),
+               "reranking": ("query_column", "passage_column")}
 # Whether a larger value of each metric is better (the best evaluation; a sweep's objective direction).
 GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True,
                      "f1_micro": True, "subset_accuracy": True, "entity_f1": True, "entity_precision": True,
-                     "entity_recall": True, "token_accuracy": True}
+                     "entity_recall": True, "token_accuracy": True, **dict.fromkeys(IR_METRICS, True)}
 
 
 def _takes_int(annotation: Any) -> bool:
@@ -115,7 +122,8 @@ class Hyperparameters(BaseModel):
     save_total_limit: int = Field(2, ge=1, le=1000, description="Checkpoints kept on disk (the newest).")
     metric_for_best_model: Literal["loss", "accuracy", "f1_macro", "mse", "pearson_r", "f1_micro",
                                    "subset_accuracy", "entity_f1", "entity_precision", "entity_recall",
-                                   "token_accuracy"] = "loss"
+                                   "token_accuracy", "ndcg@10", "mrr@10", "recall@1", "recall@10",
+                                   "map@100"] = Field("loss", description="Default: loss; ndcg@10 for embedding.")
     early_stopping_patience: int | None = Field(
         None, ge=1, description="Stop after this many evaluations without improving metric_for_best_model.")
     max_nonfinite_steps: int = Field(
@@ -131,6 +139,18 @@ class Hyperparameters(BaseModel):
         return integral_floats(cls, data)
 
 
+def contrastive_hyperparameters(hp: Hyperparameters, task: str) -> Hyperparameters:
+    """The hyperparameters the loop (and the dry run's plan) runs a job of ``task`` with: ``hp``,
+    but for an embedding job with ``gradient_accumulation_steps`` k > 1, one micro-batch of
+    ``batch_size`` x k examples per optimizer step, which
+    ``CachedMultipleNegativesRankingLoss`` computes ``batch_size`` examples at a time (so the
+    accumulated examples are each other's negatives and memory stays that of ``batch_size``)."""
+    k = hp.gradient_accumulation_steps
+    if task != "embedding" or k == 1:
+        return hp
+    return hp.model_copy(update={"batch_size": hp.batch_size * k, "gradient_accumulation_steps": 1})
+
+
 class JobCreate(BaseModel):
     """Body of ``POST /jobs``."""
 
@@ -138,11 +158,17 @@ class JobCreate(BaseModel):
         "examples": [JOB_CREATE_EXAMPLE, MULTI_LABEL_EXAMPLE, TOKEN_JOB_CREATE_EXAMPLE]})
 
     base_model: str
-    task: Literal["classification", "regression", "multi_label", "token_classification"] = Field(
+    task: Literal["classification", "regression", "multi_label", "token_classification", "embedding",
+                  "reranking"] = Field(
         "classification", description="multi_label: each row has a list of labels (none, one or several); "
         "sigmoid outputs trained with BCEWithLogitsLoss. token_classification (named entities, IOB/BIO tags): "
         "text_column names a column of word lists (default `tokens`), label_column one of tag lists of the same "
-        "length (default `tags`); JSONL, Parquet (list columns) or CoNLL files.")
+        "length (default `tags`); JSONL, Parquet (list columns) or CoNLL files. embedding (a bi-encoder, saved as a "
+        "sentence-transformers model): pairs of anchor_column and positive_column texts, trained with "
+        "MultipleNegativesRankingLoss (with negative_columns as hard negatives), or with a score_column in [0, 1], "
+        "trained with CoSENT; validated by retrieval (ndcg@10, mrr@10, recall@1, recall@10, map@100). reranking "
+        "(a cross-encoder): query_column and passage_column texts with a label_column of 0/1 or a score in [0, 1], "
+        "trained with binary cross-entropy; validated by reranking each query's passages (ndcg@10, mrr@10).")
     training_dataset: str
     validation_dataset: str | None = None
     validation_split: float | None = Field(None, ge=0, lt=1, description="Default 0.1 when no validation_dataset.")
@@ -159,6 +185,16 @@ class JobCreate(BaseModel):
         False, description="multi_label: instead of decision_threshold, use the threshold (0.05 to 0.95 in steps "
         "of 0.05) with the best micro-F1 on the validation set at each evaluation; the best model's is saved in "
         "its config.json as decision_threshold")
+    anchor_column: str = Field("anchor", description="embedding: the query (anchor) texts")
+    positive_column: str = Field("positive", description="embedding: the text each anchor should retrieve")
+    negative_columns: list[str] | None = Field(
+        None, min_length=1, max_length=16, description="embedding: hard negatives, one text per column and row, "
+        "ranked below the row's positive along with every other positive of the micro-batch")
+    score_column: str | None = Field(
+        None, description="embedding: a similarity in [0, 1] of each anchor and positive (trained with CoSENT "
+                          "instead of MultipleNegativesRankingLoss; no negative_columns)")
+    query_column: str = Field("query", description="reranking: the queries")
+    passage_column: str = Field("passage", description="reranking: the passage scored against each query")
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     allow_large_targets: bool = Field(
         False, description="Regression: accept targets with |y| > 1e6 (refused by default: targets that large "
@@ -172,11 +208,16 @@ class JobCreate(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _tagging_column_defaults(cls, data: Any) -> Any:
+    def _task_defaults(cls, data: Any) -> Any:
         """token_classification reads word lists and tag lists: their columns default to ``tokens``
-        and ``tags`` (the names the CoNLL reader gives them)."""
+        and ``tags`` (the names the CoNLL reader gives them). embedding's best model is the one with
+        the best ``ndcg@10`` unless ``metric_for_best_model`` says otherwise, and so is reranking's."""
         if isinstance(data, dict) and data.get("task") == "token_classification":
             return {"text_column": "tokens", "label_column": "tags", **data}
+        if isinstance(data, dict) and data.get("task") in ("embedding", "reranking"):  # best by ndcg@10
+            hp = data.get("hyperparameters")
+            if hp is None or isinstance(hp, dict) and "metric_for_best_model" not in hp:
+                return {**data, "hyperparameters": {**(hp or {}), "metric_for_best_model": "ndcg@10"}}
         return data
 
     @model_validator(mode="after")
@@ -201,9 +242,33 @@ class JobCreate(BaseModel):
             raise ValueError("token_classification takes one column of words: text_pair_column must be null")
         if self.label_all_subwords and self.task != "token_classification":
             raise ValueError("label_all_subwords applies to token_classification only")
+        self._check_retrieval_columns()
         if hp.early_stopping_patience and not (self.validation_dataset or self.validation_split):
             raise ValueError("hyperparameters.early_stopping_patience needs a validation set")
         return self
+
+    def _check_retrieval_columns(self) -> None:
+        """embedding's and reranking's columns are distinct and apply to their task only."""
+        given = {"negative_columns": self.negative_columns is not None, "score_column": self.score_column is not None,
+                 "anchor_column": self.anchor_column != "anchor", "positive_column": self.positive_column != "positive"}
+        reranking = {"query_column": self.query_column != "query", "passage_column": self.passage_column != "passage"}
+        for task, fields in (("embedding", given), ("reranking", reranking)):
+            if self.task != task and (names := [name for name, set_ in fields.items() if set_]):
+                raise ValueError(f"{', '.join(names)} apply to task {task!r} only")
+        if self.task == "reranking" and (self.text_pair_column or self.query_column == self.passage_column or
+                                         self.label_column in (self.query_column, self.passage_column)):
+            raise ValueError("reranking reads query_column, passage_column and label_column: three distinct "
+                             "columns, and text_pair_column null")
+        if self.task != "embedding":
+            return
+        if self.text_pair_column:
+            raise ValueError("embedding reads anchor_column and positive_column: text_pair_column must be null")
+        if self.score_column and self.negative_columns:
+            raise ValueError("score_column (CoSENT) and negative_columns (MultipleNegativesRankingLoss) do not mix")
+        columns = [self.anchor_column, self.positive_column, *(self.negative_columns or []),
+                   *([self.score_column] if self.score_column else [])]
+        if len(set(columns)) < len(columns):
+            raise ValueError(f"anchor_column, positive_column, negative_columns and score_column must differ: {columns}")
 
 
 class DatasetOut(BaseModel):
@@ -284,6 +349,12 @@ class JobOut(BaseModel):
     label_separator: str | None = None
     decision_threshold: float = 0.5
     tune_threshold: bool = False
+    anchor_column: str | None = Field(None, description="embedding only, as the spec's fields below")
+    positive_column: str | None = None
+    negative_columns: list[str] | None = None
+    score_column: str | None = None
+    query_column: str | None = Field(None, description="reranking only")
+    passage_column: str | None = None
     label_names: list[Any] | None
     hyperparameters: Hyperparameters
     metadata: dict[str, Any] | None

@@ -174,3 +174,42 @@ class PredictOut(BaseModel):
     truncated: int = Field(description="inputs cut at max_length")
     max_length: int = Field(description="tokens per input the model read")
 
+
+
+class EmbedIn(BaseModel):
+    """``POST /models/{job_id}/embed``: texts to embed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: list[str] = Field(..., min_length=1, description="texts; at most max_sync_inputs (default 64)",
+                              examples=[["How do volcanoes form?", "Shares fell sharply"]])
+    normalize: bool = Field(True, description="unit-length vectors (their dot product is the cosine similarity)")
+
+
+class EmbedOut(BaseModel):
+    model: str = Field(description="the job (or base model) whose model answered")
+    embeddings: list[list[float]] = Field(description="one vector per input, in input order")
+    dimensions: int
+    tokens: int = Field(description="tokens of the inputs, special tokens included, before truncation")
+    truncated: int = Field(description="inputs cut at max_length")
+    max_length: int = Field(description="tokens per input the model read")
+
+
+class RerankIn(BaseModel):
+    """``POST /models/{job_id}/rerank``: documents to order by their relevance to a query."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = Field(..., min_length=1)
+    documents: list[str] = Field(..., min_length=1, description="at most max_sync_inputs (default 64)")
+    top_n: int | None = Field(None, ge=1, description="return only the best top_n (default: all)")
+
+
+class RerankResult(BaseModel):
+    index: int = Field(description="the document's position in documents")
+    relevance_score: float = Field(description="the cross-encoder's sigmoid score in [0, 1]")
+
+
+class RerankOut(BaseModel):
+    model: str
+    results: list[RerankResult] = Field(description="best first")

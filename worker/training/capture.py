@@ -201,7 +201,7 @@ class CapturedSteps(Steps):
         super().__init__(model, forward_model, optimizer, scaler, dtype=dtype, device=device, task=task,
                          static_grads=True, packing=packing)
         self.rows, self.input_names, self.pad_id, self.max_length = rows, input_names, pad_id, max_length
-        self.label_dtype = torch.float32 if task in ("regression", "multi_label") else torch.long
+        self.label_dtype = torch.float32 if task in ("regression", "multi_label", "reranking") else torch.long
         self.label_shape = (model.config.num_labels,) if task == "multi_label" else ()
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}  # width -> static input buffers
         self.replays: dict[int, Callable[[], None]] = {}  # width -> replays its forward+backward graph

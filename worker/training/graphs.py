@@ -68,6 +68,8 @@ def eager_reason(job_setup: JobSetup, packing: bool = False) -> str | None:
         return "token_budget batching (micro-batches vary in rows)"
     if job_setup.job.task == "token_classification":
         return "token_classification (the captured step takes one label per row)"
+    if job_setup.job.task == "embedding":
+        return "embedding (its loss compares the rows of a micro-batch: filler rows would be negatives)"
     tokens, most = mean_padded_tokens(job_setup), get_settings().cuda_graphs_max_tokens
     if tokens >= most and not packing:
         return (f"micro-batches of {tokens:,.0f} padded tokens on average keep the GPU busy, where eager steps "

@@ -1,7 +1,8 @@
 """The task metrics of a validation set: loss plus accuracy and macro-F1 (classification), MSE and
 Pearson r (regression), micro/macro-F1, subset accuracy and a tuned decision threshold
-(multi_label), entity-level scores (token_classification; ``worker.tagging``). scikit-learn,
-SciPy and seqeval compute them."""
+(multi_label), entity-level scores (token_classification; ``worker.tagging``), retrieval
+(embedding; ``worker.embedding``) and reranking scores (reranking; ``worker.reranking``).
+scikit-learn, SciPy, seqeval and sentence-transformers compute them."""
 
 import numpy as np
 import torch
@@ -9,6 +10,7 @@ from scipy.stats import pearsonr
 from sklearn.metrics import accuracy_score, f1_score, mean_squared_error
 
 from shared.data.batching import BatchPlan
+from worker import embedding, reranking
 from worker.reporter import Reporter
 from worker.tagging import tagging_metrics, word_sequences
 from worker.training.batches import make_loader
@@ -23,7 +25,8 @@ def evaluate(model: torch.nn.Module, job_setup: JobSetup, reporter: Reporter | N
     """Validation loss plus accuracy and macro-F1 (classification), MSE and Pearson r (regression),
     ``multi_label_metrics`` (multi_label), or entity-level precision, recall and F1, token accuracy
     and ``per_entity`` metrics (token_classification: ``worker.tagging.tagging_metrics``; its loss
-    is per labelled token), of ``model`` on ``job_setup.val_set``.
+    is per labelled token), retrieval metrics (embedding: ``worker.embedding.evaluate``) or
+    reranking metrics (reranking: ``worker.reranking.evaluate``), of ``model`` on ``job_setup.val_set``.
 
     Runs eagerly on ``model`` (the recipe passes the fp32 master weights; under autocast with the
     job's dtype): it never touches the training step's CUDA graphs or their inputs. ``reporter``,
@@ -31,6 +34,10 @@ def evaluate(model: torch.nn.Module, job_setup: JobSetup, reporter: Reporter | N
     """
     job, hp, device, dtype = job_setup.job, job_setup.hp, job_setup.device, job_setup.dtype
     task = job.task
+    if task == "embedding":
+        return embedding.evaluate(model, job_setup.val_set, reporter)
+    if task == "reranking":
+        return reranking.evaluate(model, job_setup, reporter)
     model.eval()
     plan = BatchPlan(job_setup.val_set.lengths, hp.batch_size * 2, "smart", hp.seed)
     loss_total, predictions, targets = torch.zeros((), device=device), [], []

@@ -97,7 +97,10 @@ def padded_reason(model: torch.nn.Module, torch_compile: bool, gradient_checkpoi
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot train on packed micro-batches, or None when it can: its family must
-    take position ids and dispatch attention through ``AttentionInterface`` (``HEADS``)."""
+    take position ids and dispatch attention through ``AttentionInterface`` (``HEADS``); a model
+    that is not a transformers one (an embedding job's ``worker.embedding.Objective``) cannot."""
+    if getattr(model, "config", None) is None:
+        return f"{type(model).__name__} is not a transformers classifier: it has no packed path"
     family = model.config.model_type
     if family not in HEADS:
         return f"{type(model).__name__} ({family}) has no packed attention path"

@@ -30,6 +30,7 @@ import torch
 from shared.errors import UserError
 from shared.schemas.jobs import GREATER_IS_BETTER
 from shared.store.rows import Job
+from worker import embedding
 from worker.data import BatchStats, JobData
 from worker.device import describe
 from worker.reporter import PhaseTimer, Reporter, timed
@@ -68,6 +69,7 @@ def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter,
     """
     recipe = Recipe(job, device, timer or PhaseTimer(reporter))
     recipe.setup(data, reporter, checkpoint)
+    embedding.score_zero_shot(recipe.job_setup, recipe.model, recipe.state.step, recipe.timer, reporter)
     recipe.warm_up(reporter)
     outcome = recipe.train(reporter)
     if outcome != "completed":
@@ -246,9 +248,9 @@ class Recipe:
                     return "completed"
                 log_steps(js, st, reporter, values.poll(), timer)
                 end_of_epoch = st.batch_in_epoch == len(plan.batches)
-                evaluate_now = js.val_set is not None and due(st.step, hp.eval_every_steps, end_of_epoch)
+                evaluate_now = js.val_set is not None and st.due(hp.eval_every_steps, end_of_epoch)
                 stop = reporter.should_stop()
-                checkpoint_due = due(st.step, hp.save_every_steps, end_of_epoch) if stop is None else stop == "shutdown"
+                checkpoint_due = st.due(hp.save_every_steps, end_of_epoch) if stop is None else stop == "shutdown"
                 if evaluate_now or checkpoint_due or stop:  # these need every step's values: wait for them
                     log_steps(js, st, reporter, values.poll(wait=True), timer)
                 if evaluate_now:
@@ -392,8 +394,3 @@ class Recipe:
         the phase timings so far."""
         return export.save_model(self.job_setup, self.state, weights,
                                  lambda: export.timings_so_far(self.timer, self.job.created_at), hashed)
-
-
-def due(step: int, every: int | None, end_of_epoch: bool) -> bool:
-    """Whether something done every ``every`` steps (None: at the end of each epoch) is due now."""
-    return step % every == 0 if every else end_of_epoch

@@ -15,12 +15,14 @@ from transformers import (
 from transformers import logging as hf_logging
 
 from shared.data.batching import BatchPlan
+from shared.data.columns import JobColumns
 from shared.errors import UserError
 from shared.inference.precision import autocast_dtype
 from shared.jobs.base_models import resolve_model
-from shared.schemas.jobs import Hyperparameters
+from shared.schemas.jobs import Hyperparameters, contrastive_hyperparameters
 from shared.store import artifacts
 from shared.store.rows import Job
+from worker import embedding
 from worker.data import BucketCollator, JobData, TokenizedDataset, make_collator, tokenize
 from worker.device import padding_ladder
 from worker.reporter import PhaseTimer, Reporter
@@ -43,10 +45,10 @@ class JobSetup:
     device: torch.device
     dtype: torch.dtype | None  # autocast dtype, None for fp32
     tokenizer: PreTrainedTokenizerBase
-    train_set: TokenizedDataset
-    val_set: TokenizedDataset | None
+    train_set: TokenizedDataset | embedding.PairsDataset
+    val_set: TokenizedDataset | embedding.PairsDataset | None
     plan: BatchPlan
-    collator: BucketCollator
+    collator: BucketCollator | embedding.PairsCollator
     total_steps: int
     out_dir: Path  # this job's checkpoint directory
 
@@ -62,16 +64,20 @@ def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporte
     Raises:
         UserError: ``model_load_failed`` (the tokenizer), or bad data (``worker.data.tokenize``).
     """
-    hp, spec = Hyperparameters(**job.spec["hyperparameters"]), job.spec
+    hp, spec = contrastive_hyperparameters(Hyperparameters(**job.spec["hyperparameters"]), job.task), job.spec
     set_seed(hp.seed)
     model_dir = resolve_model(job.base_model)
 
     def encode(df, sha256, training=True):
+        if job.task == "embedding":
+            return embedding.tokenize_pairs(tokenizer, df, spec, hp.max_length, sha256)
         if job.task == "token_classification":  # validation scores words: first subwords only
             return tokenize_words(tokenizer, df, spec["text_column"], spec["label_column"], job.label_names,
                                   hp.max_length, training and spec.get("label_all_subwords", False))
-        return tokenize(tokenizer, df, spec["text_column"], spec.get("text_pair_column"), spec["label_column"],
-                        job.label_names, hp.max_length, sha256)
+        cols = JobColumns.of(spec)  # reranking: its query and passage columns as text and text pair
+        encoded = tokenize(tokenizer, df, cols.text, cols.text_pair, cols.label, job.label_names, hp.max_length, sha256)
+        encoded.queries = df[cols.text].tolist() if job.task == "reranking" else None  # reranking.evaluate groups
+        return encoded
 
     with timer.phase("tokenize"):
         tokenizer = load_tokenizer(model_dir, job.base_model, hp.max_length)
@@ -82,9 +88,12 @@ def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporte
     reporter.event("tokenized", f"{len(train_set)} training and {len(val_set) if val_set else 0} validation texts at "
                    f"max_length {hp.max_length}: " + ("read from the tokenization cache" if all(cached) else
                                                       "tokenized" + (" and cached" if data.train_sha256 else "")))
-    plan = BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch)
+    plan = (embedding.make_plan(train_set, hp) if job.task == "embedding" else
+            BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch))
     collator = make_collator(tokenizer, hp.batching, hp.max_length, padding_ladder(hp, device),
                              labels_per_token=job.task == "token_classification")
+    if job.task == "embedding":  # each text column padded on its own, the columns side by side
+        collator = embedding.PairsCollator(tokenizer, collator.ladder)
     return JobSetup(job, hp, model_dir, device, autocast_dtype(hp.precision, device), tokenizer, train_set, val_set,
                     plan, collator, plan.count_steps(hp.epochs, hp.gradient_accumulation_steps),
                     artifacts.checkpoints_dir(job.id))
@@ -111,13 +120,15 @@ def load_model(path: Path, job: Job, device: torch.device | None = None) -> torc
     one logit per token and tag) from a base model or checkpoint directory: safetensors only,
     no remote code, SDPA attention where the architecture supports it, its weights read straight
     onto ``device`` (``device_map``; no copy through host memory first). Its config names the
-    labels (``id2label``, ``label2id``), which pipelines read.
+    labels (``id2label``, ``label2id``), which pipelines read. embedding: ``worker.embedding.load_objective``.
 
     Raises:
         UserError: ``model_load_failed`` (missing or unreadable files, an unknown architecture).
     """
-    if job.task == "regression":
-        labels = {"num_labels": 1, "problem_type": "regression"}
+    if job.task == "embedding":
+        return embedding.load_objective(path, job, device)
+    if job.task in ("regression", "reranking"):  # reranking: one logit, a sigmoid score (CrossEncoder's)
+        labels = {"num_labels": 1, "problem_type": "regression"} if job.task == "regression" else {"num_labels": 1}
     else:
         names = job.label_names
         labels = {"num_labels": len(names), "id2label": dict(enumerate(names)),

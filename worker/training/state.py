@@ -46,6 +46,10 @@ class TrainState:
         self.skipped_steps += skipped
         self.nonfinite_run = self.nonfinite_run + 1 if skipped else 0
 
+    def due(self, every: int | None, end_of_epoch: bool) -> bool:
+        """Whether something done every ``every`` steps (None: at the end of each epoch) is due at this step."""
+        return self.step % every == 0 if every else end_of_epoch
+
     def record_evaluation(self, scores: dict, metric: str, greater_is_better: bool) -> bool:
         """Note an evaluation at the current step (``last_eval``) and whether its ``metric`` is the
         best so far (``best``; a non-finite value never is). Returns whether it is."""

@@ -82,6 +82,8 @@ def example_losses(logits: torch.Tensor, labels: torch.Tensor, task: str) -> tor
         return F.mse_loss(logits.float().squeeze(-1), labels.float(), reduction="none")
     if task == "multi_label":
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(-1)
+    if task == "reranking":  # one logit per (query, passage) pair, a label in [0, 1]
+        return F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), labels.float(), reduction="none")
     return F.cross_entropy(logits.float(), labels, reduction="none")
 
 
@@ -131,7 +133,7 @@ class Steps:
             raise ValueError("the training step needs a fused AdamW: it skips non-finite steps through found_inf")
         self.model, self.forward_model, self.optimizer, self.scaler = model, forward_model, optimizer, scaler
         self.device, self.task = device, task
-        self.packing, self.position_offset = packing, position_offset(model)
+        self.packing, self.position_offset = packing, position_offset(model) if packing else 0
         self.compute_model = forward_model if uses_bf16_copy(dtype) else None
         self.autocast = dtype if self.compute_model is None else None  # bf16 copies need no autocast
         self.static_grads = static_grads or self.compute_model is not None
@@ -201,9 +203,11 @@ class Steps:
         """The forward of one micro-batch and its per-example losses ``[rows]`` in fp32
         (``example_losses`` of the model's logits, under autocast where the job uses it). The seam
         for a task whose loss is not one of logits: a subclass overrides this, the loop and the
-        update stay as they are."""
+        update stay as they are. embedding: the model computes its own loss (``worker.embedding.Objective``)."""
         autocast = self.autocast
         with torch.autocast(self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            if self.task == "embedding":
+                return self.forward_model(**inputs, labels=labels).losses
             if "cu_seq_lens_q" in inputs:  # packed (``pack``)
                 logits = packed_logits(self.forward_model, inputs, self.task)
             else:

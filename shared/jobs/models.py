@@ -1,0 +1,56 @@
+"""The model a request names: a succeeded training job of the caller's tenant, or a base model."""
+
+from pathlib import Path
+
+from shared.errors import Deleted, NotFound, UserError
+from shared.jobs.base_models import resolve_model
+from shared.store import artifacts
+from shared.store.engine import read_session
+from shared.store.rows import Job, JobStatus
+from shared.store.tenancy import Caller, owned_job
+
+
+def trained_model(ref: str, caller: Caller) -> tuple[Job, Path]:
+    """The succeeded training job ``ref`` of ``caller``'s tenant and its model directory.
+
+    Raises:
+        UserError (naming ``model``): ``unknown_model`` (404), ``model_deleted`` (404),
+            ``model_not_ready`` (409), ``model_files_deleted`` (409).
+    """
+    try:
+        with read_session() as s:
+            job = owned_job(s, ref, caller)
+    except Deleted as e:
+        raise UserError("model_deleted", f"model {e.message}", "model", 404) from None
+    except NotFound:
+        raise UserError("unknown_model", f"model {ref!r}: no such training job", "model", 404) from None
+    if job.status != JobStatus.SUCCEEDED:
+        raise UserError("model_not_ready", f"model {ref!r} is a training job that is {job.status}; only a succeeded "
+                        "job has a model", "model", 409)
+    directory = artifacts.model_dir(ref)
+    if job.files_deleted_at is not None or not directory.is_dir():
+        raise UserError("model_files_deleted", f"model {ref!r}: the job's files were deleted "
+                        "(TUNEJOB_ARTIFACT_RETENTION_DAYS)", "model", 409)
+    return job, directory
+
+
+def embedding_model(ref: str, caller: Caller) -> Path:
+    """The directory of the model ``ref`` names for embeddings: a succeeded ``embedding`` job of
+    ``caller``'s tenant (its id, or its ``ft:...:job_…`` name in ``/v1``), else a base model (a
+    sentence-transformers directory, or an encoder that gets mean pooling).
+
+    Raises:
+        UserError (naming ``model``): as ``trained_model``; ``unknown_model`` (422) for an unknown
+            base model; ``unsupported_task`` (422) for a job of another task.
+    """
+    ref = ref.rsplit(":", 1)[-1] if ref.startswith("ft:") else ref
+    if not ref.startswith("job_"):
+        try:
+            return resolve_model(ref)
+        except UserError as e:
+            raise UserError(e.code, e.message.replace("base_model", "model"), "model") from None
+    job, directory = trained_model(ref, caller)
+    if job.task != "embedding":
+        raise UserError("unsupported_task", f"model {ref!r} was trained for {job.task}; embeddings come from an "
+                        "embedding job (task 'embedding') or a base model", "model")
+    return directory

@@ -1,0 +1,385 @@
+"""task "embedding" (issue 36): pairs checked at upload, sentence-transformers' losses run in tunejob's
+loop (loss and gradient parity with sentence-transformers itself), duplicate-free micro-batches,
+retrieval metrics with the zero-shot figures, and the artifact loaded by ``SentenceTransformer``."""
+
+import io
+import random
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from tests.conftest import TINY_MODEL, RecordingReporter, wait_for_status
+
+TINY_ST = "tiny-st"  # the tiny BERT saved as a sentence-transformers directory
+TOPICS = ["football", "election", "guitar", "volcano", "bakery", "satellite", "chess", "harbour", "orchestra",
+          "glacier", "marathon", "parliament"]
+
+
+def pairs(rows: int, seed: int = 0) -> pd.DataFrame:
+    """Anchors (a topic and a number) with positives that repeat the topic; hard negatives name another topic."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(rows):
+        topic, other = rng.sample(TOPICS, 2)
+        out.append({"anchor": f"{topic} question {i}", "positive": f"an answer about the {topic} number {i}",
+                    "negative": f"an answer about the {other} number {i}"})
+    return pd.DataFrame(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_st(models_dir):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize
+
+    path = models_dir / TINY_ST
+    if not (path / "modules.json").is_file():
+        model = SentenceTransformer(str(models_dir / TINY_MODEL), device="cpu", local_files_only=True)
+        model.append(Normalize())
+        model.save(str(path), create_model_card=False)
+    return path
+
+
+def embedding_job(job_id: str, negatives: bool = False, score: bool = False, **hyperparameters):
+    from shared.schemas.jobs import JobCreate
+    from shared.store.rows import Job
+
+    extra = {"negative_columns": ["negative"]} if negatives else {"score_column": "score"} if score else {}
+    spec = JobCreate(base_model=TINY_ST, task="embedding", training_dataset="ds_test", **extra,
+                     hyperparameters={"epochs": 1, "batch_size": 8, "max_length": 32, "precision": "fp32",
+                                      "learning_rate": 1e-3, **hyperparameters})
+    return Job(id=job_id, task="embedding", base_model=TINY_ST, spec=spec.model_dump(mode="json"))
+
+
+# ----------------------------------------------------------------------------- spec
+
+
+def test_spec_defaults_and_refusals():
+    from pydantic import ValidationError
+
+    from shared.schemas.jobs import JobCreate
+
+    spec = JobCreate(base_model="m", task="embedding", training_dataset="ds")
+    assert (spec.anchor_column, spec.positive_column) == ("anchor", "positive")
+    assert spec.hyperparameters.metric_for_best_model == "ndcg@10"
+    for bad in [{"task": "classification", "anchor_column": "q"},
+                {"task": "embedding", "negative_columns": ["positive"]},
+                {"task": "embedding", "score_column": "s", "negative_columns": ["n"]},
+                {"task": "embedding", "hyperparameters": {"metric_for_best_model": "accuracy"}}]:
+        with pytest.raises(ValidationError):
+            JobCreate(base_model="m", training_dataset="ds", **bad)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("strategy", ["smart", "dynamic", "token_budget"])
+def test_no_micro_batch_holds_an_anchor_or_positive_twice(seed, strategy):
+    """Property: with texts repeated at random (a query with several positives, a positive shared
+    by queries), every row appears once per epoch and no micro-batch repeats a text."""
+    from worker.embedding import DistinctBatchPlan
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(5, 200))
+    keys = rng.integers(0, max(2, n // int(rng.integers(1, 6))), size=(n, 2))
+    batch_size = int(rng.integers(2, 17))
+    plan = DistinctBatchPlan(rng.integers(1, 64, n), keys, batch_size, strategy, seed, batch_size * 40)
+    for epoch in range(2):
+        batches = plan.epoch_batches(epoch)
+        assert sorted(i for b in batches for i in b) == list(range(n))
+        for batch in batches:
+            rows = [set(keys[i].tolist()) for i in batch]  # a row's own anchor may equal its positive
+            assert len(set().union(*rows)) == sum(map(len, rows))
+            assert len(batch) >= 1 and (strategy == "token_budget" or len(batch) <= batch_size)
+
+
+def test_smart_batches_stay_length_sorted_without_duplicates():
+    from shared.data.batching import BatchPlan
+    from worker.embedding import DistinctBatchPlan
+
+    lengths = np.arange(400) % 97 + 3
+    keys = np.stack([np.arange(400), np.arange(400) + 1000], axis=1)  # no repeats: the plan is BatchPlan's
+    assert DistinctBatchPlan(lengths, keys, 16, "smart", 1).epoch_batches(0) == \
+        BatchPlan(lengths, 16, "smart", 1).epoch_batches(0)
+
+
+# ----------------------------------------------------------------------------- loss parity
+
+
+def capture_gradients(run) -> list[dict[str, torch.Tensor]]:
+    """The gradients of the trainable parameters, by name, each time the optimizer steps (the
+    transformer's pooler, unused by sentence-transformers, has none)."""
+    captured = []
+
+    def before_step(optimizer, args, kwargs):
+        captured.append({n: p.grad.detach().clone() for n, p in run.model.st.named_parameters()
+                         if p.grad is not None})
+
+    run.optimizer.register_step_pre_hook(before_step)
+    return captured
+
+
+def setup(job, data, reporter):
+    """The recipe of ``job`` set up on the CPU, its steps ready (``warm_up``)."""
+    from worker.training.recipe import Recipe
+
+    run = Recipe(job, torch.device("cpu")).setup(data, reporter)
+    run.warm_up()
+    return run
+
+
+def st_batch(model, frame: pd.DataFrame, columns: list[str]) -> list[dict]:
+    return [model.tokenize(frame[c].tolist()) for c in columns]
+
+
+@pytest.mark.parametrize("kind", ["negatives", "pairs", "score"])
+def test_loss_and_gradients_equal_sentence_transformers_own(engine_env, tiny_st, kind):
+    """One optimizer step of the loop on a micro-batch gives sentence-transformers' own loss (MNRL with
+    and without hard negatives, CoSENT) on the same rows, and the same gradients, in fp32."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.losses import (
+        CoSENTLoss,
+        MultipleNegativesRankingLoss,
+    )
+
+    from tests.conftest import no_dropout
+    from worker.data import JobData
+
+    frame = pairs(8)
+    frame["score"] = np.linspace(0, 1, 8).astype(np.float32)
+    job = embedding_job("parity", negatives=kind == "negatives", score=kind == "score")
+    run = setup(job, JobData(frame, None), RecordingReporter())
+    no_dropout(run.model)
+    grads = capture_gradients(run)
+    js = run.job_setup
+    values, _ = run.train_step([js.collator([js.train_set[i] for i in range(8)])])
+
+    reference = SentenceTransformer(str(tiny_st), device="cpu", local_files_only=True)
+    no_dropout(reference)
+    reference.max_seq_length = 32
+    columns = ["anchor", "positive"] + (["negative"] if kind == "negatives" else [])
+    loss_fn = (CoSENTLoss(reference) if kind == "score" else MultipleNegativesRankingLoss(reference))
+    labels = torch.tensor(frame["score"].values) if kind == "score" else torch.zeros(8)
+    loss = loss_fn(st_batch(reference, frame, columns), labels)
+    loss.backward()
+    assert values[0].item() == pytest.approx(loss.item(), rel=1e-5)
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # as the loop clips before stepping
+    theirs = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert grads[0].keys() == theirs.keys()
+    for name, grad in theirs.items():
+        torch.testing.assert_close(grads[0][name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_cached_loss_takes_the_accumulated_examples_as_one_batch_of_negatives(engine_env, tiny_st):
+    """gradient_accumulation_steps 2 at batch_size 4: one micro-batch of 8 rows (GradCache, 4 at a
+    time) whose loss and gradients equal plain MNRL over all 8."""
+    from tests.conftest import no_dropout
+    from worker.data import JobData
+
+    frame = pairs(8)
+    runs = {}
+    for name, hp in [("cached", {"batch_size": 4, "gradient_accumulation_steps": 2}), ("plain", {"batch_size": 8})]:
+        run = setup(embedding_job(name, **hp), JobData(frame, None), RecordingReporter())
+        no_dropout(run.model)
+        grads = capture_gradients(run)
+        js = run.job_setup
+        assert len(js.plan.batches) == 1 and js.hp.gradient_accumulation_steps == 1
+        values, _ = run.train_step([js.collator([js.train_set[i] for i in range(8)])])
+        runs[name] = values[0].item(), grads
+    assert runs["cached"][0] == pytest.approx(runs["plain"][0], rel=1e-5)
+    cached, plain = runs["cached"][1][0], runs["plain"][1][0]
+    assert cached.keys() == plain.keys()
+    for name in plain:
+        torch.testing.assert_close(cached[name], plain[name], rtol=1e-4, atol=1e-6)
+
+
+def test_an_embedding_job_asked_to_pack_trains_padded_and_says_so(engine_env, tiny_st):
+    """``packing: true`` (issue 40) lays out a classifier's micro-batch; an embedding job's columns
+    side by side cannot be packed: it trains padded, and its ``packing`` event says why."""
+    from worker.data import JobData
+    from worker.training.recipe import Recipe
+
+    reporter = RecordingReporter()
+    run = Recipe(embedding_job("packed", packing=True), torch.device("cpu")).setup(JobData(pairs(16), None), reporter)
+    run.warm_up(reporter)
+    assert not run.steps.packing and reporter.events[-1] == "packing"
+    assert reporter.messages[-1].startswith("padded micro-batches: Objective")
+
+
+# ----------------------------------------------------------------------------- training and artifact
+
+
+def test_training_end_to_end_improves_retrieval_and_saves_a_sentence_transformer(engine_env, tiny_st):
+    from sentence_transformers import SentenceTransformer
+
+    from worker.data import JobData
+    from worker.training.recipe import fine_tune
+
+    train, val = pairs(96, seed=1), pairs(24, seed=2)
+    reporter = RecordingReporter()
+    job = embedding_job("e2e", negatives=True, epochs=3, batch_size=16, learning_rate=2e-3)
+    assert fine_tune(job, JobData(train, val), torch.device("cpu"), reporter) == "succeeded"
+    ndcg = reporter.series("eval_ndcg@10")
+    assert 0 in ndcg and len(ndcg) >= 2
+    assert ndcg[max(ndcg)] > ndcg[0]  # fine-tuning lifted ndcg@10 above the base model's (zero-shot)
+    assert "zero_shot" in reporter.events
+
+    from shared.store import artifacts
+
+    path = artifacts.model_dir("e2e")
+    for name in ["modules.json", "1_Pooling/config.json", "sentence_bert_config.json", "model.safetensors",
+                 "metrics.json", "manifest.json"]:
+        assert (path / name).is_file(), name
+    model = SentenceTransformer(str(path), device="cpu", local_files_only=True)
+    vectors = model.encode(["football question 1", "an answer about the football number 1"])
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)  # normalized
+
+
+def test_a_resumed_job_continues_with_the_same_losses(engine_env, tiny_st):
+    from tests.conftest import RecordingReporter as Reporter
+    from worker.data import JobData
+    from worker.training.recipe import Recipe
+
+    data, cpu = JobData(pairs(48, seed=3), None), torch.device("cpu")
+
+    def train(job, reporter, checkpoint=None):
+        run = Recipe(job, cpu).setup(data, reporter, checkpoint)
+        run.warm_up(reporter)
+        return run, run.train(reporter)
+
+    whole = Reporter()
+    run, _ = train(embedding_job("whole", epochs=2, save_every_steps=100), whole)
+    first = Reporter(stop_after_step=4)  # a SIGTERM after step 4: checkpoint, then stop
+    job = embedding_job("resumed", epochs=2, save_every_steps=100)
+    assert train(job, first)[1] == "shutdown"
+    [(step, path)] = first.checkpoints
+    second = Reporter()
+    assert train(job, second, checkpoint=path)[1] == "completed"
+    expected, after = whole.series("train_loss"), second.series("train_loss")
+    assert sorted(after) == list(range(step + 1, run.job_setup.total_steps + 1))
+    for s in after:
+        assert after[s] == pytest.approx(expected[s], rel=1e-5, abs=1e-6), s
+
+
+# ----------------------------------------------------------------------------- the API: bad input, end to end
+
+
+def upload(client, frame: pd.DataFrame, filename: str = "pairs.csv") -> str:
+    r = client.post("/datasets", files={"file": (filename, io.BytesIO(frame.to_csv(index=False).encode()),
+                                                 "text/csv")})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def submit(client, training: str, dry_run: bool = False, **fields):
+    body = {"base_model": TINY_ST, "task": "embedding", "training_dataset": training,
+            "hyperparameters": {"epochs": 2, "batch_size": 16, "max_length": 32, "learning_rate": 2e-3}, **fields}
+    return client.post("/jobs", json=body, params={"dry_run": "true"} if dry_run else None)
+
+
+@pytest.mark.parametrize("column, value, fields, message", [
+    ("anchor", "", {}, "column 'anchor' is empty"),
+    ("positive", "  ", {}, "column 'positive' is empty"),
+    ("negative", "", {"negative_columns": ["negative"]}, "column 'negative' is empty"),
+    ("score", "1.5", {"score_column": "score"}, "column 'score' is outside [0, 1]"),
+    ("score", "high", {"score_column": "score"}, "column 'score' is not a number"),
+])
+def test_bad_rows_are_refused_naming_file_row_and_column(stack, tiny_st, column, value, fields, message):
+    frame = pairs(6)
+    frame["score"] = "0.5"
+    frame[column] = frame[column].astype(object)
+    frame.loc[3, column] = value
+    dataset = upload(stack.client, frame, "bad.csv")
+    jobs = stack.client.get("/jobs").json()["data"]
+    r = submit(stack.client, dataset, **fields)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert "'bad.csv' row 4" in error["message"] and message in error["message"], error["message"]
+    assert error["problems"][0]["row"] == 4 and error["problems"][0]["column"] == column
+    assert stack.client.get("/jobs").json()["data"] == jobs  # nothing stored or queued
+
+
+def test_a_missing_column_and_a_negative_column_empty_everywhere_are_refused(stack, tiny_st):
+    frame = pairs(6).drop(columns=["negative"])
+    r = submit(stack.client, upload(stack.client, frame), negative_columns=["negative"])
+    assert r.status_code == 422 and r.json()["error"]["param"] == "negative_columns", r.text
+    frame["negative"] = ""
+    r = submit(stack.client, upload(stack.client, frame, "empty.csv"), negative_columns=["negative"])
+    assert r.status_code == 422, r.text
+    assert "'empty.csv' row 1: column 'negative' is empty" in r.json()["error"]["message"]
+
+
+def test_dry_run_plans_rows_by_their_longest_text(stack, tiny_st):
+    r = submit(stack.client, upload(stack.client, pairs(40)), dry_run=True, validation_split=0.25)
+    assert r.status_code == 200, r.text
+    plan = r.json()["plan"]
+    assert plan["examples"] == 30 and plan["token_lengths"]["max"] >= 8  # the positives, longer than anchors
+    r = submit(stack.client, upload(stack.client, pairs(40)), dry_run=True, validation_split=0.25,
+               hyperparameters={"batch_size": 16, "gradient_accumulation_steps": 2})
+    assert r.json()["plan"]["micro_batches_per_epoch"] == 1  # GradCache: one micro-batch of 32 per step
+
+
+def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, tiny_st):
+    """A job through the API and the worker; its artifact loads in ``SentenceTransformer`` and
+    encodes as ``/models/{id}/embed`` and ``/v1/embeddings`` (the ``openai`` SDK, float and its
+    default base64) answer."""
+    from openai import BadRequestError, OpenAI
+    from sentence_transformers import SentenceTransformer
+
+    client = stack.client
+    train, validation = upload(client, pairs(64, seed=1)), upload(client, pairs(16, seed=2), "dev.csv")
+    r = submit(client, train, validation_dataset=validation, negative_columns=["negative"])
+    assert r.status_code == 201, r.text
+    job = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job["error"]
+    assert (job["anchor_column"], job["positive_column"], job["negative_columns"]) == ("anchor", "positive",
+                                                                                       ["negative"])
+    assert set(job["validation_metrics"]) >= {"ndcg@10", "mrr@10", "recall@1", "recall@10", "map@100"}
+    steps = {m["step"] for m in client.get(f"/jobs/{job['id']}/metrics").json()["data"]
+             if m["name"] == "eval_ndcg@10"}
+    assert 0 in steps and len(steps) >= 2  # the zero-shot figure, then each evaluation
+
+    texts = ["football question 3", "an answer about the glacier number 7"]
+    r = client.post(f"/models/{job['id']}/embed", json={"inputs": texts})
+    assert r.status_code == 200, r.text
+    served = np.array(r.json()["embeddings"])
+    assert r.json()["dimensions"] == served.shape[1] and r.json()["tokens"] > 0
+    local = SentenceTransformer(str(stack.data_dir / "artifacts" / job["id"] / "model"), device="cpu",
+                                local_files_only=True).encode(texts)
+    cosine = (served * local).sum(1) / np.linalg.norm(served, axis=1) / np.linalg.norm(local, axis=1)
+    assert cosine.min() >= 0.9999
+
+    key = client.headers["Authorization"].removeprefix("Bearer ")
+    sdk = OpenAI(base_url="http://localhost/v1", api_key=key, http_client=client, max_retries=0)
+    for fmt in ("float", "base64"):
+        response = sdk.embeddings.create(model=job["id"], input=texts, encoding_format=fmt)
+        vectors = np.array([d.embedding for d in response.data]) if fmt == "float" else None
+        if fmt == "base64":  # the SDK returns the base64 text when asked for it explicitly
+            import base64
+            vectors = np.stack([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in response.data])
+        np.testing.assert_allclose(vectors, served, atol=1e-6)
+        assert response.usage.prompt_tokens == r.json()["tokens"]
+    default = sdk.embeddings.create(model=TINY_ST, input="football question 3")  # a base model, one string
+    assert len(default.data) == 1 and len(default.data[0].embedding) == served.shape[1]
+    with pytest.raises(BadRequestError):
+        sdk.embeddings.create(model="no-such-model", input="x")
+    assert client.post(f"/models/{job['id']}/predict", json={"inputs": texts}).status_code == 422
+
+
+def test_cli_jobs_create_takes_the_embedding_columns():
+    import argparse
+
+    from client.cli import add_commands
+    from client.options import job_spec
+    from shared.schemas.jobs import JobCreate
+
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["jobs", "create", "--model", "all-MiniLM-L6-v2", "--dataset", "ds_1", "--task",
+                              "embedding", "--anchor-column", "title", "--positive-column", "body",
+                              "--negative-column", "n1", "--negative-column", "n2"])
+    spec = JobCreate(**job_spec(args))
+    assert (spec.task, spec.anchor_column, spec.positive_column, spec.negative_columns) == (
+        "embedding", "title", "body", ["n1", "n2"])

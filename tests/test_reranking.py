@@ -1,0 +1,122 @@
+"""task "reranking" (issue 36): a cross-encoder trained with binary cross-entropy on (query, passage,
+label) rows, validated by reranking each query's passages, loaded by ``CrossEncoder`` and served by
+``POST /models/{job_id}/rerank``."""
+
+import io
+import random
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from tests.conftest import TINY_MODEL, RecordingReporter, wait_for_status
+from tests.test_embedding import TOPICS
+
+
+def rows(queries: int, seed: int = 0) -> pd.DataFrame:
+    """Each query (a topic) with two relevant passages (label 1) and two about other topics (label 0)."""
+    rng = random.Random(seed)
+    out = []
+    for q in range(queries):
+        topic = rng.choice(TOPICS)
+        for i in range(4):
+            about = topic if i < 2 else rng.choice([t for t in TOPICS if t != topic])
+            out.append({"query": f"tell me about {topic} {q}", "passage": f"a text about the {about} {q}.{i}",
+                        "label": 1.0 if i < 2 else 0.0})
+    return pd.DataFrame(out)
+
+
+def test_ranking_metrics_follow_their_definitions():
+    from worker.reranking import ranking_metrics
+
+    queries = ["a", "a", "a", "b", "b", "c"]  # c has one passage: not counted
+    labels = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    scores = np.array([0.9, 0.5, 0.1, 0.8, 0.2, 0.3])
+    metrics = ranking_metrics(queries, scores, labels)
+    assert metrics["mrr@10"] == pytest.approx((1 / 2 + 1) / 2)
+    assert metrics["ndcg@10"] == pytest.approx((1 / np.log2(3) + 1) / 2)
+
+
+def test_spec_fields_and_refusals():
+    from pydantic import ValidationError
+
+    from shared.schemas.jobs import JobCreate
+
+    spec = JobCreate(base_model="m", task="reranking", training_dataset="ds")
+    assert (spec.query_column, spec.passage_column, spec.label_column) == ("query", "passage", "label")
+    assert spec.hyperparameters.metric_for_best_model == "ndcg@10"
+    for bad in [{"task": "classification", "query_column": "q"}, {"task": "reranking", "passage_column": "query"},
+                {"task": "reranking", "text_pair_column": "x"}]:
+        with pytest.raises(ValidationError):
+            JobCreate(base_model="m", training_dataset="ds", **bad)
+
+
+def reranking_job(job_id: str, **hyperparameters):
+    from shared.schemas.jobs import JobCreate
+    from shared.store.rows import Job
+
+    spec = JobCreate(base_model=TINY_MODEL, task="reranking", training_dataset="ds_test",
+                     hyperparameters={"epochs": 4, "batch_size": 16, "max_length": 32, "precision": "fp32",
+                                      "learning_rate": 2e-3, **hyperparameters})
+    return Job(id=job_id, task="reranking", base_model=TINY_MODEL, spec=spec.model_dump(mode="json"))
+
+
+def test_training_raises_ndcg_and_the_artifact_loads_in_a_cross_encoder(engine_env):
+    from sentence_transformers import CrossEncoder
+
+    from shared.store import artifacts
+    from worker.data import JobData
+    from worker.training.recipe import fine_tune
+
+    reporter = RecordingReporter()
+    job = reranking_job("rerank")
+    assert fine_tune(job, JobData(rows(40, seed=1), rows(10, seed=2)), torch.device("cpu"), reporter) == "succeeded"
+    ndcg = reporter.series("eval_ndcg@10")
+    assert ndcg[max(ndcg)] > 0.9, ndcg
+    model = CrossEncoder(str(artifacts.model_dir("rerank")), device="cpu", local_files_only=True)
+    scores = model.predict([("tell me about chess 1", "a text about the chess 1.0"),
+                            ("tell me about chess 1", "a text about the volcano 1.3")])
+    assert 0 <= scores.min() and scores.max() <= 1 and scores[0] > scores[1]
+
+
+def upload(client, frame: pd.DataFrame, filename: str = "rerank.csv") -> str:
+    r = client.post("/datasets", files={"file": (filename, io.BytesIO(frame.to_csv(index=False).encode()),
+                                                 "text/csv")})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+@pytest.mark.parametrize("column, value, message", [
+    ("passage", "", "column 'passage' is empty"),
+    ("label", "2", "column 'label' is outside [0, 1]"),
+])
+def test_bad_rows_are_refused_naming_file_row_and_column(stack, column, value, message):
+    frame = rows(2).astype(object)
+    frame.loc[2, column] = value
+    r = stack.client.post("/jobs", json={"base_model": TINY_MODEL, "task": "reranking",
+                                         "training_dataset": upload(stack.client, frame, "bad.csv")})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert "'bad.csv' row 3" in error["message"] and message in error["message"], error["message"]
+
+
+def test_rerank_endpoint_orders_documents_best_first(stack):
+    client = stack.client
+    r = client.post("/jobs", json={"base_model": TINY_MODEL, "task": "reranking",
+                                   "training_dataset": upload(client, rows(40, seed=1)),
+                                   "validation_dataset": upload(client, rows(10, seed=2), "dev.csv"),
+                                   "hyperparameters": {"epochs": 4, "batch_size": 16, "max_length": 32,
+                                                       "learning_rate": 2e-3}})
+    assert r.status_code == 201, r.text
+    job = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job["error"]
+    assert job["query_column"] == "query" and "mrr@10" in job["validation_metrics"]
+    documents = ["a text about the volcano 3.3", "a text about the chess 3.0", "a text about the bakery 3.2"]
+    r = client.post(f"/models/{job['id']}/rerank", json={"query": "tell me about chess 3", "documents": documents,
+                                                          "top_n": 2})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert len(results) == 2 and results[0]["index"] == 1
+    assert results[0]["relevance_score"] >= results[1]["relevance_score"]
+    assert client.post(f"/models/{job['id']}/embed", json={"inputs": ["x"]}).status_code == 422
