@@ -7,7 +7,6 @@ import random
 import tarfile
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from tests.conftest import TINY_MODEL, wait_for_status

@@ -434,7 +434,7 @@ def result_fields(task: str, label_names: list[str] | None) -> list[tuple[str, p
         return [("value", pa.float64())]
     if task == "token_classification":
         return [("entities", pa.list_(ENTITY))]
-    probabilities = ("probabilities", pa.struct([pa.field(name, pa.float64()) for name in label_names]))
+    probabilities = ("probabilities", pa.struct([pa.field(name, pa.float64()) for name in label_names or []]))
     if task == "multi_label":
         return [("labels", pa.list_(pa.string())), probabilities]
     return [("label", pa.string()), ("score", pa.float64()), probabilities]

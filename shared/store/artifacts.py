@@ -23,6 +23,7 @@ import tarfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from shared.settings import get_settings
 from shared.store.manifest import MANIFEST, manifest_entries
@@ -102,7 +103,7 @@ class TarStream:
     """
 
     def __init__(self, files: dict[str, Path]):
-        self.members: list[tuple[bytes, object, int]] = []  # (header, open file, size)
+        self.members: list[tuple[bytes, BinaryIO, int]] = []  # (header, open file, size)
         sizes = {}
         try:
             for name, path in files.items():

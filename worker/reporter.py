@@ -60,7 +60,7 @@ class Reporter:
             self.flush()
 
     def flush(self) -> None:
-        held = lifecycle.report(self.job_id, self.worker_id, self._progress, self._metrics)
+        held = lifecycle.record_progress(self.job_id, self.worker_id, self._progress, self._metrics)
         self._wrote_metrics = self._wrote_metrics or bool(self._metrics)
         self._metrics, self._progress, self._last_flush = [], {}, time.monotonic()
         self.lease_lost = self.lease_lost or not held
@@ -143,8 +143,8 @@ class PhaseTimer:
 
 
 def timed(phase: str):
-    """Decorator: time a function whose first argument is a ``worker.train.Run`` as ``phase`` of
-    ``run.timer``."""
+    """Decorator: time a method of ``worker.training.recipe.Recipe`` (anything with a ``timer``) as
+    ``phase`` of its ``timer``."""
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper(run, *args, **kwargs):
