@@ -57,6 +57,7 @@ from shared.store.rows import Job
 from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
 from worker.device import describe, padding_ladder
 from worker.evaluation import write_evaluation
+from worker.model_card import write_model_card
 from worker.graphs import CHECK_STEPS, CapturedSteps, capture_steps, clear_cache, eager_reason
 from worker.packing import padded_reason
 from worker.report import PhaseTimer, Reporter, timed
@@ -178,7 +179,7 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
     steps: Steps | None = None  # how optimizer steps run (eager or CUDA graphs); set by ``warm_up``
     timer: PhaseTimer = field(default_factory=PhaseTimer)
-    validation: object = None  # the validation table (pandas), for the evaluation report (worker.evaluation)
+    data: JobData | None = None  # its tables: the validation rows are the evaluation report's (worker.evaluation)
 
 
 def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter, checkpoint: Path | None = None,
@@ -257,7 +258,7 @@ def setup(job: Job, data: JobData, device: torch.device, reporter: Reporter, che
 
         run = Run(job, hp, device, dtype, tokenizer, model, optimizer, scheduler, scaler, train_set, val_set, plan,
                   collator, total_steps, artifacts.checkpoints_dir(job.id),
-                  torch.compile(model) if hp.torch_compile else model, timer=timer, validation=data.validation)
+                  torch.compile(model) if hp.torch_compile else model, timer=timer, data=data)
         if checkpoint:
             load_training_state(run, checkpoint)
             reporter.event("resumed", f"resumed from the checkpoint at step {run.state.step}")
@@ -886,6 +887,7 @@ def save_model(run: Run, weights: Path, hashed: dict[str, dict] | None = None) -
     (``model_max_length`` = the job's ``max_length``), ``training_args.json``,
     ``training_curves.png`` and TensorBoard event files under ``runs/`` (``worker.run_logs``),
     ``evaluation.json`` and its pictures (``worker.evaluation``: the saved model on the validation rows),
+    the model card ``README.md`` (``worker.model_card``),
     ``metrics.json`` (the best and final evaluations, training totals and the ``timings`` so far)
     and ``manifest.json`` (each file's size and sha256; the entries in ``hashed``, from
     ``manifest_entries``, are taken as they are instead of reading those files again).
@@ -914,7 +916,8 @@ def save_model(run: Run, weights: Path, hashed: dict[str, dict] | None = None) -
         run.tokenizer.save_pretrained(tmp)
         (tmp / "training_args.json").write_text(json.dumps(run.job.spec, indent=2))
         write_run_logs(tmp, run.job)  # training_curves.png and runs/ (TensorBoard)
-        write_evaluation(tmp, run.job.task, run.validation, run.job.spec, run.device)  # evaluation.json, PNGs
+        report = write_evaluation(tmp, run.job.task, run.data and run.data.validation, run.job.spec, run.device)
+        write_model_card(tmp, run.job, run.data, report, describe(run.device), timings_so_far(run))  # README.md
         metrics_json = json.dumps(json_safe({**metrics, "timings": timings_so_far(run)}), indent=2, allow_nan=False)
         (tmp / artifacts.METRICS).write_text(metrics_json)
         artifacts.write_manifest(tmp, hashed)
