@@ -78,3 +78,30 @@ def test_only_a_succeeded_job_of_the_same_tenant(stack, two_jobs):
     assert other.post("/models/mine/predict", json={"inputs": ["goal"]}).status_code == 404
     assert [a["alias"] for a in client.get("/models/aliases").json()["data"]] == ["mine"]
     client.delete("/models/aliases/mine")
+
+
+def test_the_cli_sets_lists_and_shows_aliases_and_the_evaluation(stack, two_jobs):
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    from client import Client, cli
+    from tests.conftest import BASE_URL
+    from tests.test_webhooks import ViaTestClient
+
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers(dest="command", required=True))
+    key = stack.client.headers["Authorization"].removeprefix("Bearer ")
+    screen = io.StringIO()
+    out = Console(file=screen, width=200)
+    with Client(BASE_URL, api_key=key, transport=ViaTestClient(stack.client)) as client:
+        for argv in (["models", "alias", "set", "canary", two_jobs[0]], ["models", "alias", "list"],
+                     ["models", "alias", "get", "canary"], ["jobs", "evaluation", two_jobs[0]]):
+            args = parser.parse_args(argv)
+            args.handler(client, args, out)
+        assert f"canary -> {two_jobs[0]}" in screen.getvalue()
+        assert "accuracy" in screen.getvalue() and "precision" in screen.getvalue()  # the evaluation's table
+        args = parser.parse_args(["models", "--json"])
+        assert args.handler is cli.list_models  # `tunejob models` still lists the base models
+        client.delete_alias("canary")
