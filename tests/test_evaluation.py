@@ -83,6 +83,16 @@ def test_the_confusion_matrix_is_what_the_downloaded_model_predicts(stack, tmp_p
     assert [report["per_class"][n]["support"] for n in names] == expected.sum(axis=1).tolist()
     assert all(m["label"] != m["prediction"] for m in report["mistakes"])
 
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(tmp_path / "README.md")
+    assert card.data.base_model == TINY_MODEL and card.data.pipeline_tag == "text-classification"
+    assert card.data.datasets == [job["training_dataset"]] and card.data.library_name == "transformers"
+    results = card.data.eval_results
+    assert {r.metric_type: r.metric_value for r in results} == report["metrics"]
+    assert {r.dataset_type for r in results} == {job["validation_dataset"]}
+    assert "## Intended use and limitations" in card.text and "AutoModelForSequenceClassification" in card.text
+
 
 def test_regression_and_multi_label_reports(stack):
     client = stack.client

@@ -204,11 +204,25 @@ def token_report(label_names: list[str], gold: list[list[str]], predicted: list[
     }
 
 
+def headline(report: dict) -> dict[str, float | None]:
+    """The report's summary figures (its ``metrics``; the model card's ``model-index``)."""
+    if report["task"] == "classification":
+        macro = report["averages"]["macro"]
+        return {"accuracy": report["accuracy"], "f1_macro": macro["f1"], "precision_macro": macro["precision"],
+                "recall_macro": macro["recall"]}
+    if report["task"] == "multi_label":
+        return {"f1_micro": report["averages"]["micro"]["f1"], "f1_macro": report["averages"]["macro"]["f1"],
+                "subset_accuracy": report["subset_accuracy"]}
+    names = {"regression": ("mae", "rmse", "pearson_r", "spearman_r"),
+             "token_classification": ("entity_precision", "entity_recall", "entity_f1", "token_accuracy")}
+    return {name: report[name] for name in names[report["task"]]}
+
+
 def write_report(directory: Path, report: dict) -> dict:
-    """Write ``report`` as ``evaluation.json`` with its pictures (named in its ``figures``) into
-    ``directory``; returns it."""
+    """Write ``report`` as ``evaluation.json`` with its ``metrics`` (``headline``) and pictures (named
+    in its ``figures``) into ``directory``; returns it."""
     pictures = figures(report)
-    report = {**report, "figures": sorted(pictures)}
+    report = {**report, "metrics": headline(report), "figures": sorted(pictures)}
     for name, png in pictures.items():
         (directory / name).write_bytes(png)
     (directory / EVALUATION).write_text(json.dumps(json_safe(report), indent=2, allow_nan=False))

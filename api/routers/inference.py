@@ -13,7 +13,7 @@ from fastapi import APIRouter
 from api.auth import CallerDep
 from api.errors import error_responses
 from shared.errors import Conflict, NotFound, UserError
-from shared.jobs import lifecycle
+from shared.jobs import aliases, lifecycle
 from shared.schemas.predictions import PredictIn, PredictOut
 from shared.settings import get_settings
 from shared.store import artifacts
@@ -30,11 +30,14 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
     token_classification model takes raw texts, not pairs. Inputs longer than ``max_length`` (default: the model's) are truncated
     and counted in ``truncated``. The first request for a model loads it (about a second for
     all-MiniLM-L6-v2); later ones reuse it while it stays among the ``sync_model_cache`` most
-    recently used. For many texts, use a batch prediction job."""
+    recently used. For many texts, use a batch prediction job. ``job_id`` may be one of your
+    model aliases (``PUT /models/aliases/{alias}``), resolved on each request: ``model`` in the
+    answer is the job id it named."""
     limit = get_settings().max_sync_inputs
     if len(body.inputs) > limit:
         raise UserError("too_many_inputs", f"inputs has {len(body.inputs)} items; at most {limit} are answered "
                         "at once (max_sync_inputs)", "inputs")
+    job_id = aliases.resolve(job_id, caller)
     cached = model_cache().get(job_id, trained_model_dir(job_id, caller))
     texts, pairs = split_inputs(body.inputs)
     if pairs is not None and cached.loaded.task == "token_classification":

@@ -4,7 +4,6 @@ its tokenizer and model."""
 from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
 import torch
 from transformers import (
     AutoModelForSequenceClassification,
@@ -50,7 +49,7 @@ class JobSetup:
     collator: BucketCollator
     total_steps: int
     out_dir: Path  # this job's checkpoint directory
-    validation: pd.DataFrame | None = None  # the validation table, for the evaluation report (worker.evaluation)
+    data: JobData | None = None  # its tables: the validation rows are the evaluation report's (worker.evaluation)
 
 
 def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporter, timer: PhaseTimer) -> JobSetup:
@@ -89,7 +88,7 @@ def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporte
                              labels_per_token=job.task == "token_classification")
     return JobSetup(job, hp, model_dir, device, autocast_dtype(hp.precision, device), tokenizer, train_set, val_set,
                     plan, collator, plan.count_steps(hp.epochs, hp.gradient_accumulation_steps),
-                    artifacts.checkpoints_dir(job.id), data.validation)
+                    artifacts.checkpoints_dir(job.id), data)
 
 
 def load_tokenizer(model_dir: Path, name: str, max_length: int):
