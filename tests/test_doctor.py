@@ -37,7 +37,7 @@ def test_the_graph_check_passes_a_faithful_capture_and_fails_a_wrong_one(engine_
     from shared.settings import get_settings
 
     # "capture" on the CPU, where TUNEJOB_CUDA_GRAPHS (which the doctor turns off for its eager run) allows it
-    monkeypatch.setattr(recipe, "eager_reason", lambda run: None if get_settings().cuda_graphs else "graphs off")
+    monkeypatch.setattr(recipe, "eager_reason", lambda *args: None if get_settings().cuda_graphs else "graphs off")
     if mismatch:
         original = capturing.CapturedSteps._capture
 

@@ -136,7 +136,7 @@ def test_every_new_width_is_checked_also_one_a_later_job_adds(engine_env, monkey
     message = capture(first, first_widths)
     assert faulty not in first.steps.replays and all(f"width {w}:" in message for w in first_widths)
 
-    monkeypatch.setattr(recipe, "eager_reason", lambda run: None)
+    monkeypatch.setattr(recipe, "eager_reason", lambda *args: None)
     reporter = RecordingReporter()
     later = make_run("later", epochs=1, batch_size=8, reporter=reporter)
     later.warm_up(reporter)
@@ -371,7 +371,7 @@ def test_a_capture_that_rebinds_a_shared_tensor_is_refused(engine_env, monkeypat
         return run
 
     monkeypatch.setattr(capturing.CapturedSteps, "_micro_body", rebinding)
-    monkeypatch.setattr(recipe, "eager_reason", lambda run: None)
+    monkeypatch.setattr(recipe, "eager_reason", lambda *args: None)
     reporter = RecordingReporter()
     run = make_run("rebind", epochs=1, batch_size=8, reporter=reporter)
     run.warm_up(reporter)

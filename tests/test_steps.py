@@ -343,10 +343,10 @@ def test_out_of_memory_with_captured_steps_drops_the_graphs_and_backs_off_eagerl
 
 
 def test_a_failed_capture_falls_back_to_eager_steps_and_says_so(engine_env, monkeypatch):
-    def broken(run, rows, widths, first_steps, width_sample):
+    def broken(*args):
         raise RuntimeError("injected: operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(recipe, "eager_reason", lambda run: None)
+    monkeypatch.setattr(recipe, "eager_reason", lambda *args: None)
     monkeypatch.setattr(recipe, "capture_steps", broken)
     reporter = RecordingReporter()
     run = make_run("fallback", reporter, epochs=1)
@@ -413,7 +413,7 @@ def test_a_capture_that_does_not_match_the_eager_step_trains_eagerly_and_is_not_
         return replay
 
     monkeypatch.setattr(capturing.CapturedSteps, "_capture", faulty_capture)
-    monkeypatch.setattr(recipe, "eager_reason", lambda run: None)
+    monkeypatch.setattr(recipe, "eager_reason", lambda *args: None)
     reporter = RecordingReporter()
     run = make_run("mismatch", reporter, epochs=1)
     run.job_setup.collator.ladder = LADDER

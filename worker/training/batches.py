@@ -88,7 +88,7 @@ def width_sample(job_setup: JobSetup, micro_split: int, width: int,
             if (shape_of or bucket)(batch) == width:
                 pieces, _ = step_inputs(job_setup, micro_split, [batch])
                 return pieces[:1], loss_terms(pieces[0]["labels"], job_setup.job.task)
-    raise ValueError(f"no micro-batch of shape {width} in the job's plan")
+    raise ValueError(f"no micro-batch of {'shape' if shape_of else 'width'} {width} in the job's plan")
 
 
 def step_inputs(job_setup: JobSetup, micro_split: int, batches: list[list[int]]) -> StepInputs:

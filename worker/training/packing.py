@@ -46,7 +46,10 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """Attention within each packed example, for transformers' ``AttentionInterface``.
 
     Args:
-        query, key, value: ``[1, heads, tokens, head_dim]`` (the packed row).
+        module: the attention module (unused: transformers passes it to every attention function).
+        query: ``[1, heads, tokens, head_dim]`` (the packed row).
+        key: as ``query``.
+        value: as ``query``.
         attention_mask: must be None (packed rows have no padding mask).
         dropout: attention dropout probability (transformers passes 0.0 in eval mode).
         scaling: softmax scale (None: ``1/sqrt(head_dim)``).
@@ -82,7 +85,8 @@ def padded_reason(model: torch.nn.Module, torch_compile: bool, gradient_checkpoi
 
     Args:
         model: the job's model (its family decides, ``unsupported_reason``).
-        torch_compile, gradient_checkpointing: the job's settings of those names.
+        torch_compile: the job's setting of that name.
+        gradient_checkpointing: the job's setting of that name.
     """
     if torch_compile:
         return "torch_compile traces the padded model"
