@@ -21,7 +21,7 @@ from api.feeds import Feeds
 from api.metrics import install_metrics, process_exiting
 from api.openapi import install_openapi
 from api.request_id import RequestId
-from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, sweeps, webhooks
+from api.routers import aliases, datasets, inference, jobs, live, models, openai_v1, predictions, sweeps, webhooks
 from api.security import HostAndOriginCheck, allowed_hosts
 from api.ui import create_ui
 from shared.jobs.positions import estimate_queued
@@ -63,6 +63,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
     app.add_middleware(RequestId)  # added last: the outermost, so even a refused Host gets an id
     app.state.feeds = Feeds()  # one store reader for every streamed job (GET /jobs/{id}/stream, /ui)
     app.include_router(datasets.router)
+    app.include_router(aliases.router)  # before models: /models/aliases is not a job id
     app.include_router(models.router)
     app.include_router(inference.router)
     app.include_router(jobs.router)

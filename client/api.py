@@ -20,6 +20,7 @@ import httpx
 from httpx_retries import Retry, RetryTransport
 from httpx_sse import SSEError, connect_sse
 
+from shared.schemas.aliases import AliasOut
 from shared.schemas.jobs import (
     ArtifactOut,
     BaseModelOut,
@@ -422,6 +423,26 @@ class Client:
         """``POST /models/{job_id}/predict``: a few texts scored at once by the API process
         (``{"predictions": [...], "truncated", "max_length", ...}``)."""
         return self.request("POST", f"/models/{job_id}/predict", json={"inputs": inputs}).json()
+
+    def job_evaluation(self, job_id: str) -> dict[str, Any]:
+        """``GET /jobs/{id}/evaluation``: the evaluation report of a succeeded job's model."""
+        return self.request("GET", f"/jobs/{job_id}/evaluation").json()
+
+    # ------------------------------------------------------------------ model aliases
+
+    def set_alias(self, alias: str, job_id: str) -> AliasOut:
+        """``PUT /models/aliases/{alias}``: point ``alias`` at a succeeded job (creating or moving it)."""
+        return AliasOut.model_validate(self.request("PUT", f"/models/aliases/{alias}", json={"job_id": job_id}).json())
+
+    def get_alias(self, alias: str) -> AliasOut:
+        """``GET /models/aliases/{alias}``: the job it names and its history, newest first."""
+        return AliasOut.model_validate(self.request("GET", f"/models/aliases/{alias}").json())
+
+    def list_aliases(self) -> list[dict[str, Any]]:
+        return self.request("GET", "/models/aliases").json()["data"]
+
+    def delete_alias(self, alias: str) -> None:
+        self.request("DELETE", f"/models/aliases/{alias}")
 
     # ------------------------------------------------------------------ webhooks
 

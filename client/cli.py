@@ -82,6 +82,33 @@ def list_models(client: Client, args, out: Console) -> None:
     show(out, args, models, lambda: table)
 
 
+def set_alias(client: Client, args, out: Console) -> None:
+    alias = client.set_alias(args.name, args.job_id)
+    show(out, args, alias, lambda: f"{alias.alias} -> {alias.job_id}")
+
+
+def get_alias(client: Client, args, out: Console) -> None:
+    alias = client.get_alias(args.name)
+    table = Table("from", "to", "by", "age", title=f"{escape(alias.alias)} -> {alias.job_id}")
+    for change in alias.history:
+        table.add_row(change.from_job_id or "", change.to_job_id or "(deleted)", change.changed_by or "",
+                      age(change.changed_at))
+    show(out, args, alias, lambda: table)
+
+
+def list_aliases(client: Client, args, out: Console) -> None:
+    aliases = client.list_aliases()
+    table = Table("alias", "job", "by", "updated")
+    for a in aliases:
+        table.add_row(escape(a["alias"]), a["job_id"], a["updated_by"] or "", a["updated_at"])
+    show(out, args, aliases, lambda: table)
+
+
+def delete_alias(client: Client, args, out: Console) -> None:
+    client.delete_alias(args.name)
+    out.print(f"deleted alias {args.name}")
+
+
 def create_job(client: Client, args, out: Console) -> int | None:
     spec = job_spec(args)
     if args.dry_run:
@@ -120,6 +147,16 @@ def list_jobs(client: Client, args, out: Console) -> None:
 def get_job(client: Client, args, out: Console) -> None:
     job = client.get_job(args.job_id)
     show(out, args, job, lambda: job_table(job))
+
+
+def job_evaluation(client: Client, args, out: Console) -> None:
+    report = client.job_evaluation(args.job_id)
+    per_class = report.get("per_class") or report.get("per_label") or report.get("per_entity") or {}
+    table = Table("", "precision", "recall", "f1", "support",
+                  title=", ".join(f"{k} {v:.4f}" for k, v in report["metrics"].items() if v is not None))
+    for name, v in per_class.items():
+        table.add_row(escape(name), f"{v['precision']:.4f}", f"{v['recall']:.4f}", f"{v['f1']:.4f}", str(v["support"]))
+    show(out, args, report, lambda: table)
 
 
 def watch_job(client: Client, args, out: Console) -> int:
@@ -309,7 +346,17 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     command(datasets, "get", get_dataset, "one dataset", read).add_argument("dataset_id")
     command(datasets, "delete", delete_dataset, "delete a dataset").add_argument("dataset_id")
 
-    command(commands, "models", list_models, "the base models that can be fine-tuned (client)", read)
+    models = command(commands, "models", list_models, "the base models that can be fine-tuned; `models alias`: "
+                     "your names for fine-tuned models (client)", read)
+    alias = models.add_subparsers(dest="subcommand").add_parser(
+        "alias", help="names for fine-tuned models that predictions follow").add_subparsers(dest="alias_command",
+                                                                                           required=True)
+    p = command(alias, "set", set_alias, "point NAME (a slug) at a succeeded job, creating or moving it", read)
+    p.add_argument("name")
+    p.add_argument("job_id")
+    command(alias, "get", get_alias, "the job NAME names and its history", read).add_argument("name")
+    command(alias, "list", list_aliases, "your aliases", read)
+    command(alias, "delete", delete_alias, "remove an alias").add_argument("name")
 
     jobs = commands.add_parser("jobs", help="create, follow and download fine-tuning jobs (client)") \
         .add_subparsers(dest="subcommand", required=True)
@@ -322,6 +369,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     command(jobs, "get", get_job, "one job: status, progress, metrics, error", read).add_argument("job_id")
     command(jobs, "watch", watch_job, "follow a job with a live progress bar until it ends; exit 0 if it "
             "succeeded, 3 if it failed, 4 if it was cancelled").add_argument("job_id")
+    command(jobs, "evaluation", job_evaluation, "the evaluation report of a succeeded job's model: per-class "
+            "figures (--json: the whole report, with the confusion matrix and mistakes)", read).add_argument("job_id")
     p = command(jobs, "events", job_events, "the job's events", read)
     p.add_argument("job_id")
     p.add_argument("--follow", action="store_true", help="print new events as they happen, until the job ends")

@@ -14,7 +14,7 @@ from fastapi import APIRouter
 from api.auth import CallerDep
 from api.errors import error_responses
 from shared.errors import Conflict, NotFound, UserError
-from shared.jobs import lifecycle
+from shared.jobs import aliases, lifecycle
 from shared.jobs.models import embedding_model, trained_model
 from shared.schemas.predictions import EmbedIn, EmbedOut, PredictIn, PredictOut, RerankIn, RerankOut, RerankResult
 from shared.settings import get_settings
@@ -32,11 +32,14 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
     token_classification model takes raw texts, not pairs. Inputs longer than ``max_length`` (default: the model's) are truncated
     and counted in ``truncated``. The first request for a model loads it (about a second for
     all-MiniLM-L6-v2); later ones reuse it while it stays among the ``sync_model_cache`` most
-    recently used. For many texts, use a batch prediction job."""
+    recently used. For many texts, use a batch prediction job. ``job_id`` may be one of your
+    model aliases (``PUT /models/aliases/{alias}``), resolved on each request: ``model`` in the
+    answer is the job id it named."""
     limit = get_settings().max_sync_inputs
     if len(body.inputs) > limit:
         raise UserError("too_many_inputs", f"inputs has {len(body.inputs)} items; at most {limit} are answered "
                         "at once (max_sync_inputs)", "inputs")
+    job_id = aliases.resolve(job_id, caller)
     cached = model_cache().get(job_id, trained_model_dir(job_id, caller))
     texts, pairs = split_inputs(body.inputs)
     if pairs is not None and cached.loaded.task == "token_classification":
@@ -69,6 +72,7 @@ def rerank(job_id: str, body: RerankIn, caller: CallerDep) -> RerankOut:
     if len(body.documents) > limit:
         raise UserError("too_many_inputs", f"documents has {len(body.documents)} items; at most {limit} are "
                         "answered at once (max_sync_inputs)", "documents")
+    job_id = aliases.resolve(job_id, caller)
     job, model_dir = trained_model(job_id, caller)
     if job.task != "reranking":
         raise UserError("unsupported_task", f"job {job_id!r} was trained for {job.task}; reranking needs a "
@@ -85,7 +89,8 @@ def rerank(job_id: str, body: RerankIn, caller: CallerDep) -> RerankOut:
 
 def embed_texts_with(ref: str, texts: list[str], normalize: bool, caller: Caller, param: str):
     """(``shared.inference.embed.Embeddings``, the ``LoadedEmbedder``) of ``texts`` with the model
-    ``ref`` names (``shared.jobs.models.embedding_model``), loaded once into ``embedder_cache``.
+    ``ref`` names (``shared.jobs.models.embedding_model``; an alias is resolved first), loaded once
+    into ``embedder_cache``.
 
     Raises:
         UserError: ``too_many_inputs`` (naming ``param``), and those of ``embedding_model`` and ``load_embedder``.
@@ -94,7 +99,7 @@ def embed_texts_with(ref: str, texts: list[str], normalize: bool, caller: Caller
     if len(texts) > limit:
         raise UserError("too_many_inputs", f"{param} has {len(texts)} items; at most {limit} are answered at once "
                         "(max_sync_inputs)", param)
-    model_dir = embedding_model(ref, caller)
+    model_dir = embedding_model(aliases.resolve(ref, caller), caller)
     cached = embedder_cache().get(str(model_dir), model_dir)
     from shared.inference.embed import embed_texts
 

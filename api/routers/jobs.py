@@ -10,6 +10,7 @@ from api.errors import SafeJSONResponse, error_responses
 from api.headers import IdempotencyKey, respond
 from shared.errors import NotFound
 from shared.jobs import lifecycle
+from shared.jobs.evaluation import job_evaluation
 from shared.jobs.planning import check_spec, plan_job
 from shared.jobs.positions import with_positions
 from shared.queue import submit_once
@@ -104,6 +105,16 @@ def _metrics(job_id: str, after_step: int, limit: int) -> list[MetricOut]:
 @router.get("/{job_id}/events")
 def job_events(job_id: str, caller: CallerDep) -> dict[str, list[EventOut]]:
     return {"data": [EventOut.model_validate(e) for e in lifecycle.list_events(job_id, caller)]}
+
+
+@router.get("/{job_id}/evaluation", responses=error_responses(409))
+def get_evaluation(job_id: str, caller: CallerDep) -> dict:
+    """The evaluation report of the model on the validation rows (``evaluation.json`` in the
+    artifact, with its pictures as ``model/<name>`` artifacts): per-class figures, the confusion
+    matrix, calibration and the most confident mistakes (classification); per-label figures
+    (multi_label); errors and correlations (regression); per-entity figures and the worst sentences
+    (token_classification). 409 before the job succeeded; 404 for a job without validation rows."""
+    return job_evaluation(job_id, caller)
 
 
 @router.get("/{job_id}/checkpoints")

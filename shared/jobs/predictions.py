@@ -3,7 +3,8 @@ the layout of its results on disk, and streaming them back in the format asked f
 
 A prediction is a job like a training job: same row, same lifecycle (``shared.jobs``: claim,
 lease, heartbeat, progress, events, cancel, resume), same queue. Its columns are used as:
-``base_model`` the model as given (``job_…`` or a base model name), ``task`` that model's task,
+``base_model`` the model as given (``job_…`` or a base model name; for an alias, the job id it
+named at submit), ``task`` that model's task,
 ``training_dataset_id`` the dataset scored, ``spec`` the ``PredictionCreate`` body,
 ``label_names`` the model's classes, ``step``/``total_steps`` rows written/rows in the dataset,
 ``train_metrics`` the result (``PredictionResult``).
@@ -38,6 +39,7 @@ from shared.data.problems import Problems
 from shared.data.read import read_batches
 from shared.errors import UserError, without_paths
 from shared.inference.heads import task_of
+from shared.jobs import aliases
 from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
 from shared.jobs.lifecycle import admission, insert_queued
 from shared.jobs.models import trained_model
@@ -76,8 +78,10 @@ ENTITY = pa.struct([("entity_group", pa.string()), ("score", pa.float64()), ("wo
 
 @dataclass(frozen=True)
 class PredictionModel:
-    """The model a prediction uses: its directory, task, classes and longest input (tokens)."""
+    """The model a prediction uses: ``ref`` (a job id, an alias resolved, or a base model's name),
+    its directory, task, classes and longest input (tokens)."""
 
+    ref: str
     directory: Path
     task: str
     label_names: list[str] | None
@@ -115,8 +119,8 @@ def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
 
 
 def prediction_model(ref: str, caller: Caller) -> PredictionModel:
-    """The model ``ref`` names: a succeeded training job of ``caller``'s tenant (``job_…``), else a
-    base model (``shared.jobs.base_models``).
+    """The model ``ref`` names: a succeeded training job of ``caller``'s tenant (``job_…``, or one
+    of the tenant's aliases: ``shared.jobs.aliases.resolve``), else a base model (``shared.jobs.base_models``).
 
     Raises:
         UserError (naming ``model``): ``unknown_model`` (404 for a job id that does not exist or is
@@ -124,18 +128,19 @@ def prediction_model(ref: str, caller: Caller) -> PredictionModel:
             ``model_not_ready`` (409) for a job that has not succeeded, ``model_files_deleted``
             (409), ``model_without_head`` and ``unsupported_task`` (422).
     """
+    ref = aliases.resolve(ref, caller)
     if not ref.startswith("job_"):
         try:
             directory = resolve_model(ref)
         except UserError as e:
             raise UserError(e.code, e.message.replace("base_model", "model"), "model") from None
         task, names = head_of(directory, ref)
-        return PredictionModel(directory, task, names, max_input_length(directory))
+        return PredictionModel(ref, directory, task, names, max_input_length(directory))
     job, directory = trained_model(ref, caller)
     if job.task not in TASKS:
         raise UserError("unsupported_task", f"model {ref!r} was trained for {job.task}; predictions support "
                         f"{' and '.join(TASKS)}", "model")
-    return PredictionModel(directory, job.task, job.label_names, max_input_length(directory))
+    return PredictionModel(ref, directory, job.task, job.label_names, max_input_length(directory))
 
 
 # ----------------------------------------------------------------------------- the data
@@ -283,10 +288,11 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
         row = s.get(Dataset, checked.dataset.id, with_for_update={"read": True}, populate_existing=True)
         if row is None or row.deleted_at is not None:
             raise UserError("unknown_dataset", f"dataset {spec.dataset!r} was deleted", "dataset")
-        model_job = s.get(Job, spec.model, with_for_update={"read": True}, populate_existing=True)
+        model_job = s.get(Job, checked.model.ref, with_for_update={"read": True}, populate_existing=True)
         if model_job is not None and model_job.deleted_at is not None:
             raise UserError("model_deleted", f"model {spec.model!r} was deleted", "model", 404)
-        job = Job(id=new_id("job"), tenant=caller.tenant, kind=KIND, base_model=spec.model, task=checked.model.task,
+        job = Job(id=new_id("job"), tenant=caller.tenant, kind=KIND, base_model=checked.model.ref,  # an alias resolved
+                  task=checked.model.task,
                   training_dataset_id=row.id, spec=stored_spec(checked),
                   label_names=checked.model.label_names, total_steps=row.rows, created_at=received)
         return insert_queued(s, job, "prediction created and queued", claim, to_out)
@@ -325,7 +331,7 @@ def plan_prediction(checked: CheckedPrediction) -> dict:
     return {"rows": rows, "task": checked.model.task, "label_names": checked.model.label_names,
             "max_length": max_length, "tokens": tokens, "truncated": truncated, "padded_tokens": padded,
             "padding_efficiency": tokens / padded if padded else 1.0,
-            **estimate_seconds(spec.model, padded, checked.caller, kind=KIND, precision=spec.precision)}
+            **estimate_seconds(checked.model.ref, padded, checked.caller, kind=KIND, precision=spec.precision)}
 
 
 def padded_tokens(lengths: np.ndarray, budget: int, ladder: list[int]) -> int:
@@ -356,6 +362,7 @@ def to_out(job: Job) -> PredictionOut:
     done = total if job.status == JobStatus.SUCCEEDED else job.step
     return PredictionOut(
         id=job.id, status=job.status, model=job.base_model, task=job.task, dataset=job.training_dataset_id,
+        model_alias=spec["model"] if spec["model"] != job.base_model else None,
         text_column=spec["text_column"], text_pair_column=spec.get("text_pair_column"),
         id_column=spec.get("id_column"), batch_size=spec["batch_size"], max_length=spec.get("max_length"),
         precision=spec.get("precision", "auto"), label_names=job.label_names, created_at=job.created_at, started_at=job.started_at,

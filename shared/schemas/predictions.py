@@ -91,6 +91,8 @@ class PredictionOut(BaseModel):
     id: str
     status: str
     model: str
+    model_alias: str | None = Field(None, description="the alias ``model`` was given as; ``model`` is the job "
+                                    "it named when the prediction was submitted")
     task: str
     dataset: str
     text_column: str

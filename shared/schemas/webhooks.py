@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 EventType = Literal["job.succeeded", "job.failed", "job.cancelled",
                     "prediction.succeeded", "prediction.failed", "prediction.cancelled",
-                    "sweep.succeeded", "sweep.failed", "sweep.cancelled", "trial.pruned"]
+                    "sweep.succeeded", "sweep.failed", "sweep.cancelled", "trial.pruned", "model.alias_updated"]
 
 
 class WebhookCreate(BaseModel):

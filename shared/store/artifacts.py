@@ -5,7 +5,8 @@ Layout under the data directory (all server-chosen names, never a user's path)::
     checkpoints/<job>/step-<n>/   a running job's resumable checkpoints (weights, tokenizer, training_state.pt)
     checkpoints/<job>/best/       the best model so far (weights and config)
     checkpoints/<job>/final/      the weights after the last step, written while the final evaluation runs
-    artifacts/<job>/model/        the finished model: Hugging Face files, metrics.json, manifest.json
+    artifacts/<job>/model/        the finished model: Hugging Face files, metrics.json, evaluation.json,
+                                  README.md (the model card), manifest.json
     cache/tokenized/<sha256>/     tokenized texts of the dataset whose file has that sha256
 
 A finished job keeps one copy of its weights: the artifact is made by hard-linking the best or the
@@ -28,6 +29,7 @@ from shared.settings import get_settings
 from shared.store.manifest import MANIFEST, manifest_entries
 
 METRICS = "metrics.json"
+EVALUATION = "evaluation.json"  # the evaluation report (worker.evaluation)
 TRAINING_STATE = "training_state.pt"  # in checkpoints only; never part of a downloaded model
 CHUNK = 1 << 20
 

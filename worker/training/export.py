@@ -12,6 +12,9 @@ import torch
 from shared.schemas.jobs import json_safe
 from shared.store import artifacts
 from shared.store.manifest import manifest_entries
+from worker.device import describe
+from worker.evaluation import write_evaluation
+from worker.model_card import write_model_card
 from worker.reporter import PhaseTimer
 from worker.run_logs import write_run_logs
 from worker.training.files import write_atomically
@@ -52,6 +55,8 @@ def save_model(job_setup: JobSetup, state: TrainState, weights: Path, timings: C
     ``weights`` (safetensors and config with id2label, hard-linked: written once), tokenizer files
     (``model_max_length`` = the job's ``max_length``), ``training_args.json``,
     ``training_curves.png`` and TensorBoard event files under ``runs/`` (``worker.run_logs``),
+    ``evaluation.json`` and its pictures (``worker.evaluation``: the saved model on the validation rows),
+    the model card ``README.md`` (``worker.model_card``),
     ``metrics.json`` (the best and final evaluations of ``state``, training totals and
     ``timings()``, the phase timings so far) and ``manifest.json`` (each file's size and sha256;
     the entries in ``hashed``, from ``manifest_entries``, are taken as they are instead of reading
@@ -81,6 +86,9 @@ def save_model(job_setup: JobSetup, state: TrainState, weights: Path, timings: C
         job_setup.tokenizer.save_pretrained(tmp)
         (tmp / "training_args.json").write_text(json.dumps(job.spec, indent=2))
         write_run_logs(tmp, job)  # training_curves.png and runs/ (TensorBoard)
+        data = job_setup.data
+        report = write_evaluation(tmp, job.task, data and data.validation, job.spec, job_setup.device)
+        write_model_card(tmp, job, data, report, describe(job_setup.device), timings())  # README.md
         metrics_json = json.dumps(json_safe({**metrics, "timings": timings()}), indent=2, allow_nan=False)
         (tmp / artifacts.METRICS).write_text(metrics_json)
         artifacts.write_manifest(tmp, hashed)

@@ -51,6 +51,7 @@ class JobSetup:
     collator: BucketCollator | embedding.PairsCollator
     total_steps: int
     out_dir: Path  # this job's checkpoint directory
+    data: JobData | None = None  # its tables: the validation rows are the evaluation report's (worker.evaluation)
 
 
 def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporter, timer: PhaseTimer) -> JobSetup:
@@ -96,7 +97,7 @@ def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporte
         collator = embedding.PairsCollator(tokenizer, collator.ladder)
     return JobSetup(job, hp, model_dir, device, autocast_dtype(hp.precision, device), tokenizer, train_set, val_set,
                     plan, collator, plan.count_steps(hp.epochs, hp.gradient_accumulation_steps),
-                    artifacts.checkpoints_dir(job.id))
+                    artifacts.checkpoints_dir(job.id), data)
 
 
 def load_tokenizer(model_dir: Path, name: str, max_length: int):
