@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from celery import Celery
 
-from shared.jobs import lifecycle, predictions, sweeps
+from shared.jobs import lifecycle, orphans, predictions, sweeps
 from shared.schemas.jobs import JobCreate
 from shared.schemas.predictions import PredictionCreate
 from shared.settings import Settings, get_settings
@@ -128,7 +128,8 @@ class RecoveryThread:
                  every: Callable[[], float] | None = None, name: str = "tunejob-recover",
                  sweeps: tuple[Callable[[], object], ...] | None = None):
         self.stopping, self.join_seconds = threading.Event(), join_seconds
-        sweeps = (resend_recovered, top_up_sweeps, lifecycle.sweep_files, idempotency.purge_expired) \
+        sweeps = (resend_recovered, top_up_sweeps, lifecycle.sweep_files, orphans.collect_orphans,
+                  idempotency.purge_expired) \
             if sweeps is None else sweeps
         every = every or (lambda: get_settings().sweep_seconds)
         self.thread = threading.Thread(target=recovery_loop, args=(self.stopping, (*sweeps, *extra), every),
@@ -149,9 +150,9 @@ def recovery_loop(stop: threading.Event, sweeps: tuple[Callable[[], object], ...
     (``RecoveryThread``): re-queue jobs whose lease expired and (re-)send the messages of queued
     jobs (``shared.jobs.lifecycle.recover``), queue the trials a sweep is short of
     (``shared.jobs.sweeps.top_up_all``), apply the artifact retention and remove leftover
-    files (``shared.jobs.lifecycle.sweep_files``), and delete expired idempotency records. Runs in
-    the API and in every worker; any number of copies may run at once. A sweep that raises is
-    logged and tried again next time."""
+    files (``shared.jobs.lifecycle.sweep_files``) and the bucket's orphans (``shared.jobs.orphans``),
+    and delete expired idempotency records. Runs in the API and in every worker; any number of
+    copies may run at once. A sweep that raises is logged and tried again next time."""
     while True:
         for sweep in sweeps:
             try:

@@ -51,7 +51,7 @@ from shared.errors import UserError
 from shared.inference.precision import autocast_dtype
 from shared.jobs.base_models import resolve_model
 from shared.schemas.jobs import GREATER_IS_BETTER, Hyperparameters, json_safe
-from shared.store import artifacts
+from shared.store import artifacts, objects
 from shared.store.manifest import manifest_entries
 from shared.store.rows import Job
 from worker.data import BatchStats, JobData, TokenizedDataset, make_collator, tokenize
@@ -800,8 +800,9 @@ def save_checkpoint(run: Run, reporter: Reporter) -> None:
         torch.save(training_state(run), tmp / artifacts.TRAINING_STATE)
 
     _write_atomically(path, write)
-    for old in reporter.checkpoint(st.step, path, st.last_eval, keep=run.hp.save_total_limit):
-        shutil.rmtree(old, ignore_errors=True)
+    store = objects.store()  # the bucket, with TUNEJOB_STORAGE_URL: published before it is recorded
+    for old in reporter.checkpoint(st.step, store.publish(path), st.last_eval, keep=run.hp.save_total_limit):
+        store.remove(old)
 
 
 def training_state(run: Run) -> dict:
@@ -917,7 +918,8 @@ def save_model(run: Run, weights: Path, hashed: dict[str, dict] | None = None) -
 
     model_dir = artifacts.model_dir(run.job.id)
     _write_atomically(model_dir, write)
-    return model_dir
+    store = objects.store()  # with TUNEJOB_STORAGE_URL: into the bucket, then this host's cache
+    return store.local(store.publish(model_dir))
 
 
 def write_decision_threshold(model_dir: Path, threshold: float) -> None:

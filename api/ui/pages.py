@@ -15,7 +15,7 @@ from markupsafe import Markup
 from sse_starlette import EventSourceResponse
 
 from shared.jobs import lifecycle, predictions, sweeps, uploads
-from shared.store import artifacts, keys
+from shared.store import artifacts, keys, objects
 from shared.jobs.base_models import available_models
 from shared.data.problems import Problems
 from shared.data.read import read_batches
@@ -220,7 +220,7 @@ def datasets_page(request: Request, s: SessionDep):
 def dataset_page(request: Request, dataset_id: str, s: SessionDep):
     """A dataset's columns and first rows, and the form that plans and creates a job on it."""
     dataset = uploads.get_dataset(dataset_id, s.caller)
-    batch = next(read_batches(Path(dataset.path), dataset.format, dataset.filename, dataset.columns,
+    batch = next(read_batches(objects.dataset_file(dataset), dataset.format, dataset.filename, dataset.columns,
                               Problems(dataset.filename)), None)
     sample = [] if batch is None else [[batch.values[c][i] for c in dataset.columns]
                                        for i in range(min(SAMPLE_ROWS, batch.size))]
