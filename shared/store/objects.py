@@ -3,7 +3,7 @@ S3-compatible bucket when ``TUNEJOB_STORAGE_URL=s3://bucket/prefix`` is set.
 
 Files are always written into the data directory first, under the layout of
 ``shared.store.artifacts`` (``uploads/``, ``checkpoints/<job>/step-<n>/``, ``artifacts/<job>/model/``),
-then ``publish``\\ ed, and the store's rows hold what ``publish`` returns (a *ref*):
+then published (``publish``), and the store's rows hold what ``publish`` returns (a *ref*):
 
 - ``LocalDir``: the file's absolute path, nothing moves (the layout of every release before this one).
 - ``Bucket``: the path relative to the data directory is the object key under the prefix. The file
