@@ -4,16 +4,19 @@ rows, come back checked against the manifest, the host cache stays bounded, dele
 bucket, and a job runs on "hosts" that share nothing but the bucket and the job store."""
 
 import io
+import json
 import os
 import tarfile
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests import s3_support
 from tests.conftest import BASE_URL, auth_header, configure_stack
 from tests.test_api_jobs import labelled_csv, submit, upload
+from tests.test_predictions import body_for, scoring_csv
 
 
 @pytest.fixture(scope="session")
@@ -119,9 +122,10 @@ def test_the_host_cache_is_bounded_least_recently_used_first(bucket_env, tmp_pat
 
 
 def test_the_api_and_workers_share_only_the_bucket_and_the_store(bucket_env, models_dir, tmp_path, monkeypatch):
-    """Four "hosts", each with its own empty data directory: the API takes the upload and the job;
-    a worker trains it until SIGTERM's checkpoint; another worker resumes from the bucket's
-    checkpoint (steps exact); the API serves the model from the bucket; deletes empty the bucket."""
+    """"Hosts", each with its own empty data directory: the API takes the upload and the job; a
+    worker trains it until SIGTERM's checkpoint; another worker resumes from the bucket's
+    checkpoint (steps exact); the API serves the model from the bucket; a prediction's parts go
+    through the bucket too; single files redirect to presigned URLs; deletes empty the bucket."""
     from fastapi.testclient import TestClient
 
     from api.main import create_app
@@ -171,8 +175,28 @@ def test_the_api_and_workers_share_only_the_bucket_and_the_store(bucket_env, mod
             assert verify_manifest(tmp_path / "downloaded") == []
             assert files_outside_cache(tmp_path / "api-2") == []
 
+            # A prediction with that model: scored on worker 1's host, in parts (the bucket's),
+            # served by the API on a host that has none of them.
+            scored = upload(client, scoring_csv(rows=11), "score.csv")
+            r = client.post("/predictions", json=body_for(job["id"], scored))
+            assert r.status_code == 201, r.text
+            prediction = r.json()
+            on_host(tmp_path / "worker-1", TUNEJOB_PREDICT_PART_ROWS="4")
+            assert tasks.run_job(prediction["id"]) == "succeeded"
+            assert len(objects.store().listing(f"artifacts/{prediction['id']}/predictions")) == 3
+            on_host(tmp_path / "api-3", TUNEJOB_STORAGE_PRESIGNED_SECONDS="60")
+            r = client.get(f"/predictions/{prediction['id']}/results", params={"format": "jsonl"})
+            assert [json.loads(row)["id"] for row in r.text.splitlines()] == [f"d-{1000 - i}" for i in range(11)]
+
+            # With presigned URLs, a single file is a redirect to the bucket, which serves it.
+            r = client.get(f"/jobs/{job['id']}/artifacts/metrics.json", follow_redirects=False)
+            assert r.status_code == 307 and r.headers["location"].startswith(os.environ["AWS_ENDPOINT_URL"])
+            assert httpx.get(r.headers["location"]).content == (tmp_path / "downloaded" / "metrics.json").read_bytes()
+
+            assert client.delete(f"/predictions/{prediction['id']}").status_code == 204
             assert client.delete(f"/jobs/{job['id']}").status_code == 204
-            assert client.delete(f"/datasets/{dataset['id']}").status_code == 204
+            for dataset_id in (dataset["id"], scored["id"]):
+                assert client.delete(f"/datasets/{dataset_id}").status_code == 204
             store = objects.store()
             assert store.listing("artifacts") == store.listing("checkpoints") == store.listing("uploads") == []
     finally:
