@@ -242,3 +242,27 @@ def test_the_recovery_loop_collects_orphans_but_nothing_a_row_points_at(bucket_e
         ["uploads/ds_lost.csv", "checkpoints/job_gone/step-00000001", "artifacts/job_gone"])
     assert [key for key, _, _ in store.listing("uploads")] == [kept]
     assert store.listing("checkpoints") == store.listing("artifacts") == []
+
+
+def test_an_unreachable_bucket_is_a_503_and_leaves_no_row(bucket_env, models_dir, tmp_path, monkeypatch):
+    """An upload while the bucket does not answer: 503 with Retry-After (not a 500), no dataset
+    row and no file left behind."""
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from tests.faults_support import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    env = {k: v for k, v in os.environ.items() if k.startswith("TUNEJOB_STORAGE")}
+    drop = configure_stack("embedded", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"), "TUNEJOB_MODELS_DIR": str(models_dir),
+                                        **env})
+    try:
+        with TestClient(create_app(), base_url=BASE_URL) as client:
+            client.headers.update(auth_header("tenant-a"))
+            r = client.post("/datasets", files={"file": ("train.csv", io.BytesIO(labelled_csv()), "text/csv")})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "storage_unavailable", r.text
+            assert r.headers["Retry-After"]
+            assert client.get("/datasets").json()["data"] == []
+            assert not any(name.startswith("uploads/") for name in files_outside_cache(tmp_path / "api"))
+    finally:
+        drop()

@@ -39,6 +39,9 @@ CACHE = "cache/objects"
 PART_BYTES = 16 << 20  # multipart upload part size
 CHUNK = 1 << 20  # bytes a streamed download yields at a time
 DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
+# A failed request is tried again (object_store's exponential backoff) for at most this long, so
+# that an unreachable bucket fails an upload in seconds, not object_store's default 3 minutes.
+RETRY = {"max_retries": 4, "retry_timeout": timedelta(seconds=30)}
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,8 @@ class Bucket:
         from obstore.store import S3Store
 
         endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
-        self.store = S3Store.from_url(url, client_options={"allow_http": endpoint.startswith("http://")})
+        self.store = S3Store.from_url(url, client_options={"allow_http": endpoint.startswith("http://")},
+                                      retry_config=RETRY)
         self.data_path, self.cache_bytes, self.presigned_seconds = data_path, cache_bytes, presigned_seconds
 
     # ---------------------------------------------------------------- writing
@@ -155,7 +159,8 @@ class Bucket:
         the key, the ref a row stores.
 
         Raises:
-            OSError: an upload failed (the files stay where they are; nothing is cached).
+            obstore.exceptions.BaseError: an upload failed (the files stay where they are; nothing
+                is cached). The API answers it 503 ``storage_unavailable``.
         """
         import obstore
 
@@ -194,7 +199,8 @@ class Bucket:
         ``sha256`` when given). None when the bucket has no such object.
 
         Raises:
-            OSError: a download failed or does not match its manifest.
+            OSError: a download does not match its manifest. obstore.exceptions.BaseError: a
+                request to the bucket failed.
         """
         if os.path.isabs(ref):
             return LocalDir().local(ref)
