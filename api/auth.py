@@ -26,7 +26,8 @@ from limits import RateLimitItem, parse_many
 from limits.storage import storage_from_string
 from limits.strategies import SlidingWindowCounterRateLimiter
 
-from api import store
+from api import db
+from api.security import SAFE_METHODS
 from shared.errors import UserError
 from shared.settings import get_settings
 from shared.store import keys, ui_sessions
@@ -49,7 +50,7 @@ async def authenticate(
 
     Async, so that a request does not wait for a thread-pool hand-off to be authenticated: a cached
     key (``shared.store.keys.cached_caller``) is found on the event loop, a key not cached is looked
-    up (``shared.store.keys.authenticate``) as ``api.store.read`` does, and the rate check runs on
+    up (``shared.store.keys.authenticate``) as ``api.db.read`` does, and the rate check runs on
     the event loop too where its counters are in this process (``memory://``).
 
     Raises:
@@ -67,15 +68,16 @@ async def authenticate(
                         "local key is in <TUNEJOB_DATA_DIR>/api_key; more with `tunejob keys create`)",
                         "Authorization", status=401, headers=UNAUTHORIZED)
     else:
-        caller = keys.cached_caller(credentials.credentials) or await store.read(keys.authenticate,
-                                                                                 credentials.credentials)
-        if caller is None:
+        found = keys.cached_caller(credentials.credentials) or await db.read(keys.authenticate,
+                                                                                credentials.credentials)
+        if found is None:
             raise UserError("invalid_api_key", "the API key is not valid, or it was revoked", "Authorization",
                             status=401, headers=UNAUTHORIZED)
+        caller = found
     if get_settings().rate_limit_storage_url.startswith("memory://"):
         check_rate(caller)
     else:
-        await store.in_thread(check_rate, caller)  # a network round trip to the shared counters
+        await db.in_thread(check_rate, caller)  # a network round trip to the shared counters
     return caller
 
 
@@ -87,12 +89,10 @@ async def session_caller(request: Request, token: str) -> Caller:
         UserError: 401 ``session_expired`` (unknown, expired or signed-out session, or its key
             revoked); 403 ``csrf_token_invalid``.
     """
-    found = await store.read(ui_sessions.resolve, token)
+    found = await db.read(ui_sessions.resolve, token)
     if found is None:
         raise UserError("session_expired", "the dashboard session has expired or was signed out: sign in again at "
                         "/ui/login", ui_sessions.COOKIE, status=401)
-    from api.security import SAFE_METHODS  # not at the top: api.security -> api.errors -> api.auth
-
     caller, csrf = found
     if request.method not in SAFE_METHODS and not ui_sessions.csrf_matches(
             csrf, request.headers.get(ui_sessions.CSRF_HEADER)):
@@ -120,6 +120,8 @@ def check_rate(caller: Caller) -> None:
     Raises:
         UserError: 429 ``rate_limited``, ``Retry-After`` = seconds until the window lets one through.
     """
+    if caller.key_id is None:  # an internal caller: no key to count against
+        return
     settings = get_settings()
     limiter = _limiter(settings.rate_limit_storage_url)
     for item in _rate_limits(settings.rate_limit):

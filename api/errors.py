@@ -1,8 +1,8 @@
 """Every error leaves the API as ``{"error": {"code", "message", "param"}}`` (plus ``problems``, a
 data validation report, where there is one); never a stack trace, a server path or NaN.
 
-The OpenAPI schema says so too, from one place: ``install_error_handlers`` makes the app's schema
-document ``ErrorBody`` for every 4xx an operation can return. Every operation gets 422 when it
+The OpenAPI schema says so too, from one place: ``api.openapi.install_openapi`` makes the app's
+schema document ``ErrorBody`` for every 4xx an operation can return. Every operation gets 422 when it
 takes parameters or a body, 400 when it takes a body (one that cannot be decoded), and 404 when
 its path names a resource (``{...}``); every operation that needs an API key gets 401, 429 and
 503; a router or route adds its own with ``responses=error_responses(413, ...)``. Routes added
@@ -11,6 +11,7 @@ later inherit this.
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,7 +24,6 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
-from api.auth import PUBLIC_PATHS
 from api.request_id import HEADER as REQUEST_ID_HEADER
 from api.request_id import current_request_id
 from shared.errors import UserError
@@ -91,13 +91,13 @@ def error_responses(*statuses: int) -> dict[int | str, dict]:
 
 
 def error_response(status: int, code: str, message: str, param: str | None = None,
-                   problems: list[dict] | None = None, headers: dict | None = None) -> JSONResponse:
+                   problems: list[dict] | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
     error = {"code": code, "message": message, "param": param, **({"problems": problems} if problems else {})}
     return SafeJSONResponse({"error": error}, status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Error handlers for every exception, and the app's OpenAPI schema documenting them."""
+    """Error handlers for every exception (``api.openapi`` documents them in the app's schema)."""
 
     @app.exception_handler(UserError)
     async def _user_error(_: Request, e: UserError):
@@ -145,7 +145,6 @@ def install_error_handlers(app: FastAPI) -> None:
                               + (f" (request id {request_id})" if request_id else ""),
                               headers={REQUEST_ID_HEADER: request_id} if request_id else None)
 
-    app.openapi = lambda: _openapi(app)
 
 
 def field_path(error: dict, body: Any) -> list[str]:
@@ -171,7 +170,7 @@ def field_path(error: dict, body: Any) -> list[str]:
 
 def allowed_methods(request: Request) -> list[str]:
     """Every method some route serves at this path (Starlette's own 405 names only the first route's)."""
-    methods = set()
+    methods: set[str] = set()
     for route in request.app.router.routes:
         if route.matches(request.scope)[0] != Match.NONE:
             methods |= getattr(route, "methods", None) or set()
@@ -182,43 +181,3 @@ def show(value: Any) -> str:
     """A rejected input as an error message quotes it: its repr, truncated."""
     text = repr(value)
     return text if len(text) <= 80 else text[:80] + "…"
-
-
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema, with ``ErrorBody`` for each 4xx (and the store's 503) of each operation
-    (see the module doc)."""
-    if app.openapi_schema:
-        return app.openapi_schema
-    from fastapi.openapi.utils import get_openapi
-
-    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    error_schema = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
-    for name, definition in {**error_schema.pop("$defs"), "ErrorBody": error_schema}.items():
-        components.setdefault(name, definition)
-    ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
-    for path, operations in schema.get("paths", {}).items():
-        for operation in operations.values():
-            responses = operation.setdefault("responses", {})
-            if "4XX" in responses:  # documents its own error bodies (the /v1 facade's OpenAI shape)
-                continue
-            statuses = [int(s) for s in responses if s.startswith("4")]
-            if path in PUBLIC_PATHS:
-                operation["security"] = []  # no key needed (the app-wide dependency lists the scheme everywhere)
-            else:
-                statuses += [401, 429, 503]  # no valid key; the key's request rate; the store's write lock
-            if operation.get("parameters") or operation.get("requestBody"):
-                statuses.append(422)
-            if operation.get("requestBody"):
-                statuses.append(400)  # a body that cannot be decoded at all
-            if "{" in path:
-                statuses.append(404)
-            for status in sorted(set(statuses)):
-                entry = responses.setdefault(str(status), {"description": ERROR_STATUSES.get(status, "Client error.")})
-                if entry.get("description") == "Validation Error":
-                    entry["description"] = ERROR_STATUSES[422]
-                entry["content"] = ref
-    for name in ("HTTPValidationError", "ValidationError"):
-        components.pop(name, None)
-    app.openapi_schema = schema
-    return schema

@@ -27,7 +27,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -37,13 +37,13 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 from sse_starlette import ServerSentEvent
 
-from api import store
+from api import db
 from shared.errors import NotFound, UserError
 from shared.jobs import lifecycle, predictions
 from shared.jobs.positions import moved, queue_positions
-from shared.schemas.queue import QueuePosition
 from shared.schemas.jobs import EventOut, JobOut, MetricOut
 from shared.schemas.predictions import PredictionOut
+from shared.schemas.queue import QueuePosition
 from shared.settings import get_settings
 from shared.store.engine import data_version, read_session
 from shared.store.rows import Job, JobEvent, JobMetric, JobStatus
@@ -53,8 +53,9 @@ log = logging.getLogger("tunejob.api")
 QUEUE_SIZE = 256  # reads a slow stream may fall behind before it is dropped and re-reads the store
 _CURSOR = re.compile(r"m(\d+)-e(\d+)")
 # pydantic's JSON (a non-finite metric value, e.g. a diverged loss, becomes null; json.dumps would refuse it)
-_ROWS = TypeAdapter(dict[str, list[MetricOut] | list[EventOut]])
-VIEWS = {"train": lifecycle.to_out, predictions.KIND: predictions.to_out}  # the API view of a job of each kind
+_ROWS = TypeAdapter(dict[str, list[MetricOut | EventOut]])
+VIEWS: dict[str, Callable[[Job], JobOut | PredictionOut]] = {  # the API view of a job of each kind
+    "train": lifecycle.to_out, predictions.KIND: predictions.to_out}
 
 
 @dataclass
@@ -267,13 +268,13 @@ class Feeds:
                     del self.by_job[job_id]  # its last stream closed
                 new = [feed for feed in self.by_job.values() if not feed.started.is_set()]
                 if new:
-                    heads = await store.in_thread(read_heads, [feed.job_id for feed in new])
+                    heads = await db.in_thread(read_heads, [feed.job_id for feed in new])
                     for feed in new:
                         self._start_or_end(feed, heads.get(feed.job_id))
                 # not those just started (read after `version`), nor those subscribed meanwhile (next round)
                 running = [feed for feed in self.by_job.values() if feed.started.is_set() and feed not in new]
                 if running and (version is None or version != seen):
-                    reads = await store.in_thread(read_store, {f.job_id: f.cursor for f in running},
+                    reads = await db.in_thread(read_store, {f.job_id: f.cursor for f in running},
                                                   {f.job_id: f.updated_at for f in running})
                     complete = all(read.complete for read in reads.values())
                     for feed in running:
@@ -314,11 +315,11 @@ class Feeds:
         while True:  # a second round only after falling behind the feed
             feed, queue = await self.subscribe(job_id)
             try:
-                read = await store.in_thread(read_job, job_id, sent.cursor)
+                read = await db.in_thread(read_job, job_id, sent.cursor)
                 for message in sent.new(read, catching_up=True):
                     yield message
                 while not read.complete:
-                    read = await store.in_thread(read_job, job_id, sent.cursor)
+                    read = await db.in_thread(read_job, job_id, sent.cursor)
                     for message in sent.new(read):
                         yield message
                 if read.finished:
@@ -355,7 +356,7 @@ class Feeds:
             finally:
                 merged.put_nowait(None)
 
-        heads = await store.in_thread(read_heads, job_ids)
+        heads = await db.in_thread(read_heads, job_ids)
         for job_id in [*gone, *(i for i in job_ids if i not in heads)]:
             yield gone_message(job_id)
         tasks = [asyncio.create_task(forward(job_id, cursor)) for job_id, (cursor, _) in heads.items()]
@@ -417,7 +418,7 @@ class Sent:
         return ServerSentEvent(data, event=event, id=str(self.cursor))
 
 
-def rows_json(rows: list[tuple[int, MetricOut | EventOut]]) -> str:
+def rows_json(rows: Sequence[tuple[int, MetricOut | EventOut]]) -> str:
     """``{"data": [rows]}`` without the ids."""
     return _ROWS.dump_json({"data": [row for _, row in rows]}).decode()
 

@@ -1,32 +1,21 @@
-"""Request headers that several routers read, and the idempotent submission of a job."""
+"""Request headers that several routers read (``Idempotency-Key``), and the answer to a request
+that carried one: on a retry, the first request's response again (``shared.queue.submit_once``)."""
 
-from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Header
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from shared.queue import submit
 from shared.store import idempotency
-from shared.store.rows import Job
-from shared.store.tenancy import Caller
 
 IdempotencyKey = Annotated[str | None, Header(alias=idempotency.HEADER, min_length=1, max_length=255,
                                               description=idempotency.HEADER_DESCRIPTION)]
 
 
-def submit_once(route: str, spec: BaseModel, caller: Caller, key: str | None,
-                view: Callable[[Job], BaseModel]) -> BaseModel | JSONResponse:
-    """Store and queue a job of either kind (``shared.queue.submit``) once per ``Idempotency-Key``
-    ``key`` and body: the new job's API view (``view(job)``), or on a retry the first answer again.
-
-    Raises:
-        UserError: see ``shared.queue.submit``; 422 ``idempotency_key_reused`` (another body), 409
-            ``idempotency_key_in_use`` (the first request with the key is still running).
-    """
-    job = idempotency.once(caller.tenant, route, key, idempotency.fingerprint(spec.model_dump_json()),
-                           lambda claim: submit(spec, caller, claim))
-    if isinstance(job, idempotency.Replay):
-        return JSONResponse(job.body, status_code=job.status_code)
-    return view(job)
+def respond(answer: BaseModel | idempotency.Replay) -> BaseModel | JSONResponse:
+    """The response to an idempotent creation: the new resource's view, or a retry's replay of the
+    first response (its status and body, as stored)."""
+    if isinstance(answer, idempotency.Replay):
+        return JSONResponse(answer.body, status_code=answer.status_code)
+    return answer

@@ -1,5 +1,5 @@
 """The FastAPI application: thin routers over ``shared``. On start-up it runs the migrations and
-starts the recovery loop (reaper and sweeper, ``shared.jobs.lifecycle.recover``).
+starts the recovery loop (``shared.queue.recovery_loop``).
 
 Swagger UI (``/docs``) and ReDoc (``/redoc``) load their scripts and styles from this service
 (``/docs/static``, the files bundled in the fastapi-offline package), not from a CDN, so they work
@@ -19,6 +19,7 @@ from api.auth import authenticate
 from api.errors import install_error_handlers
 from api.feeds import Feeds
 from api.metrics import install_metrics, process_exiting
+from api.openapi import install_openapi
 from api.request_id import RequestId
 from api.routers import datasets, inference, jobs, live, models, openai_v1, predictions, sweeps, webhooks
 from api.security import HostAndOriginCheck, allowed_hosts
@@ -38,7 +39,7 @@ async def lifespan(_: FastAPI):
     upgrade_database()
     recovery = RecoveryThread(extra=(estimate_queued,))  # the API plans queued jobs (shared.jobs.positions)
     # The API sends webhooks (why the API and not the workers: shared.jobs.webhooks)
-    deliveries = RecoveryThread(sweeps=(deliver_due,), every=lambda: get_settings().webhooks_poll_seconds,
+    deliveries = RecoveryThread(chores=(deliver_due,), every=lambda: get_settings().webhooks_poll_seconds,
                                 name="tunejob-webhooks")
     recovery.start()
     deliveries.start()
@@ -57,6 +58,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
                                      "multi-label) and regression. "
                                      "Send `Authorization: Bearer <API key>` with every request but `/healthz`.")
     install_error_handlers(app)
+    install_openapi(app)
     app.add_middleware(HostAndOriginCheck, allowed_hosts=allowed_hosts(bound_host or get_settings().host))
     app.add_middleware(RequestId)  # added last: the outermost, so even a refused Host gets an id
     app.state.feeds = Feeds()  # one store reader for every streamed job (GET /jobs/{id}/stream, /ui)

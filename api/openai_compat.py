@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
 from shared.errors import NotFound, UserError
 from shared.jobs import uploads
@@ -174,7 +175,7 @@ class OpenAIHyperparameters(Hyperparameters):
     # integral 5.0 is a batch size of 5)
     n_epochs: Literal["auto"] | Annotated[float, Field(gt=0, le=1000)] | None = Field(
         None, union_mode="left_to_right", description="tunejob's `epochs`; may be fractional")
-    batch_size: Literal["auto"] | Annotated[int, Field(ge=1, le=4096)] = Field(
+    batch_size: Literal["auto"] | Annotated[int, Field(ge=1, le=4096)] = Field(  # type: ignore[assignment]
         "auto", union_mode="left_to_right", description="tunejob's `batch_size` (the micro-batch)")
     learning_rate_multiplier: Literal["auto"] | Annotated[float, Field(gt=0, le=1000)] | None = Field(
         None, union_mode="left_to_right", description=f"`learning_rate` = this x {DEFAULT_LEARNING_RATE}")
@@ -235,7 +236,7 @@ class ParamNames:
         head, _, name = (param or "").partition(".")
         if head == "hyperparameters" and name:
             return self.renamed.get(name, f"{self.hyperparameters}.{name}")
-        return OPENAI_FIELDS.get(param, param)
+        return OPENAI_FIELDS.get(param, param) if param is not None else None
 
 
 def bad_request(code: str, message: str, param: str) -> UserError:
@@ -267,19 +268,20 @@ def job_spec(body: FineTuningJobCreate, caller: Caller) -> tuple[JobCreate, Para
             and "text_pair" in _columns(body.training_file, caller)):
         tunejob_fields["text_pair_column"] = "text_pair"
     try:
-        spec = JobCreate(base_model=body.model, training_dataset=body.training_file,
-                         validation_dataset=body.validation_file, hyperparameters=hyperparameters,
-                         metadata=body.metadata, suffix=body.suffix, **tunejob_fields)
+        spec = JobCreate.model_validate({
+            "base_model": body.model, "training_dataset": body.training_file,
+            "validation_dataset": body.validation_file, "hyperparameters": hyperparameters,
+            "metadata": body.metadata, "suffix": body.suffix, **tunejob_fields})
     except ValidationError as e:
         raise RequestValidationError([_renamed(error, names) for error in e.errors()]) from e
     return spec, names
 
 
-def _renamed(error: dict, names: ParamNames) -> dict:
+def _renamed(error: ErrorDetails, names: ParamNames) -> dict:
     """A pydantic error about a ``JobCreate`` field, located at the request's name for it."""
     if not error["loc"]:
-        return error
-    return {**error, "loc": ("body", *names(".".join(map(str, error["loc"]))).split("."))}
+        return dict(error)
+    return {**error, "loc": ("body", *(names(".".join(map(str, error["loc"]))) or "").split("."))}
 
 
 def native_hyperparameters(body: FineTuningJobCreate, names: ParamNames) -> dict[str, Any]:
@@ -443,7 +445,7 @@ def fine_tuning_job(job: Job) -> FineTuningJob:
         seed=hp.seed, status=job.status,
         trained_tokens=(job.train_metrics or {}).get("real_tokens") if finished else None,
         training_file=job.training_dataset_id, validation_file=job.validation_dataset_id,
-        estimated_finish=int(time.time() + job.eta_seconds) if running_eta else None,
+        estimated_finish=int(time.time() + job.eta_seconds) if running_eta and job.eta_seconds is not None else None,
         metadata=job.spec.get("metadata"), method=MethodOut(supervised=SupervisedMethodOut(hyperparameters=hyperparameters)),
     )
 

@@ -26,7 +26,7 @@ class HeaderDeadline(HttpToolsProtocol):
         self.header_timeout = get_settings().http_header_timeout_seconds
         self.header_deadline: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's own
         super().connection_made(transport)
         self._arm()
 

@@ -8,6 +8,7 @@ import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fastapi import Request
 from python_multipart.exceptions import MultipartParseError
@@ -79,13 +80,14 @@ async def store_upload(request: Request, caller: Caller, idempotency_key: str | 
         if check_fields is not None:
             check_fields(received.fields)
         sha256 = received.sha256.hexdigest()
+        filename, format_ = received.filename, received.format
+        assert filename is not None and format_ is not None  # set with the file part, which _receive requires
 
         def store(claim: idempotency.Claim | None) -> Dataset:
-            return uploads.store_dataset(tmp, received.filename, received.format, received.size, sha256, caller,
-                                         claim)
+            return uploads.store_dataset(tmp, filename, format_, received.size, sha256, caller, claim)
 
         return await run_in_threadpool(idempotency.once, caller.tenant, "POST /datasets", idempotency_key,
-                                       idempotency.fingerprint(received.filename, sha256), store)
+                                       idempotency.fingerprint(filename, sha256), store)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -99,7 +101,7 @@ async def _receive(request: Request, path: Path, limit: int) -> Received:
                         "file", 415)
     received = Received(path)
     headers: dict[bytes, bytes] = {}
-    state = {"field": b"", "value": b"", "part": None, "data": b""}
+    state: dict[str, Any] = {"field": b"", "value": b"", "part": None, "data": b""}
     out = open(path, "wb")
 
     def on_header_field(data: bytes, start: int, end: int) -> None:

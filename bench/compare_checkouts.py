@@ -6,7 +6,8 @@ On the CPU the engine is deterministic, so two checkouts whose steps compute the
 the same losses up to float rounding (a relative difference near 1e-7); a change that alters what
 a step computes shows at once, long before it would show in an accuracy averaged over seeds.
 
-Each side runs ``worker.train.setup`` and ``train`` (no evaluation inside), then scores the final
+Each side runs the recipe's ``setup``, ``warm_up`` and ``train`` (``worker.training.recipe``;
+``worker.train`` in checkouts before it; no evaluation inside), then scores the final
 weights on the held-out rows; the job has no validation set, so nothing but the step differs. The
 reporter is each checkout's own ``tests.conftest.RecordingReporter``.
 
@@ -32,7 +33,6 @@ import pandas as pd, torch
 from shared.store.rows import Job
 from shared.schemas.jobs import JobCreate
 from tests.conftest import RecordingReporter
-from worker import train as engine
 from worker.data import JobData
 
 train, test = pd.read_pickle(f"{data}/train.pkl"), pd.read_pickle(f"{data}/test.pkl")
@@ -42,15 +42,25 @@ job = Job(id="compare", task="classification", base_model="all-MiniLM-L6-v2", la
           spec=spec.model_dump(mode="json"))
 names = ["t.csv", "t.csv"] if "train_name" in inspect.signature(JobData).parameters else []  # before the cache
 reporter = RecordingReporter()
-run = engine.setup(job, JobData(train, None, *names), torch.device("cpu"), reporter)
-engine.train(run, reporter)
+try:
+    from worker.training.recipe import Recipe
+except ImportError:  # a checkout before the recipe class: worker.train's functions
+    from worker import train as engine
+    run = engine.setup(job, JobData(train, None, *names), torch.device("cpu"), reporter)
+    engine.train(run, reporter)
+    tokenizer = run.tokenizer
+else:
+    run = Recipe(job, torch.device("cpu")).setup(JobData(train, None, *names), reporter)
+    run.warm_up(reporter)
+    run.train(reporter)
+    tokenizer = run.job_setup.tokenizer
 run.model.eval()
 correct = 0
 with torch.no_grad():
     for i in range(0, len(test), 64):
         chunk = test.iloc[i:i + 64]
-        enc = run.tokenizer(list(chunk.text), truncation=True, max_length=hp["max_length"], padding=True,
-                            return_tensors="pt")
+        enc = tokenizer(list(chunk.text), truncation=True, max_length=hp["max_length"], padding=True,
+                        return_tensors="pt")
         predicted = run.model(**enc).logits.argmax(-1).tolist()
         correct += sum(labels[p] == label for p, label in zip(predicted, chunk.label))
 print("RESULT " + json.dumps({"loss": reporter.series("train_loss"), "grad_norm": reporter.series("grad_norm"),

@@ -1,6 +1,6 @@
 """The engine runner: whole epochs of one configuration through the worker's own recipe
-(``worker.train.setup`` then ``train``, as a job runs them), with a transient ``Job`` and a
-reporter that needs no job store.
+(``worker.training.recipe.Recipe``: ``setup``, ``warm_up`` then ``train``, as a job runs them), with a
+transient ``Job`` and a reporter that needs no job store.
 
 A configuration is a batching strategy with optional hyperparameters, ``<batching>[:<name>=<value>...]``:
 ``smart``, ``fixed``, ``smart:pad_to_multiple_of=8``, ``token_budget:max_tokens_per_batch=866``.
@@ -68,7 +68,7 @@ def make_job(config: str, spec, labels: list[str], task: str = "classification")
 
 
 class BenchReporter:
-    """The engine's reporter without a job store (the methods ``worker.report.Reporter`` offers the
+    """The engine's reporter without a job store (the methods ``worker.reporter.Reporter`` offers the
     recipe): events are kept, metrics dropped, the run never stopped. ``should_stop``, which the
     recipe asks after every optimizer step but the last, marks the end of each epoch and the start
     of a one-epoch run's steady-state window; it reads the host-side counts of ``run.state`` and
@@ -89,7 +89,7 @@ class BenchReporter:
         st = self.run.state if self.run is not None else None
         if st is None or st.step == 0:
             return None
-        batches = len(self.run.plan.batches)
+        batches = len(self.run.job_setup.plan.batches)
         if st.batch_in_epoch == batches and len(self.epoch_ends) == st.epoch:
             self.epoch_ends.append(self.mark())
         elif self.epochs == 1 and self.steady_start is None and st.batch_in_epoch >= steady_from(batches):
@@ -127,28 +127,27 @@ def run_engine(config: str, spec, train: pd.DataFrame, val: pd.DataFrame | None,
         RuntimeError: the run did not complete its epochs.
     """
     from worker.data import JobData
-    from worker.train import evaluate, setup, warm_up
-    from worker.train import train as train_epochs
+    from worker.training.recipe import Recipe
 
     clock = Clock(device)
     reporter = BenchReporter(clock, spec.epochs)
     job = make_job(config, spec, labels, task)
     began = clock.now()
-    run = setup(job, JobData(train, val), device, reporter)
-    reporter.run = run
+    run = Recipe(job, device)
+    reporter.run = run.setup(JobData(train, val), reporter)
     loaded = clock.now()
-    warm_up(run, reporter)
+    run.warm_up(reporter)
     warmed = clock.now()
-    outcome = train_epochs(run, reporter)
+    outcome = run.train(reporter)
     if outcome != "completed":
         raise RuntimeError(f"the engine stopped with {outcome!r} before its last epoch")
     reporter.epoch_ends.append(reporter.mark())
     figures = epoch_figures(loaded, reporter.epoch_ends, reporter.steady_start)
     row = {"kind": "engine", "load_seconds": loaded - began, "warmup_seconds": warmed - loaded,
            "train_seconds": sum(figures["epoch_seconds"]),
-           **figures, **flops_per_real_token(run.model, run.train_set.lengths),
+           **figures, **flops_per_real_token(run.model, run.job_setup.train_set.lengths),
            "events": reporter.events}
     if val is not None:
-        metrics = evaluate(run)
+        metrics = run.evaluate()
         row.update({name: metrics[name] for name in HELD_OUT[task]})
     return row

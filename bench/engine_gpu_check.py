@@ -1,7 +1,7 @@
 """Checks of the engine's CUDA-graph path that the CPU tests cannot make: run it on a GPU machine.
 
-Drives the real recipe (``worker.train.setup``, ``warm_up``, ``train``) on synthetic short texts and
-prints one JSON object: each check with ``ok`` and what it measured.
+Drives the real recipe (``worker.training.recipe.Recipe``: ``setup``, ``warm_up``, ``train``) on
+synthetic short texts and prints one JSON object: each check with ``ok`` and what it measured.
 
 - ``captured``: ``warm_up`` captured graphs (event ``cuda_graphs``), weights and AdamW state did not
   move, and no cuDNN attention.
@@ -39,20 +39,23 @@ with dropout off (``matches_eager``); "replays draw new dropout masks" in ``chec
 ``failed_capture`` reserved memory flat at 6,430 MiB; capture 1.2-2.2 s for 4 widths; 17 steps
 with graphs 0.14 s against 0.47 s eagerly.
 
-The cases of issue 40 (packed micro-batches, ``worker.packing``):
+The cases of issue 40 (packed micro-batches, ``worker.training.packing``):
 
 - ``packed_matches_padded``: with dropout off and graphs off, a job with ``packing: true`` trains
   like the same job padded (losses within bf16 rounding), says so in an event, computes no
   padding, and reads nothing back per step (no synchronising call).
 - ``packed_speed``: long texts at ``--long-length`` (BBC-like: most near the limit, some short),
-  dropout on, eager steps: training seconds and real tokens/s padded and packed, with the peak
-  memory of each.
+  dropout on: training seconds and real tokens/s of eager steps padded and packed, and of packed
+  steps on CUDA graphs (token buckets), with the peak memory of each.
+- ``packed_graphs``: with dropout off, the packed job on CUDA graphs (captured per token bucket and
+  checked) trains like the eager packed job (losses within bf16 rounding), with no synchronising
+  call.
 
 The one-command acceptance run (on the GPU machine, after ``source .device/gpu/on-device.sh``, see
 ../shared/gpu/README.md), this script then the whole-epoch benchmark, peers in the same lease:
     python -m bench.engine_gpu_check --model bert-base-rand --json $OUT/engine_gpu_check.json && \
     python -m bench.train --device cuda --precision bf16 --model bert-base-rand --dataset both \
-        --configs smart,trainer,trainer_cudnn_off --repeats 2 --json $OUT/bench.json --markdown $OUT/bench.md
+        --configs smart,smart:packing=true,trainer,trainer_cudnn_off --repeats 2 --json $OUT/bench.json --markdown $OUT/bench.md
 ``--device cpu --model <a local model>`` runs the same script on the CPU (graph checks are skipped),
 to check the script itself.
 """
@@ -75,7 +78,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pandas as pd
 import torch
 
-from worker.report import (
+from worker.reporter import (
     MemoryReporter,  # settings are read at run time, after main sets TUNEJOB_DATA_DIR
 )
 
@@ -83,7 +86,7 @@ WORDS = "the a film story plot actor scene great bad dull fun long short music e
 
 
 class Recorder(MemoryReporter):
-    """The engine's reporter without a job store (``worker.report.MemoryReporter``), with the
+    """The engine's reporter without a job store (``worker.reporter.MemoryReporter``), with the
     training losses by step and the events as (code, message) pairs."""
 
     @property
@@ -107,7 +110,7 @@ def make_run(args, device, reporter, checkpoint=None, dropout=True, words=(3, 60
     from shared.schemas.jobs import JobCreate
     from shared.store.rows import Job
     from worker.data import JobData
-    from worker.train import setup
+    from worker.training.recipe import Recipe
 
     hp = {"epochs": 1, "batch_size": args.batch_size, "max_length": args.max_length, "learning_rate": 5e-5,
           "precision": args.precision, "seed": 42, "eval_every_steps": 10**9, "save_every_steps": 10**9,
@@ -116,7 +119,7 @@ def make_run(args, device, reporter, checkpoint=None, dropout=True, words=(3, 60
     job = Job(id=f"check-{uuid.uuid4().hex[:8]}", task="classification", base_model=args.model,
               label_names=["fresh", "rotten"], spec=spec.model_dump(mode="json"))
     df = texts(args.examples, seed=0, words=words)
-    run = setup(job, JobData(df, None), device, reporter, checkpoint)
+    run = Recipe(job, device).setup(JobData(df, None), reporter, checkpoint)
     if not dropout:
         for module in run.model.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -162,7 +165,7 @@ def issue_29_cases(args, device) -> dict[str, dict]:
     for case in (checked_and_replay_order, no_padding, later_widths, failed_capture, accumulation, packed_cases):
         try:
             out.update(case(args, device))
-        except Exception:  # noqa: BLE001 - one case's crash must not hide the others' results
+        except Exception:
             out[case.__name__] = {"ok": False, "error": traceback.format_exc()[-2000:]}
     return out
 
@@ -170,7 +173,6 @@ def issue_29_cases(args, device) -> dict[str, dict]:
 def packed_cases(args, device) -> dict[str, dict]:
     """``packed_matches_padded`` and ``packed_speed`` (module docstring)."""
     from shared.settings import get_settings
-    from worker.train import train, warm_up
 
     out, trained = {}, {}
     get_settings().cuda_graphs = False
@@ -178,11 +180,11 @@ def packed_cases(args, device) -> dict[str, dict]:
         for packing in (False, True):
             rec = Recorder()
             run = make_run(args, device, rec, dropout=False, packing=packing)
-            warm_up(run, rec)
+            run.warm_up(rec)
             torch.cuda.set_sync_debug_mode("warn")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                train(run, rec)
+                run.train(rec)
             torch.cuda.set_sync_debug_mode("default")
             syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
             trained[packing] = rec, run.state, syncs
@@ -195,24 +197,45 @@ def packed_cases(args, device) -> dict[str, dict]:
             "largest_relative_difference": difference, "steps": steps, "sync_warnings": len(syncs),
             "sync_examples": syncs[:3], "events": [m for c, m in packed.said if c == "packing"]}
 
+        get_settings().cuda_graphs = True
+        rec = Recorder()
+        run = make_run(args, device, rec, dropout=False, packing=True)
+        run.warm_up(rec)
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run.train(rec)
+        torch.cuda.set_sync_debug_mode("default")
+        graph_syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+        difference = largest_difference(rec.losses, packed.losses)
+        message = captured_message(rec)
+        out["packed_graphs"] = {"ok": "packed micro-batches" in message and difference < 2e-2
+                                and len(graph_syncs) <= len(rec.losses) // 20 + 2,
+                                "largest_relative_difference": difference, "sync_warnings": len(graph_syncs),
+                                "event": message}
+
         long_args = argparse.Namespace(**{**vars(args), "max_length": args.long_length})
         speed = {}
-        for packing in ("padded", "packed"):
+        for packing in ("padded", "packed", "packed_graphs"):
+            get_settings().cuda_graphs = packing == "packed_graphs"
             rec = Recorder()
             run = make_run(long_args, device, rec, words=(args.long_length // 4, args.long_length),
-                           packing=packing == "packed")
-            warm_up(run, rec)
+                           packing=packing != "padded")
+            _, warm_seconds = timed(lambda run=run, rec=rec: run.warm_up(rec))
             torch.cuda.reset_peak_memory_stats()
-            _, seconds = timed(lambda: train(run, rec))
+            _, seconds = timed(lambda run=run, rec=rec: run.train(rec))
             st = run.state
-            speed[packing] = {"train_s": round(seconds, 3), "steps": st.step, "real_tokens": st.real_tokens,
+            speed[packing] = {"warm_up_s": round(warm_seconds, 3), "train_s": round(seconds, 3), "steps": st.step,
+                              "real_tokens": st.real_tokens,
                               "computed_tokens": st.padded_tokens,
                               "real_tokens_per_s": round(st.real_tokens / seconds),
                               "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20),
-                              "events": [m for c, m in rec.said if c == "packing"]}
+                              "events": [m for c, m in rec.said if c in ("packing", "cuda_graphs", "cuda_graphs_off")]}
         out["packed_speed"] = {"ok": speed["packed"]["computed_tokens"] == speed["packed"]["real_tokens"],
                                "max_length": args.long_length,
-                               "speedup": round(speed["padded"]["train_s"] / speed["packed"]["train_s"], 3), **speed}
+                               "speedup": round(speed["padded"]["train_s"] / speed["packed"]["train_s"], 3),
+                               "graphs_speedup": round(speed["padded"]["train_s"] / speed["packed_graphs"]["train_s"], 3),
+                               **speed}
     finally:
         get_settings().cuda_graphs = True
     return out
@@ -220,55 +243,52 @@ def packed_cases(args, device) -> dict[str, dict]:
 
 def checked_and_replay_order(args, device) -> dict[str, dict]:
     """``checked`` and ``replay_order`` (module docstring)."""
-    from worker import graphs
-    from worker.train import train, warm_up, width_sample
+    from worker.training import batches, graphs, parity
 
     out = {}
     graphs.clear_cache()
     rec = Recorder(stop_after_step=3, stop_reason="cancelled")
     run = make_run(args, device, rec)  # dropout on
-    warm_up(run, rec)
+    run.warm_up(rec)
     message = captured_message(rec)
     out["checked"] = {"ok": "first steps: 3 step(s)" in message and "replays draw new dropout masks" in message
                       and all(f"width {w}:" in message for w in run.steps.replays), "event": message}
 
     # replay_order: every width of this capture in one step, in reverse capture order
     widths = list(run.steps.replays)[::-1]
-    samples = [width_sample(run, w) for w in widths]
+    samples = [batches.width_sample(run.job_setup, run.state.micro_split, w) for w in widths]
     pieces, n = [p for ps, _ in samples for p in ps], sum(t for _, t in samples)
-    parity = graphs.check_against_eager(run.steps, [(pieces, n)], [run.hp.learning_rate])
-    out["replay_order"] = {"ok": not parity.failures(), "widths": widths, "parity": parity.describe(),
-                           "failures": parity.failures()}
-    train(run, rec)
+    seen = parity.check_against_eager(run.steps, [(pieces, n)], [run.job_setup.hp.learning_rate])
+    out["replay_order"] = {"ok": not seen.failures(), "widths": widths, "parity": seen.describe(),
+                           "failures": seen.failures()}
+    run.train(rec)
     return out
 
 
 def no_padding(args, device) -> dict[str, dict]:
     """``no_padding``: every text longer than max_length (item 1)."""
-    from worker import graphs
-    from worker.train import first_steps, warm_up
+    from worker.training import batches, graphs
 
     graphs.clear_cache()
     rec = Recorder(stop_after_step=3, stop_reason="cancelled")
     run = make_run(args, device, rec, words=(args.max_length + 8, args.max_length + 40))
-    warm_up(run, rec)
-    first = first_steps(run, 1)[0][0][0]
+    run.warm_up(rec)
+    first = batches.first_steps(run.job_setup, run.state, 1)[0][0][0]
     return {"no_padding": {"ok": bool(captured_message(rec)) and bool(first["attention_mask"].all()),
                            "events": rec.said}}
 
 
 def later_widths(args, device) -> dict[str, dict]:
     """``later_widths``: short texts first, then longer texts of the same shape (item 2)."""
-    from worker import graphs
-    from worker.train import warm_up
+    from worker.training import graphs
 
     graphs.clear_cache()
     short, longer = Recorder(stop_after_step=2, stop_reason="cancelled"), Recorder(stop_after_step=2, stop_reason="cancelled")
     run = make_run(args, device, short, words=(3, 12))
-    warm_up(run, short)
+    run.warm_up(short)
     before = set(run.steps.replays)
     run = make_run(args, device, longer, words=(3, 90))
-    warm_up(run, longer)
+    run.warm_up(longer)
     message = captured_message(longer)
     added = sorted(set(run.steps.replays) - before)
     return {"later_widths": {"ok": "reused" in message and bool(added)
@@ -279,8 +299,7 @@ def later_widths(args, device) -> dict[str, dict]:
 def accumulation(args, device) -> dict[str, dict]:
     """``accumulation``: gradient_accumulation_steps=4, graphs against the eager engine, dropout off (item 7)."""
     from shared.settings import get_settings
-    from worker import graphs
-    from worker.train import train, warm_up
+    from worker.training import graphs
 
     graphs.clear_cache()
     losses = {}
@@ -288,8 +307,8 @@ def accumulation(args, device) -> dict[str, dict]:
         get_settings().cuda_graphs = on
         rec = Recorder(stop_after_step=5, stop_reason="cancelled")
         run = make_run(args, device, rec, dropout=False, batch_size=args.batch_size // 4, gradient_accumulation_steps=4)
-        warm_up(run, rec)
-        train(run, rec)
+        run.warm_up(rec)
+        run.train(rec)
         losses[name] = rec.losses
     get_settings().cuda_graphs = True
     difference = largest_difference(losses["graphs"], losses["eager"])
@@ -299,33 +318,33 @@ def accumulation(args, device) -> dict[str, dict]:
 def failed_capture(args, device) -> dict[str, dict]:
     """Three captures made to fail by a host sync in the forward+backward body: each job trains
     eagerly on the default stream, and reserved memory does not grow from one failure to the next."""
-    from worker import graphs
-    from worker.train import train, warm_up
+    from worker.training import graphs
+    from worker.training.capture import CapturedSteps
 
-    original = graphs.CapturedSteps._micro_body
+    original = CapturedSteps._micro_body
 
     def syncing(self, width):
         body = original(self, width)
         return lambda: (body(), self.step_loss.item())  # a host sync: not permitted while capturing
 
     reserved, events, streams = [], [], []
-    graphs.CapturedSteps._micro_body = syncing
+    CapturedSteps._micro_body = syncing
     try:
         for _ in range(3):
             graphs.clear_cache()
             graphs._failed.clear()
             rec = Recorder(stop_after_step=2, stop_reason="cancelled")
             run = make_run(args, device, rec)
-            warm_up(run, rec)
+            run.warm_up(rec)
             streams.append(torch.cuda.current_stream() == torch.cuda.default_stream())
-            train(run, rec)
+            run.train(rec)
             events.append([m[:200] for c, m in rec.said if c == "cuda_graphs_off"])
             del run
             gc.collect()
             torch.cuda.empty_cache()
             reserved.append(torch.cuda.memory_reserved() / 2**20)
     finally:
-        graphs.CapturedSteps._micro_body = original
+        CapturedSteps._micro_body = original
     return {"failed_capture": {"ok": all(streams) and all(events) and reserved[-1] <= reserved[0] + 1,
                                "default_stream_after": streams, "reserved_mib": reserved, "events": events}}
 
@@ -343,8 +362,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("TUNEJOB_DATA_DIR", tempfile.mkdtemp(prefix="engine-check-"))
     from shared.settings import get_settings
-    from worker import graphs
-    from worker.train import train, warm_up
+    from worker.training import graphs
+    from worker.training.capture import CapturedSteps
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -356,11 +375,11 @@ def main(argv=None) -> int:
         rec = Recorder()
         run = make_run(args, device, rec, dropout=False)
         before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
-        _, warm_seconds = timed(lambda: warm_up(run, rec))
+        _, warm_seconds = timed(lambda: run.warm_up(rec))
         after = state_of(run)
         moved = [n for n, p in before.items() if not torch.equal(after[f"w.{n}"], p)]
         fresh = all(torch.count_nonzero(v) == 0 for k, v in after.items() if k.startswith("o."))
-        results["captured"] = {"ok": (not cuda or isinstance(run.steps, graphs.CapturedSteps)) and not moved and fresh
+        results["captured"] = {"ok": (not cuda or isinstance(run.steps, CapturedSteps)) and not moved and fresh
                                and not (cuda and torch.backends.cuda.cudnn_sdp_enabled()),
                                "steps": type(run.steps).__name__, "events": rec.said, "warm_up_seconds": warm_seconds,
                                "moved_weights": moved[:5], "optimizer_state_zero": fresh}
@@ -370,7 +389,7 @@ def main(argv=None) -> int:
             torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _, graph_seconds = timed(lambda: train(run, rec))
+            _, graph_seconds = timed(lambda: run.train(rec))
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
         syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
@@ -383,8 +402,8 @@ def main(argv=None) -> int:
         get_settings().cuda_graphs = False
         eager = Recorder()
         erun = make_run(args, device, eager, dropout=False)
-        _, eager_warm = timed(lambda: warm_up(erun, eager))
-        _, eager_seconds = timed(lambda: train(erun, eager))
+        _, eager_warm = timed(lambda: erun.warm_up(eager))
+        _, eager_seconds = timed(lambda: erun.train(eager))
         get_settings().cuda_graphs = True
         difference = largest_difference(graph_losses, eager.losses)
         results["matches_eager"] = {"ok": difference < 2e-2, "largest_relative_difference": difference,
@@ -398,11 +417,11 @@ def main(argv=None) -> int:
         first, second = Recorder(), Recorder()
         graphs.clear_cache()
         run = make_run(args, device, first)
-        warm_up(run, first)
-        train(run, first)
+        run.warm_up(first)
+        run.train(first)
         run = make_run(args, device, second)
-        _, reuse_seconds = timed(lambda: warm_up(run, second))
-        train(run, second)
+        _, reuse_seconds = timed(lambda: run.warm_up(second))
+        run.train(second)
         reused = any(code == "cuda_graphs" and "reused" in message for code, message in second.said)
         difference = largest_difference(second.losses, first.losses)  # attention/embedding backward use atomics
         results["reused"] = {"ok": (reused or not cuda) and difference < 1e-2, "warm_up_seconds": reuse_seconds,
@@ -411,12 +430,12 @@ def main(argv=None) -> int:
         # resume: stop after a third of the steps (checkpoint), resume, compare with the uninterrupted run above
         stopped = Recorder(stop_after_step=max(1, steps // 3))
         run = make_run(args, device, stopped)
-        warm_up(run, stopped)
-        train(run, stopped)
+        run.warm_up(stopped)
+        run.train(stopped)
         resumed = Recorder()
         run = make_run(args, device, resumed, checkpoint=stopped.checkpoints[-1][1])
-        warm_up(run, resumed)
-        train(run, resumed)
+        run.warm_up(resumed)
+        run.train(resumed)
         tail = {s: v for s, v in first.losses.items() if s > stopped.checkpoints[-1][0]}
         difference = largest_difference(resumed.losses, tail)
         results["resume"] = {"ok": difference < 1e-2, "largest_relative_difference": difference,
@@ -427,13 +446,13 @@ def main(argv=None) -> int:
         for name, hp in {"fp16": {"precision": "fp16"}, "gradient_checkpointing": {"gradient_checkpointing": True}}.items():
             rec = Recorder(stop_after_step=3, stop_reason="cancelled")
             run = make_run(args, device, rec, **hp)
-            warm_up(run, rec)
-            outcome = train(run, rec)
+            run.warm_up(rec)
+            outcome = run.train(rec)
             said = [m for c, m in rec.said if c == "cuda_graphs_off"]
             fallbacks[name] = {"outcome": outcome, "event": said, "finite": all(map(math.isfinite, rec.losses.values()))}
         results["fallbacks"] = {"ok": all(f["outcome"] == "cancelled" and f["finite"] and (f["event"] or not cuda)
                                           for f in fallbacks.values()), **fallbacks}
-    except Exception:  # noqa: BLE001
+    except Exception:
         results["crashed"] = {"ok": False, "error": traceback.format_exc()[-3000:]}
 
     if cuda:

@@ -36,7 +36,7 @@ import httpx
 
 from bench.corpora import bbc_news, stratified_split
 from bench.measure import host
-from bench.report import table, update_markdown
+from bench.tables import table, update_markdown
 from shared.store import artifacts
 
 SEED = 42

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-# The held-out figures the benchmark reports per task (validation metrics of worker.train.evaluate):
+# The held-out figures the benchmark reports per task (validation metrics of worker.training.metrics.evaluate):
 # classification's accuracy and macro-F1, multi_label's micro-/macro-F1 and subset accuracy,
 # token_classification's entity F1 (seqeval) and token accuracy; and their column titles.
 HELD_OUT = {"classification": ("accuracy", "f1_macro"), "multi_label": ("f1_micro", "f1_macro", "subset_accuracy"),

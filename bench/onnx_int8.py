@@ -50,7 +50,9 @@ def pt2e(model, inputs: dict, fp32: float, reference: torch.Tensor) -> None:
     import torch._inductor.config
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-        X86InductorQuantizer, get_default_x86_inductor_quantization_config)
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
 
     torch._inductor.config.freezing = True  # constant-folds the weights into the int8 kernels
     for name, bf16 in (("int8", False), ("int8-mixed-bf16", True)):
@@ -62,7 +64,7 @@ def pt2e(model, inputs: dict, fp32: float, reference: torch.Tensor) -> None:
             started = time.perf_counter()
             compiled(**inputs)
             compile_seconds = time.perf_counter() - started
-            seconds, out = mean_seconds(lambda: compiled(**inputs))
+            seconds, out = mean_seconds(lambda run=compiled: run(**inputs))
         logits = (out.logits if hasattr(out, "logits") else out[0]).float()
         print(f"torchao PT2E {name}, inductor: compiled in {compile_seconds:.1f} s, {seconds * 1000:.0f} ms a batch "
               f"({fp32 / seconds:.2f}x PyTorch fp32); largest logit difference {float((logits - reference).abs().max()):.4f}")

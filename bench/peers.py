@@ -204,12 +204,12 @@ def run_peer(name: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, lab
 
 def held_out_figures(logits, label_ids, labels: list[str], task: str) -> dict:
     """``bench.measure.HELD_OUT`` figures of ``Trainer.predict``'s logits, computed as the engine's
-    ``worker.train.evaluate`` computes them (scikit-learn; seqeval for token_classification, whose
+    ``worker.training.metrics.evaluate`` computes them (scikit-learn; seqeval for token_classification, whose
     arrays are ``[examples, width]``, padded with -100)."""
     from sklearn.metrics import accuracy_score, f1_score
 
     from worker.tagging import tagging_metrics, word_sequences
-    from worker.train import multi_label_metrics
+    from worker.training.metrics import multi_label_metrics
 
     if task == "multi_label":
         metrics = multi_label_metrics(label_ids, torch.sigmoid(torch.from_numpy(logits)).numpy(), labels, 0.5)

@@ -47,7 +47,7 @@ def prepare(dataset: str, max_length: int, learning_rate: float) -> Path:
     from bench.measure import Clock
     from worker.data import JobData
     from worker.device import resolve_device
-    from worker.train import setup, train, warm_up
+    from worker.training.recipe import Recipe
 
     corpus = CORPORA[dataset]
     spec = RunSpec(dataset=dataset, config="smart", model="all-MiniLM-L6-v2", device="auto", precision="auto",
@@ -59,14 +59,14 @@ def prepare(dataset: str, max_length: int, learning_rate: float) -> Path:
     reporter = BenchReporter(Clock(device), epochs=1)
     with tempfile.TemporaryDirectory(prefix="tunejob-bench-") as data_dir:
         os.environ["TUNEJOB_DATA_DIR"] = data_dir
-        run = setup(make_job("smart", spec, labels), JobData(train_df, None), device, reporter)
-        reporter.run = run
-        warm_up(run, reporter)
-        if train(run, reporter) != "completed":
+        run = Recipe(make_job("smart", spec, labels), device)
+        reporter.run = run.setup(JobData(train_df, None), reporter)
+        run.warm_up(reporter)
+        if run.train(reporter) != "completed":
             raise RuntimeError("fine-tuning stopped before the end of its epoch")
     out = model_path(dataset)
     run.model.save_pretrained(out, safe_serialization=True)
-    run.tokenizer.save_pretrained(out)
+    run.job_setup.tokenizer.save_pretrained(out)
     return out
 
 
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace, command: str) -> None:
     """Every configuration ``args.repeats`` times, each in a fresh process, the first configuration
     rotating per repeat; print the table and write it into ``args.markdown``'s section."""
     from bench.measure import host
-    from bench.report import update_markdown
+    from bench.tables import update_markdown
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for config in configs:
@@ -280,7 +280,7 @@ def measure_latency(dataset: str, requests: int, sizes: list[int]) -> dict:
 def latency(args: argparse.Namespace, command: str) -> None:
     """Measure and print the endpoint's latency; write it into ``args.markdown``'s section."""
     from bench.measure import host
-    from bench.report import update_markdown
+    from bench.tables import update_markdown
 
     machine = host()
     result = measure_latency(args.dataset, args.requests, [1, 64])
@@ -499,7 +499,7 @@ def measure_job(args: argparse.Namespace) -> dict:
 def job(args: argparse.Namespace, command: str) -> None:
     """Measure whole prediction jobs; print the table and write it into ``args.markdown``'s section."""
     from bench.measure import host
-    from bench.report import update_markdown
+    from bench.tables import update_markdown
 
     machine = host()
     result = measure_job(args)

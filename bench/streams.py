@@ -36,7 +36,7 @@ from httpx_sse import aconnect_sse
 
 from bench.corpora import bbc_news, stratified_split
 from bench.measure import host
-from bench.report import update_markdown
+from bench.tables import update_markdown
 
 WORK_DIR = Path(".bench-streams")
 

@@ -1,7 +1,7 @@
 """Training throughput as a user waits for it: whole epochs of the engine (through the worker's own
 recipe, ``bench.engine``) next to the Hugging Face Trainer and its tuned variants (``bench.peers``),
 on the same examples, model initialisation, precision, batch size and seed, each configuration
-started cold in its own process (``bench.cold``), round-robin over repeats. Tables: ``bench.report``.
+started cold in its own process (``bench.cold``), round-robin over repeats. Tables: ``bench.tables``.
 
     python -m bench.train                                   # CPU default: subsets, about 9 minutes
     python -m bench.train --train-size all --accuracy       # the issue's sets, held-out accuracy
@@ -29,7 +29,7 @@ from bench.cold import RunSpec
 from bench.corpora import CLASSIFICATION, CORPORA
 from bench.engine import make_job
 from bench.peers import PEERS
-from bench.report import render, summarize, update_markdown
+from bench.tables import render, summarize, update_markdown
 
 DEFAULT_CONFIGS = {"cpu": "fixed,smart,trainer", "cuda": "fixed,smart,trainer,trainer_cudnn_off"}
 

@@ -35,7 +35,7 @@ import httpx
 import psutil
 
 from bench.measure import host
-from bench.report import update_markdown
+from bench.tables import update_markdown
 
 WORK_DIR = Path(".bench-ui")
 CHROMIUM = os.environ.get("TUNEJOB_CHROMIUM", "/usr/bin/chromium")
@@ -93,7 +93,7 @@ def seed_store(data_dir: Path, jobs: int, points: int) -> tuple[str, str, list[s
 
 def write_like_workers(running: list[str], stop: threading.Event) -> None:
     """Each second, each running job: its progress and one metric row, in a transaction of its own
-    (as ``shared.jobs.lifecycle.report`` writes them, one worker per job), the jobs' commits spread
+    (as ``shared.jobs.lifecycle.record_progress`` writes them, one worker per job), the jobs' commits spread
     over the second: the store changes between any two polls of the streams' reader, as it would
     with 10 workers (one transaction for all the jobs would leave it unchanged for half the polls)."""
     from shared.store.engine import session_scope
@@ -190,7 +190,7 @@ def main() -> int:
                     chart.plot.destroy(); el.remove();
                 }
                 return times;
-            }""" % args.repeats, args.points)
+            }""" % args.repeats, args.points)  # noqa: UP031 (JavaScript: its braces are not format fields)
             results["chart_draw_ms"] = statistics.median(draws)
             ctx.close()
 

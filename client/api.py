@@ -139,7 +139,7 @@ class StreamMessage:
 
     event: str
     id: str | None
-    data: JobOut | PredictionOut | list[MetricOut] | list[EventOut]
+    data: Any  # by ``event``, as above
 
     @classmethod
     def parse(cls, event: str, id_: str | None, payload: Any, kind: Kind = TRAINING) -> "StreamMessage":
@@ -403,7 +403,7 @@ class Client:
         return PredictionList.model_validate(self.request("GET", "/predictions", params=params).json())
 
     def get_prediction(self, prediction_id: str) -> PredictionOut:
-        return self.get_of_kind(prediction_id, PREDICTION)
+        return PredictionOut.model_validate(self.request("GET", f"/predictions/{prediction_id}").json())
 
     def cancel_prediction(self, prediction_id: str) -> PredictionOut:
         """``POST /predictions/{id}/cancel``: a queued one never starts, a running one stops after its part."""

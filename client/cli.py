@@ -12,12 +12,10 @@ watching, never the job).
 
 import argparse
 import csv
-import json
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.filesize import decimal
@@ -42,6 +40,7 @@ from client.display import (
     styled_status,
     texts_table,
 )
+from client.options import UsageError, add_create_arguments, job_spec, prediction_spec
 
 COMMANDS = ("datasets", "models", "jobs", "sweeps", "predict", "health")
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -87,7 +86,11 @@ def create_job(client: Client, args, out: Console) -> int | None:
     spec = job_spec(args)
     if args.dry_run:
         plan = client.plan_job(spec)
-        return print_json(plan) if args.json else out.print_json(data=plan)
+        if args.json:
+            print_json(plan)
+        else:
+            out.print_json(data=plan)
+        return None
     job = client.create_job(spec)
     if args.quiet or args.json:
         print(job.model_dump_json(indent=2) if args.json else job.id, flush=True)
@@ -182,7 +185,11 @@ def create_prediction(client: Client, args, out: Console) -> int | None:
     spec = prediction_spec(args)
     if args.dry_run:
         plan = client.plan_prediction(spec)
-        return print_json(plan) if args.json else out.print_json(data=plan)
+        if args.json:
+            print_json(plan)
+        else:
+            out.print_json(data=plan)
+        return None
     prediction = client.create_prediction(spec)
     if args.quiet or args.json:
         print(prediction.model_dump_json(indent=2) if args.json else prediction.id, flush=True)
@@ -386,92 +393,6 @@ def add_predict_commands(commands: argparse._SubParsersAction, command, quiet, r
     p = command(predict, "texts", predict_texts, "score a few texts at once with a trained model's job id", read)
     p.add_argument("job_id")
     p.add_argument("texts", nargs="+")
-
-
-def add_create_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", type=Path, help="a JSON job spec (the POST /jobs body); the options below override it")
-    p.add_argument("--model", help="base_model, e.g. all-MiniLM-L6-v2 (tunejob models lists them)")
-    p.add_argument("--dataset", help="training_dataset: a dataset id (tunejob datasets upload FILE)")
-    p.add_argument("--validation", help="validation_dataset id (default: validation_split 0.1 of the training set)")
-    p.add_argument("--validation-split", type=float)
-    p.add_argument("--task", choices=["classification", "regression", "multi_label", "token_classification"],
-                   help="token_classification: --text-column holds word lists (default tokens), "
-                        "--label-column tag lists (default tags)")
-    p.add_argument("--text-column")
-    p.add_argument("--text-pair-column")
-    p.add_argument("--label-column")
-    p.add_argument("--label-separator", help="multi_label: split text labels on this, e.g. '|' (CSV needs it)")
-    p.add_argument("--decision-threshold", type=float, help="multi_label: predict a label from this score (0.5)")
-    p.add_argument("--tune-threshold", action="store_const", const=True,
-                   help="multi_label: pick the threshold with the best validation micro-F1")
-    p.add_argument("--set", action="append", default=[], type=setting, metavar="KEY=VALUE",
-                   help="a hyperparameter, e.g. --set epochs=1 --set learning_rate=1e-4 (values are JSON, else text)")
-    p.add_argument("--dry-run", action="store_true", help="print the plan (steps, padding efficiency, duration); "
-                   "nothing is queued")
-    p.add_argument("--watch", action="store_true", help="then follow it as `tunejob jobs watch` does")
-
-
-def setting(text: str) -> tuple[str, Any]:
-    """``key=value`` -> (key, value): the value as JSON (``1``, ``1e-4``, ``true``), else as text."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
-    try:
-        return key, json.loads(value)
-    except ValueError:
-        return key, value
-
-
-def job_spec(args) -> dict[str, Any]:
-    """The POST /jobs body: ``--spec``'s JSON, overridden by the options given.
-
-    Raises:
-        UsageError: unreadable ``--spec``, or no base model or training dataset.
-    """
-    spec = read_spec(args.spec)
-    options = {"base_model": args.model, "training_dataset": args.dataset, "validation_dataset": args.validation,
-               "validation_split": args.validation_split, "task": args.task, "text_column": args.text_column,
-               "text_pair_column": args.text_pair_column, "label_column": args.label_column,
-               "label_separator": args.label_separator, "decision_threshold": args.decision_threshold,
-               "tune_threshold": args.tune_threshold}
-    spec.update({k: v for k, v in options.items() if v is not None})
-    spec.setdefault("hyperparameters", {}).update(dict(args.set))
-    require(spec, [("--model", "base_model"), ("--dataset", "training_dataset")])
-    return spec
-
-
-def prediction_spec(args) -> dict[str, Any]:
-    """The POST /predictions body: ``--spec``'s JSON, overridden by the options given.
-
-    Raises:
-        UsageError: unreadable ``--spec``, or no model or dataset.
-    """
-    spec = read_spec(args.spec)
-    options = {"model": args.model, "dataset": args.dataset, "text_column": args.text_column,
-               "text_pair_column": args.text_pair_column, "id_column": args.id_column,
-               "batch_size": args.batch_size, "max_length": args.max_length}
-    spec.update({k: v for k, v in options.items() if v is not None})
-    require(spec, [("--model", "model"), ("--dataset", "dataset")])
-    return spec
-
-
-def read_spec(path: Path | None) -> dict[str, Any]:
-    """The JSON object in ``path`` (``--spec``), or ``{}`` without one. Raises UsageError if unreadable."""
-    try:
-        return json.loads(path.read_text()) if path else {}
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--spec {path}: {e}") from e
-
-
-def require(spec: dict[str, Any], options: list[tuple[str, str]]) -> None:
-    """Raise UsageError naming each (option, key) pair whose key ``spec`` lacks."""
-    missing = [f"{option} (or {key} in --spec)" for option, key in options if key not in spec]
-    if missing:
-        raise UsageError(f"give {' and '.join(missing)}")
-
-
-class UsageError(Exception):
-    pass
 
 
 def main(argv: list[str]) -> int:

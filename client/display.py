@@ -32,8 +32,8 @@ def show(out: Console, args, value: Any, table: Callable[[], Any]) -> None:
 def print_json(value: Any) -> None:
     """pydantic models (and lists of them) through pydantic's JSON; anything else through json."""
     if isinstance(value, BaseModel) or (isinstance(value, list) and value and isinstance(value[0], BaseModel)):
-        print(TypeAdapter(type(value) if isinstance(value, BaseModel) else list[type(value[0])])
-              .dump_json(value, indent=2).decode(), flush=True)
+        shape: Any = type(value) if isinstance(value, BaseModel) else list.__class_getitem__(type(value[0]))
+        print(TypeAdapter(shape).dump_json(value, indent=2).decode(), flush=True)
     else:
         print(json.dumps(value, indent=2, default=str), flush=True)
 
@@ -106,10 +106,10 @@ def fields_table(rows: dict[str, str]) -> Table:
     return table
 
 
-def pivot(rows: list[MetricOut]) -> tuple[list[str], dict[int, tuple[float, dict[str, float]]]]:
+def pivot(rows: list[MetricOut]) -> tuple[list[str], dict[int, tuple[float, dict[str, float | None]]]]:
     """Metric rows -> (metric names in first-seen order, {step: (epoch, {name: value})})."""
     names: dict[str, None] = {}
-    by_step: dict[int, tuple[float, dict[str, float]]] = {}
+    by_step: dict[int, tuple[float, dict[str, float | None]]] = {}
     for row in rows:
         names.setdefault(row.name)
         by_step.setdefault(row.step, (row.epoch, {}))[1][row.name] = row.value

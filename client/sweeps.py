@@ -21,14 +21,13 @@ from rich.table import Table
 
 from client.api import Client
 from client.display import age, id_column, print_json, show, styled_status
+from client.options import UsageError, add_create_arguments, job_spec
 
 EXIT_FOR = {"succeeded": 0, "failed": 3, "cancelled": 4}
 WATCH_SECONDS = 2.0
 
 
 def create_sweep(client: Client, args, out: Console) -> int | None:
-    from client.cli import job_spec  # the job options, as `tunejob jobs create` reads them
-
     spec = {**job_spec(args), **read_space(args)}
     options = {"algorithm": args.algorithm, "seed": args.seed, "max_trials": args.max_trials,
                "max_parallel_trials": args.max_parallel_trials, "max_failed_trials": args.max_failed_trials}
@@ -40,7 +39,11 @@ def create_sweep(client: Client, args, out: Console) -> int | None:
         spec["early_stopping"] = {**spec.get("early_stopping", {}), "type": args.early_stopping}
     if args.dry_run:
         plan = client.plan_sweep(spec)
-        return print_json(plan) if args.json else out.print_json(data=plan)
+        if args.json:
+            print_json(plan)
+        else:
+            out.print_json(data=plan)
+        return None
     sweep = client.create_sweep(spec)
     if args.quiet or args.json:
         print(sweep.model_dump_json(indent=2) if args.json else sweep.id, flush=True)
@@ -53,8 +56,6 @@ def create_sweep(client: Client, args, out: Console) -> int | None:
 def read_space(args) -> dict[str, Any]:
     """``--space FILE`` as ``{"search_space": ...}`` (a file holding ``search_space`` itself, or a
     whole sweep body, is taken as it is); ``{}`` without one."""
-    from client.cli import UsageError
-
     if args.space is None:
         return {}
     path: Path = args.space
@@ -158,8 +159,6 @@ def _value(value) -> str:
 
 def add_commands(commands, command, quiet, read) -> None:
     """Register ``tunejob sweeps ...`` (``command``, ``quiet`` and ``read`` as in ``client.cli.add_commands``)."""
-    from client.cli import add_create_arguments
-
     sweeps = commands.add_parser("sweeps", help="hyperparameter sweeps: many trials, poor ones pruned, the best "
                                  "kept (client)").add_subparsers(dest="subcommand", required=True)
     p = command(sweeps, "create", create_sweep, "create a sweep (or plan it: --dry-run)", quiet)

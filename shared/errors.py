@@ -3,6 +3,7 @@
 once with them, without retries."""
 
 import re
+from datetime import datetime
 
 PATH = re.compile(r"(?<![\w.:/])(?:/[^\s/:'\"]+)+/?")  # an absolute POSIX path (not the path part of a URL)
 
@@ -12,7 +13,6 @@ def without_paths(text: str) -> str:
     no response names a file on the server."""
     return PATH.sub("<path>", text)
 
-from datetime import datetime
 
 
 class UserError(Exception):

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 
 from celery import Celery
+from pydantic import BaseModel
 
 from shared.jobs import lifecycle, orphans, predictions, sweeps
 from shared.schemas.jobs import JobCreate
@@ -52,7 +53,7 @@ def celery_config(settings: Settings) -> dict:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         # Enforced only by the prefork pool. tunejob runs the solo pool (see tunejob/cli.py), where
-        # the training loop enforces TUNEJOB_MAX_JOB_SECONDS itself (worker/report.py).
+        # the training loop enforces TUNEJOB_MAX_JOB_SECONDS itself (worker/reporter.py).
         "task_time_limit": hard_limit,
         "task_soft_time_limit": max(1, hard_limit - 60),
         "worker_prefetch_multiplier": 1,
@@ -89,13 +90,29 @@ def submit(spec: JobCreate | PredictionCreate, caller: Caller, claim: idempotenc
         UserError: the spec does not fit its model or data (see ``shared.jobs.planning.check_spec`` and
             ``shared.jobs.predictions.check_prediction``), or a quota (``shared.store.quotas``).
     """
-    create = predictions.create_prediction if isinstance(spec, PredictionCreate) else lifecycle.create_job
-    job = create(spec, caller, claim)
+    if isinstance(spec, PredictionCreate):
+        job = predictions.create_prediction(spec, caller, claim)
+    else:
+        job = lifecycle.create_job(spec, caller, claim)
     try:
         send(job.id)
     except Exception:
         log.exception("job %s stored but not yet sent to the broker", job.id)
     return lifecycle.get_job(job.id, caller, kind=job.kind)
+
+
+def submit_once(route: str, spec: JobCreate | PredictionCreate, caller: Caller, key: str | None,
+                view: Callable[[Job], BaseModel]) -> BaseModel | idempotency.Replay:
+    """``submit`` once per ``Idempotency-Key`` ``key`` and body (``shared.store.idempotency.once``):
+    the new job's API view (``view(job)``), or on a retry the first answer to replay.
+
+    Raises:
+        UserError: see ``submit``; 422 ``idempotency_key_reused`` (another body), 409
+            ``idempotency_key_in_use`` (the first request with the key is still running).
+    """
+    job = idempotency.once(caller.tenant, route, key, idempotency.fingerprint(spec.model_dump_json()),
+                           lambda claim: submit(spec, caller, claim))
+    return job if isinstance(job, idempotency.Replay) else view(job)
 
 
 def send_trials(sweep_id: str) -> None:
@@ -121,18 +138,19 @@ def top_up_sweeps() -> None:
 class RecoveryThread:
     """``recovery_loop`` in a daemon thread, started with its process's API or worker and stopped with
     it: ``start()``, then ``stop()`` (sets the loop's event and waits up to ``join_seconds``).
-    ``extra`` sweeps run after the usual ones (the API adds its own, ``api.main``); ``every`` is
-    the period in seconds (default ``TUNEJOB_SWEEP_SECONDS``, read at each turn)."""
+    ``extra`` chores run after the usual ones (the API adds its own, ``api.main``); ``every`` is
+    the period in seconds (default ``TUNEJOB_RECOVERY_SECONDS``, read at each turn); ``chores``
+    replaces the usual ones."""
 
     def __init__(self, join_seconds: float = 10.0, extra: tuple[Callable[[], object], ...] = (),
                  every: Callable[[], float] | None = None, name: str = "tunejob-recover",
-                 sweeps: tuple[Callable[[], object], ...] | None = None):
+                 chores: tuple[Callable[[], object], ...] | None = None):
         self.stopping, self.join_seconds = threading.Event(), join_seconds
-        sweeps = (resend_recovered, top_up_sweeps, lifecycle.sweep_files, orphans.collect_orphans,
+        chores = (resend_recovered, top_up_sweeps, lifecycle.clean_up_files, orphans.collect_orphans,
                   idempotency.purge_expired) \
-            if sweeps is None else sweeps
-        every = every or (lambda: get_settings().sweep_seconds)
-        self.thread = threading.Thread(target=recovery_loop, args=(self.stopping, (*sweeps, *extra), every),
+            if chores is None else chores
+        every = every or (lambda: get_settings().recovery_seconds)
+        self.thread = threading.Thread(target=recovery_loop, args=(self.stopping, (*chores, *extra), every),
                                        name=name, daemon=True)
 
     def start(self) -> None:
@@ -144,20 +162,20 @@ class RecoveryThread:
             self.thread.join(self.join_seconds)
 
 
-def recovery_loop(stop: threading.Event, sweeps: tuple[Callable[[], object], ...],
+def recovery_loop(stop: threading.Event, chores: tuple[Callable[[], object], ...],
                   every: Callable[[], float]) -> None:
-    """Every ``every()`` seconds until ``stop`` is set, run each of ``sweeps``; by default
+    """Every ``every()`` seconds until ``stop`` is set, run each of ``chores``; by default
     (``RecoveryThread``): re-queue jobs whose lease expired and (re-)send the messages of queued
     jobs (``shared.jobs.lifecycle.recover``), queue the trials a sweep is short of
     (``shared.jobs.sweeps.top_up_all``), apply the artifact retention and remove leftover
-    files (``shared.jobs.lifecycle.sweep_files``) and the bucket's orphans (``shared.jobs.orphans``),
+    files (``shared.jobs.lifecycle.clean_up_files``) and the bucket's orphans (``shared.jobs.orphans``),
     and delete expired idempotency records. Runs in the API and in every worker; any number of
     copies may run at once. A sweep that raises is logged and tried again next time."""
     while True:
-        for sweep in sweeps:
+        for chore in chores:
             try:
-                sweep()
+                chore()
             except Exception:
-                log.exception("%s failed; trying again in %ss", sweep.__name__, every())
+                log.exception("%s failed; trying again in %ss", chore.__name__, every())
         if stop.wait(every()):
             return

@@ -4,7 +4,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import field_validator
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.schemas.jobs import (
@@ -21,7 +21,7 @@ class Settings(BaseSettings):
     kombu's filesystem broker, uploads, checkpoints and artifacts.
     """
 
-    model_config = SettingsConfigDict(env_prefix="TUNEJOB_")
+    model_config = SettingsConfigDict(env_prefix="TUNEJOB_", populate_by_name=True)
 
     data_dir: Path = Path("~/.tunejob")
     database_url: str | None = None  # default: sqlite:///<data_dir>/tunejob.db
@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     models_dir: Path | None = None  # extra Hugging Face model directories, one per model
     device: Literal["auto", "cuda", "cpu"] = "auto"
     cpu_reuse_freed_memory: bool = True  # CPU workers: keep freed memory in the heap (worker.device)
-    cuda_graphs: bool = True  # CUDA workers replay captured training steps (worker.graphs); off: eager
+    cuda_graphs: bool = True  # CUDA workers replay captured training steps (worker.training.graphs); off: eager
     # ... for jobs whose micro-batches average fewer padded tokens than this (above it the GPU is busy)
     cuda_graphs_max_tokens: int = 8192
     cuda_graph_cache: int = 1  # captured models (with their graphs, weights, optimizer) a worker keeps
@@ -50,7 +50,10 @@ class Settings(BaseSettings):
     # 30 s, 60 s, 120 s by default (worker.tasks.run_claimed_job), not at once.
     restart_backoff_seconds: float = 30.0
     metrics_flush_seconds: float = 2.0  # metrics are buffered and written at most this often
-    sweep_seconds: float = 15.0  # how often API and workers run the reaper/sweeper (shared.jobs.lifecycle.recover)
+    # How often the API and the workers run the recovery loop (shared.queue.recovery_loop); TUNEJOB_SWEEP_SECONDS,
+    # its name before sweeps were hyperparameter sweeps, is still read.
+    recovery_seconds: float = Field(15.0, validation_alias=AliasChoices(
+        "TUNEJOB_RECOVERY_SECONDS", "TUNEJOB_SWEEP_SECONDS"))
     resend_after_seconds: float = 600.0  # re-send a queued job's message after this long (lost messages)
     stream_poll_seconds: float = 0.5  # GET /jobs/{id}/stream: how often the one reader of every streamed job polls
     ui_session_hours: float = 12.0  # a dashboard sign-in (/ui) lasts this long (shared.store.ui_sessions)
@@ -96,6 +99,9 @@ class Settings(BaseSettings):
     # CPU threads in the API process (None: half the cores, at least 1; the rest serve requests).
     max_sync_inputs: int = 64
     sync_model_cache: int = 2
+    # Prediction jobs: models a worker keeps loaded between them (least recently used evicted), so a
+    # model's second job pays neither its load nor int8's compile; a training job on CUDA empties it.
+    worker_model_cache: int = 1
     sync_predict_threads: int | None = None
 
     # Webhooks (shared.jobs.webhooks): loopback, link-local and private URLs are refused unless

@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from worker.doctor import build_tiny_bert
-from worker.report import MemoryReporter as RecordingReporter  # noqa: F401 (the tests' name for it)
+from worker.reporter import MemoryReporter as RecordingReporter  # noqa: F401 (the tests' name for it)
 
 POSTGRES_URL = os.environ.get("TUNEJOB_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("TUNEJOB_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
@@ -71,8 +71,8 @@ def fresh_postgres_database() -> tuple[str, callable]:
     base = POSTGRES_URL.rsplit("/", 1)[0]
 
     def drop() -> None:
-        from shared.store.engine import engine_for
         from shared.store.cache import PostgresCache, cache_for
+        from shared.store.engine import engine_for
 
         PostgresCache.close_all()  # their listeners end when the drop below closes their connections
         cache_for.cache_clear()

@@ -97,13 +97,13 @@ def test_artifact_download_is_by_listed_name_only(stack):
 
 
 def test_long_reads_leave_the_event_loop(monkeypatch):
-    """``api.store.read_rows`` on SQLite: a short read (a poll's new metrics) runs on the event loop;
+    """``api.db.read_rows`` on SQLite: a short read (a poll's new metrics) runs on the event loop;
     when ``INLINE_ROWS`` rows are not all, the whole read runs again in the thread pool, and its rows
     are the answer."""
     import asyncio
     import threading
 
-    from api import store
+    from api import db
 
     calls = []
 
@@ -111,12 +111,12 @@ def test_long_reads_leave_the_event_loop(monkeypatch):
         calls.append((limit, threading.current_thread() is threading.main_thread()))
         return list(range(min(available, limit)))
 
-    monkeypatch.setattr(store, "reads_inline", lambda: True)
+    monkeypatch.setattr(db, "reads_inline", lambda: True)
     for available, limit, expected_calls in [
             (30, 10_000, [(100, True)]),
             (250, 10_000, [(100, True), (10_000, False)]),
             (250, 100, [(100, True)]),
             (100, 150, [(100, True), (150, False)])]:
         calls.clear()
-        assert asyncio.run(store.read_rows(rows, available, limit=limit)) == list(range(min(available, limit)))
+        assert asyncio.run(db.read_rows(rows, available, limit=limit)) == list(range(min(available, limit)))
         assert calls == expected_calls

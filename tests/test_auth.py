@@ -257,8 +257,8 @@ def test_postgres_key_caches_of_two_processes_drop_a_revoked_key_and_do_without_
     connection is lost empties and caches again only once it listens again."""
     import psycopg
 
-    from shared.store.engine import upgrade_database
     from shared.store.cache import KEYS, PostgresCache
+    from shared.store.engine import upgrade_database
     from shared.store.keys import authenticate, create_key, hash_key, revoke_key
     from tests.conftest import POSTGRES_URL
 

@@ -8,7 +8,12 @@ import pandas as pd
 import pytest
 import torch
 
-from shared.data.batching import MAX_PADDING_SHARE, BatchPlan, bucket_ladder, bucket_width
+from shared.data.batching import (
+    MAX_PADDING_SHARE,
+    BatchPlan,
+    bucket_ladder,
+    bucket_width,
+)
 from tests.conftest import TINY_MODEL
 from worker.data import BatchStats, make_collator, tokenize
 
@@ -255,7 +260,8 @@ def test_training_batches_have_ladder_widths_and_every_example_once_per_epoch(en
     from shared.store.rows import Job
     from tests.conftest import RecordingReporter
     from worker.data import JobData
-    from worker.train import make_loader, setup
+    from worker.training import batches
+    from worker.training.recipe import Recipe
 
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "market", "goal"]
@@ -265,15 +271,16 @@ def test_training_batches_have_ladder_widths_and_every_example_once_per_epoch(en
                      hyperparameters={"batch_size": 8, "max_length": 64, "pad_to_multiple_of": None})
     job = Job(id="buckets", task="classification", base_model=TINY_MODEL, label_names=["a", "b", "c"],
               spec=spec.model_dump(mode="json"))
-    run = setup(job, JobData(df, None), torch.device("cpu"), RecordingReporter())
+    run = Recipe(job, torch.device("cpu")).setup(JobData(df, None), RecordingReporter())
     ladder = bucket_ladder(64)
-    run.collator.ladder = ladder  # as on a CUDA worker
+    run.job_setup.collator.ladder = ladder  # as on a CUDA worker
     for epoch in range(3):
-        run.plan.set_epoch(epoch)
+        run.job_setup.plan.set_epoch(epoch)
         seen, widths = [], set()
-        for planned, batch in zip(run.plan.epoch_batches(epoch), make_loader(run, run.train_set, run.plan, epoch)):
+        js = run.job_setup
+        for planned, batch in zip(js.plan.epoch_batches(epoch), batches.make_loader(js, js.train_set, js.plan, epoch)):
             width = batch["input_ids"].shape[1]
-            assert width == bucket_width(ladder, int(run.train_set.lengths[planned].max()))
+            assert width == bucket_width(ladder, int(run.job_setup.train_set.lengths[planned].max()))
             widths.add(width)
             seen += planned
         assert sorted(seen) == list(range(len(df)))

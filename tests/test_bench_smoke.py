@@ -17,7 +17,7 @@ from bench.engine import engine_hyperparameters, make_job, run_engine
 from bench.measure import Mark, epoch_figures, steady_from
 from bench.peers import load_model as peer_model
 from bench.peers import run_peer
-from bench.report import render, summarize, update_markdown
+from bench.tables import render, summarize, update_markdown
 from shared.jobs.base_models import resolve_model
 from shared.settings import get_settings
 
@@ -126,13 +126,13 @@ def test_markdown_sections_are_replaced_in_place(tmp_path):
 def test_trainer_starts_from_the_engines_initial_weights(tiny_models):
     from transformers import set_seed
 
-    from worker.train import load_model
+    from worker.training.setup import load_model
 
     spec = RunSpec(dataset="bbc", config="smart", model="tiny-bert", device="cpu", precision="auto",
                    batch_size=BATCH, max_length=MAX_LENGTH, train_size=TEXTS, val_size=HELD_OUT)
     labels = ["business", "entertainment", "politics", "sport", "tech"]
     peer = peer_model(resolve_model("tiny-bert"), labels, seed=42).state_dict()
-    set_seed(42)  # as worker.train.setup does before it loads the model
+    set_seed(42)  # as worker.training.setup.prepare_job does before the recipe loads the model
     engine = load_model(resolve_model("tiny-bert"), make_job("smart", spec, labels)).state_dict()
     assert peer.keys() == engine.keys() and all(torch.equal(peer[k], engine[k]) for k in peer)
 
@@ -232,7 +232,7 @@ def test_token_classification_engine_and_trainer_on_wnut16(tiny_models):
 
 
 def test_saved_runs_render_as_one_table(tmp_path):
-    from bench.report import main as report_main
+    from bench.tables import main as report_main
 
     meta = {"date": "d1", "device": "cpu, load average 7.0", "device_type": "cpu", "command": "python -m bench.train A",
             "torch": "t", "transformers": "x", "model": "m", "dtype": "fp32", "epochs": 1, "repeats": 1,

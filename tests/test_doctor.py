@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tests.test_steps import empty_graph_cache  # noqa: F401 (autouse: each test starts with no cached graphs)
-from worker import doctor, graphs
-from worker import train as engine
+from worker import doctor
+from worker.training import capture as capturing
+from worker.training import recipe
 
 CPU = torch.device("cpu")
 
@@ -36,15 +37,15 @@ def test_the_graph_check_passes_a_faithful_capture_and_fails_a_wrong_one(engine_
     from shared.settings import get_settings
 
     # "capture" on the CPU, where TUNEJOB_CUDA_GRAPHS (which the doctor turns off for its eager run) allows it
-    monkeypatch.setattr(engine, "eager_reason", lambda run: None if get_settings().cuda_graphs else "graphs off")
+    monkeypatch.setattr(recipe, "eager_reason", lambda *args: None if get_settings().cuda_graphs else "graphs off")
     if mismatch:
-        original = graphs.CapturedSteps._capture
+        original = capturing.CapturedSteps._capture
 
         def update_not_replayed(self, body, warm_up):
             replay = original(self, body, warm_up)
             return (lambda: None) if body == self.update else replay
 
-        monkeypatch.setattr(graphs.CapturedSteps, "_capture", update_not_replayed)
+        monkeypatch.setattr(capturing.CapturedSteps, "_capture", update_not_replayed)
     eager, captured = doctor.training_checks(CPU, graphs=True, steps=4, batch_size=8, max_length=32)
     assert eager.ok
     assert captured.ok is (not mismatch)

@@ -1,5 +1,5 @@
 """The training engine without the service: exact resume, out-of-memory backoff, non-finite steps,
-best model and early stopping. Runs ``worker.train`` on a tiny BERT with a recording reporter."""
+best model and early stopping. Runs ``worker.training.recipe.Recipe`` on a tiny BERT with a recording reporter."""
 
 import json
 import random
@@ -14,8 +14,9 @@ from shared.errors import UserError
 from shared.schemas.jobs import JobCreate
 from shared.store.rows import Job
 from tests.conftest import TINY_MODEL, RecordingReporter, no_dropout
-from worker import train as engine
 from worker.data import JobData, TokenizedDataset
+from worker.training import batches
+from worker.training.recipe import Recipe
 
 WORDS = ["alpha", "beta", "gamma", "delta", "market", "goal", "team", "profit"]
 
@@ -75,33 +76,36 @@ def test_resume_gives_the_same_losses_and_each_example_once_per_epoch(engine_env
 
     job, data = make_job("uninterrupted", save_every_steps=100)
     whole = RecordingReporter()
-    run = engine.setup(job, data, cpu, whole)
-    run.train_set.is_training, run.val_set.is_training = True, False
-    assert engine.train(run, whole) == "completed"
-    total = run.total_steps
-    batches_per_epoch = [len(run.plan.epoch_batches(e)) for e in range(3)]
+    run = Recipe(job, cpu).setup(data, whole)
+    run.job_setup.train_set.is_training, run.job_setup.val_set.is_training = True, False
+    run.warm_up(whole)
+    assert run.train(whole) == "completed"
+    total = run.job_setup.total_steps
+    batches_per_epoch = [len(run.job_setup.plan.epoch_batches(e)) for e in range(3)]
 
     seen.clear()
     job, data = make_job("resumed", save_every_steps=100)
     first = RecordingReporter(stop_after_step=5)  # a SIGTERM after step 5: checkpoint, then stop
-    run = engine.setup(job, data, cpu, first)
-    run.train_set.is_training, run.val_set.is_training = True, False
-    assert engine.train(run, first) == "shutdown"
+    run = Recipe(job, cpu).setup(data, first)
+    run.job_setup.train_set.is_training, run.job_setup.val_set.is_training = True, False
+    run.warm_up(first)
+    assert run.train(first) == "shutdown"
     [(step, path)] = first.checkpoints
     assert step == 5
 
     second = RecordingReporter()
-    run = engine.setup(job, data, cpu, second, checkpoint=path)
-    run.train_set.is_training, run.val_set.is_training = True, False
+    run = Recipe(job, cpu).setup(data, second, path)
+    run.job_setup.train_set.is_training, run.job_setup.val_set.is_training = True, False
     assert "resumed" in second.events
-    assert engine.train(run, second) == "completed"
+    run.warm_up(second)
+    assert run.train(second) == "completed"
 
     expected, before, after = whole.series("train_loss"), first.series("train_loss"), second.series("train_loss")
     assert sorted(before) == list(range(1, 6)) and sorted(after) == list(range(6, total + 1))
     for step in range(6, total + 1):
         assert after[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
     # The stopped-and-resumed run saw every training example exactly once per epoch.
-    n = len(run.train_set)
+    n = len(run.job_setup.train_set)
     assert len(seen) == 3 * n
     epochs = [seen[:n], seen[n:2 * n], seen[2 * n:]]
     assert all(Counter(e) == Counter(range(n)) for e in epochs)
@@ -112,20 +116,22 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_step(engine_env):
     cpu = torch.device("cpu")
     job, data = make_job("reference", epochs=1)
     reference = RecordingReporter()
-    run = engine.setup(job, data, cpu, reference)
+    run = Recipe(job, cpu).setup(data, reference)
     no_dropout(run.model)
-    engine.train(run, reference)
+    run.warm_up(reference)
+    run.train(reference)
     reference_weights = {k: v.clone() for k, v in run.model.state_dict().items()}
 
     job, data = make_job("oom", epochs=1)
     reporter = RecordingReporter()
-    run = engine.setup(job, data, cpu, reporter)
+    run = Recipe(job, cpu).setup(data, reporter)
     no_dropout(run.model)
     run.forward_model = OutOfMemoryAbove(run.model, rows=2)
-    assert engine.train(run, reporter) == "completed"
+    run.warm_up(reporter)
+    assert run.train(reporter) == "completed"
     assert reporter.events.count("out_of_memory") == 2  # 8 -> 4 -> 2
-    assert run.state.micro_split == 4 and engine.micro_batch_size(run) == 2
-    assert run.state.step == run.total_steps
+    assert run.state.micro_split == 4 and batches.micro_batch_size(run.job_setup.hp, run.state.micro_split) == 2
+    assert run.state.step == run.job_setup.total_steps
     losses, reference_losses = reporter.series("train_loss"), reference.series("train_loss")
     assert losses.keys() == reference_losses.keys()
     for step, loss in losses.items():
@@ -134,10 +140,11 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_step(engine_env):
         torch.testing.assert_close(tensor, reference_weights[name], rtol=1e-4, atol=1e-5)
 
     job, data = make_job("oom-at-one", epochs=1)
-    run = engine.setup(job, data, cpu, RecordingReporter())
+    run = Recipe(job, cpu).setup(data, RecordingReporter())
     run.forward_model = OutOfMemoryAbove(run.model, rows=0)
     with pytest.raises(UserError) as error:
-        engine.train(run, RecordingReporter())
+        run.warm_up()
+        run.train(RecordingReporter())
     assert error.value.code == "out_of_memory"
 
 
@@ -145,20 +152,22 @@ def test_nonfinite_steps_are_skipped_counted_and_fail_after_a_run(engine_env):
     cpu = torch.device("cpu")
     job, data = make_job("nan-once", epochs=1, save_every_steps=1, max_nonfinite_steps=3)
     reporter = RecordingReporter()
-    run = engine.setup(job, data, cpu, reporter)
+    run = Recipe(job, cpu).setup(data, reporter)
     run.forward_model = NaNLogits(run.model, bad_calls={2})
-    assert engine.train(run, reporter) == "completed"
+    run.warm_up(reporter)
+    assert run.train(reporter) == "completed"
     assert run.state.skipped_steps == 1
-    assert reporter.series("skipped_steps")[run.total_steps] == 1
+    assert reporter.series("skipped_steps")[run.job_setup.total_steps] == 1
     assert 2 not in {step for step, _ in reporter.checkpoints}  # no checkpoint of a bad step
     assert all(torch.isfinite(p).all() for p in run.model.parameters())
 
     job, data = make_job("nan-run", epochs=3, save_every_steps=1, max_nonfinite_steps=3)
     reporter = RecordingReporter()
-    run = engine.setup(job, data, cpu, reporter)
+    run = Recipe(job, cpu).setup(data, reporter)
     run.forward_model = NaNLogits(run.model, bad_calls=set(range(3, 100)))
     with pytest.raises(UserError) as error:
-        engine.train(run, reporter)
+        run.warm_up(reporter)
+        run.train(reporter)
     assert error.value.code == "nonfinite_loss"
     assert [step for step, _ in reporter.checkpoints] == [1, 2]  # the last good checkpoint is kept
     assert run.state.step == 5 and run.state.skipped_steps == 3
@@ -172,19 +181,20 @@ def test_early_stopping_and_the_artifact_is_the_best_model(engine_env, monkeypat
         evaluated_at.append(run.state.step)
         return {"loss": next(scripted), "accuracy": 0.5, "f1_macro": 0.5}
 
-    monkeypatch.setattr(engine, "evaluate", scripted_evaluate)
+    monkeypatch.setattr(Recipe, "evaluate", scripted_evaluate)
     job, data = make_job("early", epochs=10, eval_every_steps=2, early_stopping_patience=2)
     reporter = RecordingReporter()
-    run = engine.setup(job, data, torch.device("cpu"), reporter)
-    assert engine.train(run, reporter) == "completed"
+    run = Recipe(job, torch.device("cpu")).setup(data, reporter)
+    run.warm_up(reporter)
+    assert run.train(reporter) == "completed"
     assert "early_stopping" in reporter.events
-    assert run.state.step == 8 < run.total_steps  # evaluations at steps 2, 4, 6, 8
+    assert run.state.step == 8 < run.job_setup.total_steps  # evaluations at steps 2, 4, 6, 8
     assert run.state.best["step"] == 4 and run.state.best["value"] == 0.5
 
-    best_weights = load_file(run.out_dir / "best" / "model.safetensors")
-    model_dir = engine.finish(run, reporter)
+    best_weights = load_file(run.job_setup.out_dir / "best" / "model.safetensors")
+    model_dir = run.finish(reporter)
     assert evaluated_at == [2, 4, 6, 8]  # step 8 was just evaluated: no second, final evaluation of it
-    assert not (run.out_dir / "final").exists()  # nor final weights that the artifact does not use
+    assert not (run.job_setup.out_dir / "final").exists()  # nor final weights that the artifact does not use
     metrics = json.loads((model_dir / "metrics.json").read_text())
     assert metrics["best_step"] == 4 and metrics["final_step"] == 8 and metrics["best_value"] == 0.5
     saved = load_file(model_dir / "model.safetensors")

@@ -6,7 +6,7 @@
    a new worker resumes from the checkpoint; each step's metrics exist exactly once.
 2. A job longer than Redis' visibility timeout: kombu redelivers its message to the idle worker,
    whose claim is a no-op.
-3. 20 jobs at once on 2 workers, while the sweeper re-sends the message of every waiting job: each
+3. 20 jobs at once on 2 workers, while the recovery loop re-sends the message of every waiting job: each
    runs once.
 4. Redis restarted mid-job: the job finishes once; a job submitted while Redis is down runs later.
 5. SIGTERM mid-job: the worker checkpoints, re-queues (``requeued``) and exits; another resumes.
@@ -43,8 +43,8 @@ from tests.test_api_jobs import labelled_csv
 
 STACKS = ["embedded", "postgres+redis"]
 # Short lifecycle timings: a dead worker's lease expires after 4 s, and API and workers run the
-# reaper/sweeper every second.
-FAST = {"TUNEJOB_DEVICE": "cpu", "TUNEJOB_LEASE_SECONDS": "4", "TUNEJOB_SWEEP_SECONDS": "1",
+# recovery loop every second.
+FAST = {"TUNEJOB_DEVICE": "cpu", "TUNEJOB_LEASE_SECONDS": "4", "TUNEJOB_RECOVERY_SECONDS": "1",
         "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2"}
 # 44 training rows (48 less the 10% validation split) in micro-batches of 4: 11 optimizer steps an
 # epoch. The tiny model trains 30-100 steps a second on one CPU core, so LONG (231 steps) lasts a
@@ -310,7 +310,7 @@ def test_job_longer_than_visibility_timeout_runs_once(stacks):
 @pytest.mark.parametrize("kind", STACKS)
 def test_twenty_jobs_on_two_workers_each_run_once(stacks, kind):
     """Jobs wait up to tens of seconds in the queue; with ``TUNEJOB_RESEND_AFTER_SECONDS=2`` the
-    sweepers of the API and both workers re-send every waiting job's message (as they do for a
+    recovery loops of the API and both workers re-send every waiting job's message (as they do for a
     broker that lost one), so the workers also receive many duplicates, which must be no-ops."""
     c = stacks.make(kind, TUNEJOB_RESEND_AFTER_SECONDS="2")
     workers = c.start(workers=2)
@@ -337,7 +337,7 @@ def test_twenty_jobs_on_two_workers_each_run_once(stacks, kind):
 def test_redis_restart_mid_job(stacks):
     """Redis (append-only, so queued messages survive) is stopped for a few seconds and started
     again on the same port while a job trains. The job ends succeeded, having run once at a time;
-    a job submitted while Redis is down is accepted, stays queued, and the sweeper sends it later."""
+    a job submitted while Redis is down is accepted, stays queued, and the recovery loop sends it later."""
     redis = stacks.redis(appendonly=True)
     c = stacks.make("postgres+redis", redis=redis)
     [worker] = c.start(workers=1)

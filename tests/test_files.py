@@ -17,9 +17,9 @@ from shared.store import artifacts
 from shared.store.manifest import sha256_of, verify_manifest
 from tests.conftest import RecordingReporter
 from tests.test_engine import make_job
-from worker import train as engine
 from worker.data import tokenize
-from worker.report import PhaseTimer
+from worker.reporter import PhaseTimer
+from worker.training.recipe import Recipe
 
 
 @pytest.fixture
@@ -136,18 +136,20 @@ def test_weights_are_written_once_per_step_and_the_artifact_links_the_best(engin
     import torch
 
     scripted = itertools.chain([1.0, 0.5], itertools.count(0.7, 0.1))  # every 2 steps and at the end: best at step 4
-    monkeypatch.setattr(engine, "evaluate", lambda run, reporter=None: {"loss": next(scripted), "accuracy": 0.5,
+    monkeypatch.setattr(Recipe, "evaluate", lambda run, reporter=None: {"loss": next(scripted), "accuracy": 0.5,
                                                                         "f1_macro": 0.5})
     job, data = make_job("linked", epochs=2, eval_every_steps=2, save_every_steps=2)
     reporter = RecordingReporter()
-    run = engine.setup(job, data, torch.device("cpu"), reporter)
-    assert engine.train(run, reporter) == "completed" and run.state.step == run.total_steps >= 8
-    model_dir = engine.finish(run, reporter)
+    run = Recipe(job, torch.device("cpu")).setup(data, reporter)
+    run.warm_up(reporter)
+    assert run.train(reporter) == "completed" and run.state.step == run.job_setup.total_steps >= 8
+    model_dir = run.finish(reporter)
 
-    best = inode(run.out_dir / "best" / "model.safetensors")
-    assert [step for step, _ in reporter.checkpoints] == list(range(2, run.total_steps, 2))  # none after the last
-    assert inode(run.out_dir / "step-00000004" / "model.safetensors") == best  # evaluated best at step 4
-    assert inode(run.out_dir / "step-00000002" / "model.safetensors") != best
+    best = inode(run.job_setup.out_dir / "best" / "model.safetensors")
+    total = run.job_setup.total_steps
+    assert [step for step, _ in reporter.checkpoints] == list(range(2, total, 2))  # none after the last
+    assert inode(run.job_setup.out_dir / "step-00000004" / "model.safetensors") == best  # evaluated best at step 4
+    assert inode(run.job_setup.out_dir / "step-00000002" / "model.safetensors") != best
     assert inode(model_dir / "model.safetensors") == best  # the artifact is the best model, not a copy
     assert verify_manifest(model_dir) == []
     assert json.loads((model_dir / "metrics.json").read_text())["best_step"] == 4
@@ -171,7 +173,7 @@ def test_the_final_weights_are_written_and_hashed_beside_the_final_evaluation(en
     from shared.store import manifest
 
     losses = itertools.count(1.0, -0.1)  # every evaluation is the best so far
-    monkeypatch.setattr(engine, "evaluate", lambda run, reporter=None: {"loss": next(losses), "accuracy": 0.5,
+    monkeypatch.setattr(Recipe, "evaluate", lambda run, reporter=None: {"loss": next(losses), "accuracy": 0.5,
                                                                         "f1_macro": 0.5})
     hashed = []
     monkeypatch.setattr(manifest, "sha256_of",
@@ -179,13 +181,15 @@ def test_the_final_weights_are_written_and_hashed_beside_the_final_evaluation(en
     job, data = make_job("final", epochs=2)
     data = data if validation else type(data)(data.train, None)
     reporter = RecordingReporter()
-    run = engine.setup(job, data, torch.device("cpu"), reporter)
-    assert engine.train(run, reporter) == "completed"
+    run = Recipe(job, torch.device("cpu")).setup(data, reporter)
+    run.warm_up(reporter)
+    assert run.train(reporter) == "completed"
     final_weights = {k: v.clone() for k, v in run.model.state_dict().items()}
-    model_dir = engine.finish(run, reporter)
+    model_dir = run.finish(reporter)
 
-    assert list(reporter.series("eval_loss")) == ([run.total_steps // 2, run.total_steps] if validation else [])
-    assert inode(model_dir / "model.safetensors") == inode(run.out_dir / "final" / "model.safetensors")
+    total = run.job_setup.total_steps
+    assert list(reporter.series("eval_loss")) == ([total // 2, total] if validation else [])
+    assert inode(model_dir / "model.safetensors") == inode(run.job_setup.out_dir / "final" / "model.safetensors")
     [(_, thread)] = [h for h in hashed if h[0] == "model.safetensors"]
     assert thread.startswith("final-weights")
     assert verify_manifest(model_dir) == []  # each hash in the manifest is the file's on disk

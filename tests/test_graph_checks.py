@@ -1,4 +1,4 @@
-"""The checks that guard the CUDA-graph path (issue 29), on the CPU stand-in of capture (``worker.graphs``:
+"""The checks that guard the CUDA-graph path (issue 29), on the CPU stand-in of capture (``worker.training.graphs``:
 "capture" runs the warm-ups and keeps the body, "replay" calls it). Where the real fault needs CUDA it
 is injected: a replay that behaves as a CUDA graph would if something were frozen into it, a mask that
 transformers keeps only while capturing, a ``capture_end`` that raises.
@@ -23,8 +23,11 @@ from packaging.version import Version
 from tests.conftest import RecordingReporter, no_dropout
 from tests.test_engine import make_job
 from tests.test_steps import LADDER, empty_graph_cache  # noqa: F401  (autouse fixture)
-from worker import graphs
-from worker import train as engine
+from worker.training import batches, graphs, recipe
+from worker.training import capture as capturing
+from worker.training.parity import CaptureMismatch, check_against_eager
+from worker.training.recipe import Recipe
+from worker.training.steps import Steps
 
 CPU = torch.device("cpu")
 
@@ -32,25 +35,22 @@ CPU = torch.device("cpu")
 def make_run(name: str, dropout: bool = False, reporter=None, **hyperparameters):
     torch.manual_seed(0)
     job, data = make_job(name, **hyperparameters)
-    run = engine.setup(job, data, CPU, reporter or RecordingReporter())
+    run = Recipe(job, CPU).setup(data, reporter or RecordingReporter())
     if not dropout:
         no_dropout(run.model)
-    run.collator.ladder = LADDER  # the bucket ladder a CUDA worker would use
+    run.job_setup.collator.ladder = LADDER  # the bucket ladder a CUDA worker would use
     return run
 
 
 def capture(run, widths=None):
-    widths = widths or list(run.plan.width_counts(LADDER, run.hp.epochs))
-    run.steps, message = graphs.capture_steps(run, run.hp.batch_size, widths,
-                                              lambda: engine.first_steps(run, graphs.CHECK_STEPS),
-                                              lambda width: engine.width_sample(run, width))
-    return message
+    widths = widths or list(run.job_setup.plan.width_counts(LADDER, run.job_setup.hp.epochs))
+    return run.capture(run.job_setup.hp.batch_size, widths)
 
 
 def faulty_replays(monkeypatch, micro=None, update=None):
     """Make the stand-in's replays faulty: ``micro(self, width, replay)`` and ``update(self, replay)``
     return what replays instead. Eager bodies (the checks' reference) stay correct."""
-    original = graphs.CapturedSteps._warm_up_and_capture
+    original = capturing.CapturedSteps._warm_up_and_capture
 
     def capture_with_fault(self, body, warm_up):
         replay = original(self, body, warm_up)
@@ -61,7 +61,7 @@ def faulty_replays(monkeypatch, micro=None, update=None):
             return update(self, replay)
         return replay
 
-    monkeypatch.setattr(graphs.CapturedSteps, "_warm_up_and_capture", capture_with_fault)
+    monkeypatch.setattr(capturing.CapturedSteps, "_warm_up_and_capture", capture_with_fault)
 
 
 # ----------------------------------------------------------------------------- 1. same kernel, same mask
@@ -84,7 +84,7 @@ def test_eager_reference_runs_the_captured_attention_kernel_on_the_same_mask(eng
     run = make_run("mask", epochs=1, batch_size=8)
     capture(run)
     steps = run.steps
-    batch = run.collator([run.train_set[i] for i in range(8)])  # 8 rows: no filler rows
+    batch = run.job_setup.collator([run.job_setup.train_set[i] for i in range(8)])  # 8 rows: no filler rows
     batch["attention_mask"] = torch.ones_like(batch["attention_mask"])  # no padding at all
     assert batch["input_ids"].shape[1] in steps.replays
 
@@ -99,7 +99,7 @@ def test_eager_reference_runs_the_captured_attention_kernel_on_the_same_mask(eng
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    parity = graphs.check_against_eager(steps, [([batch], 8)], [1e-3])
+    parity = check_against_eager(steps, [([batch], 8)], [1e-3])
     assert parity.failures() == []
     eager = {(none, backends) for side, none, backends in calls if side == "eager"}
     graph = {(none, backends) for side, none, backends in calls if side == "graph"}
@@ -108,14 +108,14 @@ def test_eager_reference_runs_the_captured_attention_kernel_on_the_same_mask(eng
 
 
 def test_transformers_uses_a_4d_mask_as_given():
-    """What the graph bodies rely on (``graphs.attention_4d``): no look at the mask's values, in
+    """What the graph bodies rely on (``capturing.attention_4d``): no look at the mask's values, in
     eager mode or while capturing."""
     from transformers import BertConfig
     from transformers.masking_utils import create_bidirectional_mask
 
     config = BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
     config._attn_implementation = "sdpa"
-    mask = graphs.attention_4d(torch.tensor([[1, 1, 1], [1, 1, 0]]))
+    mask = capturing.attention_4d(torch.tensor([[1, 1, 1], [1, 1, 0]]))
     assert mask.shape == (2, 1, 3, 3) and mask.dtype == torch.bool and not mask[1, 0, :, 2].any()
     assert create_bidirectional_mask(config=config, inputs_embeds=torch.zeros(2, 3, 8), attention_mask=mask) is mask
 
@@ -128,29 +128,30 @@ def test_every_new_width_is_checked_also_one_a_later_job_adds(engine_env, monkey
     The first job captures only the first steps' widths; a later job of the same shape adds the
     faulty width: its check fails before the width is used, and that job trains eagerly."""
     first = make_run("first", epochs=1, batch_size=8)
-    first_widths = sorted({p["input_ids"].shape[1] for pieces, _ in engine.first_steps(first, 3) for p in pieces})
-    faulty = max(set(first.plan.width_counts(LADDER, 1)) - set(first_widths))
+    first_widths = sorted({p["input_ids"].shape[1] for pieces, _ in batches.first_steps(first.job_setup, first.state, 3)
+                           for p in pieces})
+    faulty = max(set(first.job_setup.plan.width_counts(LADDER, 1)) - set(first_widths))
     faulty_replays(monkeypatch, micro=lambda self, width, replay: (
         (lambda: (replay(), self.step_loss.add_(0.5))) if width == faulty else replay))
     message = capture(first, first_widths)
     assert faulty not in first.steps.replays and all(f"width {w}:" in message for w in first_widths)
 
-    monkeypatch.setattr(engine, "eager_reason", lambda run: None)
+    monkeypatch.setattr(recipe, "eager_reason", lambda *args: None)
     reporter = RecordingReporter()
     later = make_run("later", epochs=1, batch_size=8, reporter=reporter)
-    engine.warm_up(later, reporter)
-    assert type(later.steps) is engine.Steps and reporter.events[-1] == "cuda_graphs_off"
+    later.warm_up(reporter)
+    assert type(later.steps) is Steps and reporter.events[-1] == "cuda_graphs_off"
     assert f"(width {faulty})" in reporter.messages[-1] and "step 1: loss" in reporter.messages[-1]
     assert not graphs._cache  # the faulty graphs were dropped
 
 
 def test_a_width_sample_has_that_width_and_comes_from_the_plan(engine_env):
     run = make_run("sample", epochs=2, batch_size=8)
-    for width in run.plan.width_counts(LADDER, 2):
-        [piece], terms = engine.width_sample(run, width)
+    for width in run.job_setup.plan.width_counts(LADDER, 2):
+        [piece], terms = batches.width_sample(run.job_setup, run.state.micro_split, width)
         assert piece["input_ids"].shape == (len(piece["labels"]), width) and terms == len(piece["labels"])
     with pytest.raises(ValueError, match="no micro-batch of width 17"):
-        engine.width_sample(run, 17)
+        batches.width_sample(run.job_setup, run.state.micro_split, 17)
 
 
 # ----------------------------------------------------------------------------- 3. several steps, dropout
@@ -198,8 +199,8 @@ def test_three_steps_under_warm_up_with_dropout_catch_what_one_step_cannot(engin
     else:
         faulty_replays(monkeypatch, update=frozen_learning_rate if fault == "learning_rate" else frozen_adam_step)
     run = make_run(fault, dropout=True, epochs=1, batch_size=8)
-    widths = list(run.plan.width_counts(LADDER, 1))
-    with pytest.raises(graphs.CaptureMismatch, match="the first 3 steps") as error:
+    widths = list(run.job_setup.plan.width_counts(LADDER, 1))
+    with pytest.raises(CaptureMismatch, match="the first 3 steps") as error:
         capture(run, widths)
     expected = {"learning_rate": "updated weights", "adam_step": "updated weights",
                 "dropout_rng": "drew the same dropout masks"}[fault]
@@ -208,11 +209,12 @@ def test_three_steps_under_warm_up_with_dropout_catch_what_one_step_cannot(engin
     # The same faulty graphs pass a one-step check: what the first step alone could see.
     graphs._failed.clear()
     run = make_run(fault + "-one", dropout=True, epochs=1, batch_size=8)
-    graphs.use_capturable_optimizer(run)
-    steps = graphs.CapturedSteps(run, 8)
+    parts = graphs.uncaptured_parts(run.job_setup, run.model, run.forward_model, run.optimizer, run.scheduler,
+                                    run.scaler, 8)
+    steps = parts.steps
     steps.capture(widths)
-    first = engine.first_steps(run, 1)
-    assert graphs.check_against_eager(steps, first, [run.hp.learning_rate]).failures() == []
+    first = batches.first_steps(run.job_setup, run.state, 1)
+    assert check_against_eager(steps, first, [run.job_setup.hp.learning_rate]).failures() == []
 
 
 def test_replays_draw_new_dropout_masks_and_the_checks_leave_no_trace(engine_env, monkeypatch):
@@ -222,14 +224,14 @@ def test_replays_draw_new_dropout_masks_and_the_checks_leave_no_trace(engine_env
     run = make_run("checked", dropout=True, epochs=1, batch_size=8, reporter=reporter)
     message = capture(run)
     assert "first steps: 3 step(s)" in message and "replays draw new dropout masks" in message
-    engine.train(run, reporter)
+    run.train(reporter)
 
     graphs.clear_cache()
     monkeypatch.setattr(graphs, "check_new_capture", lambda *args: [])
     unchecked = RecordingReporter()
     run = make_run("unchecked", dropout=True, epochs=1, batch_size=8, reporter=unchecked)
     assert "checked" not in capture(run)
-    engine.train(run, unchecked)
+    run.train(unchecked)
     assert reporter.series("train_loss") == unchecked.series("train_loss")
 
 
@@ -314,11 +316,11 @@ def test_a_failed_capture_restores_the_stream_the_pool_and_the_generator(monkeyp
             raise RuntimeError("injected: operation not permitted when stream is capturing")
 
     if failure is None:
-        graph = graphs.capture_graph(body, "pool", "capture")
+        graph = capturing.capture_graph(body, "pool", "capture")
         assert graph.calls == [("begin", "pool"), "end"] and cuda.holds["pool"] == 2
     else:
         with pytest.raises(RuntimeError, match="previous error" if failure == "capture_end" else "injected"):
-            graphs.capture_graph(body, "pool", "capture")
+            capturing.capture_graph(body, "pool", "capture")
         assert cuda.graphs[0].calls == [("begin", "pool"), "end", "reset"]  # capture ended, graph released
         assert cuda.holds["pool"] == 1  # the earlier graphs' hold, no more and no less
         assert not cuda.routing and not cuda.generator_capturing
@@ -328,10 +330,10 @@ def test_a_failed_capture_restores_the_stream_the_pool_and_the_generator(monkeyp
 
 def test_a_failed_check_releases_the_graphs(engine_env, monkeypatch):
     released = []
-    monkeypatch.setattr(graphs.CapturedSteps, "release", lambda self: released.append(self))
+    monkeypatch.setattr(capturing.CapturedSteps, "release", lambda self: released.append(self))
     faulty_replays(monkeypatch, update=lambda self, replay: lambda: None)  # an update graph that does nothing
     run = make_run("release", epochs=1, batch_size=8)
-    with pytest.raises(graphs.CaptureMismatch):
+    with pytest.raises(CaptureMismatch):
         capture(run)
     assert len(released) == 1 and not graphs._cache
 
@@ -358,7 +360,7 @@ def test_a_capture_that_rebinds_a_shared_tensor_is_refused(engine_env, monkeypat
     """All graphs share one pool and replay in data order, not capture order: safe only while every
     tensor they share was allocated outside the captures. Injected: a body that lets the backward
     allocate a fresh gradient (``set_to_none``), which the update graph would then read from the pool."""
-    original = graphs.CapturedSteps._micro_body
+    original = capturing.CapturedSteps._micro_body
 
     def rebinding(self, width):
         body = original(self, width)
@@ -368,24 +370,25 @@ def test_a_capture_that_rebinds_a_shared_tensor_is_refused(engine_env, monkeypat
             body()
         return run
 
-    monkeypatch.setattr(graphs.CapturedSteps, "_micro_body", rebinding)
-    monkeypatch.setattr(engine, "eager_reason", lambda run: None)
+    monkeypatch.setattr(capturing.CapturedSteps, "_micro_body", rebinding)
+    monkeypatch.setattr(recipe, "eager_reason", lambda *args: None)
     reporter = RecordingReporter()
     run = make_run("rebind", epochs=1, batch_size=8, reporter=reporter)
-    engine.warm_up(run, reporter)
-    assert type(run.steps) is engine.Steps and "SharedPoolError" in reporter.messages[-1]
+    run.warm_up(reporter)
+    assert type(run.steps) is Steps and "SharedPoolError" in reporter.messages[-1]
     assert "grad.0" in reporter.messages[-1]
 
 
 def test_shared_tensors_keep_their_addresses_through_capture_and_training(engine_env):
     run = make_run("addresses", epochs=1, batch_size=8)
-    graphs.use_capturable_optimizer(run)
-    steps = graphs.CapturedSteps(run, 8)
-    steps.capture(list(run.plan.width_counts(LADDER, 1)))
+    parts = graphs.uncaptured_parts(run.job_setup, run.model, run.forward_model, run.optimizer, run.scheduler,
+                                    run.scaler, 8)
+    steps = parts.steps
+    steps.capture(list(run.job_setup.plan.width_counts(LADDER, 1)))
     before = steps.shared_tensors()
     assert any(k.startswith("adamw.") for k in before) and any(k.startswith("input.") for k in before)
-    run.steps = steps
-    engine.train(run, RecordingReporter())
+    run.steps, run.optimizer, run.scheduler = steps, parts.optimizer, parts.scheduler
+    run.train(RecordingReporter())
     assert steps.shared_tensors() == before
 
 
@@ -396,11 +399,11 @@ def test_bf16_micro_batch_gradients_accumulate_in_fp32_master_gradients(engine_e
     """Each micro-batch's bf16 gradients are added into the fp32 master gradients, so a step's
     gradient is the fp32 sum of its micro-batches' bf16 gradients, never a running bf16 sum."""
     run = make_run("fp32-sum", precision="bf16", epochs=1, batch_size=8)
-    engine.warm_up(run)
+    run.warm_up()
     steps = run.steps
     run.model.train()
     run.forward_model.train()
-    pieces = [run.collator([run.train_set[i] for i in range(j, j + 4)]) for j in range(0, 32, 4)]
+    pieces = [run.job_setup.collator([run.job_setup.train_set[i] for i in range(j, j + 4)]) for j in range(0, 32, 4)]
     n = sum(len(p["labels"]) for p in pieces)
 
     expected = [torch.zeros_like(p) for p in steps.master]

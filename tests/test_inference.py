@@ -106,7 +106,7 @@ def test_regression_gives_the_single_output(tmp_path):
 
 
 def test_multi_label_rows_are_sigmoid_scores_against_the_saved_threshold(tmp_path):
-    from worker.train import write_decision_threshold
+    from worker.training.export import write_decision_threshold
 
     model_dir = save_tiny_model(tmp_path, len(LABELS), problem_type="multi_label_classification")
     default = load_for_inference(model_dir, CPU)

@@ -61,7 +61,7 @@ def test_quoted_tsv_with_tabs_newlines_and_quotes_is_read_exactly(stack, writer)
 
 
 def test_unquoted_tsv_keeps_quotes_as_text(stack):
-    content = 'text\tlabel\n"Great movie" he said\tpos\nsay "hi" twice\tneg\n"ok"\tpos\nplain\tneg\n'.encode()
+    content = b'text\tlabel\n"Great movie" he said\tpos\nsay "hi" twice\tneg\n"ok"\tpos\nplain\tneg\n'
     dataset = upload(stack.client, content, "unquoted.tsv")
     assert dataset["rows"] == 4
 
@@ -238,7 +238,7 @@ def test_huge_targets_with_the_opt_out_fail_the_job_once_with_null_metrics(stack
 
 
 def test_nonfinite_metrics_are_stored_as_null_and_flagged(stack):
-    """What the worker reports goes through ``lifecycle.report``: NaN (which SQLite cannot store in a NOT
+    """What the worker reports goes through ``lifecycle.record_progress``: NaN (which SQLite cannot store in a NOT
     NULL column) and Infinity become null, flagged ``nonfinite``; PostgreSQL's json gets no NaN."""
     from sqlalchemy import update
 
@@ -252,7 +252,7 @@ def test_nonfinite_metrics_are_stored_as_null_and_flagged(stack):
     with session_scope() as s:  # hold the finished job's lease as a worker would
         s.execute(update(Job).where(Job.id == job["id"]).values(status="running", lease_owner="test-worker"))
     now = utcnow()
-    assert lifecycle.report(job["id"], "test-worker", {"train_metrics": {"loss": float("nan"), "lr": 0.1}},
+    assert lifecycle.record_progress(job["id"], "test-worker", {"train_metrics": {"loss": float("nan"), "lr": 0.1}},
                        [(1000, 9.0, "train_loss", float("inf"), now), (1000, 9.0, "grad_norm", float("nan"), now),
                         (1000, 9.0, "learning_rate", 0.5, now)])
     with session_scope() as s:

@@ -90,6 +90,9 @@ def test_int8_is_refused_on_a_gpu(models_dir):
 
 
 def test_an_int8_prediction_job_and_its_plan(stack):
+    from worker.predict import release_models
+
+    release_models()  # this worker's first int8 job of the model: loaded (and quantized) now
     client = stack.client
     dataset = upload(client, scoring_csv(), "score.csv")
     body = {"model": TINY_MODEL, "dataset": dataset["id"], "text_column": "body", "max_length": 16,
@@ -99,8 +102,13 @@ def test_an_int8_prediction_job_and_its_plan(stack):
     assert done["precision"] == "int8" and done["result"]["rows"] == 29
     said = [e for e in client.get(f"/predictions/{done['id']}/events").json()["data"] if e["code"] == "int8"]
     assert len(said) == 1 and said[0]["message"].startswith("int8: "), said
+    assert "not compiled again" not in said[0]["message"]
+    again = wait_prediction(client, predict(client, body)["id"])  # the worker kept the quantized model
+    said = [e["message"] for e in client.get(f"/predictions/{again['id']}/events").json()["data"] if e["code"] == "int8"]
+    assert again["result"] == {**done["result"], **{k: again["result"][k] for k in again["result"] if "second" in k}}
+    assert said and "kept loaded by this worker since an earlier job: not compiled again" in said[0], said
     int8_plan = predict(client, body, expect=200, dry_run="true")["plan"]
-    assert done["id"] in int8_plan["estimate_basis"] and int8_plan["estimated_seconds"] > 0
+    assert again["id"] in int8_plan["estimate_basis"] and int8_plan["estimated_seconds"] > 0
     fp32_plan = predict(client, {**body, "precision": "fp32"}, expect=200, dry_run="true")["plan"]
     assert fp32_plan["estimated_seconds"] is None  # no fp32 prediction on the model yet
     refused = client.post("/predictions", json={**body, "precision": "int4"})

@@ -182,7 +182,7 @@ def test_openai_facade_maps_multi_label(stack):
 def test_cli_sends_the_multi_label_options():
     import argparse
 
-    from client.cli import add_create_arguments, job_spec
+    from client.options import add_create_arguments, job_spec
 
     parser = argparse.ArgumentParser()
     add_create_arguments(parser)
@@ -195,7 +195,7 @@ def test_cli_sends_the_multi_label_options():
 
 
 def test_threshold_tuning_takes_the_lowest_threshold_with_the_best_micro_f1():
-    from worker.train import multi_label_metrics
+    from worker.training.metrics import multi_label_metrics
 
     y = np.array([[1, 0], [0, 1], [1, 1]])
     scores = np.array([[0.3, 0.1], [0.2, 0.35], [0.4, 0.3]])
@@ -209,7 +209,7 @@ def test_threshold_tuning_takes_the_lowest_threshold_with_the_best_micro_f1():
 def test_loss_is_the_trainers_bce_with_logits():
     import torch
 
-    from worker.steps import example_losses
+    from worker.training.steps import example_losses
 
     logits, labels = torch.randn(4, 3), torch.tensor([[1.0, 0, 0], [0, 0, 0], [1, 1, 0], [0, 1, 1]])
     per_example = example_losses(logits, labels, "multi_label")

@@ -131,7 +131,7 @@ def test_the_api_and_workers_share_only_the_bucket_and_the_store(bucket_env, mod
     from api.main import create_app
     from shared.store import objects
     from shared.store.manifest import verify_manifest
-    from worker import report, tasks
+    from worker import reporter, tasks
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("TUNEJOB_STORAGE", "AWS_"))}
     drop = configure_stack("postgres+redis", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"),
@@ -147,11 +147,11 @@ def test_the_api_and_workers_share_only_the_bucket_and_the_store(bucket_env, mod
             # Worker 1 trains until "SIGTERM" at its 4th step: it checkpoints, then gives the job back.
             on_host(tmp_path / "worker-1")
             calls = iter(range(1000))
-            real_should_stop = report.Reporter.should_stop
-            monkeypatch.setattr(report.Reporter, "should_stop",
+            real_should_stop = reporter.Reporter.should_stop
+            monkeypatch.setattr(reporter.Reporter, "should_stop",
                                 lambda self: "shutdown" if next(calls) >= 3 else real_should_stop(self))
             assert tasks.run_job(job["id"]) == "shutdown"
-            monkeypatch.setattr(report.Reporter, "should_stop", real_should_stop)
+            monkeypatch.setattr(reporter.Reporter, "should_stop", real_should_stop)
             [checkpoint] = client.get(f"/jobs/{job['id']}/checkpoints").json()["data"]
             assert checkpoint["step"] == 4
 

@@ -1,4 +1,4 @@
-"""Packed (padding-free) micro-batches give the padded step's loss and gradients (worker.packing).
+"""Packed (padding-free) micro-batches give the padded step's loss and gradients (worker.training.packing).
 
 fp32, dropout off, tiny models built from a config: classification, pairs (token_type_ids),
 multi_label, regression, token classification and RoBERTa positions (``padding_idx + 1``), at
@@ -17,8 +17,8 @@ from transformers import (
     RobertaConfig,
 )
 
-from worker.packing import pack, packed_logits, position_offset, unsupported_reason
-from worker.steps import example_losses
+from worker.training.packing import pack, pack_fixed, packed_logits, position_offset, token_bucket, unsupported_reason
+from worker.training.steps import example_losses
 
 MAX_LENGTH = 12
 VOCAB = 50
@@ -119,17 +119,18 @@ def test_a_family_without_packed_attention_is_named():
 
 
 def test_a_packed_job_trains_like_the_padded_job(engine_env):
-    """The whole loop (``worker.train``) with ``packing: true`` on the CPU: the same losses, weights
+    """The whole loop (``worker.training.recipe``) with ``packing: true`` on the CPU: the same losses, weights
     and real tokens as padded, no padding computed, and an event that says so."""
     from tests.conftest import RecordingReporter
     from tests.test_steps import make_run
-    from worker import train as engine
 
     padded_reporter, packed_reporter = RecordingReporter(), RecordingReporter()
     padded = make_run("padded", padded_reporter, epochs=2, batch_size=8)
-    assert engine.train(padded, padded_reporter) == "completed" and not padded.steps.packing
+    padded.warm_up(padded_reporter)
+    assert padded.train(padded_reporter) == "completed" and not padded.steps.packing
     packed = make_run("packed", packed_reporter, epochs=2, batch_size=8, packing=True)
-    assert engine.train(packed, packed_reporter) == "completed" and packed.steps.packing
+    packed.warm_up(packed_reporter)
+    assert packed.train(packed_reporter) == "completed" and packed.steps.packing
     losses = padded_reporter.series("train_loss")
     assert len(losses) > 2 and packed_reporter.series("train_loss") == pytest.approx(losses, rel=1e-5)
     for (name, p), q in zip(packed.model.named_parameters(), padded.model.parameters()):
@@ -139,3 +140,65 @@ def test_a_packed_job_trains_like_the_padded_job(engine_env):
     assert ("packing", "packed micro-batches: no padding, attention per example (variable-length kernel)") in \
         zip(packed_reporter.events, packed_reporter.messages)
     assert "packing" not in padded_reporter.events  # the default says nothing
+
+
+def test_pack_fixed_keeps_every_token_in_a_sequence_within_max_length():
+    """The captured layout: the examples, one-token filler rows up to ``rows``, and the rest of the
+    bucket as filler sequences of at most ``max_length`` (the kernel's bound), weights 0 for fillers."""
+    batch = padded_batch([3, 1, 2], "classification", 3, 0, pairs=True)
+    tokens = token_bucket(6, 3, rows=5, max_length=4)
+    out = pack_fixed(batch, rows=5, tokens=tokens, max_length=4, position_offset=0, pad_id=0)
+    lengths = torch.diff(out["cu_seq_lens_q"]).tolist()
+    assert out["input_ids"].shape == out["position_ids"].shape == out["token_type_ids"].shape == (1, tokens)
+    assert lengths[:5] == [3, 1, 2, 1, 1] and all(1 <= n <= 4 for n in lengths) and sum(lengths) == tokens
+    assert len(lengths) == 5 + -(-tokens // 4)  # the same number of sequences for every batch of this bucket
+    assert out["cls_index"].tolist() == [0, 3, 4, 6, 7] and out["weights"].tolist() == [1, 1, 1, 0, 0]
+    assert out["max_length_q"] == 4 and out["labels"].shape == (5,)
+    with pytest.raises(ValueError, match="do not fit"):
+        pack_fixed(batch, rows=2, tokens=tokens, max_length=4, position_offset=0, pad_id=0)
+
+
+def test_a_filled_packed_batch_gives_the_loss_and_gradient_of_the_packed_batch():
+    model = tiny("bert", "classification")
+    batch = padded_batch([1, MAX_LENGTH, 5], "classification", 3, 0, pairs=False)
+    loss, grads = loss_and_grads(model, batch, "classification", packed=True)
+    model.zero_grad()
+    filled = pack_fixed(batch, 8, token_bucket(MAX_LENGTH + 6, 3, 8, MAX_LENGTH), MAX_LENGTH, 0, 0)
+    labels, weights = filled.pop("labels"), filled.pop("weights")
+    filled_loss = (example_losses(packed_logits(model, filled, "classification"), labels, "classification")
+                   * weights).sum()
+    filled_loss.backward()
+    torch.testing.assert_close(filled_loss.detach(), loss, rtol=RTOL, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=RTOL, atol=max(ATOL, RTOL * grads[name].abs().max().item()))
+
+
+def test_captured_packed_steps_train_like_eager_packed_steps(engine_env):
+    """The CUDA-graph path with packing, driven on the CPU (capture keeps the body, replay calls it):
+    one graph per token bucket of the plan, each checked against eager steps, the same losses and
+    weights as the eager packed job, filler tokens counted as computed."""
+    from tests.conftest import RecordingReporter
+    from tests.test_steps import make_run
+    from worker.training.capture import CapturedSteps
+    from worker.training.packing import bucket_counts
+
+    eager = RecordingReporter()
+    run = make_run("eager-packed", eager, epochs=2, batch_size=8, packing=True)
+    run.warm_up(eager)
+    assert run.train(eager) == "completed" and run.steps.packing and not isinstance(run.steps, CapturedSteps)
+    eager_weights = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    eager_state = run.state
+
+    captured = RecordingReporter()
+    run = make_run("captured-packed", captured, epochs=2, batch_size=8, packing=True)
+    hp = run.job_setup.hp
+    buckets = bucket_counts(run.job_setup.plan, 8, hp.max_length, hp.epochs)
+    message = run.capture(8, list(buckets), packing=True)
+    assert isinstance(run.steps, CapturedSteps) and run.steps.packing
+    assert "packed micro-batches of 8 rows: captured token buckets" in message and "first steps: 3 step(s)" in message
+    assert set(run.steps.replays) == set(buckets) and all(f"width {b}: 1 step(s)" in message for b in buckets)
+    assert run.train(captured) == "completed"
+    assert captured.series("train_loss") == pytest.approx(eager.series("train_loss"), rel=1e-5)
+    assert run.state.real_tokens == eager_state.real_tokens < run.state.padded_tokens  # fillers computed
+    for name, p in run.model.named_parameters():
+        torch.testing.assert_close(p.detach(), eager_weights[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -9,10 +9,10 @@ import json
 from datetime import timedelta
 
 from client.display import queue_line
-from shared.store.engine import session_scope
-from shared.store.rows import Job, JobStatus, new_id, utcnow
 from shared.jobs.positions import estimate_queued
 from shared.schemas.jobs import JobOut
+from shared.store.engine import session_scope
+from shared.store.rows import Job, JobStatus, new_id, utcnow
 from tests.conftest import TINY_MODEL
 from tests.test_api_jobs import labelled_csv, upload
 

@@ -1,4 +1,4 @@
-"""The polling routes' read cache (``api.store.cached``, ``shared.store.cache.JOBS``): a poll of an
+"""The polling routes' read cache (``api.db.cached``, ``shared.store.cache.JOBS``): a poll of an
 unchanged job reads nothing from the store, a change committed by another process is seen (on
 PostgreSQL once its trigger's notification arrives), and this process's own writes at once; on
 every stack.
@@ -25,12 +25,12 @@ from tests.test_queue_position import add_job
 @pytest.fixture
 def reads(monkeypatch) -> list[str]:
     """The store reads the two polling routes make: ``find_job`` (the job's row) and ``_metrics``."""
+    import api.db
     import api.routers.jobs
-    import api.store
 
     made = []
-    for module, name in ((api.store, "find_job"), (api.routers.jobs, "_metrics")):
-        def counted(*args, read=getattr(module, name), name=name):
+    for module, name in ((api.db, "find_job"), (api.routers.jobs, "_metrics")):
+        def counted(*args, read=getattr(module, name), name=name):  # noqa: B008 (bound now)
             made.append(name)
             return read(*args)
         monkeypatch.setattr(module, name, counted)

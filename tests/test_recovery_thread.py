@@ -1,4 +1,4 @@
-"""The recovery loop (reaper and sweeper) lives exactly as long as the API or worker that runs it.
+"""The recovery loop lives exactly as long as the API or worker that runs it.
 
 The in-process worker of the API tests (``celery.contrib.testing.worker.start_worker``) stops with
 a cold shutdown, which sends no ``worker_shutdown`` signal. Its recovery loop used to be started by
@@ -35,3 +35,15 @@ def test_the_apis_recovery_loop_stops_with_the_app(tmp_path, models_dir):
     with TestClient(create_app(), base_url=BASE_URL):
         assert len(recovery_threads() - before) == 1
     assert recovery_threads() == before
+
+
+def test_the_recovery_period_is_read_under_its_former_name_too(monkeypatch):
+    """``TUNEJOB_RECOVERY_SECONDS`` was ``TUNEJOB_SWEEP_SECONDS`` before sweeps meant hyperparameter
+    sweeps: a deployment that sets the old name keeps its period; the new name wins over it."""
+    from shared.settings import Settings
+
+    monkeypatch.delenv("TUNEJOB_RECOVERY_SECONDS", raising=False)
+    monkeypatch.setenv("TUNEJOB_SWEEP_SECONDS", "3")
+    assert Settings().recovery_seconds == 3
+    monkeypatch.setenv("TUNEJOB_RECOVERY_SECONDS", "4")
+    assert Settings().recovery_seconds == 4

@@ -1,5 +1,5 @@
-"""The training step without host synchronisation (``worker.steps``) and as CUDA graphs
-(``worker.graphs``), driven on the CPU: per-step values read back in bulk, non-finite steps
+"""The training step without host synchronisation (``worker.training.steps``) and as CUDA graphs
+(``worker.training.capture``), driven on the CPU: per-step values read back in bulk, non-finite steps
 skipped by the fused AdamW, cancel on a timer, filler rows, and the captured path with its static
 inputs, warm-ups and per-worker cache (on the CPU "capture" keeps the body and "replay" calls it,
 so everything but the CUDA capture and replay calls runs here)."""
@@ -16,10 +16,12 @@ from bench.engine_gpu_check import state_of
 from shared.errors import UserError
 from tests.conftest import RecordingReporter, no_dropout
 from tests.test_engine import NaNLogits, OutOfMemoryAbove, make_job
-from worker import graphs
-from worker import train as engine
-from worker.report import Reporter
-from worker.steps import Steps, StepValues
+from worker.reporter import Reporter
+from worker.training import batches, graphs, recipe
+from worker.training import capture as capturing
+from worker.training.parity import TOLERANCES, Parity
+from worker.training.recipe import Recipe
+from worker.training.steps import Steps, StepValues
 
 CPU = torch.device("cpu")
 LADDER = [16, 32, 48, 64]  # a bucket ladder for max_length 64, as a CUDA worker would use
@@ -42,24 +44,21 @@ def make_run(name: str, reporter=None, label_names=("a", "b"), **hyperparameters
         data.train["label"], data.validation["label"] = data.train["label"].map(rename), data.validation[
             "label"].map(rename)
         job.label_names = list(label_names)
-    run = engine.setup(job, data, CPU, reporter or RecordingReporter())
+    run = Recipe(job, CPU).setup(data, reporter or RecordingReporter())
     no_dropout(run.model)
     return run
 
 
 def capture(run, rows: int | None = None) -> str:
     """What ``warm_up`` does on a CUDA worker: bucket widths, then the captured steps."""
-    run.collator.ladder = LADDER
-    widths = list(run.plan.width_counts(LADDER, run.hp.epochs))
-    run.steps, message = graphs.capture_steps(run, rows or run.hp.batch_size, widths,
-                                              lambda: engine.first_steps(run, graphs.CHECK_STEPS),
-                                              lambda width: engine.width_sample(run, width))
-    return message
+    run.job_setup.collator.ladder = LADDER
+    widths = list(run.job_setup.plan.width_counts(LADDER, run.job_setup.hp.epochs))
+    return run.capture(rows or run.job_setup.hp.batch_size, widths)
 
 
 def read_rarely(monkeypatch, seconds: float = 3600.0) -> None:
     """Per-step values stay on the device until a read is forced (as on CUDA between reads)."""
-    monkeypatch.setattr(engine, "read_every_seconds", lambda device: seconds)
+    monkeypatch.setattr(recipe, "read_every_seconds", lambda device: seconds)
 
 
 # ----------------------------------------------------------------------------- values read in bulk
@@ -87,18 +86,20 @@ def test_step_values_are_copied_in_bulk_in_order():
 def test_metrics_of_every_step_arrive_when_read_in_bulk(engine_env, monkeypatch):
     every = RecordingReporter()
     run = make_run("every", every, epochs=2, save_every_steps=10**6)
-    assert engine.train(run, every) == "completed"
+    run.warm_up(every)
+    assert run.train(every) == "completed"
 
     read_rarely(monkeypatch)
     bulk = RecordingReporter()
     run = make_run("bulk", bulk, epochs=2, save_every_steps=10**6)
-    assert engine.train(run, bulk) == "completed"
+    run.warm_up(bulk)
+    assert run.train(bulk) == "completed"
     logged = [step for step, _, values in bulk.logged if "train_loss" in values]
-    assert logged == list(range(1, run.total_steps + 1))  # every step logged once, in order
+    assert logged == list(range(1, run.job_setup.total_steps + 1))  # every step logged once, in order
     for name in ("train_loss", "grad_norm", "learning_rate", "padding_efficiency", "skipped_steps"):
         assert bulk.series(name) == pytest.approx(every.series(name), rel=1e-6), name
     assert all(v > 0 for v in bulk.series("tokens_per_second").values())
-    assert run.state.train_seconds > 0 and bulk.fields["step"] == run.total_steps
+    assert run.state.train_seconds > 0 and bulk.fields["step"] == run.job_setup.total_steps
     # Reads were rare: the values of the first epoch reached the host at its end (the evaluation
     # forces a read), not step by step.
     epoch_of = {step: epoch for step, epoch, _ in bulk.logged}
@@ -109,11 +110,12 @@ def test_nonfinite_steps_are_skipped_without_a_sync_and_fail_the_job_at_the_next
     read_rarely(monkeypatch)
     run = make_run("nan-step", epochs=1)
     run.forward_model = NaNLogits(run.model, bad_calls={2})
-    groups = engine.step_groups(run)
-    values, _ = engine.train_step(run, next(groups))
+    run.warm_up()
+    groups = batches.step_groups(run.job_setup, run.state)
+    values, _ = run.train_step(next(groups))
     assert values.tolist()[2] == 0.0
     before = state_of(run)
-    values, _ = engine.train_step(run, next(groups))
+    values, _ = run.train_step(next(groups))
     loss, grad_norm, skipped = values.tolist()
     assert math.isnan(loss) and skipped == 1.0
     after = state_of(run)  # the fused AdamW skipped it: weights, moments and step count unchanged
@@ -122,7 +124,8 @@ def test_nonfinite_steps_are_skipped_without_a_sync_and_fail_the_job_at_the_next
     run = make_run("nan-once", reporter := RecordingReporter(), epochs=1, save_every_steps=10**6,
                    max_nonfinite_steps=3)
     run.forward_model = NaNLogits(run.model, bad_calls={2})
-    assert engine.train(run, reporter) == "completed"
+    run.warm_up(reporter)
+    assert run.train(reporter) == "completed"
     assert run.state.skipped_steps == 1 and run.state.nonfinite_run == 0
     assert reporter.series("skipped_steps")[1] == 0 and reporter.series("skipped_steps")[2] == 1
     assert math.isnan(reporter.series("train_loss")[2])
@@ -133,34 +136,35 @@ def test_nonfinite_steps_are_skipped_without_a_sync_and_fail_the_job_at_the_next
                    max_nonfinite_steps=3)
     run.forward_model = NaNLogits(run.model, bad_calls=set(range(3, 1000)))
     with pytest.raises(UserError) as error:
-        engine.train(run, reporter)
+        run.warm_up(reporter)
+        run.train(reporter)
     assert error.value.code == "nonfinite_loss" and "up to step 5" in error.value.message
     assert run.state.step >= 5 and run.state.nonfinite_run == 3  # seen at the read after step 5
     assert sorted(reporter.series("train_loss")) == [1, 2, 3, 4, 5]
 
 
 def test_cancel_is_read_on_a_timer_and_stops_within_two_seconds(engine_env, monkeypatch):
-    from worker import report
+    from worker import reporter as reporting
 
     requested = threading.Event()
     queries, flushed = [], []
-    monkeypatch.setattr(report.lifecycle, "cancel_requested", lambda job_id: queries.append(time.monotonic())
+    monkeypatch.setattr(reporting.lifecycle, "cancel_requested", lambda job_id: queries.append(time.monotonic())
                         or requested.is_set())
-    monkeypatch.setattr(report.lifecycle, "report", lambda job_id, worker, progress, metrics: flushed.extend(metrics)
+    monkeypatch.setattr(reporting.lifecycle, "record_progress", lambda job_id, worker, progress, metrics: flushed.extend(metrics)
                         or True)
-    monkeypatch.setattr(report.lifecycle, "add_event", lambda *args, **kwargs: None)
+    monkeypatch.setattr(reporting.lifecycle, "add_event", lambda *args, **kwargs: None)
     read_rarely(monkeypatch, 0.5)
     reporter = Reporter("cancel", "worker-1")
     run = make_run("cancel", reporter, epochs=1000, batch_size=4, max_length=32, eval_every_steps=10**6,
                    save_every_steps=10**6)
-    engine.warm_up(run)
+    run.warm_up()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # short steps even when other processes have the cores
     timer = threading.Timer(1.5, requested.set)
     started = time.monotonic()
     timer.start()
     try:
-        outcome = engine.train(run, reporter)
+        outcome = run.train(reporter)
     finally:
         timer.cancel()
         torch.set_num_threads(threads)
@@ -180,9 +184,9 @@ def test_cancel_is_read_on_a_timer_and_stops_within_two_seconds(engine_env, monk
 
 def test_filler_rows_give_the_loss_and_gradient_of_the_short_batch(engine_env):
     run = make_run("filler", epochs=1)
-    engine.warm_up(run)
+    run.warm_up()
     run.model.train()
-    batch = run.collator([run.train_set[i] for i in range(5)])
+    batch = run.job_setup.collator([run.job_setup.train_set[i] for i in range(5)])
     steps = run.steps
 
     def loss_and_grads(inputs, labels, weights):
@@ -196,18 +200,18 @@ def test_filler_rows_give_the_loss_and_gradient_of_the_short_batch(engine_env):
 
     labels = batch["labels"]
     short = loss_and_grads({k: v for k, v in batch.items() if k != "labels"}, labels, None)
-    filled = graphs.with_filler_rows(batch, 8, pad_id=run.tokenizer.pad_token_id)
+    filled = capturing.with_filler_rows(batch, 8, pad_id=run.job_setup.tokenizer.pad_token_id)
     assert filled["input_ids"].shape == (8, batch["input_ids"].shape[1])
     assert filled["weights"].tolist() == [1.0] * 5 + [0.0] * 3
     assert filled["attention_mask"][5:].sum(dim=1).tolist() == [1, 1, 1]  # one visible token each
-    assert (filled["input_ids"][5:] == run.tokenizer.pad_token_id).all()
+    assert (filled["input_ids"][5:] == run.job_setup.tokenizer.pad_token_id).all()
     inputs = {k: v for k, v in filled.items() if k not in ("labels", "weights")}
     padded = loss_and_grads(inputs, filled["labels"], filled["weights"])
     assert padded[0] == pytest.approx(short[0], rel=1e-6)
     for a, b in zip(padded[1], short[1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="does not fit"):
-        graphs.with_filler_rows(batch, 4, pad_id=0)
+        capturing.with_filler_rows(batch, 4, pad_id=0)
 
 
 # ----------------------------------------------------------------------------- the captured path
@@ -216,8 +220,9 @@ def test_filler_rows_give_the_loss_and_gradient_of_the_short_batch(engine_env):
 def test_captured_steps_train_exactly_like_eager_steps(engine_env):
     eager = RecordingReporter()
     run = make_run("eager", eager, epochs=2, batch_size=8)
-    run.collator.ladder = LADDER  # the same widths on both sides; the captured side adds filler rows
-    assert engine.train(run, eager) == "completed"
+    run.job_setup.collator.ladder = LADDER  # the same widths on both sides; the captured side adds filler rows
+    run.warm_up(eager)
+    assert run.train(eager) == "completed"
     assert type(run.steps) is Steps
     eager_weights = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     eager_state = run.state
@@ -225,14 +230,14 @@ def test_captured_steps_train_exactly_like_eager_steps(engine_env):
     captured = RecordingReporter()
     run = make_run("captured", captured, epochs=2, batch_size=8)
     message = capture(run)
-    assert isinstance(run.steps, graphs.CapturedSteps) and "captured widths" in message
+    assert isinstance(run.steps, capturing.CapturedSteps) and "captured widths" in message
     assert "first steps: 3 step(s)" in message  # checked, and the checks left no trace: same losses below
-    assert set(run.steps.replays) == set(run.plan.width_counts(LADDER, 2))
+    assert set(run.steps.replays) == set(run.job_setup.plan.width_counts(LADDER, 2))
     assert all(f"width {width}: 1 step(s)" in message for width in run.steps.replays)  # each width checked
     assert all(p.grad is not None for p in run.model.parameters() if p.requires_grad)  # static gradients
     lr = run.optimizer.param_groups[0]["lr"]
     assert torch.is_tensor(lr) and run.optimizer.defaults["capturable"]
-    assert engine.train(run, captured) == "completed"
+    assert run.train(captured) == "completed"
     assert run.optimizer.param_groups[0]["lr"] is lr  # the scheduler filled it in place
     assert captured.series("train_loss") == pytest.approx(eager.series("train_loss"), rel=1e-5)
     assert captured.series("learning_rate") == pytest.approx(eager.series("learning_rate"))
@@ -244,9 +249,9 @@ def test_captured_steps_train_exactly_like_eager_steps(engine_env):
 
 def test_capture_warm_ups_move_no_state(engine_env):
     run = make_run("warm", epochs=1)
-    engine.warm_up(run)  # eager first: a few steps give AdamW real moments to preserve
+    run.warm_up()  # eager first: a few steps give AdamW real moments to preserve
     reporter = RecordingReporter(stop_after_step=3)
-    engine.train(run, reporter)
+    run.train(reporter)
     before, rng = state_of(run), torch.get_rng_state()
     run.steps = None
     capture(run)
@@ -262,14 +267,15 @@ def test_capture_warm_ups_move_no_state(engine_env):
 def test_a_later_job_reuses_the_captured_model_with_its_own_weights_and_a_fresh_optimizer(engine_env):
     first = make_run("first", epochs=1)
     capture(first)
-    engine.train(first, RecordingReporter())
+    first.train(RecordingReporter())
     model, optimizer = first.model, first.optimizer
 
     reference = RecordingReporter()
     alone = make_run("second-alone", reference, epochs=1, learning_rate=2e-3)
-    alone.collator.ladder = LADDER
+    alone.job_setup.collator.ladder = LADDER
     initial = {n: p.detach().clone() for n, p in alone.model.named_parameters()}
-    engine.train(alone, reference)
+    alone.warm_up(reference)
+    alone.train(reference)
 
     reporter = RecordingReporter()
     second = make_run("second", reporter, label_names=("no", "yes"), epochs=1, learning_rate=2e-3)
@@ -281,7 +287,7 @@ def test_a_later_job_reuses_the_captured_model_with_its_own_weights_and_a_fresh_
         assert torch.equal(p, initial[name]), name  # this job's initial weights, copied in place
     assert all(float(s["step"]) == 0 and torch.count_nonzero(s["exp_avg"]) == 0
                for s in second.optimizer.state.values())
-    assert engine.train(second, reporter) == "completed"
+    assert second.train(reporter) == "completed"
     assert reporter.series("train_loss") == pytest.approx(reference.series("train_loss"), rel=1e-5)
     assert reporter.series("learning_rate") == pytest.approx(reference.series("learning_rate"))
 
@@ -294,23 +300,23 @@ def test_resume_with_captured_steps_gives_the_same_losses(engine_env):
     whole = RecordingReporter()
     run = make_run("whole", whole, epochs=2, save_every_steps=100)
     capture(run)
-    engine.train(run, whole)
+    run.train(whole)
 
     graphs.clear_cache()
     first = RecordingReporter(stop_after_step=4)
     run = make_run("stopped", first, epochs=2, save_every_steps=100)
     capture(run)
-    assert engine.train(run, first) == "shutdown"
+    assert run.train(first) == "shutdown"
     [(step, path)] = first.checkpoints
     state = torch.load(path / "training_state.pt", weights_only=True)
     assert all(isinstance(g["lr"], float) and not g["capturable"] for g in state["optimizer"]["param_groups"])
 
     second = RecordingReporter()
     job, data = make_job("stopped", epochs=2, save_every_steps=100)
-    run = engine.setup(job, data, CPU, second, checkpoint=path)
+    run = Recipe(job, CPU).setup(data, second, path)
     no_dropout(run.model)
     capture(run)  # reuses the cached graphs: the checkpoint's weights and AdamW state are copied in
-    assert engine.train(run, second) == "completed"
+    assert run.train(second) == "completed"
     expected = whole.series("train_loss")
     for s, loss in second.series("train_loss").items():
         assert loss == pytest.approx(expected[s], rel=1e-5, abs=1e-6), s
@@ -319,16 +325,17 @@ def test_resume_with_captured_steps_gives_the_same_losses(engine_env):
 def test_out_of_memory_with_captured_steps_drops_the_graphs_and_backs_off_eagerly(engine_env):
     reference = RecordingReporter()
     run = make_run("reference", reference, epochs=1)
-    run.collator.ladder = LADDER
+    run.job_setup.collator.ladder = LADDER
     run.forward_model = OutOfMemoryAbove(run.model, rows=2)
-    engine.train(run, reference)
+    run.warm_up(reference)
+    run.train(reference)
 
     reporter = RecordingReporter()
     run = make_run("oom", reporter, epochs=1)
     run.forward_model = OutOfMemoryAbove(run.model, rows=10**6)
     capture(run)
     run.forward_model.rows = 2  # out of memory from the first step on, as a too large batch would be
-    assert engine.train(run, reporter) == "completed"
+    assert run.train(reporter) == "completed"
     assert reporter.events.count("cuda_graphs_off") == 1 and reporter.events.count("out_of_memory") == 2
     assert type(run.steps) is Steps and not graphs._cache  # the graphs and their memory are gone
     assert run.state.micro_split == 4
@@ -336,16 +343,16 @@ def test_out_of_memory_with_captured_steps_drops_the_graphs_and_backs_off_eagerl
 
 
 def test_a_failed_capture_falls_back_to_eager_steps_and_says_so(engine_env, monkeypatch):
-    def broken(run, rows, widths, first_steps, width_sample):
+    def broken(*args):
         raise RuntimeError("injected: operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(engine, "eager_reason", lambda run: None)
-    monkeypatch.setattr(engine, "capture_steps", broken)
+    monkeypatch.setattr(recipe, "eager_reason", lambda *args: None)
+    monkeypatch.setattr(recipe, "capture_steps", broken)
     reporter = RecordingReporter()
     run = make_run("fallback", reporter, epochs=1)
-    engine.warm_up(run, reporter)
+    run.warm_up(reporter)
     assert type(run.steps) is Steps and "cuda_graphs_off" in reporter.events
-    assert engine.train(run, reporter) == "completed"
+    assert run.train(reporter) == "completed"
     assert all(math.isfinite(v) for v in reporter.series("train_loss").values())
 
 
@@ -357,13 +364,13 @@ def test_jobs_that_cannot_be_captured_say_why(engine_env, monkeypatch):
     from shared.settings import get_settings
 
     def reason(length=40, **hp):
-        scaler = torch.amp.GradScaler("cpu", enabled=hp.pop("fp16", False))
+        dtype = torch.float16 if hp.pop("fp16", False) else None
         job = SimpleNamespace(task=hp.pop("task", "classification"))
         hp = Hyperparameters(**hp)
         plan = BatchPlan(np.full(96, length), hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch)
-        run = SimpleNamespace(device=torch.device("cuda", 0), hp=hp, scaler=scaler, job=job, plan=plan,
-                              collator=SimpleNamespace(ladder=[64, 128, 256, 512]))
-        return graphs.eager_reason(run)
+        job_setup = SimpleNamespace(device=torch.device("cuda", 0), hp=hp, dtype=dtype, job=job, plan=plan,
+                                    collator=SimpleNamespace(ladder=[64, 128, 256, 512]))
+        return graphs.eager_reason(job_setup)
 
     assert reason() is None
     assert "fp16" in reason(fp16=True)
@@ -389,11 +396,12 @@ def test_a_capture_that_does_not_match_the_eager_step_trains_eagerly_and_is_not_
     shape does not capture again."""
     reference = RecordingReporter()
     run = make_run("reference", reference, epochs=1)
-    run.collator.ladder = LADDER
-    engine.train(run, reference)
+    run.job_setup.collator.ladder = LADDER
+    run.warm_up(reference)
+    run.train(reference)
 
     captured = []
-    original = graphs.CapturedSteps._capture
+    original = capturing.CapturedSteps._capture
 
     def faulty_capture(self, body, warm_up):
         replay = original(self, body, warm_up)
@@ -404,31 +412,31 @@ def test_a_capture_that_does_not_match_the_eager_step_trains_eagerly_and_is_not_
             return lambda: (replay(), self.step_loss.add_(0.5))
         return replay
 
-    monkeypatch.setattr(graphs.CapturedSteps, "_capture", faulty_capture)
-    monkeypatch.setattr(engine, "eager_reason", lambda run: None)
+    monkeypatch.setattr(capturing.CapturedSteps, "_capture", faulty_capture)
+    monkeypatch.setattr(recipe, "eager_reason", lambda *args: None)
     reporter = RecordingReporter()
     run = make_run("mismatch", reporter, epochs=1)
-    run.collator.ladder = LADDER
-    engine.warm_up(run, reporter)
+    run.job_setup.collator.ladder = LADDER
+    run.warm_up(reporter)
     assert type(run.steps) is Steps and reporter.events[-1] == "cuda_graphs_off"
     assert "does not match the eager step" in reporter.messages[-1]
     assert ("updated weights differ by 1 of the update" if fault == "update_not_replayed" else "step 1: loss ") in \
         reporter.messages[-1]
-    assert engine.train(run, reporter) == "completed"
+    assert run.train(reporter) == "completed"
     assert reporter.series("train_loss") == pytest.approx(reference.series("train_loss"), rel=1e-5)
 
     captures = len(captured)
     later = RecordingReporter()
     run = make_run("later", later, epochs=1)
-    run.collator.ladder = LADDER
-    engine.warm_up(run, later)
+    run.job_setup.collator.ladder = LADDER
+    run.warm_up(later)
     assert len(captured) == captures and type(run.steps) is Steps  # not captured again in this worker
     assert later.events[-1] == "cuda_graphs_off" and "failed earlier in this worker" in later.messages[-1]
 
 
 def test_parity_tolerances_are_tight_in_fp32_and_bf16_aware():
     def parity(dtype, loss=(1.0, 1.0), norm=(2.0, 2.0), update=0.0):
-        return graphs.Parity([loss], [norm], update, graphs.TOLERANCES[dtype])
+        return Parity([loss], [norm], update, TOLERANCES[dtype])
 
     assert parity(torch.float32).failures() == []
     assert parity(torch.float32, loss=(1.001, 1.0)).failures()[0].startswith("step 1: loss")  # 1e-3: not fp32 rounding
@@ -436,9 +444,9 @@ def test_parity_tolerances_are_tight_in_fp32_and_bf16_aware():
     assert parity(torch.bfloat16, loss=(1.1, 1.0)).failures()[0].startswith("step 1: loss")
     assert parity(torch.float32, norm=(2.0, float("nan"))).failures()[0].startswith("step 1: grad_norm")
     assert parity(torch.float32, update=0.05).failures()[0].startswith("updated weights")
-    assert graphs.Parity([(1.0, 1.0)] * 3, [(2.0, 2.0), (2.0, 2.0), (3.0, 2.0)], 0.0,
-                         graphs.TOLERANCES[torch.float32]).failures()[0].startswith("step 3: grad_norm")
-    assert graphs.Parity([(1.0, 1.0)], [(2.0, 2.0)], 0.0, graphs.TOLERANCES[torch.float32],
+    assert Parity([(1.0, 1.0)] * 3, [(2.0, 2.0), (2.0, 2.0), (3.0, 2.0)], 0.0,
+                         TOLERANCES[torch.float32]).failures()[0].startswith("step 3: grad_norm")
+    assert Parity([(1.0, 1.0)], [(2.0, 2.0)], 0.0, TOLERANCES[torch.float32],
                          fresh_dropout=False).failures()[0].startswith("two replays")
     assert parity(torch.bfloat16, update=0.05).failures() == []
     assert parity(torch.bfloat16, update=1.0).failures()[0].startswith("updated weights")

@@ -65,7 +65,7 @@ def trials_of(client, sweep_id: str) -> list[dict]:
 def controlled_metrics(monkeypatch):
     """Replace the worker's evaluation: trial ``n`` at optimizer step ``s`` scores
     ``sequences[n][s]`` accuracy (the last listed value after that). Returns ``sequences`` to fill."""
-    import worker.train
+    from worker.training.recipe import Recipe
 
     sequences: dict[int, dict[int, float]] = {}
 
@@ -74,7 +74,7 @@ def controlled_metrics(monkeypatch):
         accuracy = sequence.get(run.state.step, sequence[max(sequence)])
         return {"loss": 1.0 - accuracy, "accuracy": accuracy, "f1_macro": accuracy}
 
-    monkeypatch.setattr(worker.train, "evaluate", evaluate)
+    monkeypatch.setattr(Recipe, "evaluate", evaluate)
     return sequences
 
 
@@ -187,13 +187,13 @@ def test_cancel_ends_every_trial_and_delete_removes_them(stack, dataset):
 
 
 def test_failed_trials_fail_the_sweep_only_past_max_failed_trials(stack, dataset, monkeypatch):
-    import worker.train
     from shared.errors import UserError
+    from worker.training.recipe import Recipe
 
     def evaluate(run, reporter=None):
         raise UserError("bad_evaluation", f"trial {run.job.trial_number} cannot be evaluated")
 
-    monkeypatch.setattr(worker.train, "evaluate", evaluate)
+    monkeypatch.setattr(Recipe, "evaluate", evaluate)
     sweep = create(stack.client, sweep_body(dataset["id"], max_trials=3, max_failed_trials=1))
     sweep = wait_for_sweep(stack.client, sweep["id"])
     assert sweep["status"] == "failed" and sweep["error"]["code"] == "too_many_failed_trials", sweep
@@ -325,7 +325,8 @@ def served_by_two(tmp_path_factory, models_dir):
     from tests.test_client_cli import serving
 
     for server in serving(tmp_path_factory.mktemp("served2"), models_dir, "--workers", "2"):
-        wait_until(lambda: server.process.tail(400).count(" ready.") >= 2, "both workers ready", timeout=180)
+        wait_until(lambda: server.process.tail(400).count(" ready.") >= 2,  # noqa: B023 (called at once)
+                   "both workers ready", timeout=180)
         yield server
 
 

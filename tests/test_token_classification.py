@@ -245,24 +245,25 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_batch(engine_env):
     from tests.conftest import RecordingReporter, no_dropout
     from tests.test_training import capture_gradients, micro_batches
     from worker.data import JobData
-    from worker.train import setup, train_step
+    from worker.training.recipe import Recipe
 
     spec = JobCreate(base_model=TINY_MODEL, task="token_classification", training_dataset="ds_test",
                      hyperparameters={"epochs": 1, "batch_size": 4, "max_length": 32, "precision": "fp32"})
     job = Job(id="t", task="token_classification", base_model=TINY_MODEL, spec=spec.model_dump(mode="json"),
               label_names=TAGS)
     frame = pd.DataFrame([{"tokens": w, "tags": t} for w, t in sentences(8, seed=3)])
-    run = setup(job, JobData(frame, None), torch.device("cpu"), RecordingReporter())
+    run = Recipe(job, torch.device("cpu")).setup(JobData(frame, None), RecordingReporter())
     no_dropout(run.model)
     init = {k: v.clone() for k, v in run.model.state_dict().items()}
     grads = capture_gradients(run)
     batch = micro_batches(run, [4])
     with torch.no_grad():
         expected = run.model(**batch[0]).loss  # mean cross-entropy over labels != -100
-    values, _ = train_step(run, batch)
+    run.warm_up()
+    values, _ = run.train_step(batch)
     assert values[0].item() == pytest.approx(expected.item(), rel=1e-5)
     run.model.load_state_dict(init)
-    train_step(run, micro_batches(run, [1, 3]))
+    run.train_step(micro_batches(run, [1, 3]))
     for one, accumulated in zip(*grads):
         torch.testing.assert_close(accumulated, one, rtol=1e-4, atol=1e-6)
 
@@ -280,23 +281,27 @@ def token_job(job_id: str, **hyperparameters):
 
 def test_a_resumed_job_continues_with_the_same_losses(engine_env):
     from tests.conftest import RecordingReporter
-    from worker import train as engine
     from worker.data import JobData
+    from worker.training.recipe import Recipe
 
     data = JobData(pd.DataFrame([{"tokens": w, "tags": t} for w, t in sentences(20, seed=4)]), None)
     cpu = torch.device("cpu")
     whole = RecordingReporter()
-    run = engine.setup(token_job("uninterrupted", save_every_steps=100), data, cpu, whole)
-    assert engine.train(run, whole) == "completed"
-    total = run.total_steps
+    run = Recipe(token_job("uninterrupted", save_every_steps=100), cpu).setup(data, whole)
+    run.warm_up(whole)
+    assert run.train(whole) == "completed"
+    total = run.job_setup.total_steps
 
     job = token_job("resumed", save_every_steps=100)
     first = RecordingReporter(stop_after_step=3)  # a SIGTERM after step 3: checkpoint, then stop
-    assert engine.train(engine.setup(job, data, cpu, first), first) == "shutdown"
+    run = Recipe(job, cpu).setup(data, first)
+    run.warm_up(first)
+    assert run.train(first) == "shutdown"
     [(step, path)] = first.checkpoints
     second = RecordingReporter()
-    run = engine.setup(job, data, cpu, second, checkpoint=path)
-    assert engine.train(run, second) == "completed"
+    run = Recipe(job, cpu).setup(data, second, path)
+    run.warm_up(second)
+    assert run.train(second) == "completed"
     expected, after = whole.series("train_loss"), second.series("train_loss")
     assert sorted(after) == list(range(step + 1, total + 1))
     for s in after:
@@ -315,14 +320,14 @@ def test_tags_without_a_prefix_are_scored_as_runs_of_one_type():
 def test_label_all_subwords_trains_on_later_subwords_and_scores_first_ones(engine_env):
     from tests.conftest import RecordingReporter
     from worker.data import JobData
-    from worker.train import setup
+    from worker.training.recipe import Recipe
 
     frame = pd.DataFrame({"tokens": [["schwarzenegger", "went", "to", "paris"]],
                           "tags": [["B-PER", "O", "O", "B-LOC"]]})
     job = token_job("all-subwords")
     job.spec["label_all_subwords"] = True
-    run = setup(job, JobData(frame, frame), torch.device("cpu"), RecordingReporter())
-    trained, scored = run.train_set.labels[0], run.val_set.labels[0]
+    run = Recipe(job, torch.device("cpu")).setup(JobData(frame, frame), RecordingReporter())
+    trained, scored = run.job_setup.train_set.labels[0], run.job_setup.val_set.labels[0]
     assert sum(label != IGNORE for label in scored) == 4  # one per word
     assert scored.count(1) == 1  # B-PER on the first subword only
     # every subword of schwarzenegger trained on: TAGS has no I-PER, so B-PER stays B-PER

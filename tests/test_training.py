@@ -1,4 +1,4 @@
-"""The training recipe (``worker.train``) driven directly, without the job store or a broker: a
+"""The training recipe (``worker.training.recipe.Recipe``) driven directly, without the job store or a broker: a
 transient ``Job``, DataFrames, and a reporter that only records what it is told."""
 
 import math
@@ -14,7 +14,8 @@ from shared.schemas.jobs import JobCreate
 from shared.store.rows import Job
 from tests.conftest import TINY_MODEL, RecordingReporter, no_dropout
 from worker.data import BatchStats, JobData
-from worker.train import evaluate, loss_sum_of, setup, train, train_step
+from worker.training.metrics import loss_sum_of
+from worker.training.recipe import Recipe
 
 CPU = torch.device("cpu")
 WORDS = {"sports": ["match", "goal", "team", "coach", "league"],
@@ -46,8 +47,7 @@ def make_job(task: str = "classification", **hyperparameters) -> Job:
 def make_run(job: Job, train_rows: int = 40, validation_rows: int = 0, reporter=None):
     train_df = texts_frame(train_rows, seed=1)
     val_df = texts_frame(validation_rows, seed=2) if validation_rows else None
-    return setup(job, JobData(train_df, val_df), CPU,
-                 reporter or RecordingReporter())
+    return Recipe(job, CPU).setup(JobData(train_df, val_df), reporter or RecordingReporter())
 
 
 def capture_gradients(run) -> list[list[torch.Tensor]]:
@@ -66,7 +66,7 @@ def micro_batches(run, sizes: list[int]) -> list[dict]:
     """Collated micro-batches of consecutive training examples, of the given sizes."""
     out, start = [], 0
     for size in sizes:
-        out.append(run.collator([run.train_set[i] for i in range(start, start + size)]))
+        out.append(run.job_setup.collator([run.job_setup.train_set[i] for i in range(start, start + size)]))
         start += size
     return out
 
@@ -78,7 +78,7 @@ def direct_gradient(run, init: dict, sizes: list[int]) -> list[torch.Tensor]:
     run.model.zero_grad(set_to_none=True)
     start = 0
     for size in sizes:
-        batch = run.collator([run.train_set[i] for i in range(start, start + size)])
+        batch = run.job_setup.collator([run.job_setup.train_set[i] for i in range(start, start + size)])
         labels = batch.pop("labels")
         (F.cross_entropy(run.model(**batch).logits, labels) / len(sizes)).backward()
         start += size
@@ -98,14 +98,14 @@ def step_values(values: torch.Tensor) -> dict[str, float]:
 
 def step_from(run, init: dict, group: list[dict]):
     run.model.load_state_dict(init)
-    values, stats = train_step(run, group)
+    values, stats = run.train_step(group)
     return step_values(values), stats
 
 
 def mean_loss(run, init: dict, n: int) -> float:
     """Cross-entropy averaged over the first ``n`` training examples, at weights ``init``."""
     run.model.load_state_dict(init)
-    batch = run.collator([run.train_set[i] for i in range(n)])
+    batch = run.job_setup.collator([run.job_setup.train_set[i] for i in range(n)])
     labels = batch.pop("labels")
     with torch.no_grad():
         return F.cross_entropy(run.model(**batch).logits, labels).item()
@@ -123,6 +123,7 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_batch(engine_env, si
     init = {k: v.clone() for k, v in run.model.state_dict().items()}
     n = sum(sizes)
 
+    run.warm_up()
     # Sanity: with dropout off a step is deterministic, so any difference below is the recipe's.
     whole, whole_stats = step_from(run, init, micro_batches(run, [n]))
     again, _ = step_from(run, init, micro_batches(run, [n]))
@@ -155,7 +156,7 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_batch(engine_env, si
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
     # Token accounting covers every micro-batch of the step.
-    assert stats.real == whole_stats.real == int(run.train_set.lengths[:n].sum())
+    assert stats.real == whole_stats.real == int(run.job_setup.train_set.lengths[:n].sum())
     assert stats.padded == sum(b["input_ids"].numel() for b in group)
 
 
@@ -166,6 +167,7 @@ def test_gradient_is_unchanged_when_micro_batches_are_split_for_memory(engine_en
     run.model.train()
     captured = capture_gradients(run)
     init = {k: v.clone() for k, v in run.model.state_dict().items()}
+    run.warm_up()
     reference, _ = step_from(run, init, micro_batches(run, [8, 7]))
     for split in (2, 4):
         run.state.micro_split = split
@@ -209,8 +211,9 @@ def test_frozen_embeddings_with_gradient_checkpointing_train_the_rest(engine_env
     assert len(rest_before) == len(list(model.parameters())) - len(embeddings)
 
     reporter = RecordingReporter()
-    assert train(run, reporter) == "completed"
-    assert run.state.step == run.total_steps > 1
+    run.warm_up(reporter)
+    assert run.train(reporter) == "completed"
+    assert run.state.step == run.job_setup.total_steps > 1
     assert calls["n"] > 0
     assert all(math.isfinite(v) for v in list(reporter.series("train_loss").values()))
 
@@ -229,10 +232,10 @@ def test_regression_trains_on_mse_and_evaluates_mse_and_pearson(engine_env):
     run = make_run(make_job(task="regression", epochs=2, learning_rate=2e-3), train_rows=48, validation_rows=16)
     assert run.model.config.num_labels == 1
     assert run.model.config.problem_type == "regression"
-    assert run.train_set.labels == pytest.approx(texts_frame(48, seed=1)["score"].tolist())
+    assert run.job_setup.train_set.labels == pytest.approx(texts_frame(48, seed=1)["score"].tolist())
 
     # The loss is the squared error, summed; the training step divides it by the examples.
-    batch = run.collator([run.val_set[i] for i in range(8)])
+    batch = run.job_setup.collator([run.job_setup.val_set[i] for i in range(8)])
     labels = batch.pop("labels")
     assert labels.dtype == torch.float32
     with torch.no_grad():
@@ -243,17 +246,18 @@ def test_regression_trains_on_mse_and_evaluates_mse_and_pearson(engine_env):
     torch.testing.assert_close(loss_sum_of(logits, labels, "regression") / 8, F.mse_loss(logits.squeeze(-1), labels))
 
     reporter = RecordingReporter()
-    assert train(run, reporter) == "completed"
+    run.warm_up(reporter)
+    assert run.train(reporter) == "completed"
     losses = list(reporter.series("train_loss").values())
     assert losses and all(math.isfinite(v) and v >= 0 for v in losses)
 
-    metrics = evaluate(run)
+    metrics = run.evaluate()
     assert set(metrics) == {"loss", "mse", "pearson_r"}
     assert metrics["loss"] == pytest.approx(metrics["mse"], rel=1e-5)
     assert -1.0 <= metrics["pearson_r"] <= 1.0
     # evaluate() agrees with predictions made here, in eval mode.
     run.model.eval()
-    batch = run.collator([run.val_set[i] for i in range(len(run.val_set))])
+    batch = run.job_setup.collator([run.job_setup.val_set[i] for i in range(len(run.job_setup.val_set))])
     labels = batch.pop("labels")
     with torch.no_grad():
         predictions = run.model(**batch).logits.squeeze(-1)
@@ -266,10 +270,10 @@ def test_regression_trains_on_mse_and_evaluates_mse_and_pearson(engine_env):
 
 def test_classification_evaluates_accuracy_and_macro_f1(engine_env):
     run = make_run(make_job(epochs=1), train_rows=32, validation_rows=10)
-    metrics = evaluate(run)
+    metrics = run.evaluate()
     assert set(metrics) == {"loss", "accuracy", "f1_macro"}
     run.model.eval()
-    batch = run.collator([run.val_set[i] for i in range(len(run.val_set))])
+    batch = run.job_setup.collator([run.job_setup.val_set[i] for i in range(len(run.job_setup.val_set))])
     labels = batch.pop("labels")
     with torch.no_grad():
         logits = run.model(**batch).logits
@@ -284,14 +288,15 @@ def test_classification_evaluates_accuracy_and_macro_f1(engine_env):
 def test_cpu_precisions_train_with_finite_losses(engine_env, precision, dtype):
     reporter = RecordingReporter()
     run = make_run(make_job(precision=precision, epochs=2), train_rows=32, validation_rows=8, reporter=reporter)
-    assert run.dtype == dtype
+    assert run.job_setup.dtype == dtype
     assert not run.scaler.is_enabled()  # a GradScaler is for fp16 only
-    assert train(run, reporter) == "completed"
+    run.warm_up(reporter)
+    assert run.train(reporter) == "completed"
     losses = list(reporter.series("train_loss").values())
-    assert len(losses) == run.total_steps and all(math.isfinite(v) for v in losses)
+    assert len(losses) == run.job_setup.total_steps and all(math.isfinite(v) for v in losses)
     assert all(math.isfinite(v) for v in list(reporter.series("grad_norm").values()))
     assert run.state.skipped_steps == 0
-    metrics = evaluate(run)
+    metrics = run.evaluate()
     assert all(math.isfinite(v) for v in metrics.values())
     # Autocast leaves the master weights in fp32.
     assert all(p.dtype == torch.float32 for p in run.model.parameters())
@@ -304,7 +309,8 @@ def test_bf16_first_step_loss_matches_fp32(engine_env):
         run = make_run(make_job(precision=precision), train_rows=32)
         no_dropout(run.model)
         run.model.train()
-        values, _ = train_step(run, micro_batches(run, [16]))
+        run.warm_up()
+        values, _ = run.train_step(micro_batches(run, [16]))
         first[precision] = step_values(values)["loss"]
     assert first["bf16"] == pytest.approx(first["fp32"], rel=0.05)
 
@@ -312,7 +318,8 @@ def test_bf16_first_step_loss_matches_fp32(engine_env):
 def test_batch_stats_of_a_step_are_summed_over_micro_batches(engine_env):
     run = make_run(make_job())
     group = micro_batches(run, [4, 4, 2])
-    _, stats = train_step(run, group)
+    run.warm_up()
+    _, stats = run.train_step(group)
     parts = [BatchStats.of(b) for b in group]
     assert stats == BatchStats(sum(p.real for p in parts), sum(p.unrounded for p in parts),
                                sum(p.padded for p in parts))

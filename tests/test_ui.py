@@ -142,8 +142,8 @@ def test_sign_out_and_revoking_the_key_end_the_session(stack):
 
 
 def test_a_sign_in_link_works_once(stack):
-    from shared.store.keys import create_key
     from shared.store import ui_sessions
+    from shared.store.keys import create_key
 
     _, row = create_key(stack.tenant)
     link = ui_sessions.signin_link(row.id)

@@ -16,14 +16,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 from rich.console import Console
+from standardwebhooks import WebhookVerificationError
 from standardwebhooks.webhooks import Webhook as Verifier
 
-from shared.store.engine import session_scope
-from shared.jobs.lifecycle import request_cancel
-from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
-from shared.settings import get_settings
-from shared.store.tenancy import Caller
 from client import Client, cli
+from shared.jobs.lifecycle import request_cancel
+from shared.settings import get_settings
+from shared.store.engine import session_scope
+from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
+from shared.store.tenancy import Caller
 from tests.conftest import BASE_URL, TINY_MODEL, wait_until
 from tests.test_api_jobs import labelled_csv
 
@@ -145,7 +146,7 @@ def test_a_job_end_is_delivered_signed_once_and_logged(stack, receiver, fast_web
     assert payload["data"] == {**payload["data"], "id": job_id, "object": "job", "status": "cancelled",
                                "metadata": {"team": "nlp"}}
     assert request["headers"]["webhook-id"] == f"evt_{job_id}_cancelled"
-    with pytest.raises(Exception):  # another endpoint's secret does not verify it
+    with pytest.raises(WebhookVerificationError):  # another endpoint's secret does not verify it
         Verifier(stack.client.post("/webhooks", json={"url": receiver.url, "events": ["job.failed"]})
                  .json()["secret"]).verify(request["body"], request["headers"])
     [logged] = deliveries(stack.client, webhook["id"])

@@ -38,12 +38,12 @@ def prepare_api(host: str) -> None:
 def signin_link(host: str, port: int) -> str | None:
     """A one-time link that signs a browser in to the dashboard (``/ui``) with the local key of
     ``tunejob serve`` (``<data dir>/api_key``); None when there is no usable local key."""
-    from shared.store.keys import authenticate, local_key_path
     from shared.store import ui_sessions
+    from shared.store.keys import authenticate, local_key_path
 
     path = local_key_path()
     caller = authenticate(path.read_text().strip()) if path.is_file() else None
-    if caller is None:
+    if caller is None or caller.key_id is None:
         return None
     shown = "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else (f"[{host}]" if ":" in host else host)
     return f"http://{shown}:{port}/ui/signin/{ui_sessions.signin_link(caller.key_id)}"

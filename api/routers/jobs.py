@@ -4,14 +4,15 @@ from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 from sqlalchemy import bindparam, select
 
-from api import store
+from api import db
 from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
-from api.headers import IdempotencyKey, submit_once
+from api.headers import IdempotencyKey, respond
 from shared.errors import NotFound
 from shared.jobs import lifecycle
 from shared.jobs.planning import check_spec, plan_job
 from shared.jobs.positions import with_positions
+from shared.queue import submit_once
 from shared.schemas.jobs import (
     ArtifactOut,
     CheckpointOut,
@@ -51,7 +52,7 @@ def create_job(spec: JobCreate, caller: CallerDep, dry_run: bool = False, idempo
     if dry_run:
         plan = DryRunOut(dry_run=True, plan=plan_job(check_spec(spec, caller)))
         return SafeJSONResponse(plan.model_dump(mode="json"))
-    return submit_once("POST /jobs", spec, caller, idempotency_key, lifecycle.to_out)
+    return respond(submit_once("POST /jobs", spec, caller, idempotency_key, lifecycle.to_out))
 
 
 @router.get("")
@@ -66,8 +67,8 @@ def list_jobs(caller: CallerDep, status: Status = None, limit: Annotated[int, Qu
 @router.get("/{job_id}")
 async def get_job(job_id: str, caller: CallerDep) -> JobOut:
     """The job; a queued one with its place in the queue and estimated start (``queue``)."""
-    job = lifecycle.to_out(await store.job(job_id, caller))
-    return (await store.read(with_positions, [job]))[0] if job.status == "queued" else job
+    job = lifecycle.to_out(await db.job(job_id, caller))
+    return (await db.read(with_positions, [job]))[0] if job.status == "queued" else job
 
 
 @router.delete("/{job_id}", status_code=204, responses=error_responses(409))
@@ -89,8 +90,8 @@ async def job_metrics(job_id: str, caller: CallerDep, after_step: Annotated[int,
                       limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> dict[str, list[MetricOut]]:
     """The metric series (step, epoch, name, value, time), ordered by step. A value that was not
     finite (NaN, Infinity) is null, with ``nonfinite`` true."""
-    await store.job(job_id, caller)
-    return {"data": await store.cached(("metrics", job_id, after_step, limit), _metrics, job_id, after_step,
+    await db.job(job_id, caller)
+    return {"data": await db.cached(("metrics", job_id, after_step, limit), _metrics, job_id, after_step,
                                        limit=limit)}
 
 

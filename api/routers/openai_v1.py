@@ -39,6 +39,7 @@ from shared.errors import UserError
 from shared.jobs import lifecycle, uploads
 from shared.jobs.base_models import available_models
 from shared.queue import submit
+from shared.store.idempotency import Replay
 
 router = APIRouter(prefix="/v1", tags=["openai-compatible"], route_class=OpenAIRoute)
 Limit = Annotated[int, Query(ge=1, le=100)]
@@ -51,7 +52,9 @@ async def create_file(request: Request, caller: CallerDep) -> FileObject:
     be ``fine-tune``): JSONL rows ``{"text": ..., "label": ...}`` (and ``"text_pair"``), or CSV, TSV,
     Parquet as in ``POST /datasets``, streamed and checked the same way. It is validated before it
     is stored, so it is ``processed`` at once."""
-    return file_object(await store_upload(request, caller, None, ("purpose",), check_purpose))
+    dataset = await store_upload(request, caller, None, ("purpose",), check_purpose)
+    assert not isinstance(dataset, Replay)  # no idempotency key: nothing to replay
+    return file_object(dataset)
 
 
 def check_purpose(fields: dict[str, str]) -> None:

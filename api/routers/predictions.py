@@ -7,14 +7,15 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from sse_starlette import EventSourceResponse
 
-from api import store
+from api import db
 from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
 from api.feeds import Cursor
-from api.headers import IdempotencyKey, submit_once
+from api.headers import IdempotencyKey, respond
 from shared.jobs import lifecycle, predictions
 from shared.jobs.positions import with_positions
 from shared.jobs.predictions import KIND, MEDIA_TYPES
+from shared.queue import submit_once
 from shared.schemas.jobs import EventOut
 from shared.schemas.predictions import (
     PredictionCreate,
@@ -45,7 +46,7 @@ def create_prediction(spec: PredictionCreate, caller: CallerDep, dry_run: bool =
         plan = PredictionDryRunOut(dry_run=True, plan=predictions.plan_prediction(
             predictions.check_prediction(spec, caller)))
         return SafeJSONResponse(plan.model_dump(mode="json"))
-    return submit_once("POST /predictions", spec, caller, idempotency_key, predictions.to_out)
+    return respond(submit_once("POST /predictions", spec, caller, idempotency_key, predictions.to_out))
 
 
 @router.get("")
@@ -59,8 +60,8 @@ def list_predictions(caller: CallerDep, status: Status = None, limit: Annotated[
 
 @router.get("/{prediction_id}")
 async def get_prediction(prediction_id: str, caller: CallerDep) -> PredictionOut:
-    prediction = predictions.to_out(await store.read(lifecycle.get_job, prediction_id, caller, KIND))
-    return (await store.read(with_positions, [prediction]))[0] if prediction.status == "queued" else prediction
+    prediction = predictions.to_out(await db.read(lifecycle.get_job, prediction_id, caller, KIND))
+    return (await db.read(with_positions, [prediction]))[0] if prediction.status == "queued" else prediction
 
 
 @router.delete("/{prediction_id}", status_code=204, responses=error_responses(409))

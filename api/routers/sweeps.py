@@ -5,13 +5,12 @@ import json
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
-from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from api import store
+from api import db
 from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
-from api.headers import IdempotencyKey
+from api.headers import IdempotencyKey, respond
 from shared.jobs import sweep_report, sweeps
 from shared.queue import send_trials
 from shared.schemas.sweeps import SweepCreate, SweepList, SweepOut, SweepPlan, TrialOut
@@ -41,7 +40,7 @@ def create_sweep(spec: SweepCreate, caller: CallerDep, dry_run: bool = False,
                                idempotency.fingerprint(spec.model_dump_json()),
                                lambda claim: sweeps.create_sweep(spec, caller, claim))
     if isinstance(created, idempotency.Replay):
-        return JSONResponse(created.body, status_code=created.status_code)
+        return respond(created)
     send_trials(created.id)
     return sweeps.get_sweep(created.id, caller)
 
@@ -106,8 +105,8 @@ def stream_sweep(sweep_id: str, caller: CallerDep,
 async def _feed(sweep_id: str, caller: Caller, after: int):
     best = None
     while True:
-        sweep = await store.in_thread(sweeps.get_sweep, sweep_id, caller)  # first: the events read next are all
-        for event_id, job_id, event, number in await store.in_thread(sweeps.events_since, sweep_id, caller, after):
+        sweep = await db.in_thread(sweeps.get_sweep, sweep_id, caller)  # first: the events read next are all
+        for event_id, job_id, event, number in await db.in_thread(sweeps.events_since, sweep_id, caller, after):
             after = event_id
             if event.code in TRIAL_EVENTS:
                 yield ServerSentEvent(event=TRIAL_EVENTS[event.code], id=str(event_id), data=json.dumps({

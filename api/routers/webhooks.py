@@ -1,21 +1,22 @@
 """``/webhooks``: a tenant's endpoints for job, prediction, sweep and trial events, their delivery
 log, and a test ping (``shared.jobs.webhooks``)."""
 
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Query, Response
 
 from api.auth import CallerDep
 from api.errors import error_responses
 from shared.jobs import webhooks
-from shared.schemas.webhooks import (DeliveryList, DeliveryOut, WebhookCreate, WebhookCreated, WebhookList,
-                                     WebhookOut)
+from shared.schemas.webhooks import DeliveryList, DeliveryOut, WebhookCreate, WebhookCreated, WebhookList, WebhookOut
 from shared.store.webhook_rows import Webhook, WebhookDelivery
+
+Out = TypeVar("Out", bound=WebhookOut)
 
 router = APIRouter(prefix="/webhooks", tags=["webhooks"])
 
 
-def _out(webhook: Webhook, model: type[WebhookOut] = WebhookOut) -> WebhookOut:
+def _out(webhook: Webhook, model: type[Out]) -> Out:
     return model.model_validate(webhook, from_attributes=True)
 
 
@@ -35,12 +36,12 @@ def create_webhook(body: WebhookCreate, caller: CallerDep) -> WebhookCreated:
 
 @router.get("")
 def list_webhooks(caller: CallerDep) -> WebhookList:
-    return WebhookList(data=[_out(w) for w in webhooks.list_webhooks(caller)])
+    return WebhookList(data=[_out(w, WebhookOut) for w in webhooks.list_webhooks(caller)])
 
 
 @router.get("/{webhook_id}")
 def get_webhook(webhook_id: str, caller: CallerDep) -> WebhookOut:
-    return _out(webhooks.get_webhook(webhook_id, caller))
+    return _out(webhooks.get_webhook(webhook_id, caller), WebhookOut)
 
 
 @router.delete("/{webhook_id}", status_code=204)

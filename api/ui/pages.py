@@ -5,7 +5,7 @@ helpers with the session's ``Caller``: another tenant's job or dataset is a 404 
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, get_args
 from urllib.parse import quote, urlencode
 
 from fastapi import APIRouter, Depends, Form, Query, Request
@@ -14,16 +14,15 @@ from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
 from sse_starlette import EventSourceResponse
 
-from shared.jobs import lifecycle, predictions, sweeps, uploads
-from shared.store import artifacts, keys, objects
-from shared.jobs.base_models import available_models
 from shared.data.problems import Problems
 from shared.data.read import read_batches
 from shared.errors import NotFound, UserError
-from shared.store.rows import JobStatus
+from shared.jobs import lifecycle, predictions, sweeps, uploads
+from shared.jobs.base_models import available_models
 from shared.schemas.jobs import Hyperparameters, JobCreate
 from shared.settings import get_settings
-from shared.store import ui_sessions
+from shared.store import artifacts, keys, objects, ui_sessions
+from shared.store.rows import JobStatus
 from shared.store.tenancy import Caller
 
 router = APIRouter()
@@ -32,7 +31,7 @@ PAGE_SIZE = 50
 SAMPLE_ROWS = 10
 MAX_COMPARED = 10
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "pruned")
-TASKS = JobCreate.model_fields["task"].annotation.__args__
+TASKS = get_args(JobCreate.model_fields["task"].annotation)
 
 
 class SignInRequired(Exception):
@@ -227,8 +226,8 @@ def dataset_page(request: Request, dataset_id: str, s: SessionDep):
     defaults = Hyperparameters()
     return render(request, "dataset.html", s=s, dataset=dataset, sample=sample, tasks=TASKS,
                   models=sorted(available_models()), defaults=defaults,
-                  best_metrics=Hyperparameters.model_fields["metric_for_best_model"].annotation.__args__,
-                  batchings=Hyperparameters.model_fields["batching"].annotation.__args__)
+                  best_metrics=get_args(Hyperparameters.model_fields["metric_for_best_model"].annotation),
+                  batchings=get_args(Hyperparameters.model_fields["batching"].annotation))
 
 
 @router.get("/predictions", response_class=HTMLResponse)

@@ -58,7 +58,7 @@ def job_ladder(max_length: int, pad_to_multiple_of: int | None, torch_compile: b
 
     ``pad_to_multiple_of`` if set: its multiples. ``torch_compile``: multiples of 64 (a few shapes,
     few recompiles). CUDA: the geometric ``bucket_ladder``, so that a job has a few shapes, each
-    captured once as a CUDA graph (``worker.graphs``). The CPU: every width (pad to the longest
+    captured once as a CUDA graph (``worker.training.capture``). The CPU: every width (pad to the longest
     member): the CPU runs eagerly, has no per-shape cost to save, and pays for every pad token;
     rounding to multiples of 8 cost 8-9% of the tokens/s on short texts (Rotten Tomatoes, 3
     repeats: smart ran 1,613 real tokens/s unrounded vs 1,468 rounded at batch 16, 1,785 vs 1,652

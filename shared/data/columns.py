@@ -180,7 +180,7 @@ class JobBatch:
     index of the first row."""
 
     start: int
-    texts: list[str]
+    texts: list[str] | list[list[str]]
     pairs: list[str] | None
     labels: list
 

@@ -5,6 +5,7 @@ import math
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -152,7 +153,8 @@ def read_job_table(path: Path, fmt: str, filename: str, cols: JobColumns) -> tup
     Raises:
         UserError: as ``scan_job_data``; the worker fails the job at once with it.
     """
-    problems, texts, pairs, labels = Problems(filename), [], [], []
+    problems, pairs, labels = Problems(filename), list[str](), list[Any]()
+    texts: list[Any] = []  # strings, or lists of words (token_classification)
     classes = ClassIndex.of(filename, cols)
     for batch in job_batches(path, fmt, filename, cols, problems):
         texts += batch.texts

@@ -32,7 +32,8 @@ class Problems:
     """Collects up to ``MAX_PROBLEMS`` problems in one file; ``full`` tells readers to stop early."""
 
     def __init__(self, filename: str):
-        self.filename, self.items = filename, []
+        self.filename = filename
+        self.items: list[Problem] = []
 
     @property
     def full(self) -> bool:

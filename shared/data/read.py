@@ -2,7 +2,7 @@
 upload check that runs every row through it (``inspect_dataset``)."""
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +34,7 @@ def read_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
             format, never a server path), ``dataset_too_large`` (413) for a Parquet file that
             expands beyond ``TUNEJOB_MAX_DATASET_BYTES``.
     """
-    readers = {"csv": csv_batches, "tsv": csv_batches, "jsonl": jsonl_batches, "conll": conll_batches,
+    readers: dict[str, Callable[..., Iterator[Batch]]] = {"csv": csv_batches, "tsv": csv_batches, "jsonl": jsonl_batches, "conll": conll_batches,
                "parquet": functools.partial(parquet_batches, list_columns=list_columns)}
     try:
         yield from readers[fmt](path, fmt, filename, columns, problems)
@@ -64,7 +64,7 @@ def inspect_dataset(path: Path, fmt: str, filename: str) -> DatasetInfo:
         raise UserError("empty_file", f"{filename!r} is empty", "file")
     if fmt in TEXT_FORMATS:
         check_utf8(path, filename)
-    problems, rows, keys = Problems(filename), 0, []
+    problems, rows, keys = Problems(filename), 0, list[str]()
     for batch in read_batches(path, fmt, filename, None, problems):
         rows += batch.size
         keys += batch.keys

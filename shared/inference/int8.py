@@ -1,6 +1,6 @@
 """``precision: "int8"`` on the CPU: the model's ``nn.Linear`` layers in int8.
 
-Two ways, one chosen per CPU (measured in docs/benchmarks.md, "BBC News @512: throughput"):
+Two ways, one chosen per CPU (their speed and agreement with fp32: docs/benchmarks.md):
 
 - **Compiled** (CPUs with AMX, ``torch.cpu._is_amx_tile_supported()``): torchao's PT2E dynamic
   int8 quantization (``X86InductorQuantizer``: weights int8 per channel, activations quantized per
@@ -8,13 +8,10 @@ Two ways, one chosen per CPU (measured in docs/benchmarks.md, "BBC News @512: th
   by inductor (``torch.compile(dynamic=True)``: one compile serves every batch shape) and run under
   bf16 autocast, so that the float ops between the int8 products (attention, GELU) use AMX-BF16 too
   ("int8-mixed-bf16", torchao's "PyTorch 2 Export Quantization with X86 Backend through Inductor"
-  tutorial). On the 2-core AMX Xeon, all-MiniLM-L6-v2 scored BBC News @512 at 2.69x fp32's rows/s
-  (1.86x counting the one compile, 22 s, that served every width), 99.73% of labels equal. It
-  needs a C++ compiler at run time: where export, quantization or a compiled batch fails, the
+  tutorial). It needs a C++ compiler at run time: where export, quantization or a compiled batch fails, the
   eager way is used and ``Int8Model.fallback`` says why.
 - **Eager** (every other CPU, and the fallback): ``torch.ao.quantization.quantize_dynamic`` of every
-  ``nn.Linear`` (PyTorch docs, "Dynamic Quantization"): 1.36x fp32's rows/s on BBC News @512 on the
-  2-core AMD EPYC (AVX2), 1.55x on one batch on the AMX Xeon.
+  ``nn.Linear`` (PyTorch docs, "Dynamic Quantization").
 """
 
 import copy
@@ -39,7 +36,8 @@ class Int8Model(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, example: dict[str, torch.Tensor], max_width: int):
         super().__init__()
-        self.eager, self.compiled, self.fallback = eager_int8(model), None, None
+        self.eager, self.compiled = eager_int8(model), None
+        self.fallback: str | None = None
         if torch.cpu._is_amx_tile_supported():
             try:
                 self.compiled = compiled_int8(model, example, max_width)
@@ -73,7 +71,9 @@ def compiled_int8(model: torch.nn.Module, example: dict[str, torch.Tensor], max_
     import torch._inductor.config
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-        X86InductorQuantizer, get_default_x86_inductor_quantization_config)
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
 
     torch._inductor.config.freezing = True  # folds the int8 weights into the compiled kernels
     rows, width = torch.export.Dim("rows", min=1), torch.export.Dim("width", min=2, max=max_width)

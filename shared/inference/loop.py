@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from threading import Lock
+from typing import cast
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from transformers import (
     AutoTokenizer,
     BatchEncoding,
     DataCollatorWithPadding,
+    PreTrainedTokenizerBase,
     TokenClassificationPipeline,
 )
 from transformers.pipelines.token_classification import AggregationStrategy
@@ -47,10 +49,9 @@ from shared.inference.int8 import Int8Model, eager_int8
 from shared.inference.precision import autocast_dtype
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
-# Default token budget per batch (rows x padded width). CPU: on the 2-core CPU under load 6-7
-# (fine-tuned all-MiniLM-L6-v2, 2,000 Rotten Tomatoes texts, 1 thread), 1,024 to 4,096 ran at
-# 76-92 rows/s, within noise of each other, 8,192 slower (86 vs 124 rows/s at 2,048, one run
-# each); larger batches pad more. CUDA: unmeasured, sized for a BERT-base forward in bf16.
+# Default token budget per batch (rows x padded width). CPU: the largest budget not slower than the
+# smaller ones (docs/benchmarks.md, "Measurements behind the defaults"); larger batches pad more.
+# CUDA: sized for a BERT-base forward in bf16.
 DEFAULT_MAX_TOKENS = {"cpu": 4096, "cuda": 65536}
 PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # autocast dtype -> name
 DEFAULT_DECISION_THRESHOLD = 0.5  # multi_label: a model saved without ``decision_threshold`` in its config
@@ -69,7 +70,7 @@ class LoadedModel:
     groups tokens into entities."""
 
     model: torch.nn.Module  # an ``Int8Model`` for int8 but token classification
-    tokenizer: object  # a transformers fast tokenizer
+    tokenizer: PreTrainedTokenizerBase  # a transformers fast tokenizer
     task: str
     label_names: list[str] | None
     model_max_length: int
@@ -102,11 +103,8 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
     ``precision``: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``fp32``, ``bf16`` (bf16 autocast) or
     ``int8`` (CPU only: every ``nn.Linear`` in int8, weights quantized once and activations per
     batch: ``shared.inference.int8``, compiled on CPUs with AMX, eager elsewhere and for token
-    classification). On BBC News @512: 2.69x fp32's rows/s compiled (2-core AMX Xeon), 1.36x
-    eager (2-core AMD EPYC); 99.73% and 99.42% of labels equal (docs/benchmarks.md).
-    bf16 is opt-in on the CPU: it changed 0.05% of Rotten Tomatoes labels, and on a CPU with
-    avx512_bf16 but no AMX it ran at 0.54x fp32's rows/s (docs/benchmarks.md, "Prediction"; an
-    earlier session's AMX CPU ran it about twice as fast, changing about 0.1% of labels).
+    classification). bf16 is opt-in on the CPU: it changes a few labels, and is slower than fp32 on
+    a CPU without AMX (the speed and agreement of each precision: docs/benchmarks.md).
 
     Returns:
         the model in eval mode on ``device``, with its task, label names and length limit.
@@ -211,7 +209,7 @@ def run_batches(loaded: LoadedModel, features: list[dict], batches: list[np.ndar
         for indices in batches:
             width = bucket_width(ladder, max(len(features[i]["input_ids"]) for i in indices))
             pad = DataCollatorWithPadding(loaded.tokenizer, padding="max_length", max_length=width)
-            batch = pad([features[i] for i in indices]).to(loaded.device)
+            batch = pad([features[i] for i in indices]).to(loaded.device)  # type: ignore[attr-defined]  # a BatchEncoding
             outputs.append((indices, loaded.model(**batch).logits.float(), batch["attention_mask"]))
             padded += len(indices) * width
     logits: list[torch.Tensor | None] = [None] * len(features)
@@ -219,13 +217,13 @@ def run_batches(loaded: LoadedModel, features: list[dict], batches: list[np.ndar
         out, mask = out.cpu(), mask.cpu().bool()
         for j, i in enumerate(indices.tolist()):
             logits[i] = out[j, mask[j]] if out.dim() == 3 else out[j]
-    return logits, padded
+    return cast(list[torch.Tensor], logits), padded  # every text's row filled
 
 
 def classification_rows(loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str],
                         encoded: BatchEncoding) -> list[dict]:
     """Softmax over each text's ``[classes]`` logits: the top label, its probability, and every class's."""
-    names = loaded.label_names
+    names = loaded.label_names or []
     probabilities = torch.softmax(torch.stack(logits), dim=-1)
     top = probabilities.argmax(dim=-1).tolist()
     return [{"label": names[best], "score": row[best], "probabilities": dict(zip(names, row))}
@@ -242,7 +240,7 @@ def multi_label_rows(loaded: LoadedModel, logits: list[torch.Tensor], texts: lis
                      encoded: BatchEncoding) -> list[dict]:
     """The sigmoid of each text's ``[labels]`` logits: every label's score, and the labels (in
     label order) whose score is at least ``loaded.decision_threshold``."""
-    names, threshold = loaded.label_names, loaded.decision_threshold
+    names, threshold = loaded.label_names or [], loaded.decision_threshold
     return [{"labels": [n for n, p in zip(names, row) if p >= threshold], "probabilities": dict(zip(names, row))}
             for row in torch.sigmoid(torch.stack(logits)).tolist()]
 
@@ -255,6 +253,7 @@ def entity_rows(loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str
     top softmax probability), ``word`` (its tokens decoded), ``start`` and ``end`` (character
     offsets into the text, end exclusive). ``encoded``: with ``offset_mapping`` and
     ``special_tokens_mask``."""
+    assert loaded.entities is not None, "a token_classification model has its entities pipeline"
     rows = []
     for i, (text, scores) in enumerate(zip(texts, logits)):
         outputs = {"logits": scores[None], "sentence": text,
@@ -289,8 +288,9 @@ class ModelCache:
         self._models: OrderedDict[str, CachedModel] = OrderedDict()
         self._lock = Lock()
 
-    def get(self, key: str, model_dir: Path) -> CachedModel:
-        """The model cached under ``key``, loaded from ``model_dir`` if it is not.
+    def get(self, key: str, model_dir: Path, precision: str | None = None) -> CachedModel:
+        """The model cached under ``key``, loaded from ``model_dir`` if it is not, in ``precision``
+        (default: the cache's; a key must name one precision).
 
         Raises:
             UserError: see ``load_for_inference``.
@@ -299,7 +299,7 @@ class ModelCache:
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
-        loaded = CachedModel(load_for_inference(model_dir, self.device, self.precision), Lock())
+        loaded = CachedModel(load_for_inference(model_dir, self.device, precision or self.precision), Lock())
         with self._lock:
             cached = self._models.setdefault(key, loaded)
             self._models.move_to_end(key)
@@ -311,3 +311,8 @@ class ModelCache:
         """The cached keys, least recently used first."""
         with self._lock:
             return list(self._models)
+
+    def clear(self) -> None:
+        """Drop every cached model."""
+        with self._lock:
+            self._models.clear()

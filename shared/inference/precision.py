@@ -1,5 +1,5 @@
 """The ``torch.autocast`` dtype a precision setting means on a device: one rule for training
-(``worker.train``) and prediction (``shared.inference``)."""
+(``worker.training``) and prediction (``shared.inference``)."""
 
 import torch
 
@@ -11,9 +11,8 @@ def autocast_dtype(precision: str, device: torch.device,
     """The ``torch.autocast`` dtype for a precision setting, None for fp32.
 
     ``auto`` picks bf16 on GPUs that support it, fp16 (with a GradScaler) on older GPUs, and fp32 on
-    the CPU: measured on the 2-core Xeon with avx512_bf16 that CI uses, bf16 autocast trained
-    all-MiniLM-L6-v2 at 1,360-1,700 tokens/s against 1,870-2,360 tokens/s in fp32 (batch 32,
-    max_length 128 and 256, measured by hand on random tokens).
+    the CPU, where bf16 autocast trained slower than fp32 on the CI's CPU (docs/benchmarks.md,
+    "Measurements behind the defaults").
 
     Raises:
         UserError: ``bf16`` on a GPU without bf16 support (naming ``param``).

@@ -29,7 +29,7 @@ def available_models() -> dict[str, tuple[Path, str]]:
     models: dict[str, tuple[Path, str]] = {}
     for name, (package, subdir) in BUILTIN.items():
         try:
-            path = Path(distribution(package).locate_file(subdir))
+            path = Path(str(distribution(package).locate_file(subdir)))
         except PackageNotFoundError:
             continue
         if loadable(path):

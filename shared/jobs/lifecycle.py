@@ -17,23 +17,23 @@ through this one lifecycle; the routes of each kind see only its jobs (``shared.
 
 Files follow the rows: ``delete_job`` (and ``shared.jobs.uploads.delete_dataset``) leave a tombstone row (the id answers
 404 saying it was deleted) and remove the files; a succeeded job's step checkpoints are deleted
-(``discard_checkpoints``); ``sweep_files`` applies ``artifact_retention_days`` and removes whatever
+(``discard_checkpoints``); ``clean_up_files`` applies ``artifact_retention_days`` and removes whatever
 a process that died between its commit and its clean-up left behind.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
 from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from shared.errors import Conflict, NotFound, UserError, without_paths
-from shared.jobs import trials, webhooks
+from shared.jobs import trials
 from shared.jobs.planning import check_spec
+from shared.jobs.trials import ACTIVE, cancel_in, end_job, insert_queued
 from shared.schemas.jobs import Hyperparameters, JobCreate, JobOut, Progress, Timings, json_safe
 from shared.settings import get_settings
 from shared.store import artifacts, idempotency, objects, quotas
@@ -41,7 +41,6 @@ from shared.store.engine import keyset_page, read_session, session_scope
 from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
 from shared.store.tenancy import Caller, lock_tenant, owned_job, scoped
 
-ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
 RESUMES_FROM = {"train": "the latest checkpoint", "predict": "the last results part written"}
 
 
@@ -131,19 +130,6 @@ def admission(caller: Caller) -> Iterator[Session]:
         yield s
 
 
-def insert_queued(s: Session, job: Job, message: str, claim: idempotency.Claim | None,
-                  view: Callable[[Job], BaseModel]) -> Job:
-    """Add ``job`` (queued) and its ``created`` event to session ``s``; with an idempotency
-    ``claim``, record its API view (``view(job)``, once the row's defaults are filled) as the 201
-    answer in the same transaction."""
-    s.add(job)
-    s.add(JobEvent(job_id=job.id, code="created", level="info", message=message))
-    s.flush()
-    if claim is not None:
-        idempotency.complete(s, claim, 201, view(job).model_dump(mode="json"))
-    return job
-
-
 def get_job(job_id: str, caller: Caller, kind: str = "train") -> Job:
     """The job, if ``caller`` may see it and it is of ``kind`` (``train`` or ``predict``).
 
@@ -197,13 +183,6 @@ def list_checkpoints(job_id: str, caller: Caller) -> list[Checkpoint]:
         return list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
 
 
-def _end(s: Session, job: Job, status: str, now: datetime) -> None:
-    """Set a job's final status, end time and ``timings.total``, and its webhook deliveries (``webhooks.job_ended``)."""
-    job.status, job.finished_at = status, now
-    job.timings = {**(job.timings or {}), "total": round((now - job.created_at).total_seconds(), 3)}
-    webhooks.job_ended(s, job)
-
-
 def cancel_requested(job_id: str) -> bool:
     with read_session() as s:
         return bool(s.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
@@ -215,7 +194,7 @@ def add_event(job_id: str, code: str, message: str, level: str = "info") -> None
 
 
 def mark_enqueued(job_id: str) -> None:
-    """Record that the broker accepted the job's message (the sweeper re-sends jobs without it)."""
+    """Record that the broker accepted the job's message (the recovery loop re-sends jobs without it)."""
     with session_scope() as s:
         s.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
 
@@ -235,17 +214,6 @@ def request_cancel(job_id: str, caller: Caller, kind: str = "train") -> Job:
         job = owned_job(s, job_id, caller, for_update=True, kind=kind)
         cancel_in(s, job, now)
         return job
-
-
-def cancel_in(s: Session, job: Job, now: datetime, why: str = "") -> None:
-    """Row locked: a queued job ends cancelled (a trial's sweep goes on), a running one is flagged to stop."""
-    if job.status == JobStatus.QUEUED:
-        _end(s, job, JobStatus.CANCELLED, now)
-        s.add(JobEvent(job_id=job.id, code="cancelled", level="info", message="cancelled before it started" + why))
-        trials.ended(s, job)
-    elif job.status == JobStatus.RUNNING and not job.cancel_requested:
-        job.cancel_requested = True
-        s.add(JobEvent(job_id=job.id, code="cancel_requested", level="info", message="cancel requested" + why))
 
 
 def _lease_expiry() -> datetime:
@@ -275,9 +243,10 @@ def claim(job_id: str, worker_id: str) -> Job | None:
                 error=None,
             )
         )
-        if result.rowcount != 1:
+        if result.rowcount != 1:  # type: ignore[attr-defined]  # DML returns a CursorResult
             return None
         job = s.get(Job, job_id, populate_existing=True)
+        assert job is not None  # the row the UPDATE just claimed
         if job.started_at is None:
             job.started_at = now
             job.timings = {"queued": round((now - job.created_at).total_seconds(), 3)}
@@ -296,7 +265,7 @@ def heartbeat(job_id: str, worker_id: str) -> bool:
             .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
             .values(lease_expires_at=_lease_expiry())
         )
-        return result.rowcount == 1
+        return result.rowcount == 1  # type: ignore[attr-defined]  # DML returns a CursorResult
 
 
 def discard_metrics_after(job_id: str, step: int) -> None:
@@ -326,7 +295,7 @@ def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> boo
     if restart and job.restarts >= get_settings().max_restarts:
         job.error = {"code": "too_many_restarts",
                      "message": f"gave up after {job.restarts} restarts; last: {message}"}
-        _end(s, job, JobStatus.FAILED, utcnow())
+        end_job(s, job, JobStatus.FAILED, utcnow())
         s.add(JobEvent(job_id=job.id, code="failed", level="error", message=job.error["message"]))
         trials.ended(s, job)
         return False
@@ -337,7 +306,7 @@ def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> boo
 
 
 def recover() -> list[str]:
-    """The reaper and the sweeper, safe to run from any number of processes at once.
+    """Expired leases and lost messages, safe to run from any number of processes at once.
 
     Re-queues running jobs whose lease expired (``job_restarted``; ``failed`` after
     ``max_restarts``), and returns the ids of queued jobs whose message must be (re-)sent: never
@@ -353,7 +322,7 @@ def recover() -> list[str]:
             _requeue_or_fail(s, job, "job_restarted",
                              f"lease of worker {job.lease_owner} expired at {job.lease_expires_at:%H:%M:%S}; "
                              f"resuming from {RESUMES_FROM[job.kind]}", restart=True)
-        grace = now - timedelta(seconds=settings.sweep_seconds)
+        grace = now - timedelta(seconds=settings.recovery_seconds)
         stale = now - timedelta(seconds=settings.resend_after_seconds)
         return list(s.scalars(select(Job.id).where(
             Job.status == JobStatus.QUEUED,
@@ -361,11 +330,11 @@ def recover() -> list[str]:
         )))
 
 
-def report(
+def record_progress(
     job_id: str,
     worker_id: str,
     progress: dict[str, Any] | None = None,
-    metrics: list[tuple[int, float, str, float, datetime]] = (),
+    metrics: Sequence[tuple[int, float, str, float, datetime]] = (),
 ) -> bool:
     """One short transaction from the running worker: renew the lease, update progress fields and
     append metric rows ``(step, epoch, name, value, time)``. Non-finite values (NaN, Infinity) are
@@ -377,7 +346,7 @@ def report(
             .where(Job.id == job_id, Job.lease_owner == worker_id, Job.status == JobStatus.RUNNING)
             .values(lease_expires_at=_lease_expiry(), **json_safe(progress or {}))
         )
-        if result.rowcount != 1:
+        if result.rowcount != 1:  # type: ignore[attr-defined]  # DML returns a CursorResult
             return False
         s.add_all(
             JobMetric(job_id=job_id, step=st, epoch=ep, name=n, value=json_safe(v), time=t)
@@ -418,11 +387,11 @@ def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | Non
         if job is None or job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
             return False
         job.error, job.lease_owner, job.lease_expires_at = error, None, None
-        _end(s, job, status, utcnow())
+        end_job(s, job, status, utcnow())
         job.eta_seconds = 0.0 if status == JobStatus.SUCCEEDED else None
         level = "info" if status != JobStatus.FAILED else "error"
         message = status if error is None else f"{status}: {error['message']}"
-        s.add(JobEvent(job_id=job_id, code="timings", level="info", message=describe_timings(job.timings)))
+        s.add(JobEvent(job_id=job_id, code="timings", level="info", message=describe_timings(job.timings or {})))
         s.add(JobEvent(job_id=job_id, code=status, level=level, message=message))  # the last event: how it ended
         if status in trials.NO_CHECKPOINTS:
             s.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id))
@@ -439,7 +408,7 @@ def describe_timings(timings: dict[str, float | None]) -> str:
 # ----------------------------------------------------------------------------- files
 
 
-def get_checkpoint(job_id: str, step: int, caller: Caller) -> "dict[str, Path | objects.Remote]":
+def get_checkpoint(job_id: str, step: int, caller: Caller) -> dict[str, Path | objects.Remote]:
     """The files of a job's checkpoint at ``step`` by name (local paths, or objects in the bucket).
 
     Raises:
@@ -455,7 +424,7 @@ def get_checkpoint(job_id: str, step: int, caller: Caller) -> "dict[str, Path | 
     return files
 
 
-def model_files(job_id: str, caller: Caller) -> "dict[str, Path | objects.Remote]":
+def model_files(job_id: str, caller: Caller) -> dict[str, Path | objects.Remote]:
     """A succeeded job's model files by name, local paths or objects in the bucket
     (``shared.store.artifacts.listing`` names what is downloadable). Empty before the job has succeeded, and after its files were deleted.
 
@@ -469,7 +438,7 @@ def model_files(job_id: str, caller: Caller) -> "dict[str, Path | objects.Remote
 def discard_checkpoints(job_id: str) -> None:
     """Delete the checkpoint directory of a job that ``finish`` recorded as succeeded (its step
     checkpoints and best-model links: the artifact has the model) or pruned (its weights are not
-    kept). A directory left by a worker that died before this is removed by ``sweep_files``."""
+    kept). A directory left by a worker that died before this is removed by ``clean_up_files``."""
     objects.remove_job_files(job_id, "checkpoints")
 
 
@@ -502,7 +471,7 @@ def delete_job(job_id: str, caller: Caller, kind: str = "train") -> None:
     objects.remove_job_files(job_id, "checkpoints", "artifacts")
 
 
-def sweep_files() -> None:
+def clean_up_files() -> None:
     """Retention and clean-up of files, safe to run from any number of processes at once.
 
     Marks the files of jobs that finished more than ``artifact_retention_days`` ago as deleted
@@ -540,7 +509,7 @@ def sweep_files() -> None:
 def _jobs_on_disk(folder: str, condition) -> list[str]:
     """Ids of the jobs that have files under ``<data>/<folder>`` (or in the bucket) and match ``condition``."""
     names = objects.store().job_ids(folder)
-    found = []
+    found: list[str] = []
     with session_scope() as s:
         for i in range(0, len(names), 500):
             found += s.scalars(select(Job.id).where(Job.id.in_(names[i:i + 500]), condition)).all()

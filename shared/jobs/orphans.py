@@ -7,7 +7,7 @@ its row; a row never points at nothing, because it is written last.
 What is an orphan:
 
 - ``uploads/<dataset>.<format>`` without the ``Dataset`` row that names it (a deleted dataset's
-  row remains as a tombstone: ``shared.jobs.lifecycle.sweep_files`` removes its file);
+  row remains as a tombstone: ``shared.jobs.lifecycle.clean_up_files`` removes its file);
 - ``checkpoints/<job>/step-<n>/…`` without its ``Checkpoint`` row (published, never recorded, or
   rotated away and not deleted);
 - ``checkpoints/<job>/…`` and ``artifacts/<job>/…`` of a job id that has no row.
@@ -26,7 +26,7 @@ from shared.store.engine import read_session
 from shared.store.rows import Checkpoint, Dataset, Job
 
 GRACE = timedelta(hours=1)
-EVERY_SECONDS = 300.0  # a bucket listing per process at most this often, whatever TUNEJOB_SWEEP_SECONDS is
+EVERY_SECONDS = 300.0  # a bucket listing per process at most this often, whatever TUNEJOB_RECOVERY_SECONDS is
 log = logging.getLogger(__name__)
 _next_run = 0.0
 

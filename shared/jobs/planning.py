@@ -101,7 +101,7 @@ def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
     for dataset in [train] + ([val] if val else []):
         _require_columns(dataset, cols)
     summary = scan_job_data(objects.dataset_file(train), train.format, train.filename, cols)
-    if spec.task in ("classification", "token_classification") and len(summary.names) < 2:
+    if spec.task in ("classification", "token_classification") and summary.names is not None and len(summary.names) < 2:
         raise UserError("single_class", f"label column {cols.label!r} in {train.filename!r} has a single class "
                         f"({summary.names[0]!r}); {spec.task} needs at least 2", "label_column")
     if spec.task == "multi_label" and not summary.names:
@@ -119,13 +119,15 @@ def _check_validation_labels(names: list[str] | None, val: LabelSummary, filenam
     of each unseen class."""
     if names is None:
         return
-    unseen = sorted(set(val.names) - set(names), key=lambda n: val.first_row[n])
+    unseen = sorted(set(val.names or ()) - set(names), key=lambda n: val.first_row[n])
     if unseen:
         problems = Problems(filename)
         for name in unseen:
             problems.add(val.first_row[name], column, name, "is a class the training set lacks", "unknown_label",
                          "validation_dataset")
-        raise problems.error(f"{filename!r} has labels the training set lacks: {sorted(unseen)[:10]}")
+        error = problems.error(f"{filename!r} has labels the training set lacks: {sorted(unseen)[:10]}")
+        assert error is not None  # a problem per unseen class
+        raise error
 
 
 def plan_job(checked: CheckedSpec) -> dict:
@@ -195,7 +197,7 @@ def multi_label_plan(checked: CheckedSpec) -> dict:
     empty = checked.rows_without_labels
     notes = [f"{empty} row(s) of {checked.train.filename!r} have no label: they are kept, as examples of "
              "none of the labels"] if empty else []
-    return {"labels": len(checked.label_names), "rows_without_labels": empty, "notes": notes}
+    return {"labels": len(checked.label_names or ()), "rows_without_labels": empty, "notes": notes}
 
 
 TOKENIZE_ROWS = 4096  # texts per tokenizer call in a dry run
@@ -238,7 +240,7 @@ def estimate_seconds(base_model: str, padded_tokens: float, caller: Caller, kind
         job = next((j for j in recent if precision is None or (j.spec or {}).get("precision", "auto") == precision),
                    None)
     metrics = (job.train_metrics or {}) if job else {}
-    if not metrics.get("tokens_per_second"):
+    if job is None or not metrics.get("tokens_per_second"):
         return {"estimated_seconds": None, "estimate_basis": f"no succeeded job on {base_model} yet"}
     # Training records the efficiency of its unrounded padding apart; a prediction records what it computed.
     padded_per_second = metrics["tokens_per_second"] / metrics.get("padding_efficiency_unrounded",

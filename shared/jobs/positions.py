@@ -59,7 +59,7 @@ def moved(before: QueuePosition | None, after: QueuePosition | None, seconds: fl
         return before is not after
     if (before.position, before.estimated_start_at is None) != (after.position, after.estimated_start_at is None):
         return True
-    return after.estimated_start_at is not None and \
+    return after.estimated_start_at is not None and before.estimated_start_at is not None and \
         abs((after.estimated_start_at - before.estimated_start_at).total_seconds()) >= seconds
 
 

@@ -141,14 +141,14 @@ def prediction_model(ref: str, caller: Caller) -> PredictionModel:
     if job.status != JobStatus.SUCCEEDED:
         raise UserError("model_not_ready", f"model {ref!r} is a training job that is {job.status}; only a succeeded "
                         "job has a model", "model", 409)
-    directory = artifacts.local_model(ref) if job.files_deleted_at is None else None
-    if directory is None:
+    model_dir = artifacts.local_model(ref) if job.files_deleted_at is None else None
+    if model_dir is None:
         raise UserError("model_files_deleted", f"model {ref!r}: the job's files were deleted "
                         "(TUNEJOB_ARTIFACT_RETENTION_DAYS)", "model", 409)
     if job.task not in TASKS:
         raise UserError("unsupported_task", f"model {ref!r} was trained for {job.task}; predictions support "
                         f"{' and '.join(TASKS)}", "model")
-    return PredictionModel(directory, job.task, job.label_names, max_input_length(directory))
+    return PredictionModel(model_dir, job.task, job.label_names, max_input_length(model_dir))
 
 
 # ----------------------------------------------------------------------------- the data
@@ -439,7 +439,7 @@ def result_fields(task: str, label_names: list[str] | None) -> list[tuple[str, p
         return [("value", pa.float64())]
     if task == "token_classification":
         return [("entities", pa.list_(ENTITY))]
-    probabilities = ("probabilities", pa.struct([pa.field(name, pa.float64()) for name in label_names]))
+    probabilities = ("probabilities", pa.struct([pa.field(name, pa.float64()) for name in label_names or []]))
     if task == "multi_label":
         return [("labels", pa.list_(pa.string())), probabilities]
     return [("label", pa.string()), ("score", pa.float64()), probabilities]

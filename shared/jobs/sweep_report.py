@@ -6,11 +6,15 @@ pictures of the rebuilt study, ``optimization_history.png`` and ``param_importan
 
 import csv
 import io
+from typing import TYPE_CHECKING, cast
 
 from shared.errors import NotFound, UserError
-from shared.jobs import sweeps
+from shared.jobs import search, sweeps
 from shared.store.engine import read_session
 from shared.store.tenancy import Caller
+
+if TYPE_CHECKING:  # matplotlib is imported only to draw
+    from matplotlib.figure import Figure
 
 NAMES = ("trials.csv", "optimization_history.png", "param_importances.png")
 
@@ -33,7 +37,7 @@ def report_file(sweep_id: str, name: str, caller: Caller) -> tuple[bytes, str]:
     matplotlib.use("Agg")  # no display: draw into memory
     import optuna.visualization.matplotlib as plots
 
-    study = sweeps.study_of(spec, sweeps.distributions(spec), trials, trial_curves, asked=len(trials))
+    study = search.study_of(spec, search.distributions(spec), trials, trial_curves, asked=len(trials))
     completed = [t for t in study.get_trials(deepcopy=False) if t.value is not None]
     if len(completed) < (2 if name == "param_importances.png" else 1) or (
             name == "param_importances.png" and len({t.value for t in completed}) < 2):
@@ -41,7 +45,7 @@ def report_file(sweep_id: str, name: str, caller: Caller) -> tuple[bytes, str]:
                         f"for {name}", "name", status=409)
     draw = plots.plot_optimization_history if name == "optimization_history.png" else plots.plot_param_importances
     axes = draw(study)
-    figure = axes.figure
+    figure = cast("Figure", axes.figure)  # a plot's own figure, never a subfigure
     figure.set_size_inches(8, 5)
     figure.tight_layout()
     out = io.BytesIO()
@@ -59,7 +63,7 @@ def trials_csv(spec, trials, trial_curves) -> str:
     writer = csv.writer(out)
     writer.writerow(["number", "job_id", "status", *names, "value", "steps", "started_at", "finished_at"])
     for t in trials:
-        params = sweeps.params_of(t, spec)
+        params = search.params_of(t, spec)
         writer.writerow([t.trial_number, t.id, t.status, *(params[n] for n in names),
-                         sweeps.best_value(trial_curves[t.id], spec), t.step, t.started_at, t.finished_at])
+                         search.best_value(trial_curves[t.id], spec), t.step, t.started_at, t.finished_at])
     return out.getvalue()

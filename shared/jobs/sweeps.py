@@ -5,15 +5,11 @@ pruned by Optuna (samplers and pruners; Akiba et al. 2019, https://optuna.org).
     a trial ends (succeeded | pruned | failed | cancelled) --> in the same transaction: tell, ask the next
     max_trials asked and none active --> sweep succeeded (or failed: no trial succeeded, or over max_failed_trials)
 
-**Where the study lives.** In tunejob's own rows, not in an Optuna storage: each decision rebuilds an
-in-memory study (``optuna.create_study`` with its default ``InMemoryStorage``) from the sweep's trial
-jobs: their parameters (``Job.spec``), their objective at every evaluation (the ``eval_<metric>``
-rows of ``job_metrics``, which the worker streams anyway), their status, and the Optuna trial system
-attributes their sampler and pruner keep (``Job.trial_attrs``: ``grid_id``, ASHA's rungs). So the
-one job lease covers trials (Optuna's heartbeat does not cover ask/tell; Optuna's FAQ advises
-against SQLite with concurrent writers), and the same code runs on SQLite and PostgreSQL.
+The spec's checks and the study rebuilt from the rows are ``shared.jobs.search``; what ends a
+trial and tops its sweep up is ``shared.jobs.trials`` (below ``shared.jobs.lifecycle``, which this
+module builds on); here, the sweep's operations.
 
-**Asking** happens in the transaction that ends a trial (``trial_ended``, from ``shared.jobs.lifecycle``) or
+**Asking** happens in the transaction that ends a trial (``shared.jobs.trials.ended``, from ``shared.jobs.lifecycle``) or
 creates the sweep, with the sweep's row locked (``SELECT … FOR UPDATE`` on PostgreSQL; SQLite's
 ``BEGIN IMMEDIATE`` single writer): trial numbers come from the rows (unique per sweep), never
 exceed ``max_trials``, and survive a kill -9 of any process. Queued and running trials enter the
@@ -27,238 +23,40 @@ value is its objective at its best evaluation, the one whose weights it keeps
 (``metric_for_best_model`` is set to the objective).
 """
 
-import logging
 import math
 from collections import Counter
 from typing import Any
 
-import optuna
-from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
-from optuna.trial import FrozenTrial, TrialState, create_trial
-from pydantic import ValidationError
+from optuna.trial import TrialState
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from shared.errors import Conflict, Deleted, NotFound, UserError
-from shared.jobs import lifecycle, webhooks
+from shared.jobs import lifecycle
 from shared.jobs.planning import check_spec, plan_job
-from shared.schemas.jobs import GREATER_IS_BETTER, TASK_METRICS, Hyperparameters, JobCreate
+from shared.jobs.search import (
+    CANCELLED,
+    ENDED,
+    RUNNING,
+    TRIAL_STATUSES,
+    ask,
+    best_value,
+    check_sweep,
+    curves,
+    distributions,
+    frozen,
+    params_of,
+    spec_of,
+    study_of,
+    trial_template,
+)
+from shared.jobs.trials import ACTIVE, end_sweep, top_up
 from shared.schemas.sweeps import BestTrial, SweepCreate, SweepOut, SweepPlan, TrialOut
 from shared.settings import get_settings
 from shared.store import idempotency
 from shared.store.engine import keyset_page, read_session, session_scope
-from shared.store.rows import Job, JobEvent, JobMetric, JobStatus, Sweep, new_id, utcnow
+from shared.store.rows import Job, JobEvent, JobStatus, Sweep, new_id, utcnow
 from shared.store.tenancy import Caller, lock_tenant
-
-optuna.logging.set_verbosity(optuna.logging.WARNING)
-log = logging.getLogger(__name__)
-
-RUNNING, SUCCEEDED, FAILED, CANCELLED = "running", "succeeded", "failed", "cancelled"  # sweep statuses stored
-ENDED = (SUCCEEDED, FAILED, CANCELLED)
-SEARCHABLE = tuple(name for name in Hyperparameters.model_fields if name != "metric_for_best_model")
-METRIC_ALIASES = {"f1": "entity_f1"}  # the issue's "f1 for entities"
-STATES = {JobStatus.SUCCEEDED: TrialState.COMPLETE, JobStatus.PRUNED: TrialState.PRUNED,
-          JobStatus.FAILED: TrialState.FAIL, JobStatus.CANCELLED: TrialState.FAIL,
-          JobStatus.QUEUED: TrialState.RUNNING, JobStatus.RUNNING: TrialState.RUNNING}
-TRIAL_STATUSES = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.SUCCEEDED, JobStatus.PRUNED, JobStatus.FAILED,
-                  JobStatus.CANCELLED)
-
-
-# ----------------------------------------------------------------------------- the spec
-
-
-def check_sweep(spec: SweepCreate) -> tuple[SweepCreate, dict[str, BaseDistribution]]:
-    """Check what the schema cannot: the search space against ``Hyperparameters``, the objective
-    against the task, the trial quota. Returns the spec with its objective filled in (the metric's
-    canonical name, its direction) and the space as Optuna distributions.
-
-    Raises:
-        UserError: 422 naming the field (``search_space.<name>``, ``objective.metric``,
-            ``objective.direction``, ``max_trials``, ``max_parallel_trials``).
-    """
-    metric = METRIC_ALIASES.get(spec.objective.metric, spec.objective.metric)
-    if metric not in TASK_METRICS[spec.task]:
-        raise UserError("invalid_objective", f"objective.metric {spec.objective.metric!r} is not a metric of task "
-                        f"{spec.task!r}; use one of {', '.join(TASK_METRICS[spec.task])}", "objective.metric")
-    natural = "maximize" if GREATER_IS_BETTER[metric] else "minimize"
-    if spec.objective.direction not in (None, natural):
-        raise UserError("invalid_objective", f"objective.direction {spec.objective.direction!r}: {metric} is "
-                        f"better when it is {'larger' if natural == 'maximize' else 'smaller'}; use {natural!r}",
-                        "objective.direction")
-    limit = get_settings().max_trials_per_sweep
-    if spec.max_trials > limit:
-        raise UserError("too_many_trials", f"max_trials {spec.max_trials} is over this server's quota of {limit} "
-                        "trials per sweep (TUNEJOB_MAX_TRIALS_PER_SWEEP)", "max_trials")
-    if spec.max_parallel_trials > spec.max_trials:
-        raise UserError("too_many_parallel_trials", f"max_parallel_trials {spec.max_parallel_trials} is over max_trials "
-                        f"{spec.max_trials}", "max_parallel_trials")
-    spec = spec.model_copy(update={"objective": spec.objective.model_copy(update={"metric": metric,
-                                                                                   "direction": natural})})
-    space = distributions(spec)
-    if spec.algorithm == "grid" and spec.max_trials > (size := math.prod(len(v) for v in grid(spec).values())):
-        raise UserError("grid_too_small", f"max_trials {spec.max_trials} is over the grid's {size} points: "
-                        "trials would repeat parameters", "max_trials")
-    return spec, space
-
-
-def distributions(spec: SweepCreate) -> dict[str, BaseDistribution]:
-    """The search space as Optuna distributions, each bound checked as a value of its hyperparameter.
-
-    Raises:
-        UserError: 422 naming ``search_space.<name>`` (or its ``.low``, ``.choices``) and the value.
-    """
-    fixed = spec.hyperparameters.model_dump()
-    out: dict[str, BaseDistribution] = {}
-    for name, d in spec.search_space.items():
-        field = f"search_space.{name}"
-
-        def refuse(message: str, param: str = field) -> UserError:
-            return UserError("invalid_search_space", f"{param}: {message}", param)
-
-        if name not in SEARCHABLE:
-            raise refuse(f"{name!r} is not a hyperparameter; use one of {', '.join(SEARCHABLE)}")
-        if d.type == "categorical":
-            if not d.choices:
-                raise refuse("a categorical range needs choices", f"{field}.choices")
-            if any(v is not None and not isinstance(v, (bool, int, float, str)) for v in d.choices):
-                raise refuse("choices must be numbers, strings, booleans or null", f"{field}.choices")
-            values, out[name] = d.choices, CategoricalDistribution(d.choices)
-        else:
-            if d.low is None or d.high is None:
-                raise refuse(f"a {d.type} range needs low and high")
-            if d.low > d.high:
-                raise refuse(f"low {d.low:g} is above high {d.high:g}", f"{field}.low")
-            if d.log and d.low <= 0:
-                raise refuse(f"a log range must start above 0, not at low {d.low:g}", f"{field}.low")
-            if d.log and d.step:
-                raise refuse("log and step cannot be combined")
-            if d.type == "int":
-                if not all(float(v).is_integer() for v in (d.low, d.high, d.step or 1)):
-                    raise refuse("an int range needs integer low, high and step")
-                values, out[name] = [int(d.low), int(d.high)], IntDistribution(int(d.low), int(d.high), log=d.log,
-                                                                                step=int(d.step or 1))
-            else:
-                values, out[name] = [d.low, d.high], FloatDistribution(d.low, d.high, log=d.log, step=d.step)
-        for value in values:
-            try:
-                Hyperparameters.model_validate({**fixed, name: value})
-            except ValidationError as e:
-                raise refuse(f"{value!r} is not a valid {name}: {e.errors()[0]['msg']}") from None
-    return out
-
-
-def grid(spec: SweepCreate) -> dict[str, list]:
-    """``algorithm: grid``: each hyperparameter's values (choices, or low to high by step).
-
-    Raises:
-        UserError: a float range without a step (``search_space.<name>.step``).
-    """
-    values = {}
-    for name, d in spec.search_space.items():
-        if d.type == "categorical":
-            values[name] = list(d.choices)
-        elif d.type == "int":
-            values[name] = list(range(int(d.low), int(d.high) + 1, int(d.step or 1)))
-        elif d.step:
-            values[name] = [d.low + i * d.step for i in range(int((d.high - d.low) / d.step + 1e-9) + 1)]
-        else:
-            raise UserError("invalid_search_space", f"search_space.{name}.step: a grid over a float range needs a "
-                            "step", f"search_space.{name}.step")
-    return values
-
-
-def trial_template(spec: SweepCreate) -> JobCreate:
-    """The job spec every trial shares: the sweep's job fields, its fixed hyperparameters, and
-    ``metric_for_best_model`` set to the objective (so a trial keeps its best evaluation's weights)."""
-    fields = spec.model_dump(include=set(JobCreate.model_fields))
-    fields["hyperparameters"] = {**fields["hyperparameters"], "metric_for_best_model": spec.objective.metric}
-    return JobCreate.model_validate(fields)
-
-
-def _spec(sweep: Sweep) -> SweepCreate:
-    return SweepCreate.model_validate(sweep.spec, strict=False)
-
-
-def sampler(spec: SweepCreate, asked: int) -> optuna.samplers.BaseSampler:
-    """The sampler for the next trials, seeded with ``seed + asked`` (the trials already asked): a
-    rebuilt study asks what an uninterrupted one would, and never the same draw twice."""
-    seed = (spec.seed + asked) % 2**32
-    if spec.algorithm == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    if spec.algorithm == "grid":
-        return optuna.samplers.GridSampler(grid(spec), seed=seed)
-    return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
-
-
-def pruner(spec: SweepCreate) -> optuna.pruners.BasePruner:
-    """The sweep's ``early_stopping`` as an Optuna pruner."""
-    es = spec.early_stopping
-    if es.type == "asha":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=es.min_steps or "auto",
-                                                      reduction_factor=es.reduction_factor)
-    if es.type == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=es.min_trials, n_warmup_steps=es.min_steps,
-                                           n_min_trials=es.min_trials)
-    return optuna.pruners.NopPruner()
-
-
-# ----------------------------------------------------------------------------- the study, rebuilt
-
-
-def curves(s: Session, job_ids: list[str], metric: str) -> dict[str, dict[int, float]]:
-    """Each job's objective by optimizer step (its ``eval_<metric>`` rows; the first per step, as
-    Optuna's ``Trial.report`` keeps; non-finite values left out)."""
-    out: dict[str, dict[int, float]] = {job_id: {} for job_id in job_ids}
-    rows = s.execute(select(JobMetric.job_id, JobMetric.step, JobMetric.value)
-                     .where(JobMetric.job_id.in_(job_ids), JobMetric.name == f"eval_{metric}",
-                            JobMetric.value.isnot(None)).order_by(JobMetric.id))
-    for job_id, step, value in rows:
-        out[job_id].setdefault(step, value)
-    return out
-
-
-def best_value(curve: dict[int, float], spec: SweepCreate) -> float | None:
-    """A trial's value: its objective at its best evaluation (None before any)."""
-    if not curve:
-        return None
-    return (max if spec.objective.direction == "maximize" else min)(curve.values())
-
-
-def params_of(job: Job, spec: SweepCreate) -> dict[str, Any]:
-    return {name: job.spec["hyperparameters"][name] for name in spec.search_space}
-
-
-def frozen(job: Job, spec: SweepCreate, space: dict, curve: dict[int, float], state: TrialState | None = None
-           ) -> FrozenTrial:
-    """Trial ``job`` as Optuna sees it."""
-    state = state or STATES[job.status]
-    value = best_value(curve, spec) if state == TrialState.COMPLETE else None
-    if state == TrialState.COMPLETE and value is None:  # succeeded without a finite evaluation
-        state = TrialState.FAIL
-    return create_trial(state=state, value=value, params=params_of(job, spec), distributions=space,
-                        intermediate_values=curve, system_attrs=job.trial_attrs or {})
-
-
-def study_of(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict[str, dict[int, float]],
-             asked: int) -> optuna.Study:
-    """An in-memory Optuna study holding ``trials`` (in number order, so Optuna numbers them as we do)."""
-    study = optuna.create_study(direction=spec.objective.direction, sampler=sampler(spec, asked),
-                                pruner=pruner(spec))
-    for job in sorted(trials, key=lambda j: j.trial_number):
-        study.add_trial(frozen(job, spec, space, trial_curves[job.id]))
-    return study
-
-
-def ask(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict, n: int) -> list[tuple[dict, dict]]:
-    """The next ``n`` trials' (params, Optuna system attributes), each asked with the ones before it
-    (and every queued or running trial) in the study as running."""
-    study = study_of(spec, space, trials, trial_curves, asked=len(trials))
-    asked = []
-    for _ in range(n):
-        trial = study.ask(fixed_distributions=space)
-        asked.append((trial.params, dict(study.get_trials(deepcopy=False)[trial.number].system_attrs)))
-    return asked
-
 
 # ----------------------------------------------------------------------------- lifecycle
 
@@ -277,7 +75,7 @@ def create_sweep(spec: SweepCreate, caller: Caller, claim: idempotency.Claim | N
     with lifecycle.admission(caller) as s:
         first = min(spec.max_parallel_trials, spec.max_trials)
         active = s.scalar(select(func.count()).select_from(Job).where(
-            Job.tenant == caller.tenant, Job.status.in_(lifecycle.ACTIVE)))
+            Job.tenant == caller.tenant, Job.status.in_(ACTIVE))) or 0
         limit = get_settings().max_active_jobs_per_tenant
         if active + first > limit:
             raise UserError("too_many_active_jobs", f"tenant {caller.tenant!r} has {active} queued or running jobs; "
@@ -303,65 +101,6 @@ def plan_sweep(spec: SweepCreate, caller: Caller) -> SweepPlan:
                      trial_plan=plan_job(check_spec(trial_template(spec), caller)))
 
 
-def top_up(s: Session, sweep: Sweep) -> list[Job]:
-    """In session ``s``, with the sweep's row locked: queue trials up to ``max_parallel_trials``
-    active and ``max_trials`` in all; end the sweep once every trial has ended, or fail it once more
-    than ``max_failed_trials`` failed. Returns the new trials (queued; their ids not yet sent)."""
-    if sweep.status in ENDED:
-        return []
-    spec = _spec(sweep)
-    trials = list(s.scalars(select(Job).where(Job.sweep_id == sweep.id)))
-    counts = Counter(t.status for t in trials)
-    active = counts[JobStatus.QUEUED] + counts[JobStatus.RUNNING]
-    if counts[JobStatus.FAILED] > spec.max_failed_trials:
-        end_sweep(s, sweep, FAILED, {"code": "too_many_failed_trials", "message": f"{counts[JobStatus.FAILED]} "
-                                     f"trials failed, more than max_failed_trials {spec.max_failed_trials}"})
-        return []
-    wanted = min(spec.max_parallel_trials - active, spec.max_trials - len(trials))
-    if wanted <= 0:
-        if active == 0:
-            ok = counts[JobStatus.SUCCEEDED] > 0
-            end_sweep(s, sweep, SUCCEEDED if ok else FAILED,
-                      None if ok else {"code": "no_trial_succeeded", "message": "no trial succeeded"})
-        return []
-    space = distributions(spec)
-    asked = ask(spec, space, trials, curves(s, [t.id for t in trials], spec.objective.metric), wanted)
-    template = trial_template(spec).model_dump(mode="json")
-    new = []
-    for number, (params, attrs) in enumerate(asked, start=len(trials)):
-        job = Job(id=new_id("job"), tenant=sweep.tenant, base_model=spec.base_model, task=spec.task,
-                  training_dataset_id=spec.training_dataset, validation_dataset_id=spec.validation_dataset,
-                  spec={**template, "hyperparameters": {**template["hyperparameters"], **params}},
-                  label_names=sweep.label_names, sweep_id=sweep.id, trial_number=number, trial_attrs=attrs)
-        new.append(lifecycle.insert_queued(s, job, f"trial {number} of sweep {sweep.id} queued: {params}", None, None))
-    return new
-
-
-def trial_ended(s: Session, job: Job) -> None:
-    """Trial ``job`` has just ended in transaction ``s``: lock its sweep and ``top_up`` it."""
-    sweep = s.get(Sweep, job.sweep_id, with_for_update=True, populate_existing=True)
-    if sweep is None:
-        return
-    try:
-        with s.begin_nested():  # a failure to ask must not undo the trial's end: the recovery loop asks again
-            top_up(s, sweep)
-    except Exception:
-        log.exception("sweep %s: asking for the next trials failed; the recovery loop tries again", sweep.id)
-
-
-def end_sweep(s: Session, sweep: Sweep, status: str, error: dict | None = None) -> None:
-    """End the sweep ``status`` and cancel its queued and running trials; its ``sweep.<status>``
-    webhook deliveries are stored in the same transaction (``shared.jobs.webhooks``)."""
-    now = utcnow()
-    sweep.status, sweep.finished_at, sweep.error = status, now, error
-    webhooks.emit(s, sweep.tenant, f"sweep.{status}", f"evt_{sweep.id}_{status}",
-                  {"id": sweep.id, "object": "sweep", "status": status, "error": error,
-                   "finished_at": now.isoformat().replace("+00:00", "Z")})
-    for job in s.scalars(select(Job).where(Job.sweep_id == sweep.id, Job.status.in_(lifecycle.ACTIVE))
-                         .with_for_update()):
-        lifecycle.cancel_in(s, job, now, f" (sweep {sweep.id} {status})")
-
-
 def top_up_all() -> list[str]:
     """For the recovery loop: ``top_up`` every running sweep; returns the new trials' ids to send."""
     with read_session() as s:
@@ -370,7 +109,7 @@ def top_up_all() -> list[str]:
     for sweep_id in ids:
         with session_scope() as s:
             sweep = s.get(Sweep, sweep_id, with_for_update=True, populate_existing=True)
-            new += [job.id for job in top_up(s, sweep)]
+            new += [job.id for job in top_up(s, sweep)] if sweep is not None else []
     return new
 
 
@@ -389,9 +128,9 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
     with read_session() as s:
         job = s.get(Job, job_id)
         sweep = s.get(Sweep, job.sweep_id) if job is not None and job.sweep_id else None
-        if sweep is None:
+        if job is None or sweep is None:
             return False
-        spec = _spec(sweep)
+        spec = spec_of(sweep)
         value = metrics.get(spec.objective.metric)
         if not isinstance(value, (int, float)) or not math.isfinite(value):
             return False
@@ -407,7 +146,8 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
     attrs = dict(study.get_trials(deepcopy=False)[-1].system_attrs)
     if attrs != (job.trial_attrs or {}):
         with session_scope() as s:
-            s.get(Job, job_id).trial_attrs = attrs
+            if (row := s.get(Job, job_id)) is not None:
+                row.trial_attrs = attrs
     return prune
 
 
@@ -426,7 +166,7 @@ def owned_sweep(s: Session, sweep_id: str, caller: Caller, for_update: bool = Fa
 
 def trials_of(s: Session, sweep: Sweep) -> tuple[SweepCreate, list[Job], dict[str, dict[int, float]]]:
     """The sweep's spec, its trials by number, and their objective curves (``curves``)."""
-    spec = _spec(sweep)
+    spec = spec_of(sweep)
     trials = list(s.scalars(select(Job).where(Job.sweep_id == sweep.id).order_by(Job.trial_number)))
     return spec, trials, curves(s, [t.id for t in trials], spec.objective.metric)
 
@@ -498,7 +238,7 @@ def delete_sweep(sweep_id: str, caller: Caller) -> None:
     with session_scope() as s:
         sweep = owned_sweep(s, sweep_id, caller, for_update=True)
         active = s.scalar(select(func.count()).select_from(Job).where(Job.sweep_id == sweep_id,
-                                                                      Job.status.in_(lifecycle.ACTIVE)))
+                                                                      Job.status.in_(ACTIVE)))
         if sweep.status not in ENDED or active:
             raise Conflict("sweep_not_finished", f"sweep {sweep_id!r} is {sweep.status} with {active} active "
                            f"trials; cancel it (POST /sweeps/{sweep_id}/cancel), then delete it once they stopped")
@@ -508,7 +248,7 @@ def delete_sweep(sweep_id: str, caller: Caller) -> None:
         lifecycle.delete_job(job_id, Caller(sweep.tenant, admin=True))
 
 
-def events_since(sweep_id: str, caller: Caller, after_id: int) -> list[tuple[int, str, JobEvent, int]]:
+def events_since(sweep_id: str, caller: Caller, after_id: int) -> list[tuple[int, str, JobEvent, int | None]]:
     """For ``GET /sweeps/{id}/stream``: the trials' events after event id ``after_id``, as
     ``(event id, job id, event, trial number)``. Raises: NotFound, Deleted."""
     with read_session() as s:

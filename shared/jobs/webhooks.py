@@ -110,7 +110,7 @@ def resolve(url: str) -> list[str]:
         infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
     except (OSError, ValueError) as e:
         raise UserError("invalid_url", f"webhook url host {parts.hostname!r} does not resolve ({e})", "url") from e
-    addresses = list(dict.fromkeys(info[4][0] for info in infos))
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
     if not get_settings().webhooks_allow_private_urls:
         for address in addresses:
             if (reason := refused_address(address)) is not None:
@@ -252,10 +252,11 @@ def _take(delivery_id: int) -> tuple[WebhookDelivery, Webhook] | None:
             WebhookDelivery.id == delivery_id, WebhookDelivery.status == PENDING,
             or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now))
             .values(lease_expires_at=lease))
-        if result.rowcount != 1:
+        if result.rowcount != 1:  # type: ignore[attr-defined]  # DML returns a CursorResult
             return None
         delivery = s.get(WebhookDelivery, delivery_id, populate_existing=True)
-        return delivery, s.get(Webhook, delivery.webhook_id)
+        webhook = s.get(Webhook, delivery.webhook_id) if delivery is not None else None
+        return (delivery, webhook) if delivery is not None and webhook is not None else None
 
 
 def attempt(delivery: WebhookDelivery, webhook: Webhook) -> tuple[int | None, str | None]:

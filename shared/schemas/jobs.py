@@ -6,8 +6,10 @@ from functools import lru_cache
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic.json_schema import JsonDict
 
 from shared.schemas.queue import QueuePosition
+
 
 def json_safe(value: Any) -> Any:
     """``value`` with every non-finite float (NaN, Infinity) replaced by None, for strict JSON
@@ -31,18 +33,18 @@ Metadata = Annotated[dict[str, str] | None, Field(
         additionalProperties={"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS}))]
 
 # Realistic examples for the OpenAPI schema: a BBC News job as `make demo` runs it.
-HYPERPARAMETERS_EXAMPLE = {"epochs": 1, "learning_rate": 1e-4, "batch_size": 16, "max_length": 128}
-JOB_CREATE_EXAMPLE = {
+HYPERPARAMETERS_EXAMPLE: JsonDict = {"epochs": 1, "learning_rate": 1e-4, "batch_size": 16, "max_length": 128}
+JOB_CREATE_EXAMPLE: JsonDict = {
     "base_model": "all-MiniLM-L6-v2", "task": "classification", "training_dataset": "ds_3f9a1c2b7d4e5f60",
     "validation_split": 0.1, "text_column": "text", "label_column": "label",
     "hyperparameters": HYPERPARAMETERS_EXAMPLE, "metadata": {"project": "news-topics"},
 }
-MULTI_LABEL_EXAMPLE = {
+MULTI_LABEL_EXAMPLE: JsonDict = {
     "base_model": "all-MiniLM-L6-v2", "task": "multi_label", "training_dataset": "ds_7c1e5a9f0b3d2e48",
     "validation_split": 0.1, "text_column": "text", "label_column": "genres", "label_separator": "|",
     "tune_threshold": True, "hyperparameters": {**HYPERPARAMETERS_EXAMPLE, "metric_for_best_model": "f1_micro"},
 }
-TOKEN_JOB_CREATE_EXAMPLE = {  # named entities from a CoNLL file (columns tokens and tags)
+TOKEN_JOB_CREATE_EXAMPLE: JsonDict = {  # named entities from a CoNLL file (columns tokens and tags)
     "base_model": "all-MiniLM-L6-v2", "task": "token_classification", "training_dataset": "ds_7b2e90c4a1d35f18",
     "validation_dataset": "ds_c5d1e7a9032b4f6e", "text_column": "tokens", "label_column": "tags",
     "hyperparameters": {**HYPERPARAMETERS_EXAMPLE, "metric_for_best_model": "entity_f1"},
@@ -320,7 +322,8 @@ class MetricOut(BaseModel):
     value: float | None = Field(description="null when the value was not finite (NaN or Infinity)")
     time: datetime
 
-    @computed_field(description="the value was NaN or Infinity (a step with a non-finite loss is skipped)")
+    @computed_field(  # type: ignore[prop-decorator]  # pydantic's documented form, which mypy does not model
+        description="the value was NaN or Infinity (a step with a non-finite loss is skipped)")
     @property
     def nonfinite(self) -> bool:
         return self.value is None or not math.isfinite(self.value)

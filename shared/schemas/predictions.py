@@ -5,11 +5,12 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import JsonDict
 
 from shared.schemas.jobs import Timings
 from shared.schemas.queue import QueuePosition
 
-PREDICTION_CREATE_EXAMPLE = {"model": "job_8e2d4c1a9b7f3e05", "dataset": "ds_5b0e7d21c9a84f13", "text_column": "text",
+PREDICTION_CREATE_EXAMPLE: JsonDict = {"model": "job_8e2d4c1a9b7f3e05", "dataset": "ds_5b0e7d21c9a84f13", "text_column": "text",
                              "id_column": "article_id", "batch_size": 64, "max_length": 128}
 
 

@@ -9,10 +9,11 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import JsonDict
 
 from shared.schemas.jobs import JOB_CREATE_EXAMPLE, JobCreate, integral_floats
 
-SWEEP_CREATE_EXAMPLE = {
+SWEEP_CREATE_EXAMPLE: JsonDict = {
     **JOB_CREATE_EXAMPLE,
     "hyperparameters": {"max_length": 128},
     "search_space": {

@@ -22,6 +22,7 @@ import tarfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from shared.settings import get_settings
 from shared.store import objects
@@ -77,7 +78,7 @@ def write_manifest(directory: Path, hashed: dict[str, dict] | None = None) -> di
     return manifest
 
 
-def listing(model: "dict[str, Path | Remote]") -> dict[str, int]:
+def listing(model: dict[str, Path | Remote]) -> dict[str, int]:
     """The downloadable artifacts of a finished model and their sizes in bytes: ``model.tar``,
     ``metrics.json`` and ``model/<name>`` for each file (``model``: ``shared.store.objects``'
     ``files`` of the model: local paths, or objects in the bucket)."""
@@ -102,11 +103,12 @@ class TarStream:
         OSError: a file cannot be opened.
     """
 
-    def __init__(self, files: "dict[str, Path | Remote]"):
-        self.members: list[tuple[bytes, object, int]] = []  # (header, open file or Remote, size)
+    def __init__(self, files: dict[str, Path | Remote]):
+        self.members: list[tuple[bytes, BinaryIO | Remote, int]] = []  # (header, open file or Remote, size)
         sizes = {}
         try:
             for name, path in files.items():
+                f: BinaryIO | Remote
                 if isinstance(path, Remote):
                     f, size, mtime = path, path.size, path.mtime
                 else:

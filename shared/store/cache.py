@@ -2,7 +2,7 @@
 while the store's version of it is unchanged, and dropped when any process commits a change.
 
 Used for the callers of API keys (``shared.store.keys``) and for the rows the polling routes read
-(``GET /jobs/{id}`` and its metrics: ``api.store.cached``). A hit costs a dictionary look-up
+(``GET /jobs/{id}`` and its metrics: ``api.db.cached``). A hit costs a dictionary look-up
 instead of a read (a thread hand-off, a network round trip and the server's CPU on PostgreSQL).
 How a cache learns of a change:
 

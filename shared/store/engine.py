@@ -55,7 +55,7 @@ def engine_for(url: str, sqlite_busy_timeout: float = 5.0, pool_size: int = 20, 
         # A fixed pool (no overflow): under load a connection opened and closed per request costs
         # more than the request (PostgreSQL starts a process for each).
         return create_engine(url, pool_pre_ping=ping, pool_size=pool_size, max_overflow=0)
-    Path(make_url(url).database).parent.mkdir(parents=True, exist_ok=True)
+    Path(make_url(url).database or ".").parent.mkdir(parents=True, exist_ok=True)
     # Enough pooled connections for the API's thread pool (40 threads) to read at once.
     engine = create_engine(url, pool_size=20, max_overflow=30,
                            connect_args={"timeout": sqlite_busy_timeout, "check_same_thread": False})
@@ -85,6 +85,7 @@ def get_engine() -> Engine:
 
 @lru_cache
 def _session_factory(engine: Engine, write: bool) -> sessionmaker[Session]:
+    bind: Engine
     if write:
         bind = engine.execution_options(**{WRITE: True})
     elif engine.dialect.name == "postgresql":
@@ -144,7 +145,7 @@ def upgrade_database() -> None:
     command.upgrade(config, "head")
 
 
-def keyset_page(s: Session, query: Select, model, after: str | None, limit: int | None, newest_first: bool = True,
+def keyset_page(s: Session, query: Select, model, after: str | int | None, limit: int | None, newest_first: bool = True,
                 param: str = "after", within: Select | None = None) -> tuple[list, bool]:
     """One page of ``query`` (rows of ``model``, which has ``id`` and ``created_at``) in
     ``(created_at, id)`` order, starting after the row whose id is ``after`` (keyset pagination).

@@ -87,7 +87,7 @@ def begin(tenant: str, route: str, key: str, request_fingerprint: str) -> Claim 
         raise UserError("idempotency_key_reused", f"{HEADER} {key!r} was already used with a different request "
                         f"body to {route}; use a new key for a new request", HEADER)
     if record is not None and record.status_code is not None:
-        return Replay(record.status_code, record.response)
+        return Replay(record.status_code, record.response or {})
     if record is not None and record.created_at < now - STALE_CLAIM and _take_over(claim, record, now):
         return claim
     raise UserError("idempotency_key_in_use", f"a request with {HEADER} {key!r} is still in progress; retry "
@@ -98,7 +98,7 @@ def _take_over(claim: Claim, record: IdempotencyRecord, now) -> bool:
     with session_scope() as s:
         return s.execute(update(IdempotencyRecord).where(
             IdempotencyRecord.id == record.id, IdempotencyRecord.status_code.is_(None),
-            IdempotencyRecord.created_at == record.created_at).values(created_at=now)).rowcount == 1
+            IdempotencyRecord.created_at == record.created_at).values(created_at=now)).rowcount == 1  # type: ignore[attr-defined]  # DML returns a CursorResult
 
 
 def complete(session: Session, claim: Claim, status_code: int, body: dict[str, Any]) -> None:
@@ -138,4 +138,4 @@ def once(tenant: str, route: str, key: str | None, request_fingerprint: str, cre
 def purge_expired() -> int:
     """Delete records older than ``TTL`` (run by the recovery loop); returns how many."""
     with session_scope() as s:
-        return s.execute(delete(IdempotencyRecord).where(IdempotencyRecord.created_at < utcnow() - TTL)).rowcount
+        return s.execute(delete(IdempotencyRecord).where(IdempotencyRecord.created_at < utcnow() - TTL)).rowcount  # type: ignore[attr-defined]  # DML returns a CursorResult

@@ -18,7 +18,8 @@ STATUSES = (JobStatus.QUEUED, JobStatus.RUNNING, *JobStatus.FINISHED)
 
 @dataclass
 class RunningJob:
-    """A running job's row as its worker last reported it (``worker.train.log_step``)."""
+    """A running job's row as its worker last reported it (``shared.jobs.lifecycle.record_progress``,
+    called by ``worker.reporter.Reporter``)."""
 
     id: str
     base_model: str

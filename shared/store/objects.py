@@ -31,9 +31,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shared.settings import get_settings
 from shared.store.manifest import MANIFEST
+
+if TYPE_CHECKING:
+    from obstore.store import RetryConfig
 
 CACHE = "cache/objects"
 PART_BYTES = 16 << 20  # multipart upload part size
@@ -41,7 +45,7 @@ CHUNK = 1 << 20  # bytes a streamed download yields at a time
 DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
 # A failed request is tried again (object_store's exponential backoff) for at most this long, so
 # that an unreachable bucket fails an upload in seconds, not object_store's default 3 minutes.
-RETRY = {"max_retries": 4, "retry_timeout": timedelta(seconds=30)}
+RETRY: "RetryConfig" = {"max_retries": 4, "retry_timeout": timedelta(seconds=30)}
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ def files_of(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, Path]:
     return files
 
 
-def size_of(source: "Path | Remote") -> int:
+def size_of(source: Path | Remote) -> int:
     return source.size if isinstance(source, Remote) else source.stat().st_size
 
 
@@ -104,8 +108,8 @@ class LocalDir:
         path = Path(ref)
         return path if path.exists() else None
 
-    def files(self, ref: str) -> "dict[str, Path | Remote]":
-        return files_of(Path(ref))
+    def files(self, ref: str) -> dict[str, Path | Remote]:
+        return dict[str, Path | Remote](files_of(Path(ref)))
 
     def remove(self, ref: str) -> None:
         _remove_local(Path(ref))
@@ -209,7 +213,7 @@ class Bucket:
         if found.exists():
             os.utime(entry)  # most recently used
             return found
-        sources = self.files(ref)
+        sources = self.objects(ref)
         if not sources:
             return None
         tmp = entry.with_name(f".{entry.name}.{uuid.uuid4().hex}.tmp")
@@ -231,13 +235,16 @@ class Bucket:
         self._evict(keep=entry)
         return found
 
-    def files(self, ref: str) -> dict[str, Remote]:
+    def files(self, ref: str) -> dict[str, Path | Remote]:
+        """The files of ``ref`` by name: ``objects``, or of a ref that is an absolute path (a row
+        written before the bucket was configured) the files on the disk."""
+        return LocalDir().files(ref) if os.path.isabs(ref) else dict[str, Path | Remote](self.objects(ref))
+
+    def objects(self, ref: str) -> dict[str, Remote]:
         """The objects of ``ref`` by name under it (``""`` for a single object), each with its
         sha256 from the ``manifest.json`` among them, if any; empty when there are none."""
         import obstore
 
-        if os.path.isabs(ref):
-            return LocalDir().files(ref)
         try:
             meta = obstore.head(self.store, ref)
             return {"": Remote(self, ref, meta["size"], meta["last_modified"].timestamp())}

@@ -54,7 +54,7 @@ def check_active_jobs(session: Session, tenant: str) -> None:
     running jobs. Call in the transaction that inserts the job, after ``shared.store.tenancy.lock_tenant``."""
     limit = get_settings().max_active_jobs_per_tenant
     active = session.scalar(select(func.count()).select_from(Job).where(
-        Job.tenant == tenant, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING])))
+        Job.tenant == tenant, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))) or 0
     if active >= limit:
         raise UserError("too_many_active_jobs", f"tenant {tenant!r} has {active} queued or running jobs, its maximum "
                         f"(TUNEJOB_MAX_ACTIVE_JOBS_PER_TENANT={limit}); submit again when one has finished, or "
@@ -78,7 +78,7 @@ def check_storage(session: Session, tenant: str, adding: int = 0, job_files: int
     ``shared.store.tenancy.lock_tenant`` cannot both pass on the same free space.
     """
     limit = get_settings().max_storage_bytes_per_tenant
-    uploads = session.scalar(select(func.coalesce(func.sum(Dataset.bytes), 0)).where(Dataset.tenant == tenant))
+    uploads = session.scalar(select(func.coalesce(func.sum(Dataset.bytes), 0)).where(Dataset.tenant == tenant)) or 0
     used = int(uploads) + (job_files if job_files is not None else job_files_bytes(session, tenant))
     if used + adding > limit:
         what = f"; this upload adds {adding:,}" if adding else ""

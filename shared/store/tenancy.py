@@ -14,7 +14,7 @@ API resolves the caller from its key in ``api.auth``); another tenant's row is r
 """
 
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from sqlalchemy import Select, bindparam, select, text
 from sqlalchemy.orm import Session
@@ -61,7 +61,7 @@ def find(session: Session, model: type[Row], id_: str, for_update: bool = False)
     (``SELECT … FOR UPDATE``) before a change that depends on what it holds."""
     if for_update or "\x00" in id_:
         return by_id(session, model, id_, with_for_update=for_update or None)
-    return session.scalars(ROW_BY_ID[model], {"id": id_}).first()
+    return cast(Row | None, session.scalars(ROW_BY_ID[model], {"id": id_}).first())
 
 
 def visible(row: Row | None, model: type[Row], id_: str, caller: Caller, param: str | None = None) -> Row:

@@ -24,9 +24,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import ForeignKey, String, delete, select
 from sqlalchemy.orm import Mapped, mapped_column
 
+from shared.settings import get_settings
 from shared.store.engine import read_session, session_scope
 from shared.store.rows import ApiKey, Base, utcnow
-from shared.settings import get_settings
 from shared.store.tenancy import Caller
 
 COOKIE = "tunejob_session"
@@ -64,6 +64,7 @@ def _insert(key_id: str, kind: str, lifetime: timedelta) -> str:
 
 def start(caller: Caller) -> str:
     """A new session for the key behind ``caller`` (an authenticated key); returns the cookie's token."""
+    assert caller.key_id is not None, "an internal caller has no key to sign in with"
     return _insert(caller.key_id, SESSION, timedelta(hours=get_settings().ui_session_hours))
 
 

@@ -19,8 +19,8 @@ def conll_batches(path: Path, fmt: str, filename: str, columns: list[str] | None
     is a row with the columns ``tokens`` and ``tags`` (``CONLL_COLUMNS``)."""
     values: dict[str, list] = {name: [] for name in columns or []}
     start = size = nbytes = 0
-    keys = CONLL_COLUMNS  # handed out with the first batch
-    for sentence in _conll_sentences(path, problems, lambda: start + size + 1):
+    keys: tuple[str, ...] = CONLL_COLUMNS  # handed out with the first batch
+    for sentence in _conll_sentences(path, problems, lambda: start + size + 1):  # noqa: B023 (the row now)
         for name, cells in values.items():
             cells.append(sentence[CONLL_COLUMNS.index(name)] if name in CONLL_COLUMNS else None)
         size += 1

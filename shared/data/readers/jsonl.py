@@ -20,8 +20,7 @@ class _JsonRowError(ValueError):
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     row = dict(pairs)
     if len(row) != len(pairs):
-        seen = set()
-        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
+        duplicate = next(k for i, (k, _) in enumerate(pairs) if k in (earlier for earlier, _ in pairs[:i]))
         raise _JsonRowError(f"has the key {duplicate!r} twice")
     return row
 

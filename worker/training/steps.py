@@ -10,7 +10,7 @@ weights, moments and step count untouched when its ``found_inf`` tensor is 1 (th
 ``StepValues`` copies the per-step values to the host in bulk, about once a second.
 
 ``Steps`` runs the bodies eagerly (the CPU, and CUDA where a job cannot use graphs);
-``worker.graphs.CapturedSteps`` captures the same bodies as CUDA graphs and replays them.
+``worker.training.capture.CapturedSteps`` captures the same bodies as CUDA graphs and replays them.
 
 bf16 on CUDA (and on the CPU when asked for) trains a bf16 copy of the model with fp32 master
 weights in the optimizer, as PyTorch FSDP's ``MixedPrecision(param_dtype=torch.bfloat16)`` and
@@ -20,8 +20,12 @@ multi-tensor add, then the bf16 gradients are zeroed), so accumulation over micr
 (``gradient_accumulation_steps``, out-of-memory splits, filler-free pieces) sums in fp32, as
 mixed-precision training with fp32 master weights prescribes (Micikevicius et al., "Mixed
 Precision Training", ICLR 2018, sec. 3.1; DeepSpeed's bf16 optimizer accumulates in fp32 too);
-one multi-tensor copy of the updated weights back to bf16 per optimizer step. ``run.model`` stays the fp32 master model (checkpoints, evaluation and the
-artifact use it); ``run.forward_model`` is the bf16 copy.
+one multi-tensor copy of the updated weights back to bf16 per optimizer step. The recipe's ``model``
+stays the fp32 master model (checkpoints, evaluation and the artifact use it); its
+``forward_model`` is the bf16 copy.
+
+Each task's loss is a seam of its own: ``example_losses`` (per-example loss of a micro-batch's
+logits) and ``loss_terms`` (what a step's loss is divided by); the step bodies call only these.
 """
 
 import copy
@@ -32,15 +36,17 @@ import torch
 import torch.nn.functional as F
 from transformers import get_linear_schedule_with_warmup
 
-from worker.packing import pack, packed_logits, position_offset
+from worker.training.packing import pack, packed_logits, position_offset
+
+StepInputs = tuple[list[dict[str, torch.Tensor]], int]  # a step's padded micro-batches and its loss terms
 
 
 def make_optimizer(model: torch.nn.Module, hp, device: torch.device,
                    capturable: bool = False) -> torch.optim.AdamW:
     """AdamW over trainable parameters, no weight decay on biases and LayerNorm weights (BERT recipe),
-    with the fused kernel (CUDA and CPU; on the 2-core CPU one MiniLM step took 0.020 s fused
-    against 0.108 s with the default for-each kernel). ``capturable``: for CUDA graphs, with the
-    learning rate as a device tensor that the scheduler fills in place."""
+    with the fused kernel (CUDA and CPU; several times faster than the default for-each kernel on
+    the CPU, ``docs/benchmarks.md``; ``Steps`` needs it to skip non-finite steps). ``capturable``:
+    for CUDA graphs, with the learning rate as a device tensor that the scheduler fills in place."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -54,6 +60,12 @@ def make_optimizer(model: torch.nn.Module, hp, device: torch.device,
 def make_scheduler(optimizer: torch.optim.Optimizer, hp, total_steps: int):
     """Linear warmup over ``warmup_ratio`` of the steps, then linear decay to 0."""
     return get_linear_schedule_with_warmup(optimizer, math.ceil(hp.warmup_ratio * total_steps), total_steps)
+
+
+def next_learning_rate(scheduler: torch.optim.lr_scheduler.LambdaLR) -> float:
+    """The learning rate of the next optimizer step under ``scheduler`` (``make_scheduler``'s),
+    computed on the host: the optimizer's own may be a device tensor (capturable AdamW)."""
+    return scheduler.base_lrs[0] * scheduler.lr_lambdas[0](scheduler.last_epoch)
 
 
 def example_losses(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
@@ -90,19 +102,20 @@ def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).to(torch.bfloat16)
 
 
-def uses_bf16_copy(run) -> bool:
-    """bf16 trains a bf16 copy of the model; fp16 keeps ``torch.autocast`` and the GradScaler
-    (fp16 activations overflow without autocast's fp32 ops)."""
-    return run.dtype == torch.bfloat16
+def uses_bf16_copy(dtype: torch.dtype | None) -> bool:
+    """Whether training in autocast ``dtype`` trains a bf16 copy of the model: bf16 does; fp16
+    keeps ``torch.autocast`` and the GradScaler (fp16 activations overflow without autocast's fp32 ops)."""
+    return dtype == torch.bfloat16
 
 
 class Steps:
     """Runs a job's optimizer steps eagerly, with no host synchronisation.
 
-    Takes from ``run``: ``model``, the fp32 (master) weights the optimizer updates;
-    ``forward_model``, what computes (the model, its ``torch.compile`` wrapper, or its bf16 copy);
-    ``optimizer``, ``scaler``, ``dtype``, ``device`` and the task. With ``packing`` each padded
-    micro-batch is laid out without padding before it runs (``worker.packing``). With ``static_grads``
+    ``model``: the fp32 (master) weights the optimizer updates; ``forward_model``: what computes
+    (the model, its ``torch.compile`` wrapper, or its bf16 copy, ``uses_bf16_copy(dtype)``);
+    ``dtype``: the autocast dtype (None: fp32); ``task``: the job's, which picks the loss
+    (``example_losses``). With ``packing`` each padded micro-batch is laid out without padding
+    before it runs (``worker.training.packing``). With ``static_grads``
     every gradient tensor is allocated once and zeroed in place (CUDA graphs need fixed addresses;
     so does the bf16 copy); otherwise gradients are freed after each step, as
     ``zero_grad(set_to_none=True)`` does (less memory traffic on the CPU).
@@ -111,24 +124,25 @@ class Steps:
         ValueError: the optimizer is not fused (only fused AdamW honours ``found_inf``).
     """
 
-    def __init__(self, run, static_grads: bool = False, packing: bool = False):
-        if not run.optimizer.defaults.get("fused"):
+    def __init__(self, model: torch.nn.Module, forward_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, *, dtype: torch.dtype | None, device: torch.device, task: str,
+                 static_grads: bool = False, packing: bool = False):
+        if not optimizer.defaults.get("fused"):
             raise ValueError("the training step needs a fused AdamW: it skips non-finite steps through found_inf")
-        self.model, self.forward_model, self.optimizer, self.scaler = run.model, run.forward_model, run.optimizer, run.scaler
-        self.device, self.task = run.device, run.job.task
-        self.packing, self.position_offset = packing, position_offset(run.model)
-        self.compute_model = run.forward_model if uses_bf16_copy(run) else None
-        self.autocast = run.dtype if self.compute_model is None else None  # bf16 copies need no autocast
+        self.model, self.forward_model, self.optimizer, self.scaler = model, forward_model, optimizer, scaler
+        self.device, self.task = device, task
+        self.packing, self.position_offset = packing, position_offset(model)
+        self.compute_model = forward_model if uses_bf16_copy(dtype) else None
+        self.autocast = dtype if self.compute_model is None else None  # bf16 copies need no autocast
         self.static_grads = static_grads or self.compute_model is not None
-        self.master = [p for p in run.model.parameters() if p.requires_grad]
+        self.master = [p for p in model.parameters() if p.requires_grad]
         self.compute = ([p for p in self.compute_model.parameters() if p.requires_grad]
                         if self.compute_model is not None else self.master)
-        device = run.device
         self.n_examples = torch.ones((), device=device)  # real examples in the whole optimizer step
         self.step_loss = torch.zeros((), device=device)  # sum over its micro-batches
         self.found_inf = torch.zeros((), device=device)  # 1.0: skip this step's update
         self.values = torch.zeros(3, device=device)  # LOSS, GRAD_NORM, SKIPPED of the last step
-        run.optimizer.found_inf = self.found_inf  # read by the fused AdamW at every step
+        optimizer.found_inf = self.found_inf  # read by the fused AdamW at every step
         if self.static_grads:
             for p in {*self.master, *self.compute}:
                 if p.grad is None:
@@ -174,13 +188,7 @@ class Steps:
         """Forward and backward of one micro-batch: its loss (per-example losses times ``weights``,
         0 for filler rows, summed) divided by the real examples of the whole step, accumulated
         into the gradients and ``step_loss``."""
-        autocast = self.autocast
-        with torch.autocast(self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-            if "cu_seq_lens_q" in inputs:  # packed (``pack``)
-                logits = packed_logits(self.forward_model, inputs, self.task)
-            else:
-                logits = self.forward_model(**inputs).logits
-        losses = example_losses(logits, labels, self.task)
+        losses = self.forward_losses(inputs, labels)
         if weights is not None:
             losses = losses * weights
         loss = losses.sum() / self.n_examples
@@ -188,6 +196,19 @@ class Steps:
         self.step_loss += loss.detach()
         if self.compute_model is not None:
             self.accumulate_master_grads()
+
+    def forward_losses(self, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        """The forward of one micro-batch and its per-example losses ``[rows]`` in fp32
+        (``example_losses`` of the model's logits, under autocast where the job uses it). The seam
+        for a task whose loss is not one of logits: a subclass overrides this, the loop and the
+        update stay as they are."""
+        autocast = self.autocast
+        with torch.autocast(self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            if "cu_seq_lens_q" in inputs:  # packed (``pack``)
+                logits = packed_logits(self.forward_model, inputs, self.task)
+            else:
+                logits = self.forward_model(**inputs).logits
+        return example_losses(logits, labels, self.task)
 
     @torch.no_grad()
     def accumulate_master_grads(self) -> None:

@@ -22,6 +22,7 @@ nested (jagged) tensor, one sequence per example, which keeps dropout too.
 """
 
 import contextlib
+import math
 import warnings
 from collections.abc import Iterator
 
@@ -143,8 +144,81 @@ def pack(batch: dict[str, torch.Tensor], position_offset: int = 0, token_labels:
         out["labels"] = batch["labels"].numpy()[mask][None]
     out = {k: torch.from_numpy(v) for k, v in out.items()}
     out.setdefault("labels", batch["labels"])
-    out["max_length_q"] = int(lengths.max())
+    out["max_length_q"] = int(lengths.max()) if len(lengths) else 0
     return out
+
+
+def token_bucket(real: int, examples: int, rows: int, max_length: int) -> int:
+    """The tokens of a captured packed micro-batch (``pack_fixed``) that holds ``examples`` of
+    ``real`` tokens in all, for graphs of ``rows`` rows: a multiple of the bucket size (at least
+    ``max_length``; about a sixteenth of ``rows x max_length``), with room for a one-token filler
+    sequence per missing row and for the tail of filler tokens in pieces of at most ``max_length``.
+    Few buckets per job, so few captures; the same for every job of that shape."""
+    size = max(max_length, 2 ** math.ceil(math.log2(max(1, rows * max_length / 16))))
+    need = real + rows - examples
+    tokens = max(size, math.ceil(need / size) * size)
+    while tokens < need + math.ceil(tokens / max_length):
+        tokens += size
+    return tokens
+
+
+def pack_fixed(batch: dict[str, torch.Tensor], rows: int, tokens: int, max_length: int, position_offset: int,
+               pad_id: int, token_labels: bool = False) -> dict:
+    """``pack`` into the fixed layout a captured graph reads: exactly ``tokens`` tokens, ``rows``
+    sequences read by the classifier and ``ceil(tokens / max_length)`` filler sequences after them.
+
+    The ``n`` examples come first; then ``rows - n`` filler rows of one pad token each (loss weight
+    0, as ``capture.with_filler_rows``); then the remaining tokens as filler sequences of at most
+    ``max_length`` tokens, so that every sequence fits the kernel's ``max_length_q`` and no token
+    is left outside one (the flash kernel leaves such tokens' outputs unwritten).
+
+    Returns:
+        ``pack``'s tensors at these fixed shapes (``input_ids``, ``position_ids``,
+        ``token_type_ids`` if given, ``labels`` ``[1, tokens]``: ``[1, tokens]``; ``cu_seq_lens_q``
+        ``[rows + ceil(tokens / max_length) + 1]``; ``cls_index``, ``weights`` (1.0 real, 0.0
+        filler) and per-row ``labels``: ``[rows]``), and ``max_length_q`` = ``max_length``.
+
+    Raises:
+        ValueError: the batch does not fit ``rows`` and ``tokens`` (``token_bucket``).
+    """
+    packed = pack(batch, position_offset, token_labels)
+    n, real = len(packed["cls_index"]), packed["input_ids"].shape[1]
+    pieces = math.ceil(tokens / max_length)
+    tail = tokens - real - (rows - n)
+    if n > rows or tail < pieces:
+        raise ValueError(f"{n} examples of {real} tokens do not fit {rows} rows and {tokens} tokens")
+    tail_lengths = [len(part) for part in np.array_split(np.arange(tail), pieces)]
+    lengths = np.concatenate([np.diff(packed["cu_seq_lens_q"].numpy()), np.ones(rows - n, np.int64), tail_lengths])
+    cu = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu[1:])
+    starts = cu[:-1].astype(np.int64)
+    positions = np.arange(tokens, dtype=np.int64) - np.repeat(starts, lengths) + position_offset
+    filler = tokens - real
+    out = {"input_ids": torch.cat([packed["input_ids"], torch.full((1, filler), pad_id)], 1),
+           "position_ids": torch.from_numpy(positions[None]), "cu_seq_lens_q": torch.from_numpy(cu),
+           "cls_index": torch.from_numpy(starts[:rows]),
+           "weights": torch.cat([torch.ones(n), torch.zeros(rows - n)])}
+    if "token_type_ids" in packed:
+        out["token_type_ids"] = torch.cat([packed["token_type_ids"], torch.zeros(1, filler, dtype=torch.long)], 1)
+    labels = packed["labels"]
+    if token_labels:
+        out["labels"] = torch.cat([labels, torch.full((1, filler), -100)], 1)
+    else:
+        out["labels"] = torch.cat([labels, torch.zeros(rows - n, *labels.shape[1:], dtype=labels.dtype)])
+    out["max_length_q"] = max_length
+    return out
+
+
+def bucket_counts(plan, rows: int, max_length: int, epochs: float) -> dict[int, int]:
+    """How many micro-batches of the first ``ceil(epochs)`` epochs of ``plan``
+    (``shared.data.batching.BatchPlan``) fall in each ``token_bucket``: the shapes a packed job's
+    graphs are captured for."""
+    counts: dict[int, int] = {}
+    for epoch in range(max(1, math.ceil(epochs))):
+        for batch in plan.epoch_batches(epoch):
+            bucket = token_bucket(int(plan.lengths[batch].sum()), len(batch), rows, max_length)
+            counts[bucket] = counts.get(bucket, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def position_offset(model: torch.nn.Module) -> int:

@@ -3,7 +3,7 @@ is safe.
 
 A sync route or dependency runs in anyio's thread pool: two hand-offs between the event loop and a
 thread per call, which on the polling routes (``GET /jobs/{id}``, its metrics, and the key check of
-every request) cost more CPU than the SQLite read itself (about 0.1-0.3 ms). On SQLite in WAL mode
+every request) cost more CPU than the SQLite read itself. On SQLite in WAL mode
 a read never waits for a writer (``shared.store.engine``), so ``read`` calls it right on the event loop; on
 PostgreSQL a call is a network round trip that must not hold up the loop, so it goes to the thread
 pool (``in_thread``). Only short reads run inline: the loop serves no other request meanwhile, so a read
@@ -20,16 +20,16 @@ import contextvars
 import functools
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from shared.settings import get_settings
 from shared.store.cache import JOBS, cache_for
-from shared.store.rows import Job
 from shared.store.engine import read_session
+from shared.store.rows import Job
 from shared.store.tenancy import Caller, find, of_kind, visible
 
 T = TypeVar("T")
-INLINE_ROWS = 100  # a poll's new rows (e.g. a few steps' metrics): about 1 ms of CPU
+INLINE_ROWS = 100  # a poll's new rows (e.g. a few steps' metrics): a short read
 
 
 @functools.cache
@@ -43,8 +43,8 @@ async def in_thread(fn: Callable[..., T], *args) -> T:
     """``fn(*args)`` in the store's threads, in this request's context (its request id).
 
     ``loop.run_in_executor`` rather than starlette's ``run_in_threadpool``: anyio's hand-off (its
-    capacity limiter, cancel scope and ``current_task`` lookups) was about a sixth of the API's CPU
-    per request on PostgreSQL under polling load (py-spy, docs/benchmarks.md)."""
+    capacity limiter, cancel scope and ``current_task`` lookups) costs more CPU per request under
+    polling load (profiled: docs/benchmarks.md)."""
     context = contextvars.copy_context()
     return await asyncio.get_running_loop().run_in_executor(_threads(), functools.partial(context.run, fn, *args))
 
@@ -71,7 +71,7 @@ async def read_rows(fn: Callable[..., list], *args, limit: int) -> list:
     return await in_thread(fn, *args, limit)
 
 
-async def cached(key: Hashable, fn: Callable[..., T], *args, limit: int | None = None) -> T:
+async def cached(key: Hashable, fn: Callable[..., Any], *args, limit: int | None = None) -> Any:
     """``fn(*args)`` read with ``read`` (with ``limit``: ``fn(*args, limit)`` with ``read_rows``), a
     read of jobs or their metrics, kept under ``key`` in this process's cache until a job or a
     metric changes (``shared.store.cache.JOBS``). Not kept: None (nothing found), and lists of more

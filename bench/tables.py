@@ -5,7 +5,7 @@ sections of ``docs/benchmarks.md`` (text between ``<!-- bench:NAME -->`` and ``<
 Runs saved with ``bench.train --json`` render together, as one table with the ratios between
 them (configurations that must run in separate invocations, e.g. to fit a time limit each):
 
-    python -m bench.report /tmp/smart.json /tmp/trainer.json --markdown docs/benchmarks.md --section NAME
+    python -m bench.tables /tmp/smart.json /tmp/trainer.json --markdown docs/benchmarks.md --section NAME
 """
 
 import argparse
@@ -163,7 +163,7 @@ def update_markdown(path: Path, sections: dict[str, str]) -> list[str]:
         block = f"{start}\n{body}\n{end}"
         pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
         if pattern.search(text):
-            text = pattern.sub(lambda _: block, text, count=1)
+            text = pattern.sub(lambda _, block=block: block, text, count=1)
         else:
             text = text.rstrip() + f"\n\n{block}\n"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,241 @@
+"""A sweep's search: its spec checked and turned into Optuna distributions, and its study rebuilt
+from the job store's rows to ask for trials and to prune them (Optuna's samplers and pruners;
+Akiba et al. 2019, https://optuna.org). No writes: ``shared.jobs.trials`` and ``shared.jobs.sweeps``
+act on what it answers.
+
+**Where the study lives.** In tunejob's own rows, not in an Optuna storage: each decision rebuilds an
+in-memory study (``optuna.create_study`` with its default ``InMemoryStorage``) from the sweep's trial
+jobs: their parameters (``Job.spec``), their objective at every evaluation (the ``eval_<metric>``
+rows of ``job_metrics``, which the worker streams anyway), their status, and the Optuna trial system
+attributes their sampler and pruner keep (``Job.trial_attrs``: ``grid_id``, ASHA's rungs). So the
+one job lease covers trials (Optuna's heartbeat does not cover ask/tell; Optuna's FAQ advises
+against SQLite with concurrent writers), and the same code runs on SQLite and PostgreSQL.
+"""
+
+import math
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import FrozenTrial, TrialState, create_trial
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from shared.errors import UserError
+from shared.schemas.jobs import GREATER_IS_BETTER, TASK_METRICS, Hyperparameters, JobCreate
+from shared.schemas.sweeps import SweepCreate
+from shared.settings import get_settings
+from shared.store.rows import Job, JobMetric, JobStatus, Sweep
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+RUNNING, SUCCEEDED, FAILED, CANCELLED = "running", "succeeded", "failed", "cancelled"  # sweep statuses stored
+ENDED = (SUCCEEDED, FAILED, CANCELLED)
+SEARCHABLE = tuple(name for name in Hyperparameters.model_fields if name != "metric_for_best_model")
+METRIC_ALIASES = {"f1": "entity_f1"}  # the issue's "f1 for entities"
+STATES = {JobStatus.SUCCEEDED: TrialState.COMPLETE, JobStatus.PRUNED: TrialState.PRUNED,
+          JobStatus.FAILED: TrialState.FAIL, JobStatus.CANCELLED: TrialState.FAIL,
+          JobStatus.QUEUED: TrialState.RUNNING, JobStatus.RUNNING: TrialState.RUNNING}
+TRIAL_STATUSES = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.SUCCEEDED, JobStatus.PRUNED, JobStatus.FAILED,
+                  JobStatus.CANCELLED)
+
+
+# ----------------------------------------------------------------------------- the spec
+
+
+def check_sweep(spec: SweepCreate) -> tuple[SweepCreate, dict[str, BaseDistribution]]:
+    """Check what the schema cannot: the search space against ``Hyperparameters``, the objective
+    against the task, the trial quota. Returns the spec with its objective filled in (the metric's
+    canonical name, its direction) and the space as Optuna distributions.
+
+    Raises:
+        UserError: 422 naming the field (``search_space.<name>``, ``objective.metric``,
+            ``objective.direction``, ``max_trials``, ``max_parallel_trials``).
+    """
+    metric = METRIC_ALIASES.get(spec.objective.metric, spec.objective.metric)
+    if metric not in TASK_METRICS[spec.task]:
+        raise UserError("invalid_objective", f"objective.metric {spec.objective.metric!r} is not a metric of task "
+                        f"{spec.task!r}; use one of {', '.join(TASK_METRICS[spec.task])}", "objective.metric")
+    natural = "maximize" if GREATER_IS_BETTER[metric] else "minimize"
+    if spec.objective.direction not in (None, natural):
+        raise UserError("invalid_objective", f"objective.direction {spec.objective.direction!r}: {metric} is "
+                        f"better when it is {'larger' if natural == 'maximize' else 'smaller'}; use {natural!r}",
+                        "objective.direction")
+    limit = get_settings().max_trials_per_sweep
+    if spec.max_trials > limit:
+        raise UserError("too_many_trials", f"max_trials {spec.max_trials} is over this server's quota of {limit} "
+                        "trials per sweep (TUNEJOB_MAX_TRIALS_PER_SWEEP)", "max_trials")
+    if spec.max_parallel_trials > spec.max_trials:
+        raise UserError("too_many_parallel_trials", f"max_parallel_trials {spec.max_parallel_trials} is over max_trials "
+                        f"{spec.max_trials}", "max_parallel_trials")
+    spec = spec.model_copy(update={"objective": spec.objective.model_copy(update={"metric": metric,
+                                                                                   "direction": natural})})
+    space = distributions(spec)
+    if spec.algorithm == "grid" and spec.max_trials > (size := math.prod(len(v) for v in grid(spec).values())):
+        raise UserError("grid_too_small", f"max_trials {spec.max_trials} is over the grid's {size} points: "
+                        "trials would repeat parameters", "max_trials")
+    return spec, space
+
+
+def distributions(spec: SweepCreate) -> dict[str, BaseDistribution]:
+    """The search space as Optuna distributions, each bound checked as a value of its hyperparameter.
+
+    Raises:
+        UserError: 422 naming ``search_space.<name>`` (or its ``.low``, ``.choices``) and the value.
+    """
+    fixed = spec.hyperparameters.model_dump()
+    out: dict[str, BaseDistribution] = {}
+    for name, d in spec.search_space.items():
+        field = f"search_space.{name}"
+
+        def refuse(message: str, param: str = field) -> UserError:
+            return UserError("invalid_search_space", f"{param}: {message}", param)
+
+        if name not in SEARCHABLE:
+            raise refuse(f"{name!r} is not a hyperparameter; use one of {', '.join(SEARCHABLE)}")
+        if d.type == "categorical":
+            if not d.choices:
+                raise refuse("a categorical range needs choices", f"{field}.choices")
+            if any(v is not None and not isinstance(v, (bool, int, float, str)) for v in d.choices):
+                raise refuse("choices must be numbers, strings, booleans or null", f"{field}.choices")
+            values, out[name] = d.choices, CategoricalDistribution(d.choices)
+        else:
+            if d.low is None or d.high is None:
+                raise refuse(f"a {d.type} range needs low and high")
+            if d.low > d.high:
+                raise refuse(f"low {d.low:g} is above high {d.high:g}", f"{field}.low")
+            if d.log and d.low <= 0:
+                raise refuse(f"a log range must start above 0, not at low {d.low:g}", f"{field}.low")
+            if d.log and d.step:
+                raise refuse("log and step cannot be combined")
+            if d.type == "int":
+                if not all(float(v).is_integer() for v in (d.low, d.high, d.step or 1)):
+                    raise refuse("an int range needs integer low, high and step")
+                values, out[name] = [int(d.low), int(d.high)], IntDistribution(int(d.low), int(d.high), log=d.log,
+                                                                                step=int(d.step or 1))
+            else:
+                values, out[name] = [d.low, d.high], FloatDistribution(d.low, d.high, log=d.log, step=d.step)
+        for value in values:
+            try:
+                Hyperparameters.model_validate({**fixed, name: value})
+            except ValidationError as e:
+                raise refuse(f"{value!r} is not a valid {name}: {e.errors()[0]['msg']}") from None
+    return out
+
+
+def grid(spec: SweepCreate) -> dict[str, list]:
+    """``algorithm: grid``: each hyperparameter's values (choices, or low to high by step).
+
+    Raises:
+        UserError: a float range without a step (``search_space.<name>.step``).
+    """
+    values = {}
+    for name, d in spec.search_space.items():
+        if d.type == "categorical":
+            values[name] = list(d.choices or [])
+            continue
+        assert d.low is not None and d.high is not None  # a range: distributions() checked its bounds
+        if d.type == "int":
+            values[name] = list(range(int(d.low), int(d.high) + 1, int(d.step or 1)))
+        elif d.step:
+            values[name] = [d.low + i * d.step for i in range(int((d.high - d.low) / d.step + 1e-9) + 1)]
+        else:
+            raise UserError("invalid_search_space", f"search_space.{name}.step: a grid over a float range needs a "
+                            "step", f"search_space.{name}.step")
+    return values
+
+
+def trial_template(spec: SweepCreate) -> JobCreate:
+    """The job spec every trial shares: the sweep's job fields, its fixed hyperparameters, and
+    ``metric_for_best_model`` set to the objective (so a trial keeps its best evaluation's weights)."""
+    fields = spec.model_dump(include=set(JobCreate.model_fields))
+    fields["hyperparameters"] = {**fields["hyperparameters"], "metric_for_best_model": spec.objective.metric}
+    return JobCreate.model_validate(fields)
+
+
+def spec_of(sweep: Sweep) -> SweepCreate:
+    """The sweep's stored spec, as the schema reads it."""
+    return SweepCreate.model_validate(sweep.spec, strict=False)
+
+
+def sampler(spec: SweepCreate, asked: int) -> optuna.samplers.BaseSampler:
+    """The sampler for the next trials, seeded with ``seed + asked`` (the trials already asked): a
+    rebuilt study asks what an uninterrupted one would, and never the same draw twice."""
+    seed = (spec.seed + asked) % 2**32
+    if spec.algorithm == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if spec.algorithm == "grid":
+        return optuna.samplers.GridSampler(grid(spec), seed=seed)
+    return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+
+
+def pruner(spec: SweepCreate) -> optuna.pruners.BasePruner:
+    """The sweep's ``early_stopping`` as an Optuna pruner."""
+    es = spec.early_stopping
+    if es.type == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=es.min_steps or "auto",
+                                                      reduction_factor=es.reduction_factor)
+    if es.type == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=es.min_trials, n_warmup_steps=es.min_steps,
+                                           n_min_trials=es.min_trials)
+    return optuna.pruners.NopPruner()
+
+
+# ----------------------------------------------------------------------------- the study, rebuilt
+
+
+def curves(s: Session, job_ids: list[str], metric: str) -> dict[str, dict[int, float]]:
+    """Each job's objective by optimizer step (its ``eval_<metric>`` rows; the first per step, as
+    Optuna's ``Trial.report`` keeps; non-finite values left out)."""
+    out: dict[str, dict[int, float]] = {job_id: {} for job_id in job_ids}
+    rows = s.execute(select(JobMetric.job_id, JobMetric.step, JobMetric.value)
+                     .where(JobMetric.job_id.in_(job_ids), JobMetric.name == f"eval_{metric}",
+                            JobMetric.value.isnot(None)).order_by(JobMetric.id))
+    for job_id, step, value in rows:
+        if value is not None:  # as the query asks: typed Optional, as the column is
+            out[job_id].setdefault(step, value)
+    return out
+
+
+def best_value(curve: dict[int, float], spec: SweepCreate) -> float | None:
+    """A trial's value: its objective at its best evaluation (None before any)."""
+    if not curve:
+        return None
+    return (max if spec.objective.direction == "maximize" else min)(curve.values())
+
+
+def params_of(job: Job, spec: SweepCreate) -> dict[str, Any]:
+    return {name: job.spec["hyperparameters"][name] for name in spec.search_space}
+
+
+def frozen(job: Job, spec: SweepCreate, space: dict, curve: dict[int, float], state: TrialState | None = None
+           ) -> FrozenTrial:
+    """Trial ``job`` as Optuna sees it."""
+    state = state or STATES[job.status]
+    value = best_value(curve, spec) if state == TrialState.COMPLETE else None
+    if state == TrialState.COMPLETE and value is None:  # succeeded without a finite evaluation
+        state = TrialState.FAIL
+    return create_trial(state=state, value=value, params=params_of(job, spec), distributions=space,
+                        intermediate_values=curve, system_attrs=job.trial_attrs or {})
+
+
+def study_of(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict[str, dict[int, float]],
+             asked: int) -> optuna.Study:
+    """An in-memory Optuna study holding ``trials`` (in number order, so Optuna numbers them as we do)."""
+    study = optuna.create_study(direction=spec.objective.direction, sampler=sampler(spec, asked),
+                                pruner=pruner(spec))
+    for job in sorted(trials, key=lambda j: j.trial_number or 0):  # every trial has its number
+        study.add_trial(frozen(job, spec, space, trial_curves[job.id]))
+    return study
+
+
+def ask(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict, n: int) -> list[tuple[dict, dict]]:
+    """The next ``n`` trials' (params, Optuna system attributes), each asked with the ones before it
+    (and every queued or running trial) in the study as running."""
+    study = study_of(spec, space, trials, trial_curves, asked=len(trials))
+    asked = []
+    for _ in range(n):
+        trial = study.ask(fixed_distributions=space)
+        asked.append((trial.params, dict(study.get_trials(deepcopy=False)[trial.number].system_attrs)))
+    return asked

@@ -1,0 +1,1 @@
+"""The training recipe (``worker.training.recipe``) and its parts, one module each."""

@@ -1,0 +1,137 @@
+"""What a job's run is given and never changes while it trains (``JobSetup``), and the loaders of
+its tokenizer and model."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    set_seed,
+)
+from transformers import logging as hf_logging
+
+from shared.data.batching import BatchPlan
+from shared.errors import UserError
+from shared.inference.precision import autocast_dtype
+from shared.jobs.base_models import resolve_model
+from shared.schemas.jobs import Hyperparameters
+from shared.store import artifacts
+from shared.store.rows import Job
+from worker.data import BucketCollator, JobData, TokenizedDataset, make_collator, tokenize
+from worker.device import padding_ladder
+from worker.reporter import PhaseTimer, Reporter
+from worker.tagging import tokenize_words
+
+hf_logging.set_verbosity_error()
+PROBLEM_TYPES = {"classification": "single_label_classification", "multi_label": "multi_label_classification"}
+
+
+@dataclass(frozen=True)
+class JobSetup:
+    """What one job's run is given and keeps for its whole life: the job, its hyperparameters and
+    base model directory, the device and autocast dtype (None: fp32), the tokenized sets, their
+    batch plan and collator, the number of optimizer steps, and its checkpoint directory. The parts that change as it trains
+    (model, optimizer, schedule, steps, position) belong to the recipe (``worker.training.recipe``)."""
+
+    job: Job
+    hp: Hyperparameters
+    model_dir: Path  # the base model's files
+    device: torch.device
+    dtype: torch.dtype | None  # autocast dtype, None for fp32
+    tokenizer: PreTrainedTokenizerBase
+    train_set: TokenizedDataset
+    val_set: TokenizedDataset | None
+    plan: BatchPlan
+    collator: BucketCollator
+    total_steps: int
+    out_dir: Path  # this job's checkpoint directory
+
+
+def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporter, timer: PhaseTimer) -> JobSetup:
+    """Seed every RNG with the job's seed (``transformers.set_seed``), tokenize the job's data
+    (timed as ``tokenize``; read from the tokenization cache where it was tokenized before, with an
+    event saying which) and plan its batches.
+
+    ``job`` needs only ``id``, ``task``, ``base_model``, ``label_names`` and ``spec``; it may be a
+    transient ``Job`` that is not in the store (the benchmark does this).
+
+    Raises:
+        UserError: ``model_load_failed`` (the tokenizer), or bad data (``worker.data.tokenize``).
+    """
+    hp, spec = Hyperparameters(**job.spec["hyperparameters"]), job.spec
+    set_seed(hp.seed)
+    model_dir = resolve_model(job.base_model)
+
+    def encode(df, sha256, training=True):
+        if job.task == "token_classification":  # validation scores words: first subwords only
+            return tokenize_words(tokenizer, df, spec["text_column"], spec["label_column"], job.label_names,
+                                  hp.max_length, training and spec.get("label_all_subwords", False))
+        return tokenize(tokenizer, df, spec["text_column"], spec.get("text_pair_column"), spec["label_column"],
+                        job.label_names, hp.max_length, sha256)
+
+    with timer.phase("tokenize"):
+        tokenizer = load_tokenizer(model_dir, job.base_model, hp.max_length)
+        train_set = encode(data.train, data.train_sha256)
+        val_set = (encode(data.validation, data.validation_sha256, training=False)
+                   if data.validation is not None else None)
+    cached = [part.from_cache for part in (train_set, val_set) if part is not None]
+    reporter.event("tokenized", f"{len(train_set)} training and {len(val_set) if val_set else 0} validation texts at "
+                   f"max_length {hp.max_length}: " + ("read from the tokenization cache" if all(cached) else
+                                                      "tokenized" + (" and cached" if data.train_sha256 else "")))
+    plan = BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch)
+    collator = make_collator(tokenizer, hp.batching, hp.max_length, padding_ladder(hp, device),
+                             labels_per_token=job.task == "token_classification")
+    return JobSetup(job, hp, model_dir, device, autocast_dtype(hp.precision, device), tokenizer, train_set, val_set,
+                    plan, collator, plan.count_steps(hp.epochs, hp.gradient_accumulation_steps),
+                    artifacts.checkpoints_dir(job.id))
+
+
+def load_tokenizer(model_dir: Path, name: str, max_length: int):
+    """The base model's tokenizer, its ``model_max_length`` set to the job's ``max_length``: saved
+    with the model, it makes ``truncation=True`` (without ``max_length``) cut where training did.
+
+    Raises:
+        UserError: ``model_load_failed``.
+    """
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError("model_load_failed", f"tokenizer of {name!r} could not be loaded: {e}", "base_model") from e
+    tokenizer.model_max_length = max_length
+    return tokenizer
+
+
+def load_model(path: Path, job: Job, device: torch.device | None = None) -> torch.nn.Module:
+    """A sequence-classification model (``problem_type`` single- or multi-label in its config;
+    ``AutoModelForTokenClassification`` for token_classification,
+    one logit per token and tag) from a base model or checkpoint directory: safetensors only,
+    no remote code, SDPA attention where the architecture supports it, its weights read straight
+    onto ``device`` (``device_map``; no copy through host memory first). Its config names the
+    labels (``id2label``, ``label2id``), which pipelines read.
+
+    Raises:
+        UserError: ``model_load_failed`` (missing or unreadable files, an unknown architecture).
+    """
+    if job.task == "regression":
+        labels = {"num_labels": 1, "problem_type": "regression"}
+    else:
+        names = job.label_names
+        labels = {"num_labels": len(names), "id2label": dict(enumerate(names)),
+                  "label2id": {n: i for i, n in enumerate(names)}}
+        if problem := PROBLEM_TYPES.get(job.task):  # token_classification has none
+            labels["problem_type"] = problem
+    model_class = (AutoModelForTokenClassification if job.task == "token_classification"
+                   else AutoModelForSequenceClassification)
+    kwargs = dict(use_safetensors=True, ignore_mismatched_sizes=True, trust_remote_code=False,
+                  device_map=device or "cpu", **labels)
+    try:
+        try:
+            return model_class.from_pretrained(path, attn_implementation="sdpa", **kwargs)
+        except (ValueError, ImportError):  # the architecture has no SDPA implementation
+            return model_class.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as e:  # the same files fail the same way: no retry
+        raise UserError("model_load_failed", f"model {job.base_model!r} could not be loaded: {e}", "base_model") from e
