@@ -6,8 +6,9 @@ written, so what runs here would run on separate hosts that share only the job s
 and the bucket.
 
 A job is killed (``kill -9``) mid-training and resumed by the other worker from the bucket's
-checkpoint; a sweep's trials then run on two workers. Needs root (to mount in the namespace) and ``unshare``, as CI runs; skips elsewhere with the
-reason, unless ``TUNEJOB_REQUIRE_SERVICES=1``. The same by hand: docs/production/topology.md.
+checkpoint; a sweep's trials then run on two workers. Needs root (to mount in the namespace)
+and ``unshare``, as CI runs; skips elsewhere with the reason, unless
+``TUNEJOB_REQUIRE_SERVICES=1``. The same by hand: docs/production/topology.md.
 """
 
 import os
