@@ -254,8 +254,8 @@ def test_an_unreachable_bucket_is_a_503_and_leaves_no_row(bucket_env, models_dir
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     env = {k: v for k, v in os.environ.items() if k.startswith("TUNEJOB_STORAGE")}
-    drop = configure_stack("embedded", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"), "TUNEJOB_MODELS_DIR": str(models_dir),
-                                        **env})
+    drop = configure_stack("embedded", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"),
+                                        "TUNEJOB_MODELS_DIR": str(models_dir), **env})
     try:
         with TestClient(create_app(), base_url=BASE_URL) as client:
             client.headers.update(auth_header("tenant-a"))

@@ -5,8 +5,10 @@ empty tmpfs. A path that leaked into the store would not resolve anywhere but wh
 written, so what runs here would run on separate hosts that share only the job store, the broker
 and the bucket.
 
-Needs root (to mount in the namespace) and ``unshare``, as CI runs; skips elsewhere with the
-reason, unless ``TUNEJOB_REQUIRE_SERVICES=1``. The same by hand: docs/production/topology.md.
+A job is killed (``kill -9``) mid-training and resumed by the other worker from the bucket's
+checkpoint; a sweep's trials then run on two workers. Needs root (to mount in the namespace)
+and ``unshare``, as CI runs; skips elsewhere with the reason, unless
+``TUNEJOB_REQUIRE_SERVICES=1``. The same by hand: docs/production/topology.md.
 """
 
 import os
@@ -21,8 +23,16 @@ from tests import faults_support, test_faults
 from tests.faults_support import Process
 from tests.s3_support import BUCKET
 from tests.test_api_jobs import labelled_csv
-from tests.test_faults import LONG, assert_steps_once, resumed_step, stacks, wait_exit  # noqa: F401
+from tests.test_faults import (  # noqa: F401
+    LONG,
+    assert_steps_once,
+    results,
+    resumed_step,
+    stacks,
+    wait_exit,
+)
 from tests.test_object_storage import s3_server  # noqa: F401
+from tests.test_sweeps import ENDED, sweep_body
 
 # Each process, in its own mount namespace: its own data directory kept (bound aside, then back),
 # the folder of every process's data directory covered by an empty tmpfs.
@@ -91,8 +101,20 @@ def test_an_api_and_two_workers_on_separate_hosts(stacks, s3_server, monkeypatch
     r = c.request("GET", f"/jobs/{job_id}/artifacts/model.tar")
     assert len(r.content) == next(a["bytes"] for a in c.request("GET", f"/jobs/{job_id}/artifacts").json()["data"]
                                   if a["name"] == "model.tar")
+    # A sweep's trials run on both workers: the one that resumed and a new one (a third host).
+    resumer = second if trainer is first else first
+    third = c.start_worker()
+    c.wait_worker_ready(third, timeout=300)  # a worker starts in 10-20 s; far longer on a loaded machine
+    before = results(resumer).count("succeeded")
+    sweep = c.request("POST", "/sweeps", json=sweep_body(dataset["id"], max_trials=4, max_parallel_trials=2),
+                      expect=201).json()
+    c.wait_for("the sweep to end", lambda: c.request("GET", f"/sweeps/{sweep['id']}").json()["status"] in ENDED,
+               timeout=400)
+    assert c.request("GET", f"/sweeps/{sweep['id']}").json()["status"] == "succeeded"
+    assert results(resumer).count("succeeded") > before and "succeeded" in results(third), c.diagnostics()
+
     # Nothing but caches (and the API's local key) on the disks of the hosts that are still up.
-    up = {c.api.name, *(w.name for w in (first, second) if w is not trainer)}
+    up = {c.api.name, resumer.name, third.name}
     leaked = [p for p in hosts.rglob("*") if p.is_file() and p.relative_to(hosts).parts[0] in up
               and p.relative_to(hosts).parts[1] not in ("cache", "api_key")]
     assert leaked == [], leaked

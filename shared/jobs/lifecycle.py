@@ -426,7 +426,8 @@ def get_checkpoint(job_id: str, step: int, caller: Caller) -> dict[str, Path | o
 
 def model_files(job_id: str, caller: Caller) -> dict[str, Path | objects.Remote]:
     """A succeeded job's model files by name, local paths or objects in the bucket
-    (``shared.store.artifacts.listing`` names what is downloadable). Empty before the job has succeeded, and after its files were deleted.
+    (``shared.store.artifacts.listing`` names what is downloadable). Empty before the job has
+    succeeded, and after its files were deleted.
 
     Raises:
         NotFound, Deleted: see ``get_job``.

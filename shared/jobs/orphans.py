@@ -52,7 +52,8 @@ def collect_orphans(grace: timedelta = GRACE, force: bool = False) -> list[str]:
             candidates[ref] = max(modified, candidates.get(ref, modified))
     old = [ref for ref, modified in candidates.items() if modified < cutoff]
     with read_session() as s:
-        datasets = set(s.scalars(select(Dataset.path).where(Dataset.path.in_([r for r in old if r.startswith("uploads/")]))))
+        uploads = [r for r in old if r.startswith("uploads/")]
+        datasets = set(s.scalars(select(Dataset.path).where(Dataset.path.in_(uploads))))
         checkpoints = set(s.scalars(select(Checkpoint.path).where(Checkpoint.path.in_(old))))
         job_ids = {r.split("/")[1] for r in old if not r.startswith("uploads/")}
         jobs = set(s.scalars(select(Job.id).where(Job.id.in_(job_ids))))

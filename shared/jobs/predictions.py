@@ -178,8 +178,8 @@ def prediction_batches(dataset: Dataset, spec: PredictionCreate, problems: Probl
     Problems go to ``problems`` (the caller raises them); no batch is yielded after the first one."""
     columns = _columns(spec)
     texts = tuple(c for c, param in columns if param != "id_column")  # Parquet lists read, to be named
-    for batch in read_batches(objects.dataset_file(dataset), dataset.format, dataset.filename, [c for c, _ in columns], problems,
-                              list_columns=texts):
+    for batch in read_batches(objects.dataset_file(dataset), dataset.format, dataset.filename, [c for c, _ in columns],
+                              problems, list_columns=texts):
         for column, param in columns:
             check = _id_problem if param == "id_column" else _text_problem
             for i, value in enumerate(batch.values[column]):

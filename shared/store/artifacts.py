@@ -95,9 +95,10 @@ class TarStream:
 
     Local files are opened when the stream is made, so a file deleted while it is being sent (a
     checkpoint rotated away) is still sent whole; objects in the bucket (``Remote``) are streamed
-    when their turn comes, checked against the manifest's sha256 (a mismatch cuts the stream). Each file sits at the archive's top level under
-    its name; headers come from ``tarfile`` (PAX format), the layout is what ``tarfile.open(mode="w")``
-    writes: header, data padded to 512 bytes, two zero blocks, then zeros up to a 10 KiB record.
+    when their turn comes, checked against the manifest's sha256 (a mismatch cuts the stream).
+    Each file sits at the archive's top level under its name; headers come from ``tarfile`` (PAX
+    format), the layout is what ``tarfile.open(mode="w")`` writes: header, data padded to 512
+    bytes, two zero blocks, then zeros up to a 10 KiB record.
 
     Raises:
         OSError: a file cannot be opened.

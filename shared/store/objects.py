@@ -261,7 +261,8 @@ class Bucket:
     def job_ids(self, folder: str) -> list[str]:
         import obstore
 
-        return [p.rstrip("/").rsplit("/", 1)[-1] for p in obstore.list_with_delimiter(self.store, folder)["common_prefixes"]]
+        prefixes = obstore.list_with_delimiter(self.store, folder)["common_prefixes"]
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in prefixes]
 
     def listing(self, folder: str) -> list[tuple[str, int, datetime]]:
         """Every object under ``folder``: (key, size in bytes, last modified)."""
