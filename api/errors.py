@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from obstore.exceptions import BaseError as ObjectStoreError
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -107,6 +108,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _store_busy(_: Request, e: Exception):
         log.warning("job store busy or unreachable: %s", e)
         return error_response(503, "store_busy", "the job store is busy or unreachable; retry shortly", None,
+                              headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+
+    @app.exception_handler(ObjectStoreError)  # TUNEJOB_STORAGE_URL's bucket failed a request (shared.store.objects)
+    async def _storage_unavailable(_: Request, e: Exception):
+        log.warning("object storage unavailable: %s", e)
+        return error_response(503, "storage_unavailable", "the object storage did not answer; retry shortly", None,
                               headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
 
     @app.exception_handler(DataError)

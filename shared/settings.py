@@ -94,6 +94,14 @@ class Settings(BaseSettings):
     cookie_secure: bool | None = None
     log_level: str = "INFO"  # the API's and the workers' log lines (shared.logs), e.g. DEBUG, INFO, WARNING
     artifact_retention_days: float | None = None  # remove finished jobs' files this long after they end; None: keep
+    # Object storage (shared.store.objects, docs/production/topology.md): s3://bucket/prefix keeps
+    # uploads, checkpoints, models and prediction results in that bucket (credentials and endpoint:
+    # the standard AWS_* variables); None: in data_dir. Each host's download cache holds at most
+    # storage_cache_bytes (least recently used evicted). storage_presigned_seconds: single-file
+    # downloads redirect (307) to a presigned URL valid this long instead of streaming through the API.
+    storage_url: str | None = None
+    storage_cache_bytes: int = 20 * 1024**3
+    storage_presigned_seconds: int | None = None
     broker_polling_seconds: float = 0.1  # filesystem broker: how often an idle worker looks for a message
     # POST /models/{job_id}/predict, answered by the API process on its CPU (api.routers.inference):
     # texts per request, fine-tuned models kept loaded (least recently used evicted), and torch's
@@ -121,6 +129,13 @@ class Settings(BaseSettings):
     @classmethod
     def _seconds_list(cls, value):
         return [float(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+    @field_validator("storage_url")
+    @classmethod
+    def _s3_url(cls, value):
+        if value is not None and not value.startswith("s3://"):
+            raise ValueError("TUNEJOB_STORAGE_URL must be s3://bucket/prefix")
+        return value
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod

@@ -27,6 +27,7 @@ from shared.data.batching import bucket_ladder, bucket_width
 from shared.data.columns import JobColumns
 from shared.data.labels import read_job_table
 from shared.data.split import split_train_validation
+from shared.store import objects
 from shared.store.artifacts import tokenized_cache_dir
 from shared.store.rows import Dataset
 
@@ -58,9 +59,9 @@ def load_job_data(spec: dict, train: Dataset, validation: Dataset | None) -> Job
         UserError: bad data (the job fails at once, without retries).
     """
     cols = JobColumns.of(spec)
-    train_df, summary = read_job_table(Path(train.path), train.format, train.filename, cols)
+    train_df, summary = read_job_table(objects.dataset_file(train), train.format, train.filename, cols)
     if validation is not None:
-        val_df, _ = read_job_table(Path(validation.path), validation.format, validation.filename, cols)
+        val_df, _ = read_job_table(objects.dataset_file(validation), validation.format, validation.filename, cols)
         return JobData(train_df, val_df, train.sha256, validation.sha256)
     train_rows, val_rows = split_train_validation(summary.rows, summary.codes, spec.get("validation_split") or 0.0,
                                                   spec["hyperparameters"]["seed"])

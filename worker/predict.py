@@ -85,8 +85,8 @@ def model_directory(ref: str) -> Path:
     """
     if not ref.startswith("job_"):
         return resolve_model(ref)
-    directory = artifacts.model_dir(ref)
-    if not directory.is_dir():
+    directory = artifacts.local_model(ref)
+    if directory is None:
         raise UserError("model_deleted", f"model {ref!r}: the training job's model was deleted", "model")
     return directory
 

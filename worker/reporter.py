@@ -77,9 +77,10 @@ class Reporter:
         self.event("pruning", f"the sweep's pruner stopped this trial after its evaluation at step {step}")
         return True
 
-    def checkpoint(self, step: int, path: Path, metrics: dict | None, keep: int) -> list[Path]:
-        """Point the store at a completely written checkpoint; returns the older checkpoint
-        directories, beyond the newest ``keep``, that the store no longer lists (to delete)."""
+    def checkpoint(self, step: int, path: Path | str, metrics: dict | None, keep: int) -> list[str]:
+        """Point the store at a completely written (and published) checkpoint, ``path`` its ref
+        (``shared.store.objects``); returns the refs of the older checkpoints, beyond the newest
+        ``keep``, that the store no longer lists (to delete)."""
         self.flush()  # the steps up to the checkpoint are never trained again: write their metrics first
         return lifecycle.record_checkpoint(self.job_id, step, str(path), metrics, keep)
 
@@ -186,8 +187,8 @@ class MemoryReporter:
         self.events.append(code)
         self.messages.append(message)
 
-    def checkpoint(self, step: int, path: Path, metrics: dict | None, keep: int = 2) -> list[Path]:
-        self.checkpoints.append((step, path))
+    def checkpoint(self, step: int, path: Path | str, metrics: dict | None, keep: int = 2) -> list[str]:
+        self.checkpoints.append((step, Path(path)))
         return []
 
     def should_prune(self, step: int, metrics: dict) -> bool:

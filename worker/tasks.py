@@ -14,7 +14,6 @@ import os
 import socket
 import threading
 import uuid
-from pathlib import Path
 
 from celery import bootsteps, signals
 from celery.exceptions import Reject
@@ -25,6 +24,7 @@ from shared.jobs.base_models import available_models
 from shared.logs import configure_logging, log_context
 from shared.queue import RUN_JOB, RecoveryThread, app, send, send_trials
 from shared.settings import get_settings
+from shared.store import objects
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, JobStatus
 
@@ -216,7 +216,7 @@ def train_job(job, device, reporter) -> str:
     lifecycle.discard_metrics_after(job.id, checkpoint.step if checkpoint else 0)
     with timer.phase("load"):
         data = load_job_data(job.spec, train, validation)
-    return fine_tune(job, data, device, reporter, Path(checkpoint.path) if checkpoint else None, timer)
+    return fine_tune(job, data, device, reporter, objects.store().local(checkpoint.path) if checkpoint else None, timer)
 
 
 def release_device_memory() -> None:

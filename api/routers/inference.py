@@ -118,8 +118,8 @@ def trained_model_dir(job_id: str, caller: Caller) -> Path:
     job = lifecycle.get_job(job_id, caller)
     if job.status != JobStatus.SUCCEEDED:
         raise Conflict("job_not_succeeded", f"job {job_id!r} is {job.status}: only a succeeded job has a model")
-    model_dir = artifacts.model_dir(job_id)
-    if not model_dir.is_dir():
+    model_dir = artifacts.local_model(job_id)
+    if model_dir is None:
         raise NotFound("model of job", job_id)
     return model_dir
 

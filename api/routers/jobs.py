@@ -1,7 +1,7 @@
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 from sqlalchemy import bindparam, select
 
 from api import db
@@ -24,7 +24,7 @@ from shared.schemas.jobs import (
     JobOut,
     MetricOut,
 )
-from shared.store import artifacts
+from shared.store import artifacts, objects
 from shared.store.engine import read_session
 from shared.store.rows import JobMetric
 
@@ -128,7 +128,7 @@ def download_checkpoint(job_id: str, step: Annotated[int, Path(ge=0, le=MAX_STEP
     """A checkpoint's model (weights, config, tokenizer; not the optimizer state) as an uncompressed
     tar, e.g. of a running job. Checkpoints beyond ``save_total_limit`` are rotated away, and a
     succeeded job's are deleted (its model is in the artifacts)."""
-    files = artifacts.files_of(lifecycle.get_checkpoint(job_id, step, caller), exclude=(artifacts.TRAINING_STATE,))
+    files = {n: f for n, f in lifecycle.get_checkpoint(job_id, step, caller).items() if n != artifacts.TRAINING_STATE}
     return _tar_response(artifacts.TarStream(files), f"{job_id}-step-{step}.tar")
 
 
@@ -141,7 +141,7 @@ def list_artifacts(job_id: str, caller: CallerDep) -> dict[str, list[ArtifactOut
 
 
 @router.get("/{job_id}/artifacts/model/{filename:path}")
-def download_model_file(job_id: str, filename: str, caller: CallerDep) -> FileResponse:
+def download_model_file(job_id: str, filename: str, caller: CallerDep) -> Response:
     """One file of the model, by its name in the listing (never a path on the server)."""
     return _file(lifecycle.model_files(job_id, caller), filename, f"model/{filename}")
 
@@ -160,10 +160,18 @@ def download_artifact(job_id: str, name: str, caller: CallerDep):
     return _file(files, name if name == artifacts.METRICS else "", name)
 
 
-def _file(files: dict, filename: str, name: str) -> FileResponse:
+def _file(files: dict, filename: str, name: str) -> Response:
+    """One file: from disk, or from the bucket, streamed or (``TUNEJOB_STORAGE_PRESIGNED_SECONDS``)
+    a redirect to a presigned URL."""
     if filename not in files:
         raise NotFound("artifact", name)
-    return FileResponse(files[filename], filename=filename.rsplit("/", 1)[-1], media_type="application/octet-stream")
+    source, basename = files[filename], filename.rsplit("/", 1)[-1]
+    if not isinstance(source, objects.Remote):
+        return FileResponse(source, filename=basename, media_type="application/octet-stream")
+    if url := objects.store().presigned_url(source):
+        return RedirectResponse(url, status_code=307)
+    return StreamingResponse(source.chunks(), media_type="application/octet-stream", headers={
+        "Content-Length": str(source.size), "Content-Disposition": f'attachment; filename="{basename}"'})
 
 
 def _tar_response(tar: artifacts.TarStream, filename: str) -> StreamingResponse:

@@ -21,7 +21,7 @@ from shared.jobs import lifecycle, predictions, sweeps, uploads
 from shared.jobs.base_models import available_models
 from shared.schemas.jobs import Hyperparameters, JobCreate
 from shared.settings import get_settings
-from shared.store import artifacts, keys, ui_sessions
+from shared.store import artifacts, keys, objects, ui_sessions
 from shared.store.rows import JobStatus
 from shared.store.tenancy import Caller
 
@@ -221,7 +221,7 @@ def datasets_page(request: Request, s: SessionDep):
 def dataset_page(request: Request, dataset_id: str, s: SessionDep):
     """A dataset's columns and first rows, and the form that plans and creates a job on it."""
     dataset = uploads.get_dataset(dataset_id, s.caller)
-    batch = next(read_batches(Path(dataset.path), dataset.format, dataset.filename, dataset.columns,
+    batch = next(read_batches(objects.dataset_file(dataset), dataset.format, dataset.filename, dataset.columns,
                               Problems(dataset.filename)), None)
     sample = [] if batch is None else [[batch.values[c][i] for c in dataset.columns]
                                        for i in range(min(SAMPLE_ROWS, batch.size))]

@@ -21,7 +21,6 @@ Files follow the rows: ``delete_job`` (and ``shared.jobs.uploads.delete_dataset`
 a process that died between its commit and its clean-up left behind.
 """
 
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -37,7 +36,7 @@ from shared.jobs.planning import check_spec
 from shared.jobs.trials import ACTIVE, cancel_in, end_job, insert_queued
 from shared.schemas.jobs import TASK_FIELDS, JobCreate, JobOut, Progress, Timings, json_safe
 from shared.settings import get_settings
-from shared.store import artifacts, idempotency, quotas
+from shared.store import artifacts, idempotency, objects, quotas
 from shared.store.engine import keyset_page, read_session, session_scope
 from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
 from shared.store.tenancy import Caller, lock_tenant, owned_job, scoped
@@ -354,9 +353,10 @@ def record_progress(
         return True
 
 
-def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any] | None, keep: int) -> list[Path]:
-    """Point the store at a checkpoint (call only once it is completely written) and forget all but
-    the newest ``keep``. Returns the forgotten checkpoints' directories, for the caller to delete."""
+def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any] | None, keep: int) -> list[str]:
+    """Point the store at a checkpoint (call only once it is completely written, and published:
+    ``shared.store.objects``) and forget all but the newest ``keep``. Returns the forgotten
+    checkpoints' refs, for the caller to delete (``objects.store().remove``)."""
     with session_scope() as s:
         s.add(Checkpoint(job_id=job_id, step=step, path=path, metrics=json_safe(metrics)))
         s.flush()
@@ -364,14 +364,14 @@ def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any]
                         .order_by(Checkpoint.step.desc()).offset(keep)).all()
         for checkpoint in old:
             s.delete(checkpoint)
-        return [Path(c.path) for c in old]
+        return [c.path for c in old]
 
 
 def latest_checkpoint(job_id: str) -> Checkpoint | None:
-    """The newest complete checkpoint recorded for the job whose directory still exists."""
+    """The newest complete checkpoint recorded for the job whose files still exist (on disk, or in the bucket)."""
     with read_session() as s:
         rows = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()))
-        return next((c for c in rows if Path(c.path).is_dir()), None)
+        return next((c for c in rows if objects.store().files(c.path)), None)
 
 
 def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | None = None) -> bool:
@@ -406,8 +406,8 @@ def describe_timings(timings: dict[str, float | None]) -> str:
 # ----------------------------------------------------------------------------- files
 
 
-def get_checkpoint(job_id: str, step: int, caller: Caller) -> Path:
-    """The directory of a job's checkpoint at ``step``.
+def get_checkpoint(job_id: str, step: int, caller: Caller) -> dict[str, Path | objects.Remote]:
+    """The files of a job's checkpoint at ``step`` by name (local paths, or objects in the bucket).
 
     Raises:
         NotFound: no such job (or another tenant's), or no checkpoint at that step (never saved,
@@ -416,27 +416,29 @@ def get_checkpoint(job_id: str, step: int, caller: Caller) -> Path:
     with read_session() as s:
         owned_job(s, job_id, caller)
         path = s.scalar(select(Checkpoint.path).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
-    if path is None or not Path(path).is_dir():
+    files = objects.store().files(path) if path is not None else {}
+    if not files:
         raise NotFound("checkpoint", f"{job_id} step {step}", "step")
-    return Path(path)
+    return files
 
 
-def model_files(job_id: str, caller: Caller) -> dict[str, Path]:
-    """A succeeded job's model files by name (``shared.store.artifacts.listing`` names what is
-    downloadable). Empty before the job has succeeded, and after its files were deleted.
+def model_files(job_id: str, caller: Caller) -> dict[str, Path | objects.Remote]:
+    """A succeeded job's model files by name, local paths or objects in the bucket
+    (``shared.store.artifacts.listing`` names what is downloadable). Empty before the job has
+    succeeded, and after its files were deleted.
 
     Raises:
         NotFound, Deleted: see ``get_job``.
     """
     get_job(job_id, caller)
-    return artifacts.files_of(artifacts.model_dir(job_id))
+    return objects.store().files(objects.store().ref(artifacts.model_dir(job_id)))
 
 
 def discard_checkpoints(job_id: str) -> None:
     """Delete the checkpoint directory of a job that ``finish`` recorded as succeeded (its step
     checkpoints and best-model links: the artifact has the model) or pruned (its weights are not
     kept). A directory left by a worker that died before this is removed by ``clean_up_files``."""
-    artifacts.remove_tree(artifacts.checkpoints_dir(job_id))
+    objects.remove_job_files(job_id, "checkpoints")
 
 
 ROUTES = {"train": "/jobs", "predict": "/predictions"}  # where a job of each kind is reached
@@ -465,8 +467,7 @@ def delete_job(job_id: str, caller: Caller, kind: str = "train") -> None:
         job.deleted_at, job.files_deleted_at = now, job.files_deleted_at or now
         for child in (JobMetric, JobEvent, Checkpoint):
             s.execute(delete(child).where(child.job_id == job_id))
-    artifacts.remove_tree(artifacts.checkpoints_dir(job_id))
-    artifacts.remove_tree(artifacts.artifacts_dir(job_id))
+    objects.remove_job_files(job_id, "checkpoints", "artifacts")
 
 
 def clean_up_files() -> None:
@@ -494,22 +495,19 @@ def clean_up_files() -> None:
     for folder, gone in [("checkpoints", or_(Job.status.in_(trials.NO_CHECKPOINTS), Job.files_deleted_at.isnot(None))),
                          ("artifacts", or_(Job.status == JobStatus.PRUNED, Job.files_deleted_at.isnot(None)))]:
         for job_id in _jobs_on_disk(folder, gone):
-            artifacts.remove_tree(settings.data_path / folder / job_id)
+            objects.remove_job_files(job_id, folder)
     with session_scope() as s:
         deleted = s.execute(select(Dataset.path, Dataset.sha256).where(Dataset.deleted_at.isnot(None))).all()
         live = set(s.scalars(select(Dataset.sha256).where(Dataset.deleted_at.is_(None))))
-    for path, _ in deleted:
-        Path(path).unlink(missing_ok=True)
+    for ref, _ in deleted:
+        objects.store().remove(ref)
     for sha256 in {sha for _, sha in deleted} - live:
         artifacts.remove_tree(artifacts.tokenized_cache_dir(sha256))
 
 
 def _jobs_on_disk(folder: str, condition) -> list[str]:
-    """Ids of the jobs that have a directory under ``<data>/<folder>`` and match ``condition``."""
-    try:
-        names = [n for n in os.listdir(get_settings().data_path / folder) if not n.startswith(".")]
-    except FileNotFoundError:
-        return []
+    """Ids of the jobs that have files under ``<data>/<folder>`` (or in the bucket) and match ``condition``."""
+    names = objects.store().job_ids(folder)
     found: list[str] = []
     with session_scope() as s:
         for i in range(0, len(names), 500):

@@ -27,8 +27,8 @@ def trained_model(ref: str, caller: Caller) -> tuple[Job, Path]:
     if job.status != JobStatus.SUCCEEDED:
         raise UserError("model_not_ready", f"model {ref!r} is a training job that is {job.status}; only a succeeded "
                         "job has a model", "model", 409)
-    directory = artifacts.model_dir(ref)
-    if job.files_deleted_at is not None or not directory.is_dir():
+    directory = artifacts.local_model(ref) if job.files_deleted_at is None else None  # from the bucket if set
+    if directory is None:
         raise UserError("model_files_deleted", f"model {ref!r}: the job's files were deleted "
                         "(TUNEJOB_ARTIFACT_RETENTION_DAYS)", "model", 409)
     return job, directory

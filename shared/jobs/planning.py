@@ -17,7 +17,7 @@ from shared.data.split import split_train_validation, validation_size
 from shared.errors import UserError
 from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
 from shared.schemas.jobs import JobCreate, contrastive_hyperparameters
-from shared.store import quotas
+from shared.store import objects, quotas
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job, JobStatus
 from shared.store.tenancy import Caller, by_id, scoped
@@ -100,7 +100,7 @@ def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
     cols = JobColumns.of(spec)
     for dataset in [train] + ([val] if val else []):
         _require_columns(dataset, cols)
-    summary = scan_job_data(Path(train.path), train.format, train.filename, cols)
+    summary = scan_job_data(objects.dataset_file(train), train.format, train.filename, cols)
     if spec.task in ("classification", "token_classification") and summary.names is not None and len(summary.names) < 2:
         raise UserError("single_class", f"label column {cols.label!r} in {train.filename!r} has a single class "
                         f"({summary.names[0]!r}); {spec.task} needs at least 2", "label_column")
@@ -108,7 +108,7 @@ def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
         raise UserError("no_labels", f"label column {cols.label!r} in {train.filename!r} has no label in any row; "
                         "multi_label needs at least one", "label_column")
     if val:
-        val_summary = scan_job_data(Path(val.path), val.format, val.filename, cols)
+        val_summary = scan_job_data(objects.dataset_file(val), val.format, val.filename, cols)
         _check_validation_labels(summary.names, val_summary, val.filename, cols.label)
     validation_size(summary.rows, spec.validation_split or 0.0)
     return CheckedSpec(spec, model_dir, train, val, summary.names, caller, summary.empty_rows)
@@ -212,7 +212,7 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
     spec, train, parts = checked.spec, checked.train, []
     cols, problems = checked.columns, Problems(train.filename)
     classes = ClassIndex.of(train.filename, cols)
-    for batch in job_batches(Path(train.path), train.format, train.filename, cols, problems):
+    for batch in job_batches(objects.dataset_file(train), train.format, train.filename, cols, problems):
         if classes is not None:
             classes.add(batch)
         for a in range(0, len(batch.texts), TOKENIZE_ROWS):

@@ -21,6 +21,7 @@ and ``probabilities`` (a struct with one field per class, in class order) for cl
 No torch here: the API imports this module (the tokenizer only for a dry run).
 """
 
+import fnmatch
 import io
 import json
 import os
@@ -57,7 +58,7 @@ from shared.schemas.predictions import (
     PredictionResult,
 )
 from shared.settings import get_settings
-from shared.store import artifacts, idempotency
+from shared.store import artifacts, idempotency, objects
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
 from shared.store.tenancy import Caller, owned_job
@@ -170,8 +171,8 @@ def prediction_batches(dataset: Dataset, spec: PredictionCreate, problems: Probl
     Problems go to ``problems`` (the caller raises them); no batch is yielded after the first one."""
     columns = _columns(spec)
     texts = tuple(c for c, param in columns if param != "id_column")  # Parquet lists read, to be named
-    for batch in read_batches(Path(dataset.path), dataset.format, dataset.filename, [c for c, _ in columns], problems,
-                              list_columns=texts):
+    for batch in read_batches(objects.dataset_file(dataset), dataset.format, dataset.filename, [c for c, _ in columns],
+                              problems, list_columns=texts):
         for column, param in columns:
             check = _id_problem if param == "id_column" else _text_problem
             for i, value in enumerate(batch.values[column]):
@@ -383,31 +384,35 @@ def results_dir(job_id: str) -> Path:
     return artifacts.artifacts_dir(job_id) / "predictions"
 
 
-def written_parts(directory: Path) -> list[Path]:
-    """The complete parts in ``directory``, in row order (a temporary file is not a part)."""
-    return sorted(directory.glob(PART_GLOB))
+def written_parts(directory: Path) -> list[str]:
+    """The refs (``shared.store.objects``) of the complete parts in ``directory`` (or in the
+    bucket), in row order (a temporary file is not a part)."""
+    store = objects.store()
+    ref = store.ref(directory)
+    return [f"{ref}/{name}" for name in store.files(ref) if fnmatch.fnmatch(name, PART_GLOB)]
 
 
-def part_counts(parts: list[Path]) -> dict[str, int]:
+def part_counts(parts: list[str]) -> dict[str, int]:
     """``PART_COUNTS`` summed over ``parts`` (read from each file's metadata, not its rows)."""
     totals = dict.fromkeys(PART_COUNTS, 0)
     for part in parts:
-        counts = json.loads(pq.read_schema(part).metadata[b"tunejob"])
+        counts = json.loads(pq.read_schema(objects.store().local(part)).metadata[b"tunejob"])
         for name in PART_COUNTS:
             totals[name] += counts[name]
     return totals
 
 
-def write_part(directory: Path, index: int, table: pa.Table, counts: dict[str, int]) -> Path:
+def write_part(directory: Path, index: int, table: pa.Table, counts: dict[str, int]) -> str:
     """Write part ``index`` atomically: a temporary file, renamed once complete (a reader or a
-    resumed attempt sees the whole part or none of it). ``counts``: ``PART_COUNTS`` of the part."""
+    resumed attempt sees the whole part or none of it), then published (into the bucket, with
+    ``TUNEJOB_STORAGE_URL``). ``counts``: ``PART_COUNTS`` of the part. Returns its ref."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"part-{index:06d}.parquet"
     temporary = directory / f".{path.name}.tmp"
     table = table.replace_schema_metadata({"tunejob": json.dumps({n: int(counts[n]) for n in PART_COUNTS})})
     pq.write_table(table, temporary)
     os.replace(temporary, path)
-    return path
+    return objects.store().publish(path)
 
 
 def results_table(ids: list, task: str, label_names: list[str] | None, rows: list[dict],
@@ -462,18 +467,19 @@ def results_stream(job_id: str, caller: Caller, fmt: str) -> Iterator[bytes]:
     return {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt](parts)
 
 
-def _tables(parts: list[Path]) -> Iterator[pa.Table]:
-    """Each part as a table, read when it is its turn (one open file at a time, however many parts)."""
+def _tables(parts: list[str]) -> Iterator[pa.Table]:
+    """Each part as a table, read (downloaded, from the bucket) when it is its turn: one open file
+    at a time, however many parts."""
     for part in parts:
-        yield pq.read_table(part).replace_schema_metadata(None)
+        yield pq.read_table(objects.store().local(part)).replace_schema_metadata(None)
 
 
-def _jsonl(parts: list[Path]) -> Iterator[bytes]:
+def _jsonl(parts: list[str]) -> Iterator[bytes]:
     for table in _tables(parts):
         yield "".join(json.dumps(json_safe(row), ensure_ascii=False) + "\n" for row in table.to_pylist()).encode()
 
 
-def _csv(parts: list[Path]) -> Iterator[bytes]:
+def _csv(parts: list[str]) -> Iterator[bytes]:
     for i, table in enumerate(_tables(parts)):
         out = io.BytesIO()
         pa_csv.write_csv(_lists_as_json(table.flatten()), out, pa_csv.WriteOptions(include_header=i == 0))
@@ -512,7 +518,7 @@ class _Chunks(io.RawIOBase):
         return data
 
 
-def _parquet(parts: list[Path]) -> Iterator[bytes]:
+def _parquet(parts: list[str]) -> Iterator[bytes]:
     sink, writer = _Chunks(), None
     for table in _tables(parts):
         writer = writer or pq.ParquetWriter(sink, table.schema)

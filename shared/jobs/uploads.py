@@ -14,7 +14,7 @@ from shared.data.read import inspect_dataset
 from shared.errors import Conflict
 from shared.schemas.jobs import DatasetOut
 from shared.settings import get_settings
-from shared.store import artifacts, idempotency, quotas
+from shared.store import artifacts, idempotency, objects, quotas
 from shared.store.engine import keyset_page, read_session, session_scope
 from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
 from shared.store.tenancy import Caller, lock_tenant, owned, scoped
@@ -25,7 +25,8 @@ def store_dataset(tmp: Path, filename: str, fmt: str, size: int, sha256: str, ca
     """Check an uploaded file, received at ``tmp`` (``api.uploads`` streams it there), in batches
     (``shared.data.read.inspect_dataset``: UTF-8, parses, unique header, no ragged row, at least one
     row, Parquet's expanded size) and against the caller's quotas, then move it under a
-    server-chosen name and record it for the caller's tenant. A rejected file leaves no row and no
+    server-chosen name (and into the bucket, with ``TUNEJOB_STORAGE_URL``: before the row is
+    written) and record it for the caller's tenant. A rejected file leaves no row and no
     file behind (the caller removes ``tmp``). With an idempotency ``claim``, the response
     (``DatasetOut``) is recorded in the same transaction.
 
@@ -39,15 +40,17 @@ def store_dataset(tmp: Path, filename: str, fmt: str, size: int, sha256: str, ca
     """
     dataset_id = new_id("ds")
     final = get_settings().path("uploads", f"{dataset_id}.{fmt}")
+    ref = None
     try:
         info = inspect_dataset(tmp, fmt, filename)
         with read_session() as s:
             job_files = quotas.job_files_bytes(s, caller.tenant)
         os.replace(tmp, final)
+        ref = objects.store().publish(final)  # in the bucket before the row that points at it
         with session_scope() as s:
             lock_tenant(s, caller.tenant)
             quotas.check_storage(s, caller.tenant, size, job_files)
-            dataset = Dataset(id=dataset_id, tenant=caller.tenant, filename=filename, format=fmt, path=str(final),
+            dataset = Dataset(id=dataset_id, tenant=caller.tenant, filename=filename, format=fmt, path=ref,
                               rows=info.rows, columns=info.columns, bytes=size, sha256=sha256)
             s.add(dataset)
             s.flush()
@@ -55,6 +58,8 @@ def store_dataset(tmp: Path, filename: str, fmt: str, size: int, sha256: str, ca
                 idempotency.complete(s, claim, 201, DatasetOut.model_validate(dataset).model_dump(mode="json"))
     except BaseException:
         final.unlink(missing_ok=True)
+        if ref is not None:
+            objects.store().remove(ref)
         raise
     return dataset
 
@@ -94,8 +99,8 @@ def delete_dataset(dataset_id: str, caller: Caller) -> None:
             raise Conflict("dataset_in_use", f"dataset {dataset_id!r} is used by {len(users)} queued or running "
                            f"job(s): {', '.join(users[:5])}; wait for them to finish or cancel them")
         dataset.deleted_at = utcnow()
-        path, sha256 = Path(dataset.path), dataset.sha256
+        ref, sha256 = dataset.path, dataset.sha256
         shared_content = s.scalar(select(Dataset.id).where(Dataset.sha256 == sha256, Dataset.deleted_at.is_(None)))
-    path.unlink(missing_ok=True)
+    objects.store().remove(ref)
     if shared_content is None:  # no other dataset has the same content (and so the same cache)
         artifacts.remove_tree(artifacts.tokenized_cache_dir(sha256))

@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from shared.settings import get_settings
+from shared.store import objects
 from shared.store.manifest import MANIFEST, manifest_entries
+from shared.store.objects import Remote, files_of, size_of
 
 METRICS = "metrics.json"
 EVALUATION = "evaluation.json"  # the evaluation report (worker.evaluation)
@@ -53,17 +55,16 @@ def model_dir(job_id: str) -> Path:
     return artifacts_dir(job_id) / "model"
 
 
-def files_of(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, Path]:
-    """The regular files under ``directory`` by their relative POSIX name (``runs/events…`` in a
-    subfolder), sorted, without hidden ones and ``exclude``; empty when the directory does not exist."""
-    if not directory.is_dir():
-        return {}
-    files = {}
-    for p in sorted(directory.rglob("*")):
-        name = p.relative_to(directory).as_posix()
-        if p.is_file() and not any(part.startswith(".") for part in name.split("/")) and name not in exclude:
-            files[name] = p
-    return files
+def local_model(job_id: str) -> Path | None:
+    """The finished model of a job on this host: its directory, or with ``TUNEJOB_STORAGE_URL`` a
+    copy in this host's cache, downloaded from the bucket and checked against its manifest. None
+    when there is none (not succeeded, or its files were deleted).
+
+    Raises:
+        OSError: a download failed, or a file does not match the manifest's sha256.
+    """
+    store = objects.store()
+    return store.local(store.ref(model_dir(job_id)))
 
 
 def write_manifest(directory: Path, hashed: dict[str, dict] | None = None) -> dict:
@@ -79,12 +80,13 @@ def write_manifest(directory: Path, hashed: dict[str, dict] | None = None) -> di
     return manifest
 
 
-def listing(model: dict[str, Path]) -> dict[str, int]:
+def listing(model: dict[str, Path | Remote]) -> dict[str, int]:
     """The downloadable artifacts of a finished model and their sizes in bytes: ``model.tar``,
-    ``metrics.json`` and ``model/<name>`` for each file (``model`` is ``files_of`` the model dir)."""
+    ``metrics.json`` and ``model/<name>`` for each file (``model``: ``shared.store.objects``'
+    ``files`` of the model: local paths, or objects in the bucket)."""
     if not model:
         return {}
-    sizes = {name: path.stat().st_size for name, path in model.items()}
+    sizes = {name: size_of(source) for name, source in model.items()}
     return ({"model.tar": tar_size(sizes)}
             | ({METRICS: sizes[METRICS]} if METRICS in sizes else {})
             | {f"model/{name}": size for name, size in sizes.items()})
@@ -93,24 +95,31 @@ def listing(model: dict[str, Path]) -> dict[str, int]:
 class TarStream:
     """An uncompressed tar of some files, streamed in chunks, its size known up front.
 
-    The files are opened when the stream is made, so a file deleted while it is being sent (a
-    checkpoint rotated away) is still sent whole. Each file sits at the archive's top level under
-    its name; headers come from ``tarfile`` (PAX format), the layout is what ``tarfile.open(mode="w")``
-    writes: header, data padded to 512 bytes, two zero blocks, then zeros up to a 10 KiB record.
+    Local files are opened when the stream is made, so a file deleted while it is being sent (a
+    checkpoint rotated away) is still sent whole; objects in the bucket (``Remote``) are streamed
+    when their turn comes, checked against the manifest's sha256 (a mismatch cuts the stream).
+    Each file sits at the archive's top level under its name; headers come from ``tarfile`` (PAX
+    format), the layout is what ``tarfile.open(mode="w")`` writes: header, data padded to 512
+    bytes, two zero blocks, then zeros up to a 10 KiB record.
 
     Raises:
         OSError: a file cannot be opened.
     """
 
-    def __init__(self, files: dict[str, Path]):
-        self.members: list[tuple[bytes, BinaryIO, int]] = []  # (header, open file, size)
+    def __init__(self, files: dict[str, Path | Remote]):
+        self.members: list[tuple[bytes, BinaryIO | Remote, int]] = []  # (header, open file or Remote, size)
         sizes = {}
         try:
             for name, path in files.items():
-                f = open(path, "rb")
-                st = os.fstat(f.fileno())
-                sizes[name] = st.st_size
-                self.members.append((_header(name, st.st_size, int(st.st_mtime)), f, st.st_size))
+                f: BinaryIO | Remote
+                if isinstance(path, Remote):
+                    f, size, mtime = path, path.size, path.mtime
+                else:
+                    f = open(path, "rb")
+                    st = os.fstat(f.fileno())
+                    size, mtime = st.st_size, st.st_mtime
+                sizes[name] = size
+                self.members.append((_header(name, size, int(mtime)), f, size))
         except OSError:
             self.close()
             raise
@@ -121,12 +130,15 @@ class TarStream:
         try:
             for header, f, size in self.members:
                 yield header
-                left = size
-                while left and (chunk := f.read(min(CHUNK, left))):
-                    left -= len(chunk)
-                    yield chunk
-                if left:
-                    raise OSError(f"{f.name} shrank while it was being sent")
+                if isinstance(f, Remote):
+                    yield from f.chunks()  # raises when the object does not match its size or sha256
+                else:
+                    left = size
+                    while left and (chunk := f.read(min(CHUNK, left))):
+                        left -= len(chunk)
+                        yield chunk
+                    if left:
+                        raise OSError(f"{f.name} shrank while it was being sent")
                 yield bytes(_padded(size) - size)
             yield bytes(self._trailer)
         finally:
@@ -134,7 +146,8 @@ class TarStream:
 
     def close(self) -> None:
         for _, f, _ in self.members:
-            f.close()
+            if not isinstance(f, Remote):
+                f.close()
 
 
 def tar_size(sizes: dict[str, int]) -> int:

@@ -14,14 +14,13 @@ naming the limit, the value and the setting:
 The request rate per API key is limited in ``api.auth``.
 """
 
-import os
-from pathlib import Path
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from shared.errors import UserError
 from shared.settings import get_settings
+from shared.store import objects
 from shared.store.rows import Dataset, Job, JobStatus
 
 ACTIVE_JOBS_RETRY_AFTER_S = 60  # a guess at how soon a slot frees: jobs take minutes to hours
@@ -63,24 +62,11 @@ def check_active_jobs(session: Session, tenant: str) -> None:
 
 
 def job_files_bytes(session: Session, tenant: str) -> int:
-    """Bytes under the checkpoint and artifact directories of ``tenant``'s jobs. It walks the
-    file system: call it before a write transaction, not inside one."""
-    data = get_settings().data_path
-    return sum(_tree_bytes(data / kind / job_id) for job_id in session.scalars(select(Job.id).where(Job.tenant == tenant))
-               for kind in ("checkpoints", "artifacts"))
-
-
-def _tree_bytes(folder: Path) -> int:
-    """Bytes of the files under ``folder`` (0 if it does not exist). A running job deletes old
-    checkpoints: a file gone between listing and ``stat`` counts 0."""
-    total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_size
-            except FileNotFoundError:
-                pass
-    return total
+    """Bytes under the checkpoint and artifact directories of ``tenant``'s jobs (or their objects
+    in the bucket: ``shared.store.objects``). It walks the file system (lists the bucket): call it
+    before a write transaction, not inside one."""
+    job_ids = list(session.scalars(select(Job.id).where(Job.tenant == tenant)))
+    return sum(objects.store().jobs_bytes(kind, job_ids) for kind in ("checkpoints", "artifacts"))
 
 
 def check_storage(session: Session, tenant: str, adding: int = 0, job_files: int | None = None) -> None:

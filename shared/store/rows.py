@@ -70,7 +70,7 @@ class Dataset(Base):
     tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, server_default=DEFAULT_TENANT)
     filename: Mapped[str] = mapped_column(String(255))  # the uploader's name, for display only
     format: Mapped[str] = mapped_column(String(16))
-    path: Mapped[str] = mapped_column(Text)  # server-chosen, under the data directory
+    path: Mapped[str] = mapped_column(Text)  # server-chosen: under the data dir, or a key in the bucket (store.objects)
     rows: Mapped[int] = mapped_column(Integer)
     columns: Mapped[list[Any]]
     bytes: Mapped[int] = mapped_column(Integer)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from shared.schemas.jobs import json_safe
-from shared.store import artifacts
+from shared.store import artifacts, objects
 from shared.store.manifest import manifest_entries
 from worker.device import describe
 from worker.evaluation import write_evaluation
@@ -63,7 +63,8 @@ def save_model(job_setup: JobSetup, state: TrainState, weights: Path, timings: C
     those files again). multi_label: config.json gets the best evaluation's ``decision_threshold``
     (``write_decision_threshold``).
 
-    Written under a temporary name, fsynced, then renamed into place. Returns the model directory.
+    Written under a temporary name, fsynced, then renamed into place and published
+    (``shared.store.objects``). Returns the model directory (with a bucket: its copy in this host's cache).
 
     Raises:
         OSError: the files cannot be written.
@@ -95,7 +96,8 @@ def save_model(job_setup: JobSetup, state: TrainState, weights: Path, timings: C
 
     model_dir = artifacts.model_dir(job.id)
     write_atomically(model_dir, write)
-    return model_dir
+    store = objects.store()  # with TUNEJOB_STORAGE_URL: into the bucket, then this host's cache
+    return store.local(store.publish(model_dir)) or model_dir
 
 
 def write_decision_threshold(model_dir: Path, threshold: float) -> None:

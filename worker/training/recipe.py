@@ -20,7 +20,6 @@ Techniques and their sources:
 
 import logging
 import math
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -41,7 +40,7 @@ from worker.training.packing import batch_bucket, bucket_counts, padded_reason
 from worker.training.parity import CHECK_STEPS
 from worker.training.progress import StepRecord, StepTimer, log_steps, notify, read_every_seconds, should_stop_early
 from worker.training.setup import load_model, prepare_job
-from worker.training.state import TrainState, load_training_state, training_state, write_checkpoint
+from worker.training.state import TrainState, load_training_state, record_checkpoint, training_state, write_checkpoint
 from worker.training.steps import (
     Steps,
     StepValues,
@@ -350,15 +349,13 @@ class Recipe:
     def save_checkpoint(self, reporter: Reporter) -> None:
         """Save a checkpoint (``state.write_checkpoint``: a complete model directory and the
         training state; at a step whose evaluation was the best so far, ``save_best``'s weights are
-        hard-linked), then record it; the store keeps the newest ``save_total_limit`` and their
-        directories, and deletes the rest."""
+        hard-linked), then publish and record it, keeping the newest ``save_total_limit``."""
         js, st = self.job_setup, self.state
         path = js.out_dir / f"step-{st.step:08d}"
         best_now = st.best and st.best["step"] == st.step  # save_best has just written these weights
         state = training_state(st, self.optimizer, self.scheduler, self.scaler)
         write_checkpoint(path, self.model, js.tokenizer, state, js.out_dir / "best" if best_now else None)
-        for old in reporter.checkpoint(st.step, path, st.last_eval, keep=js.hp.save_total_limit):
-            shutil.rmtree(old, ignore_errors=True)
+        record_checkpoint(reporter, st.step, path, st.last_eval, js.hp.save_total_limit)  # into the bucket, if any
 
     def finish(self, reporter: Reporter) -> Path:
         """From the last optimizer step to the saved model (returns its directory): the final

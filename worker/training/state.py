@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.store import artifacts
+from shared.store import artifacts, objects
 from worker.data import BatchStats
+from worker.reporter import Reporter
 from worker.training.files import write_atomically
 
 
@@ -137,3 +138,12 @@ def write_checkpoint(path: Path, model: torch.nn.Module, tokenizer, state: dict,
         torch.save(state, tmp / artifacts.TRAINING_STATE)
 
     write_atomically(path, write)
+
+
+def record_checkpoint(reporter: Reporter, step: int, path: Path, metrics: dict | None, keep: int) -> None:
+    """Publish a completely written checkpoint (``shared.store.objects``: with ``TUNEJOB_STORAGE_URL``
+    into the bucket, before the row that points at it), record it, and delete the older ones the
+    store no longer keeps (beyond the newest ``keep``)."""
+    store = objects.store()
+    for old in reporter.checkpoint(step, store.publish(path), metrics, keep=keep):
+        store.remove(old)

@@ -1,0 +1,268 @@
+"""Object storage (``TUNEJOB_STORAGE_URL=s3://...``, ``shared.store.objects``) against a real S3
+server, SeaweedFS's ``weed mini`` (``tests/s3_support.py``): files go to the bucket before their
+rows, come back checked against the manifest, the host cache stays bounded, deletes reach the
+bucket, and a job runs on "hosts" that share nothing but the bucket and the job store."""
+
+import io
+import json
+import os
+import tarfile
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests import s3_support
+from tests.conftest import BASE_URL, auth_header, configure_stack
+from tests.test_api_jobs import labelled_csv, submit, upload
+from tests.test_predictions import body_for, scoring_csv
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    server = s3_support.start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    s3_support.stop(server)
+
+
+@pytest.fixture
+def bucket_env(s3_server, tmp_path, monkeypatch):
+    """AWS_* pointing at the server, and a fresh prefix of its bucket as ``TUNEJOB_STORAGE_URL``;
+    no other TUNEJOB_* setting, and none that the test sets (``on_host``, ``configure_stack``) is
+    left behind."""
+    from shared.settings import get_settings
+
+    for key in {*(k for k in os.environ if k.startswith("TUNEJOB_")), "TUNEJOB_DATA_DIR", "TUNEJOB_DATABASE_URL",
+                "TUNEJOB_BROKER_URL", "TUNEJOB_STORAGE_CACHE_BYTES"} - {"TUNEJOB_REQUIRE_SERVICES"}:
+        monkeypatch.setenv(key, "")  # recorded, so that teardown restores (or removes) it
+        monkeypatch.delenv(key)
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TUNEJOB_STORAGE_URL", f"s3://{s3_support.BUCKET}/{uuid.uuid4().hex[:12]}")
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def on_host(data_dir: Path, **env: str):
+    """Make this process "a host" with its own (empty) data directory; returns the store."""
+    from shared.settings import get_settings
+    from shared.store import objects
+
+    os.environ.update(TUNEJOB_DATA_DIR=str(data_dir), **env)
+    get_settings.cache_clear()
+    return objects.store()
+
+
+def files_outside_cache(data_dir: Path) -> list[str]:
+    return sorted(p.relative_to(data_dir).as_posix() for p in data_dir.rglob("*")
+                  if p.is_file() and p.relative_to(data_dir).parts[0] != "cache")
+
+
+def model_dir_with_manifest(data_dir: Path, job_id: str, weight_bytes: int = 1 << 20) -> Path:
+    from shared.store import artifacts
+
+    directory = data_dir / "artifacts" / job_id / "model"
+    (directory / "runs").mkdir(parents=True)
+    (directory / "model.safetensors").write_bytes(os.urandom(weight_bytes))
+    (directory / "runs" / "events").write_text("x")
+    artifacts.write_manifest(directory)
+    return directory
+
+
+def test_published_files_come_back_checked_against_the_manifest(bucket_env, tmp_path):
+    import obstore
+
+    from shared.store import artifacts
+
+    store = on_host(tmp_path / "a")
+    ref = store.publish(model_dir_with_manifest(tmp_path / "a", "job_1"))
+    assert ref == "artifacts/job_1/model" and files_outside_cache(tmp_path / "a") == []
+    assert set(store.files(ref)) == {"manifest.json", "model.safetensors", "runs/events"}
+
+    store = on_host(tmp_path / "b")  # another host: nothing on its disk
+    local = store.local(ref)
+    assert (tmp_path / "b" / "cache") in local.parents
+    assert sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()) == [
+        "manifest.json", "model.safetensors", "runs/events"]
+    tar = artifacts.TarStream(store.files(ref))
+    assert sum(len(chunk) for chunk in tar) == tar.size
+
+    # The bucket's copy of the weights changes (same size): a download no longer matches the manifest.
+    obstore.put(store.store, f"{ref}/model.safetensors", os.urandom(1 << 20))
+    store = on_host(tmp_path / "c")
+    with pytest.raises(OSError, match="does not match its manifest"):
+        store.local(ref)
+    assert not (tmp_path / "c" / "cache" / "objects").exists() or not any(
+        p.is_file() for p in (tmp_path / "c" / "cache" / "objects").rglob("*"))
+    with pytest.raises(OSError, match="does not match its manifest"):
+        b"".join(artifacts.TarStream(store.files(ref)))
+
+
+def test_the_host_cache_is_bounded_least_recently_used_first(bucket_env, tmp_path):
+    store = on_host(tmp_path / "a", TUNEJOB_STORAGE_CACHE_BYTES=str(3 << 20))
+    refs = []
+    for name in ("one", "two", "three"):
+        path = tmp_path / "a" / "uploads" / f"ds_{name}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(1 << 20))
+        refs.append(store.publish(path))
+    os.utime(store._entry(refs[0]), (1, 1))  # the oldest entries: used long ago ...
+    os.utime(store._entry(refs[1]), (2, 2))
+    store.local(refs[0])  # ... but using one makes it the most recent
+    path = tmp_path / "a" / "uploads" / "ds_four.csv"
+    path.write_bytes(os.urandom(1 << 20))
+    refs.append(store.publish(path))
+
+    cached = {ref for ref in refs if store._entry(ref).exists()}
+    assert cached == {refs[0], refs[2], refs[3]}  # "two" was the least recently used
+    assert sum(p.stat().st_size for p in (tmp_path / "a" / "cache").rglob("*") if p.is_file()) <= 3 << 20
+    assert store.local(refs[1]).stat().st_size == 1 << 20  # evicted here, still in the bucket
+
+
+def test_the_api_and_workers_share_only_the_bucket_and_the_store(bucket_env, models_dir, tmp_path, monkeypatch):
+    """"Hosts", each with its own empty data directory: the API takes the upload and the job; a
+    worker trains it until SIGTERM's checkpoint; another worker resumes from the bucket's
+    checkpoint (steps exact); the API serves the model from the bucket; a prediction's parts go
+    through the bucket too; single files redirect to presigned URLs; deletes empty the bucket."""
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from shared.store import objects
+    from shared.store.manifest import verify_manifest
+    from worker import reporter, tasks
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(("TUNEJOB_STORAGE", "AWS_"))}
+    drop = configure_stack("postgres+redis", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"),
+                                              "TUNEJOB_MODELS_DIR": str(models_dir), **env})
+    try:
+        with TestClient(create_app(), base_url=BASE_URL) as client:
+            client.headers.update(auth_header("tenant-a"))
+            dataset = upload(client, labelled_csv())
+            job = submit(client, dataset["id"], epochs=2, save_every_steps=100)
+            assert files_outside_cache(tmp_path / "api") == []
+            assert objects.store().files(dataset_ref(dataset["id"])), "the upload is in the bucket"
+
+            # Worker 1 trains until "SIGTERM" at its 4th step: it checkpoints, then gives the job back.
+            on_host(tmp_path / "worker-1")
+            calls = iter(range(1000))
+            real_should_stop = reporter.Reporter.should_stop
+            monkeypatch.setattr(reporter.Reporter, "should_stop",
+                                lambda self: "shutdown" if next(calls) >= 3 else real_should_stop(self))
+            assert tasks.run_job(job["id"]) == "shutdown"
+            monkeypatch.setattr(reporter.Reporter, "should_stop", real_should_stop)
+            [checkpoint] = client.get(f"/jobs/{job['id']}/checkpoints").json()["data"]
+            assert checkpoint["step"] == 4
+
+            on_host(tmp_path / "worker-2")  # Worker 2 has never seen the job or its data.
+            assert tasks.run_job(job["id"]) == "succeeded"
+            assert files_outside_cache(tmp_path / "worker-2") == []
+
+            on_host(tmp_path / "api-2")  # the API on a host with nothing on its disk
+            job = client.get(f"/jobs/{job['id']}").json()
+            assert job["status"] == "succeeded", job
+            codes = [e["code"] for e in client.get(f"/jobs/{job['id']}/events").json()["data"]]
+            assert codes.count("resumed") == 1, codes
+            steps = sorted(m["step"] for m in client.get(f"/jobs/{job['id']}/metrics").json()["data"]
+                           if m["name"] == "train_loss")
+            assert steps == list(range(1, job["progress"]["total_steps"] + 1))  # each step once
+
+            r = client.get(f"/jobs/{job['id']}/artifacts/model.tar")
+            assert r.status_code == 200, r.text
+            with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+                tar.extractall(tmp_path / "downloaded", filter="data")
+            assert verify_manifest(tmp_path / "downloaded") == []
+            assert files_outside_cache(tmp_path / "api-2") == []
+
+            # A prediction with that model: scored on worker 1's host, in parts (the bucket's),
+            # served by the API on a host that has none of them.
+            scored = upload(client, scoring_csv(rows=11), "score.csv")
+            r = client.post("/predictions", json=body_for(job["id"], scored))
+            assert r.status_code == 201, r.text
+            prediction = r.json()
+            on_host(tmp_path / "worker-1", TUNEJOB_PREDICT_PART_ROWS="4")
+            assert tasks.run_job(prediction["id"]) == "succeeded"
+            assert len(objects.store().listing(f"artifacts/{prediction['id']}/predictions")) == 3
+            on_host(tmp_path / "api-3", TUNEJOB_STORAGE_PRESIGNED_SECONDS="60")
+            r = client.get(f"/predictions/{prediction['id']}/results", params={"format": "jsonl"})
+            assert [json.loads(row)["id"] for row in r.text.splitlines()] == [f"d-{1000 - i}" for i in range(11)]
+
+            # With presigned URLs, a single file is a redirect to the bucket, which serves it.
+            r = client.get(f"/jobs/{job['id']}/artifacts/metrics.json", follow_redirects=False)
+            assert r.status_code == 307 and r.headers["location"].startswith(os.environ["AWS_ENDPOINT_URL"])
+            assert httpx.get(r.headers["location"]).content == (tmp_path / "downloaded" / "metrics.json").read_bytes()
+
+            assert client.delete(f"/predictions/{prediction['id']}").status_code == 204
+            assert client.delete(f"/jobs/{job['id']}").status_code == 204
+            for dataset_id in (dataset["id"], scored["id"]):
+                assert client.delete(f"/datasets/{dataset_id}").status_code == 204
+            store = objects.store()
+            assert store.listing("artifacts") == store.listing("checkpoints") == store.listing("uploads") == []
+    finally:
+        drop()
+
+
+def dataset_ref(dataset_id: str) -> str:
+    from shared.store.engine import read_session
+    from shared.store.rows import Dataset
+
+    with read_session() as s:
+        return s.get(Dataset, dataset_id).path
+
+
+def test_the_recovery_loop_collects_orphans_but_nothing_a_row_points_at(bucket_env, tmp_path):
+    """An object whose row was never written (the process died in between) is deleted once it is
+    older than the grace period; an object with its row stays."""
+    from datetime import timedelta
+
+    from shared.jobs import orphans
+    from shared.store.engine import session_scope, upgrade_database
+    from shared.store.rows import Dataset
+
+    store = on_host(tmp_path / "a")
+    upgrade_database()
+
+    def publish(name: str) -> str:
+        path = tmp_path / "a" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"text\nx\n")
+        return store.publish(path.parent if "/step-" in name or "/model/" in name else path)
+
+    kept = publish("uploads/ds_kept.csv")
+    with session_scope() as s:
+        s.add(Dataset(id="ds_kept", filename="a.csv", format="csv", path=kept, rows=1, columns=["text"], bytes=7,
+                      sha256="0" * 64))
+    for name in ("uploads/ds_lost.csv", "checkpoints/job_gone/step-00000001/training_state.pt",
+                 "artifacts/job_gone/model/config.json"):
+        publish(name)
+
+    assert orphans.collect_orphans(force=True) == []  # all younger than the grace period
+    assert sorted(orphans.collect_orphans(grace=timedelta(0), force=True)) == sorted(
+        ["uploads/ds_lost.csv", "checkpoints/job_gone/step-00000001", "artifacts/job_gone"])
+    assert [key for key, _, _ in store.listing("uploads")] == [kept]
+    assert store.listing("checkpoints") == store.listing("artifacts") == []
+
+
+def test_an_unreachable_bucket_is_a_503_and_leaves_no_row(bucket_env, models_dir, tmp_path, monkeypatch):
+    """An upload while the bucket does not answer: 503 with Retry-After (not a 500), no dataset
+    row and no file left behind."""
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from tests.faults_support import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    env = {k: v for k, v in os.environ.items() if k.startswith("TUNEJOB_STORAGE")}
+    drop = configure_stack("embedded", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"),
+                                        "TUNEJOB_MODELS_DIR": str(models_dir), **env})
+    try:
+        with TestClient(create_app(), base_url=BASE_URL) as client:
+            client.headers.update(auth_header("tenant-a"))
+            r = client.post("/datasets", files={"file": ("train.csv", io.BytesIO(labelled_csv()), "text/csv")})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "storage_unavailable", r.text
+            assert r.headers["Retry-After"]
+            assert client.get("/datasets").json()["data"] == []
+            assert not any(name.startswith("uploads/") for name in files_outside_cache(tmp_path / "api"))
+    finally:
+        drop()
