@@ -170,6 +170,16 @@ def issue_29_cases(args, device) -> dict[str, dict]:
     return out
 
 
+def train_counting_syncs(run, rec: Recorder) -> list[str]:
+    """Train ``run`` with CUDA's sync debug mode on; returns the synchronising calls it warned of."""
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.train(rec)
+    torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+
+
 def packed_cases(args, device) -> dict[str, dict]:
     """``packed_matches_padded`` and ``packed_speed`` (module docstring)."""
     from shared.settings import get_settings
@@ -181,13 +191,7 @@ def packed_cases(args, device) -> dict[str, dict]:
             rec = Recorder()
             run = make_run(args, device, rec, dropout=False, packing=packing)
             run.warm_up(rec)
-            torch.cuda.set_sync_debug_mode("warn")
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                run.train(rec)
-            torch.cuda.set_sync_debug_mode("default")
-            syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
-            trained[packing] = rec, run.state, syncs
+            trained[packing] = rec, run.state, train_counting_syncs(run, rec)
         (padded, _, _), (packed, state, syncs) = trained[False], trained[True]
         difference = largest_difference(packed.losses, padded.losses)
         steps = len(packed.losses)
@@ -201,12 +205,7 @@ def packed_cases(args, device) -> dict[str, dict]:
         rec = Recorder()
         run = make_run(args, device, rec, dropout=False, packing=True)
         run.warm_up(rec)
-        torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            run.train(rec)
-        torch.cuda.set_sync_debug_mode("default")
-        graph_syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+        graph_syncs = train_counting_syncs(run, rec)
         difference = largest_difference(rec.losses, packed.losses)
         message = captured_message(rec)
         out["packed_graphs"] = {"ok": "packed micro-batches" in message and difference < 2e-2

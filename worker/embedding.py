@@ -152,28 +152,25 @@ class DistinctBatchPlan(BatchPlan):
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         batches, pending = [], []
         for planned in super().epoch_batches(epoch):
-            batch, seen, deferred = [], set(), []
-            for row in pending + planned:
-                keys = set(self.keys[row].tolist())
-                if len(batch) < len(planned) and not keys & seen:
-                    batch.append(row)
-                    seen |= keys
-                else:
-                    deferred.append(row)
+            batch, pending = self._fill(pending + planned, len(planned))
             batches.append(batch)
-            pending = deferred
         while pending:  # rows no later micro-batch could take: as few more micro-batches as it needs
-            batch, seen, deferred = [], set(), []
-            for row in pending:
-                keys = set(self.keys[row].tolist())
-                if len(batch) < self.batch_size and not keys & seen:
-                    batch.append(row)
-                    seen |= keys
-                else:
-                    deferred.append(row)
+            batch, pending = self._fill(pending, self.batch_size)
             batches.append(batch)
-            pending = deferred
         return batches
+
+    def _fill(self, rows: list, size: int) -> tuple[list, list]:
+        """A micro-batch of at most ``size`` of ``rows``, in order, none sharing a text (``keys``)
+        with another; and the rows left for later."""
+        batch, seen, deferred = [], set(), []
+        for row in rows:
+            keys = set(self.keys[row].tolist())
+            if len(batch) < size and not keys & seen:
+                batch.append(row)
+                seen |= keys
+            else:
+                deferred.append(row)
+        return batch, deferred
 
 
 def text_keys(data: PairsDataset) -> np.ndarray:
