@@ -46,12 +46,17 @@ CALIBRATION_BINS = 10
 TEXT_CHARS = 1000  # a listed text is cut to this many characters
 
 
+REPORTED_TASKS = ("classification", "regression", "multi_label", "token_classification")
+
+
 def write_evaluation(model_dir: Path, task: str, table: pd.DataFrame | None, columns: dict,
                      device: torch.device) -> dict | None:
     """Predict ``table`` (the validation rows) with the model saved in ``model_dir`` and write the
     report there (``write_report``). ``columns``: the job's ``text_column``, ``text_pair_column``
-    and ``label_column``. Returns the report, or None (nothing written) without a table."""
-    if table is None or not len(table):
+    and ``label_column``. Returns the report, or None (nothing written) without a table or for a
+    task this report does not cover (``REPORTED_TASKS``: embedding and reranking jobs report their
+    retrieval metrics in validation instead)."""
+    if table is None or not len(table) or task not in REPORTED_TASKS:
         return None
     loaded = load_for_inference(model_dir, device)
     texts, labels = table[columns["text_column"]].tolist(), table[columns["label_column"]].tolist()

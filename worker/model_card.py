@@ -14,7 +14,9 @@ from shared.store.rows import Job
 from worker.data import JobData
 
 CARD = "README.md"
-PIPELINE_TAGS = {"token_classification": "token-classification"}  # else text-classification
+# else text-classification
+PIPELINE_TAGS = {"token_classification": "token-classification", "embedding": "sentence-similarity",
+                 "reranking": "text-ranking"}
 MODEL_CLASSES = {"token_classification": "AutoModelForTokenClassification"}  # else ...SequenceClassification
 TEMPLATE = """---
 {{ card_data }}
@@ -74,7 +76,7 @@ def write_model_card(directory: Path, job: Job, data: JobData | None, report: di
     validation = job.validation_dataset_id or job.training_dataset_id or "validation"
     train_id = job.training_dataset_id
     card_data = ModelCardData(
-        model_name=job.id, base_model=job.base_model, library_name="transformers",
+        model_name=job.id, base_model=job.base_model, library_name="sentence-transformers" if job.task in ("embedding", "reranking") else "transformers",
         pipeline_tag=PIPELINE_TAGS.get(job.task, "text-classification"), datasets=[train_id] if train_id else None,
         dataset_sha256={train_id: data.train_sha256} if train_id and data else None,
         eval_results=[EvalResult(task_type=PIPELINE_TAGS.get(job.task, "text-classification"),
