@@ -45,6 +45,7 @@ PATH_VALUES: dict[str, Callable[[dict], str]] = {
     "sweep_id": lambda ids: ids["sweep"],
     "report": lambda ids: "trials.csv",  # a sweep's report file
     "webhook_id": lambda ids: ids["webhook"],
+    "alias": lambda ids: "prod",  # a model alias (issue 37)
 }
 
 # Extra request arguments (httpx keywords) for routes that need a body or a query, by (method, path).
@@ -58,19 +59,33 @@ REQUESTS: dict[tuple[str, str], Callable[[dict], dict]] = {
     ("POST", "/v1/fine_tuning/jobs"): lambda ids: {"json": {"model": "tiny-bert", "training_file": ids["dataset"]}},
     ("POST", "/sweeps"): lambda ids: {"json": sweep_body(ids["dataset"])},
     ("POST", "/webhooks"): lambda ids: {"json": {"url": WEBHOOK_URL, "events": ["job.succeeded"]}},
+    ("PUT", "/models/aliases/{alias}"): lambda ids: {"json": {"job_id": ids["job"]}},
+    ("POST", "/models/{job_id}/embed"): lambda ids: {"json": {"inputs": ["a good match"]}},
+    ("POST", "/models/{job_id}/rerank"): lambda ids: {"json": {"query": "a match", "documents": ["a", "b"]}},
+    ("POST", "/v1/embeddings"): lambda ids: {"json": {"model": "tiny-bert", "input": "a good match"}},
 }
 WEBHOOK_URL = "http://127.0.0.1:9/hook"  # nothing listens: deliveries fail, which these tests do not look at
 
 # Routes whose owner's request is not sent (it would change what the other checks need).
 OWNER_SKIPS = {"DELETE"}
 
-# Routes whose owner's request answers a 4xx for the owner's (succeeded) job, and why.
+# Routes whose owner's request answers a 4xx for the owner's (succeeded) job: (status, how the error's
+# message starts, why).
 OWNER_ERRORS = {("GET", "/jobs/{job_id}/checkpoints/{step}/model.tar"):
-                (404, "a succeeded job's checkpoints are deleted (tests/test_artifacts.py covers a running job's)")}
+                (404, "checkpoint ", "a succeeded job's checkpoints are deleted (tests/test_artifacts.py covers a "
+                 "running job's)"),
+                ("GET", "/models/aliases/{alias}"):
+                (404, "alias ", "the alias is made by PUT, whose request comes after GET's in the walk"),
+                ("POST", "/models/{job_id}/embed"):
+                (422, "model ", "the owner's job is a classifier; tests/test_embedding.py covers embedding jobs"),
+                ("POST", "/models/{job_id}/rerank"):
+                (422, "job ", "the owner's job is a classifier; tests/test_reranking.py covers reranking jobs")}
 
 # Routes that refuse the admin's request right after the owner's, by design: (status, code, why).
 AGAIN_ERRORS = {("POST", "/webhooks/{webhook_id}/ping"):
-                (429, "ping_pending", "one pending ping per endpoint, and nothing listens at WEBHOOK_URL (issue 34)")}
+                (429, "ping_pending", "one pending ping per endpoint, and nothing listens at WEBHOOK_URL (issue 34)"),
+                ("PUT", "/models/aliases/{alias}"):
+                (404, "not_found", "an alias names a job of its own tenant, an admin's too (issue 37)")}
 
 
 def api_routes(app) -> list[tuple[str, str]]:
@@ -157,8 +172,8 @@ def test_another_tenant_gets_404_on_every_route_and_sees_nothing(stack, owned, o
             continue
         url, kwargs = request_args(method, path, owned)
         r = other.request(method, url, **kwargs)
-        if "{" in path:
-            assert_error(r, 404, "not_found")
+        if "{" in path:  # 404; the model routes name it unknown_model, as for a job id that does not exist
+            assert r.status_code == 404 and r.json()["error"]["code"] in ("not_found", "unknown_model"), r.text
         elif any(i in repr(kwargs) for i in owner_ids):  # a body naming the owner's resources (it may echo them)
             assert 400 <= r.status_code < 500, f"{method} {path} accepted another tenant's resources: {r.text[:300]}"
         else:
@@ -173,7 +188,7 @@ def test_another_tenant_gets_404_on_every_route_and_sees_nothing(stack, owned, o
             r = client.request(method, url, **kwargs)
             if (method, path) in OWNER_ERRORS:
                 assert r.status_code == OWNER_ERRORS[method, path][0], f"{who}: {method} {url} -> {r.text[:300]}"
-                assert r.json()["error"]["message"].startswith("checkpoint "), r.text  # the checkpoint's 404, not the job's
+                assert r.json()["error"]["message"].startswith(OWNER_ERRORS[method, path][1]), r.text  # not the job's
             elif who == "admin" and (method, path) in AGAIN_ERRORS:
                 assert_error(r, *AGAIN_ERRORS[method, path][:2])
             else:
