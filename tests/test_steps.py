@@ -363,14 +363,14 @@ def test_jobs_that_cannot_be_captured_say_why(engine_env, monkeypatch):
     from shared.schemas.jobs import Hyperparameters
     from shared.settings import get_settings
 
-    def reason(length=40, **hp):
+    def reason(length=40, packing=False, **hp):
         dtype = torch.float16 if hp.pop("fp16", False) else None
         job = SimpleNamespace(task=hp.pop("task", "classification"))
         hp = Hyperparameters(**hp)
         plan = BatchPlan(np.full(96, length), hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch)
         job_setup = SimpleNamespace(device=torch.device("cuda", 0), hp=hp, dtype=dtype, job=job, plan=plan,
                                     collator=SimpleNamespace(ladder=[64, 128, 256, 512]))
-        return graphs.eager_reason(job_setup)
+        return graphs.eager_reason(job_setup, packing)
 
     assert reason() is None
     assert "fp16" in reason(fp16=True)
@@ -382,6 +382,7 @@ def test_jobs_that_cannot_be_captured_say_why(engine_env, monkeypatch):
     # micro-batches of many padded tokens keep the GPU busy: eager (TUNEJOB_CUDA_GRAPHS_MAX_TOKENS, 8,192)
     assert reason(length=100, batch_size=32) is None  # 32 rows x width 128 = 4,096
     assert "8,192 padded tokens on average" in reason(length=200, batch_size=32)  # 32 x 256
+    assert reason(length=200, batch_size=32, packing=True) is None  # packed jobs are captured whatever their size
     assert "padded tokens" in reason(length=40, batch_size=128)  # 128 x 64
     monkeypatch.setattr(get_settings(), "cuda_graphs_max_tokens", 16384)
     assert reason(length=200, batch_size=32) is None
