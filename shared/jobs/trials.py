@@ -17,8 +17,19 @@ from sqlalchemy.orm import Session
 
 from shared.errors import UserError
 from shared.jobs import webhooks
-from shared.jobs.search import ENDED, FAILED, SUCCEEDED, ask, curves, spec_of, trial_hyperparameters, trial_template
-from shared.jobs.search_space import distributions
+from shared.jobs.search import (
+    ENDED,
+    FAILED,
+    SUCCEEDED,
+    ask,
+    curves,
+    more_curves,
+    multi_objective,
+    spec_of,
+    trial_hyperparameters,
+    trial_template,
+)
+from shared.jobs.search_space import BASE_MODEL, distributions
 from shared.schemas.jobs import Hyperparameters
 from shared.settings import get_settings
 from shared.store import idempotency, quotas
@@ -113,7 +124,9 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
     if wanted <= 0:
         return []
     space = distributions(spec)
-    asked = ask(spec, space, trials, curves(s, [t.id for t in trials], spec.objective.metric), wanted)
+    ids = [t.id for t in trials]
+    asked = ask(spec, space, trials, curves(s, ids, spec.objective.metric), wanted,
+                more_curves(s, spec, ids) if multi_objective(spec) else None)
     template = trial_template(spec).model_dump(mode="json")
     try:
         hyperparameters = [trial_hyperparameters(template["hyperparameters"], params) for params, _ in asked]
@@ -124,9 +137,10 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
         return []
     new = []
     for number, ((params, attrs), hp) in enumerate(zip(asked, hyperparameters), start=len(trials)):
-        job = Job(id=new_id("job"), tenant=sweep.tenant, base_model=spec.base_model, task=spec.task,
+        model = params.get(BASE_MODEL, spec.base_model)
+        job = Job(id=new_id("job"), tenant=sweep.tenant, base_model=model, task=spec.task,
                   training_dataset_id=spec.training_dataset, validation_dataset_id=spec.validation_dataset,
-                  spec={**template, "hyperparameters": hp},
+                  spec={**template, "base_model": model, "hyperparameters": hp},
                   label_names=sweep.label_names, sweep_id=sweep.id, trial_number=number, trial_attrs=attrs)
         new.append(insert_queued(s, job, f"trial {number} of sweep {sweep.id} queued: {params}", None, None))
     return new
