@@ -103,7 +103,7 @@ BAD = [
     ({"objectives": [{"metric": "pearson_r"}, OBJECTIVES[1]]}, "objectives.0.metric"),  # not a classification metric
     ({"objectives": [OBJECTIVES[0], {"metric": "ndcg@10"}]}, "objectives.1.metric"),
     ({"objectives": [OBJECTIVES[0], OBJECTIVES[0]]}, "objectives"),
-    ({"objective": OBJECTIVES[1]}, "objective.metric"),
+    ({"objective": OBJECTIVES[1], "objectives": None}, "objective.metric"),
     ({"objective": {"metric": "loss"}, "objectives": OBJECTIVES}, None),  # one or the other
     ({"search_space": {"base_model": {"type": "categorical", "choices": [TINY_MODEL, "no-such-model"]}}},
      "search_space.base_model.choices"),
@@ -116,7 +116,7 @@ BAD = [
 def test_bad_objectives_and_model_choices_are_a_4xx_and_queue_nothing(stack, dataset, change, param):  # noqa: F811
     client = stack.client
     jobs_before, sweeps_before = ids(client, "/jobs"), ids(client, "/sweeps")
-    r = client.post("/sweeps", json=multi_body(dataset["id"], **{"objectives": None, **change}))
+    r = client.post("/sweeps", json=multi_body(dataset["id"], **change))
     assert 400 <= r.status_code < 500, r.text
     if param is not None:
         assert r.json()["error"]["param"] == param, r.text
@@ -183,3 +183,24 @@ def test_the_sweep_page_draws_the_front_narrow_and_wide(stack, server, watched, 
             assert wait_for_points(w.page, "#chart-front", 0) == sweep["trials"]["succeeded"]
             assert w.page.locator("span.front").count() == len(sweep["pareto_trials"]) >= 1
             w.page.screenshot(path=str(shots / f"sweep-front-{'wide' if width > 800 else 'narrow'}.png"), full_page=True)
+
+
+def test_the_cli_prints_the_front_and_marks_its_trials():
+    from rich.console import Console
+
+    from client.sweeps import sweep_table, trials_table
+    from shared.schemas.sweeps import SweepOut, TrialOut
+
+    example = SweepOut.model_json_schema()["examples"][0]
+    front = [{"job_id": "job_b", "trial_number": 1, "params": {"max_length": 64}, "value": 0.8, "values": [0.8, 2.5]}]
+    sweep = SweepOut.model_validate({**example, "objectives": OBJECTIVES, "pareto_trials": front})
+    trials = [TrialOut.model_validate({"number": n, "job_id": f"job_{c}", "status": "succeeded",
+                                       "params": {"max_length": m}, "value": a, "values": [a, ms], "steps": 6,
+                                       "started_at": None, "finished_at": None})
+              for n, c, m, a, ms in ((0, "a", 128, 0.79, 9.0), (1, "b", 64, 0.8, 2.5))]
+    console = Console(width=200, record=True)
+    console.print(sweep_table(sweep), trials_table(trials, sweep))
+    text = console.export_text()
+    assert "#1 accuracy 0.8, latency_ms 2.5" in text and "maximize accuracy, minimize latency_ms" in text
+    rows = {job: line for line in text.splitlines() for job in ("job_a", "job_b") if f" {job} " in line}
+    assert "*" in rows["job_b"] and "*" not in rows["job_a"]  # the front's trial marked, the other not
