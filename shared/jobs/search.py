@@ -15,7 +15,7 @@ against SQLite with concurrent writers), and the same code runs on SQLite and Po
 from typing import Any
 
 import optuna
-from optuna.distributions import BaseDistribution
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 from pydantic import ValidationError
 from sqlalchemy import select
@@ -72,9 +72,10 @@ def check_sweep(spec: SweepCreate) -> tuple[SweepCreate, dict[str, BaseDistribut
     spec = spec.model_copy(update={"objective": spec.objective.model_copy(update={"metric": metric,
                                                                                    "direction": natural})})
     space = distributions(spec)
-    if spec.algorithm == "grid" and spec.max_trials > (size := search_space.check_grid(spec)):
-        raise UserError("grid_too_small", f"max_trials {spec.max_trials} is over the grid's {size} points: "
-                        "trials would repeat parameters", "max_trials")
+    if spec.algorithm == "grid" and spec.max_trials > (size := search_space.check_grid(spec)) + spec.include_defaults:
+        raise UserError("grid_too_small", f"max_trials {spec.max_trials} is over the grid's {size} points"
+                        f"{' and the default trial' if spec.include_defaults else ''}: trials would repeat "
+                        "parameters", "max_trials")
     return spec, space
 
 
@@ -181,10 +182,35 @@ def study_of(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: di
     return study
 
 
+def default_params(spec: SweepCreate, space: dict[str, BaseDistribution]) -> dict[str, Any]:
+    """The default trial's parameters (``include_defaults``): each searched field's fixed value (the
+    spec's hyperparameter, or tunejob's default), taken to the nearest value its range holds (a
+    bound; on a stepped range, the nearest step; a categorical's first choice when it holds no
+    equal one; a range's low bound for a value left null), since every trial of an Optuna study lies inside its distributions."""
+    fixed = spec.hyperparameters.model_dump()
+    params: dict[str, Any] = {}
+    for name, d in space.items():
+        value = fixed[name]
+        if isinstance(d, CategoricalDistribution):
+            params[name] = next((c for c in d.choices if c == value and isinstance(c, bool) == isinstance(value, bool)),
+                                d.choices[0])
+            continue
+        assert isinstance(d, (FloatDistribution, IntDistribution))  # the only kinds search_space builds
+        value = d.low if value is None else min(max(value, d.low), d.high)  # None: e.g. eval_every_steps
+        if d.step:
+            value = min(d.low + round((value - d.low) / d.step) * d.step, d.high)
+        params[name] = int(round(value)) if isinstance(d, IntDistribution) else float(value)
+    return params
+
+
 def ask(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict, n: int) -> list[tuple[dict, dict]]:
     """The next ``n`` trials' (params, Optuna system attributes), each asked with the ones before it
-    (and every queued or running trial) in the study as running."""
+    (and every queued or running trial) in the study as running. A sweep's first trial, with
+    ``include_defaults``, is the default trial (``default_params``), enqueued through Optuna's
+    ``enqueue_trial`` so that the sampler knows it as a fixed trial (``fixed_params``)."""
     study = study_of(spec, space, trials, trial_curves, asking=True)
+    if spec.include_defaults and not trials:
+        study.enqueue_trial(default_params(spec, space))
     asked = []
     for _ in range(n):
         trial = study.ask(fixed_distributions=space)

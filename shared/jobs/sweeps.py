@@ -184,13 +184,15 @@ def to_out(s: Session, sweep: Sweep) -> SweepOut:
         if t.status == JobStatus.SUCCEEDED and value is not None and (
                 best is None or (value > best.value if spec.objective.direction == "maximize" else value < best.value)):
             best = BestTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=value)
+    default = next((trial_out(t, spec, trial_curves) for t in trials if t.trial_number == 0 and spec.include_defaults),
+                   None)
     started = [t.started_at for t in trials if t.started_at is not None]
     status = sweep.status if sweep.status != RUNNING or started else "queued"
     status = "paused" if sweep.status == RUNNING and (sweep.error or {}).get("code") == PAUSED else status
     return SweepOut(id=sweep.id, status=status, base_model=spec.base_model, task=spec.task, objective=spec.objective,
                     algorithm=spec.algorithm, early_stopping=spec.early_stopping.type, max_trials=spec.max_trials,
                     max_parallel_trials=spec.max_parallel_trials,
-                    trials={name: counts[name] for name in TRIAL_STATUSES}, best_trial=best,
+                    trials={name: counts[name] for name in TRIAL_STATUSES}, best_trial=best, default_trial=default,
                     created_at=sweep.created_at, started_at=min(started, default=None),
                     finished_at=sweep.finished_at, error=sweep.error)
 
@@ -211,13 +213,18 @@ def list_sweeps(caller: Caller, limit: int, after: str | None = None) -> tuple[l
         return [to_out(s, sweep) for sweep in page], more
 
 
+def trial_out(t: Job, spec: SweepCreate, trial_curves: dict[str, dict[int, float]]) -> TrialOut:
+    """The API view of trial ``t`` (``default``: trial 0 of a sweep with ``include_defaults``)."""
+    return TrialOut(number=t.trial_number, job_id=t.id, status=t.status, params=params_of(t, spec),
+                    default=spec.include_defaults and t.trial_number == 0, value=best_value(trial_curves[t.id], spec),
+                    steps=t.step, started_at=t.started_at, finished_at=t.finished_at)
+
+
 def list_trials(sweep_id: str, caller: Caller) -> list[TrialOut]:
     """The sweep's trials by number. Raises: NotFound, Deleted."""
     with read_session() as s:
         spec, trials, trial_curves = trials_of(s, owned_sweep(s, sweep_id, caller))
-        return [TrialOut(number=t.trial_number, job_id=t.id, status=t.status, params=params_of(t, spec),
-                         value=best_value(trial_curves[t.id], spec), steps=t.step, started_at=t.started_at,
-                         finished_at=t.finished_at) for t in trials]
+        return [trial_out(t, spec, trial_curves) for t in trials]
 
 
 def cancel_sweep(sweep_id: str, caller: Caller) -> SweepOut:

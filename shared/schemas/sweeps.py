@@ -82,6 +82,9 @@ class SweepCreate(JobCreate):
     max_trials: int = Field(10, ge=1, description="Trials in all (at most TUNEJOB_MAX_TRIALS_PER_SWEEP).")
     max_parallel_trials: int = Field(1, ge=1, le=1000, description="Trials queued or running at once.")
     max_failed_trials: int = Field(3, ge=0, description="The sweep fails once more trials than this have failed.")
+    include_defaults: bool = Field(True, description="Trial 0 runs the fixed hyperparameters (tunejob's defaults "
+                                   "where the spec leaves them out) for the searched fields, each taken to the "
+                                   "nearest value its range holds: the sweep's best is then never worse than that job.")
 
     @model_validator(mode="before")
     @classmethod
@@ -94,6 +97,18 @@ class BestTrial(BaseModel):
     trial_number: int
     params: dict[str, Any]
     value: float
+
+
+class TrialOut(BaseModel):
+    number: int
+    job_id: str
+    status: str
+    params: dict[str, Any]
+    default: bool = Field(False, description="The default trial: trial 0 of a sweep with include_defaults.")
+    value: float | None = Field(description="The objective at the trial's best evaluation so far (its kept weights').")
+    steps: int = Field(description="Optimizer steps run.")
+    started_at: datetime | None
+    finished_at: datetime | None
 
 
 class SweepOut(BaseModel):
@@ -120,21 +135,12 @@ class SweepOut(BaseModel):
     max_parallel_trials: int
     trials: dict[str, int] = Field(description="Trials by status.")
     best_trial: BestTrial | None
+    default_trial: TrialOut | None = Field(None, description="Trial 0, run with the fixed hyperparameters "
+                                             "(include_defaults); None without one, or before it was queued.")
     created_at: datetime
     started_at: datetime | None = Field(description="When its first trial started.")
     finished_at: datetime | None
     error: dict[str, Any] | None
-
-
-class TrialOut(BaseModel):
-    number: int
-    job_id: str
-    status: str
-    params: dict[str, Any]
-    value: float | None = Field(description="The objective at the trial's best evaluation so far (its kept weights').")
-    steps: int = Field(description="Optimizer steps run.")
-    started_at: datetime | None
-    finished_at: datetime | None
 
 
 class SweepList(BaseModel):
