@@ -2,6 +2,7 @@
 the default trial (``include_defaults``), the search space's priors per model size, warm starts
 from earlier sweeps, and the sweep's time budget, with their bad input (a 4xx, nothing queued)."""
 
+import optuna
 import pytest
 from rich.console import Console
 
@@ -85,3 +86,60 @@ def test_default_params_lie_in_their_ranges(fixed, space, expected):
     spec = SweepCreate.model_validate(body("ds_x", search_space=space, hyperparameters=fixed))
     params = default_params(spec, distributions(spec))
     assert params == expected and [type(v) for v in params.values()] == [type(v) for v in expected.values()]
+
+
+# ----------------------------------------------------------------------------- 2: priors
+
+
+def test_ranges_left_out_take_the_prior_of_the_models_size(client, dataset):  # noqa: F811
+    space = {"learning_rate": {}, "batch_size": {}, "warmup_ratio": {"type": "float"}, "weight_decay": {},
+             "epochs": {}, "max_length": {"type": "categorical", "choices": [16, 32]}}
+    fixed = {"max_length": 32}  # tunejob's defaults for the rest: every prior holds them
+    r = client.post("/sweeps", json=body(dataset["id"], search_space=space, hyperparameters=fixed),
+                    params={"dry_run": "true"})
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    assert plan["search_space"]["learning_rate"] == repr(optuna.distributions.FloatDistribution(3e-5, 3e-4, log=True))
+    assert plan["search_space"]["batch_size"] == repr(optuna.distributions.CategoricalDistribution([16, 32]))
+    assert plan["search_space"]["epochs"] == repr(optuna.distributions.IntDistribution(2, 5))
+    # The default trial is tunejob's default job exactly.
+    assert plan["first_trials"][0] == {"learning_rate": 5e-5, "batch_size": 16, "warmup_ratio": 0.1,
+                                       "weight_decay": 0.01, "epochs": 3, "max_length": 32}
+    sweep = created(client, body(dataset["id"], search_space=space, hyperparameters=fixed))
+    assert trials(client, sweep["id"])[0]["params"] == plan["first_trials"][0]
+
+
+@pytest.mark.parametrize("count,size,lr", [(22_713_728, "small", (3e-5, 3e-4)), (110e6, "base", (1e-5, 1e-4)),
+                                           (355e6, "large", (5e-6, 5e-5))])
+def test_the_size_is_the_models_parameter_count(monkeypatch, models_dir, count, size, lr):
+    from shared.jobs import priors
+    from shared.schemas.sweeps import SweepCreate
+
+    monkeypatch.setenv("TUNEJOB_MODELS_DIR", str(models_dir))
+    if size == "small":  # the built-in MiniLM-L6, counted from its file
+        assert priors.parameter_count("all-MiniLM-L6-v2") == count
+    monkeypatch.setattr(priors, "parameter_count", lambda name: count)
+    spec = priors.fill(SweepCreate.model_validate(body("ds_x", search_space={"learning_rate": {}})))
+    assert priors.model_size("x") == size
+    assert (spec.search_space["learning_rate"].low, spec.search_space["learning_rate"].high) == lr
+
+
+BAD_PRIORS = [
+    ({"seed": {}}, "search_space.seed.type"),  # no prior for it
+    ({"learning_rate": {"low": 1e-5}}, "search_space.learning_rate.type"),  # a bound given: not filled
+    ({"batch_size": {"type": "int"}}, "search_space.batch_size"),  # not the prior's type: low and high needed
+]
+
+
+@pytest.mark.parametrize("space,param", BAD_PRIORS, ids=[p for _, p in BAD_PRIORS])
+def test_a_range_tunejob_cannot_fill_is_refused(client, dataset, space, param):  # noqa: F811
+    refused(client, body(dataset["id"], search_space=space), 422, "invalid_search_space", param)
+
+
+def test_tpe_start_up_trials_scale_with_max_trials():
+    from shared.jobs.search import sampler
+    from shared.schemas.sweeps import SweepCreate
+
+    for max_trials, startup in [(1, 2), (12, 3), (20, 5), (200, 10)]:
+        spec = SweepCreate.model_validate(body("ds_x", algorithm="tpe", max_trials=max_trials))
+        assert sampler(spec, 0)._n_startup_trials == startup  # no public accessor

@@ -31,11 +31,15 @@ SWEEP_CREATE_EXAMPLE: JsonDict = {
 
 class Distribution(BaseModel):
     """One hyperparameter's range: ``float`` (``low``, ``high``, optional ``log`` or ``step``),
-    ``int`` (the same, integers) or ``categorical`` (``choices``)."""
+    ``int`` (the same, integers) or ``categorical`` (``choices``). ``learning_rate``, ``batch_size``,
+    ``warmup_ratio``, ``weight_decay`` and ``epochs`` may leave it out (``{}``): tunejob's prior for
+    the base model's size fills it (``shared.jobs.priors``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["float", "int", "categorical"]
+    type: Literal["float", "int", "categorical"] | None = Field(
+        None, description="Left out: tunejob's range for learning_rate, batch_size, warmup_ratio, weight_decay and "
+                          "epochs (by the base model's size); required for any other hyperparameter.")
     low: float | None = Field(None, allow_inf_nan=False)
     high: float | None = Field(None, allow_inf_nan=False)
     log: bool = False
