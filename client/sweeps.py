@@ -129,7 +129,7 @@ def sweep_table(sweep) -> Table:
                         ("model", escape(sweep.base_model)), ("objective", _objectives(sweep)),
                         ("search", f"{sweep.algorithm}, pruning {sweep.early_stopping}"),
                         ("trials", f"{_counts(sweep)} of {sweep.max_trials} ({sweep.max_parallel_trials} at a time)"),
-                        ("best", _best(sweep))]:
+                        ("best", _best(sweep)), ("default", _default(sweep))]:
         table.add_row(f"[bold]{name}[/]", value)
     if len(sweep.objectives) > 1:  # the Pareto front, one trial a line
         front = [f"#{p.trial_number} " + ", ".join(f"{o.metric} {_value(v)}" for o, v in zip(sweep.objectives, p.values))
@@ -148,7 +148,8 @@ def trials_table(trials, sweep) -> Table:
     front = {p.trial_number for p in sweep.pareto_trials}
     table = Table("#", id_column(), "status", *names, *metrics, *(["front"] if len(metrics) > 1 else []), "steps")
     for t in trials:
-        table.add_row(str(t.number), t.job_id, styled_status(t.status), *(_value(t.params.get(n)) for n in names),
+        table.add_row(f"{t.number} default" if t.default else str(t.number), t.job_id, styled_status(t.status),
+                      *(_value(t.params.get(n)) for n in names),
                       *(_value(v) for v in t.values), *(["*" if t.number in front else ""] if len(metrics) > 1 else []),
                       str(t.steps))
     return table
@@ -166,6 +167,12 @@ def _counts(sweep) -> str:
 def _best(sweep) -> str:
     best = sweep.best_trial
     return f"#{best.trial_number} {best.value:.4g} ({best.job_id})" if best else "-"
+
+
+def _default(sweep) -> str:
+    """The default trial (``include_defaults``): its value, for comparing with the best."""
+    d = sweep.default_trial
+    return f"#{d.number} {_value(d.value)} {styled_status(d.status)} ({d.job_id})" if d else "-"
 
 
 def _value(value) -> str:

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from shared.errors import UserError
 from shared.jobs.base_models import available_models
 from shared.jobs.planning import max_input_length
+from shared.jobs.priors import PRIORS
 from shared.schemas.jobs import Hyperparameters, int_fields
 from shared.schemas.sweeps import Distribution, SweepCreate
 from shared.settings import get_settings
@@ -50,6 +51,10 @@ def distributions(spec: SweepCreate) -> dict[str, BaseDistribution]:
         field = f"search_space.{name}"
         if name not in SEARCHABLE:
             raise refuse(f"{name!r} is not a hyperparameter; use one of {', '.join(SEARCHABLE)}", field)
+        if d.type is None:
+            raise refuse(f"a range needs its type (float, int or categorical) and bounds; tunejob fills them only "
+                         f"for {', '.join(PRIORS['base'])}, and only when no bound, step or choice is given",
+                         f"{field}.type")
         if name == BASE_MODEL:
             if d.type != "categorical" or not d.choices or not all(isinstance(v, str) for v in d.choices):
                 raise refuse("base_model is searched over categorical choices of model names", field)

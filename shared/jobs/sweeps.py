@@ -199,7 +199,10 @@ def to_out(s: Session, sweep: Sweep) -> SweepOut:
         if t.status == JobStatus.SUCCEEDED and value is not None and (
                 best is None or (value > best.value if spec.objective.direction == "maximize" else value < best.value)):
             best = BestTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=value)
-    pareto = pareto_trials(s, spec, trials, trial_curves) if multi_objective(spec) else []
+    more = more_curves(s, spec, [t.id for t in trials])
+    pareto = pareto_trials(spec, trials, trial_curves, more) if multi_objective(spec) else []
+    default = next((trial_out(t, spec, trial_curves, more) for t in trials
+                    if t.trial_number == 0 and spec.include_defaults), None)
     started = [t.started_at for t in trials if t.started_at is not None]
     status = sweep.status if sweep.status != RUNNING or started else "queued"
     status = "paused" if sweep.status == RUNNING and (sweep.error or {}).get("code") == PAUSED else status
@@ -207,17 +210,17 @@ def to_out(s: Session, sweep: Sweep) -> SweepOut:
                     algorithm=spec.algorithm, early_stopping=spec.early_stopping.type, max_trials=spec.max_trials,
                     max_parallel_trials=spec.max_parallel_trials, objectives=spec.all_objectives,
                     serving_precision=spec.serving_precision,
-                    trials={name: counts[name] for name in TRIAL_STATUSES}, best_trial=best, pareto_trials=pareto,
+                    trials={name: counts[name] for name in TRIAL_STATUSES}, best_trial=best, default_trial=default,
+                    pareto_trials=pareto,
                     created_at=sweep.created_at, started_at=min(started, default=None),
                     finished_at=sweep.finished_at, error=sweep.error)
 
 
-def pareto_trials(s: Session, spec: SweepCreate, trials: list[Job], trial_curves: dict[str, dict[int, float]]
-                  ) -> list[ParetoTrial]:
+def pareto_trials(spec: SweepCreate, trials: list[Job], trial_curves: dict[str, dict[int, float]],
+                  more: dict[str, list[dict[int, float]]]) -> list[ParetoTrial]:
     """A sweep of several objectives: its Pareto front, the succeeded trials that no other beats on
     every objective, by number: Optuna's ``Study.best_trials`` of the multi-objective study rebuilt
-    from the rows (``shared.jobs.search.study_of``)."""
-    more = more_curves(s, spec, [t.id for t in trials])
+    from the rows (``shared.jobs.search.study_of``; ``more``: ``more_curves``)."""
     study = study_of(spec, distributions(spec), trials, trial_curves, more=more)
     by_id = {t.id: t for t in trials}
     front = sorted(((by_id[trial.user_attrs["job_id"]], trial.values) for trial in study.best_trials
@@ -242,14 +245,22 @@ def list_sweeps(caller: Caller, limit: int, after: str | None = None) -> tuple[l
         return [to_out(s, sweep) for sweep in page], more
 
 
+def trial_out(t: Job, spec: SweepCreate, trial_curves: dict[str, dict[int, float]],
+              more: dict[str, list[dict[int, float]]]) -> TrialOut:
+    """The API view of trial ``t`` (``default``: trial 0 of a sweep with ``include_defaults``;
+    ``values``: each objective's, from ``trial_curves`` and ``more``, ``more_curves``)."""
+    return TrialOut(number=t.trial_number, job_id=t.id, status=t.status, params=params_of(t, spec),
+                    default=spec.include_defaults and t.trial_number == 0, value=best_value(trial_curves[t.id], spec),
+                    values=values_of(trial_curves[t.id], more[t.id], spec), steps=t.step, started_at=t.started_at,
+                    finished_at=t.finished_at)
+
+
 def list_trials(sweep_id: str, caller: Caller) -> list[TrialOut]:
     """The sweep's trials by number. Raises: NotFound, Deleted."""
     with read_session() as s:
         spec, trials, trial_curves = trials_of(s, owned_sweep(s, sweep_id, caller))
         more = more_curves(s, spec, [t.id for t in trials])
-        return [TrialOut(number=t.trial_number, job_id=t.id, status=t.status, params=params_of(t, spec),
-                         value=best_value(trial_curves[t.id], spec), values=values_of(trial_curves[t.id], more[t.id], spec),
-                         steps=t.step, started_at=t.started_at, finished_at=t.finished_at) for t in trials]
+        return [trial_out(t, spec, trial_curves, more) for t in trials]
 
 
 def cancel_sweep(sweep_id: str, caller: Caller) -> SweepOut:

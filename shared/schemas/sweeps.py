@@ -31,11 +31,15 @@ SWEEP_CREATE_EXAMPLE: JsonDict = {
 
 class Distribution(BaseModel):
     """One hyperparameter's range: ``float`` (``low``, ``high``, optional ``log`` or ``step``),
-    ``int`` (the same, integers) or ``categorical`` (``choices``)."""
+    ``int`` (the same, integers) or ``categorical`` (``choices``). ``learning_rate``, ``batch_size``,
+    ``warmup_ratio``, ``weight_decay`` and ``epochs`` may leave it out (``{}``): tunejob's prior for
+    the base model's size fills it (``shared.jobs.priors``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["float", "int", "categorical"]
+    type: Literal["float", "int", "categorical"] | None = Field(
+        None, description="Left out: tunejob's range for learning_rate, batch_size, warmup_ratio, weight_decay and "
+                          "epochs (by the base model's size); required for any other hyperparameter.")
     low: float | None = Field(None, allow_inf_nan=False)
     high: float | None = Field(None, allow_inf_nan=False)
     log: bool = False
@@ -95,6 +99,9 @@ class SweepCreate(JobCreate):
     max_trials: int = Field(10, ge=1, description="Trials in all (at most TUNEJOB_MAX_TRIALS_PER_SWEEP).")
     max_parallel_trials: int = Field(1, ge=1, le=1000, description="Trials queued or running at once.")
     max_failed_trials: int = Field(3, ge=0, description="The sweep fails once more trials than this have failed.")
+    include_defaults: bool = Field(True, description="Trial 0 runs the fixed hyperparameters (tunejob's defaults "
+                                   "where the spec leaves them out) for the searched fields, each taken to the "
+                                   "nearest value its range holds: the sweep's best is then never worse than that job.")
 
     @model_validator(mode="before")
     @classmethod
@@ -130,6 +137,20 @@ class ParetoTrial(BestTrial):
     values: list[float] = Field(description="Each objective's value, in the order of objectives.")
 
 
+class TrialOut(BaseModel):
+    number: int
+    job_id: str
+    status: str
+    params: dict[str, Any]
+    default: bool = Field(False, description="The default trial: trial 0 of a sweep with include_defaults.")
+    value: float | None = Field(description="The objective at the trial's best evaluation so far (its kept weights').")
+    values: list[float | None] = Field(description="Each objective's value (the first is value; the others at "
+                                                   "the kept evaluation; latency_ms once the trial is saved).")
+    steps: int = Field(description="Optimizer steps run.")
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
 class SweepOut(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "id": "sweep_5d0c2a9e1b7f3a64", "status": "running", "base_model": "all-MiniLM-L6-v2",
@@ -158,6 +179,8 @@ class SweepOut(BaseModel):
     serving_precision: str
     trials: dict[str, int] = Field(description="Trials by status.")
     best_trial: BestTrial | None = Field(description="The best succeeded trial on the (first) objective.")
+    default_trial: TrialOut | None = Field(None, description="Trial 0, run with the fixed hyperparameters "
+                                             "(include_defaults); None without one, or before it was queued.")
     pareto_trials: list[ParetoTrial] = Field(description="Several objectives: the succeeded trials no other "
                                                          "beats on every objective (Optuna's study.best_trials), "
                                                          "by number; one objective: [].")
@@ -165,19 +188,6 @@ class SweepOut(BaseModel):
     started_at: datetime | None = Field(description="When its first trial started.")
     finished_at: datetime | None
     error: dict[str, Any] | None
-
-
-class TrialOut(BaseModel):
-    number: int
-    job_id: str
-    status: str
-    params: dict[str, Any]
-    value: float | None = Field(description="The objective at the trial's best evaluation so far (its kept weights').")
-    values: list[float | None] = Field(description="Each objective's value (the first is value; the others at "
-                                                   "the kept evaluation; latency_ms once the trial is saved).")
-    steps: int = Field(description="Optimizer steps run.")
-    started_at: datetime | None
-    finished_at: datetime | None
 
 
 class SweepList(BaseModel):
