@@ -165,7 +165,7 @@ def test_the_pareto_picture_is_drawn_in_threads_without_pyplot():
 @pytest.mark.parametrize("stack", ["embedded"], indirect=True)
 def test_the_sweep_page_draws_the_front_narrow_and_wide(stack, server, watched, tmp_path):  # noqa: F811
     """The dashboard's sweep page in chromium: the front chart has a point per succeeded trial, the
-    table marks the front's trials, nothing is requested off-host; screenshots at 390 and 1280 pixels
+    table marks the front's trials and the default trial, nothing is requested off-host; screenshots at 390 and 1280 pixels
     (``TUNEJOB_UI_SCREENSHOTS``, default tmp_path)."""
     from tests.test_api_jobs import labelled_csv, upload
     from tests.test_ui_browser import sign_in, wait_for_points
@@ -181,7 +181,8 @@ def test_the_sweep_page_draws_the_front_narrow_and_wide(stack, server, watched, 
             w.page.set_viewport_size({"width": width, "height": height})
             w.page.goto(f"/ui/sweeps/{sweep['id']}")
             assert wait_for_points(w.page, "#chart-front", 0) == sweep["trials"]["succeeded"]
-            assert w.page.locator("span.front").count() == len(sweep["pareto_trials"]) >= 1
+            assert w.page.locator("span.tag.front").count() == len(sweep["pareto_trials"]) >= 1
+            assert w.page.locator("span.tag", has_text="default").count() == 1  # item 6: the default trial marked
             w.page.screenshot(path=str(shots / f"sweep-front-{'wide' if width > 800 else 'narrow'}.png"), full_page=True)
 
 
