@@ -127,6 +127,10 @@ def sweep_table(sweep) -> Table:
                         ("trials", f"{_counts(sweep)} of {sweep.max_trials} ({sweep.max_parallel_trials} at a time)"),
                         ("best", _best(sweep)), ("default", _default(sweep))]:
         table.add_row(f"[bold]{name}[/]", value)
+    if sweep.history:  # greyed: the earlier sweeps' trials, not this one's
+        h, best = sweep.history, sweep.history.best
+        table.add_row("[dim]history[/]", f"[dim]{h.trials} trials of {', '.join(h.sweeps)}"
+                      f"{f', best {best.value:.4g} ({best.job_id})' if best else ''}[/]")
     if sweep.error:
         table.add_row("[bold]error[/]", escape(sweep.error.get("message", "")))
     return table

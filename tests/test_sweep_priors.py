@@ -143,3 +143,79 @@ def test_tpe_start_up_trials_scale_with_max_trials():
     for max_trials, startup in [(1, 2), (12, 3), (20, 5), (200, 10)]:
         spec = SweepCreate.model_validate(body("ds_x", algorithm="tpe", max_trials=max_trials))
         assert sampler(spec, 0)._n_startup_trials == startup  # no public accessor
+
+
+# ----------------------------------------------------------------------------- 3: warm starts
+
+
+def finish(job_id: str, status: str, curve: dict[int, float]) -> None:
+    """End trial ``job_id`` with ``status`` and ``eval_accuracy`` ``curve`` (step -> value), as a worker would."""
+    from shared.store.engine import session_scope
+    from shared.store.rows import Job, JobMetric, utcnow
+
+    with session_scope() as s:
+        job = s.get(Job, job_id)
+        job.status, job.finished_at = status, utcnow()
+        s.add_all(JobMetric(job_id=job_id, step=step, epoch=0.0, name="eval_accuracy", value=value)
+                  for step, value in curve.items())
+
+
+def edit_sweep(sweep_id: str, tenant: str | None = None, **spec) -> None:
+    from shared.store.engine import session_scope
+    from shared.store.rows import Sweep
+
+    with session_scope() as s:
+        sweep = s.get(Sweep, sweep_id)
+        sweep.spec = {**sweep.spec, **spec}
+        sweep.tenant = tenant or sweep.tenant
+
+
+def test_a_warm_start_brings_finished_trials_as_history_for_the_pruner(client, dataset):  # noqa: F811
+    from shared.jobs.sweeps import should_prune
+
+    source = created(client, body(dataset["id"], max_trials=3, max_parallel_trials=3))
+    done, pruned, cancelled = trials(client, source["id"])
+    finish(done["job_id"], "succeeded", {2: 0.6, 4: 0.8})
+    finish(pruned["job_id"], "pruned", {2: 0.3})
+    finish(cancelled["job_id"], "cancelled", {2: 0.9})  # not finished well: no history
+    median = {"early_stopping": {"type": "median", "min_trials": 1}}
+
+    sweep = created(client, body(dataset["id"], warm_start_from=[source["id"]], max_trials=1, **median))
+    assert sweep["history"] == {"sweeps": [source["id"]], "trials": 2, "best": {
+        "job_id": done["job_id"], "trial_number": 0, "params": done["params"], "value": 0.8}}, sweep
+    assert sweep["trials"]["queued"] == 1 and sweep["max_trials"] == 1  # history is no trial of this sweep
+    (first,) = trials(client, sweep["id"])
+    assert first["number"] == 0 and first["default"] is True
+    # The pruner compares with the history's curves: 0.1 at step 2 is below the median there (0.6).
+    assert should_prune(first["job_id"], 2, {"accuracy": 0.1}) is True
+    alone = created(client, body(dataset["id"], max_trials=1, **median))
+    assert should_prune(trials(client, alone["id"])[0]["job_id"], 2, {"accuracy": 0.1}) is False
+
+    # The CLI shows the history, greyed.
+    from client.sweeps import sweep_table
+    from shared.schemas.sweeps import SweepOut
+
+    out = Console(record=True, width=200)
+    out.print(sweep_table(SweepOut.model_validate(sweep)))
+    assert f"2 trials of {source['id']}, best 0.8 ({done['job_id']})" in out.export_text()
+    # A history trial outside the new space is left out.
+    narrow = {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}}
+    outside = done["params"]["learning_rate"] < 1e-3
+    r = client.post("/sweeps", json=body(dataset["id"], warm_start_from=[source["id"]], search_space=narrow))
+    assert r.status_code == 201 and r.json()["history"]["trials"] == 2 - outside, r.text
+
+
+@pytest.mark.parametrize("mismatch", ["tenant", "task", "base_model", "missing"])
+def test_a_warm_start_from_another_tenant_task_or_model_is_refused(client, dataset, mismatch):  # noqa: F811
+    source = created(client, body(dataset["id"], max_trials=1))["id"]
+    if mismatch == "tenant":
+        edit_sweep(source, tenant="tenant-b")
+    elif mismatch == "task":
+        edit_sweep(source, task="multi_label")
+    elif mismatch == "base_model":
+        edit_sweep(source, base_model="all-MiniLM-L6-v2")
+    else:
+        source = "sweep_0000000000000000"
+    error = refused(client, body(dataset["id"], warm_start_from=[source]), 422, "invalid_warm_start",
+                    "warm_start_from[0]")
+    assert source in error["message"] and (mismatch in ("tenant", "missing") or mismatch in error["message"]), error

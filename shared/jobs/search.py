@@ -180,13 +180,41 @@ def frozen(job: Job, spec: SweepCreate, space: dict, curve: dict[int, float], st
                         intermediate_values=curve, system_attrs=job.trial_attrs or {})
 
 
+def history(s: Session, spec: SweepCreate, space: dict) -> list[FrozenTrial]:
+    """The warm start (``warm_start_from``): the earlier sweeps' succeeded and pruned trials, in
+    their order and then by number, as Optuna trials of this space, with their values and curves
+    (``curves``, of this sweep's objective) and their ``job_id``, ``sweep_id`` and ``trial_number``
+    as user attributes. A trial whose parameters lie outside this space is left out (an Optuna
+    study holds no such trial)."""
+    if not spec.warm_start_from:
+        return []
+    jobs = sorted(s.scalars(select(Job).where(Job.sweep_id.in_(spec.warm_start_from), Job.deleted_at.is_(None),
+                                              Job.status.in_((JobStatus.SUCCEEDED, JobStatus.PRUNED)))),
+                  key=lambda j: (spec.warm_start_from.index(j.sweep_id or ""), j.trial_number or 0))
+    trial_curves = curves(s, [job.id for job in jobs], spec.objective.metric)
+    out = []
+    for job in jobs:
+        curve, state = trial_curves[job.id], STATES[job.status]
+        value = best_value(curve, spec) if state == TrialState.COMPLETE else None
+        try:
+            out.append(create_trial(state=state, value=value, distributions=space, intermediate_values=curve,
+                                    params={name: job.spec["hyperparameters"].get(name) for name in space},
+                                    user_attrs={"job_id": job.id, "sweep_id": job.sweep_id,
+                                                "trial_number": job.trial_number}))
+        except (ValueError, TypeError):  # outside this space, or succeeded without a finite evaluation
+            continue
+    return out
+
+
 def study_of(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict[str, dict[int, float]],
-             asking: bool = False) -> optuna.Study:
-    """An in-memory Optuna study holding ``trials`` (in number order, so Optuna numbers them as we do).
-    Only a study ``asking`` for trials gets the sweep's sampler (``sampler``: a grid's is built from
-    all its points); pruning and the report get a random one, which costs nothing to build."""
+             asking: bool = False, past: list[FrozenTrial] | None = None) -> optuna.Study:
+    """An in-memory Optuna study holding the warm start's ``past`` trials (``history``) and then
+    ``trials`` (in number order). Only a study ``asking`` for trials gets the sweep's sampler
+    (``sampler``: a grid's is built from all its points); pruning and the report get a random one,
+    which costs nothing to build."""
     chosen = sampler(spec, len(trials)) if asking else optuna.samplers.RandomSampler(seed=spec.seed)
     study = optuna.create_study(direction=spec.objective.direction, sampler=chosen, pruner=pruner(spec))
+    study.add_trials(past or [])
     for job in sorted(trials, key=lambda j: j.trial_number or 0):  # every trial has its number
         study.add_trial(frozen(job, spec, space, trial_curves[job.id]))
     return study
@@ -213,12 +241,14 @@ def default_params(spec: SweepCreate, space: dict[str, BaseDistribution]) -> dic
     return params
 
 
-def ask(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict, n: int) -> list[tuple[dict, dict]]:
+def ask(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict, n: int,
+        past: list[FrozenTrial] | None = None) -> list[tuple[dict, dict]]:
     """The next ``n`` trials' (params, Optuna system attributes), each asked with the ones before it
     (and every queued or running trial) in the study as running. A sweep's first trial, with
     ``include_defaults``, is the default trial (``default_params``), enqueued through Optuna's
-    ``enqueue_trial`` so that the sampler knows it as a fixed trial (``fixed_params``)."""
-    study = study_of(spec, space, trials, trial_curves, asking=True)
+    ``enqueue_trial`` so that the sampler knows it as a fixed trial (``fixed_params``). ``past``:
+    the warm start's trials (``history``)."""
+    study = study_of(spec, space, trials, trial_curves, asking=True, past=past)
     if spec.include_defaults and not trials:
         study.enqueue_trial(default_params(spec, space))
     asked = []
