@@ -52,7 +52,7 @@ def check_sweep(spec: SweepCreate) -> tuple[SweepCreate, dict[str, BaseDistribut
 
     Raises:
         UserError: 422 naming the field (``search_space.<name>``, ``objective.metric``,
-            ``objective.direction``, ``max_trials``, ``max_parallel_trials``).
+            ``objective.direction``, ``max_trials``, ``max_parallel_trials``, ``max_duration_seconds``).
     """
     spec = priors.fill(spec)
     metric = METRIC_ALIASES.get(spec.objective.metric, spec.objective.metric)
@@ -68,6 +68,11 @@ def check_sweep(spec: SweepCreate) -> tuple[SweepCreate, dict[str, BaseDistribut
     if spec.max_trials > limit:
         raise UserError("too_many_trials", f"max_trials {spec.max_trials} is over this server's quota of {limit} "
                         "trials per sweep (TUNEJOB_MAX_TRIALS_PER_SWEEP)", "max_trials")
+    floor = get_settings().min_sweep_duration_seconds
+    if spec.max_duration_seconds is not None and spec.max_duration_seconds < floor:
+        raise UserError("budget_too_small", f"max_duration_seconds {spec.max_duration_seconds} is under one "
+                        f"evaluation's time, this server's minimum of {floor:g} s (TUNEJOB_MIN_SWEEP_DURATION_SECONDS)",
+                        "max_duration_seconds")
     if spec.max_parallel_trials > spec.max_trials:
         raise UserError("too_many_parallel_trials", f"max_parallel_trials {spec.max_parallel_trials} is over max_trials "
                         f"{spec.max_trials}", "max_parallel_trials")

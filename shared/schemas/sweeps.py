@@ -91,6 +91,11 @@ class SweepCreate(JobCreate):
         "their finished trials (succeeded and pruned, inside this search space) join the study as history, with their "
         "values and curves (for the sampler and the pruner); they are not trials of this sweep nor count against "
         "max_trials.")
+    max_duration_seconds: int | None = Field(
+        None, ge=1, le=366 * 86400, description="A budget for the whole sweep, from its creation: once spent, running "
+        "trials are stopped as on cancel, no trial is asked, and the sweep ends with the best so far (succeeded; "
+        "failed if no trial had succeeded), its error code budget_spent saying so. At least "
+        "TUNEJOB_MIN_SWEEP_DURATION_SECONDS (default 60).")
     include_defaults: bool = Field(True, description="Trial 0 runs the fixed hyperparameters (tunejob's defaults "
                                    "where the spec leaves them out) for the searched fields, each taken to the "
                                    "nearest value its range holds: the sweep's best is then never worse than that job.")
@@ -158,7 +163,8 @@ class SweepOut(BaseModel):
     created_at: datetime
     started_at: datetime | None = Field(description="When its first trial started.")
     finished_at: datetime | None
-    error: dict[str, Any] | None
+    error: dict[str, Any] | None = Field(description="Why it failed, why it is paused (trials_paused), or that it "
+                                                    "ended on its budget (budget_spent): {code, message}.")
 
 
 class SweepList(BaseModel):
