@@ -135,6 +135,10 @@ def sweep_table(sweep) -> Table:
         front = [f"#{p.trial_number} " + ", ".join(f"{o.metric} {_value(v)}" for o, v in zip(sweep.objectives, p.values))
                  for p in sweep.pareto_trials]
         table.add_row("[bold]front[/]", "\n".join(front) or "-")
+    if sweep.history:  # greyed: the earlier sweeps' trials, not this one's
+        h, best = sweep.history, sweep.history.best
+        table.add_row("[dim]history[/]", f"[dim]{h.trials} trials of {', '.join(h.sweeps)}"
+                      f"{f', best {best.value:.4g} ({best.job_id})' if best else ''}[/]")
     if sweep.error:
         table.add_row("[bold]error[/]", escape(sweep.error.get("message", "")))
     return table

@@ -45,10 +45,10 @@ def test_trial_0_runs_the_fixed_hyperparameters_and_is_marked(client, dataset): 
 
     # The CLI marks it.
     from client.sweeps import trials_table
-    from shared.schemas.sweeps import TrialOut
+    from shared.schemas.sweeps import SweepOut, TrialOut
 
     out = Console(record=True, width=200)
-    out.print(trials_table([TrialOut.model_validate(t) for t in (first, second)]))
+    out.print(trials_table([TrialOut.model_validate(t) for t in (first, second)], SweepOut.model_validate(shown)))
     rows = [line for line in out.export_text().splitlines() if "job_" in line]
     assert "0 default" in rows[0] and "default" not in rows[1], rows
 
@@ -143,3 +143,129 @@ def test_tpe_start_up_trials_scale_with_max_trials():
     for max_trials, startup in [(1, 2), (12, 3), (20, 5), (200, 10)]:
         spec = SweepCreate.model_validate(body("ds_x", algorithm="tpe", max_trials=max_trials))
         assert sampler(spec, 0)._n_startup_trials == startup  # no public accessor
+
+
+# ----------------------------------------------------------------------------- 3: warm starts
+
+
+def finish(job_id: str, status: str, curve: dict[int, float]) -> None:
+    """End trial ``job_id`` with ``status`` and ``eval_accuracy`` ``curve`` (step -> value), as a worker would."""
+    from shared.store.engine import session_scope
+    from shared.store.rows import Job, JobMetric, utcnow
+
+    with session_scope() as s:
+        job = s.get(Job, job_id)
+        job.status, job.finished_at = status, utcnow()
+        s.add_all(JobMetric(job_id=job_id, step=step, epoch=0.0, name="eval_accuracy", value=value)
+                  for step, value in curve.items())
+
+
+def edit_sweep(sweep_id: str, tenant: str | None = None, **spec) -> None:
+    from shared.store.engine import session_scope
+    from shared.store.rows import Sweep
+
+    with session_scope() as s:
+        sweep = s.get(Sweep, sweep_id)
+        sweep.spec = {**sweep.spec, **spec}
+        sweep.tenant = tenant or sweep.tenant
+
+
+def test_a_warm_start_brings_finished_trials_as_history_for_the_pruner(client, dataset):  # noqa: F811
+    from shared.jobs.sweeps import should_prune
+
+    source = created(client, body(dataset["id"], max_trials=3, max_parallel_trials=3))
+    done, pruned, cancelled = trials(client, source["id"])
+    finish(done["job_id"], "succeeded", {2: 0.6, 4: 0.8})
+    finish(pruned["job_id"], "pruned", {2: 0.3})
+    finish(cancelled["job_id"], "cancelled", {2: 0.9})  # not finished well: no history
+    median = {"early_stopping": {"type": "median", "min_trials": 1}}
+
+    sweep = created(client, body(dataset["id"], warm_start_from=[source["id"]], max_trials=1, **median))
+    assert sweep["history"] == {"sweeps": [source["id"]], "trials": 2, "best": {
+        "job_id": done["job_id"], "trial_number": 0, "params": done["params"], "value": 0.8}}, sweep
+    assert sweep["trials"]["queued"] == 1 and sweep["max_trials"] == 1  # history is no trial of this sweep
+    (first,) = trials(client, sweep["id"])
+    assert first["number"] == 0 and first["default"] is True
+    # The pruner compares with the history's curves: 0.1 at step 2 is below the median there (0.6).
+    assert should_prune(first["job_id"], 2, {"accuracy": 0.1}) is True
+    alone = created(client, body(dataset["id"], max_trials=1, **median))
+    assert should_prune(trials(client, alone["id"])[0]["job_id"], 2, {"accuracy": 0.1}) is False
+
+    # The CLI shows the history, greyed.
+    from client.sweeps import sweep_table
+    from shared.schemas.sweeps import SweepOut
+
+    out = Console(record=True, width=200)
+    out.print(sweep_table(SweepOut.model_validate(sweep)))
+    assert f"2 trials of {source['id']}, best 0.8 ({done['job_id']})" in out.export_text()
+    # A history trial outside the new space is left out.
+    narrow = {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}}
+    outside = done["params"]["learning_rate"] < 1e-3
+    r = client.post("/sweeps", json=body(dataset["id"], warm_start_from=[source["id"]], search_space=narrow))
+    assert r.status_code == 201 and r.json()["history"]["trials"] == 2 - outside, r.text
+
+
+@pytest.mark.parametrize("mismatch", ["tenant", "task", "base_model", "missing"])
+def test_a_warm_start_from_another_tenant_task_or_model_is_refused(client, dataset, mismatch):  # noqa: F811
+    source = created(client, body(dataset["id"], max_trials=1))["id"]
+    if mismatch == "tenant":
+        edit_sweep(source, tenant="tenant-b")
+    elif mismatch == "task":
+        edit_sweep(source, task="multi_label")
+    elif mismatch == "base_model":
+        edit_sweep(source, base_model="all-MiniLM-L6-v2")
+    else:
+        source = "sweep_0000000000000000"
+    error = refused(client, body(dataset["id"], warm_start_from=[source]), 422, "invalid_warm_start",
+                    "warm_start_from[0]")
+    assert source in error["message"] and (mismatch in ("tenant", "missing") or mismatch in error["message"]), error
+
+
+# ----------------------------------------------------------------------------- 4: the budget
+
+
+def backdate(sweep_id: str, seconds: float) -> None:
+    """Move the sweep's creation ``seconds`` back: its budget is spent without waiting for it."""
+    from datetime import timedelta
+
+    from shared.store.engine import session_scope
+    from shared.store.rows import Sweep
+
+    with session_scope() as s:
+        sweep = s.get(Sweep, sweep_id)
+        sweep.created_at -= timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize("succeeded", [True, False])
+def test_a_spent_budget_ends_the_sweep_and_stops_its_trials(client, dataset, succeeded):  # noqa: F811
+    from shared.jobs.sweeps import top_up_all
+    from shared.store.engine import session_scope
+    from shared.store.rows import Job
+
+    sweep = created(client, body(dataset["id"], max_trials=4, max_parallel_trials=2, max_duration_seconds=60))
+    first, second = trials(client, sweep["id"])
+    if succeeded:
+        finish(first["job_id"], "succeeded", {2: 0.7})
+    with session_scope() as s:
+        s.get(Job, second["job_id"]).status = "running"
+    top_up_all()  # the recovery loop's chore, within the budget: the sweep goes on
+    assert client.get(f"/sweeps/{sweep['id']}").json()["status"] in ("queued", "running")
+
+    backdate(sweep["id"], 61)
+    before = len(trials(client, sweep["id"]))
+    top_up_all()  # the budget spent: the sweep ends, nothing more is asked
+    ended = client.get(f"/sweeps/{sweep['id']}").json()
+    assert ended["status"] == ("succeeded" if succeeded else "failed"), ended
+    assert ended["error"]["code"] == "budget_spent" and "ended on its budget" in ended["error"]["message"], ended
+    assert ended["best_trial"] == ({"job_id": first["job_id"], "trial_number": 0, "params": first["params"],
+                                    "value": 0.7} if succeeded else None)
+    assert len(trials(client, sweep["id"])) == before
+    # The running trial is stopped as on cancel, and its event says why.
+    running = client.get(f"/jobs/{second['job_id']}").json()
+    events = client.get(f"/jobs/{second['job_id']}/events").json()["data"]
+    assert running["status"] == "running" and any(
+        e["code"] == "cancel_requested" and "ended on its budget" in e["message"] for e in events), events
+
+
+def test_a_budget_under_one_evaluations_time_is_refused(client, dataset):  # noqa: F811
+    refused(client, body(dataset["id"], max_duration_seconds=59), 422, "budget_too_small", "max_duration_seconds")

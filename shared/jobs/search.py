@@ -86,7 +86,8 @@ def check_sweep(spec: SweepCreate) -> tuple[SweepCreate, dict[str, BaseDistribut
 
     Raises:
         UserError: 422 naming the field (``search_space.<name>``, ``objective.metric``,
-            ``objective.direction``, ``objectives.<i>.metric``, ``max_trials``, ``max_parallel_trials``).
+            ``objective.direction``, ``objectives.<i>.metric``, ``max_trials``, ``max_parallel_trials``,
+            ``max_duration_seconds``).
     """
     spec = priors.fill(spec)
     objectives = check_objectives(spec)
@@ -94,6 +95,11 @@ def check_sweep(spec: SweepCreate) -> tuple[SweepCreate, dict[str, BaseDistribut
     if spec.max_trials > limit:
         raise UserError("too_many_trials", f"max_trials {spec.max_trials} is over this server's quota of {limit} "
                         "trials per sweep (TUNEJOB_MAX_TRIALS_PER_SWEEP)", "max_trials")
+    floor = get_settings().min_sweep_duration_seconds
+    if spec.max_duration_seconds is not None and spec.max_duration_seconds < floor:
+        raise UserError("budget_too_small", f"max_duration_seconds {spec.max_duration_seconds} is under one "
+                        f"evaluation's time, this server's minimum of {floor:g} s (TUNEJOB_MIN_SWEEP_DURATION_SECONDS)",
+                        "max_duration_seconds")
     if spec.max_parallel_trials > spec.max_trials:
         raise UserError("too_many_parallel_trials", f"max_parallel_trials {spec.max_parallel_trials} is over max_trials "
                         f"{spec.max_trials}", "max_parallel_trials")
@@ -229,19 +235,55 @@ def frozen(job: Job, spec: SweepCreate, space: dict, curve: dict[int, float], st
                         user_attrs={"job_id": job.id})
 
 
-def study_of(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict[str, dict[int, float]],
-             asking: bool = False, more: dict[str, list[dict[int, float]]] | None = None) -> optuna.Study:
-    """An in-memory Optuna study holding ``trials`` (in number order, so Optuna numbers them as we do).
-    Only a study ``asking`` for trials gets the sweep's sampler (``sampler``: a grid's is built from
-    all its points); pruning and the report get a random one, which costs nothing to build.
+def history(s: Session, spec: SweepCreate, space: dict, multi: bool = False) -> list[FrozenTrial]:
+    """The warm start (``warm_start_from``): the earlier sweeps' succeeded and pruned trials, in
+    their order and then by number, as Optuna trials of this space, with their values and curves
+    (``curves``, of this sweep's objective) and their ``job_id``, ``sweep_id`` and ``trial_number``
+    as user attributes. ``multi``: trials of the multi-objective study, with every objective's value
+    (``values_of``). A trial whose parameters lie outside this space, or that succeeded without a
+    value of every objective, is left out (an Optuna study holds no such trial)."""
+    if not spec.warm_start_from:
+        return []
+    jobs = sorted(s.scalars(select(Job).where(Job.sweep_id.in_(spec.warm_start_from), Job.deleted_at.is_(None),
+                                              Job.status.in_((JobStatus.SUCCEEDED, JobStatus.PRUNED)))),
+                  key=lambda j: (spec.warm_start_from.index(j.sweep_id or ""), j.trial_number or 0))
+    trial_curves = curves(s, [job.id for job in jobs], spec.objective.metric)
+    more = more_curves(s, spec, [job.id for job in jobs]) if multi else {job.id: [] for job in jobs}
+    out = []
+    for job in jobs:
+        curve, state = trial_curves[job.id], STATES[job.status]
+        found = values_of(curve, more[job.id], spec) if state == TrialState.COMPLETE else []
+        values = [v for v in found if v is not None]
+        if len(values) < len(found):  # succeeded without a finite evaluation (or latency)
+            continue
+        try:
+            out.append(create_trial(state=state, values=values or None, distributions=space, intermediate_values=curve,
+                                    params={name: job.base_model if name == search_space.BASE_MODEL
+                                            else job.spec["hyperparameters"].get(name) for name in space},
+                                    user_attrs={"job_id": job.id, "sweep_id": job.sweep_id,
+                                                "trial_number": job.trial_number}))
+        except (ValueError, TypeError):  # outside this space
+            continue
+    return out
 
-    With ``more`` (``more_curves``), a multi-objective study (``directions``); without, a study of
-    the first objective alone: the one pruning decides on (Optuna's pruners and ``Trial.report``
-    take one objective; intermediate values are the first objective's either way)."""
+
+def study_of(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict[str, dict[int, float]],
+             asking: bool = False, more: dict[str, list[dict[int, float]]] | None = None,
+             past: list[FrozenTrial] | None = None) -> optuna.Study:
+    """An in-memory Optuna study holding the warm start's ``past`` trials (``history``) and then
+    ``trials`` (in number order). Only a study ``asking`` for trials gets the sweep's sampler
+    (``sampler``: a grid's is built from all its points); pruning and the report get a random one,
+    which costs nothing to build.
+
+    With ``more`` (``more_curves``), a multi-objective study (``directions``; ``past`` built with
+    ``multi``); without, a study of the first objective alone: the one pruning decides on (Optuna's
+    pruners and ``Trial.report`` take one objective; intermediate values are the first objective's
+    either way)."""
     chosen = sampler(spec, len(trials)) if asking else optuna.samplers.RandomSampler(seed=spec.seed)
     directions = [o.direction or "maximize" for o in spec.all_objectives] if more is not None else [
         spec.objective.direction or "maximize"]
     study = optuna.create_study(directions=directions, sampler=chosen, pruner=pruner(spec))
+    study.add_trials(past or [])
     for job in sorted(trials, key=lambda j: j.trial_number or 0):  # every trial has its number
         study.add_trial(frozen(job, spec, space, trial_curves[job.id], more=more[job.id] if more else None))
     return study
@@ -273,14 +315,16 @@ def default_params(spec: SweepCreate, space: dict[str, BaseDistribution]) -> dic
 
 
 def ask(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict, n: int,
-        more: dict[str, list[dict[int, float]]] | None = None) -> list[tuple[dict, dict]]:
+        more: dict[str, list[dict[int, float]]] | None = None, past: list[FrozenTrial] | None = None
+        ) -> list[tuple[dict, dict]]:
     """The next ``n`` trials' (params, Optuna system attributes), each asked with the ones before it
     (and every queued or running trial) in the study as running. A sweep's first trial, with
     ``include_defaults``, is the default trial (``default_params``), enqueued through Optuna's
-    ``enqueue_trial`` so that the sampler knows it as a fixed trial (``fixed_params``). A sweep of
-    several objectives asks with ``more`` (``more_curves``; ``{}`` before any trial): TPE then runs
-    as multi-objective TPE (MOTPE, Ozaki et al. 2020), random and grid as they are."""
-    study = study_of(spec, space, trials, trial_curves, asking=True, more=more)
+    ``enqueue_trial`` so that the sampler knows it as a fixed trial (``fixed_params``). ``past``:
+    the warm start's trials (``history``). A sweep of several objectives asks with ``more``
+    (``more_curves``; ``{}`` before any trial): TPE then runs as multi-objective TPE (MOTPE, Ozaki
+    et al. 2020), random and grid as they are."""
+    study = study_of(spec, space, trials, trial_curves, asking=True, more=more, past=past)
     if spec.include_defaults and not trials:
         study.enqueue_trial(default_params(spec, space))
     asked = []

@@ -99,6 +99,16 @@ class SweepCreate(JobCreate):
     max_trials: int = Field(10, ge=1, description="Trials in all (at most TUNEJOB_MAX_TRIALS_PER_SWEEP).")
     max_parallel_trials: int = Field(1, ge=1, le=1000, description="Trials queued or running at once.")
     max_failed_trials: int = Field(3, ge=0, description="The sweep fails once more trials than this have failed.")
+    warm_start_from: list[str] = Field(
+        default_factory=list, max_length=20, description="Earlier sweeps of the same tenant, task and base model: "
+        "their finished trials (succeeded and pruned, inside this search space) join the study as history, with their "
+        "values and curves (for the sampler and the pruner); they are not trials of this sweep nor count against "
+        "max_trials.")
+    max_duration_seconds: int | None = Field(
+        None, ge=1, le=366 * 86400, description="A budget for the whole sweep, from its creation: once spent, running "
+        "trials are stopped as on cancel, no trial is asked, and the sweep ends with the best so far (succeeded; "
+        "failed if no trial had succeeded), its error code budget_spent saying so. At least "
+        "TUNEJOB_MIN_SWEEP_DURATION_SECONDS (default 60).")
     include_defaults: bool = Field(True, description="Trial 0 runs the fixed hyperparameters (tunejob's defaults "
                                    "where the spec leaves them out) for the searched fields, each taken to the "
                                    "nearest value its range holds: the sweep's best is then never worse than that job.")
@@ -135,6 +145,14 @@ class BestTrial(BaseModel):
 
 class ParetoTrial(BestTrial):
     values: list[float] = Field(description="Each objective's value, in the order of objectives.")
+
+
+class History(BaseModel):
+    """A warm-started sweep's history: the finished trials of ``warm_start_from`` in its study."""
+
+    sweeps: list[str]
+    trials: int = Field(description="Their succeeded and pruned trials inside this search space.")
+    best: BestTrial | None = Field(description="The best succeeded one (trial_number: in its own sweep).")
 
 
 class TrialOut(BaseModel):
@@ -184,10 +202,12 @@ class SweepOut(BaseModel):
     pareto_trials: list[ParetoTrial] = Field(description="Several objectives: the succeeded trials no other "
                                                          "beats on every objective (Optuna's study.best_trials), "
                                                          "by number; one objective: [].")
+    history: History | None = Field(None, description="warm_start_from: the earlier sweeps' trials in its study.")
     created_at: datetime
     started_at: datetime | None = Field(description="When its first trial started.")
     finished_at: datetime | None
-    error: dict[str, Any] | None
+    error: dict[str, Any] | None = Field(description="Why it failed, why it is paused (trials_paused), or that it "
+                                                    "ended on its budget (budget_spent): {code, message}.")
 
 
 class SweepList(BaseModel):
