@@ -91,7 +91,7 @@ def test_a_sweep_of_accuracy_and_latency_searches_models_and_lengths_prunes_on_a
 
 
 def test_a_single_objective_sweep_has_no_front(stack, dataset):  # noqa: F811
-    sweep = wait_for_sweep(stack.client, create(stack.client, sweep_body(dataset["id"], max_trials=1))["id"])
+    sweep = wait_for_sweep(stack.client, create(stack.client, sweep_body(dataset["id"], max_trials=1))["id"], timeout=400)
     assert sweep["pareto_trials"] == [] and sweep["objectives"] == [{"metric": "accuracy", "direction": "maximize"}]
     r = stack.client.get(f"/sweeps/{sweep['id']}/report/pareto_front.png")
     assert r.status_code == 409 and r.json()["error"]["code"] == "single_objective", r.text
@@ -172,7 +172,7 @@ def test_the_sweep_page_draws_the_front_narrow_and_wide(stack, server, watched, 
 
     client = stack.client_for("ui-sweeps")
     data = upload(client, labelled_csv(rows=48, seed=5))
-    sweep = wait_for_sweep(client, create(client, multi_body(data["id"], max_trials=2))["id"])
+    sweep = wait_for_sweep(client, create(client, multi_body(data["id"], max_trials=2))["id"], timeout=400)
     assert sweep["status"] == "succeeded", sweep
     shots = Path(os.environ.get("TUNEJOB_UI_SCREENSHOTS", tmp_path))
     with watched("sweep-front") as w:
