@@ -186,9 +186,12 @@ def test_a_warm_start_brings_finished_trials_as_history_for_the_pruner(client, d
     assert sweep["trials"]["queued"] == 1 and sweep["max_trials"] == 1  # history is no trial of this sweep
     (first,) = trials(client, sweep["id"])
     assert first["number"] == 0 and first["default"] is True
-    # The pruner compares with the history's curves: 0.1 at step 2 is below the median there (0.6).
-    assert should_prune(first["job_id"], 2, {"accuracy": 0.1}) is True
-    alone = created(client, body(dataset["id"], max_trials=1, **median))
+    # The pruner compares with the history's curves: 0.1 at step 2 is below the median there (0.6);
+    # the default trial is never pruned.
+    assert should_prune(first["job_id"], 2, {"accuracy": 0.1}) is False
+    searched = created(client, body(dataset["id"], warm_start_from=[source["id"]], include_defaults=False, **median))
+    assert should_prune(trials(client, searched["id"])[0]["job_id"], 2, {"accuracy": 0.1}) is True
+    alone = created(client, body(dataset["id"], max_trials=1, include_defaults=False, **median))
     assert should_prune(trials(client, alone["id"])[0]["job_id"], 2, {"accuracy": 0.1}) is False
 
     # The CLI shows the history, greyed.
