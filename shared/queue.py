@@ -41,6 +41,8 @@ def celery_config(settings: Settings) -> dict:
             store_processed=False,
             polling_interval=settings.broker_polling_seconds,  # kombu's default, 1 s, delays every job's start
         )
+    elif settings.broker_key_prefix:
+        transport_options["global_keyprefix"] = settings.broker_key_prefix
     return {
         "broker_url": settings.celery_broker_url,
         "broker_transport_options": transport_options,
