@@ -39,6 +39,7 @@ from client.display import (
     show,
     styled_status,
     texts_table,
+    vectors_table,
 )
 from client.options import UsageError, add_create_arguments, job_spec, prediction_spec
 
@@ -278,6 +279,11 @@ def predict_texts(client: Client, args, out: Console) -> None:
     show(out, args, answer, lambda: texts_table(args.texts, answer["predictions"]))
 
 
+def embed_texts(client: Client, args, out: Console) -> None:
+    answer = client.embed(args.job_id, args.texts)
+    show(out, args, answer, lambda: vectors_table(args.texts, answer["embeddings"]))
+
+
 def create_webhook(client: Client, args, out: Console) -> None:
     webhook = client.create_webhook(args.url, args.events, args.description)
     show(out, args, webhook, lambda: fields_table({
@@ -409,12 +415,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def add_predict_commands(commands: argparse._SubParsersAction, command, quiet, read) -> None:
-    """``tunejob predict create|list|get|watch|events|download|cancel|delete|texts``."""
+    """``tunejob predict create|list|get|watch|events|download|cancel|delete|texts|embed``."""
     predict = commands.add_parser("predict", help="score datasets or texts with a trained model (client)") \
         .add_subparsers(dest="subcommand", required=True)
     p = command(predict, "create", create_prediction, "score every row of a dataset (or plan it: --dry-run)", quiet)
     p.add_argument("--spec", type=Path, help="a JSON body of POST /predictions; the options below override it")
-    p.add_argument("--model", help="a succeeded job id, or a base model with a classification head")
+    p.add_argument("--model", help="a succeeded job id (an embedding job's results are vectors), or a base "
+                   "model with a classification head")
     p.add_argument("--dataset", help="the dataset id to score")
     p.add_argument("--text-column")
     p.add_argument("--text-pair-column")
@@ -440,6 +447,10 @@ def add_predict_commands(commands: argparse._SubParsersAction, command, quiet, r
     command(predict, "delete", delete_prediction, "delete a finished prediction job and its results") \
         .add_argument("prediction_id")
     p = command(predict, "texts", predict_texts, "score a few texts at once with a trained model's job id", read)
+    p.add_argument("job_id")
+    p.add_argument("texts", nargs="+")
+    p = command(predict, "embed", embed_texts, "embed a few texts at once with an embedding job's id (or a base "
+                "model's name); --json prints the whole vectors", read)
     p.add_argument("job_id")
     p.add_argument("texts", nargs="+")
 

@@ -174,6 +174,20 @@ def test_predict_a_dataset_and_a_few_texts_from_the_command_line(served, tmp_pat
     assert missing.returncode == 1 and "not_found" in missing.stderr
 
 
+def test_predict_embed_prints_a_summary_or_the_whole_vectors(served):
+    """``tunejob predict embed`` with a base model's name (mean pooling): ``--json`` prints the API's
+    answer, unit vectors one per text; without it, a table of each text's vector size and first values."""
+    answer = served.cli("predict", "embed", TINY_MODEL, "goal match team", "shares market profit", "--json")
+    assert answer.returncode == 0, answer.stderr
+    vectors = json.loads(answer.stdout)["embeddings"]
+    assert len(vectors) == 2 and len(vectors[0]) == json.loads(answer.stdout)["dimensions"]
+    assert sum(v * v for v in vectors[0]) == pytest.approx(1.0, abs=1e-5)
+    table = served.cli("predict", "embed", TINY_MODEL, "goal match team")
+    assert table.returncode == 0, table.stderr
+    assert "dimensions" in table.stdout and f"{vectors[0][0]:.4f}" in table.stdout
+    assert "goal match team" in table.stdout
+
+
 def test_a_failing_job_makes_watch_exit_non_zero(served, tmp_path):
     # Targets of 1e30 (allowed by the spec's allow_large_targets): the squared error overflows fp32,
     # and one non-finite step fails the job.

@@ -16,7 +16,8 @@ rows of the parts already written, so no row is scored twice. Columns: ``id`` (t
 value as text, or the 0-based row index), then per task (``result_fields``): ``label``, ``score``
 and ``probabilities`` (a struct with one field per class, in class order) for classification;
 ``value`` for regression; ``labels`` (a list) and ``probabilities`` for multi_label; ``entities``
-(a list of structs ``ENTITY``) for token_classification.
+(a list of structs ``ENTITY``) for token_classification; ``embedding`` (a fixed-size list of float32,
+the model's vector size, unit length) for an embedding model (``embedding_table``).
 
 No torch here: the API imports this module (the tokenizer only for a dry run).
 """
@@ -64,7 +65,7 @@ from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
 from shared.store.tenancy import Caller, owned_job
 
 KIND = "predict"
-TASKS = ("classification", "regression", "multi_label", "token_classification")
+TASKS = ("classification", "regression", "multi_label", "token_classification", "embedding")
 PART_GLOB = "part-*.parquet"
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "csv": "text/csv", "parquet": "application/vnd.apache.parquet"}
 # Written in each part's Parquet metadata, summed over the parts for the job's result.
@@ -100,7 +101,6 @@ def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
     """
     with TRANSFORMERS_IMPORT:
         from transformers import AutoConfig
-
 
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
@@ -140,8 +140,18 @@ def prediction_model(ref: str, caller: Caller) -> PredictionModel:
     job, directory = trained_model(ref, caller)
     if job.task not in TASKS:
         raise UserError("unsupported_task", f"model {ref!r} was trained for {job.task}; predictions support "
-                        f"{' and '.join(TASKS)}", "model")
-    return PredictionModel(ref, directory, job.task, job.label_names, max_input_length(directory))
+                        f"{', '.join(TASKS)}", "model")
+    limit = embedding_limit(directory) if job.task == "embedding" else max_input_length(directory)
+    return PredictionModel(ref, directory, job.task, job.label_names, limit)
+
+
+def embedding_limit(directory: Path) -> int | None:
+    """An embedding model's longest input in tokens: its ``max_seq_length``
+    (``sentence_bert_config.json``, the job's ``max_length``), as ``SentenceTransformer`` loads it."""
+    try:
+        return json.loads((directory / "sentence_bert_config.json").read_text())["max_seq_length"]
+    except (OSError, ValueError, KeyError):
+        return max_input_length(directory)
 
 
 # ----------------------------------------------------------------------------- the data
@@ -252,9 +262,12 @@ def check_prediction(spec: PredictionCreate, caller: Caller) -> CheckedPredictio
             validation report of unusable cells (``missing_value``, ``invalid_text``, ``invalid_id``).
     """
     model = prediction_model(spec.model, caller)
-    if spec.text_pair_column and model.task == "token_classification":
-        raise UserError("invalid_text_pair_column", f"model {spec.model!r} is a token_classification model: it tags "
+    if spec.text_pair_column and model.task in ("token_classification", "embedding"):
+        raise UserError("invalid_text_pair_column", f"model {spec.model!r} is a {model.task} model: it reads "
                         "one text a row; leave text_pair_column out", "text_pair_column")
+    if model.task == "embedding" and spec.precision not in ("auto", "fp32"):
+        raise UserError("invalid_precision", f"model {spec.model!r} is an embedding model: embeddings are computed "
+                        f"in fp32, not {spec.precision}", "precision")
     if spec.max_length and model.limit and spec.max_length > model.limit:
         raise UserError("max_length_too_long", f"max_length {spec.max_length} is longer than model {spec.model!r} "
                         f"accepts ({model.limit} tokens)", "max_length")
@@ -425,6 +438,14 @@ def results_table(ids: list, task: str, label_names: list[str] | None, rows: lis
     return pa.table(columns)
 
 
+def embedding_table(ids: list, vectors: np.ndarray, id_type: pa.DataType) -> pa.Table:
+    """One part's rows of an embedding model: ``id``, then ``embedding``, a fixed-size list of
+    float32 (``vectors``: ``[rows, dimensions]``), stored without a copy to Python lists."""
+    flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1), pa.float32())
+    return pa.table({"id": pa.array(ids, id_type),
+                     "embedding": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])})
+
+
 def result_fields(task: str, label_names: list[str] | None) -> list[tuple[str, pa.DataType]]:
     """(column, Arrow type) of a task's results, after ``id``: ``label``, ``score``,
     ``probabilities`` (a struct of the classes, in class order) for classification; ``value`` for
@@ -489,7 +510,7 @@ def _csv(parts: list[str]) -> Iterator[bytes]:
 def _lists_as_json(table: pa.Table) -> pa.Table:
     """``table`` with each list column as JSON text (a CSV cell holds no list)."""
     for index, field in enumerate(table.schema):
-        if pa.types.is_list(field.type):
+        if pa.types.is_list(field.type) or pa.types.is_fixed_size_list(field.type):
             cells = [json.dumps(json_safe(v), ensure_ascii=False) for v in table.column(index).to_pylist()]
             table = table.set_column(index, field.name, pa.array(cells, pa.string()))
     return table

@@ -20,7 +20,8 @@ class PredictionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [PREDICTION_CREATE_EXAMPLE]})
 
     model: str = Field(description="A succeeded training job of yours (``job_…``), or the name of a base model "
-                                   "(``GET /models``) that has a sequence- or token-classification head.")
+                                   "(``GET /models``) that has a sequence- or token-classification head. An "
+                                   "``embedding`` job's results are vectors (column ``embedding``).")
     dataset: str = Field(description="The dataset to score (``ds_…``).")
     text_column: str = "text"
     text_pair_column: str | None = None
