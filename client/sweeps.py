@@ -125,8 +125,12 @@ def sweep_table(sweep) -> Table:
                         ("model", escape(sweep.base_model)), ("objective", f"{sweep.objective.direction} "
                         f"{sweep.objective.metric}"), ("search", f"{sweep.algorithm}, pruning {sweep.early_stopping}"),
                         ("trials", f"{_counts(sweep)} of {sweep.max_trials} ({sweep.max_parallel_trials} at a time)"),
-                        ("best", _best(sweep))]:
+                        ("best", _best(sweep)), ("default", _default(sweep))]:
         table.add_row(f"[bold]{name}[/]", value)
+    if sweep.history:  # greyed: the earlier sweeps' trials, not this one's
+        h, best = sweep.history, sweep.history.best
+        table.add_row("[dim]history[/]", f"[dim]{h.trials} trials of {', '.join(h.sweeps)}"
+                      f"{f', best {best.value:.4g} ({best.job_id})' if best else ''}[/]")
     if sweep.error:
         table.add_row("[bold]error[/]", escape(sweep.error.get("message", "")))
     return table
@@ -136,7 +140,8 @@ def trials_table(trials) -> Table:
     names = sorted({name for t in trials for name in t.params})
     table = Table("#", id_column(), "status", *names, "value", "steps")
     for t in trials:
-        table.add_row(str(t.number), t.job_id, styled_status(t.status), *(_value(t.params.get(n)) for n in names),
+        table.add_row(f"{t.number} default" if t.default else str(t.number), t.job_id, styled_status(t.status),
+                      *(_value(t.params.get(n)) for n in names),
                       _value(t.value), str(t.steps))
     return table
 
@@ -148,6 +153,12 @@ def _counts(sweep) -> str:
 def _best(sweep) -> str:
     best = sweep.best_trial
     return f"#{best.trial_number} {best.value:.4g} ({best.job_id})" if best else "-"
+
+
+def _default(sweep) -> str:
+    """The default trial (``include_defaults``): its value, for comparing with the best."""
+    d = sweep.default_trial
+    return f"#{d.number} {_value(d.value)} {styled_status(d.status)} ({d.job_id})" if d else "-"
 
 
 def _value(value) -> str:

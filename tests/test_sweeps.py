@@ -235,7 +235,7 @@ BAD = [
     ({"objective": {"metric": "pearson_r"}}, "objective.metric"),
     ({"objective": {"metric": "loss", "direction": "maximize"}}, "objective.direction"),
     ({"max_trials": 10**6}, "max_trials"),
-    ({"algorithm": "grid", "search_space": {"batch_size": {"type": "categorical", "choices": [4, 8]}}, "max_trials": 3},
+    ({"algorithm": "grid", "search_space": {"batch_size": {"type": "categorical", "choices": [4, 8]}}, "max_trials": 4},
      "max_trials"),
 ]
 

@@ -15,14 +15,14 @@ against SQLite with concurrent writers), and the same code runs on SQLite and Po
 from typing import Any
 
 import optuna
-from optuna.distributions import BaseDistribution
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from shared.errors import UserError
-from shared.jobs import search_space
+from shared.jobs import priors, search_space
 from shared.jobs.search_space import distributions
 from shared.schemas.jobs import GREATER_IS_BETTER, TASK_METRICS, Hyperparameters, JobCreate
 from shared.schemas.sweeps import SweepCreate
@@ -47,12 +47,14 @@ TRIAL_STATUSES = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.SUCCEEDED, JobS
 def check_sweep(spec: SweepCreate) -> tuple[SweepCreate, dict[str, BaseDistribution]]:
     """Check what the schema cannot: the search space against ``Hyperparameters``, the objective
     against the task, the trial quota. Returns the spec with its objective filled in (the metric's
-    canonical name, its direction) and the space as Optuna distributions.
+    canonical name, its direction) and the ranges left to tunejob filled (``shared.jobs.priors``),
+    and the space as Optuna distributions.
 
     Raises:
         UserError: 422 naming the field (``search_space.<name>``, ``objective.metric``,
             ``objective.direction``, ``max_trials``, ``max_parallel_trials``).
     """
+    spec = priors.fill(spec)
     metric = METRIC_ALIASES.get(spec.objective.metric, spec.objective.metric)
     if metric not in TASK_METRICS[spec.task]:
         raise UserError("invalid_objective", f"objective.metric {spec.objective.metric!r} is not a metric of task "
@@ -72,9 +74,10 @@ def check_sweep(spec: SweepCreate) -> tuple[SweepCreate, dict[str, BaseDistribut
     spec = spec.model_copy(update={"objective": spec.objective.model_copy(update={"metric": metric,
                                                                                    "direction": natural})})
     space = distributions(spec)
-    if spec.algorithm == "grid" and spec.max_trials > (size := search_space.check_grid(spec)):
-        raise UserError("grid_too_small", f"max_trials {spec.max_trials} is over the grid's {size} points: "
-                        "trials would repeat parameters", "max_trials")
+    if spec.algorithm == "grid" and spec.max_trials > (size := search_space.check_grid(spec)) + spec.include_defaults:
+        raise UserError("grid_too_small", f"max_trials {spec.max_trials} is over the grid's {size} points"
+                        f"{' and the default trial' if spec.include_defaults else ''}: trials would repeat "
+                        "parameters", "max_trials")
     return spec, space
 
 
@@ -116,7 +119,15 @@ def sampler(spec: SweepCreate, asked: int) -> optuna.samplers.BaseSampler:
         return optuna.samplers.RandomSampler(seed=seed)
     if spec.algorithm == "grid":
         return optuna.samplers.GridSampler(search_space.grid(spec), seed=seed)
-    return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+    return optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=startup_trials(spec.max_trials))
+
+
+def startup_trials(max_trials: int) -> int:
+    """TPE's random start-up trials for a sweep of ``max_trials``: a quarter of them, at least 2 and
+    at most Optuna's default 10. Optuna's 10 suits studies of a hundred trials; in a sweep of 12 it
+    left two trials to TPE (issue 38). The default trial and warm-start history count among the
+    trials TPE has seen, so a warm-started sweep models from its first asked trial."""
+    return min(10, max(2, max_trials // 4))
 
 
 def pruner(spec: SweepCreate) -> optuna.pruners.BasePruner:
@@ -169,22 +180,77 @@ def frozen(job: Job, spec: SweepCreate, space: dict, curve: dict[int, float], st
                         intermediate_values=curve, system_attrs=job.trial_attrs or {})
 
 
+def history(s: Session, spec: SweepCreate, space: dict) -> list[FrozenTrial]:
+    """The warm start (``warm_start_from``): the earlier sweeps' succeeded and pruned trials, in
+    their order and then by number, as Optuna trials of this space, with their values and curves
+    (``curves``, of this sweep's objective) and their ``job_id``, ``sweep_id`` and ``trial_number``
+    as user attributes. A trial whose parameters lie outside this space is left out (an Optuna
+    study holds no such trial)."""
+    if not spec.warm_start_from:
+        return []
+    jobs = sorted(s.scalars(select(Job).where(Job.sweep_id.in_(spec.warm_start_from), Job.deleted_at.is_(None),
+                                              Job.status.in_((JobStatus.SUCCEEDED, JobStatus.PRUNED)))),
+                  key=lambda j: (spec.warm_start_from.index(j.sweep_id or ""), j.trial_number or 0))
+    trial_curves = curves(s, [job.id for job in jobs], spec.objective.metric)
+    out = []
+    for job in jobs:
+        curve, state = trial_curves[job.id], STATES[job.status]
+        value = best_value(curve, spec) if state == TrialState.COMPLETE else None
+        try:
+            out.append(create_trial(state=state, value=value, distributions=space, intermediate_values=curve,
+                                    params={name: job.spec["hyperparameters"].get(name) for name in space},
+                                    user_attrs={"job_id": job.id, "sweep_id": job.sweep_id,
+                                                "trial_number": job.trial_number}))
+        except (ValueError, TypeError):  # outside this space, or succeeded without a finite evaluation
+            continue
+    return out
+
+
 def study_of(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict[str, dict[int, float]],
-             asking: bool = False) -> optuna.Study:
-    """An in-memory Optuna study holding ``trials`` (in number order, so Optuna numbers them as we do).
-    Only a study ``asking`` for trials gets the sweep's sampler (``sampler``: a grid's is built from
-    all its points); pruning and the report get a random one, which costs nothing to build."""
+             asking: bool = False, past: list[FrozenTrial] | None = None) -> optuna.Study:
+    """An in-memory Optuna study holding the warm start's ``past`` trials (``history``) and then
+    ``trials`` (in number order). Only a study ``asking`` for trials gets the sweep's sampler
+    (``sampler``: a grid's is built from all its points); pruning and the report get a random one,
+    which costs nothing to build."""
     chosen = sampler(spec, len(trials)) if asking else optuna.samplers.RandomSampler(seed=spec.seed)
     study = optuna.create_study(direction=spec.objective.direction, sampler=chosen, pruner=pruner(spec))
+    study.add_trials(past or [])
     for job in sorted(trials, key=lambda j: j.trial_number or 0):  # every trial has its number
         study.add_trial(frozen(job, spec, space, trial_curves[job.id]))
     return study
 
 
-def ask(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict, n: int) -> list[tuple[dict, dict]]:
+def default_params(spec: SweepCreate, space: dict[str, BaseDistribution]) -> dict[str, Any]:
+    """The default trial's parameters (``include_defaults``): each searched field's fixed value (the
+    spec's hyperparameter, or tunejob's default), taken to the nearest value its range holds (a
+    bound; on a stepped range, the nearest step; a categorical's first choice when it holds no
+    equal one; a range's low bound for a value left null), since every trial of an Optuna study lies inside its distributions."""
+    fixed = spec.hyperparameters.model_dump()
+    params: dict[str, Any] = {}
+    for name, d in space.items():
+        value = fixed[name]
+        if isinstance(d, CategoricalDistribution):
+            params[name] = next((c for c in d.choices if c == value and isinstance(c, bool) == isinstance(value, bool)),
+                                d.choices[0])
+            continue
+        assert isinstance(d, (FloatDistribution, IntDistribution))  # the only kinds search_space builds
+        value = d.low if value is None else min(max(value, d.low), d.high)  # None: e.g. eval_every_steps
+        if d.step:
+            value = min(d.low + round((value - d.low) / d.step) * d.step, d.high)
+        params[name] = int(round(value)) if isinstance(d, IntDistribution) else float(value)
+    return params
+
+
+def ask(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict, n: int,
+        past: list[FrozenTrial] | None = None) -> list[tuple[dict, dict]]:
     """The next ``n`` trials' (params, Optuna system attributes), each asked with the ones before it
-    (and every queued or running trial) in the study as running."""
-    study = study_of(spec, space, trials, trial_curves, asking=True)
+    (and every queued or running trial) in the study as running. A sweep's first trial, with
+    ``include_defaults``, is the default trial (``default_params``), enqueued through Optuna's
+    ``enqueue_trial`` so that the sampler knows it as a fixed trial (``fixed_params``). ``past``:
+    the warm start's trials (``history``)."""
+    study = study_of(spec, space, trials, trial_curves, asking=True, past=past)
+    if spec.include_defaults and not trials:
+        study.enqueue_trial(default_params(spec, space))
     asked = []
     for _ in range(n):
         trial = study.ask(fixed_distributions=space)

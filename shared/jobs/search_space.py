@@ -20,6 +20,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from pydantic import ValidationError
 
 from shared.errors import UserError
+from shared.jobs.priors import PRIORS
 from shared.schemas.jobs import Hyperparameters, int_fields
 from shared.schemas.sweeps import Distribution, SweepCreate
 from shared.settings import get_settings
@@ -47,6 +48,10 @@ def distributions(spec: SweepCreate) -> dict[str, BaseDistribution]:
         field = f"search_space.{name}"
         if name not in SEARCHABLE:
             raise refuse(f"{name!r} is not a hyperparameter; use one of {', '.join(SEARCHABLE)}", field)
+        if d.type is None:
+            raise refuse(f"a range needs its type (float, int or categorical) and bounds; tunejob fills them only "
+                         f"for {', '.join(PRIORS['base'])}, and only when no bound, step or choice is given",
+                         f"{field}.type")
         if d.type == "categorical":
             if not d.choices:
                 raise refuse("a categorical range needs choices", f"{field}.choices")

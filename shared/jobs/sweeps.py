@@ -46,6 +46,7 @@ from shared.jobs.search import (
     check_sweep,
     curves,
     frozen,
+    history,
     params_of,
     spec_of,
     study_of,
@@ -53,7 +54,7 @@ from shared.jobs.search import (
 )
 from shared.jobs.search_space import distributions
 from shared.jobs.trials import ACTIVE, PAUSED, end_sweep, top_up
-from shared.schemas.sweeps import BestTrial, SweepCreate, SweepOut, SweepPlan, TrialOut
+from shared.schemas.sweeps import BestTrial, History, SweepCreate, SweepOut, SweepPlan, TrialOut
 from shared.settings import get_settings
 from shared.store import idempotency
 from shared.store.engine import keyset_page, read_session, session_scope
@@ -75,6 +76,7 @@ def create_sweep(spec: SweepCreate, caller: Caller, claim: idempotency.Claim | N
     spec, _ = check_sweep(spec)
     checked = check_spec(trial_template(spec), caller)
     with lifecycle.admission(caller) as s:
+        check_warm_start(s, spec, caller)
         first = min(spec.max_parallel_trials, spec.max_trials)
         active = s.scalar(select(func.count()).select_from(Job).where(
             Job.tenant == caller.tenant, Job.status.in_(ACTIVE))) or 0
@@ -96,11 +98,34 @@ def create_sweep(spec: SweepCreate, caller: Caller, claim: idempotency.Claim | N
 def plan_sweep(spec: SweepCreate, caller: Caller) -> SweepPlan:
     """``POST /sweeps?dry_run=true``: the checks of ``create_sweep``, and what it would queue first."""
     spec, space = check_sweep(spec)
-    first = ask(spec, space, [], {}, min(spec.max_parallel_trials, spec.max_trials))
+    with read_session() as s:
+        check_warm_start(s, spec, caller)
+        past = history(s, spec, space)
+    first = ask(spec, space, [], {}, min(spec.max_parallel_trials, spec.max_trials), past)
     return SweepPlan(max_trials=spec.max_trials, max_parallel_trials=spec.max_parallel_trials,
                      search_space={name: repr(d) for name, d in space.items()}, objective=spec.objective,
                      first_trials=[params for params, _ in first],
                      trial_plan=plan_job(check_spec(trial_template(spec), caller)))
+
+
+def check_warm_start(s: Session, spec: SweepCreate, caller: Caller) -> None:
+    """Each sweep of ``warm_start_from`` is the caller's tenant's, of the same task and base model.
+
+    Raises:
+        UserError: 422 ``invalid_warm_start`` naming ``warm_start_from[i]``, the sweep and the mismatch
+            (another tenant's sweep reads as none: no sweep's existence leaks across tenants).
+    """
+    for i, sweep_id in enumerate(spec.warm_start_from):
+        field = f"warm_start_from[{i}]"
+        source = s.get(Sweep, sweep_id)
+        if source is None or source.deleted_at is not None or source.tenant != caller.tenant:
+            raise UserError("invalid_warm_start", f"{field}: tenant {caller.tenant!r} has no sweep {sweep_id!r}", field)
+        theirs = spec_of(source)
+        for name in ("task", "base_model"):
+            if getattr(theirs, name) != getattr(spec, name):
+                raise UserError("invalid_warm_start", f"{field}: sweep {sweep_id!r} has {name} "
+                                f"{getattr(theirs, name)!r}, this sweep {getattr(spec, name)!r}: its trials' values "
+                                "say nothing about this one's", field)
 
 
 def top_up_all() -> list[str]:
@@ -125,7 +150,8 @@ def unsent_trials(sweep_id: str) -> list[str]:
 def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
     """Whether trial ``job_id``, whose evaluation at optimizer ``step`` gave ``metrics``, should stop
     now: its sweep's pruner asked with the other trials' stored curves and this trial's (its
-    earlier evaluations from the store, this one from ``metrics``). The pruner's trial attributes
+    earlier evaluations from the store, this one from ``metrics``), the warm start's history's
+    among them (``shared.jobs.search.history``). The pruner's trial attributes
     (ASHA's rungs) are stored on the job. Not a trial, or no finite objective: False."""
     with read_session() as s:
         job = s.get(Job, job_id)
@@ -138,8 +164,9 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
             return False
         others = [t for t in s.scalars(select(Job).where(Job.sweep_id == sweep.id, Job.id != job_id))]
         trial_curves = curves(s, [t.id for t in others] + [job_id], spec.objective.metric)
-    space = distributions(spec)
-    study = study_of(spec, space, others, trial_curves)
+        space = distributions(spec)
+        past = history(s, spec, space)
+    study = study_of(spec, space, others, trial_curves, past=past)
     curve = trial_curves[job_id]
     curve.setdefault(step, float(value))
     study.add_trial(frozen(job, spec, space, curve, TrialState.RUNNING))
@@ -150,7 +177,7 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
         with session_scope() as s:
             if (row := s.get(Job, job_id)) is not None:
                 row.trial_attrs = attrs
-    return prune
+    return bool(prune)  # MedianPruner answers a numpy bool
 
 
 # ----------------------------------------------------------------------------- reading
@@ -184,15 +211,30 @@ def to_out(s: Session, sweep: Sweep) -> SweepOut:
         if t.status == JobStatus.SUCCEEDED and value is not None and (
                 best is None or (value > best.value if spec.objective.direction == "maximize" else value < best.value)):
             best = BestTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=value)
+    default = next((trial_out(t, spec, trial_curves) for t in trials if t.trial_number == 0 and spec.include_defaults),
+                   None)
     started = [t.started_at for t in trials if t.started_at is not None]
     status = sweep.status if sweep.status != RUNNING or started else "queued"
     status = "paused" if sweep.status == RUNNING and (sweep.error or {}).get("code") == PAUSED else status
     return SweepOut(id=sweep.id, status=status, base_model=spec.base_model, task=spec.task, objective=spec.objective,
                     algorithm=spec.algorithm, early_stopping=spec.early_stopping.type, max_trials=spec.max_trials,
                     max_parallel_trials=spec.max_parallel_trials,
-                    trials={name: counts[name] for name in TRIAL_STATUSES}, best_trial=best,
+                    trials={name: counts[name] for name in TRIAL_STATUSES}, best_trial=best, default_trial=default,
+                    history=history_out(s, spec),
                     created_at=sweep.created_at, started_at=min(started, default=None),
                     finished_at=sweep.finished_at, error=sweep.error)
+
+
+def history_out(s: Session, spec: SweepCreate) -> History | None:
+    """The warm start as ``GET /sweeps/{id}`` shows it (``shared.jobs.search.history``); None without one."""
+    if not spec.warm_start_from:
+        return None
+    past = history(s, spec, distributions(spec))
+    pick = max if spec.objective.direction == "maximize" else min
+    best = pick((t for t in past if t.value is not None), key=lambda t: t.value or 0.0, default=None)
+    return History(sweeps=spec.warm_start_from, trials=len(past), best=best and BestTrial(
+        job_id=best.user_attrs["job_id"], trial_number=best.user_attrs["trial_number"], params=best.params,
+        value=best.value))
 
 
 def get_sweep(sweep_id: str, caller: Caller) -> SweepOut:
@@ -211,13 +253,18 @@ def list_sweeps(caller: Caller, limit: int, after: str | None = None) -> tuple[l
         return [to_out(s, sweep) for sweep in page], more
 
 
+def trial_out(t: Job, spec: SweepCreate, trial_curves: dict[str, dict[int, float]]) -> TrialOut:
+    """The API view of trial ``t`` (``default``: trial 0 of a sweep with ``include_defaults``)."""
+    return TrialOut(number=t.trial_number, job_id=t.id, status=t.status, params=params_of(t, spec),
+                    default=spec.include_defaults and t.trial_number == 0, value=best_value(trial_curves[t.id], spec),
+                    steps=t.step, started_at=t.started_at, finished_at=t.finished_at)
+
+
 def list_trials(sweep_id: str, caller: Caller) -> list[TrialOut]:
     """The sweep's trials by number. Raises: NotFound, Deleted."""
     with read_session() as s:
         spec, trials, trial_curves = trials_of(s, owned_sweep(s, sweep_id, caller))
-        return [TrialOut(number=t.trial_number, job_id=t.id, status=t.status, params=params_of(t, spec),
-                         value=best_value(trial_curves[t.id], spec), steps=t.step, started_at=t.started_at,
-                         finished_at=t.finished_at) for t in trials]
+        return [trial_out(t, spec, trial_curves) for t in trials]
 
 
 def cancel_sweep(sweep_id: str, caller: Caller) -> SweepOut:

@@ -17,7 +17,17 @@ from sqlalchemy.orm import Session
 
 from shared.errors import UserError
 from shared.jobs import webhooks
-from shared.jobs.search import ENDED, FAILED, SUCCEEDED, ask, curves, spec_of, trial_hyperparameters, trial_template
+from shared.jobs.search import (
+    ENDED,
+    FAILED,
+    SUCCEEDED,
+    ask,
+    curves,
+    history,
+    spec_of,
+    trial_hyperparameters,
+    trial_template,
+)
 from shared.jobs.search_space import distributions
 from shared.schemas.jobs import Hyperparameters
 from shared.settings import get_settings
@@ -113,7 +123,8 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
     if wanted <= 0:
         return []
     space = distributions(spec)
-    asked = ask(spec, space, trials, curves(s, [t.id for t in trials], spec.objective.metric), wanted)
+    asked = ask(spec, space, trials, curves(s, [t.id for t in trials], spec.objective.metric), wanted,
+                history(s, spec, space))
     template = trial_template(spec).model_dump(mode="json")
     try:
         hyperparameters = [trial_hyperparameters(template["hyperparameters"], params) for params, _ in asked]

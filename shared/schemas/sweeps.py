@@ -31,11 +31,15 @@ SWEEP_CREATE_EXAMPLE: JsonDict = {
 
 class Distribution(BaseModel):
     """One hyperparameter's range: ``float`` (``low``, ``high``, optional ``log`` or ``step``),
-    ``int`` (the same, integers) or ``categorical`` (``choices``)."""
+    ``int`` (the same, integers) or ``categorical`` (``choices``). ``learning_rate``, ``batch_size``,
+    ``warmup_ratio``, ``weight_decay`` and ``epochs`` may leave it out (``{}``): tunejob's prior for
+    the base model's size fills it (``shared.jobs.priors``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["float", "int", "categorical"]
+    type: Literal["float", "int", "categorical"] | None = Field(
+        None, description="Left out: tunejob's range for learning_rate, batch_size, warmup_ratio, weight_decay and "
+                          "epochs (by the base model's size); required for any other hyperparameter.")
     low: float | None = Field(None, allow_inf_nan=False)
     high: float | None = Field(None, allow_inf_nan=False)
     log: bool = False
@@ -82,6 +86,14 @@ class SweepCreate(JobCreate):
     max_trials: int = Field(10, ge=1, description="Trials in all (at most TUNEJOB_MAX_TRIALS_PER_SWEEP).")
     max_parallel_trials: int = Field(1, ge=1, le=1000, description="Trials queued or running at once.")
     max_failed_trials: int = Field(3, ge=0, description="The sweep fails once more trials than this have failed.")
+    warm_start_from: list[str] = Field(
+        default_factory=list, max_length=20, description="Earlier sweeps of the same tenant, task and base model: "
+        "their finished trials (succeeded and pruned, inside this search space) join the study as history, with their "
+        "values and curves (for the sampler and the pruner); they are not trials of this sweep nor count against "
+        "max_trials.")
+    include_defaults: bool = Field(True, description="Trial 0 runs the fixed hyperparameters (tunejob's defaults "
+                                   "where the spec leaves them out) for the searched fields, each taken to the "
+                                   "nearest value its range holds: the sweep's best is then never worse than that job.")
 
     @model_validator(mode="before")
     @classmethod
@@ -94,6 +106,26 @@ class BestTrial(BaseModel):
     trial_number: int
     params: dict[str, Any]
     value: float
+
+
+class History(BaseModel):
+    """A warm-started sweep's history: the finished trials of ``warm_start_from`` in its study."""
+
+    sweeps: list[str]
+    trials: int = Field(description="Their succeeded and pruned trials inside this search space.")
+    best: BestTrial | None = Field(description="The best succeeded one (trial_number: in its own sweep).")
+
+
+class TrialOut(BaseModel):
+    number: int
+    job_id: str
+    status: str
+    params: dict[str, Any]
+    default: bool = Field(False, description="The default trial: trial 0 of a sweep with include_defaults.")
+    value: float | None = Field(description="The objective at the trial's best evaluation so far (its kept weights').")
+    steps: int = Field(description="Optimizer steps run.")
+    started_at: datetime | None
+    finished_at: datetime | None
 
 
 class SweepOut(BaseModel):
@@ -120,21 +152,13 @@ class SweepOut(BaseModel):
     max_parallel_trials: int
     trials: dict[str, int] = Field(description="Trials by status.")
     best_trial: BestTrial | None
+    default_trial: TrialOut | None = Field(None, description="Trial 0, run with the fixed hyperparameters "
+                                             "(include_defaults); None without one, or before it was queued.")
+    history: History | None = Field(None, description="warm_start_from: the earlier sweeps' trials in its study.")
     created_at: datetime
     started_at: datetime | None = Field(description="When its first trial started.")
     finished_at: datetime | None
     error: dict[str, Any] | None
-
-
-class TrialOut(BaseModel):
-    number: int
-    job_id: str
-    status: str
-    params: dict[str, Any]
-    value: float | None = Field(description="The objective at the trial's best evaluation so far (its kept weights').")
-    steps: int = Field(description="Optimizer steps run.")
-    started_at: datetime | None
-    finished_at: datetime | None
 
 
 class SweepList(BaseModel):

@@ -1,0 +1,221 @@
+"""Issue 38's sweep set-up, on every stack, without a worker (nothing here needs a trial to train):
+the default trial (``include_defaults``), the search space's priors per model size, warm starts
+from earlier sweeps, and the sweep's time budget, with their bad input (a 4xx, nothing queued)."""
+
+import optuna
+import pytest
+from rich.console import Console
+
+from tests.test_sweep_hardening import body, client, dataset, refused  # noqa: F401 (fixtures)
+
+
+def trials(api, sweep_id: str) -> list[dict]:
+    r = api.get(f"/sweeps/{sweep_id}/trials")
+    assert r.status_code == 200, r.text
+    return r.json()["data"]
+
+
+def created(api, sweep: dict) -> dict:
+    r = api.post("/sweeps", json=sweep)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+# ----------------------------------------------------------------------------- 1: the default trial
+
+
+def test_trial_0_runs_the_fixed_hyperparameters_and_is_marked(client, dataset):  # noqa: F811
+    space = {"learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3, "log": True},
+             "batch_size": {"type": "categorical", "choices": [4, 8, 16]},
+             "warmup_ratio": {"type": "float", "low": 0.2, "high": 0.5}}  # the default 0.1 lies below
+    sweep = created(client, body(dataset["id"], search_space=space, max_trials=3, max_parallel_trials=2, seed=3))
+    first, second = trials(client, sweep["id"])
+    # The spec's batch_size (8), tunejob's default learning rate (5e-5); warmup_ratio taken into its range.
+    assert first["params"] == {"learning_rate": 5e-5, "batch_size": 8, "warmup_ratio": 0.2}, first
+    assert first["default"] is True and second["default"] is False
+    assert second["params"] != first["params"]
+    job = client.get(f"/jobs/{first['job_id']}").json()
+    assert (job["hyperparameters"]["learning_rate"], job["hyperparameters"]["batch_size"]) == (5e-5, 8)
+    shown = client.get(f"/sweeps/{sweep['id']}").json()
+    assert shown["default_trial"]["number"] == 0 and shown["default_trial"]["job_id"] == first["job_id"], shown
+
+    # The dry run shows it first too.
+    plan = client.post("/sweeps", json=body(dataset["id"], search_space=space), params={"dry_run": "true"}).json()
+    assert plan["first_trials"][0] == first["params"]
+
+    # The CLI marks it.
+    from client.sweeps import trials_table
+    from shared.schemas.sweeps import TrialOut
+
+    out = Console(record=True, width=200)
+    out.print(trials_table([TrialOut.model_validate(t) for t in (first, second)]))
+    rows = [line for line in out.export_text().splitlines() if "job_" in line]
+    assert "0 default" in rows[0] and "default" not in rows[1], rows
+
+
+def test_include_defaults_false_asks_the_sampler_from_trial_0(client, dataset):  # noqa: F811
+    space = {"learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3, "log": True}}
+    sweep = created(client, body(dataset["id"], search_space=space, include_defaults=False, seed=3))
+    (first,) = trials(client, sweep["id"])
+    assert first["default"] is False and first["params"]["learning_rate"] != 5e-5
+    assert client.get(f"/sweeps/{sweep['id']}").json()["default_trial"] is None
+
+
+def test_a_grid_holds_its_points_and_the_default_trial(client, dataset):  # noqa: F811
+    space = {"batch_size": {"type": "categorical", "choices": [4, 8]}}
+    r = client.post("/sweeps", json=body(dataset["id"], algorithm="grid", search_space=space, max_trials=3),
+                    params={"dry_run": "true"})
+    assert r.status_code == 200, r.text
+    refused(client, body(dataset["id"], algorithm="grid", search_space=space, max_trials=3, include_defaults=False),
+            422, "grid_too_small", "max_trials")
+
+
+@pytest.mark.parametrize("fixed,space,expected", [
+    ({}, {"epochs": {"type": "int", "low": 1, "high": 2}}, {"epochs": 2}),  # default 3.0, above the range
+    ({}, {"epochs": {"type": "categorical", "choices": [2, 3, 4]}}, {"epochs": 3}),
+    ({}, {"warmup_ratio": {"type": "float", "low": 0.0, "high": 0.32, "step": 0.04}}, {"warmup_ratio": 0.08}),
+    ({}, {"eval_every_steps": {"type": "int", "low": 5, "high": 50}}, {"eval_every_steps": 5}),  # default null
+    ({"gradient_checkpointing": False}, {"gradient_checkpointing": {"type": "categorical", "choices": [True, False]}},
+     {"gradient_checkpointing": False}),
+])
+def test_default_params_lie_in_their_ranges(fixed, space, expected):
+    from shared.jobs.search import default_params
+    from shared.jobs.search_space import distributions
+    from shared.schemas.sweeps import SweepCreate
+
+    spec = SweepCreate.model_validate(body("ds_x", search_space=space, hyperparameters=fixed))
+    params = default_params(spec, distributions(spec))
+    assert params == expected and [type(v) for v in params.values()] == [type(v) for v in expected.values()]
+
+
+# ----------------------------------------------------------------------------- 2: priors
+
+
+def test_ranges_left_out_take_the_prior_of_the_models_size(client, dataset):  # noqa: F811
+    space = {"learning_rate": {}, "batch_size": {}, "warmup_ratio": {"type": "float"}, "weight_decay": {},
+             "epochs": {}, "max_length": {"type": "categorical", "choices": [16, 32]}}
+    fixed = {"max_length": 32}  # tunejob's defaults for the rest: every prior holds them
+    r = client.post("/sweeps", json=body(dataset["id"], search_space=space, hyperparameters=fixed),
+                    params={"dry_run": "true"})
+    assert r.status_code == 200, r.text
+    plan = r.json()
+    assert plan["search_space"]["learning_rate"] == repr(optuna.distributions.FloatDistribution(3e-5, 3e-4, log=True))
+    assert plan["search_space"]["batch_size"] == repr(optuna.distributions.CategoricalDistribution([16, 32]))
+    assert plan["search_space"]["epochs"] == repr(optuna.distributions.IntDistribution(2, 5))
+    # The default trial is tunejob's default job exactly.
+    assert plan["first_trials"][0] == {"learning_rate": 5e-5, "batch_size": 16, "warmup_ratio": 0.1,
+                                       "weight_decay": 0.01, "epochs": 3, "max_length": 32}
+    sweep = created(client, body(dataset["id"], search_space=space, hyperparameters=fixed))
+    assert trials(client, sweep["id"])[0]["params"] == plan["first_trials"][0]
+
+
+@pytest.mark.parametrize("count,size,lr", [(22_713_728, "small", (3e-5, 3e-4)), (110e6, "base", (1e-5, 1e-4)),
+                                           (355e6, "large", (5e-6, 5e-5))])
+def test_the_size_is_the_models_parameter_count(monkeypatch, models_dir, count, size, lr):
+    from shared.jobs import priors
+    from shared.schemas.sweeps import SweepCreate
+
+    monkeypatch.setenv("TUNEJOB_MODELS_DIR", str(models_dir))
+    if size == "small":  # the built-in MiniLM-L6, counted from its file
+        assert priors.parameter_count("all-MiniLM-L6-v2") == count
+    monkeypatch.setattr(priors, "parameter_count", lambda name: count)
+    spec = priors.fill(SweepCreate.model_validate(body("ds_x", search_space={"learning_rate": {}})))
+    assert priors.model_size("x") == size
+    assert (spec.search_space["learning_rate"].low, spec.search_space["learning_rate"].high) == lr
+
+
+BAD_PRIORS = [
+    ({"seed": {}}, "search_space.seed.type"),  # no prior for it
+    ({"learning_rate": {"low": 1e-5}}, "search_space.learning_rate.type"),  # a bound given: not filled
+    ({"batch_size": {"type": "int"}}, "search_space.batch_size"),  # not the prior's type: low and high needed
+]
+
+
+@pytest.mark.parametrize("space,param", BAD_PRIORS, ids=[p for _, p in BAD_PRIORS])
+def test_a_range_tunejob_cannot_fill_is_refused(client, dataset, space, param):  # noqa: F811
+    refused(client, body(dataset["id"], search_space=space), 422, "invalid_search_space", param)
+
+
+def test_tpe_start_up_trials_scale_with_max_trials():
+    from shared.jobs.search import sampler
+    from shared.schemas.sweeps import SweepCreate
+
+    for max_trials, startup in [(1, 2), (12, 3), (20, 5), (200, 10)]:
+        spec = SweepCreate.model_validate(body("ds_x", algorithm="tpe", max_trials=max_trials))
+        assert sampler(spec, 0)._n_startup_trials == startup  # no public accessor
+
+
+# ----------------------------------------------------------------------------- 3: warm starts
+
+
+def finish(job_id: str, status: str, curve: dict[int, float]) -> None:
+    """End trial ``job_id`` with ``status`` and ``eval_accuracy`` ``curve`` (step -> value), as a worker would."""
+    from shared.store.engine import session_scope
+    from shared.store.rows import Job, JobMetric, utcnow
+
+    with session_scope() as s:
+        job = s.get(Job, job_id)
+        job.status, job.finished_at = status, utcnow()
+        s.add_all(JobMetric(job_id=job_id, step=step, epoch=0.0, name="eval_accuracy", value=value)
+                  for step, value in curve.items())
+
+
+def edit_sweep(sweep_id: str, tenant: str | None = None, **spec) -> None:
+    from shared.store.engine import session_scope
+    from shared.store.rows import Sweep
+
+    with session_scope() as s:
+        sweep = s.get(Sweep, sweep_id)
+        sweep.spec = {**sweep.spec, **spec}
+        sweep.tenant = tenant or sweep.tenant
+
+
+def test_a_warm_start_brings_finished_trials_as_history_for_the_pruner(client, dataset):  # noqa: F811
+    from shared.jobs.sweeps import should_prune
+
+    source = created(client, body(dataset["id"], max_trials=3, max_parallel_trials=3))
+    done, pruned, cancelled = trials(client, source["id"])
+    finish(done["job_id"], "succeeded", {2: 0.6, 4: 0.8})
+    finish(pruned["job_id"], "pruned", {2: 0.3})
+    finish(cancelled["job_id"], "cancelled", {2: 0.9})  # not finished well: no history
+    median = {"early_stopping": {"type": "median", "min_trials": 1}}
+
+    sweep = created(client, body(dataset["id"], warm_start_from=[source["id"]], max_trials=1, **median))
+    assert sweep["history"] == {"sweeps": [source["id"]], "trials": 2, "best": {
+        "job_id": done["job_id"], "trial_number": 0, "params": done["params"], "value": 0.8}}, sweep
+    assert sweep["trials"]["queued"] == 1 and sweep["max_trials"] == 1  # history is no trial of this sweep
+    (first,) = trials(client, sweep["id"])
+    assert first["number"] == 0 and first["default"] is True
+    # The pruner compares with the history's curves: 0.1 at step 2 is below the median there (0.6).
+    assert should_prune(first["job_id"], 2, {"accuracy": 0.1}) is True
+    alone = created(client, body(dataset["id"], max_trials=1, **median))
+    assert should_prune(trials(client, alone["id"])[0]["job_id"], 2, {"accuracy": 0.1}) is False
+
+    # The CLI shows the history, greyed.
+    from client.sweeps import sweep_table
+    from shared.schemas.sweeps import SweepOut
+
+    out = Console(record=True, width=200)
+    out.print(sweep_table(SweepOut.model_validate(sweep)))
+    assert f"2 trials of {source['id']}, best 0.8 ({done['job_id']})" in out.export_text()
+    # A history trial outside the new space is left out.
+    narrow = {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}}
+    outside = done["params"]["learning_rate"] < 1e-3
+    r = client.post("/sweeps", json=body(dataset["id"], warm_start_from=[source["id"]], search_space=narrow))
+    assert r.status_code == 201 and r.json()["history"]["trials"] == 2 - outside, r.text
+
+
+@pytest.mark.parametrize("mismatch", ["tenant", "task", "base_model", "missing"])
+def test_a_warm_start_from_another_tenant_task_or_model_is_refused(client, dataset, mismatch):  # noqa: F811
+    source = created(client, body(dataset["id"], max_trials=1))["id"]
+    if mismatch == "tenant":
+        edit_sweep(source, tenant="tenant-b")
+    elif mismatch == "task":
+        edit_sweep(source, task="multi_label")
+    elif mismatch == "base_model":
+        edit_sweep(source, base_model="all-MiniLM-L6-v2")
+    else:
+        source = "sweep_0000000000000000"
+    error = refused(client, body(dataset["id"], warm_start_from=[source]), 422, "invalid_warm_start",
+                    "warm_start_from[0]")
+    assert source in error["message"] and (mismatch in ("tenant", "missing") or mismatch in error["message"]), error
