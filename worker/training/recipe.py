@@ -236,7 +236,7 @@ class Recipe:
         self.model.train()
         self.forward_model.train()
         while st.step < js.total_steps:
-            for group in batches.step_groups(js, st):
+            for group in batches.step_groups(js, st, self.steps.collator(js.collator)):
                 lr = next_learning_rate(self.scheduler)
                 step_values, stats = self._train_step_with_backoff(reporter, group)
                 st.add(len(group), stats)
