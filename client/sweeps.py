@@ -3,7 +3,8 @@ from the command line, registered by ``client.cli.add_commands``.
 
 ``create`` takes the job options of ``tunejob jobs create`` (``--model``, ``--dataset``, ``--set`` for
 the fixed hyperparameters, ...) plus the search: ``--space`` (a JSON or YAML file of
-``{name: {"type", "low", "high", "log", "step", "choices"}}``), ``--objective metric[:direction]``,
+``{name: {"type", "low", "high", "log", "step", "choices"}}``), ``--objective metric[:direction]``
+(repeated: several objectives, e.g. accuracy and latency_ms; ``--serving-precision``),
 ``--algorithm``, ``--early-stopping``, ``--max-trials``, ``--max-parallel-trials``. ``--watch`` (and
 ``watch``) redraws the table of trials with the best so far until the sweep ends; exit 0 if it
 succeeded, 3 if it failed, 4 if it was cancelled.
@@ -32,9 +33,12 @@ def create_sweep(client: Client, args, out: Console) -> int | None:
     options = {"algorithm": args.algorithm, "seed": args.seed, "max_trials": args.max_trials,
                "max_parallel_trials": args.max_parallel_trials, "max_failed_trials": args.max_failed_trials}
     spec.update({k: v for k, v in options.items() if v is not None})
-    if args.objective:
-        metric, _, direction = args.objective.partition(":")
-        spec["objective"] = {"metric": metric, **({"direction": direction} if direction else {})}
+    objectives = [{"metric": metric, **({"direction": direction} if direction else {})}
+                  for metric, _, direction in (o.partition(":") for o in args.objective or [])]
+    if objectives:
+        spec.update({"objective": objectives[0]} if len(objectives) == 1 else {"objectives": objectives})
+    if args.serving_precision:
+        spec["serving_precision"] = args.serving_precision
     if args.early_stopping:
         spec["early_stopping"] = {**spec.get("early_stopping", {}), "type": args.early_stopping}
     if args.dry_run:
@@ -49,7 +53,7 @@ def create_sweep(client: Client, args, out: Console) -> int | None:
         print(sweep.model_dump_json(indent=2) if args.json else sweep.id, flush=True)
     else:
         out.print(f"sweep [bold]{sweep.id}[/] {sweep.status}: {sweep.max_trials} trials of {escape(sweep.base_model)}, "
-                  f"{sweep.max_parallel_trials} at a time, {sweep.objective.direction} {sweep.objective.metric}")
+                  f"{sweep.max_parallel_trials} at a time, {_objectives(sweep)}")
     return watch(client, sweep.id, out) if args.watch else None
 
 
@@ -91,7 +95,7 @@ def sweep_trials(client: Client, args, out: Console) -> None:
     if args.json:
         print_json(trials)
     else:
-        out.print(trials_table(trials))
+        out.print(trials_table(trials, client.get_sweep(args.sweep_id)))
 
 
 def watch_sweep(client: Client, args, out: Console) -> int:
@@ -113,7 +117,7 @@ def watch(client: Client, sweep_id: str, out: Console) -> int:
     with Live(console=out, auto_refresh=False) as live:
         while True:
             sweep, trials = client.get_sweep(sweep_id), client.sweep_trials(sweep_id)
-            live.update(Group(sweep_table(sweep), trials_table(trials)), refresh=True)
+            live.update(Group(sweep_table(sweep), trials_table(trials, sweep)), refresh=True)
             if sweep.finished_at is not None:
                 return EXIT_FOR.get(sweep.status, 1)
             time.sleep(WATCH_SECONDS)
@@ -122,11 +126,15 @@ def watch(client: Client, sweep_id: str, out: Console) -> int:
 def sweep_table(sweep) -> Table:
     table = Table(show_header=False, box=None)
     for name, value in [("sweep", sweep.id), ("status", styled_status(sweep.status)),
-                        ("model", escape(sweep.base_model)), ("objective", f"{sweep.objective.direction} "
-                        f"{sweep.objective.metric}"), ("search", f"{sweep.algorithm}, pruning {sweep.early_stopping}"),
+                        ("model", escape(sweep.base_model)), ("objective", _objectives(sweep)),
+                        ("search", f"{sweep.algorithm}, pruning {sweep.early_stopping}"),
                         ("trials", f"{_counts(sweep)} of {sweep.max_trials} ({sweep.max_parallel_trials} at a time)"),
                         ("best", _best(sweep)), ("default", _default(sweep))]:
         table.add_row(f"[bold]{name}[/]", value)
+    if len(sweep.objectives) > 1:  # the Pareto front, one trial a line
+        front = [f"#{p.trial_number} " + ", ".join(f"{o.metric} {_value(v)}" for o, v in zip(sweep.objectives, p.values))
+                 for p in sweep.pareto_trials]
+        table.add_row("[bold]front[/]", "\n".join(front) or "-")
     if sweep.history:  # greyed: the earlier sweeps' trials, not this one's
         h, best = sweep.history, sweep.history.best
         table.add_row("[dim]history[/]", f"[dim]{h.trials} trials of {', '.join(h.sweeps)}"
@@ -136,14 +144,24 @@ def sweep_table(sweep) -> Table:
     return table
 
 
-def trials_table(trials) -> Table:
+def trials_table(trials, sweep) -> Table:
+    """The trials by number: parameters, each objective's value, steps; with several objectives a
+    ``front`` column marks the Pareto front's trials (``*``)."""
     names = sorted({name for t in trials for name in t.params})
-    table = Table("#", id_column(), "status", *names, "value", "steps")
+    metrics = [o.metric for o in sweep.objectives]
+    front = {p.trial_number for p in sweep.pareto_trials}
+    table = Table("#", id_column(), "status", *names, *metrics, *(["front"] if len(metrics) > 1 else []), "steps")
     for t in trials:
         table.add_row(f"{t.number} default" if t.default else str(t.number), t.job_id, styled_status(t.status),
                       *(_value(t.params.get(n)) for n in names),
-                      _value(t.value), str(t.steps))
+                      *(_value(v) for v in t.values), *(["*" if t.number in front else ""] if len(metrics) > 1 else []),
+                      str(t.steps))
     return table
+
+
+def _objectives(sweep) -> str:
+    return ", ".join(f"{o.direction} {o.metric}" for o in sweep.objectives) + (
+        f" (latency at {sweep.serving_precision})" if any(o.metric == "latency_ms" for o in sweep.objectives) else "")
 
 
 def _counts(sweep) -> str:
@@ -173,7 +191,11 @@ def add_commands(commands, command, quiet, read) -> None:
     add_create_arguments(p)
     p.add_argument("--space", type=Path, help="JSON or YAML: {name: {type: float|int|categorical, low, high, log, "
                    "step, choices}}")
-    p.add_argument("--objective", help="METRIC[:maximize|minimize], e.g. accuracy (default direction: the metric's)")
+    p.add_argument("--objective", action="append", help="METRIC[:maximize|minimize], e.g. accuracy (default "
+                   "direction: the metric's); repeat it for several objectives (the Pareto front), e.g. "
+                   "--objective accuracy --objective latency_ms")
+    p.add_argument("--serving-precision", choices=["fp32", "bf16", "int8"], help="the precision latency_ms is "
+                   "measured at (default fp32)")
     p.add_argument("--algorithm", choices=["tpe", "random", "grid"])
     p.add_argument("--seed", type=int)
     p.add_argument("--early-stopping", choices=["asha", "median", "none"])

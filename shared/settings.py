@@ -76,6 +76,9 @@ class Settings(BaseSettings):
     max_active_jobs_per_tenant: int = 50  # queued + running
     max_trials_per_sweep: int = 200  # POST /sweeps: max_trials at most this (shared.jobs.sweeps)
     max_grid_points: int = 100_000  # POST /sweeps, algorithm grid: points at most this (shared.jobs.search_space)
+    # POST /sweeps: max_duration_seconds at least this, taken as one evaluation's time: a trial's start (model,
+    # data) and its first evaluation, plus the recovery loop's deadline check (recovery_seconds).
+    min_sweep_duration_seconds: float = 60.0
     max_storage_bytes_per_tenant: int = 100 * 1024**3  # uploads + checkpoints + artifacts
     # Timeouts. A request that cannot get SQLite's write lock in sqlite_busy_timeout_seconds is
     # answered 503 with Retry-After. HTTP: idle keep-alive connections are closed after

@@ -45,10 +45,10 @@ def test_trial_0_runs_the_fixed_hyperparameters_and_is_marked(client, dataset): 
 
     # The CLI marks it.
     from client.sweeps import trials_table
-    from shared.schemas.sweeps import TrialOut
+    from shared.schemas.sweeps import SweepOut, TrialOut
 
     out = Console(record=True, width=200)
-    out.print(trials_table([TrialOut.model_validate(t) for t in (first, second)]))
+    out.print(trials_table([TrialOut.model_validate(t) for t in (first, second)], SweepOut.model_validate(shown)))
     rows = [line for line in out.export_text().splitlines() if "job_" in line]
     assert "0 default" in rows[0] and "default" not in rows[1], rows
 
@@ -219,3 +219,53 @@ def test_a_warm_start_from_another_tenant_task_or_model_is_refused(client, datas
     error = refused(client, body(dataset["id"], warm_start_from=[source]), 422, "invalid_warm_start",
                     "warm_start_from[0]")
     assert source in error["message"] and (mismatch in ("tenant", "missing") or mismatch in error["message"]), error
+
+
+# ----------------------------------------------------------------------------- 4: the budget
+
+
+def backdate(sweep_id: str, seconds: float) -> None:
+    """Move the sweep's creation ``seconds`` back: its budget is spent without waiting for it."""
+    from datetime import timedelta
+
+    from shared.store.engine import session_scope
+    from shared.store.rows import Sweep
+
+    with session_scope() as s:
+        sweep = s.get(Sweep, sweep_id)
+        sweep.created_at -= timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize("succeeded", [True, False])
+def test_a_spent_budget_ends_the_sweep_and_stops_its_trials(client, dataset, succeeded):  # noqa: F811
+    from shared.jobs.sweeps import top_up_all
+    from shared.store.engine import session_scope
+    from shared.store.rows import Job
+
+    sweep = created(client, body(dataset["id"], max_trials=4, max_parallel_trials=2, max_duration_seconds=60))
+    first, second = trials(client, sweep["id"])
+    if succeeded:
+        finish(first["job_id"], "succeeded", {2: 0.7})
+    with session_scope() as s:
+        s.get(Job, second["job_id"]).status = "running"
+    top_up_all()  # the recovery loop's chore, within the budget: the sweep goes on
+    assert client.get(f"/sweeps/{sweep['id']}").json()["status"] in ("queued", "running")
+
+    backdate(sweep["id"], 61)
+    before = len(trials(client, sweep["id"]))
+    top_up_all()  # the budget spent: the sweep ends, nothing more is asked
+    ended = client.get(f"/sweeps/{sweep['id']}").json()
+    assert ended["status"] == ("succeeded" if succeeded else "failed"), ended
+    assert ended["error"]["code"] == "budget_spent" and "ended on its budget" in ended["error"]["message"], ended
+    assert ended["best_trial"] == ({"job_id": first["job_id"], "trial_number": 0, "params": first["params"],
+                                    "value": 0.7} if succeeded else None)
+    assert len(trials(client, sweep["id"])) == before
+    # The running trial is stopped as on cancel, and its event says why.
+    running = client.get(f"/jobs/{second['job_id']}").json()
+    events = client.get(f"/jobs/{second['job_id']}/events").json()["data"]
+    assert running["status"] == "running" and any(
+        e["code"] == "cancel_requested" and "ended on its budget" in e["message"] for e in events), events
+
+
+def test_a_budget_under_one_evaluations_time_is_refused(client, dataset):  # noqa: F811
+    refused(client, body(dataset["id"], max_duration_seconds=59), 422, "budget_too_small", "max_duration_seconds")

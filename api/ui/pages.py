@@ -258,14 +258,17 @@ def sweeps_page(request: Request, s: SessionDep, cursor: str | None = None):
 
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
 def sweep_page(request: Request, sweep_id: str, s: SessionDep):
-    """A sweep's trials: a table, the objective by trial, each parameter against the objective."""
+    """A sweep's trials: a table, the objective by trial, each parameter against the objective;
+    with several objectives, the Pareto front among every trial's point."""
     sweep = sweeps.get_sweep(sweep_id, s.caller)
     trials = sweeps.list_trials(sweep_id, s.caller)
     params = list(dict.fromkeys(k for t in trials for k in t.params))
-    return render(request, "sweep.html", s=s, sweep=sweep, trials=trials, params=params,
-                  chart={"metric": sweep.objective.metric, "params": params,
-                         "trials": [{"number": t.number, "status": t.status, "value": t.value, "params": t.params}
-                                    for t in trials]})
+    front = [p.trial_number for p in sweep.pareto_trials]
+    return render(request, "sweep.html", s=s, sweep=sweep, trials=trials, params=params, front=front,
+                  chart={"metric": sweep.objective.metric, "params": params, "front": front,
+                         "objectives": [o.metric for o in sweep.objectives],
+                         "trials": [{"number": t.number, "status": t.status, "value": t.value, "values": t.values,
+                                     "params": t.params} for t in trials]})
 
 
 def age(when: datetime | None, until: datetime | None = None) -> str:

@@ -20,12 +20,15 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from pydantic import ValidationError
 
 from shared.errors import UserError
+from shared.jobs.base_models import available_models
+from shared.jobs.planning import max_input_length
 from shared.jobs.priors import PRIORS
 from shared.schemas.jobs import Hyperparameters, int_fields
 from shared.schemas.sweeps import Distribution, SweepCreate
 from shared.settings import get_settings
 
-SEARCHABLE = tuple(name for name in Hyperparameters.model_fields if name != "metric_for_best_model")
+BASE_MODEL = "base_model"  # searchable too (categorical): a job field, not a hyperparameter
+SEARCHABLE = (BASE_MODEL, *(name for name in Hyperparameters.model_fields if name != "metric_for_best_model"))
 MAX_RANGE_VALUES = 2**53
 
 
@@ -52,6 +55,11 @@ def distributions(spec: SweepCreate) -> dict[str, BaseDistribution]:
             raise refuse(f"a range needs its type (float, int or categorical) and bounds; tunejob fills them only "
                          f"for {', '.join(PRIORS['base'])}, and only when no bound, step or choice is given",
                          f"{field}.type")
+        if name == BASE_MODEL:
+            if d.type != "categorical" or not d.choices or not all(isinstance(v, str) for v in d.choices):
+                raise refuse("base_model is searched over categorical choices of model names", field)
+            out[name] = CategoricalDistribution(d.choices)
+            continue
         if d.type == "categorical":
             if not d.choices:
                 raise refuse("a categorical range needs choices", f"{field}.choices")
@@ -72,6 +80,32 @@ def distributions(spec: SweepCreate) -> dict[str, BaseDistribution]:
             except ValidationError as e:
                 raise refuse(f"{value!r} is not a valid {name}: {e.errors()[0]['msg']}", field) from None
     return out
+
+
+def check_models(spec: SweepCreate) -> None:
+    """Every base model a trial may get (``search_space.base_model``'s choices, else the spec's) is
+    one this server has (``shared.jobs.base_models``: local model directories only, nothing
+    downloaded), and takes the longest ``max_length`` a trial may get (fixed, or the searched high).
+
+    Raises:
+        UserError: 422 ``unknown_model`` or ``max_length_too_long`` naming the choice and
+            ``search_space.base_model.choices`` (or ``base_model``, ``search_space.max_length``).
+    """
+    searched = spec.search_space.get(BASE_MODEL)
+    models, field = (searched.choices or [], f"search_space.{BASE_MODEL}.choices") if searched else (
+        [spec.base_model], BASE_MODEL)
+    lengths = spec.search_space.get("max_length")
+    longest = spec.hyperparameters.max_length if lengths is None else int(
+        max(lengths.choices or []) if lengths.type == "categorical" else lengths.high or 0)
+    available = available_models()
+    for model in models:
+        if model not in available:
+            raise UserError("unknown_model", f"{field}: unknown base model {model!r}; available: "
+                            f"{', '.join(sorted(available)) or 'none'}", field)
+        limit = max_input_length(available[model][0])
+        if limit and longest > limit:
+            raise UserError("max_length_too_long", f"{field}: {model!r} accepts {limit} tokens, and a trial may get "
+                            f"max_length {longest}", "search_space.max_length" if lengths else field)
 
 
 def _check_range(name: str, d: Distribution, field: str) -> None:

@@ -1,7 +1,8 @@
 """A sweep's report (``GET /sweeps/{id}/report/{name}``), drawn from its rows when asked, so that it is
 never stale and nothing is stored: ``trials.csv`` (the trials table) and matplotlib pictures of
-the rebuilt study, ``optimization_history.png`` and ``param_importances.png`` (the pictures of
-``optuna.visualization.matplotlib``, drawn without pyplot; importances by fANOVA, Hutter et al. 2014).
+the rebuilt study, ``optimization_history.png``, ``param_importances.png`` and, for a sweep of several
+objectives, ``pareto_front.png`` (the pictures of ``optuna.visualization.matplotlib``, drawn without
+pyplot; importances by fANOVA, Hutter et al. 2014; the front is ``Study.best_trials``).
 """
 
 import csv
@@ -17,7 +18,7 @@ from shared.jobs.search_space import distributions
 from shared.store.engine import read_session
 from shared.store.tenancy import Caller
 
-NAMES = ("trials.csv", "optimization_history.png", "param_importances.png")
+NAMES = ("trials.csv", "optimization_history.png", "param_importances.png", "pareto_front.png")
 
 
 def report_file(sweep_id: str, name: str, caller: Caller) -> tuple[bytes, str]:
@@ -25,24 +26,30 @@ def report_file(sweep_id: str, name: str, caller: Caller) -> tuple[bytes, str]:
 
     Raises:
         NotFound: no such sweep (or another tenant's), or no such file. UserError 409
-            ``not_enough_trials``: a picture needs a completed trial (importances: two, with different values).
+            ``not_enough_trials``: a picture needs a completed trial (importances: two, with different values);
+            ``single_objective``: ``pareto_front.png`` of a sweep with one objective.
     """
     if name not in NAMES:
         raise NotFound("report file", name, "report")
     with read_session() as s:
         spec, trials, trial_curves = sweeps.trials_of(s, sweeps.owned_sweep(s, sweep_id, caller))
+        more = search.more_curves(s, spec, [t.id for t in trials])
     if name == "trials.csv":
-        return trials_csv(spec, trials, trial_curves).encode(), "text/csv"
-    study = search.study_of(spec, distributions(spec), trials, trial_curves)
-    completed = [t for t in study.get_trials(deepcopy=False) if t.value is not None]
+        return trials_csv(spec, trials, trial_curves, more).encode(), "text/csv"
+    if name == "pareto_front.png" and not search.multi_objective(spec):
+        raise UserError("single_objective", f"sweep {sweep_id!r} has one objective: no Pareto front", "name",
+                        status=409)
+    study = search.study_of(spec, distributions(spec), trials, trial_curves,
+                            more=more if name == "pareto_front.png" else None)
+    completed = [t for t in study.get_trials(deepcopy=False) if t.values is not None]
     if len(completed) < (2 if name == "param_importances.png" else 1) or (
             name == "param_importances.png" and len({t.value for t in completed}) < 2):
         raise UserError("not_enough_trials", f"sweep {sweep_id!r} has {len(completed)} completed trials: too few "
                         f"for {name}", "name", status=409)
-    return picture(study, name), "image/png"
+    return picture(study, name, tuple(o.metric for o in spec.all_objectives)), "image/png"
 
 
-def picture(study: optuna.Study, name: str) -> bytes:
+def picture(study: optuna.Study, name: str, labels: tuple[str, ...] = ("objective 0", "objective 1")) -> bytes:
     """``optimization_history.png`` (each completed trial's value by trial number, and the best so
     far) or ``param_importances.png`` (``optuna.importance.get_param_importances``: fANOVA) of
     ``study``, as PNG bytes (800 x 500 pixels). Drawn on a ``matplotlib.figure.Figure`` with the Agg
@@ -61,6 +68,14 @@ def picture(study: optuna.Study, name: str) -> bytes:
         axes.plot(numbers, best, color="tab:red", label="best value")
         axes.set(title="Optimization history", xlabel="trial", ylabel="objective value")
         axes.legend()
+    elif name == "pareto_front.png":
+        front = {t.number for t in study.best_trials}
+        done = [t for t in study.get_trials(deepcopy=False) if t.values is not None]
+        for label, color, points in (("trial", "tab:blue", [t for t in done if t.number not in front]),
+                                     ("best trial (the front)", "tab:red", [t for t in done if t.number in front])):
+            axes.scatter([t.values[0] for t in points], [t.values[1] for t in points], color=color, label=label)
+        axes.set(title="Pareto front", xlabel=labels[0], ylabel=labels[1])
+        axes.legend()
     else:
         importances = optuna.importance.get_param_importances(study)
         names = list(importances)[::-1]  # the most important on top
@@ -71,14 +86,16 @@ def picture(study: optuna.Study, name: str) -> bytes:
     return out.getvalue()
 
 
-def trials_csv(spec, trials, trial_curves) -> str:
-    """One row per trial: number, job id, status, each searched hyperparameter, value, steps."""
+def trials_csv(spec, trials, trial_curves, more) -> str:
+    """One row per trial: number, job id, status, each searched hyperparameter, value (the first
+    objective's), each further objective's value (``search.values_of``), steps."""
     out = io.StringIO()
-    names = list(spec.search_space)
+    names, others = list(spec.search_space), [o.metric for o in spec.all_objectives[1:]]
     writer = csv.writer(out)
-    writer.writerow(["number", "job_id", "status", *names, "value", "steps", "started_at", "finished_at"])
+    writer.writerow(["number", "job_id", "status", *names, "value", *others, "steps", "started_at", "finished_at"])
     for t in trials:
         params = search.params_of(t, spec)
         writer.writerow([t.trial_number, t.id, t.status, *(params[n] for n in names),
-                         search.best_value(trial_curves[t.id], spec), t.step, t.started_at, t.finished_at])
+                         *search.values_of(trial_curves[t.id], more[t.id], spec), t.step, t.started_at,
+                         t.finished_at])
     return out.getvalue()

@@ -47,14 +47,17 @@ from shared.jobs.search import (
     curves,
     frozen,
     history,
+    more_curves,
+    multi_objective,
     params_of,
     spec_of,
     study_of,
     trial_template,
+    values_of,
 )
 from shared.jobs.search_space import distributions
 from shared.jobs.trials import ACTIVE, PAUSED, end_sweep, top_up
-from shared.schemas.sweeps import BestTrial, History, SweepCreate, SweepOut, SweepPlan, TrialOut
+from shared.schemas.sweeps import LATENCY, BestTrial, History, ParetoTrial, SweepCreate, SweepOut, SweepPlan, TrialOut
 from shared.settings import get_settings
 from shared.store import idempotency
 from shared.store.engine import keyset_page, read_session, session_scope
@@ -100,8 +103,9 @@ def plan_sweep(spec: SweepCreate, caller: Caller) -> SweepPlan:
     spec, space = check_sweep(spec)
     with read_session() as s:
         check_warm_start(s, spec, caller)
-        past = history(s, spec, space)
-    first = ask(spec, space, [], {}, min(spec.max_parallel_trials, spec.max_trials), past)
+        past = history(s, spec, space, multi_objective(spec))
+    first = ask(spec, space, [], {}, min(spec.max_parallel_trials, spec.max_trials),
+                {} if multi_objective(spec) else None, past)
     return SweepPlan(max_trials=spec.max_trials, max_parallel_trials=spec.max_parallel_trials,
                      search_space={name: repr(d) for name, d in space.items()}, objective=spec.objective,
                      first_trials=[params for params, _ in first],
@@ -180,6 +184,17 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
     return bool(prune)  # MedianPruner answers a numpy bool
 
 
+def serving_precision(sweep_id: str) -> str | None:
+    """The precision a trial of sweep ``sweep_id`` has its ``latency_ms`` measured at (the worker's
+    ``worker.latency``, after the trial's model is saved); None when no objective is ``latency_ms``."""
+    with read_session() as s:
+        sweep = s.get(Sweep, sweep_id)
+        spec = spec_of(sweep) if sweep is not None else None
+    if spec is None or LATENCY not in {o.metric for o in spec.all_objectives}:
+        return None
+    return spec.serving_precision
+
+
 # ----------------------------------------------------------------------------- reading
 
 
@@ -211,18 +226,35 @@ def to_out(s: Session, sweep: Sweep) -> SweepOut:
         if t.status == JobStatus.SUCCEEDED and value is not None and (
                 best is None or (value > best.value if spec.objective.direction == "maximize" else value < best.value)):
             best = BestTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=value)
-    default = next((trial_out(t, spec, trial_curves) for t in trials if t.trial_number == 0 and spec.include_defaults),
-                   None)
+    more = more_curves(s, spec, [t.id for t in trials])
+    pareto = pareto_trials(spec, trials, trial_curves, more) if multi_objective(spec) else []
+    default = next((trial_out(t, spec, trial_curves, more) for t in trials
+                    if t.trial_number == 0 and spec.include_defaults), None)
     started = [t.started_at for t in trials if t.started_at is not None]
     status = sweep.status if sweep.status != RUNNING or started else "queued"
     status = "paused" if sweep.status == RUNNING and (sweep.error or {}).get("code") == PAUSED else status
     return SweepOut(id=sweep.id, status=status, base_model=spec.base_model, task=spec.task, objective=spec.objective,
                     algorithm=spec.algorithm, early_stopping=spec.early_stopping.type, max_trials=spec.max_trials,
-                    max_parallel_trials=spec.max_parallel_trials,
+                    max_parallel_trials=spec.max_parallel_trials, objectives=spec.all_objectives,
+                    serving_precision=spec.serving_precision,
                     trials={name: counts[name] for name in TRIAL_STATUSES}, best_trial=best, default_trial=default,
-                    history=history_out(s, spec),
+                    pareto_trials=pareto, history=history_out(s, spec),
                     created_at=sweep.created_at, started_at=min(started, default=None),
                     finished_at=sweep.finished_at, error=sweep.error)
+
+
+def pareto_trials(spec: SweepCreate, trials: list[Job], trial_curves: dict[str, dict[int, float]],
+                  more: dict[str, list[dict[int, float]]]) -> list[ParetoTrial]:
+    """A sweep of several objectives: its Pareto front, the succeeded trials that no other beats on
+    every objective, by number: Optuna's ``Study.best_trials`` of the multi-objective study rebuilt
+    from the rows (``shared.jobs.search.study_of``; ``more``: ``more_curves``). The warm start's
+    history is not on it (not this sweep's trials)."""
+    study = study_of(spec, distributions(spec), trials, trial_curves, more=more)
+    by_id = {t.id: t for t in trials}
+    front = sorted(((by_id[trial.user_attrs["job_id"]], trial.values) for trial in study.best_trials
+                    if trial.user_attrs.get("job_id") in by_id), key=lambda pair: pair[0].trial_number or 0)
+    return [ParetoTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=values[0],
+                        values=values) for t, values in front]
 
 
 def history_out(s: Session, spec: SweepCreate) -> History | None:
@@ -253,18 +285,22 @@ def list_sweeps(caller: Caller, limit: int, after: str | None = None) -> tuple[l
         return [to_out(s, sweep) for sweep in page], more
 
 
-def trial_out(t: Job, spec: SweepCreate, trial_curves: dict[str, dict[int, float]]) -> TrialOut:
-    """The API view of trial ``t`` (``default``: trial 0 of a sweep with ``include_defaults``)."""
+def trial_out(t: Job, spec: SweepCreate, trial_curves: dict[str, dict[int, float]],
+              more: dict[str, list[dict[int, float]]]) -> TrialOut:
+    """The API view of trial ``t`` (``default``: trial 0 of a sweep with ``include_defaults``;
+    ``values``: each objective's, from ``trial_curves`` and ``more``, ``more_curves``)."""
     return TrialOut(number=t.trial_number, job_id=t.id, status=t.status, params=params_of(t, spec),
                     default=spec.include_defaults and t.trial_number == 0, value=best_value(trial_curves[t.id], spec),
-                    steps=t.step, started_at=t.started_at, finished_at=t.finished_at)
+                    values=values_of(trial_curves[t.id], more[t.id], spec), steps=t.step, started_at=t.started_at,
+                    finished_at=t.finished_at)
 
 
 def list_trials(sweep_id: str, caller: Caller) -> list[TrialOut]:
     """The sweep's trials by number. Raises: NotFound, Deleted."""
     with read_session() as s:
         spec, trials, trial_curves = trials_of(s, owned_sweep(s, sweep_id, caller))
-        return [trial_out(t, spec, trial_curves) for t in trials]
+        more = more_curves(s, spec, [t.id for t in trials])
+        return [trial_out(t, spec, trial_curves, more) for t in trials]
 
 
 def cancel_sweep(sweep_id: str, caller: Caller) -> SweepOut:

@@ -24,11 +24,13 @@ from shared.jobs.search import (
     ask,
     curves,
     history,
+    more_curves,
+    multi_objective,
     spec_of,
     trial_hyperparameters,
     trial_template,
 )
-from shared.jobs.search_space import distributions
+from shared.jobs.search_space import BASE_MODEL, distributions
 from shared.schemas.jobs import Hyperparameters
 from shared.settings import get_settings
 from shared.store import idempotency, quotas
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
 PAUSED = "trials_paused"  # a running sweep's error while its tenant has no room for its next trials
+BUDGET = "budget_spent"  # an ended sweep's error once its max_duration_seconds passed (top_up)
 NO_CHECKPOINTS = (JobStatus.SUCCEEDED, JobStatus.PRUNED)  # jobs whose step checkpoints are deleted when they end
 
 
@@ -101,7 +104,9 @@ def cancel_in(s: Session, job: Job, now: datetime, why: str = "") -> None:
 def top_up(s: Session, sweep: Sweep) -> list[Job]:
     """In session ``s``, with the sweep's row locked: queue trials up to ``max_parallel_trials``
     active and ``max_trials`` in all; end the sweep once every trial has ended, or fail it once more
-    than ``max_failed_trials`` failed. Returns the new trials (queued; their ids not yet sent)."""
+    than ``max_failed_trials`` failed, or end it once its ``max_duration_seconds`` passed (error
+    ``budget_spent``; checked whenever a trial ends and by the recovery loop's ``top_up_all``, every
+    ``recovery_seconds``). Returns the new trials (queued; their ids not yet sent)."""
     if sweep.status in ENDED:
         return []
     spec = spec_of(sweep)
@@ -111,6 +116,13 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
     if counts[JobStatus.FAILED] > spec.max_failed_trials:
         end_sweep(s, sweep, FAILED, {"code": "too_many_failed_trials", "message": f"{counts[JobStatus.FAILED]} "
                                      f"trials failed, more than max_failed_trials {spec.max_failed_trials}"})
+        return []
+    budget = spec.max_duration_seconds
+    if budget is not None and (utcnow() - sweep.created_at).total_seconds() >= budget:
+        ok = counts[JobStatus.SUCCEEDED] > 0
+        end_sweep(s, sweep, SUCCEEDED if ok else FAILED, {"code": BUDGET, "message": (
+            f"the sweep ended on its budget: max_duration_seconds {budget} passed, {len(trials)} of "
+            f"{spec.max_trials} trials asked; " + ("the best so far is kept" if ok else "no trial had succeeded"))})
         return []
     wanted = min(spec.max_parallel_trials - active, spec.max_trials - len(trials))
     if wanted <= 0:
@@ -123,8 +135,10 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
     if wanted <= 0:
         return []
     space = distributions(spec)
-    asked = ask(spec, space, trials, curves(s, [t.id for t in trials], spec.objective.metric), wanted,
-                history(s, spec, space))
+    ids = [t.id for t in trials]
+    multi = multi_objective(spec)
+    asked = ask(spec, space, trials, curves(s, ids, spec.objective.metric), wanted,
+                more_curves(s, spec, ids) if multi else None, history(s, spec, space, multi))
     template = trial_template(spec).model_dump(mode="json")
     try:
         hyperparameters = [trial_hyperparameters(template["hyperparameters"], params) for params, _ in asked]
@@ -135,9 +149,10 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
         return []
     new = []
     for number, ((params, attrs), hp) in enumerate(zip(asked, hyperparameters), start=len(trials)):
-        job = Job(id=new_id("job"), tenant=sweep.tenant, base_model=spec.base_model, task=spec.task,
+        model = params.get(BASE_MODEL, spec.base_model)
+        job = Job(id=new_id("job"), tenant=sweep.tenant, base_model=model, task=spec.task,
                   training_dataset_id=spec.training_dataset, validation_dataset_id=spec.validation_dataset,
-                  spec={**template, "hyperparameters": hp},
+                  spec={**template, "base_model": model, "hyperparameters": hp},
                   label_names=sweep.label_names, sweep_id=sweep.id, trial_number=number, trial_attrs=attrs)
         new.append(insert_queued(s, job, f"trial {number} of sweep {sweep.id} queued: {params}", None, None))
     return new
@@ -181,7 +196,7 @@ def end_sweep(s: Session, sweep: Sweep, status: str, error: dict | None = None) 
                    "finished_at": now.isoformat().replace("+00:00", "Z")})
     for job in s.scalars(select(Job).where(Job.sweep_id == sweep.id, Job.status.in_(ACTIVE))
                          .with_for_update()):
-        cancel_in(s, job, now, f" (sweep {sweep.id} {status})")
+        cancel_in(s, job, now, f" (sweep {sweep.id} {status}{': ' + error['message'] if error else ''})")
 
 
 def stored_hyperparameters(job: Job) -> tuple[Hyperparameters, dict[str, Any] | None]:

@@ -47,12 +47,18 @@ class Distribution(BaseModel):
     choices: list[Any] | None = Field(None, min_length=1, max_length=1000)
 
 
+LATENCY = "latency_ms"  # the serving cost objective: measured after a trial is saved (shared.inference.latency)
+SERVING_PRECISIONS = ("fp32", "bf16", "int8")
+
+
 class Objective(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     metric: str = Field(description="A validation metric the task produces (hyperparameters.metric_for_best_model's "
                                     "values): classification accuracy, f1_macro, loss; token_classification entity_f1 "
-                                    "(alias f1); regression pearson_r, mse; multi_label f1_micro, ...")
+                                    "(alias f1); regression pearson_r, mse; multi_label f1_micro, ...; or, after "
+                                    "the first of several objectives, latency_ms (the saved model's median time to "
+                                    "predict a fixed batch of validation texts at serving_precision; minimize)")
     direction: Literal["maximize", "minimize"] | None = Field(
         None, description="Default: the metric's own (minimize loss and mse, maximize the rest); the opposite is refused.")
 
@@ -78,8 +84,15 @@ class SweepCreate(JobCreate):
 
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [SWEEP_CREATE_EXAMPLE]})
 
-    search_space: dict[str, Distribution] = Field(min_length=1, description="Hyperparameters to search, by name.")
-    objective: Objective
+    search_space: dict[str, Distribution] = Field(min_length=1, description="Hyperparameters to search, by name "
+                                                  "(also base_model: categorical over base models of the task).")
+    objective: Objective = Field(None, description="The one objective; or give objectives.")  # type: ignore[assignment]  # filled from objectives
+    objectives: list[Objective] | None = Field(
+        None, min_length=1, max_length=4, description="Several objectives (a multi-objective study; its answer is "
+        "the Pareto front, pareto_trials). The first is a validation metric: it picks each trial's kept "
+        "weights, and pruning decides on it alone.")
+    serving_precision: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32", description="The precision latency_ms is measured at (as POST /jobs/{id}/predict's precision).")
     algorithm: Literal["tpe", "random", "grid"] = "tpe"
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seeds the sampler: the same sweep asks the same trials.")
     early_stopping: EarlyStopping = Field(default_factory=EarlyStopping)
@@ -91,6 +104,11 @@ class SweepCreate(JobCreate):
         "their finished trials (succeeded and pruned, inside this search space) join the study as history, with their "
         "values and curves (for the sampler and the pruner); they are not trials of this sweep nor count against "
         "max_trials.")
+    max_duration_seconds: int | None = Field(
+        None, ge=1, le=366 * 86400, description="A budget for the whole sweep, from its creation: once spent, running "
+        "trials are stopped as on cancel, no trial is asked, and the sweep ends with the best so far (succeeded; "
+        "failed if no trial had succeeded), its error code budget_spent saying so. At least "
+        "TUNEJOB_MIN_SWEEP_DURATION_SECONDS (default 60).")
     include_defaults: bool = Field(True, description="Trial 0 runs the fixed hyperparameters (tunejob's defaults "
                                    "where the spec leaves them out) for the searched fields, each taken to the "
                                    "nearest value its range holds: the sweep's best is then never worse than that job.")
@@ -100,12 +118,33 @@ class SweepCreate(JobCreate):
     def _integral_floats(cls, data: Any) -> Any:
         return integral_floats(cls, data)
 
+    @model_validator(mode="after")
+    def _one_objective_field(self) -> "SweepCreate":
+        """``objective`` or ``objectives``; ``objective`` is then the first of ``objectives`` (the one
+        that keeps weights and prunes), so that code reading one objective reads that one."""
+        if self.objectives and self.objective is None:
+            self.objective = self.objectives[0]
+        elif self.objectives and self.objective != self.objectives[0]:
+            raise ValueError("give objective or objectives, not both")
+        elif self.objective is None:
+            raise ValueError("objective (or objectives) is required")
+        return self
+
+    @property
+    def all_objectives(self) -> list[Objective]:
+        """``objectives``, or the one ``objective``."""
+        return self.objectives or [self.objective]
+
 
 class BestTrial(BaseModel):
     job_id: str
     trial_number: int
     params: dict[str, Any]
-    value: float
+    value: float = Field(description="The (first) objective's value.")
+
+
+class ParetoTrial(BestTrial):
+    values: list[float] = Field(description="Each objective's value, in the order of objectives.")
 
 
 class History(BaseModel):
@@ -123,6 +162,8 @@ class TrialOut(BaseModel):
     params: dict[str, Any]
     default: bool = Field(False, description="The default trial: trial 0 of a sweep with include_defaults.")
     value: float | None = Field(description="The objective at the trial's best evaluation so far (its kept weights').")
+    values: list[float | None] = Field(description="Each objective's value (the first is value; the others at "
+                                                   "the kept evaluation; latency_ms once the trial is saved).")
     steps: int = Field(description="Optimizer steps run.")
     started_at: datetime | None
     finished_at: datetime | None
@@ -131,12 +172,14 @@ class TrialOut(BaseModel):
 class SweepOut(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "id": "sweep_5d0c2a9e1b7f3a64", "status": "running", "base_model": "all-MiniLM-L6-v2",
-        "task": "classification", "objective": {"metric": "accuracy", "direction": "maximize"}, "algorithm": "tpe",
+        "task": "classification", "objective": {"metric": "accuracy", "direction": "maximize"},
+        "objectives": [{"metric": "accuracy", "direction": "maximize"}], "serving_precision": "fp32", "algorithm": "tpe",
         "early_stopping": "asha", "max_trials": 12, "max_parallel_trials": 2,
         "trials": {"queued": 1, "running": 2, "succeeded": 6, "pruned": 3, "failed": 0, "cancelled": 0},
         "best_trial": {"job_id": "job_8e2d4c1a9b7f3e05", "trial_number": 4,
                        "params": {"learning_rate": 2.1e-4, "batch_size": 16, "warmup_ratio": 0.07, "epochs": 3},
                        "value": 0.871},
+        "pareto_trials": [],
         "created_at": "2026-11-21T09:12:10.118Z", "started_at": "2026-11-21T09:12:11.402Z", "finished_at": None,
         "error": None}]})
 
@@ -150,15 +193,21 @@ class SweepOut(BaseModel):
     early_stopping: str
     max_trials: int
     max_parallel_trials: int
+    objectives: list[Objective] = Field(description="Every objective (one, unless the sweep has several).")
+    serving_precision: str
     trials: dict[str, int] = Field(description="Trials by status.")
-    best_trial: BestTrial | None
+    best_trial: BestTrial | None = Field(description="The best succeeded trial on the (first) objective.")
     default_trial: TrialOut | None = Field(None, description="Trial 0, run with the fixed hyperparameters "
                                              "(include_defaults); None without one, or before it was queued.")
+    pareto_trials: list[ParetoTrial] = Field(description="Several objectives: the succeeded trials no other "
+                                                         "beats on every objective (Optuna's study.best_trials), "
+                                                         "by number; one objective: [].")
     history: History | None = Field(None, description="warm_start_from: the earlier sweeps' trials in its study.")
     created_at: datetime
     started_at: datetime | None = Field(description="When its first trial started.")
     finished_at: datetime | None
-    error: dict[str, Any] | None
+    error: dict[str, Any] | None = Field(description="Why it failed, why it is paused (trials_paused), or that it "
+                                                    "ended on its budget (budget_spent): {code, message}.")
 
 
 class SweepList(BaseModel):

@@ -32,6 +32,7 @@ from shared.store.rows import Job
 from worker import embedding
 from worker.data import BatchStats, JobData
 from worker.device import describe
+from worker.latency import record_latency
 from worker.reporter import PhaseTimer, Reporter, timed
 from worker.training import batches, export, metrics
 from worker.training.capture import CapturedSteps
@@ -75,7 +76,8 @@ def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter,
         if outcome != "lease_lost":
             reporter.flush()  # the job's last steps and progress, before it ends or is re-queued
         return outcome
-    recipe.finish(reporter)
+    model_dir = recipe.finish(reporter)
+    record_latency(job, data, model_dir, device, reporter, recipe.state.step, recipe.state.epoch)  # a sweep's
     return "succeeded"
 
 

@@ -428,9 +428,15 @@ pages.prediction = () => {
 };
 
 pages.sweep = () => {
-  const {metric, params, trials} = readJSON("chart-data");
+  const {metric, params, trials, objectives, front} = readJSON("chart-data");
   const scored = trials.filter(t => t.value !== null);
   const series = t => (t.status === "pruned" ? "pruned" : "trials");
+  if (objectives.length > 1) {  // the Pareto front: the second objective across, the first up
+    const chart = new LiveChart($("#chart-front"), {scatter: true, xLabel: objectives[1]});
+    for (const t of trials.filter(t => t.status === "succeeded" && !t.values.includes(null))) {
+      chart.add(front.includes(t.number) ? "front" : "trials", t.values[1], t.values[0]);
+    }
+  }
   const byTrial = new LiveChart($("#chart-trials"), {scatter: true, xLabel: "trial"});
   for (const t of scored) byTrial.add(series(t), t.number, t.value);
   const box = $("#sweep-charts");
