@@ -5,7 +5,8 @@ from the command line, registered by ``client.cli.add_commands``.
 the fixed hyperparameters, ...) plus the search: ``--space`` (a JSON or YAML file of
 ``{name: {"type", "low", "high", "log", "step", "choices"}}``), ``--objective metric[:direction]``
 (repeated: several objectives, e.g. accuracy and latency_ms; ``--serving-precision``),
-``--algorithm``, ``--early-stopping``, ``--max-trials``, ``--max-parallel-trials``. ``--watch`` (and
+``--algorithm``, ``--early-stopping``, ``--max-trials``, ``--max-parallel-trials``, ``--max-duration``,
+``--warm-start`` and ``--no-defaults``. ``--watch`` (and
 ``watch``) redraws the table of trials with the best so far until the sweep ends; exit 0 if it
 succeeded, 3 if it failed, 4 if it was cancelled.
 """
@@ -31,7 +32,9 @@ WATCH_SECONDS = 2.0
 def create_sweep(client: Client, args, out: Console) -> int | None:
     spec = {**job_spec(args), **read_space(args)}
     options = {"algorithm": args.algorithm, "seed": args.seed, "max_trials": args.max_trials,
-               "max_parallel_trials": args.max_parallel_trials, "max_failed_trials": args.max_failed_trials}
+               "max_parallel_trials": args.max_parallel_trials, "max_failed_trials": args.max_failed_trials,
+               "max_duration_seconds": args.max_duration, "warm_start_from": args.warm_start,
+               "include_defaults": False if args.no_defaults else None}
     spec.update({k: v for k, v in options.items() if v is not None})
     objectives = [{"metric": metric, **({"direction": direction} if direction else {})}
                   for metric, _, direction in (o.partition(":") for o in args.objective or [])]
@@ -202,6 +205,11 @@ def add_commands(commands, command, quiet, read) -> None:
     p.add_argument("--max-trials", type=int)
     p.add_argument("--max-parallel-trials", type=int)
     p.add_argument("--max-failed-trials", type=int)
+    p.add_argument("--max-duration", type=int, metavar="SECONDS", help="a budget for the whole sweep")
+    p.add_argument("--warm-start", action="append", metavar="SWEEP_ID", help="an earlier sweep of the same task "
+                   "and model whose finished trials join the study as history (repeatable)")
+    p.add_argument("--no-defaults", action="store_true", help="no default trial (trial 0 runs the fixed "
+                   "hyperparameters otherwise)")
     p = command(sweeps, "list", list_sweeps, "the sweeps, newest first", read)
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--cursor", help="next_cursor of the previous page")

@@ -186,9 +186,12 @@ def test_a_warm_start_brings_finished_trials_as_history_for_the_pruner(client, d
     assert sweep["trials"]["queued"] == 1 and sweep["max_trials"] == 1  # history is no trial of this sweep
     (first,) = trials(client, sweep["id"])
     assert first["number"] == 0 and first["default"] is True
-    # The pruner compares with the history's curves: 0.1 at step 2 is below the median there (0.6).
-    assert should_prune(first["job_id"], 2, {"accuracy": 0.1}) is True
-    alone = created(client, body(dataset["id"], max_trials=1, **median))
+    # The pruner compares with the history's curves: 0.1 at step 2 is below the median there (0.6);
+    # the default trial is never pruned.
+    assert should_prune(first["job_id"], 2, {"accuracy": 0.1}) is False
+    searched = created(client, body(dataset["id"], warm_start_from=[source["id"]], include_defaults=False, **median))
+    assert should_prune(trials(client, searched["id"])[0]["job_id"], 2, {"accuracy": 0.1}) is True
+    alone = created(client, body(dataset["id"], max_trials=1, include_defaults=False, **median))
     assert should_prune(trials(client, alone["id"])[0]["job_id"], 2, {"accuracy": 0.1}) is False
 
     # The CLI shows the history, greyed.
@@ -269,3 +272,26 @@ def test_a_spent_budget_ends_the_sweep_and_stops_its_trials(client, dataset, suc
 
 def test_a_budget_under_one_evaluations_time_is_refused(client, dataset):  # noqa: F811
     refused(client, body(dataset["id"], max_duration_seconds=59), 422, "budget_too_small", "max_duration_seconds")
+
+
+def test_the_cli_sends_the_default_trial_warm_start_and_budget_options():
+    import argparse
+
+    from client import cli
+    from client.sweeps import create_sweep
+
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers())
+    args = parser.parse_args(["sweeps", "create", "--model", "m", "--dataset", "ds_1", "--dry-run", "--json",
+                              "--warm-start", "sweep_a", "--warm-start", "sweep_b", "--no-defaults",
+                              "--max-duration", "120"])
+    sent = []
+
+    class Planner:
+        def plan_sweep(self, spec):
+            sent.append(spec)
+            return {}
+
+    create_sweep(Planner(), args, Console())
+    assert sent and (sent[0]["warm_start_from"], sent[0]["include_defaults"], sent[0]["max_duration_seconds"]) == (
+        ["sweep_a", "sweep_b"], False, 120), sent

@@ -156,7 +156,9 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
     now: its sweep's pruner asked with the other trials' stored curves and this trial's (its
     earlier evaluations from the store, this one from ``metrics``), the warm start's history's
     among them (``shared.jobs.search.history``). The pruner's trial attributes
-    (ASHA's rungs) are stored on the job. Not a trial, or no finite objective: False."""
+    (ASHA's rungs) are stored on the job. Not a trial, or no finite objective: False. The default
+    trial (``include_defaults``) is asked too, for its pruner attributes, but never pruned: the
+    sweep's best is then never worse than the default job."""
     with read_session() as s:
         job = s.get(Job, job_id)
         sweep = s.get(Sweep, job.sweep_id) if job is not None and job.sweep_id else None
@@ -181,7 +183,7 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
         with session_scope() as s:
             if (row := s.get(Job, job_id)) is not None:
                 row.trial_attrs = attrs
-    return bool(prune)  # MedianPruner answers a numpy bool
+    return bool(prune) and not (spec.include_defaults and job.trial_number == 0)  # a numpy bool from MedianPruner
 
 
 def serving_precision(sweep_id: str) -> str | None:

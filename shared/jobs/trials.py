@@ -118,7 +118,8 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
                                      f"trials failed, more than max_failed_trials {spec.max_failed_trials}"})
         return []
     budget = spec.max_duration_seconds
-    if budget is not None and (utcnow() - sweep.created_at).total_seconds() >= budget:
+    if budget is not None and (active or len(trials) < spec.max_trials) and (
+            utcnow() - sweep.created_at).total_seconds() >= budget:
         ok = counts[JobStatus.SUCCEEDED] > 0
         end_sweep(s, sweep, SUCCEEDED if ok else FAILED, {"code": BUDGET, "message": (
             f"the sweep ended on its budget: max_duration_seconds {budget} passed, {len(trials)} of "
