@@ -378,3 +378,26 @@ def test_version():
     r = subprocess.run([sys.executable, "-m", "tunejob", "--version"], cwd=ROOT, text=True, capture_output=True,
                        timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == f"tunejob {version('tunejob')}", (r.stdout, r.stderr)
+
+
+def complete(line: str, tmp_path: Path) -> list[str]:
+    """What the shell code of ``tunejob completion`` gets for the words typed so far, ``line``: the
+    CLI run under argcomplete's protocol (its environment variables; the answer in a file)."""
+    answer = tmp_path / "completions"
+    env = {**os.environ, "_ARGCOMPLETE": "1", "_ARGCOMPLETE_IFS": "\n", "COMP_LINE": line,
+           "COMP_POINT": str(len(line)), "_ARGCOMPLETE_STDOUT_FILENAME": str(answer)}
+    r = subprocess.run([sys.executable, "-m", "tunejob"], env=env, cwd=ROOT, text=True, capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return sorted(answer.read_text().split())
+
+
+def test_shell_completion(tmp_path):
+    """``tunejob completion bash|zsh|fish`` prints argcomplete's shell code, and the completions it
+    asks for cover the server commands, the client's, their subcommands and options."""
+    r = subprocess.run([sys.executable, "-m", "tunejob", "completion", "bash"], cwd=ROOT, text=True,
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0 and "complete " in r.stdout and "tunejob" in r.stdout, (r.stdout, r.stderr)
+    assert complete("tunejob d", tmp_path) == ["datasets", "db", "doctor"]
+    assert complete("tunejob jobs cr", tmp_path) == ["create"]
+    assert "--tenant" in complete("tunejob keys create --", tmp_path)
+    assert {"bash", "fish", "zsh"} <= set(complete("tunejob completion ", tmp_path))
