@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 demo: $(STAMP)
 	$(PY) -m bench.demo
 
+# Two pytest-xdist workers (each test file whole on one of them: pyproject.toml's --dist loadfile), each
+# with its own data dirs, ports, PostgreSQL databases and Redis key prefix (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 # Lint and types (pyproject.toml: [tool.ruff], [tool.mypy]): what CI checks, before the tests.
 # `ruff format --check` is not part of it yet: the formatter's one-argument-per-line style grows

@@ -9,6 +9,7 @@ makes clients with keys of other tenants, or admin keys.
 
 import gc
 import os
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,8 +34,10 @@ REDIS_URL = os.environ.get("TUNEJOB_TEST_REDIS_URL", "redis://127.0.0.1:6379/11"
 REQUIRE_SERVICES = os.environ.get("TUNEJOB_REQUIRE_SERVICES") == "1"
 # Celery's keys in the test Redis database live under a prefix of this process's own (kombu's
 # global_keyprefix, ``TUNEJOB_BROKER_KEY_PREFIX``): concurrent runs, and the workers of one
-# pytest-xdist run, never take each other's messages, and no test flushes the database.
-REDIS_RUN_PREFIX = f"tunejob-test:{uuid.uuid4().hex[:12]}:"
+# pytest-xdist run, never take each other's messages, and no test flushes the database. Named after
+# the process, not a random id: pytest imports this file twice (as ``conftest`` and, for the test
+# modules, ``tests.conftest``), and both copies must clean up the same keys.
+REDIS_RUN_PREFIX = f"tunejob-test:{socket.gethostname()}:{os.getpid()}:"
 TINY_MODEL = "tiny-bert"
 BASE_URL = "http://localhost"  # a Host the API answers (TestClient's default, "testserver", is refused)
 

@@ -355,7 +355,9 @@ def test_every_client_command_runs_as_a_client_command():
 
 
 def run_tunejob(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}, "TUNEJOB_DATA_DIR": str(cwd)}
+    # COLUMNS: usage errors unwrapped (a long tmp_path, e.g. under pytest-xdist, split the message)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}, "TUNEJOB_DATA_DIR": str(cwd),
+           "COLUMNS": "1000"}
     return subprocess.run([sys.executable, "-m", "tunejob", *args], env=env, cwd=ROOT, text=True, capture_output=True,
                           timeout=60)
 
