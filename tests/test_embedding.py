@@ -470,7 +470,7 @@ def test_a_sweep_of_embedding_jobs_optimises_a_retrieval_metric(stack, tiny_st):
 
     r = client.post("/sweeps", json=body)
     assert r.status_code == 201, r.text
-    sweep = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"}, timeout=300, path="/sweeps")
+    sweep = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"}, timeout=900, path="/sweeps")
     assert sweep["status"] == "succeeded", sweep
     trials = client.get(f"/sweeps/{sweep['id']}/trials").json()["data"]
     values = {t["job_id"]: client.get(f"/jobs/{t['job_id']}").json()["validation_metrics"]["ndcg@10"] for t in trials}
