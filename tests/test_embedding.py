@@ -446,3 +446,34 @@ def test_a_prediction_job_writes_each_row_s_vector_a_part_at_a_time(stack, api_j
         r = client.post("/predictions", json={**body, **fields})
         assert r.status_code == 422 and r.json()["error"]["param"] == param, r.text
     assert client.get("/predictions").json()["data"] == before  # nothing stored or queued
+
+
+def test_a_sweep_of_embedding_jobs_optimises_a_retrieval_metric(stack, tiny_st):
+    """``ndcg@10``, ``mrr@10`` and ``recall@10`` are objectives of an embedding sweep (issue 36,
+    item 4): each plans (a dry run, nothing queued); a sweep on ``ndcg@10`` runs its trials and keeps
+    the best by each trial's validation ``ndcg@10``; a classification metric is refused, naming the field."""
+    from tests.test_sweeps import ids
+
+    client = stack.client
+    body = {"base_model": TINY_ST, "task": "embedding", "training_dataset": upload(client, pairs(48, seed=3)),
+            "validation_split": 0.25, "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32},
+            "search_space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
+            "objective": {"metric": "ndcg@10"}, "algorithm": "random", "seed": 3,
+            "early_stopping": {"type": "none"}, "max_trials": 2}
+    jobs = ids(client, "/jobs")
+    for metric in ("ndcg@10", "mrr@10", "recall@10"):
+        r = client.post("/sweeps", json={**body, "objective": {"metric": metric}}, params={"dry_run": "true"})
+        assert r.status_code == 200 and r.json()["objective"] == {"metric": metric, "direction": "maximize"}, r.text
+    r = client.post("/sweeps", json={**body, "objective": {"metric": "accuracy"}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "objective.metric", r.text
+    assert ids(client, "/jobs") == jobs  # nothing queued
+
+    r = client.post("/sweeps", json=body)
+    assert r.status_code == 201, r.text
+    sweep = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"}, timeout=900, path="/sweeps")
+    assert sweep["status"] == "succeeded", sweep
+    trials = client.get(f"/sweeps/{sweep['id']}/trials").json()["data"]
+    values = {t["job_id"]: client.get(f"/jobs/{t['job_id']}").json()["validation_metrics"]["ndcg@10"] for t in trials}
+    assert len(values) == 2
+    assert sweep["best_trial"]["value"] == pytest.approx(max(values.values()))
+    assert sweep["best_trial"]["job_id"] == max(values, key=values.get)

@@ -116,10 +116,23 @@ function tick(v) {
   return v !== 0 && Math.abs(v) < 1e-2 ? v.toExponential(1) : String(+v.toPrecision(3));
 }
 
-// Checkpoints as dashed vertical lines, the best evaluation as a star.
-function drawMarks(u, {lines = [], stars = []}, color) {
+// Checkpoints as dashed vertical lines, the best evaluation as a star, reference values (the
+// zero-shot score) as labelled dashed horizontal lines.
+function drawMarks(u, {lines = [], stars = [], levels = []}, color) {
   const ctx = u.ctx;
   ctx.save();
+  for (const {value, label, stroke} of levels) {
+    const y = u.valToPos(value, "y", true);
+    ctx.strokeStyle = stroke;
+    ctx.fillStyle = stroke;
+    ctx.lineWidth = devicePixelRatio;
+    ctx.setLineDash([6 * devicePixelRatio, 4 * devicePixelRatio]);
+    ctx.beginPath(); ctx.moveTo(u.bbox.left, y); ctx.lineTo(u.bbox.left + u.bbox.width, y); ctx.stroke();
+    ctx.font = `${Math.round(12 * devicePixelRatio)}px sans-serif`;
+    ctx.textAlign = "right";
+    ctx.textBaseline = "bottom";
+    ctx.fillText(label, u.bbox.left + u.bbox.width - 4 * devicePixelRatio, y - 2 * devicePixelRatio);
+  }
   ctx.strokeStyle = color;
   ctx.globalAlpha = 0.5;
   ctx.setLineDash([4, 4]);
@@ -233,9 +246,13 @@ pages.job = () => {
   const lowerIsBetter = ["loss", "mse"].includes(info.best_metric);
   const bestName = `eval_${info.best_metric}`;
   let best = null;
+  let zeroShot = null;  // the metric for the best model at step 0: an embedding job's base model, before training
   // the star goes on the chart that shows the metric for the best model: loss with the training loss
   const marks = onLossChart => () => ({lines: info.checkpoints,
-                                       stars: best && (bestName === "eval_loss") === onLossChart ? [best] : []});
+                                       stars: best && (bestName === "eval_loss") === onLossChart ? [best] : [],
+                                       levels: zeroShot === null || onLossChart ? [] : [{
+                                         value: zeroShot, label: `zero-shot ${info.best_metric} ${tick(zeroShot)}`,
+                                         stroke: PALETTE[Math.max(0, charts.eval.names.indexOf(bestName)) % PALETTE.length]}]});
   const charts = {
     loss: new LiveChart($("#chart-loss"), {marks: marks(true)}),
     eval: new LiveChart($("#chart-eval"), {points: true, marks: marks(false)}),
@@ -256,6 +273,10 @@ pages.job = () => {
     for (const m of JSON.parse(e.data).data) {
       const chart = chartOf(m.name);
       if (chart) chart.add(m.name, m.step, m.value);
+      if (m.name === bestName && m.step === 0 && m.value !== null) {
+        zeroShot = m.value;
+        charts.eval.el.dataset.zeroShot = String(m.value);
+      }
       if (m.name === bestName && m.value !== null && (!best || (lowerIsBetter ? m.value < best[1] : m.value > best[1]))) {
         best = [m.step, m.value];
         charts.loss.schedule(); charts.eval.schedule();
