@@ -433,6 +433,11 @@ class Client:
         """``GET /jobs/{id}/evaluation``: the evaluation report of a succeeded job's model."""
         return self.request("GET", f"/jobs/{job_id}/evaluation").json()
 
+    def prediction_evaluation(self, prediction_id: str) -> dict[str, Any]:
+        """``GET /predictions/{id}/evaluation``: the evaluation report of a prediction made with a
+        ``label_column`` (a labelled test set)."""
+        return self.request("GET", f"/predictions/{prediction_id}/evaluation").json()
+
     # ------------------------------------------------------------------ model aliases
 
     def set_alias(self, alias: str, job_id: str) -> AliasOut:

@@ -173,6 +173,8 @@ def test_the_api_and_workers_share_only_the_bucket_and_the_store(bucket_env, mod
             with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
                 tar.extractall(tmp_path / "downloaded", filter="data")
             assert verify_manifest(tmp_path / "downloaded") == []
+            r = client.get(f"/jobs/{job['id']}/evaluation")  # read from the bucket too
+            assert r.status_code == 200 and r.json() == json.loads((tmp_path / "downloaded/evaluation.json").read_text())
             assert files_outside_cache(tmp_path / "api-2") == []
 
             # A prediction with that model: scored on worker 1's host, in parts (the bucket's),

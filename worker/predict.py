@@ -1,8 +1,9 @@
 """The prediction recipe for one job (kind ``predict``), top to bottom: setup (the model and the
 data), score_parts (the dataset streamed a part at a time, each part scored with
 ``shared.inference.loop.predict_texts``, or embedded with ``shared.inference.embed.embed_texts`` for
-an embedding model, and written atomically), finish (the result summary). Memory holds one part's
-rows and results (``predict_part_rows``), however large the dataset.
+an embedding model, and written atomically), finish (the result summary and, with a ``label_column``,
+the test set's evaluation report: ``evaluate_test_set``). Memory holds one part's rows and results
+(``predict_part_rows``), however large the dataset.
 
 A resumed attempt (the worker died, or was shut down) skips the rows of the parts already written
 (``shared.jobs.predictions``: their counts are in the parts' metadata), so no row is scored or written
@@ -17,12 +18,14 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
+from shared.data.labels import read_job_table
 from shared.data.problems import Problems
 from shared.errors import UserError
 from shared.inference.embed import LoadedEmbedder, embed_texts, load_embedder
 from shared.inference.int8 import Int8Model
 from shared.inference.loop import LoadedModel, ModelCache, load_for_inference, predict_texts
 from shared.jobs.base_models import resolve_model
+from shared.jobs.gold import gold_columns
 from shared.jobs.predictions import (
     PART_COUNTS,
     PredictionBatch,
@@ -32,6 +35,7 @@ from shared.jobs.predictions import (
     part_counts,
     parts_of,
     prediction_batches,
+    result_tables,
     results_dir,
     results_table,
     write_part,
@@ -39,10 +43,11 @@ from shared.jobs.predictions import (
 )
 from shared.schemas.predictions import PredictionCreate
 from shared.settings import get_settings
-from shared.store import artifacts
+from shared.store import artifacts, objects
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job
 from worker.device import describe
+from worker.evaluation import sequence_report, write_report
 from worker.reporter import Reporter
 
 INT8_WAYS = {"compiled": "int8: torchao PT2E dynamic quantization compiled by inductor, under bf16 autocast",
@@ -205,3 +210,30 @@ def finish(run: Scoring, reporter: Reporter) -> None:
     reporter.flush()
     reporter.event("results", f"{summary['rows']} rows scored; {summary['truncated']} texts longer than "
                    f"max_length {run.spec.max_length} were truncated")
+    if run.spec.label_column is not None:
+        evaluate_test_set(run, reporter)
+
+
+def evaluate_test_set(run: Scoring, reporter: Reporter) -> dict:
+    """The evaluation report of a labelled test set (``worker.evaluation.sequence_report``, the
+    validation report's metrics), computed from the written results (every part, those of earlier
+    attempts too) and the dataset's labels read as the model's training job read its own
+    (``shared.jobs.gold``); written next to the results as ``evaluation.json`` with its pictures,
+    each published. Labels the model does not know (``count_unknown_labels``) count as errors and
+    are named in an event and in the report's ``unknown_labels``. Returns the report."""
+    cols = gold_columns(run.spec, run.loaded.task, run.job.base_model)
+    assert cols.label is not None  # the spec has a label_column
+    table, _ = read_job_table(objects.dataset_file(run.dataset), run.dataset.format, run.dataset.filename, cols)
+    rows = [row for part in result_tables(written_parts(run.directory)) for row in part.to_pylist()]
+    report = sequence_report(run.loaded.task, run.loaded.label_names, table[cols.label].tolist(), rows,
+                             table[cols.text].tolist(), run.loaded.decision_threshold)
+    report = write_report(run.directory, report)
+    for name in [artifacts.EVALUATION, *report["figures"]]:
+        objects.store().publish(run.directory / name)
+    figures = ", ".join(f"{k} {v:.4f}" for k, v in report["metrics"].items() if v is not None)
+    unknown = report.get("unknown_labels") or []
+    counted = (f"; labels the model does not know, counted as errors: {', '.join(map(repr, unknown))}"
+               if unknown else "")
+    reporter.event("evaluation", f"test set report on {report['rows']} rows: {figures}{counted}",
+                   level="warning" if unknown else "info")
+    return report

@@ -43,6 +43,7 @@ from shared.errors import UserError, without_paths
 from shared.inference.heads import task_of
 from shared.jobs import aliases
 from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
+from shared.jobs.gold import check_gold_labels, check_task
 from shared.jobs.lifecycle import admission, insert_queued
 from shared.jobs.models import trained_model
 from shared.jobs.planning import (
@@ -169,7 +170,8 @@ class PredictionBatch:
 
 
 def _columns(spec: PredictionCreate) -> list[tuple[str, str]]:
-    """(column, request field) of each column a prediction reads."""
+    """(column, request field) of each column a prediction reads and scores (its ``label_column``
+    is read by ``shared.jobs.gold``)."""
     return [(c, f) for c, f in [(spec.text_column, "text_column"), (spec.text_pair_column, "text_pair_column"),
                                 (spec.id_column, "id_column")] if c is not None]
 
@@ -259,7 +261,8 @@ def check_prediction(spec: PredictionCreate, caller: Caller) -> CheckedPredictio
         UserError: see ``prediction_model``; ``max_length_too_long`` (422) beyond the model's limit;
             ``invalid_text_pair_column`` (422) for a token_classification model (one text a row);
             ``unknown_dataset`` (422); ``missing_column`` (422, naming the field and the column); a
-            validation report of unusable cells (``missing_value``, ``invalid_text``, ``invalid_id``).
+            validation report of unusable cells (``missing_value``, ``invalid_text``, ``invalid_id``);
+            with a ``label_column``, ``shared.jobs.gold.check_gold_labels``'s.
     """
     model = prediction_model(spec.model, caller)
     if spec.text_pair_column and model.task in ("token_classification", "embedding"):
@@ -268,12 +271,13 @@ def check_prediction(spec: PredictionCreate, caller: Caller) -> CheckedPredictio
     if model.task == "embedding" and spec.precision not in ("auto", "fp32"):
         raise UserError("invalid_precision", f"model {spec.model!r} is an embedding model: embeddings are computed "
                         f"in fp32, not {spec.precision}", "precision")
+    check_task(spec, model.task)
     if spec.max_length and model.limit and spec.max_length > model.limit:
         raise UserError("max_length_too_long", f"max_length {spec.max_length} is longer than model {spec.model!r} "
                         f"accepts ({model.limit} tokens)", "max_length")
     with read_session() as s:
         dataset = visible_dataset(s, spec.dataset, "dataset", caller)
-    for column, param in _columns(spec):
+    for column, param in _columns(spec) + ([(spec.label_column, "label_column")] if spec.label_column else []):
         if column not in dataset.columns:
             raise UserError("missing_column", f"column {column!r} ({param}) not found in {dataset.filename!r}; "
                             f"its columns are {dataset.columns}", param)
@@ -281,6 +285,8 @@ def check_prediction(spec: PredictionCreate, caller: Caller) -> CheckedPredictio
     for _ in prediction_batches(dataset, spec, problems):
         pass
     problems.raise_if_any()
+    if spec.label_column is not None:
+        check_gold_labels(spec, dataset, model.task, model.ref, model.label_names)
     return CheckedPrediction(spec, model, dataset, spec.max_length or model.limit or 512, caller)
 
 
@@ -378,7 +384,7 @@ def to_out(job: Job) -> PredictionOut:
         id=job.id, status=job.status, model=job.base_model, task=job.task, dataset=job.training_dataset_id,
         model_alias=spec["model"] if spec["model"] != job.base_model else None,
         text_column=spec["text_column"], text_pair_column=spec.get("text_pair_column"),
-        id_column=spec.get("id_column"), batch_size=spec["batch_size"], max_length=spec.get("max_length"),
+        id_column=spec.get("id_column"), label_column=spec.get("label_column"), batch_size=spec["batch_size"], max_length=spec.get("max_length"),
         precision=spec.get("precision", "auto"), label_names=job.label_names, created_at=job.created_at, started_at=job.started_at,
         finished_at=job.finished_at,
         progress=PredictionProgress(rows_done=done, total_rows=total, fraction=min(1.0, done / total) if total else 0.0,
@@ -386,6 +392,8 @@ def to_out(job: Job) -> PredictionOut:
                                     eta_seconds=job.eta_seconds),
         result=PredictionResult(**result) if result else None,
         results_url=f"/predictions/{job.id}/results" if job.status == JobStatus.SUCCEEDED else None,
+        evaluation_url=(f"/predictions/{job.id}/evaluation" if job.status == JobStatus.SUCCEEDED
+                        and spec.get("label_column") else None),
         device=job.device, attempts=job.attempts, error=job.error, timings=Timings(**(job.timings or {})),
         files_deleted_at=job.files_deleted_at)
 
@@ -488,7 +496,7 @@ def results_stream(job_id: str, caller: Caller, fmt: str) -> Iterator[bytes]:
     return {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt](parts)
 
 
-def _tables(parts: list[str]) -> Iterator[pa.Table]:
+def result_tables(parts: list[str]) -> Iterator[pa.Table]:
     """Each part as a table, read (downloaded, from the bucket) when it is its turn: one open file
     at a time, however many parts."""
     for part in parts:
@@ -496,12 +504,12 @@ def _tables(parts: list[str]) -> Iterator[pa.Table]:
 
 
 def _jsonl(parts: list[str]) -> Iterator[bytes]:
-    for table in _tables(parts):
+    for table in result_tables(parts):
         yield "".join(json.dumps(json_safe(row), ensure_ascii=False) + "\n" for row in table.to_pylist()).encode()
 
 
 def _csv(parts: list[str]) -> Iterator[bytes]:
-    for i, table in enumerate(_tables(parts)):
+    for i, table in enumerate(result_tables(parts)):
         out = io.BytesIO()
         pa_csv.write_csv(_lists_as_json(table.flatten()), out, pa_csv.WriteOptions(include_header=i == 0))
         yield out.getvalue()
@@ -541,7 +549,7 @@ class _Chunks(io.RawIOBase):
 
 def _parquet(parts: list[str]) -> Iterator[bytes]:
     sink, writer = _Chunks(), None
-    for table in _tables(parts):
+    for table in result_tables(parts):
         writer = writer or pq.ParquetWriter(sink, table.schema)
         writer.write_table(table)
         yield sink.take()

@@ -265,6 +265,7 @@ pages.job = () => {
     : name === "tokens_per_second" ? charts.speed : name === "padding_efficiency" ? charts.padding : null;
   addEventListener("resize", () => Object.values(charts).forEach(c => c.resize()));
   wireCancelDelete("/ui/jobs");
+  wirePromote();
 
   const wasActive = ["queued", "running"].includes(info.status);
   const stream = new EventSource(`/jobs/${encodeURIComponent(info.job)}/stream`);
@@ -300,6 +301,32 @@ pages.job = () => {
     if (e.data) { stream.close(); say("action-message", JSON.parse(e.data).error.message, true); }
   });
 };
+
+// "Promote": point an alias (PUT /models/aliases/{alias}) at this job, then list it with the job's aliases.
+function wirePromote() {
+  const form = $("#promote-form");
+  if (!form) return;
+  form.addEventListener("submit", async e => {
+    e.preventDefault();
+    const alias = form.alias.value.trim();
+    say("promote-message", "Promoting…");
+    try {
+      const answer = await api("PUT", `/models/aliases/${encodeURIComponent(alias)}`, {job_id: form.dataset.job});
+      const moved = answer.history.length ? answer.history[0].from_job_id : null;
+      say("promote-message", moved && moved !== form.dataset.job ? `${alias} now points at this job (it pointed at ${moved}).`
+        : `${alias} points at this job.`);
+      const list = $("#job-aliases");
+      if (![...list.querySelectorAll("code")].some(c => c.textContent === alias)) {
+        const none = list.querySelector(".none");
+        if (none) none.remove();
+        const code = document.createElement("code");
+        code.className = "alias";
+        code.textContent = alias;
+        list.append(code, " ");
+      }
+    } catch (err) { say("promote-message", err.message, true); }
+  });
+}
 
 pages.compare = () => {
   const {jobs} = readJSON("chart-data");
@@ -356,20 +383,36 @@ pages.datasets = () => {
   });
 };
 
+// The POST /jobs body of the new-job form: its enabled fields (those of the chosen task), empty ones left out.
 function jobSpec(form) {
   const spec = {training_dataset: form.dataset.dataset, hyperparameters: {}};
   for (const el of form.elements) {
-    if (!el.name) continue;
-    if (el.name.startsWith("hp.")) {
+    if (!el.name || el.disabled) continue;
+    if (el.multiple) {
+      const values = [...el.selectedOptions].map(o => o.value);
+      if (values.length) spec[el.name] = values;
+    } else if (el.name.startsWith("hp.")) {
       const value = el.type === "number" ? Number(el.value) : el.value;
       if (el.value !== "") spec.hyperparameters[el.name.slice(3)] = value;
-    } else spec[el.name] = el.value;
+    } else if (el.value !== "") spec[el.name] = el.value;
   }
   return spec;
 }
 
+// Show the column fields of the chosen task only (their data-tasks); hidden ones are disabled, so not sent.
+function showTaskFields(form) {
+  const task = form.task.value;
+  for (const el of form.querySelectorAll("[data-tasks]")) {
+    const shown = el.dataset.tasks.split(" ").includes(task);
+    el.hidden = !shown;
+    if (el.tagName !== "LABEL") el.disabled = !shown;
+  }
+}
+
 pages.dataset = () => {
   const form = $("#job-form");
+  showTaskFields(form);
+  form.task.addEventListener("change", () => showTaskFields(form));
   let lengthsChart = null;
   $("#plan-job").addEventListener("click", async () => {
     say("job-message", "Planning…");
