@@ -170,10 +170,10 @@ def _file(files: dict, filename: str, name: str) -> Response:
         return FileResponse(source, filename=basename, media_type="application/octet-stream")
     if url := objects.store().presigned_url(source):
         return RedirectResponse(url, status_code=307)
-    return StreamingResponse(source.chunks(), media_type="application/octet-stream", headers={
+    return StreamingResponse(source.achunks(), media_type="application/octet-stream", headers={
         "Content-Length": str(source.size), "Content-Disposition": f'attachment; filename="{basename}"'})
 
 
 def _tar_response(tar: artifacts.TarStream, filename: str) -> StreamingResponse:
-    return StreamingResponse(iter(tar), media_type="application/x-tar", headers={
+    return StreamingResponse(tar, media_type="application/x-tar", headers={
         "Content-Length": str(tar.size), "Content-Disposition": f'attachment; filename="{filename}"'})
