@@ -26,21 +26,18 @@ from shared.inference.int8 import Int8Model
 from shared.inference.loop import LoadedModel, ModelCache, load_for_inference, predict_texts
 from shared.jobs.base_models import resolve_model
 from shared.jobs.gold import gold_columns
-from shared.jobs.predictions import (
+from shared.jobs.prediction_results import (
     PART_COUNTS,
-    PredictionBatch,
     embedding_table,
     id_type,
-    max_tokens,
     part_counts,
-    parts_of,
-    prediction_batches,
     result_tables,
     results_dir,
     results_table,
     write_part,
     written_parts,
 )
+from shared.jobs.predictions import PredictionBatch, max_tokens, parts_of, prediction_batches
 from shared.schemas.predictions import PredictionCreate
 from shared.settings import get_settings
 from shared.store import artifacts, objects

@@ -14,7 +14,8 @@ from api.feeds import Cursor
 from api.headers import IdempotencyKey, respond
 from shared.jobs import evaluation, lifecycle, predictions
 from shared.jobs.positions import with_positions
-from shared.jobs.predictions import KIND, MEDIA_TYPES
+from shared.jobs.prediction_results import MEDIA_TYPES, results_stream
+from shared.jobs.predictions import KIND
 from shared.queue import submit_once
 from shared.schemas.jobs import EventOut
 from shared.schemas.predictions import (
@@ -97,7 +98,7 @@ def prediction_results(prediction_id: str, caller: CallerDep,
     ``start``, ``end``: character offsets into the text) for token_classification. CSV has one
     ``probabilities.<class>`` column per class, and ``labels`` and ``entities`` as JSON text. 409
     before it has succeeded."""
-    chunks = predictions.results_stream(prediction_id, caller, format)
+    chunks = results_stream(prediction_id, caller, format)
     return StreamingResponse(chunks, media_type=MEDIA_TYPES[format], headers={
         "Content-Disposition": f'attachment; filename="{prediction_id}.{format}"'})
 

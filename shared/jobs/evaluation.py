@@ -9,7 +9,8 @@ from pathlib import Path
 
 from shared.errors import Conflict, NotFound, UserError
 from shared.jobs.lifecycle import get_job
-from shared.jobs.predictions import KIND, results_dir
+from shared.jobs.prediction_results import results_dir
+from shared.jobs.predictions import KIND
 from shared.store import artifacts, objects
 from shared.store.tenancy import Caller
 
