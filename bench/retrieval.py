@@ -109,7 +109,7 @@ def peer_side(args) -> dict:
     from sentence_transformers.sentence_transformer.training_args import BatchSamplers
 
     from shared.jobs.base_models import resolve_model
-    from shared.schemas.jobs import Hyperparameters
+    from shared.schemas.hyperparameters import Hyperparameters
 
     train, validation = splits(args)
     defaults, start = Hyperparameters(), time.perf_counter()

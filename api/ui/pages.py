@@ -20,7 +20,8 @@ from shared.errors import NotFound, UserError
 from shared.jobs import aliases, lifecycle, predictions, sweeps, uploads
 from shared.jobs.base_models import available_models
 from shared.jobs.evaluation import read_report
-from shared.schemas.jobs import Hyperparameters, JobCreate
+from shared.schemas.hyperparameters import Hyperparameters
+from shared.schemas.jobs import JobCreate
 from shared.settings import get_settings
 from shared.store import artifacts, keys, objects, ui_sessions
 from shared.store.rows import JobStatus

@@ -11,7 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import JsonDict
 
-from shared.schemas.jobs import JOB_CREATE_EXAMPLE, JobCreate, integral_floats
+from shared.schemas.hyperparameters import integral_floats
+from shared.schemas.jobs import JOB_CREATE_EXAMPLE, JobCreate
 
 SWEEP_CREATE_EXAMPLE: JsonDict = {
     **JOB_CREATE_EXAMPLE,

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from shared.data.batching import BatchPlan, bucket_width
-from shared.schemas.jobs import Hyperparameters
+from shared.schemas.hyperparameters import Hyperparameters
 from worker.data import BatchStats, TokenizedDataset
 from worker.training.packing import PACKED
 from worker.training.setup import JobSetup

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from shared.errors import UserError
-from shared.schemas.jobs import GREATER_IS_BETTER
+from shared.schemas.hyperparameters import GREATER_IS_BETTER
 from shared.store.rows import Job
 from worker import embedding
 from worker.data import BatchStats, JobData
