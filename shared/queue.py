@@ -14,7 +14,7 @@ from collections.abc import Callable
 from celery import Celery
 from pydantic import BaseModel
 
-from shared.jobs import lifecycle, orphans, predictions, sweeps, webhooks
+from shared.jobs import lifecycle, orphans, predictions, retention, sweeps, webhooks
 from shared.schemas.jobs import JobCreate
 from shared.schemas.predictions import PredictionCreate
 from shared.settings import Settings, get_settings
@@ -148,7 +148,7 @@ class RecoveryThread:
                  every: Callable[[], float] | None = None, name: str = "tunejob-recover",
                  chores: tuple[Callable[[], object], ...] | None = None):
         self.stopping, self.join_seconds = threading.Event(), join_seconds
-        chores = (resend_recovered, top_up_sweeps, lifecycle.clean_up_files, orphans.collect_orphans,
+        chores = (resend_recovered, top_up_sweeps, retention.clean_up_files, orphans.collect_orphans,
                   idempotency.purge_expired, webhooks.purge_deliveries) if chores is None else chores
         every = every or (lambda: get_settings().recovery_seconds)
         self.thread = threading.Thread(target=recovery_loop, args=(self.stopping, (*chores, *extra), every),
@@ -169,7 +169,7 @@ def recovery_loop(stop: threading.Event, chores: tuple[Callable[[], object], ...
     (``RecoveryThread``): re-queue jobs whose lease expired and (re-)send the messages of queued
     jobs (``shared.jobs.lifecycle.recover``), queue the trials a sweep is short of
     (``shared.jobs.sweeps.top_up_all``), apply the artifact retention and remove leftover
-    files (``shared.jobs.lifecycle.clean_up_files``) and the bucket's orphans (``shared.jobs.orphans``),
+    files (``shared.jobs.retention.clean_up_files``) and the bucket's orphans (``shared.jobs.orphans``),
     delete expired idempotency records and old webhook deliveries (``shared.jobs.webhooks.purge_deliveries``).
     Runs in the API and in every worker; any number of copies may run at once. A sweep that raises
     is logged and tried again next time."""

@@ -289,7 +289,7 @@ def test_retention_and_the_storage_quota_see_the_bucket(bucket_env, models_dir, 
     from fastapi.testclient import TestClient
 
     from api.main import create_app
-    from shared.jobs import lifecycle
+    from shared.jobs import retention
     from shared.settings import get_settings
     from shared.store import objects
     from worker import tasks
@@ -331,7 +331,7 @@ def test_retention_and_the_storage_quota_see_the_bucket(bucket_env, models_dir, 
             # Retention, on a host with an empty data directory: the job's objects go, and so does
             # their share of the quota.
             on_host(tmp_path / "recovery", TUNEJOB_ARTIFACT_RETENTION_DAYS="0")
-            lifecycle.clean_up_files()
+            retention.clean_up_files()
             monkeypatch.delenv("TUNEJOB_ARTIFACT_RETENTION_DAYS")
             on_host(tmp_path / "api")
             assert job_objects(job["id"]) == []

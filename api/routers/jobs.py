@@ -14,16 +14,8 @@ from shared.jobs.evaluation import job_evaluation
 from shared.jobs.planning import check_spec, plan_job
 from shared.jobs.positions import with_positions
 from shared.queue import submit_once
-from shared.schemas.jobs import (
-    ArtifactOut,
-    CheckpointOut,
-    DryRunOut,
-    EventOut,
-    JobCreate,
-    JobList,
-    JobOut,
-    MetricOut,
-)
+from shared.schemas.jobs import ArtifactOut, CheckpointOut, EventOut, JobCreate, JobList, JobOut, MetricOut
+from shared.schemas.plans import DryRunOut
 from shared.store import artifacts, objects
 from shared.store.engine import read_session
 from shared.store.rows import JobMetric
