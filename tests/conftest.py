@@ -21,6 +21,7 @@ import psycopg
 import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
+from cryptography.fernet import Fernet
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -128,7 +129,8 @@ def configure_stack(kind: str, env: dict[str, str]) -> callable:
         require_services()
         database_url, drop = fresh_postgres_database()
         redis.Redis.from_url(REDIS_URL).flushdb()
-        env.update(TUNEJOB_DATABASE_URL=database_url, TUNEJOB_BROKER_URL=REDIS_URL)
+        env.update(TUNEJOB_DATABASE_URL=database_url, TUNEJOB_BROKER_URL=REDIS_URL,
+                   TUNEJOB_SECRET_KEY=Fernet.generate_key().decode())  # required on PostgreSQL (shared.store.sealed)
     configure(env)
     return drop
 
