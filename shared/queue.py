@@ -8,10 +8,16 @@ production points ``TUNEJOB_BROKER_URL`` at Redis.
 """
 
 import logging
+import os
 import threading
+import time
+import uuid
 from collections.abc import Callable
 
 from celery import Celery
+from kombu.exceptions import ChannelError
+from kombu.transport import filesystem
+from kombu.utils.json import dumps
 from pydantic import BaseModel
 
 from shared.jobs import lifecycle, orphans, predictions, retention, sweeps, webhooks
@@ -26,6 +32,32 @@ log = logging.getLogger(__name__)
 
 RUN_JOB = "tunejob.run_job"
 QUEUE = "tunejob"
+
+
+class FilesystemChannel(filesystem.Channel):
+    """kombu's filesystem channel, with each message file written whole before it appears.
+
+    kombu writes a message straight into the queue folder under its final name (``*.<queue>.msg``),
+    and its ``flock`` is advisory: a consumer polling the folder meanwhile (``_get`` takes no lock)
+    moved and read an empty or half-written file, and the worker failed on the JSON (seen twice
+    under load, issue 34). Here the message is written under a name no consumer looks at (a dot
+    file) and renamed into place (``os.replace``: atomic in one folder, POSIX)."""
+
+    def _put(self, queue, payload, **kwargs):
+        name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"  # kombu's own name
+        partial = os.path.join(self.data_folder_out, f".{name}.part")
+        try:
+            with open(partial, "wb") as f:
+                f.write(dumps(payload).encode())
+            os.replace(partial, os.path.join(self.data_folder_out, name))
+        except OSError as e:
+            raise ChannelError(f"Cannot add file {name!r} to directory") from e
+
+
+class FilesystemTransport(filesystem.Transport):
+    """kombu's filesystem transport with ``FilesystemChannel`` (the embedded default's broker)."""
+
+    Channel = FilesystemChannel
 
 
 def celery_config(settings: Settings) -> dict:
@@ -45,6 +77,7 @@ def celery_config(settings: Settings) -> dict:
         transport_options["global_keyprefix"] = settings.broker_key_prefix
     return {
         "broker_url": settings.celery_broker_url,
+        "broker_transport": f"{__name__}:FilesystemTransport" if settings.uses_filesystem_broker else None,
         "broker_transport_options": transport_options,
         "broker_connection_retry_on_startup": True,
         "task_serializer": "json",

@@ -23,6 +23,7 @@ import psycopg
 import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
+from cryptography.fernet import Fernet
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -161,7 +162,8 @@ def configure_stack(kind: str, env: dict[str, str]) -> callable:
     if kind == "postgres+redis":
         require_services()
         database_url, drop = fresh_postgres_database()
-        env.update(TUNEJOB_DATABASE_URL=database_url, **redis_broker_env())
+        env.update(TUNEJOB_DATABASE_URL=database_url, **redis_broker_env(),
+                   TUNEJOB_SECRET_KEY=Fernet.generate_key().decode())  # required on PostgreSQL (shared.store.sealed)
     configure(env)
     return drop
 

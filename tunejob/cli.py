@@ -288,6 +288,10 @@ def main(argv: list[str] | None = None) -> None:
 
         upgrade_database()
         print("database is at the latest revision")
+        if args.db_command == "reseal":
+            from shared.jobs.webhooks import reseal_secrets
+
+            print(f"{reseal_secrets()} webhook endpoints' secrets encrypted with the first key")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -321,6 +325,7 @@ def parser() -> argparse.ArgumentParser:
                    help="stop (as on SIGTERM) once process PID, its parent, is gone (serve passes its own)")
     db = commands.add_parser("db", help="database maintenance").add_subparsers(dest="db_command", required=True)
     db.add_parser("upgrade", help="alembic upgrade head")
+    db.add_parser("reseal", help="encrypt the stored webhook secrets again with the first key of TUNEJOB_SECRET_KEY")
     k = commands.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
     p = k.add_parser("create", help="a new key, printed once")
     p.add_argument("--tenant", required=True, help="the tenant whose datasets and jobs the key reaches")
