@@ -98,12 +98,16 @@ def test_chart_lints_renders_and_validates(helm, values):
                 kubernetes_validate.utils.validate(doc, version, strict=True)
 
 
-def test_a_manifest_off_the_schema_is_caught(helm):
-    """The validation can fail: a grace period that is not an integer is refused by Kubernetes' schema."""
-    worker = next(d for d in render(helm, ["worker.terminationGracePeriodSeconds=five"])
-                  if d["kind"] == "Deployment" and d["metadata"]["name"] == "t-worker")
+def test_bad_values_are_caught(helm):
+    """Both checks can fail: values.schema.json refuses a bad value before anything renders, and
+    Kubernetes' schema catches what the values schema leaves open (a Service port that is no number)."""
+    for bad in ("worker.terminationGracePeriodSeconds=five", "keda.minReplicaCount=-1", "storage.url=gs://b/p"):
+        with pytest.raises(subprocess.CalledProcessError) as refused:
+            render(helm, [bad])
+        assert "values don't meet the specifications of the schema" in refused.value.stderr, refused.value.stderr
+    service = next(d for d in render(helm, ["api.service.port=http"]) if d["kind"] == "Service")
     with pytest.raises(kubernetes_validate.utils.ValidationError):
-        kubernetes_validate.utils.validate(worker, KUBERNETES_VERSIONS[-1], strict=True)
+        kubernetes_validate.utils.validate(service, KUBERNETES_VERSIONS[-1], strict=True)
 
 
 def test_workers_get_one_gpu_a_grace_period_and_a_queue_scaler(helm):
