@@ -226,6 +226,7 @@ def test_a_jobs_evaluation_and_aliases_on_its_page_and_per_class_f1_deltas_on_co
                                                  learning_rate=3e-3)["id"], {"succeeded"})
     theirs = stack.client.get(f"/jobs/{other['id']}/evaluation").json()
     compare = client.get(f"/ui/compare?jobs={job['id']},{other['id']}").text
+    assert compare.count('id="f1-deltas"') == 1 and compare.index("<main") < compare.index('id="f1-deltas"')
     deltas = compare.split('id="f1-deltas"')[1].split("</table>")[0]
     for name, figures in report["per_class"].items():
         row = deltas.split(f'<th scope="row">{name}</th>')[1].split("</tr>")[0]

@@ -402,6 +402,11 @@ function jobSpec(form) {
 // Show the column fields of the chosen task only (their data-tasks); hidden ones are disabled, so not sent.
 function showTaskFields(form) {
   const task = form.task.value;
+  // loss is no objective of the retrieval tasks: their first own metric instead (and back)
+  const metric = form["hp.metric_for_best_model"];
+  const retrieval = {embedding: "ndcg@10", reranking: "ndcg@10"}[task];
+  if (retrieval && metric.value === "loss") metric.value = retrieval;
+  else if (!retrieval && metric.value === "ndcg@10") metric.value = "loss";
   for (const el of form.querySelectorAll("[data-tasks]")) {
     const shown = el.dataset.tasks.split(" ").includes(task);
     el.hidden = !shown;
