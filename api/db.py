@@ -75,14 +75,33 @@ async def cached(key: Hashable, fn: Callable[..., Any], *args, limit: int | None
     """``fn(*args)`` read with ``read`` (with ``limit``: ``fn(*args, limit)`` with ``read_rows``), a
     read of jobs or their metrics, kept under ``key`` in this process's cache until a job or a
     metric changes (``shared.store.cache.JOBS``). Not kept: None (nothing found), and lists of more
-    than ``INLINE_ROWS``."""
+    than ``INLINE_ROWS``.
+
+    Single-flight: the requests that miss the same key at the same version while its read is under
+    way wait for that read instead of each making their own. A job that commits several times a
+    second empties the cache as often, and without this every poll waiting at that moment (50 under
+    ``bench.load``) read the store at once, each a thread hand-off and a PostgreSQL round trip."""
     cache = cache_for(get_settings().sqlalchemy_url, JOBS)
     value, version = cache.get(key) if cache is not None else (None, None)
-    if value is None:
-        value = await (read(fn, *args) if limit is None else read_rows(fn, *args, limit=limit))
-        if cache is not None and value is not None and (limit is None or len(value) <= INLINE_ROWS):
-            cache.put(key, value, version)
+    if value is not None:
+        return value
+    if cache is None or version is None:  # nothing can be cached: nor shared
+        return await _read(fn, args, limit)
+    flight = (asyncio.get_running_loop(), key, version)
+    if (task := _flights.get(flight)) is None:
+        task = _flights[flight] = asyncio.ensure_future(_read(fn, args, limit))
+        task.add_done_callback(lambda _: _flights.pop(flight, None))
+    value = await asyncio.shield(task)  # a waiter that goes away does not cancel the others' read
+    if value is not None and (limit is None or len(value) <= INLINE_ROWS):
+        cache.put(key, value, version)
     return value
+
+
+_flights: dict[tuple[asyncio.AbstractEventLoop, Hashable, int], asyncio.Future] = {}  # reads under way (``cached``)
+
+
+async def _read(fn: Callable[..., Any], args: tuple, limit: int | None) -> Any:
+    return await (read(fn, *args) if limit is None else read_rows(fn, *args, limit=limit))
 
 
 def find_job(job_id: str) -> Job | None:

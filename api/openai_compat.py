@@ -31,7 +31,8 @@ from pydantic_core import ErrorDetails
 from shared.errors import NotFound, UserError
 from shared.jobs import uploads
 from shared.jobs.trials import stored_hyperparameters
-from shared.schemas.jobs import Hyperparameters, JobCreate, Metadata
+from shared.schemas.hyperparameters import Hyperparameters
+from shared.schemas.jobs import JobCreate, Metadata
 from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobStatus
 from shared.store.tenancy import Caller
 

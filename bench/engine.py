@@ -54,7 +54,8 @@ def make_job(config: str, spec, labels: list[str], task: str = "classification")
     Raises:
         pydantic.ValidationError: a hyperparameter the schema rejects (name or value).
     """
-    from shared.schemas.jobs import Hyperparameters, JobCreate
+    from shared.schemas.hyperparameters import Hyperparameters
+    from shared.schemas.jobs import JobCreate
     from shared.store.rows import Job
 
     never = 10**12

@@ -15,6 +15,11 @@ uploads BBC News, starts a real fine-tuning job, and then, while it trains, meas
    request as soon as its answer is in (closed loop: the API's capacity, and latency is Little's
    law, clients / rate). Each window follows ``--warmup`` seconds of the same load.
 
+With ``--job short-epochs`` the job is a tiny BERT (``worker.doctor.build_tiny_bert``) on 200 rows
+that evaluates and checkpoints every 2 steps: the job store gets several commits a second (as a
+small dataset on a GPU does), each of which empties the API's read cache (``shared.store.cache``)
+while the clients poll.
+
 With ``--idle-worker`` the job is cancelled once it has trained a few steps, and the windows run
 with the worker idle (the same requests, the job's metrics in place). With ``--api-workers N``
 (N > 1, PostgreSQL + Redis) the API runs in N processes (``tunejob serve --api-workers N``), with
@@ -35,6 +40,7 @@ Ubuntu; it is built with LuaJIT, whose FFI reads the clock for pacing).
                          --broker-url redis://127.0.0.1:6379/9
     python -m bench.load --database-url … --broker-url … --api-workers 2  # two API processes
     python -m bench.load --clients 10 --seconds 5 --warmup 1  # smoke run
+    python -m bench.load --job short-epochs --rates 500 --database-url … --broker-url …  # a job that commits often
 """
 
 import argparse
@@ -213,6 +219,9 @@ def main() -> int:
     parser.add_argument("--broker-url", help="Redis broker (default: the embedded filesystem broker)")
     parser.add_argument("--api-workers", type=int, default=1,
                         help="API processes (more than 1: their rate limits in the --broker-url Redis)")
+    parser.add_argument("--job", choices=("minilm", "short-epochs"), default="minilm",
+                        help="minilm: the built-in model on BBC News (commits every ~2 s); short-epochs: a tiny "
+                             "BERT on 200 rows that evaluates and checkpoints every 2 steps (several commits a second)")
     parser.add_argument("--base-model", default="all-MiniLM-L6-v2")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -229,6 +238,10 @@ def main() -> int:
     script.write_text(WRK_SCRIPT)
     env = configure_store(args, work / "data")
     keys = make_keys(args.clients + 1)
+    if args.job == "short-epochs":
+        from worker.doctor import build_tiny_bert
+
+        env["TUNEJOB_MODELS_DIR"] = str(build_tiny_bert(work / "models" / "tiny-bert").parent)
     port = free_port()
     log = open(work / "serve.log", "w")
     serve = subprocess.Popen([sys.executable, "-m", "tunejob", "serve", "--port", str(port), "--api-workers",
@@ -244,12 +257,17 @@ def main() -> int:
             except httpx.TransportError:
                 time.sleep(0.5)
         train, _ = stratified_split(bbc_news(), test_size=0.2, seed=42)
+        hyperparameters = {"epochs": 50, "max_length": args.max_length, "batch_size": args.batch_size,
+                           "eval_every_steps": 100_000, "save_every_steps": 100_000}
+        base_model = args.base_model
+        if args.job == "short-epochs":
+            train = train.head(200)
+            hyperparameters.update(epochs=1000, max_length=32, eval_every_steps=2, save_every_steps=2)
+            base_model = "tiny-bert"
         csv = io.BytesIO(train.to_csv(index=False).encode())
         dataset = driver.post("/datasets", files={"file": ("bbc.csv", csv, "text/csv")}).raise_for_status().json()
-        job = driver.post("/jobs", json={
-            "base_model": args.base_model, "training_dataset": dataset["id"],
-            "hyperparameters": {"epochs": 50, "max_length": args.max_length, "batch_size": args.batch_size,
-                                "eval_every_steps": 100_000, "save_every_steps": 100_000}}).raise_for_status().json()
+        job = driver.post("/jobs", json={"base_model": base_model, "training_dataset": dataset["id"],
+                                         "hyperparameters": hyperparameters}).raise_for_status().json()
         job_url = f"/jobs/{job['id']}"
         while (state := driver.get(job_url).json())["progress"]["step"] < 5:
             assert state["status"] in ("queued", "running"), state
@@ -290,7 +308,8 @@ def main() -> int:
             "stack": "postgres+redis" if args.database_url else "embedded",
             "machine": f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} CPUs",
             "load_average_at_end": [round(x, 1) for x in os.getloadavg()],
-            "worker": "idle (job cancelled)" if args.idle_worker else "training", "api_processes": args.api_workers,
+            "worker": "idle (job cancelled)" if args.idle_worker else "training", "job": args.job,
+            "api_processes": args.api_workers,
             "clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "windows": windows,
         }
     finally:

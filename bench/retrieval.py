@@ -6,20 +6,37 @@ base model (zero-shot, before the first step) and after each epoch.
 
     python -m bench.retrieval --train 400 --validation 200 --epochs 1 --max-length 128
 
-Prints one JSON object: the sizes, the zero-shot and fine-tuned retrieval metrics and the seconds.
+``--side peer`` trains the same examples with ``SentenceTransformerTrainer`` instead (the same loss,
+MultipleNegativesRankingLoss; the same batch size, learning rate, warm-up ratio, weight decay,
+epochs, max_length and seed; ``BatchSamplers.NO_DUPLICATES``, as tunejob's duplicate-free batches);
+``--side rerank --embedder DIR`` trains a ``reranking`` job (tunejob's recipe) on the training
+titles, their articles (label 1) and the article the embedding model ``DIR`` ranks first among the
+other training articles (a hard negative, label 0), then reranks that embedding model's top
+``--top-k`` articles of each validation title. ``--side compare`` runs the three, each cold in its
+own process (tunejob, the peer, then the reranker on tunejob's model), and prints them together.
+Both embedding sides are scored by the same function (``worker.embedding.retrieval_metrics``:
+sentence-transformers' ``InformationRetrievalEvaluator``); the epoch time is the training loop's own
+(tunejob's ``train_seconds``, the Trainer's ``train_runtime``), evaluation excluded.
+
+Prints one JSON object: the sizes, the retrieval metrics and the seconds.
 """
 
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
+from types import SimpleNamespace
 
 import pandas as pd
 import torch
 
 from bench.corpora import bbc_news
+
+NAMES = ("ndcg@10", "mrr@10", "recall@1", "recall@10", "map@100")
 
 
 def title_pairs() -> pd.DataFrame:
@@ -29,8 +46,145 @@ def title_pairs() -> pd.DataFrame:
         "anchor != '' and positive != ''").reset_index(drop=True)
 
 
+def splits(args) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The training and validation pairs: the articles shuffled with ``--seed``, then cut."""
+    pairs = title_pairs().sample(frac=1.0, random_state=args.seed).reset_index(drop=True)
+    return (pairs.iloc[:args.train].reset_index(drop=True),
+            pairs.iloc[args.train:args.train + args.validation].reset_index(drop=True))
+
+
+def scores(model, frame: pd.DataFrame) -> dict[str, float]:
+    """``worker.embedding.retrieval_metrics`` of a ``SentenceTransformer`` on a split's pairs."""
+    from worker.embedding import retrieval_metrics
+
+    split = SimpleNamespace(texts=[frame["anchor"].tolist(), frame["positive"].tolist()], labels=[0.0] * len(frame))
+    return {name: round(value, 4) for name, value in retrieval_metrics(model, split).items()}
+
+
+def fine_tune_job(args, task: str, train: pd.DataFrame, validation: pd.DataFrame, **hyperparameters):
+    """Run a transient job of ``task`` through the worker's recipe; (its reporter, its model directory)."""
+    from shared.schemas.jobs import JobCreate
+    from shared.store import artifacts
+    from shared.store.rows import Job
+    from worker.data import JobData
+    from worker.reporter import MemoryReporter
+    from worker.training.recipe import fine_tune
+
+    spec = JobCreate(base_model=args.model, task=task, training_dataset="ds_bench", hyperparameters={
+        "epochs": args.epochs, "batch_size": args.batch_size, "max_length": args.max_length,
+        "learning_rate": args.learning_rate, "seed": args.seed, **hyperparameters})
+    job = Job(id=f"bench-{uuid.uuid4().hex[:12]}", task=task, base_model=args.model, spec=spec.model_dump(mode="json"))
+    reporter = MemoryReporter()
+    outcome = fine_tune(job, JobData(train, validation), torch.device("cpu"), reporter)
+    assert outcome == "succeeded", outcome
+    return reporter, artifacts.model_dir(job.id)
+
+
+def tunejob_side(args) -> dict:
+    """An ``embedding`` job on the training pairs; its own zero-shot and fine-tuned metrics."""
+    from sentence_transformers import SentenceTransformer
+
+    train, validation = splits(args)
+    start = time.perf_counter()
+    reporter, model_dir = fine_tune_job(args, "embedding", train, validation)
+    series = {name: reporter.series(f"eval_{name}") for name in NAMES}
+    model = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
+    return {"side": "tunejob", "train_pairs": len(train), "validation_pairs": len(validation),
+            "zero_shot": {n: round(s[0], 4) for n, s in series.items()},
+            "fine_tuned": {n: round(s[max(s)], 4) for n, s in series.items()}, "scored": scores(model, validation),
+            "train_seconds": round(reporter.fields["train_metrics"]["train_seconds"], 1),
+            "seconds": round(time.perf_counter() - start, 1), "model": str(model_dir),
+            "torch_threads": torch.get_num_threads()}
+
+
+def peer_side(args) -> dict:
+    """``SentenceTransformerTrainer`` with MultipleNegativesRankingLoss on the same pairs and settings."""
+    from datasets import Dataset
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    from sentence_transformers.sentence_transformer.training_args import BatchSamplers
+
+    from shared.jobs.base_models import resolve_model
+    from shared.schemas.hyperparameters import Hyperparameters
+
+    train, validation = splits(args)
+    defaults, start = Hyperparameters(), time.perf_counter()
+    model = SentenceTransformer(str(resolve_model(args.model)), device="cpu", local_files_only=True)
+    model.max_seq_length = args.max_length
+    training = SentenceTransformerTrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="bench-peer-"), num_train_epochs=args.epochs,
+        per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
+        warmup_steps=defaults.warmup_ratio, weight_decay=defaults.weight_decay, seed=args.seed,
+        batch_sampler=BatchSamplers.NO_DUPLICATES, save_strategy="no", eval_strategy="no", report_to="none",
+        use_cpu=True, logging_steps=1_000_000, disable_tqdm=True)
+    trainer = SentenceTransformerTrainer(model=model, args=training, loss=MultipleNegativesRankingLoss(model),
+                                         train_dataset=Dataset.from_pandas(train[["anchor", "positive"]]))
+    runtime = trainer.train().metrics["train_runtime"]
+    return {"side": "SentenceTransformerTrainer", "scored": scores(model, validation),
+            "train_seconds": round(runtime, 1), "seconds": round(time.perf_counter() - start, 1),
+            "torch_threads": torch.get_num_threads()}
+
+
+def top_k(model, queries: list[str], corpus: list[str], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cosine scores, indices) of each query's ``k`` nearest ``corpus`` texts, best first."""
+    from sentence_transformers import util
+
+    q = model.encode(queries, convert_to_tensor=True, normalize_embeddings=True, batch_size=64)
+    c = model.encode(corpus, convert_to_tensor=True, normalize_embeddings=True, batch_size=64)
+    return torch.topk(util.cos_sim(q, c), min(k, len(corpus)), dim=1)
+
+
+def rerank_side(args) -> dict:
+    """A ``reranking`` job on the training titles with their articles and one hard negative each,
+    then the validation titles' top ``--top-k`` from the embedding model, reranked by it."""
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    from worker.reranking import ranking_metrics
+
+    train, validation = splits(args)
+    embedder = SentenceTransformer(args.embedder, device="cpu", local_files_only=True)
+
+    def with_negatives(frame: pd.DataFrame) -> pd.DataFrame:
+        _, found = top_k(embedder, frame["anchor"].tolist(), frame["positive"].tolist(), 2)
+        negative = [int(row[1] if row[0] == i else row[0]) for i, row in enumerate(found.tolist())]
+        return pd.concat([pd.DataFrame({"query": frame["anchor"], "passage": frame["positive"], "label": 1.0}),
+                          pd.DataFrame({"query": frame["anchor"], "passage": frame["positive"].iloc[negative].values,
+                                        "label": 0.0})], ignore_index=True)
+
+    start = time.perf_counter()
+    reporter, model_dir = fine_tune_job(args, "reranking", with_negatives(train), with_negatives(validation),
+                                        epochs=args.rerank_epochs)
+    anchors, bodies = validation["anchor"].tolist(), validation["positive"].tolist()
+    cosine, found = top_k(embedder, anchors, bodies, args.top_k)
+    queries = [anchors[q] for q, row in enumerate(found.tolist()) for _ in row]
+    passages = [bodies[d] for row in found.tolist() for d in row]
+    labels = torch.tensor([float(bodies[d] == bodies[q]) for q, row in enumerate(found.tolist()) for d in row])
+    reranker = CrossEncoder(str(model_dir), device="cpu", local_files_only=True)
+    reranked = reranker.predict(list(zip(queries, passages)), batch_size=64, show_progress_bar=False)
+    before = ranking_metrics(queries, cosine.reshape(-1).numpy(), labels.numpy())
+    after = ranking_metrics(queries, torch.as_tensor(reranked).reshape(-1).numpy(), labels.numpy())
+    return {"side": "rerank", "top_k": args.top_k, "reranker_train_rows": 2 * len(train),
+            "embedding_top_k": {k: round(v, 4) for k, v in before.items()},
+            "reranked": {k: round(v, 4) for k, v in after.items()},
+            "train_seconds": round(reporter.fields["train_metrics"]["train_seconds"], 1),
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def cold(side: str, argv: list[str], *extra: str) -> dict:
+    """One side in a fresh process (its own data directory): the JSON it prints."""
+    env = {**os.environ, "TUNEJOB_DATA_DIR": tempfile.mkdtemp(prefix=f"bench-retrieval-{side}-")}
+    out = subprocess.run([sys.executable, "-m", "bench.retrieval", *argv, "--side", side, *extra], env=env,
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out[out.rindex("\n{\n") + 1:])  # the last thing printed (the Trainer prints dicts too)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--side", choices=["tunejob", "peer", "rerank", "compare"], default="tunejob")
     p.add_argument("--model", default="all-MiniLM-L6-v2")
     p.add_argument("--train", type=int, default=400)
     p.add_argument("--validation", type=int, default=200)
@@ -39,32 +193,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--learning-rate", type=float, default=5e-5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--embedder", help="--side rerank: the embedding model directory whose top-k is reranked")
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--rerank-epochs", type=float, default=1)
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     os.environ.setdefault("TUNEJOB_DATA_DIR", tempfile.mkdtemp(prefix="bench-retrieval-"))
-
-    from shared.schemas.jobs import JobCreate
-    from shared.store.rows import Job
-    from worker.data import JobData
-    from worker.reporter import MemoryReporter
-    from worker.training.recipe import fine_tune
-
-    pairs = title_pairs().sample(frac=1.0, random_state=args.seed).reset_index(drop=True)
-    train = pairs.iloc[:args.train].reset_index(drop=True)
-    validation = pairs.iloc[args.train:args.train + args.validation].reset_index(drop=True)
-    spec = JobCreate(base_model=args.model, task="embedding", training_dataset="ds_bench", hyperparameters={
-        "epochs": args.epochs, "batch_size": args.batch_size, "max_length": args.max_length,
-        "learning_rate": args.learning_rate, "seed": args.seed})
-    job = Job(id=f"bench-{uuid.uuid4().hex[:12]}", task="embedding", base_model=args.model,
-              spec=spec.model_dump(mode="json"))
-    reporter, start = MemoryReporter(), time.perf_counter()
-    outcome = fine_tune(job, JobData(train, validation), torch.device("cpu"), reporter)
-    names = ("ndcg@10", "mrr@10", "recall@1", "recall@10", "map@100")
-    series = {name: reporter.series(f"eval_{name}") for name in names}
-    result = {"outcome": outcome, "train_pairs": len(train), "validation_pairs": len(validation),
-              "zero_shot": {n: round(s[0], 4) for n, s in series.items()},
-              "fine_tuned": {n: round(s[max(s)], 4) for n, s in series.items()},
-              "train_seconds": round(reporter.fields["train_metrics"]["train_seconds"], 1),
-              "seconds": round(time.perf_counter() - start, 1), "torch_threads": torch.get_num_threads()}
+    if args.side == "compare":
+        common = [a for i, a in enumerate(argv) if a != "--side" and (i == 0 or argv[i - 1] != "--side")]
+        ours = cold("tunejob", common)
+        result = {"tunejob": ours, "peer": cold("peer", common),
+                  "rerank": cold("rerank", common, "--embedder", ours["model"])}
+        result["epoch_time_ratio"] = round(result["peer"]["train_seconds"] / ours["train_seconds"], 2)
+    else:
+        result = {"tunejob": tunejob_side, "peer": peer_side, "rerank": rerank_side}[args.side](args)
     print(json.dumps(result, indent=2))
     return result
 

@@ -424,9 +424,19 @@ class Client:
         (``{"predictions": [...], "truncated", "max_length", ...}``)."""
         return self.request("POST", f"/models/{job_id}/predict", json={"inputs": inputs}).json()
 
+    def embed(self, job_id: str, inputs: list[str]) -> dict[str, Any]:
+        """``POST /models/{job_id}/embed``: a few texts embedded at once by the API process
+        (``{"embeddings": [[...], ...], "dimensions", "tokens", "truncated", ...}``, unit length)."""
+        return self.request("POST", f"/models/{job_id}/embed", json={"inputs": inputs}).json()
+
     def job_evaluation(self, job_id: str) -> dict[str, Any]:
         """``GET /jobs/{id}/evaluation``: the evaluation report of a succeeded job's model."""
         return self.request("GET", f"/jobs/{job_id}/evaluation").json()
+
+    def prediction_evaluation(self, prediction_id: str) -> dict[str, Any]:
+        """``GET /predictions/{id}/evaluation``: the evaluation report of a prediction made with a
+        ``label_column`` (a labelled test set)."""
+        return self.request("GET", f"/predictions/{prediction_id}/evaluation").json()
 
     # ------------------------------------------------------------------ model aliases
 

@@ -39,6 +39,7 @@ from client.display import (
     show,
     styled_status,
     texts_table,
+    vectors_table,
 )
 from client.options import UsageError, add_create_arguments, job_spec, prediction_spec
 
@@ -150,12 +151,23 @@ def get_job(client: Client, args, out: Console) -> None:
 
 
 def job_evaluation(client: Client, args, out: Console) -> None:
-    report = client.job_evaluation(args.job_id)
+    show_report(client.job_evaluation(args.job_id), args, out)
+
+
+def prediction_evaluation(client: Client, args, out: Console) -> None:
+    show_report(client.prediction_evaluation(args.prediction_id), args, out)
+
+
+def show_report(report: dict, args, out: Console) -> None:
+    """An evaluation report: its headline figures, then per class (label, entity type) precision,
+    recall, F1 and support, and the labels the model does not know; --json: the whole report."""
     per_class = report.get("per_class") or report.get("per_label") or report.get("per_entity") or {}
     table = Table("", "precision", "recall", "f1", "support",
                   title=", ".join(f"{k} {v:.4f}" for k, v in report["metrics"].items() if v is not None))
     for name, v in per_class.items():
         table.add_row(escape(name), f"{v['precision']:.4f}", f"{v['recall']:.4f}", f"{v['f1']:.4f}", str(v["support"]))
+    if unknown := report.get("unknown_labels"):
+        table.caption = escape(f"labels the model does not know (counted as errors): {', '.join(unknown)}")
     show(out, args, report, lambda: table)
 
 
@@ -276,6 +288,11 @@ def delete_prediction(client: Client, args, out: Console) -> None:
 def predict_texts(client: Client, args, out: Console) -> None:
     answer = client.predict(args.job_id, args.texts)
     show(out, args, answer, lambda: texts_table(args.texts, answer["predictions"]))
+
+
+def embed_texts(client: Client, args, out: Console) -> None:
+    answer = client.embed(args.job_id, args.texts)
+    show(out, args, answer, lambda: vectors_table(args.texts, answer["embeddings"]))
 
 
 def create_webhook(client: Client, args, out: Console) -> None:
@@ -409,16 +426,21 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def add_predict_commands(commands: argparse._SubParsersAction, command, quiet, read) -> None:
-    """``tunejob predict create|list|get|watch|events|download|cancel|delete|texts``."""
+    """``tunejob predict create|list|get|watch|events|download|evaluation|cancel|delete|texts|embed``."""
     predict = commands.add_parser("predict", help="score datasets or texts with a trained model (client)") \
         .add_subparsers(dest="subcommand", required=True)
     p = command(predict, "create", create_prediction, "score every row of a dataset (or plan it: --dry-run)", quiet)
     p.add_argument("--spec", type=Path, help="a JSON body of POST /predictions; the options below override it")
-    p.add_argument("--model", help="a succeeded job id, or a base model with a classification head")
+    p.add_argument("--model", help="a succeeded job id (an embedding job's results are vectors), or a base "
+                   "model with a classification head")
     p.add_argument("--dataset", help="the dataset id to score")
     p.add_argument("--text-column")
     p.add_argument("--text-pair-column")
     p.add_argument("--id-column", help="a column naming each row in the results (default: the row index)")
+    p.add_argument("--label-column", help="a column of gold labels: the prediction also writes an evaluation "
+                   "report (tunejob predict evaluation ID)")
+    p.add_argument("--count-unknown-labels", action="store_true", default=None, help="with --label-column: score "
+                   "rows whose label the model does not know as errors (else such a test set is refused)")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--max-length", type=int, help="tokens per text at most (default: the model's limit)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (rows, tokens, padding efficiency, "
@@ -436,10 +458,16 @@ def add_predict_commands(commands: argparse._SubParsersAction, command, quiet, r
     p.add_argument("prediction_id")
     p.add_argument("--format", choices=["jsonl", "csv", "parquet"], default="jsonl")
     p.add_argument("-o", "--output", type=Path, help="file (default: ./<id>.<format>)")
+    command(predict, "evaluation", prediction_evaluation, "the evaluation report of a prediction made with "
+            "--label-column: per-class figures (--json: the whole report)", read).add_argument("prediction_id")
     command(predict, "cancel", cancel_prediction, "cancel a prediction job").add_argument("prediction_id")
     command(predict, "delete", delete_prediction, "delete a finished prediction job and its results") \
         .add_argument("prediction_id")
     p = command(predict, "texts", predict_texts, "score a few texts at once with a trained model's job id", read)
+    p.add_argument("job_id")
+    p.add_argument("texts", nargs="+")
+    p = command(predict, "embed", embed_texts, "embed a few texts at once with an embedding job's id (or a base "
+                "model's name); --json prints the whole vectors", read)
     p.add_argument("job_id")
     p.add_argument("texts", nargs="+")
 

@@ -79,6 +79,14 @@ def texts_table(texts: list[str], predictions: list[dict[str, Any]]) -> Table:
     return table
 
 
+def vectors_table(texts: list[str], vectors: list[list[float]]) -> Table:
+    """One row per text: the text, its vector's size and first values (``--json`` prints them all)."""
+    table = Table(Column("text", overflow="fold"), "dimensions", "vector")
+    for text, vector in zip(texts, vectors, strict=True):
+        table.add_row(escape(text), str(len(vector)), "[" + ", ".join(f"{v:.4f}" for v in vector[:4]) + ", …]")
+    return table
+
+
 def prediction_text(text: str, row: dict[str, Any]) -> str:
     """A prediction in a few words: classification's label and score, multi_label's labels,
     token_classification's entities (``PER carol, LOC New York``: the text at their offsets), or

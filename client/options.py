@@ -85,7 +85,8 @@ def prediction_spec(args) -> dict[str, Any]:
     spec = read_spec(args.spec)
     options = {"model": args.model, "dataset": args.dataset, "text_column": args.text_column,
                "text_pair_column": args.text_pair_column, "id_column": args.id_column,
-               "batch_size": args.batch_size, "max_length": args.max_length}
+               "batch_size": args.batch_size, "max_length": args.max_length, "label_column": args.label_column,
+               "count_unknown_labels": args.count_unknown_labels}
     spec.update({k: v for k, v in options.items() if v is not None})
     require(spec, [("--model", "model"), ("--dataset", "dataset")])
     return spec

@@ -8,13 +8,19 @@ production points ``TUNEJOB_BROKER_URL`` at Redis.
 """
 
 import logging
+import os
 import threading
+import time
+import uuid
 from collections.abc import Callable
 
 from celery import Celery
+from kombu.exceptions import ChannelError
+from kombu.transport import filesystem
+from kombu.utils.json import dumps
 from pydantic import BaseModel
 
-from shared.jobs import lifecycle, orphans, predictions, sweeps, webhooks
+from shared.jobs import lifecycle, orphans, predictions, retention, sweeps, webhooks
 from shared.schemas.jobs import JobCreate
 from shared.schemas.predictions import PredictionCreate
 from shared.settings import Settings, get_settings
@@ -26,6 +32,32 @@ log = logging.getLogger(__name__)
 
 RUN_JOB = "tunejob.run_job"
 QUEUE = "tunejob"
+
+
+class FilesystemChannel(filesystem.Channel):
+    """kombu's filesystem channel, with each message file written whole before it appears.
+
+    kombu writes a message straight into the queue folder under its final name (``*.<queue>.msg``),
+    and its ``flock`` is advisory: a consumer polling the folder meanwhile (``_get`` takes no lock)
+    moved and read an empty or half-written file, and the worker failed on the JSON (seen twice
+    under load, issue 34). Here the message is written under a name no consumer looks at (a dot
+    file) and renamed into place (``os.replace``: atomic in one folder, POSIX)."""
+
+    def _put(self, queue, payload, **kwargs):
+        name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"  # kombu's own name
+        partial = os.path.join(self.data_folder_out, f".{name}.part")
+        try:
+            with open(partial, "wb") as f:
+                f.write(dumps(payload).encode())
+            os.replace(partial, os.path.join(self.data_folder_out, name))
+        except OSError as e:
+            raise ChannelError(f"Cannot add file {name!r} to directory") from e
+
+
+class FilesystemTransport(filesystem.Transport):
+    """kombu's filesystem transport with ``FilesystemChannel`` (the embedded default's broker)."""
+
+    Channel = FilesystemChannel
 
 
 def celery_config(settings: Settings) -> dict:
@@ -41,8 +73,11 @@ def celery_config(settings: Settings) -> dict:
             store_processed=False,
             polling_interval=settings.broker_polling_seconds,  # kombu's default, 1 s, delays every job's start
         )
+    elif settings.broker_key_prefix:
+        transport_options["global_keyprefix"] = settings.broker_key_prefix
     return {
         "broker_url": settings.celery_broker_url,
+        "broker_transport": f"{__name__}:FilesystemTransport" if settings.uses_filesystem_broker else None,
         "broker_transport_options": transport_options,
         "broker_connection_retry_on_startup": True,
         "task_serializer": "json",
@@ -146,7 +181,7 @@ class RecoveryThread:
                  every: Callable[[], float] | None = None, name: str = "tunejob-recover",
                  chores: tuple[Callable[[], object], ...] | None = None):
         self.stopping, self.join_seconds = threading.Event(), join_seconds
-        chores = (resend_recovered, top_up_sweeps, lifecycle.clean_up_files, orphans.collect_orphans,
+        chores = (resend_recovered, top_up_sweeps, retention.clean_up_files, orphans.collect_orphans,
                   idempotency.purge_expired, webhooks.purge_deliveries) if chores is None else chores
         every = every or (lambda: get_settings().recovery_seconds)
         self.thread = threading.Thread(target=recovery_loop, args=(self.stopping, (*chores, *extra), every),
@@ -167,7 +202,7 @@ def recovery_loop(stop: threading.Event, chores: tuple[Callable[[], object], ...
     (``RecoveryThread``): re-queue jobs whose lease expired and (re-)send the messages of queued
     jobs (``shared.jobs.lifecycle.recover``), queue the trials a sweep is short of
     (``shared.jobs.sweeps.top_up_all``), apply the artifact retention and remove leftover
-    files (``shared.jobs.lifecycle.clean_up_files``) and the bucket's orphans (``shared.jobs.orphans``),
+    files (``shared.jobs.retention.clean_up_files``) and the bucket's orphans (``shared.jobs.orphans``),
     delete expired idempotency records and old webhook deliveries (``shared.jobs.webhooks.purge_deliveries``).
     Runs in the API and in every worker; any number of copies may run at once. A sweep that raises
     is logged and tried again next time."""

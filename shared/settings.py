@@ -30,6 +30,12 @@ class Settings(BaseSettings):
     # PostgreSQL's max_connections (100 by default) must cover API processes and workers x this.
     database_pool_size: int = 20
     broker_url: str | None = None  # default: filesystem:// under <data_dir>/broker
+    # Redis broker: a prefix for every key and channel (kombu's global_keyprefix), so that several
+    # deployments (or test runs) share one Redis database without taking each other's messages
+    broker_key_prefix: str = ""
+    # Fernet keys, comma-separated (the first encrypts), for the secrets stored encrypted (shared.store.sealed);
+    # default: <data_dir>/secret_key, made on first use (mode 0600)
+    secret_key: str | None = Field(None, repr=False)
     models_dir: Path | None = None  # extra Hugging Face model directories, one per model
     device: Literal["auto", "cuda", "cpu"] = "auto"
     cpu_reuse_freed_memory: bool = True  # CPU workers: keep freed memory in the heap (worker.device)

@@ -7,7 +7,9 @@ Its ``client`` sends a (non-admin) API key of the tenant ``stack.tenant``; ``sta
 makes clients with keys of other tenants, or admin keys.
 """
 
+import gc
 import os
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ import psycopg
 import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
+from cryptography.fernet import Fernet
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -30,6 +33,12 @@ from worker.reporter import MemoryReporter as RecordingReporter  # noqa: F401 (t
 POSTGRES_URL = os.environ.get("TUNEJOB_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("TUNEJOB_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
 REQUIRE_SERVICES = os.environ.get("TUNEJOB_REQUIRE_SERVICES") == "1"
+# Celery's keys in the test Redis database live under a prefix of this process's own (kombu's
+# global_keyprefix, ``TUNEJOB_BROKER_KEY_PREFIX``): concurrent runs, and the workers of one
+# pytest-xdist run, never take each other's messages, and no test flushes the database. Named after
+# the process, not a random id: pytest imports this file twice (as ``conftest`` and, for the test
+# modules, ``tests.conftest``), and both copies must clean up the same keys.
+REDIS_RUN_PREFIX = f"tunejob-test:{socket.gethostname()}:{os.getpid()}:"
 TINY_MODEL = "tiny-bert"
 BASE_URL = "http://localhost"  # a Host the API answers (TestClient's default, "testserver", is refused)
 
@@ -39,6 +48,16 @@ def models_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("models")
     build_tiny_bert(root / TINY_MODEL)
     return root
+
+
+def pytest_collection_finish(session) -> None:
+    """Move everything alive after collection (torch, transformers, every test module: about 900,000
+    objects) to the garbage collector's permanent generation (``gc.freeze``), so that no collection
+    walks them again. The worker calls ``gc.collect()`` after every job (``release_device_memory``),
+    which in a process holding the whole suite took seconds, holding the GIL the in-process API and
+    the test also need; and so did every automatic full collection."""
+    gc.collect()
+    gc.freeze()
 
 
 def services_unavailable() -> str | None:
@@ -61,6 +80,22 @@ def require_services() -> None:
     if REQUIRE_SERVICES:
         pytest.fail(f"{reason}, and TUNEJOB_REQUIRE_SERVICES=1 makes these tests mandatory")
     pytest.skip(f"{reason}; set TUNEJOB_REQUIRE_SERVICES=1 to make this a failure")
+
+
+def redis_broker_env() -> dict[str, str]:
+    """The settings of a Redis broker with an empty namespace of its own in the test Redis database."""
+    return {"TUNEJOB_BROKER_URL": REDIS_URL, "TUNEJOB_BROKER_KEY_PREFIX": f"{REDIS_RUN_PREFIX}{uuid.uuid4().hex[:8]}:"}
+
+
+def pytest_sessionfinish(session) -> None:
+    """Delete the keys this process's brokers left in the test Redis database."""
+    try:
+        client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+        keys = list(client.scan_iter(f"{REDIS_RUN_PREFIX}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    except redis.RedisError:
+        pass  # nothing to delete where Redis is not reachable
 
 
 def fresh_postgres_database() -> tuple[str, callable]:
@@ -120,15 +155,15 @@ def configure(env: dict[str, str]) -> None:
 
 def configure_stack(kind: str, env: dict[str, str]) -> callable:
     """``configure`` ``env`` on the stack ``kind`` ("embedded", or "postgres+redis": a fresh
-    database and an empty Redis database); returns what drops the database afterwards (or does nothing).
+    database and an empty Redis namespace, ``redis_broker_env``); returns what drops the database afterwards (or does nothing).
     An in-process client sends requests faster than any default rate limit allows; the limit itself
     is tested in test_auth.py."""
     env, drop = {"TUNEJOB_DEVICE": "cpu", "TUNEJOB_RATE_LIMIT": "1000000/second", **env}, (lambda: None)
     if kind == "postgres+redis":
         require_services()
         database_url, drop = fresh_postgres_database()
-        redis.Redis.from_url(REDIS_URL).flushdb()
-        env.update(TUNEJOB_DATABASE_URL=database_url, TUNEJOB_BROKER_URL=REDIS_URL)
+        env.update(TUNEJOB_DATABASE_URL=database_url, **redis_broker_env(),
+                   TUNEJOB_SECRET_KEY=Fernet.generate_key().decode())  # required on PostgreSQL (shared.store.sealed)
     configure(env)
     return drop
 

@@ -213,7 +213,7 @@ def test_delete_dataset_removes_its_file_and_cache(stack):
 
 
 def test_retention_removes_old_jobs_files_and_leftovers(stack, dataset, monkeypatch):
-    from shared.jobs import lifecycle
+    from shared.jobs import retention
     from shared.settings import get_settings
 
     client = stack.client
@@ -223,14 +223,14 @@ def test_retention_removes_old_jobs_files_and_leftovers(stack, dataset, monkeypa
     leftover.mkdir(parents=True)
     (leftover / "training_state.pt").write_bytes(b"x")
 
-    lifecycle.clean_up_files()  # no retention set: only the leftover goes
+    retention.clean_up_files()  # no retention set: only the leftover goes
     assert not leftover.parent.exists()
     assert client.get(f"/jobs/{job['id']}/artifacts/model.tar").status_code == 200
 
     monkeypatch.setenv("TUNEJOB_ARTIFACT_RETENTION_DAYS", "0")
     get_settings.cache_clear()
     try:
-        lifecycle.clean_up_files()
+        retention.clean_up_files()
     finally:
         monkeypatch.delenv("TUNEJOB_ARTIFACT_RETENTION_DAYS")
         get_settings.cache_clear()

@@ -486,6 +486,19 @@ def test_request_rate_per_key(stack, monkeypatch):
     assert neighbour.get("/datasets").status_code == 200  # per key, not per tenant
 
 
+def test_counting_requests_in_memory_starts_no_thread(stack, monkeypatch):
+    """The in-memory rate counts (``memory://``) expire on the event loop: ``limits``' thread-safe
+    memory storage started a timer thread on the request that followed its last timer's end (10 ms),
+    and ``Thread.start`` holds up the event loop until the new thread runs."""
+    import threading
+
+    started = []  # a timer not started is not alive: the old storage made one on every request
+    monkeypatch.setattr(threading.Timer, "start", lambda timer: started.append(timer))
+    client = stack.client_for("tenant-t")
+    assert [client.get("/datasets").status_code for _ in range(3)] == [200] * 3
+    assert started == []
+
+
 # ----------------------------------------------------------------------------- the store under a held lock
 
 

@@ -430,7 +430,7 @@ def test_batch_stats_by_hand():
 
 
 def test_padding_ladder_defaults():
-    from shared.schemas.jobs import Hyperparameters
+    from shared.schemas.hyperparameters import Hyperparameters
     from worker.device import padding_ladder
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)

@@ -174,6 +174,20 @@ def test_predict_a_dataset_and_a_few_texts_from_the_command_line(served, tmp_pat
     assert missing.returncode == 1 and "not_found" in missing.stderr
 
 
+def test_predict_embed_prints_a_summary_or_the_whole_vectors(served):
+    """``tunejob predict embed`` with a base model's name (mean pooling): ``--json`` prints the API's
+    answer, unit vectors one per text; without it, a table of each text's vector size and first values."""
+    answer = served.cli("predict", "embed", TINY_MODEL, "goal match team", "shares market profit", "--json")
+    assert answer.returncode == 0, answer.stderr
+    vectors = json.loads(answer.stdout)["embeddings"]
+    assert len(vectors) == 2 and len(vectors[0]) == json.loads(answer.stdout)["dimensions"]
+    assert sum(v * v for v in vectors[0]) == pytest.approx(1.0, abs=1e-5)
+    table = served.cli("predict", "embed", TINY_MODEL, "goal match team")
+    assert table.returncode == 0, table.stderr
+    assert "dimensions" in table.stdout and f"{vectors[0][0]:.4f}" in table.stdout
+    assert "goal match team" in table.stdout
+
+
 def test_a_failing_job_makes_watch_exit_non_zero(served, tmp_path):
     # Targets of 1e30 (allowed by the spec's allow_large_targets): the squared error overflows fp32,
     # and one non-finite step fails the job.
@@ -341,7 +355,9 @@ def test_every_client_command_runs_as_a_client_command():
 
 
 def run_tunejob(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}, "TUNEJOB_DATA_DIR": str(cwd)}
+    # COLUMNS: usage errors unwrapped (a long tmp_path, e.g. under pytest-xdist, split the message)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}, "TUNEJOB_DATA_DIR": str(cwd),
+           "COLUMNS": "1000"}
     return subprocess.run([sys.executable, "-m", "tunejob", *args], env=env, cwd=ROOT, text=True, capture_output=True,
                           timeout=60)
 
@@ -364,3 +380,26 @@ def test_version():
     r = subprocess.run([sys.executable, "-m", "tunejob", "--version"], cwd=ROOT, text=True, capture_output=True,
                        timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == f"tunejob {version('tunejob')}", (r.stdout, r.stderr)
+
+
+def complete(line: str, tmp_path: Path) -> list[str]:
+    """What the shell code of ``tunejob completion`` gets for the words typed so far, ``line``: the
+    CLI run under argcomplete's protocol (its environment variables; the answer in a file)."""
+    answer = tmp_path / "completions"
+    env = {**os.environ, "_ARGCOMPLETE": "1", "_ARGCOMPLETE_IFS": "\n", "COMP_LINE": line,
+           "COMP_POINT": str(len(line)), "_ARGCOMPLETE_STDOUT_FILENAME": str(answer)}
+    r = subprocess.run([sys.executable, "-m", "tunejob"], env=env, cwd=ROOT, text=True, capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return sorted(answer.read_text().split())
+
+
+def test_shell_completion(tmp_path):
+    """``tunejob completion bash|zsh|fish`` prints argcomplete's shell code, and the completions it
+    asks for cover the server commands, the client's, their subcommands and options."""
+    r = subprocess.run([sys.executable, "-m", "tunejob", "completion", "bash"], cwd=ROOT, text=True,
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0 and "complete " in r.stdout and "tunejob" in r.stdout, (r.stdout, r.stderr)
+    assert complete("tunejob d", tmp_path) == ["datasets", "db", "doctor"]
+    assert complete("tunejob jobs cr", tmp_path) == ["create"]
+    assert "--tenant" in complete("tunejob keys create --", tmp_path)
+    assert {"bash", "fish", "zsh"} <= set(complete("tunejob completion ", tmp_path))

@@ -3,6 +3,7 @@ loop (loss and gradient parity with sentence-transformers itself), duplicate-fre
 retrieval metrics with the zero-shot figures, and the artifact loaded by ``SentenceTransformer``."""
 
 import io
+import json
 import random
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_MODEL, RecordingReporter, wait_for_status
+from tests.test_predictions import PART_ROWS, small_parts  # noqa: F401  (the fixture: parts of PART_ROWS rows)
 
 TINY_ST = "tiny-st"  # the tiny BERT saved as a sentence-transformers directory
 TOPICS = ["football", "election", "guitar", "volcano", "bakery", "satellite", "chess", "harbour", "orchestra",
@@ -321,18 +323,24 @@ def test_dry_run_plans_rows_by_their_longest_text(stack, tiny_st):
     assert r.json()["plan"]["micro_batches_per_epoch"] == 1  # GradCache: one micro-batch of 32 per step
 
 
-def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, tiny_st):
+@pytest.fixture(scope="module")
+def api_job(stack, tiny_st) -> dict:
+    """An embedding job trained through the stack's API and worker (with hard negatives and a validation set)."""
+    client = stack.client
+    train, validation = upload(client, pairs(64, seed=1)), upload(client, pairs(16, seed=2), "dev.csv")
+    r = submit(client, train, validation_dataset=validation, negative_columns=["negative"])
+    assert r.status_code == 201, r.text
+    return wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"})
+
+
+def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, api_job):
     """A job through the API and the worker; its artifact loads in ``SentenceTransformer`` and
     encodes as ``/models/{id}/embed`` and ``/v1/embeddings`` (the ``openai`` SDK, float and its
     default base64) answer."""
     from openai import BadRequestError, OpenAI
     from sentence_transformers import SentenceTransformer
 
-    client = stack.client
-    train, validation = upload(client, pairs(64, seed=1)), upload(client, pairs(16, seed=2), "dev.csv")
-    r = submit(client, train, validation_dataset=validation, negative_columns=["negative"])
-    assert r.status_code == 201, r.text
-    job = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"})
+    client, job = stack.client, api_job
     assert job["status"] == "succeeded", job["error"]
     assert (job["anchor_column"], job["positive_column"], job["negative_columns"]) == ("anchor", "positive",
                                                                                        ["negative"])
@@ -383,3 +391,89 @@ def test_cli_jobs_create_takes_the_embedding_columns():
     spec = JobCreate(**job_spec(args))
     assert (spec.task, spec.anchor_column, spec.positive_column, spec.negative_columns) == (
         "embedding", "title", "body", ["n1", "n2"])
+
+
+def test_a_prediction_job_writes_each_row_s_vector_a_part_at_a_time(stack, api_job, small_parts):  # noqa: F811
+    """``POST /predictions`` with an embedding job: every row's vector, in input order, equal to
+    ``SentenceTransformer(path).encode`` at the prediction's ``max_length``; Parquet holds them as
+    fixed-size float32 lists, JSONL and CSV as lists. Memory is bounded by the part size, whatever
+    the dataset's: the worker writes parts of ``PART_ROWS`` rows and the download streams one part
+    (one Parquet row group) at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from sentence_transformers import SentenceTransformer
+
+    client = stack.client
+    texts = [f"{TOPICS[i % len(TOPICS)]} question {i}" + " and more words" * (i % 5) for i in range(21)]
+    dataset = upload(client, pd.DataFrame({"doc": [f"d{i}" for i in range(21)], "text": texts}), "texts.csv")
+    body = {"model": api_job["id"], "dataset": dataset, "id_column": "doc", "max_length": 12, "batch_size": 4}
+    plan = client.post("/predictions", json=body, params={"dry_run": "true"})
+    assert plan.status_code == 200 and plan.json()["plan"]["rows"] == 21, plan.text
+    r = client.post("/predictions", json=body)
+    assert r.status_code == 201 and r.json()["task"] == "embedding", r.text
+    done = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"}, path="/predictions")
+    assert done["status"] == "succeeded", done["error"]
+    result = done["result"]
+    assert result["rows"] == 21 and 0 < result["truncated"] < 21 and result["tokens"] > 0
+    assert 0 < result["padding_efficiency"] <= 1
+
+    directory = stack.data_dir / "artifacts" / done["id"] / "predictions"
+    parts = sorted(directory.glob("part-*.parquet"))
+    assert [pq.read_metadata(p).num_rows for p in parts] == [PART_ROWS, PART_ROWS, 21 - 2 * PART_ROWS]
+    download = client.get(f"/predictions/{done['id']}/results", params={"format": "parquet"})
+    parquet = pq.ParquetFile(io.BytesIO(download.content))
+    assert max(parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)) <= PART_ROWS
+    table = parquet.read()
+    model = SentenceTransformer(str(stack.data_dir / "artifacts" / api_job["id"] / "model"), device="cpu",
+                                local_files_only=True)
+    dimensions = model.get_embedding_dimension()
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), dimensions)
+    assert table.column("id").to_pylist() == [f"d{i}" for i in range(21)]
+    model.max_seq_length = 12
+    local = model.encode(texts, normalize_embeddings=True)
+    vectors = np.array(table.column("embedding").to_pylist(), dtype=np.float32)
+    assert (vectors * local).sum(1).min() >= 0.9999
+
+    lines = [json.loads(line) for line in client.get(f"/predictions/{done['id']}/results",
+                                                     params={"format": "jsonl"}).text.splitlines()]
+    np.testing.assert_allclose([row["embedding"] for row in lines], vectors, atol=1e-7)
+    csv = pd.read_csv(io.BytesIO(client.get(f"/predictions/{done['id']}/results", params={"format": "csv"}).content))
+    np.testing.assert_allclose(np.array([json.loads(cell) for cell in csv["embedding"]]), vectors, atol=1e-7)
+
+    before = client.get("/predictions").json()["data"]
+    for fields, param in [({"text_pair_column": "doc", "id_column": None}, "text_pair_column"),
+                          ({"precision": "int8"}, "precision")]:
+        r = client.post("/predictions", json={**body, **fields})
+        assert r.status_code == 422 and r.json()["error"]["param"] == param, r.text
+    assert client.get("/predictions").json()["data"] == before  # nothing stored or queued
+
+
+def test_a_sweep_of_embedding_jobs_optimises_a_retrieval_metric(stack, tiny_st):
+    """``ndcg@10``, ``mrr@10`` and ``recall@10`` are objectives of an embedding sweep (issue 36,
+    item 4): each plans (a dry run, nothing queued); a sweep on ``ndcg@10`` runs its trials and keeps
+    the best by each trial's validation ``ndcg@10``; a classification metric is refused, naming the field."""
+    from tests.test_sweeps import ids
+
+    client = stack.client
+    body = {"base_model": TINY_ST, "task": "embedding", "training_dataset": upload(client, pairs(48, seed=3)),
+            "validation_split": 0.25, "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32},
+            "search_space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
+            "objective": {"metric": "ndcg@10"}, "algorithm": "random", "seed": 3,
+            "early_stopping": {"type": "none"}, "max_trials": 2}
+    jobs = ids(client, "/jobs")
+    for metric in ("ndcg@10", "mrr@10", "recall@10"):
+        r = client.post("/sweeps", json={**body, "objective": {"metric": metric}}, params={"dry_run": "true"})
+        assert r.status_code == 200 and r.json()["objective"] == {"metric": metric, "direction": "maximize"}, r.text
+    r = client.post("/sweeps", json={**body, "objective": {"metric": "accuracy"}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "objective.metric", r.text
+    assert ids(client, "/jobs") == jobs  # nothing queued
+
+    r = client.post("/sweeps", json=body)
+    assert r.status_code == 201, r.text
+    sweep = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"}, timeout=900, path="/sweeps")
+    assert sweep["status"] == "succeeded", sweep
+    trials = client.get(f"/sweeps/{sweep['id']}/trials").json()["data"]
+    values = {t["job_id"]: client.get(f"/jobs/{t['job_id']}").json()["validation_metrics"]["ndcg@10"] for t in trials}
+    assert len(values) == 2
+    assert sweep["best_trial"]["value"] == pytest.approx(max(values.values()))
+    assert sweep["best_trial"]["job_id"] == max(values, key=values.get)

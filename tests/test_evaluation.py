@@ -94,12 +94,111 @@ def test_the_confusion_matrix_is_what_the_downloaded_model_predicts(stack, tmp_p
     assert "## Intended use and limitations" in card.text and "AutoModelForSequenceClassification" in card.text
 
 
+def score(client, job_id: str, dataset_id: str, label_column: str | None, expect: int = 201, **fields) -> dict:
+    """A prediction of ``dataset_id`` with ``job_id``'s model (``label_column``: its gold labels),
+    waited for when created."""
+    r = client.post("/predictions", json={"model": job_id, "dataset": dataset_id, "text_column": "text",
+                                          "label_column": label_column, **fields})
+    assert r.status_code == expect, r.text
+    if expect != 201:
+        return r.json()["error"]
+    prediction = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"}, path="/predictions")
+    assert prediction["status"] == "succeeded", prediction["error"]
+    return prediction
+
+
+def through_the_cli(stack, argv: list[str]) -> tuple[str, str]:
+    """(what the command drew, what it printed) for ``tunejob ARGV`` against the stack's API."""
+    import argparse
+    import contextlib
+
+    from rich.console import Console
+
+    from client import Client, cli
+    from tests.conftest import BASE_URL
+    from tests.test_webhooks import ViaTestClient
+
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers(dest="command", required=True))
+    key = stack.client.headers["Authorization"].removeprefix("Bearer ")
+    screen, printed = io.StringIO(), io.StringIO()
+    with Client(BASE_URL, api_key=key, transport=ViaTestClient(stack.client)) as client, \
+            contextlib.redirect_stdout(printed):
+        args = parser.parse_args(argv)
+        args.handler(client, args, Console(file=screen, width=200))
+    return screen.getvalue(), printed.getvalue()
+
+
+def test_a_test_set_gets_the_validation_report_and_its_figures_are_what_the_predictions_say(stack):
+    """Scored as a test set, the validation rows give the job's own report; a test set with a label
+    the model does not know is refused naming it, or, asked to, scored with its rows as errors, and
+    the report's figures are recomputed from the downloaded predictions."""
+    from sklearn.metrics import accuracy_score, confusion_matrix
+
+    client = stack.client
+    validation = topic_rows(30, seed=2)
+    validation_id = upload(client, validation, "dev.jsonl")
+    job = train(client, "classification", upload(client, topic_rows(60, seed=1), "train.jsonl"), validation_id,
+                "label")
+    expected = client.get(f"/jobs/{job['id']}/evaluation").json()
+    prediction = score(client, job["id"], validation_id, "label")
+    assert prediction["label_column"] == "label"
+    assert prediction["evaluation_url"] == f"/predictions/{prediction['id']}/evaluation"
+    report = client.get(prediction["evaluation_url"]).json()
+    assert report["confusion_matrix"]["counts"] == expected["confusion_matrix"]["counts"]
+    assert report["metrics"] == pytest.approx(expected["metrics"])
+    assert {n: v["support"] for n, v in report["per_class"].items()} == \
+        {n: v["support"] for n, v in expected["per_class"].items()}
+    assert sorted(m["row"] for m in report["mistakes"]) == sorted(m["row"] for m in expected["mistakes"])
+    r = client.get(f"{prediction['evaluation_url']}/confusion_matrix.png")
+    assert r.status_code == 200 and r.content[:8] == b"\x89PNG\r\n\x1a\n"
+    assert client.get(f"{prediction['evaluation_url']}/residuals.png").status_code == 404
+
+    test_set = [{**row, "label": "music" if i % 5 == 0 else row["label"]} for i, row in enumerate(topic_rows(20, 7))]
+    test_id = upload(client, test_set, "test.jsonl")
+    before = len(client.get("/predictions", params={"limit": 100}).json()["data"])
+    error = score(client, job["id"], test_id, "label", expect=422)
+    assert (error["code"], error["param"]) == ("unknown_labels", "label_column")
+    assert "'music' (first in row 1)" in error["message"] and "'test.jsonl'" in error["message"]
+    assert len(client.get("/predictions", params={"limit": 100}).json()["data"]) == before  # nothing queued
+
+    screen, prediction_id = through_the_cli(stack, ["predict", "create", "--model", job["id"], "--dataset", test_id,
+                                                    "--label-column", "label", "--count-unknown-labels", "--quiet"])
+    prediction = wait_for_status(client, prediction_id.strip(), {"succeeded", "failed"}, path="/predictions")
+    assert prediction["status"] == "succeeded", prediction["error"]
+    screen, _ = through_the_cli(stack, ["predict", "evaluation", prediction["id"]])
+    assert "does not know (counted as errors): music" in " ".join(screen.split()) and "f1_macro" in screen
+    report = client.get(f"/predictions/{prediction['id']}/evaluation").json()
+    assert report["unknown_labels"] == ["music"] and report["rows"] == 20
+    results = [json.loads(line) for line in client.get(f"/predictions/{prediction['id']}/results").text.splitlines()]
+    gold, predicted = [row["label"] for row in test_set], [row["label"] for row in results]
+    names = job["label_names"] + ["music"]
+    assert report["confusion_matrix"]["counts"] == confusion_matrix(gold, predicted, labels=names).tolist()
+    assert report["accuracy"] == pytest.approx(accuracy_score(gold, predicted))  # "music" rows are errors
+    assert report["per_class"]["music"]["support"] == 4
+    events = client.get(f"/predictions/{prediction['id']}/events").json()["data"]
+    [event] = [e for e in events if e["code"] == "evaluation"]
+    assert "'music'" in event["message"] and event["level"] == "warning"
+
+    plain = score(client, job["id"], test_id, None)
+    r = client.get(f"/predictions/{plain['id']}/evaluation")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "no_evaluation"
+    assert stack.client_for("tenant-b").get(f"/predictions/{prediction['id']}/evaluation").status_code == 404
+    error = score(client, job["id"], test_id, "nope", expect=422)
+    assert (error["code"], error["param"]) == ("missing_column", "label_column")
+
+
 def test_regression_and_multi_label_reports(stack):
     client = stack.client
     rows = topic_rows(48, seed=3)
-    job = train(client, "regression", upload(client, rows[:36], "train.jsonl"), upload(client, rows[36:], "dev.jsonl"),
-                "score")
+    dev = upload(client, rows[36:], "dev.jsonl")
+    job = train(client, "regression", upload(client, rows[:36], "train.jsonl"), dev, "score")
     report = client.get(f"/jobs/{job['id']}/evaluation").json()
+    prediction = score(client, job["id"], dev, "score")  # the validation rows, as a test set
+    tested = client.get(f"/predictions/{prediction['id']}/evaluation").json()
+    assert tested["metrics"] == pytest.approx(report["metrics"]) and tested["figures"] == ["residuals.png"]
+    values = [json.loads(line)["value"] for line in client.get(f"/predictions/{prediction['id']}/results").text.splitlines()]
+    assert tested["mae"] == pytest.approx(np.mean(np.abs(np.array(values) - [r["score"] for r in rows[36:]])))
     assert report["task"] == "regression" and report["figures"] == ["residuals.png"]
     assert report["rmse"] ** 2 == pytest.approx(job["validation_metrics"]["mse"], rel=1e-4)
     assert {"mae", "pearson_r", "spearman_r"} <= set(report) and len(report["largest_errors"]) == 12
@@ -107,9 +206,12 @@ def test_regression_and_multi_label_reports(stack):
 
     multi = [{"text": r["text"], "topics": [r["label"]] + (["tech"] if i % 4 == 0 else [])}
              for i, r in enumerate(rows)]
-    job = train(client, "multi_label", upload(client, multi[:36], "train.jsonl"),
-                upload(client, multi[36:], "dev.jsonl"), "topics", tune_threshold=True)
+    dev = upload(client, multi[36:], "dev.jsonl")
+    job = train(client, "multi_label", upload(client, multi[:36], "train.jsonl"), dev, "topics", tune_threshold=True)
     report = client.get(f"/jobs/{job['id']}/evaluation").json()
+    prediction = score(client, job["id"], dev, "topics")
+    tested = client.get(f"/predictions/{prediction['id']}/evaluation").json()
+    assert tested["per_label"] == report["per_label"] and tested["threshold"] == report["threshold"]
     assert report["threshold"] == job["validation_metrics"]["threshold"]  # the tuned one
     per_label = {n: v["f1"] for n, v in report["per_label"].items()}
     assert per_label == pytest.approx(job["validation_metrics"]["f1_per_label"])
@@ -130,6 +232,8 @@ def test_token_classification_report_agrees_with_validation(stack):
     for kind, figures in metrics["per_entity"].items():
         assert report["per_entity"][kind] == pytest.approx(figures)
     assert all(s["errors"] > 0 for s in report["worst_sentences"])
+    error = score(client, job["id"], train_id, "tags", expect=422)  # predictions read raw text, not tagged words
+    assert (error["code"], error["param"]) == ("unsupported_task", "label_column")
 
 
 def test_a_job_without_validation_rows_has_no_report_and_a_running_one_409(stack):

@@ -33,9 +33,9 @@ import httpx
 import pytest
 
 from tests.conftest import (
-    REDIS_URL,
     REQUIRE_SERVICES,
     fresh_postgres_database,
+    redis_broker_env,
     require_services,
 )
 from tests.faults_support import FINISHED, Cluster, Process, RedisServer
@@ -92,7 +92,7 @@ class Stacks:
             require_services()
             database_url, drop = fresh_postgres_database()
             self.cleanups.append(drop)
-            base.update(TUNEJOB_DATABASE_URL=database_url, TUNEJOB_BROKER_URL=self.broker_url(redis))
+            base.update(TUNEJOB_DATABASE_URL=database_url, **self.broker_env(redis))
         else:
             assert kind == "embedded" and redis is None, kind
         cluster = Cluster(kind, self.tmp_path / f"stack-{n}", {**base, **env})
@@ -100,15 +100,12 @@ class Stacks:
         self.clusters.append(cluster)
         return cluster
 
-    def broker_url(self, redis: RedisServer | None) -> str:
+    def broker_env(self, redis: RedisServer | None) -> dict[str, str]:
         if redis is not None:
-            return redis.url()
+            return {"TUNEJOB_BROKER_URL": redis.url()}
         if RedisServer.available():
-            return self.redis().url()
-        import redis as redis_client
-
-        redis_client.Redis.from_url(REDIS_URL).flushdb()  # as conftest's ``stack`` does
-        return REDIS_URL
+            return {"TUNEJOB_BROKER_URL": self.redis().url()}
+        return redis_broker_env()
 
     def close(self, failed: bool) -> None:
         for cluster in self.clusters:

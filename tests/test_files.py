@@ -17,6 +17,7 @@ from shared.store import artifacts
 from shared.store.manifest import sha256_of, verify_manifest
 from tests.conftest import RecordingReporter
 from tests.test_engine import make_job
+from tests.test_object_storage import collect
 from worker.data import tokenize
 from worker.reporter import PhaseTimer
 from worker.training.recipe import Recipe
@@ -75,6 +76,7 @@ def test_tar_stream_is_a_standard_tar_of_the_announced_size(tmp_path, sizes):
     data = b"".join(stream)
     assert len(data) == stream.size == artifacts.tar_size({n: p.stat().st_size for n, p in files.items()})
     assert artifacts.listing(files)["model.tar"] == stream.size
+    assert collect(artifacts.TarStream(files)) == data  # the API's way (async, files read in a thread)
 
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         assert tar.getnames() == list(files)

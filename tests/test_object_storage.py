@@ -3,6 +3,7 @@ server, SeaweedFS's ``weed mini`` (``tests/s3_support.py``): files go to the buc
 rows, come back checked against the manifest, the host cache stays bounded, deletes reach the
 bucket, and a job runs on "hosts" that share nothing but the bucket and the job store."""
 
+import asyncio
 import io
 import json
 import os
@@ -60,6 +61,13 @@ def files_outside_cache(data_dir: Path) -> list[str]:
                   if p.is_file() and p.relative_to(data_dir).parts[0] != "cache")
 
 
+def collect(stream) -> bytes:
+    """The bytes of an async iterable (as a StreamingResponse reads ``TarStream``), joined."""
+    async def chunks() -> bytes:
+        return b"".join([bytes(chunk) async for chunk in stream])
+    return asyncio.run(chunks())
+
+
 def model_dir_with_manifest(data_dir: Path, job_id: str, weight_bytes: int = 1 << 20) -> Path:
     from shared.store import artifacts
 
@@ -88,6 +96,8 @@ def test_published_files_come_back_checked_against_the_manifest(bucket_env, tmp_
         "manifest.json", "model.safetensors", "runs/events"]
     tar = artifacts.TarStream(store.files(ref))
     assert sum(len(chunk) for chunk in tar) == tar.size
+    # The API's way (async: Remote.achunks, no thread hop per chunk) gives the same bytes.
+    assert collect(artifacts.TarStream(store.files(ref))) == b"".join(artifacts.TarStream(store.files(ref)))
 
     # The bucket's copy of the weights changes (same size): a download no longer matches the manifest.
     obstore.put(store.store, f"{ref}/model.safetensors", os.urandom(1 << 20))
@@ -98,6 +108,8 @@ def test_published_files_come_back_checked_against_the_manifest(bucket_env, tmp_
         p.is_file() for p in (tmp_path / "c" / "cache" / "objects").rglob("*"))
     with pytest.raises(OSError, match="does not match its manifest"):
         b"".join(artifacts.TarStream(store.files(ref)))
+    with pytest.raises(OSError, match="does not match its manifest"):
+        collect(artifacts.TarStream(store.files(ref)))
 
 
 def test_the_host_cache_is_bounded_least_recently_used_first(bucket_env, tmp_path):
@@ -173,6 +185,8 @@ def test_the_api_and_workers_share_only_the_bucket_and_the_store(bucket_env, mod
             with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
                 tar.extractall(tmp_path / "downloaded", filter="data")
             assert verify_manifest(tmp_path / "downloaded") == []
+            r = client.get(f"/jobs/{job['id']}/evaluation")  # read from the bucket too
+            assert r.status_code == 200 and r.json() == json.loads((tmp_path / "downloaded/evaluation.json").read_text())
             assert files_outside_cache(tmp_path / "api-2") == []
 
             # A prediction with that model: scored on worker 1's host, in parts (the bucket's),
@@ -264,5 +278,66 @@ def test_an_unreachable_bucket_is_a_503_and_leaves_no_row(bucket_env, models_dir
             assert r.headers["Retry-After"]
             assert client.get("/datasets").json()["data"] == []
             assert not any(name.startswith("uploads/") for name in files_outside_cache(tmp_path / "api"))
+    finally:
+        drop()
+
+
+def test_retention_and_the_storage_quota_see_the_bucket(bucket_env, models_dir, tmp_path, monkeypatch):
+    """The quota counts what the bucket holds (the API's disk holds none of it), a deleted dataset
+    frees its bytes, and retention (the recovery loop's ``clean_up_files``, run on a host with
+    nothing on its disk) deletes a finished job's objects, which frees the quota too."""
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from shared.jobs import retention
+    from shared.settings import get_settings
+    from shared.store import objects
+    from worker import tasks
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(("TUNEJOB_STORAGE", "AWS_"))}
+    drop = configure_stack("postgres+redis", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"),  # the SQLite store
+                                              "TUNEJOB_MODELS_DIR": str(models_dir), **env})  # is in a data dir
+
+    def job_objects(job_id: str) -> list[str]:
+        store = objects.store()
+        return [key for folder in ("checkpoints", "artifacts") for key, _, _ in store.listing(f"{folder}/{job_id}/")]
+
+    def set_quota(limit: int) -> None:
+        monkeypatch.setenv("TUNEJOB_MAX_STORAGE_BYTES_PER_TENANT", str(limit))
+        get_settings.cache_clear()
+
+    try:
+        with TestClient(create_app(), base_url=BASE_URL) as client:
+            client.headers.update(auth_header("tenant-q"))
+            dataset = upload(client, labelled_csv())
+            job = submit(client, dataset["id"], epochs=1)
+            on_host(tmp_path / "worker")
+            assert tasks.run_job(job["id"]) == "succeeded"
+            on_host(tmp_path / "api")
+            model_bytes = sum(size for _, size, _ in objects.store().listing(f"artifacts/{job['id']}/"))
+            assert model_bytes > 100_000 and files_outside_cache(tmp_path / "api") == []
+
+            # Room for the dataset and the model in the bucket, and 1,000 bytes more: a second
+            # upload of the same size does not fit.
+            set_quota(dataset["bytes"] + model_bytes + 1000)
+            r = client.post("/datasets", files={"file": ("b.csv", io.BytesIO(labelled_csv(seed=1)), "text/csv")})
+            assert r.status_code == 413 and r.json()["error"]["code"] == "storage_quota_exceeded", r.text
+
+            # Deleting the dataset frees its bytes (its object leaves the bucket): the same upload fits.
+            assert client.delete(f"/datasets/{dataset['id']}").status_code == 204
+            assert objects.store().listing("uploads/") == []
+            second = upload(client, labelled_csv(seed=1), "b.csv")
+
+            # Retention, on a host with an empty data directory: the job's objects go, and so does
+            # their share of the quota.
+            on_host(tmp_path / "recovery", TUNEJOB_ARTIFACT_RETENTION_DAYS="0")
+            retention.clean_up_files()
+            monkeypatch.delenv("TUNEJOB_ARTIFACT_RETENTION_DAYS")
+            on_host(tmp_path / "api")
+            assert job_objects(job["id"]) == []
+            assert client.get(f"/jobs/{job['id']}/artifacts/model.tar").status_code == 404
+            assert client.get(f"/jobs/{job['id']}").json()["files_deleted_at"] is not None
+            set_quota(second["bytes"] + 5000)
+            upload(client, labelled_csv(rows=10, seed=2), "c.csv")
     finally:
         drop()

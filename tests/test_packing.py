@@ -142,12 +142,40 @@ def test_a_packed_job_trains_like_the_padded_job(engine_env):
     assert "packing" not in padded_reporter.events  # the default says nothing
 
 
+def test_packed_micro_batches_are_laid_out_by_the_dataloader_workers(engine_env, monkeypatch):
+    """With ``dataloader_num_workers``, each micro-batch arrives with its packed layout (``pack`` of
+    its padded tensors, built by the loader's collate function in a worker process), and the
+    training thread never packs: a whole packed epoch trains with ``pack`` refused outside workers."""
+    from tests.conftest import RecordingReporter
+    from tests.test_steps import make_run
+    from worker.training import batches, packing
+
+    reporter = RecordingReporter()
+    run = make_run("packed-in-workers", reporter, epochs=1, batch_size=8, packing=True, dataloader_num_workers=1)
+    run.warm_up(reporter)
+    js, pack_anywhere = run.job_setup, packing.pack
+    collated = next(iter(batches.make_loader(js, js.train_set, js.plan, 0, run.steps.collator(js.collator))))
+    expected = pack_anywhere({k: v for k, v in collated.items() if k != packing.PACKED})
+    assert collated[packing.PACKED].keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(collated[packing.PACKED][name], value, rtol=0, atol=0, msg=name)
+
+    def pack_in_workers_only(*args, **kwargs):
+        if torch.utils.data.get_worker_info() is None:
+            raise AssertionError("a micro-batch was packed on the training thread")
+        return pack_anywhere(*args, **kwargs)
+
+    monkeypatch.setattr(packing, "pack", pack_in_workers_only)
+    assert run.train(reporter) == "completed" and run.steps.packing
+    assert run.state.padded_tokens == run.state.real_tokens > 0
+
+
 def test_pack_fixed_keeps_every_token_in_a_sequence_within_max_length():
     """The captured layout: the examples, one-token filler rows up to ``rows``, and the rest of the
     bucket as filler sequences of at most ``max_length`` (the kernel's bound), weights 0 for fillers."""
     batch = padded_batch([3, 1, 2], "classification", 3, 0, pairs=True)
     tokens = token_bucket(6, 3, rows=5, max_length=4)
-    out = pack_fixed(batch, rows=5, tokens=tokens, max_length=4, position_offset=0, pad_id=0)
+    out = pack_fixed(pack(batch), rows=5, tokens=tokens, max_length=4, position_offset=0, pad_id=0)
     lengths = torch.diff(out["cu_seq_lens_q"]).tolist()
     assert out["input_ids"].shape == out["position_ids"].shape == out["token_type_ids"].shape == (1, tokens)
     assert lengths[:5] == [3, 1, 2, 1, 1] and all(1 <= n <= 4 for n in lengths) and sum(lengths) == tokens
@@ -155,7 +183,7 @@ def test_pack_fixed_keeps_every_token_in_a_sequence_within_max_length():
     assert out["cls_index"].tolist() == [0, 3, 4, 6, 7] and out["weights"].tolist() == [1, 1, 1, 0, 0]
     assert out["max_length_q"] == 4 and out["labels"].shape == (5,)
     with pytest.raises(ValueError, match="do not fit"):
-        pack_fixed(batch, rows=2, tokens=tokens, max_length=4, position_offset=0, pad_id=0)
+        pack_fixed(pack(batch), rows=2, tokens=tokens, max_length=4, position_offset=0, pad_id=0)
 
 
 def test_a_filled_packed_batch_gives_the_loss_and_gradient_of_the_packed_batch():
@@ -163,7 +191,7 @@ def test_a_filled_packed_batch_gives_the_loss_and_gradient_of_the_packed_batch()
     batch = padded_batch([1, MAX_LENGTH, 5], "classification", 3, 0, pairs=False)
     loss, grads = loss_and_grads(model, batch, "classification", packed=True)
     model.zero_grad()
-    filled = pack_fixed(batch, 8, token_bucket(MAX_LENGTH + 6, 3, 8, MAX_LENGTH), MAX_LENGTH, 0, 0)
+    filled = pack_fixed(pack(batch), 8, token_bucket(MAX_LENGTH + 6, 3, 8, MAX_LENGTH), MAX_LENGTH, 0, 0)
     labels, weights = filled.pop("labels"), filled.pop("weights")
     filled_loss = (example_losses(packed_logits(model, filled, "classification"), labels, "classification")
                    * weights).sum()

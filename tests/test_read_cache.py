@@ -123,3 +123,45 @@ def test_a_commit_in_this_process_empties_the_caches_of_the_tables_it_wrote(tmp_
     finally:
         PostgresCache.close_all()
         drop()
+
+
+def test_the_polls_that_miss_together_make_one_read(monkeypatch):
+    """Single-flight (``api.db.cached``): after a change empties the cache, the requests that then
+    miss the same key (as 50 pollers do right after a job's commit) wait for one read of it; a
+    change made while that read runs is read again by the requests after it."""
+    import asyncio
+    import threading
+
+    import api.db
+    from shared.store.cache import VersionedCache
+
+    class Store(VersionedCache):
+        now = 1
+
+        def version(self) -> int:
+            return self.now
+
+    cache, started, release = Store(10), threading.Event(), threading.Event()
+    monkeypatch.setattr(api.db, "cache_for", lambda *_: cache)
+    monkeypatch.setattr(api.db, "reads_inline", lambda: False)  # reads in the thread pool, as on PostgreSQL
+    reads = []
+
+    def find(job_id: str) -> str:
+        reads.append(job_id)
+        started.set()
+        release.wait(10)
+        return f"{job_id} at {Store.now}"
+
+    async def polls() -> tuple[list[str], str]:
+        waiting = [asyncio.ensure_future(api.db.cached(("job", "j"), find, "j")) for _ in range(20)]
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        await asyncio.sleep(0)  # every poll has missed and waits
+        Store.now = 2  # a commit while the read runs: a poll after it must not get that read's value
+        later = asyncio.ensure_future(api.db.cached(("job", "j"), find, "j"))
+        release.set()
+        return await asyncio.gather(*waiting), await later
+
+    first, after = asyncio.run(polls())
+    assert first == ["j at 2"] * 20 and after == "j at 2"
+    assert reads == ["j", "j"]  # one read for the 20 polls, one for the poll after the change
+    assert cache.get(("job", "j"))[0] == "j at 2"

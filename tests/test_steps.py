@@ -360,7 +360,7 @@ def test_jobs_that_cannot_be_captured_say_why(engine_env, monkeypatch):
     from types import SimpleNamespace
 
     from shared.data.batching import BatchPlan
-    from shared.schemas.jobs import Hyperparameters
+    from shared.schemas.hyperparameters import Hyperparameters
     from shared.settings import get_settings
 
     def reason(length=40, packing=False, **hp):

@@ -199,6 +199,53 @@ def test_pages_show_the_tenants_data(stack, job):
     assert job["id"] in client.get("/ui/predictions").text  # a model to score with
 
 
+def test_a_jobs_evaluation_and_aliases_on_its_page_and_per_class_f1_deltas_on_compare(stack, job):
+    """The confusion-matrix heatmap holds the report's counts, coloured by its row-normalized
+    shares; the mistakes table its mistakes; "promote" is the alias route with the page's CSRF
+    token (refused without it); the compare page's F1 deltas are the reports' differences."""
+    client, csrf = sign_in(stack)
+    report = stack.client.get(f"/jobs/{job['id']}/evaluation").json()
+    page = client.get(f"/ui/jobs/{job['id']}").text
+    cells = re.findall(r'<td class="[^"]*" style="--share: ([0-9.]+)" title="[^"]*">(\d+)</td>', page)
+    matrix = report["confusion_matrix"]
+    assert [int(count) for _, count in cells] == [c for row in matrix["counts"] for c in row]
+    assert [float(share) for share, _ in cells] == pytest.approx([v for row in matrix["normalized"] for v in row],
+                                                                 abs=1e-3)
+    table = page.split('id="mistakes"')[1].split("</table>")[0] if report["mistakes"] else ""
+    assert table.count("<tr>") == len(report["mistakes"]) + 1  # and the header
+    assert 'id="promote-form"' in page and '<span class="none">none</span>' in page
+
+    r = client.put("/models/aliases/ui-production", json={"job_id": job["id"]})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "csrf_token_invalid"
+    r = client.put("/models/aliases/ui-production", json={"job_id": job["id"]}, headers={"X-CSRF-Token": csrf})
+    assert r.status_code == 200, r.text
+    assert '<code class="alias">ui-production</code>' in client.get(f"/ui/jobs/{job['id']}").text
+    stack.client.delete("/models/aliases/ui-production")
+
+    other = wait_for_status(stack.client, submit(stack.client, job["training_dataset"], epochs=2,
+                                                 learning_rate=3e-3)["id"], {"succeeded"})
+    theirs = stack.client.get(f"/jobs/{other['id']}/evaluation").json()
+    compare = client.get(f"/ui/compare?jobs={job['id']},{other['id']}").text
+    assert compare.count('id="f1-deltas"') == 1 and compare.index("<main") < compare.index('id="f1-deltas"')
+    deltas = compare.split('id="f1-deltas"')[1].split("</table>")[0]
+    for name, figures in report["per_class"].items():
+        row = deltas.split(f'<th scope="row">{name}</th>')[1].split("</tr>")[0]
+        assert f"{figures['f1']:.4f}" in row and f"{theirs['per_class'][name]['f1'] - figures['f1']:+.4f}" in row
+
+
+def test_the_new_job_form_has_the_columns_of_every_task(stack, job):
+    """Embedding and reranking have their own column fields; each field names the tasks it shows for."""
+    client, _ = sign_in(stack)
+    page = client.get(f"/ui/datasets/{job['training_dataset']}").text
+    tasks = dict(re.findall(r'<select id="f-(\w+)" name="\w+"(?: multiple size="3")? data-tasks="([\w ]+)"', page))
+    assert set(tasks) == {"text_column", "label_column", "anchor_column", "positive_column", "negative_columns",
+                          "score_column", "query_column", "passage_column"}
+    assert "embedding" not in tasks["text_column"].split() and "reranking" not in tasks["text_column"].split()
+    assert "reranking" in tasks["label_column"].split() and "embedding" not in tasks["label_column"].split()
+    assert tasks["anchor_column"] == tasks["negative_columns"] == "embedding"
+    assert tasks["query_column"] == tasks["passage_column"] == "reranking"
+
+
 def test_a_sweeps_trials_on_its_page(stack):
     from tests.test_sweeps import create, sweep_body, wait_for_sweep
 

@@ -25,8 +25,10 @@ import pytest
 from tests.conftest import REQUIRE_SERVICES, TINY_MODEL, wait_for_status
 from tests.faults_support import free_port
 from tests.test_api_jobs import labelled_csv
+from tests.test_embedding import tiny_st  # noqa: F401  (the fixture: the tiny BERT as a sentence-transformers model)
 
 CHROMIUM = os.environ.get("TUNEJOB_CHROMIUM", "/usr/bin/chromium")
+SCREENSHOTS = os.environ.get("TUNEJOB_UI_SCREENSHOTS")  # read before a stack's set-up drops the TUNEJOB_* variables
 TIMEOUT_MS = 60_000
 
 
@@ -240,3 +242,32 @@ def test_another_tenants_job_is_a_404_page_in_the_browser(stack, server, watched
         assert response.status == 404
         assert w.page.get_by_role("heading", name="Not found").is_visible()
         assert TINY_MODEL not in w.page.content()
+
+
+@pytest.mark.parametrize("stack", ["embedded"], indirect=True)
+def test_an_embedding_job_s_chart_draws_its_zero_shot_line(stack, server, watched, tiny_st, tmp_path):  # noqa: F811
+    """The validation chart of an embedding job marks the base model's step-0 ``ndcg@10`` (the
+    zero-shot figure) as a labelled horizontal line; screenshots at a phone's and a desktop's width
+    (``TUNEJOB_UI_SCREENSHOTS``, default the test's tmp_path)."""
+    from tests.test_embedding import TINY_ST, pairs
+
+    shots = Path(SCREENSHOTS or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    with watched("zero-shot") as w:
+        key = sign_in(w.page, "ui-embedding")
+        with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {key}"}) as api:
+            ds = api.post("/datasets", files={"file": ("pairs.csv", pairs(48).to_csv(index=False).encode(), "text/csv")})
+            body = {"base_model": TINY_ST, "task": "embedding", "training_dataset": ds.json()["id"],
+                    "validation_split": 0.25, "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32,
+                                                                  "learning_rate": 2e-3}}
+            job = wait_for_status(api, api.post("/jobs", json=body).json()["id"], {"succeeded", "failed"}, 600)
+            assert job["status"] == "succeeded", job["error"]
+            metrics = api.get(f"/jobs/{job['id']}/metrics").json()["data"]
+        zero_shot = next(m["value"] for m in metrics if m["name"] == "eval_ndcg@10" and m["step"] == 0)
+        for width in (390, 1280):
+            w.page.set_viewport_size({"width": width, "height": 900})
+            w.page.goto(f"/ui/jobs/{job['id']}")
+            wait_for_points(w.page, "#chart-eval", 9)  # five metrics at step 0 (zero-shot) and after the epoch
+            assert float(w.page.locator("#chart-eval").get_attribute("data-zero-shot")) == pytest.approx(zero_shot)
+            w.page.locator("#chart-eval").scroll_into_view_if_needed()
+            w.page.locator("#chart-eval").screenshot(path=str(shots / f"zero-shot-{width}.png"))

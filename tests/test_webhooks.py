@@ -444,3 +444,88 @@ def test_a_rotated_secret_signs_beside_the_old_one_for_a_day(stack, receiver, fa
 
     with pytest.raises(WebhookVerificationError):
         verified(old["secret"], receiver.requests[1])
+
+
+def stored_secrets(webhook_id: str) -> tuple[str, str | None]:
+    """An endpoint's ``secret`` and ``previous_secret`` as the job store holds them (no decryption)."""
+    from sqlalchemy import text
+
+    with session_scope() as s:
+        return tuple(s.execute(text("SELECT secret, previous_secret FROM webhooks WHERE id = :id"),
+                               {"id": webhook_id}).one())
+
+
+def test_secrets_are_stored_encrypted_and_the_key_rotates(stack, receiver, fast_webhooks, monkeypatch):
+    """Issue 34 Low 10: a copy of the job store does not hold the signing secrets. They are Fernet
+    tokens under ``TUNEJOB_SECRET_KEY`` (on the embedded stack, unset: the data directory's key, made
+    with mode 0600); with ``TUNEJOB_SECRET_KEY=new,old`` they are read with either key,
+    ``reseal_secrets`` writes them with the new one, and after that the old key is no longer needed;
+    a key that opens none of them is a clear error."""
+    from cryptography.fernet import Fernet
+
+    from shared.jobs.webhooks import reseal_secrets
+    from shared.store.webhook_rows import Webhook
+
+    webhook = stack.client.post("/webhooks", json={"url": receiver.url, "events": ["job.failed"]}).json()
+    rotated = stack.client.post(f"/webhooks/{webhook['id']}/rotate-secret").json()["secret"]
+    stored, previous = stored_secrets(webhook["id"])
+    assert "whsec_" not in stored + previous
+    key_file = get_settings().data_path / "secret_key"
+    if stack.name == "embedded":
+        assert key_file.stat().st_mode & 0o777 == 0o600
+    old = get_settings().secret_key.encode() if stack.name != "embedded" else key_file.read_bytes()
+    assert Fernet(old).decrypt(stored.encode()).decode() == rotated
+    assert Fernet(old).decrypt(previous.encode()).decode() == webhook["secret"]
+
+    new = Fernet.generate_key()
+    monkeypatch.setattr(get_settings(), "secret_key", f"{new.decode()},{old.decode()}")
+    try:
+        assert reseal_secrets() >= 1
+        stored, previous = stored_secrets(webhook["id"])
+        assert Fernet(new).decrypt(stored.encode()).decode() == rotated
+        assert Fernet(new).decrypt(previous.encode()).decode() == webhook["secret"]
+        monkeypatch.setattr(get_settings(), "secret_key", new.decode())  # the old key dropped
+        assert stack.client.post(f"/webhooks/{webhook['id']}/ping").status_code == 202
+        wait_until(lambda: receiver.requests, "the ping arrived")
+        verified(rotated, receiver.requests[0])
+        monkeypatch.setattr(get_settings(), "secret_key", Fernet.generate_key().decode())
+        with pytest.raises(ValueError, match="cannot be decrypted"), session_scope() as s:
+            s.get(Webhook, webhook["id"])
+    finally:  # the stack's other tests read these rows with the stack's key
+        monkeypatch.setattr(get_settings(), "secret_key", f"{old.decode()},{new.decode()}")
+        reseal_secrets()
+        monkeypatch.undo()
+
+
+def test_postgresql_needs_the_secret_key(stack, monkeypatch):
+    """Where each process has a data directory of its own (PostgreSQL), a key made in one would not
+    be the others' nor outlive it: without ``TUNEJOB_SECRET_KEY`` a secret is not stored (503)."""
+    if stack.name == "embedded":
+        pytest.skip("the embedded default makes its key in the data directory")
+    monkeypatch.setattr(get_settings(), "secret_key", None)
+    answer = stack.client.post("/webhooks", json={"url": "https://example.com/hook", "events": ["job.failed"]})
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "secret_key_missing", answer.text
+    assert answer.json()["error"]["param"] == "TUNEJOB_SECRET_KEY"
+
+
+def test_the_migration_encrypts_the_secrets_stored_in_the_clear(stack, receiver, fast_webhooks):
+    """Migration 0014 encrypts the secrets written before it, and its downgrade decrypts them."""
+    from alembic import command
+    from alembic.config import Config
+
+    from shared.store.engine import MIGRATIONS_DIR, WRITE, get_engine
+
+    webhook = stack.client.post("/webhooks", json={"url": receiver.url, "events": ["job.failed"]}).json()
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["connection_engine"] = get_engine().execution_options(**{WRITE: True})
+    command.downgrade(config, "0013")
+    try:
+        assert stored_secrets(webhook["id"]) == (webhook["secret"], None)
+    finally:
+        command.upgrade(config, "head")
+    stored, _ = stored_secrets(webhook["id"])
+    assert stored != webhook["secret"] and "whsec_" not in stored
+    stack.client.post(f"/webhooks/{webhook['id']}/ping")
+    wait_until(lambda: receiver.requests, "the ping arrived")
+    verified(webhook["secret"], receiver.requests[0])

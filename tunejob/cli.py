@@ -1,6 +1,7 @@
+# PYTHON_ARGCOMPLETE_OK (argcomplete's global activation completes the commands this module parses)
 """The ``tunejob`` command: ``serve`` (API + workers, the embedded default), ``api``, ``worker``,
-``db upgrade``, ``keys create|list|revoke``, ``doctor``, and the HTTP client's ``datasets``, ``models``, ``jobs``,
-``sweeps``, ``predict``, ``webhooks`` and ``health`` (``client.cli``); ``--version``."""
+``db upgrade``, ``keys create|list|revoke``, ``doctor``, ``completion``, and the HTTP client's ``datasets``,
+``models``, ``jobs``, ``sweeps``, ``predict``, ``webhooks`` and ``health`` (``client.cli``); ``--version``."""
 
 import argparse
 import os
@@ -246,10 +247,55 @@ def manage_keys(args: argparse.Namespace) -> None:
         sys.exit(f"tunejob keys: {e.message}")
 
 
+COMPLETION_SHELLS = ("bash", "zsh", "fish")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions (argcomplete's protocol)
+        import argcomplete
+
+        argcomplete.autocomplete(parser())  # answers from the whole parser, client commands included, and exits
     if argv[:1] and argv[0] in client_cli.COMMANDS:  # the client starts without the server stack
         sys.exit(client_cli.main(argv))
+    whole = parser()
+    args = whole.parse_args(argv)
+
+    if args.command in ("serve", "api"):
+        proxy_options(args.proxy_headers, args.forwarded_allow_ips)
+    if args.command == "serve":
+        if args.workers < 1 or args.api_workers < 1:
+            whole.error("serve: --workers and --api-workers must be at least 1")
+        serve(args.host, args.port, args.workers, args.gpus, args.api_workers)
+    elif args.command == "api":
+        if args.workers < 1:
+            whole.error("api: --workers must be at least 1")
+        serve_api(args.host, args.port, args.workers)
+    elif args.command == "worker":
+        run_worker(args.gpu, args.nice, args.parent)
+    elif args.command == "keys":
+        manage_keys(args)
+    elif args.command == "doctor":
+        from worker.doctor import run_doctor
+
+        sys.exit(run_doctor(args.json))
+    elif args.command == "completion":
+        import argcomplete
+
+        print(argcomplete.shellcode(["tunejob"], shell=args.shell))
+    elif args.command == "db":
+        from shared.store.engine import upgrade_database
+
+        upgrade_database()
+        print("database is at the latest revision")
+        if args.db_command == "reseal":
+            from shared.jobs.webhooks import reseal_secrets
+
+            print(f"{reseal_secrets()} webhook endpoints' secrets encrypted with the first key")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The whole ``tunejob`` command line: the server commands and the client's (``client.cli``)."""
     from shared.settings import get_settings
 
     settings = get_settings()
@@ -279,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="stop (as on SIGTERM) once process PID, its parent, is gone (serve passes its own)")
     db = commands.add_parser("db", help="database maintenance").add_subparsers(dest="db_command", required=True)
     db.add_parser("upgrade", help="alembic upgrade head")
+    db.add_parser("reseal", help="encrypt the stored webhook secrets again with the first key of TUNEJOB_SECRET_KEY")
     k = commands.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
     p = k.add_parser("create", help="a new key, printed once")
     p.add_argument("--tenant", required=True, help="the tenant whose datasets and jobs the key reaches")
@@ -290,30 +337,8 @@ def main(argv: list[str] | None = None) -> None:
     p = commands.add_parser("doctor",
                             help="check this machine's device and the training fast path (exit 1 on a failure)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
-    client_cli.add_commands(commands)  # listed in --help; run above
-    args = parser.parse_args(argv)
-
-    if args.command in ("serve", "api"):
-        proxy_options(args.proxy_headers, args.forwarded_allow_ips)
-    if args.command == "serve":
-        if args.workers < 1 or args.api_workers < 1:
-            serving.error("--workers and --api-workers must be at least 1")
-        serve(args.host, args.port, args.workers, args.gpus, args.api_workers)
-    elif args.command == "api":
-        if args.workers < 1:
-            commands.choices["api"].error("--workers must be at least 1")
-        serve_api(args.host, args.port, args.workers)
-    elif args.command == "worker":
-        run_worker(args.gpu, args.nice, args.parent)
-    elif args.command == "keys":
-        manage_keys(args)
-    elif args.command == "doctor":
-        from worker.doctor import run_doctor
-
-        sys.exit(run_doctor(args.json))
-    elif args.command == "db":
-        from shared.store.engine import upgrade_database
-
-        upgrade_database()
-        print("database is at the latest revision")
-
+    p = commands.add_parser("completion", help="print the shell code that completes tunejob's commands and options",
+                            description='bash: eval "$(tunejob completion bash)" in ~/.bashrc (argcomplete)')
+    p.add_argument("shell", choices=COMPLETION_SHELLS)
+    client_cli.add_commands(commands)  # listed in --help; run by main before this parser is built
+    return parser

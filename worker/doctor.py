@@ -87,7 +87,8 @@ def tiny_job(steps: int, batch_size: int, max_length: int, seed: int = 0):
     ``steps`` optimizer steps of ``batch_size`` texts of 8 to ``max_length`` words."""
     import pandas as pd
 
-    from shared.schemas.jobs import Hyperparameters, JobCreate
+    from shared.schemas.hyperparameters import Hyperparameters
+    from shared.schemas.jobs import JobCreate
     from shared.store.rows import Job
     from worker.data import JobData
 

@@ -46,7 +46,7 @@ from transformers import DataCollatorWithPadding
 
 from shared.data.batching import BatchPlan, bucket_width
 from shared.errors import UserError
-from shared.schemas.jobs import IR_METRICS, Hyperparameters
+from shared.schemas.hyperparameters import IR_METRICS, Hyperparameters
 from shared.store.rows import Job
 from worker.data import tokenize
 from worker.reporter import PhaseTimer, Reporter

@@ -1,6 +1,9 @@
 """The prediction recipe for one job (kind ``predict``), top to bottom: setup (the model and the
 data), score_parts (the dataset streamed a part at a time, each part scored with
-``shared.inference.loop.predict_texts`` and written atomically), finish (the result summary).
+``shared.inference.loop.predict_texts``, or embedded with ``shared.inference.embed.embed_texts`` for
+an embedding model, and written atomically), finish (the result summary and, with a ``label_column``,
+the test set's evaluation report: ``evaluate_test_set``). Memory holds one part's rows and results
+(``predict_part_rows``), however large the dataset.
 
 A resumed attempt (the worker died, or was shut down) skips the rows of the parts already written
 (``shared.jobs.predictions``: their counts are in the parts' metadata), so no row is scored or written
@@ -12,31 +15,36 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
+from shared.data.labels import read_job_table
 from shared.data.problems import Problems
 from shared.errors import UserError
+from shared.inference.embed import LoadedEmbedder, embed_texts, load_embedder
 from shared.inference.int8 import Int8Model
-from shared.inference.loop import LoadedModel, ModelCache, predict_texts
+from shared.inference.loop import LoadedModel, ModelCache, load_for_inference, predict_texts
 from shared.jobs.base_models import resolve_model
-from shared.jobs.predictions import (
+from shared.jobs.gold import gold_columns
+from shared.jobs.prediction_results import (
     PART_COUNTS,
+    embedding_table,
     id_type,
-    max_tokens,
     part_counts,
-    parts_of,
-    prediction_batches,
+    result_tables,
     results_dir,
     results_table,
     write_part,
     written_parts,
 )
+from shared.jobs.predictions import PredictionBatch, max_tokens, parts_of, prediction_batches
 from shared.schemas.predictions import PredictionCreate
 from shared.settings import get_settings
-from shared.store import artifacts
+from shared.store import artifacts, objects
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job
 from worker.device import describe
+from worker.evaluation import sequence_report, write_report
 from worker.reporter import Reporter
 
 INT8_WAYS = {"compiled": "int8: torchao PT2E dynamic quantization compiled by inductor, under bf16 autocast",
@@ -49,7 +57,7 @@ class Scoring:
 
     job: Job
     spec: PredictionCreate
-    loaded: LoadedModel
+    loaded: LoadedModel | LoadedEmbedder
     dataset: Dataset
     directory: Path  # where its parts are written
     parts: int  # parts written (by earlier attempts, then this one)
@@ -91,16 +99,18 @@ def model_directory(ref: str) -> Path:
     return directory
 
 
-_model_caches: dict[str, ModelCache] = {}  # by device
+_model_caches: dict[str, ModelCache] = {}  # by device and kind
 
 
-def model_cache(device: torch.device) -> ModelCache:
+def model_cache(device: torch.device, embedding: bool = False) -> ModelCache:
     """The prediction models this worker keeps on ``device`` (``TUNEJOB_WORKER_MODEL_CACHE``), so
     that a model's next prediction job loads nothing and compiles nothing (int8's compiled model
-    is kept with it)."""
-    if str(device) not in _model_caches:
-        _model_caches[str(device)] = ModelCache(max(1, get_settings().worker_model_cache), device)
-    return _model_caches[str(device)]
+    is kept with it); ``embedding``: the embedding models' cache (``load_embedder``)."""
+    key = f"{device}|{'embedding' if embedding else 'head'}"
+    if key not in _model_caches:
+        _model_caches[key] = ModelCache(max(1, get_settings().worker_model_cache), device,
+                                        load=load_embedder if embedding else load_for_inference)
+    return _model_caches[key]
 
 
 def release_models() -> None:
@@ -114,7 +124,7 @@ def setup(job: Job, device: torch.device, reporter: Reporter) -> Scoring:
     parts an earlier attempt wrote."""
     start = time.perf_counter()
     spec = PredictionCreate.model_validate(job.spec)
-    directory, cache = model_directory(job.base_model), model_cache(device)
+    directory, cache = model_directory(job.base_model), model_cache(device, job.task == "embedding")
     key = f"{directory}|{spec.precision}"
     cached = key in cache.keys()
     loaded = cache.get(key, directory, spec.precision).loaded
@@ -146,12 +156,7 @@ def score_parts(run: Scoring, reporter: Reporter) -> str:
         problems.raise_if_any()  # the file changed since the job was submitted
         if reason := reporter.should_stop():
             return reason
-        predictions = predict_texts(run.loaded, part.texts, part.pairs, max_length,
-                                    max_tokens(run.spec.batch_size, max_length))
-        counts = {"rows": len(part.texts), "truncated": predictions.truncated, "tokens": predictions.tokens,
-                  "padded_tokens": predictions.padded_tokens}
-        table = results_table(part.ids, run.loaded.task, run.loaded.label_names, predictions.rows,
-                              id_type(run.job.spec))
+        table, counts = score_part(run, part, max_length)
         write_part(run.directory, run.parts, table, counts)
         run.parts += 1
         for name in PART_COUNTS:
@@ -160,6 +165,21 @@ def score_parts(run: Scoring, reporter: Reporter) -> str:
         report_progress(run, reporter)
     problems.raise_if_any()
     return "completed"
+
+
+def score_part(run: Scoring, part: PredictionBatch, max_length: int) -> tuple[pa.Table, dict[str, int]]:
+    """One part's results table and its ``PART_COUNTS``: vectors from an embedding model, else the
+    rows of its task."""
+    if isinstance(run.loaded, LoadedEmbedder):
+        embedded = embed_texts(run.loaded, part.texts, max_length=max_length, batch_size=run.spec.batch_size)
+        return embedding_table(part.ids, embedded.vectors, id_type(run.job.spec)), {
+            "rows": len(part.texts), "truncated": embedded.truncated, "tokens": embedded.tokens,
+            "padded_tokens": embedded.padded_tokens}
+    predictions = predict_texts(run.loaded, part.texts, part.pairs, max_length,
+                                max_tokens(run.spec.batch_size, max_length))
+    table = results_table(part.ids, run.loaded.task, run.loaded.label_names, predictions.rows, id_type(run.job.spec))
+    return table, {"rows": len(part.texts), "truncated": predictions.truncated, "tokens": predictions.tokens,
+                   "padded_tokens": predictions.padded_tokens}
 
 
 def result(run: Scoring) -> dict:
@@ -187,3 +207,30 @@ def finish(run: Scoring, reporter: Reporter) -> None:
     reporter.flush()
     reporter.event("results", f"{summary['rows']} rows scored; {summary['truncated']} texts longer than "
                    f"max_length {run.spec.max_length} were truncated")
+    if run.spec.label_column is not None:
+        evaluate_test_set(run, reporter)
+
+
+def evaluate_test_set(run: Scoring, reporter: Reporter) -> dict:
+    """The evaluation report of a labelled test set (``worker.evaluation.sequence_report``, the
+    validation report's metrics), computed from the written results (every part, those of earlier
+    attempts too) and the dataset's labels read as the model's training job read its own
+    (``shared.jobs.gold``); written next to the results as ``evaluation.json`` with its pictures,
+    each published. Labels the model does not know (``count_unknown_labels``) count as errors and
+    are named in an event and in the report's ``unknown_labels``. Returns the report."""
+    cols = gold_columns(run.spec, run.loaded.task, run.job.base_model)
+    assert cols.label is not None  # the spec has a label_column
+    table, _ = read_job_table(objects.dataset_file(run.dataset), run.dataset.format, run.dataset.filename, cols)
+    rows = [row for part in result_tables(written_parts(run.directory)) for row in part.to_pylist()]
+    report = sequence_report(run.loaded.task, run.loaded.label_names, table[cols.label].tolist(), rows,
+                             table[cols.text].tolist(), run.loaded.decision_threshold)
+    report = write_report(run.directory, report)
+    for name in [artifacts.EVALUATION, *report["figures"]]:
+        objects.store().publish(run.directory / name)
+    figures = ", ".join(f"{k} {v:.4f}" for k, v in report["metrics"].items() if v is not None)
+    unknown = report.get("unknown_labels") or []
+    counted = (f"; labels the model does not know, counted as errors: {', '.join(map(repr, unknown))}"
+               if unknown else "")
+    reporter.event("evaluation", f"test set report on {report['rows']} rows: {figures}{counted}",
+                   level="warning" if unknown else "info")
+    return report

@@ -14,16 +14,8 @@ from shared.jobs.evaluation import job_evaluation
 from shared.jobs.planning import check_spec, plan_job
 from shared.jobs.positions import with_positions
 from shared.queue import submit_once
-from shared.schemas.jobs import (
-    ArtifactOut,
-    CheckpointOut,
-    DryRunOut,
-    EventOut,
-    JobCreate,
-    JobList,
-    JobOut,
-    MetricOut,
-)
+from shared.schemas.jobs import ArtifactOut, CheckpointOut, EventOut, JobCreate, JobList, JobOut, MetricOut
+from shared.schemas.plans import DryRunOut
 from shared.store import artifacts, objects
 from shared.store.engine import read_session
 from shared.store.rows import JobMetric
@@ -170,10 +162,10 @@ def _file(files: dict, filename: str, name: str) -> Response:
         return FileResponse(source, filename=basename, media_type="application/octet-stream")
     if url := objects.store().presigned_url(source):
         return RedirectResponse(url, status_code=307)
-    return StreamingResponse(source.chunks(), media_type="application/octet-stream", headers={
+    return StreamingResponse(source.achunks(), media_type="application/octet-stream", headers={
         "Content-Length": str(source.size), "Content-Disposition": f'attachment; filename="{basename}"'})
 
 
 def _tar_response(tar: artifacts.TarStream, filename: str) -> StreamingResponse:
-    return StreamingResponse(iter(tar), media_type="application/x-tar", headers={
+    return StreamingResponse(tar, media_type="application/x-tar", headers={
         "Content-Length": str(tar.size), "Content-Disposition": f'attachment; filename="{filename}"'})

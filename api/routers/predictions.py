@@ -3,8 +3,8 @@
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Header, Query, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi.responses import FileResponse, StreamingResponse
 from sse_starlette import EventSourceResponse
 
 from api import db
@@ -12,9 +12,10 @@ from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses
 from api.feeds import Cursor
 from api.headers import IdempotencyKey, respond
-from shared.jobs import lifecycle, predictions
+from shared.jobs import evaluation, lifecycle, predictions
 from shared.jobs.positions import with_positions
-from shared.jobs.predictions import KIND, MEDIA_TYPES
+from shared.jobs.prediction_results import MEDIA_TYPES, results_stream
+from shared.jobs.predictions import KIND
 from shared.queue import submit_once
 from shared.schemas.jobs import EventOut
 from shared.schemas.predictions import (
@@ -97,9 +98,29 @@ def prediction_results(prediction_id: str, caller: CallerDep,
     ``start``, ``end``: character offsets into the text) for token_classification. CSV has one
     ``probabilities.<class>`` column per class, and ``labels`` and ``entities`` as JSON text. 409
     before it has succeeded."""
-    chunks = predictions.results_stream(prediction_id, caller, format)
+    chunks = results_stream(prediction_id, caller, format)
     return StreamingResponse(chunks, media_type=MEDIA_TYPES[format], headers={
         "Content-Disposition": f'attachment; filename="{prediction_id}.{format}"'})
+
+
+@router.get("/{prediction_id}/evaluation", responses=error_responses(409))
+def prediction_evaluation(prediction_id: str, caller: CallerDep) -> dict:
+    """The evaluation report of a prediction made with a ``label_column`` (a labelled test set):
+    the same report, with the same metric definitions, as a training job's on its validation rows
+    (``GET /jobs/{id}/evaluation``), computed from this prediction's results. ``unknown_labels``
+    names the labels the model does not know (``count_unknown_labels``), whose rows count as
+    errors. 404 for a prediction without a ``label_column``; 409 before it has succeeded."""
+    return evaluation.prediction_evaluation(prediction_id, caller)
+
+
+@router.get("/{prediction_id}/evaluation/{name}", response_class=FileResponse, responses={
+    200: {"content": {"image/png": {}}, "description": "a picture the report names in its ``figures``"},
+    **error_responses(409)})
+def prediction_evaluation_figure(prediction_id: str, caller: CallerDep,
+                                 name: Annotated[str, Path(pattern=r"^[a-z_]{1,40}\.png$")]) -> FileResponse:
+    """A picture of the prediction's evaluation report (``confusion_matrix.png``,
+    ``reliability_diagram.png``, ``residuals.png``: as the report's ``figures`` lists them)."""
+    return FileResponse(evaluation.prediction_report_file(prediction_id, caller, name), media_type="image/png")
 
 
 @router.get("/{prediction_id}/stream", response_class=EventSourceResponse,

@@ -17,9 +17,11 @@ from sse_starlette import EventSourceResponse
 from shared.data.problems import Problems
 from shared.data.read import read_batches
 from shared.errors import NotFound, UserError
-from shared.jobs import lifecycle, predictions, sweeps, uploads
+from shared.jobs import aliases, lifecycle, predictions, sweeps, uploads
 from shared.jobs.base_models import available_models
-from shared.schemas.jobs import Hyperparameters, JobCreate
+from shared.jobs.evaluation import read_report
+from shared.schemas.hyperparameters import Hyperparameters
+from shared.schemas.jobs import JobCreate
 from shared.settings import get_settings
 from shared.store import artifacts, keys, objects, ui_sessions
 from shared.store.rows import JobStatus
@@ -179,6 +181,7 @@ def job_page(request: Request, job_id: str, s: SessionDep):
     files = lifecycle.model_files(job_id, s.caller) if job.status == JobStatus.SUCCEEDED else {}
     return render(request, "job.html", s=s, job=job, events=lifecycle.list_events(job_id, s.caller),
                   checkpoints=checkpoints, artifacts=artifacts.listing(files) if files else {},
+                  report=_report(job), aliases=[a.alias for a in aliases.list_aliases(s.caller) if a.job_id == job_id],
                   chart={"job": job.id, "status": job.status, "checkpoints": [c.step for c in checkpoints],
                          "best_metric": job.hyperparameters.metric_for_best_model,
                          "total_steps": job.progress.total_steps})
@@ -193,7 +196,28 @@ def compare_page(request: Request, s: SessionDep, jobs_: Annotated[str, Query(al
                         "jobs", status=400)
     compared = [lifecycle.to_out(lifecycle.get_job(i, s.caller)) for i in ids]
     rows = _compare_rows(compared)
-    return render(request, "compare.html", s=s, jobs=compared, rows=rows, chart={"jobs": ids})
+    return render(request, "compare.html", s=s, jobs=compared, rows=rows, chart={"jobs": ids},
+                  f1_rows=_f1_rows([_report(j) for j in compared]))
+
+
+def _report(job) -> dict | None:
+    """A succeeded job's evaluation report (``worker.evaluation``), None without one."""
+    if job.status != JobStatus.SUCCEEDED or job.files_deleted_at is not None:
+        return None
+    return read_report(artifacts.model_dir(job.id) / artifacts.EVALUATION)
+
+
+def _f1_rows(reports: list[dict | None]) -> list[tuple[str, list[float | None], list[float | None]]]:
+    """Per class (label, entity type) of the compared jobs' reports: (name, each job's F1, each
+    job's F1 minus the first job's; None where a job has no such class or no report)."""
+    per_class = [(r.get("per_class") or r.get("per_label") or r.get("per_entity") or {}) if r else {}
+                 for r in reports]
+    names = list(dict.fromkeys(n for classes in per_class for n in classes))
+    rows = []
+    for name in names:
+        f1 = [classes[name]["f1"] if name in classes else None for classes in per_class]
+        rows.append((name, f1, [None if v is None or f1[0] is None else v - f1[0] for v in f1]))
+    return rows
 
 
 def _compare_rows(compared: list) -> list[tuple[str, list, bool]]:

@@ -63,9 +63,9 @@ def main() -> None:
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         link = None
-        for line in serve.stdout:
-            if (m := re.search(r"(http://\S+/ui/signin/\S+)", line)):
-                link = m[1]
+        for line in serve.stdout:  # stdout is a pipe: the link goes to a 0600 file (tunejob.cli.announce_dashboard)
+            if (m := re.search(r"sign-in link .* is in (\S+)", line)):
+                link = Path(m[1]).read_text().strip()
                 break
         base = f"http://127.0.0.1:{port}"
         for _ in range(200):

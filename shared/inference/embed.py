@@ -33,11 +33,14 @@ class LoadedEmbedder:
 @dataclass
 class Embeddings:
     """``vectors`` float32 ``[texts, dimensions]`` in input order; ``tokens`` the texts' tokens
-    (special tokens included, before truncation); ``truncated`` texts longer than ``max_length``."""
+    (special tokens included, before truncation); ``truncated`` texts longer than ``max_length``;
+    ``padded_tokens`` tokens computed, padding included (``SentenceTransformer.encode`` sorts the
+    texts by character length, longest first, and pads each batch to its longest member)."""
 
     vectors: np.ndarray
     tokens: int
     truncated: int
+    padded_tokens: int
 
 
 def load_embedder(model_dir: Path, device: torch.device, precision: str = "auto") -> LoadedEmbedder:
@@ -63,13 +66,29 @@ def load_embedder(model_dir: Path, device: torch.device, precision: str = "auto"
     return LoadedEmbedder(model, max_length, dimensions, device)
 
 
-def embed_texts(loaded: LoadedEmbedder, texts: list[str], normalize: bool = True) -> Embeddings:
-    """Embed ``texts`` (cut at ``loaded.max_length`` tokens) in input order; ``normalize``: unit
-    length (the model's own ``Normalize`` module does it already for tunejob's models)."""
+def embed_texts(loaded: LoadedEmbedder, texts: list[str], normalize: bool = True, max_length: int | None = None,
+                batch_size: int = ENCODE_BATCH) -> Embeddings:
+    """Embed ``texts`` in input order, ``batch_size`` texts per forward pass, each cut at
+    ``max_length`` tokens (default and upper bound: ``loaded.max_length``); ``normalize``: unit
+    length (the model's own ``Normalize`` module does it already for tunejob's models).
+
+    Raises:
+        UserError: (422) ``max_length`` below 2 or above ``loaded.max_length``.
+    """
+    limit = max_length or loaded.max_length
+    if not 2 <= limit <= loaded.max_length:
+        raise UserError("invalid_max_length", f"max_length {limit} must be between 2 and the model's limit, "
+                        f"{loaded.max_length}", "max_length")
     model = loaded.model
-    counts = [len(ids) for ids in model.tokenizer(texts, truncation=False, add_special_tokens=True)["input_ids"]]
-    with torch.inference_mode():
-        vectors = model.encode(texts, batch_size=ENCODE_BATCH, convert_to_numpy=True,
-                               normalize_embeddings=normalize, show_progress_bar=False)
-    return Embeddings(vectors.astype(np.float32, copy=False), sum(counts),
-                      sum(n > loaded.max_length for n in counts))
+    counts = np.array([len(ids) for ids in model.tokenizer(texts, truncation=False, add_special_tokens=True,
+                                                           return_attention_mask=False)["input_ids"]], dtype=np.int64)
+    model.max_seq_length = limit  # the cached model is used under its lock (one call at a time)
+    try:
+        with torch.inference_mode():
+            vectors = model.encode(texts, batch_size=batch_size, convert_to_numpy=True,
+                                   normalize_embeddings=normalize, show_progress_bar=False)
+    finally:
+        model.max_seq_length = loaded.max_length
+    clipped = np.minimum(counts, limit)[np.argsort([-len(t) for t in texts], kind="stable")]
+    padded = sum(len(b) * int(b.max()) for b in np.split(clipped, range(batch_size, len(texts), batch_size)) if len(b))
+    return Embeddings(vectors.astype(np.float32, copy=False), int(counts.sum()), int((counts > limit).sum()), padded)

@@ -17,7 +17,7 @@ through this one lifecycle; the routes of each kind see only its jobs (``shared.
 
 Files follow the rows: ``delete_job`` (and ``shared.jobs.uploads.delete_dataset``) leave a tombstone row (the id answers
 404 saying it was deleted) and remove the files; a succeeded job's step checkpoints are deleted
-(``discard_checkpoints``); ``clean_up_files`` applies ``artifact_retention_days`` and removes whatever
+(``discard_checkpoints``); ``shared.jobs.retention.clean_up_files`` applies ``artifact_retention_days`` and removes whatever
 a process that died between its commit and its clean-up left behind.
 """
 
@@ -437,7 +437,7 @@ def model_files(job_id: str, caller: Caller) -> dict[str, Path | objects.Remote]
 def discard_checkpoints(job_id: str) -> None:
     """Delete the checkpoint directory of a job that ``finish`` recorded as succeeded (its step
     checkpoints and best-model links: the artifact has the model) or pruned (its weights are not
-    kept). A directory left by a worker that died before this is removed by ``clean_up_files``."""
+    kept). A directory left by a worker that died before this is removed by ``shared.jobs.retention.clean_up_files``."""
     objects.remove_job_files(job_id, "checkpoints")
 
 
@@ -468,48 +468,3 @@ def delete_job(job_id: str, caller: Caller, kind: str = "train") -> None:
         for child in (JobMetric, JobEvent, Checkpoint):
             s.execute(delete(child).where(child.job_id == job_id))
     objects.remove_job_files(job_id, "checkpoints", "artifacts")
-
-
-def clean_up_files() -> None:
-    """Retention and clean-up of files, safe to run from any number of processes at once.
-
-    Marks the files of jobs that finished more than ``artifact_retention_days`` ago as deleted
-    (with a ``files_deleted`` event; the job itself stays listed), then removes every file the
-    store says should be gone: checkpoints and artifacts of jobs whose files were deleted, step
-    checkpoints of succeeded jobs, uploads and tokenization caches of deleted datasets. Those are
-    normally removed at once; this catches what a process that died in between left behind.
-    """
-    settings, now = get_settings(), utcnow()
-    if settings.artifact_retention_days is not None:
-        cutoff = now - timedelta(days=settings.artifact_retention_days)
-        with session_scope() as s:
-            expired = s.scalars(select(Job).where(Job.status.in_(JobStatus.FINISHED), Job.finished_at < cutoff,
-                                                  Job.files_deleted_at.is_(None))
-                                .with_for_update(skip_locked=True)).all()
-            for job in expired:
-                job.files_deleted_at = now
-                s.execute(delete(Checkpoint).where(Checkpoint.job_id == job.id))
-                s.add(JobEvent(job_id=job.id, code="files_deleted", level="info",
-                               message=f"checkpoints and artifacts removed: finished over "
-                                       f"{settings.artifact_retention_days:g} days ago (TUNEJOB_ARTIFACT_RETENTION_DAYS)"))
-    for folder, gone in [("checkpoints", or_(Job.status.in_(trials.NO_CHECKPOINTS), Job.files_deleted_at.isnot(None))),
-                         ("artifacts", or_(Job.status == JobStatus.PRUNED, Job.files_deleted_at.isnot(None)))]:
-        for job_id in _jobs_on_disk(folder, gone):
-            objects.remove_job_files(job_id, folder)
-    with session_scope() as s:
-        deleted = s.execute(select(Dataset.path, Dataset.sha256).where(Dataset.deleted_at.isnot(None))).all()
-        live = set(s.scalars(select(Dataset.sha256).where(Dataset.deleted_at.is_(None))))
-    for ref, _ in deleted:
-        objects.store().remove(ref)
-    for sha256 in {sha for _, sha in deleted} - live:
-        artifacts.remove_tree(artifacts.tokenized_cache_dir(sha256))
-
-
-def _jobs_on_disk(folder: str, condition) -> list[str]:
-    """Ids of the jobs that have files under ``<data>/<folder>`` (or in the bucket) and match ``condition``."""
-    names = objects.store().job_ids(folder)
-    found: list[str] = []
-    with session_scope() as s:
-        for i in range(0, len(names), 500):
-            found += s.scalars(select(Job.id).where(Job.id.in_(names[i:i + 500]), condition)).all()
-    return found

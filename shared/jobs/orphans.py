@@ -7,7 +7,7 @@ its row; a row never points at nothing, because it is written last.
 What is an orphan:
 
 - ``uploads/<dataset>.<format>`` without the ``Dataset`` row that names it (a deleted dataset's
-  row remains as a tombstone: ``shared.jobs.lifecycle.clean_up_files`` removes its file);
+  row remains as a tombstone: ``shared.jobs.retention.clean_up_files`` removes its file);
 - ``checkpoints/<job>/step-<n>/…`` without its ``Checkpoint`` row (published, never recorded, or
   rotated away and not deleted);
 - ``checkpoints/<job>/…`` and ``artifacts/<job>/…`` of a job id that has no row.

@@ -16,7 +16,8 @@ from shared.data.problems import Problems
 from shared.data.split import split_train_validation, validation_size
 from shared.errors import UserError
 from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
-from shared.schemas.jobs import JobCreate, contrastive_hyperparameters
+from shared.schemas.hyperparameters import contrastive_hyperparameters
+from shared.schemas.jobs import JobCreate
 from shared.store import objects, quotas
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job, JobStatus

@@ -1,5 +1,5 @@
-r"""Batch prediction jobs (job kind ``predict``): checking a request, storing it as a job, planning it,
-the layout of its results on disk, and streaming them back in the format asked for.
+r"""Batch prediction jobs (job kind ``predict``): checking a request, storing it as a job, planning it.
+Its results on disk and their download stream: ``shared.jobs.prediction_results``.
 
 A prediction is a job like a training job: same row, same lifecycle (``shared.jobs``: claim,
 lease, heartbeat, progress, events, cancel, resume), same queue. Its columns are used as:
@@ -9,30 +9,15 @@ named at submit), ``task`` that model's task,
 ``label_names`` the model's classes, ``step``/``total_steps`` rows written/rows in the dataset,
 ``train_metrics`` the result (``PredictionResult``).
 
-Results are Parquet parts under ``artifacts/<job>/predictions/part-<n>.parquet``, each holding
-``predict_part_rows`` consecutive input rows (the last may hold fewer), written once, atomically
-(a temporary file renamed), with its counts in the file's metadata. A resumed attempt skips the
-rows of the parts already written, so no row is scored twice. Columns: ``id`` (the ``id_column``
-value as text, or the 0-based row index), then per task (``result_fields``): ``label``, ``score``
-and ``probabilities`` (a struct with one field per class, in class order) for classification;
-``value`` for regression; ``labels`` (a list) and ``probabilities`` for multi_label; ``entities``
-(a list of structs ``ENTITY``) for token_classification.
-
 No torch here: the API imports this module (the tokenizer only for a dry run).
 """
 
-import fnmatch
-import io
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.csv as pa_csv
-import pyarrow.parquet as pq
 
 from shared.data.batching import bucket_width, job_ladder, token_budget_batches
 from shared.data.columns import check_text
@@ -42,6 +27,7 @@ from shared.errors import UserError, without_paths
 from shared.inference.heads import task_of
 from shared.jobs import aliases
 from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
+from shared.jobs.gold import check_gold_labels, check_task
 from shared.jobs.lifecycle import admission, insert_queued
 from shared.jobs.models import trained_model
 from shared.jobs.planning import (
@@ -50,7 +36,7 @@ from shared.jobs.planning import (
     max_input_length,
     visible_dataset,
 )
-from shared.schemas.jobs import Timings, json_safe
+from shared.schemas.jobs import Timings
 from shared.schemas.predictions import (
     PredictionCreate,
     PredictionOut,
@@ -58,20 +44,13 @@ from shared.schemas.predictions import (
     PredictionResult,
 )
 from shared.settings import get_settings
-from shared.store import artifacts, idempotency, objects
+from shared.store import idempotency, objects
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
-from shared.store.tenancy import Caller, owned_job
+from shared.store.tenancy import Caller
 
 KIND = "predict"
-TASKS = ("classification", "regression", "multi_label", "token_classification")
-PART_GLOB = "part-*.parquet"
-MEDIA_TYPES = {"jsonl": "application/x-ndjson", "csv": "text/csv", "parquet": "application/vnd.apache.parquet"}
-# Written in each part's Parquet metadata, summed over the parts for the job's result.
-PART_COUNTS = ("rows", "truncated", "tokens", "padded_tokens")
-# One entity of a token_classification row (``shared.inference.loop.entity_rows``).
-ENTITY = pa.struct([("entity_group", pa.string()), ("score", pa.float64()), ("word", pa.string()),
-                    ("start", pa.int64()), ("end", pa.int64())])
+TASKS = ("classification", "regression", "multi_label", "token_classification", "embedding")
 
 
 # ----------------------------------------------------------------------------- the model
@@ -100,7 +79,6 @@ def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
     """
     with TRANSFORMERS_IMPORT:
         from transformers import AutoConfig
-
 
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
@@ -140,8 +118,18 @@ def prediction_model(ref: str, caller: Caller) -> PredictionModel:
     job, directory = trained_model(ref, caller)
     if job.task not in TASKS:
         raise UserError("unsupported_task", f"model {ref!r} was trained for {job.task}; predictions support "
-                        f"{' and '.join(TASKS)}", "model")
-    return PredictionModel(ref, directory, job.task, job.label_names, max_input_length(directory))
+                        f"{', '.join(TASKS)}", "model")
+    limit = embedding_limit(directory) if job.task == "embedding" else max_input_length(directory)
+    return PredictionModel(ref, directory, job.task, job.label_names, limit)
+
+
+def embedding_limit(directory: Path) -> int | None:
+    """An embedding model's longest input in tokens: its ``max_seq_length``
+    (``sentence_bert_config.json``, the job's ``max_length``), as ``SentenceTransformer`` loads it."""
+    try:
+        return json.loads((directory / "sentence_bert_config.json").read_text())["max_seq_length"]
+    except (OSError, ValueError, KeyError):
+        return max_input_length(directory)
 
 
 # ----------------------------------------------------------------------------- the data
@@ -159,7 +147,8 @@ class PredictionBatch:
 
 
 def _columns(spec: PredictionCreate) -> list[tuple[str, str]]:
-    """(column, request field) of each column a prediction reads."""
+    """(column, request field) of each column a prediction reads and scores (its ``label_column``
+    is read by ``shared.jobs.gold``)."""
     return [(c, f) for c, f in [(spec.text_column, "text_column"), (spec.text_pair_column, "text_pair_column"),
                                 (spec.id_column, "id_column")] if c is not None]
 
@@ -249,18 +238,23 @@ def check_prediction(spec: PredictionCreate, caller: Caller) -> CheckedPredictio
         UserError: see ``prediction_model``; ``max_length_too_long`` (422) beyond the model's limit;
             ``invalid_text_pair_column`` (422) for a token_classification model (one text a row);
             ``unknown_dataset`` (422); ``missing_column`` (422, naming the field and the column); a
-            validation report of unusable cells (``missing_value``, ``invalid_text``, ``invalid_id``).
+            validation report of unusable cells (``missing_value``, ``invalid_text``, ``invalid_id``);
+            with a ``label_column``, ``shared.jobs.gold.check_gold_labels``'s.
     """
     model = prediction_model(spec.model, caller)
-    if spec.text_pair_column and model.task == "token_classification":
-        raise UserError("invalid_text_pair_column", f"model {spec.model!r} is a token_classification model: it tags "
+    if spec.text_pair_column and model.task in ("token_classification", "embedding"):
+        raise UserError("invalid_text_pair_column", f"model {spec.model!r} is a {model.task} model: it reads "
                         "one text a row; leave text_pair_column out", "text_pair_column")
+    if model.task == "embedding" and spec.precision not in ("auto", "fp32"):
+        raise UserError("invalid_precision", f"model {spec.model!r} is an embedding model: embeddings are computed "
+                        f"in fp32, not {spec.precision}", "precision")
+    check_task(spec, model.task)
     if spec.max_length and model.limit and spec.max_length > model.limit:
         raise UserError("max_length_too_long", f"max_length {spec.max_length} is longer than model {spec.model!r} "
                         f"accepts ({model.limit} tokens)", "max_length")
     with read_session() as s:
         dataset = visible_dataset(s, spec.dataset, "dataset", caller)
-    for column, param in _columns(spec):
+    for column, param in _columns(spec) + ([(spec.label_column, "label_column")] if spec.label_column else []):
         if column not in dataset.columns:
             raise UserError("missing_column", f"column {column!r} ({param}) not found in {dataset.filename!r}; "
                             f"its columns are {dataset.columns}", param)
@@ -268,6 +262,8 @@ def check_prediction(spec: PredictionCreate, caller: Caller) -> CheckedPredictio
     for _ in prediction_batches(dataset, spec, problems):
         pass
     problems.raise_if_any()
+    if spec.label_column is not None:
+        check_gold_labels(spec, dataset, model.task, model.ref, model.label_names)
     return CheckedPrediction(spec, model, dataset, spec.max_length or model.limit or 512, caller)
 
 
@@ -365,7 +361,7 @@ def to_out(job: Job) -> PredictionOut:
         id=job.id, status=job.status, model=job.base_model, task=job.task, dataset=job.training_dataset_id,
         model_alias=spec["model"] if spec["model"] != job.base_model else None,
         text_column=spec["text_column"], text_pair_column=spec.get("text_pair_column"),
-        id_column=spec.get("id_column"), batch_size=spec["batch_size"], max_length=spec.get("max_length"),
+        id_column=spec.get("id_column"), label_column=spec.get("label_column"), batch_size=spec["batch_size"], max_length=spec.get("max_length"),
         precision=spec.get("precision", "auto"), label_names=job.label_names, created_at=job.created_at, started_at=job.started_at,
         finished_at=job.finished_at,
         progress=PredictionProgress(rows_done=done, total_rows=total, fraction=min(1.0, done / total) if total else 0.0,
@@ -373,157 +369,7 @@ def to_out(job: Job) -> PredictionOut:
                                     eta_seconds=job.eta_seconds),
         result=PredictionResult(**result) if result else None,
         results_url=f"/predictions/{job.id}/results" if job.status == JobStatus.SUCCEEDED else None,
+        evaluation_url=(f"/predictions/{job.id}/evaluation" if job.status == JobStatus.SUCCEEDED
+                        and spec.get("label_column") else None),
         device=job.device, attempts=job.attempts, error=job.error, timings=Timings(**(job.timings or {})),
         files_deleted_at=job.files_deleted_at)
-
-
-# ----------------------------------------------------------------------------- results on disk
-
-
-def results_dir(job_id: str) -> Path:
-    return artifacts.artifacts_dir(job_id) / "predictions"
-
-
-def written_parts(directory: Path) -> list[str]:
-    """The refs (``shared.store.objects``) of the complete parts in ``directory`` (or in the
-    bucket), in row order (a temporary file is not a part)."""
-    store = objects.store()
-    ref = store.ref(directory)
-    return [f"{ref}/{name}" for name in store.files(ref) if fnmatch.fnmatch(name, PART_GLOB)]
-
-
-def part_counts(parts: list[str]) -> dict[str, int]:
-    """``PART_COUNTS`` summed over ``parts`` (read from each file's metadata, not its rows)."""
-    totals = dict.fromkeys(PART_COUNTS, 0)
-    for part in parts:
-        counts = json.loads(pq.read_schema(objects.store().local(part)).metadata[b"tunejob"])
-        for name in PART_COUNTS:
-            totals[name] += counts[name]
-    return totals
-
-
-def write_part(directory: Path, index: int, table: pa.Table, counts: dict[str, int]) -> str:
-    """Write part ``index`` atomically: a temporary file, renamed once complete (a reader or a
-    resumed attempt sees the whole part or none of it), then published (into the bucket, with
-    ``TUNEJOB_STORAGE_URL``). ``counts``: ``PART_COUNTS`` of the part. Returns its ref."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"part-{index:06d}.parquet"
-    temporary = directory / f".{path.name}.tmp"
-    table = table.replace_schema_metadata({"tunejob": json.dumps({n: int(counts[n]) for n in PART_COUNTS})})
-    pq.write_table(table, temporary)
-    os.replace(temporary, path)
-    return objects.store().publish(path)
-
-
-def results_table(ids: list, task: str, label_names: list[str] | None, rows: list[dict],
-                  id_type: pa.DataType) -> pa.Table:
-    """One part's rows as a table: ``id``, then the task's ``result_fields``. ``rows``:
-    ``shared.inference.loop.Predictions.rows``."""
-    columns = {"id": pa.array(ids, id_type)}
-    for name, kind in result_fields(task, label_names):
-        columns[name] = pa.array([r[name] for r in rows], kind)
-    return pa.table(columns)
-
-
-def result_fields(task: str, label_names: list[str] | None) -> list[tuple[str, pa.DataType]]:
-    """(column, Arrow type) of a task's results, after ``id``: ``label``, ``score``,
-    ``probabilities`` (a struct of the classes, in class order) for classification; ``value`` for
-    regression; ``labels`` (a list of names) and ``probabilities`` for multi_label; ``entities``
-    (a list of ``ENTITY``) for token_classification."""
-    if task == "regression":
-        return [("value", pa.float64())]
-    if task == "token_classification":
-        return [("entities", pa.list_(ENTITY))]
-    probabilities = ("probabilities", pa.struct([pa.field(name, pa.float64()) for name in label_names or []]))
-    if task == "multi_label":
-        return [("labels", pa.list_(pa.string())), probabilities]
-    return [("label", pa.string()), ("score", pa.float64()), probabilities]
-
-
-def id_type(spec: dict) -> pa.DataType:
-    """``id`` is the ``id_column`` value as text, or the row index."""
-    return pa.string() if spec.get("id_column") else pa.int64()
-
-
-def results_stream(job_id: str, caller: Caller, fmt: str) -> Iterator[bytes]:
-    """A succeeded prediction's results in ``fmt`` (``jsonl``, ``csv`` or ``parquet``), one part
-    at a time: memory holds one part. CSV flattens ``probabilities`` into one column per class,
-    ``probabilities.<class>``, and writes a list (multi_label's ``labels``, token_classification's
-    ``entities``) as JSON text. A prediction deleted while its results are sent ends the stream early.
-
-    Raises:
-        NotFound, Deleted: see ``shared.jobs.lifecycle.get_job``. UserError: ``results_not_ready`` (409)
-            before the job has succeeded; ``results_deleted`` (409) after its files were removed.
-    """
-    with read_session() as s:
-        job = owned_job(s, job_id, caller, kind=KIND)
-    if job.status != JobStatus.SUCCEEDED:
-        raise UserError("results_not_ready", f"prediction {job_id!r} is {job.status}; results are served once it "
-                        "has succeeded", "prediction_id", 409)
-    parts = written_parts(results_dir(job_id))
-    if job.files_deleted_at is not None or not parts:
-        raise UserError("results_deleted", f"prediction {job_id!r}: its results were deleted "
-                        "(TUNEJOB_ARTIFACT_RETENTION_DAYS)", "prediction_id", 409)
-    return {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt](parts)
-
-
-def _tables(parts: list[str]) -> Iterator[pa.Table]:
-    """Each part as a table, read (downloaded, from the bucket) when it is its turn: one open file
-    at a time, however many parts."""
-    for part in parts:
-        yield pq.read_table(objects.store().local(part)).replace_schema_metadata(None)
-
-
-def _jsonl(parts: list[str]) -> Iterator[bytes]:
-    for table in _tables(parts):
-        yield "".join(json.dumps(json_safe(row), ensure_ascii=False) + "\n" for row in table.to_pylist()).encode()
-
-
-def _csv(parts: list[str]) -> Iterator[bytes]:
-    for i, table in enumerate(_tables(parts)):
-        out = io.BytesIO()
-        pa_csv.write_csv(_lists_as_json(table.flatten()), out, pa_csv.WriteOptions(include_header=i == 0))
-        yield out.getvalue()
-
-
-def _lists_as_json(table: pa.Table) -> pa.Table:
-    """``table`` with each list column as JSON text (a CSV cell holds no list)."""
-    for index, field in enumerate(table.schema):
-        if pa.types.is_list(field.type):
-            cells = [json.dumps(json_safe(v), ensure_ascii=False) for v in table.column(index).to_pylist()]
-            table = table.set_column(index, field.name, pa.array(cells, pa.string()))
-    return table
-
-
-class _Chunks(io.RawIOBase):
-    """A write-only file that keeps what is written until ``take`` (a Parquet writer's sink)."""
-
-    def __init__(self):
-        super().__init__()
-        self.buffer, self.position = [], 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        self.buffer.append(bytes(data))
-        self.position += len(data)
-        return len(data)
-
-    def tell(self) -> int:
-        return self.position
-
-    def take(self) -> bytes:
-        data, self.buffer = b"".join(self.buffer), []
-        return data
-
-
-def _parquet(parts: list[str]) -> Iterator[bytes]:
-    sink, writer = _Chunks(), None
-    for table in _tables(parts):
-        writer = writer or pq.ParquetWriter(sink, table.schema)
-        writer.write_table(table)
-        yield sink.take()
-    if writer is not None:
-        writer.close()
-    yield sink.take()

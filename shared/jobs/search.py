@@ -24,7 +24,8 @@ from sqlalchemy.orm import Session
 from shared.errors import UserError
 from shared.jobs import priors, search_space
 from shared.jobs.search_space import distributions
-from shared.schemas.jobs import GREATER_IS_BETTER, TASK_METRICS, Hyperparameters, JobCreate
+from shared.schemas.hyperparameters import GREATER_IS_BETTER, TASK_METRICS, Hyperparameters
+from shared.schemas.jobs import JobCreate
 from shared.schemas.sweeps import LATENCY, Objective, SweepCreate
 from shared.settings import get_settings
 from shared.store.rows import Job, JobMetric, JobStatus, Sweep

@@ -23,7 +23,7 @@ from shared.errors import UserError
 from shared.jobs.base_models import available_models
 from shared.jobs.planning import max_input_length
 from shared.jobs.priors import PRIORS
-from shared.schemas.jobs import Hyperparameters, int_fields
+from shared.schemas.hyperparameters import Hyperparameters, int_fields
 from shared.schemas.sweeps import Distribution, SweepCreate
 from shared.settings import get_settings
 

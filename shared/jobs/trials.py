@@ -31,7 +31,7 @@ from shared.jobs.search import (
     trial_template,
 )
 from shared.jobs.search_space import BASE_MODEL, distributions
-from shared.schemas.jobs import Hyperparameters
+from shared.schemas.hyperparameters import Hyperparameters
 from shared.settings import get_settings
 from shared.store import idempotency, quotas
 from shared.store.rows import Job, JobEvent, JobStatus, Sweep, new_id, utcnow

@@ -54,11 +54,13 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import flag_modified
 
 from shared.errors import NotFound, UserError
 from shared.settings import get_settings
 from shared.store.engine import keyset_page, read_session, session_scope
 from shared.store.rows import Job, utcnow
+from shared.store.sealed import fernet
 from shared.store.tenancy import Caller, lock_tenant
 from shared.store.webhook_rows import Webhook, WebhookDelivery
 
@@ -150,8 +152,10 @@ def create_webhook(caller: Caller, url: str, events: list[str], description: str
     """Store an endpoint for ``caller``'s tenant; its ``secret`` is in the returned row (shown once).
 
     Raises:
-        UserError: see ``resolve``; 409 ``too_many_webhooks`` at ``max_webhooks_per_tenant`` endpoints.
+        UserError: see ``resolve``; 409 ``too_many_webhooks`` at ``max_webhooks_per_tenant`` endpoints;
+            503 ``secret_key_missing`` (``shared.store.sealed.fernet``).
     """
+    fernet()  # the key its secret is stored encrypted with
     resolve(url)
     with session_scope() as s:
         lock_tenant(s, caller.tenant)  # two creations at once count each other
@@ -211,12 +215,26 @@ def rotate_secret(webhook_id: str, caller: Caller) -> Webhook:
     old one signs deliveries too (``webhook-signature`` then holds both signatures, space-separated,
     as Standard Webhooks allows), so the receiver can switch without rejecting any delivery.
 
-    Raises: NotFound."""
+    Raises: NotFound; UserError 503 ``secret_key_missing`` (``shared.store.sealed.fernet``)."""
+    fernet()
     with session_scope() as s:
         webhook = _owned(s, webhook_id, caller)
         webhook.previous_secret, webhook.previous_secret_expires_at = webhook.secret, utcnow() + ROTATION_OVERLAP
         webhook.secret = new_secret()
     return webhook
+
+
+def reseal_secrets() -> int:
+    """Store every endpoint's secrets encrypted again with the first of ``TUNEJOB_SECRET_KEY``'s keys
+    (read with any of them: ``shared.store.sealed``), so that the keys after it can be dropped.
+    Returns how many endpoints were written."""
+    with session_scope() as s:
+        hooks = s.scalars(select(Webhook)).all()
+        for webhook in hooks:
+            flag_modified(webhook, "secret")
+            if webhook.previous_secret is not None:
+                flag_modified(webhook, "previous_secret")
+    return len(hooks)
 
 
 def signatures(webhook: Webhook, event_id: str, timestamp: int, body: bytes) -> str:

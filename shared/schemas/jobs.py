@@ -2,12 +2,12 @@
 
 import math
 from datetime import datetime
-from functools import lru_cache
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 from pydantic.json_schema import JsonDict
 
+from shared.schemas.hyperparameters import HYPERPARAMETERS_EXAMPLE, TASK_METRICS, Hyperparameters
 from shared.schemas.queue import QueuePosition
 
 
@@ -33,7 +33,6 @@ Metadata = Annotated[dict[str, str] | None, Field(
         additionalProperties={"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS}))]
 
 # Realistic examples for the OpenAPI schema: a BBC News job as `make demo` runs it.
-HYPERPARAMETERS_EXAMPLE: JsonDict = {"epochs": 1, "learning_rate": 1e-4, "batch_size": 16, "max_length": 128}
 JOB_CREATE_EXAMPLE: JsonDict = {
     "base_model": "all-MiniLM-L6-v2", "task": "classification", "training_dataset": "ds_3f9a1c2b7d4e5f60",
     "validation_split": 0.1, "text_column": "text", "label_column": "label",
@@ -49,106 +48,9 @@ TOKEN_JOB_CREATE_EXAMPLE: JsonDict = {  # named entities from a CoNLL file (colu
     "validation_dataset": "ds_c5d1e7a9032b4f6e", "text_column": "tokens", "label_column": "tags",
     "hyperparameters": {**HYPERPARAMETERS_EXAMPLE, "metric_for_best_model": "entity_f1"},
 }
-# The values of Hyperparameters.metric_for_best_model that apply to each task.
-TASK_METRICS = {"classification": ("loss", "accuracy", "f1_macro"), "regression": ("loss", "mse", "pearson_r"),
-                "multi_label": ("loss", "f1_micro", "f1_macro", "subset_accuracy"),
-                "token_classification": ("loss", "entity_f1", "entity_precision", "entity_recall", "token_accuracy"),
-                "embedding": ("ndcg@10", "mrr@10", "recall@1", "recall@10", "map@100"),
-                "reranking": ("ndcg@10", "mrr@10", "loss")}
-# embedding: information-retrieval metrics of the validation split (worker.embedding.retrieval_metrics)
-IR_METRICS = TASK_METRICS["embedding"]
 # The spec's fields that only one task reads (JobOut shows them for that task)
 TASK_FIELDS = {"embedding": ("anchor_column", "positive_column", "negative_columns", "score_column"),
                "reranking": ("query_column", "passage_column")}
-# Whether a larger value of each metric is better (the best evaluation; a sweep's objective direction).
-GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True,
-                     "f1_micro": True, "subset_accuracy": True, "entity_f1": True, "entity_precision": True,
-                     "entity_recall": True, "token_accuracy": True, **dict.fromkeys(IR_METRICS, True)}
-
-
-def _takes_int(annotation: Any) -> bool:
-    """Whether a field's type is ``int`` or a union with an ``int`` member (``Annotated`` or not)."""
-    if get_origin(annotation) is Annotated:
-        return _takes_int(get_args(annotation)[0])
-    return annotation is int or any(_takes_int(a) for a in get_args(annotation))
-
-
-def integral_floats(model: type[BaseModel], data: Any) -> Any:
-    """``data`` with each integral float given to an ``int`` field of ``model`` made an int: JSON
-    Schema counts 3.0 as an integer; pydantic's strict mode would refuse it."""
-    if not isinstance(data, dict):
-        return data
-    ints = int_fields(model)
-    return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() else v for k, v in data.items()}
-
-
-@lru_cache
-def int_fields(model: type[BaseModel]) -> frozenset[str]:
-    """The names of ``model``'s ``int`` fields (worked out once: a job's view validates its
-    hyperparameters, and the jobs page shows 50 jobs)."""
-    return frozenset(name for name, f in model.model_fields.items() if _takes_int(f.annotation))
-
-
-class Hyperparameters(BaseModel):
-    """Training hyperparameters. Defaults suit a small BERT-family encoder on a few thousand texts.
-
-    ``batch_size`` is the micro-batch (examples per forward pass); one optimizer step sees
-    ``batch_size * gradient_accumulation_steps`` examples.
-    """
-
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [HYPERPARAMETERS_EXAMPLE]})
-
-    epochs: float = Field(3.0, gt=0, le=1000)
-    learning_rate: float = Field(5e-5, gt=0, le=1.0)
-    batch_size: int = Field(16, ge=1, le=4096)
-    gradient_accumulation_steps: int = Field(1, ge=1, le=1024)
-    max_length: int = Field(256, ge=8, le=8192)
-    precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
-    batching: Literal["smart", "dynamic", "fixed", "token_budget"] = "smart"
-    max_tokens_per_batch: int | None = Field(
-        None, ge=8, description="token_budget: padded tokens per micro-batch. Default batch_size * max_length.")
-    pad_to_multiple_of: int | None = Field(
-        None, ge=1, le=512, description="Round padded lengths up to a multiple of this. Default: the bucket ladder "
-        "(16, 32, ..., 128, 160, ..., 256, 320, ...) on CUDA, the longest member on the CPU.")
-    gradient_checkpointing: bool = False
-    freeze_embeddings: bool = False
-    torch_compile: bool = Field(False, description="torch.compile the model; lengths are padded to multiples of 64.")
-    packing: bool = Field(
-        False, description="Lay each micro-batch's examples end to end without padding, attention per example on a "
-        "variable-length kernel (flash on CUDA in bf16/fp16). Eager steps only: CUDA graphs capture padded widths. "
-        "BERT and RoBERTa families; others train padded, with an event.")
-    eval_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
-    save_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
-    save_total_limit: int = Field(2, ge=1, le=1000, description="Checkpoints kept on disk (the newest).")
-    metric_for_best_model: Literal["loss", "accuracy", "f1_macro", "mse", "pearson_r", "f1_micro",
-                                   "subset_accuracy", "entity_f1", "entity_precision", "entity_recall",
-                                   "token_accuracy", "ndcg@10", "mrr@10", "recall@1", "recall@10",
-                                   "map@100"] = Field("loss", description="Default: loss; ndcg@10 for embedding.")
-    early_stopping_patience: int | None = Field(
-        None, ge=1, description="Stop after this many evaluations without improving metric_for_best_model.")
-    max_nonfinite_steps: int = Field(
-        25, ge=1, description="Fail after this many consecutive optimizer steps with a non-finite loss or gradient.")
-    warmup_ratio: float = Field(0.1, ge=0, lt=1)
-    weight_decay: float = Field(0.01, ge=0, le=1)
-    seed: int = Field(42, ge=0, le=2**32 - 1)
-    dataloader_num_workers: int = Field(0, ge=0, le=64)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _integral_floats(cls, data: Any) -> Any:
-        return integral_floats(cls, data)
-
-
-def contrastive_hyperparameters(hp: Hyperparameters, task: str) -> Hyperparameters:
-    """The hyperparameters the loop (and the dry run's plan) runs a job of ``task`` with: ``hp``,
-    but for an embedding job with ``gradient_accumulation_steps`` k > 1, one micro-batch of
-    ``batch_size`` x k examples per optimizer step, which
-    ``CachedMultipleNegativesRankingLoss`` computes ``batch_size`` examples at a time (so the
-    accumulated examples are each other's negatives and memory stays that of ``batch_size``)."""
-    k = hp.gradient_accumulation_steps
-    if task != "embedding" or k == 1:
-        return hp
-    return hp.model_copy(update={"batch_size": hp.batch_size * k, "gradient_accumulation_steps": 1})
 
 
 class JobCreate(BaseModel):
@@ -437,71 +339,3 @@ class BaseModelOut(BaseModel):
     name: str
     source: Literal["builtin", "models_dir"]
     model_type: str | None
-
-
-class TokenLengths(BaseModel):
-    bin_edges: list[float]
-    counts: list[int]
-    mean: float
-    max: int
-
-
-class PaddingEfficiency(BaseModel):
-    unrounded: float = Field(description="real tokens / tokens padded to each micro-batch's longest example")
-    bucketed: float = Field(description="the same with each micro-batch padded up to its bucket width (what a "
-                                        "CUDA worker computes; shared.data.batching.bucket_ladder)")
-
-
-class BucketWidth(BaseModel):
-    width: int = Field(description="padded width in tokens")
-    micro_batches: int = Field(description="micro-batches of this width over the job's epochs")
-
-
-class Buckets(BaseModel):
-    ladder: list[int] = Field(description="the widths a CUDA worker pads micro-batches to, up to max_length")
-    widths: list[BucketWidth] = Field(description="the widths the chosen batching uses")
-    padding_efficiency: float = Field(description="real / padded tokens of the chosen batching at these widths")
-
-
-class Plan(BaseModel):
-    """What a job will do, computed from its tokenized training split without training
-    (``shared.jobs.planning.plan_job``). Other fields may be added."""
-
-    model_config = ConfigDict(extra="allow")
-
-    examples: int = Field(description="training examples, after any validation_split")
-    token_lengths: TokenLengths = Field(description="histogram of real tokens per example, after truncation")
-    truncated_fraction: float = Field(description="share of examples longer than max_length")
-    truncated_examples: int = Field(description="examples longer than max_length, cut there (token_classification: "
-                                                "the words past it are neither trained on nor scored)")
-    padding_efficiency: dict[str, PaddingEfficiency] = Field(description="per batching strategy")
-    buckets: Buckets = Field(description="the chosen batching's bucket widths on a CUDA worker")
-    micro_batches_per_epoch: int
-    steps_per_epoch: int
-    total_steps: int
-    estimated_seconds: float | None = Field(description="from the newest succeeded job on the same base model; "
-                                                        "null when there is none")
-    estimate_basis: str
-
-
-class DryRunOut(BaseModel):
-    """Response of ``POST /jobs?dry_run=true``: nothing is stored or queued."""
-
-    model_config = ConfigDict(json_schema_extra={"examples": [{"dry_run": True, "plan": {
-        "examples": 1602,
-        "token_lengths": {"bin_edges": [24.0, 30.5, 37.0, 43.5, 50.0, 56.5, 63.0, 69.5, 76.0, 82.5, 89.0, 95.5,
-                                        102.0, 108.5, 115.0, 121.5, 128.0],
-                          "counts": [3, 5, 9, 14, 22, 31, 40, 51, 60, 72, 85, 97, 110, 121, 140, 742],
-                          "mean": 112.4, "max": 128},
-        "truncated_fraction": 0.463,
-        "padding_efficiency": {s: {"unrounded": e, "bucketed": b} for s, e, b in
-                               [("smart", 0.993, 0.947), ("token_budget", 0.991, 0.952), ("dynamic", 0.912, 0.874),
-                                ("fixed", 0.878, 0.878)]},
-        "buckets": {"ladder": [16, 32, 48, 64, 80, 96, 112, 128],
-                    "widths": [{"width": 128, "micro_batches": 88}, {"width": 112, "micro_batches": 9},
-                               {"width": 96, "micro_batches": 4}], "padding_efficiency": 0.947},
-        "micro_batches_per_epoch": 101, "steps_per_epoch": 101, "total_steps": 101,
-        "estimated_seconds": 171.4, "estimate_basis": "job job_8e2d4c1a9b7f3e05: 1907 padded tokens/s on cpu"}}]})
-
-    dry_run: Literal[True]
-    plan: Plan

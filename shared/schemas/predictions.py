@@ -20,12 +20,21 @@ class PredictionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [PREDICTION_CREATE_EXAMPLE]})
 
     model: str = Field(description="A succeeded training job of yours (``job_…``), or the name of a base model "
-                                   "(``GET /models``) that has a sequence- or token-classification head.")
+                                   "(``GET /models``) that has a sequence- or token-classification head. An "
+                                   "``embedding`` job's results are vectors (column ``embedding``).")
     dataset: str = Field(description="The dataset to score (``ds_…``).")
     text_column: str = "text"
     text_pair_column: str | None = None
     id_column: str | None = Field(None, description="A column whose value (as text) names each row in the "
                                                     "results; default: the row's 0-based index.")
+    label_column: str | None = Field(None, description="A column of gold labels (a labelled test set): the "
+                                     "prediction then writes an evaluation report, ``GET /predictions/{id}/evaluation``, "
+                                     "with the validation report's metrics. Labels read as the model's training job "
+                                     "read them; not for token_classification models.")
+    count_unknown_labels: bool = Field(False, description="With ``label_column``: score a test set whose labels "
+                                       "include some the model does not know, counting their rows as errors (as "
+                                       "``trainer.evaluate`` would); without it such a request is refused (422 "
+                                       "``unknown_labels``, naming them).")
     batch_size: int = Field(64, ge=1, le=4096, description="Texts per forward pass at most.")
     max_length: int | None = Field(None, ge=8, le=8192, description="Tokens per text (pair) at most; longer "
                                    "texts are truncated and counted. Default: the model's limit.")
@@ -47,6 +56,10 @@ class PredictionCreate(BaseModel):
     def _distinct_columns(self) -> "PredictionCreate":
         if self.id_column is not None and self.id_column in (self.text_column, self.text_pair_column):
             raise ValueError(f"id_column {self.id_column!r} must differ from text_column and text_pair_column")
+        if self.label_column is not None and self.label_column in (self.text_column, self.text_pair_column):
+            raise ValueError(f"label_column {self.label_column!r} must differ from text_column and text_pair_column")
+        if self.count_unknown_labels and self.label_column is None:
+            raise ValueError("count_unknown_labels needs a label_column")
         return self
 
 
@@ -98,6 +111,7 @@ class PredictionOut(BaseModel):
     text_column: str
     text_pair_column: str | None
     id_column: str | None
+    label_column: str | None = None
     batch_size: int
     max_length: int = Field(description="tokens per text (pair) at most: as requested, else the model's limit")
     precision: str = "auto"
@@ -108,6 +122,8 @@ class PredictionOut(BaseModel):
     progress: PredictionProgress
     result: PredictionResult | None
     results_url: str | None = Field(description="``GET`` it with ``?format=jsonl|csv|parquet`` once succeeded")
+    evaluation_url: str | None = Field(None, description="the evaluation report, once a prediction with a "
+                                       "``label_column`` has succeeded")
     device: str | None
     attempts: int
     error: dict[str, Any] | None

@@ -11,7 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import JsonDict
 
-from shared.schemas.jobs import JOB_CREATE_EXAMPLE, JobCreate, integral_floats
+from shared.schemas.hyperparameters import integral_floats
+from shared.schemas.jobs import JOB_CREATE_EXAMPLE, JobCreate
 
 SWEEP_CREATE_EXAMPLE: JsonDict = {
     **JOB_CREATE_EXAMPLE,
@@ -56,9 +57,10 @@ class Objective(BaseModel):
 
     metric: str = Field(description="A validation metric the task produces (hyperparameters.metric_for_best_model's "
                                     "values): classification accuracy, f1_macro, loss; token_classification entity_f1 "
-                                    "(alias f1); regression pearson_r, mse; multi_label f1_micro, ...; or, after "
-                                    "the first of several objectives, latency_ms (the saved model's median time to "
-                                    "predict a fixed batch of validation texts at serving_precision; minimize)")
+                                    "(alias f1); regression pearson_r, mse; multi_label f1_micro, ...; embedding "
+                                    "ndcg@10, mrr@10, recall@10, ...; or, after the first of several objectives, "
+                                    "latency_ms (the saved model's median time to predict a fixed batch of validation "
+                                    "texts at serving_precision; minimize)")
     direction: Literal["maximize", "minimize"] | None = Field(
         None, description="Default: the metric's own (minimize loss and mse, maximize the rest); the opposite is refused.")
 

@@ -21,9 +21,11 @@ import os
 import shutil
 import tarfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+import anyio
 
 from shared.settings import get_settings
 from shared.store import objects
@@ -126,21 +128,40 @@ class TarStream:
         self.size = tar_size(sizes)
         self._trailer = self.size - sum(len(header) + _padded(size) for header, _, size in self.members)
 
-    def __iter__(self) -> Iterator[bytes]:
+    def _parts(self) -> Iterator[bytes | tuple[BinaryIO | Remote, int]]:
+        """The tar in order: bytes to send as they are (headers, padding), or a member's (file, size)."""
+        for header, f, size in self.members:
+            yield header
+            yield f, size
+            yield bytes(_padded(size) - size)
+        yield bytes(self._trailer)
+
+    def __iter__(self) -> Iterator[bytes | memoryview]:
         try:
-            for header, f, size in self.members:
-                yield header
-                if isinstance(f, Remote):
-                    yield from f.chunks()  # raises when the object does not match its size or sha256
+            for part in self._parts():
+                if isinstance(part, bytes):
+                    yield part
+                elif isinstance(part[0], Remote):
+                    yield from part[0].chunks()  # raises when the object does not match its size or sha256
                 else:
-                    left = size
-                    while left and (chunk := f.read(min(CHUNK, left))):
-                        left -= len(chunk)
+                    yield from _read(*part)
+        finally:
+            self.close()
+
+    async def __aiter__(self) -> AsyncIterator[bytes | memoryview]:
+        """The same chunks for the event loop (a StreamingResponse takes this one): objects are
+        streamed with ``Remote.achunks`` (no thread hop per chunk), local files read in a thread."""
+        try:
+            for part in self._parts():
+                if isinstance(part, bytes):
+                    yield part
+                elif isinstance(part[0], Remote):
+                    async for view in part[0].achunks():
+                        yield view
+                else:
+                    chunks = _read(*part)
+                    while (chunk := await anyio.to_thread.run_sync(next, chunks, None)) is not None:
                         yield chunk
-                    if left:
-                        raise OSError(f"{f.name} shrank while it was being sent")
-                yield bytes(_padded(size) - size)
-            yield bytes(self._trailer)
         finally:
             self.close()
 
@@ -148,6 +169,20 @@ class TarStream:
         for _, f, _ in self.members:
             if not isinstance(f, Remote):
                 f.close()
+
+
+def _read(f, size: int) -> Iterator[bytes]:
+    """``size`` bytes of the open file ``f`` in ``CHUNK``s.
+
+    Raises:
+        OSError: the file has fewer bytes (it shrank while it was being sent).
+    """
+    left = size
+    while left and (chunk := f.read(min(CHUNK, left))):
+        left -= len(chunk)
+        yield chunk
+    if left:
+        raise OSError(f"{f.name} shrank while it was being sent")
 
 
 def tar_size(sizes: dict[str, int]) -> int:
@@ -166,7 +201,7 @@ def _padded(size: int, block: int = tarfile.BLOCKSIZE) -> int:
     return -(-size // block) * block
 
 
-def gzip_stream(chunks: Iterator[bytes], level: int = 1) -> Iterator[bytes]:
+def gzip_stream(chunks: Iterator[bytes | memoryview], level: int = 1) -> Iterator[bytes]:
     """Gzip ``chunks`` on the fly (``model.tar.gz`` for old clients: nothing is written to disk;
     level 1 because safetensors hardly compress)."""
     compressor = zlib.compressobj(level, zlib.DEFLATED, 16 + zlib.MAX_WBITS)

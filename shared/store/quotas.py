@@ -78,7 +78,8 @@ def check_storage(session: Session, tenant: str, adding: int = 0, job_files: int
     ``shared.store.tenancy.lock_tenant`` cannot both pass on the same free space.
     """
     limit = get_settings().max_storage_bytes_per_tenant
-    uploads = session.scalar(select(func.coalesce(func.sum(Dataset.bytes), 0)).where(Dataset.tenant == tenant)) or 0
+    uploads = session.scalar(select(func.coalesce(func.sum(Dataset.bytes), 0)).where(
+        Dataset.tenant == tenant, Dataset.deleted_at.is_(None))) or 0  # a deleted dataset's file is gone
     used = int(uploads) + (job_files if job_files is not None else job_files_bytes(session, tenant))
     if used + adding > limit:
         what = f"; this upload adds {adding:,}" if adding else ""

@@ -9,6 +9,7 @@ from sqlalchemy import ForeignKey, Index, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from shared.store.rows import DEFAULT_TENANT, Base, new_id, utcnow
+from shared.store.sealed import Sealed
 
 
 class Webhook(Base):
@@ -19,9 +20,10 @@ class Webhook(Base):
     tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT)
     url: Mapped[str] = mapped_column(Text)
     events: Mapped[list[Any]]  # event types, e.g. ["job.succeeded", "job.failed"]
-    secret: Mapped[str] = mapped_column(String(64))  # whsec_<base64>: signs every delivery
+    # whsec_<base64>: signs every delivery; stored encrypted (shared.store.sealed, migration 0014)
+    secret: Mapped[str] = mapped_column(Sealed)
     # after a rotation (migration 0012), the old secret also signs deliveries until then
-    previous_secret: Mapped[str | None] = mapped_column(String(64))
+    previous_secret: Mapped[str | None] = mapped_column(Sealed)
     previous_secret_expires_at: Mapped[datetime | None]
     description: Mapped[str | None] = mapped_column(String(255))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

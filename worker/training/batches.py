@@ -11,35 +11,42 @@ import torch
 from torch.utils.data import DataLoader
 
 from shared.data.batching import BatchPlan, bucket_width
-from shared.schemas.jobs import Hyperparameters
+from shared.schemas.hyperparameters import Hyperparameters
 from worker.data import BatchStats, TokenizedDataset
+from worker.training.packing import PACKED
 from worker.training.setup import JobSetup
 from worker.training.state import TrainState
 from worker.training.steps import StepInputs, loss_terms
 
 
-def make_loader(job_setup: JobSetup, dataset: TokenizedDataset, plan: BatchPlan, epoch: int) -> DataLoader:
-    """A DataLoader over ``plan``; it draws worker seeds from its own generator so that the global
-    RNG (dropout) advances the same whether or not a run was resumed."""
+def make_loader(job_setup: JobSetup, dataset: TokenizedDataset, plan: BatchPlan, epoch: int,
+                collator: Callable[[list[dict]], dict] | None = None) -> DataLoader:
+    """A DataLoader over ``plan``, collating with ``collator`` (default: the job's); it draws
+    worker seeds from its own generator so that the global RNG (dropout) advances the same whether
+    or not a run was resumed."""
     hp, device = job_setup.hp, job_setup.device
-    return DataLoader(dataset, batch_sampler=plan, collate_fn=job_setup.collator, num_workers=hp.dataloader_num_workers,
+    return DataLoader(dataset, batch_sampler=plan, collate_fn=collator or job_setup.collator,
+                      num_workers=hp.dataloader_num_workers,
                       pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(hp.seed + epoch))
 
 
-def step_groups(job_setup: JobSetup, state: TrainState) -> Iterator[list[dict]]:
+def step_groups(job_setup: JobSetup, state: TrainState,
+                collator: Callable[[list[dict]], dict] | None = None) -> Iterator[list[dict]]:
     """The rest of the current epoch (``state.epoch`` from ``state.batch_in_epoch``) as groups of
-    ``gradient_accumulation_steps`` padded micro-batches."""
+    ``gradient_accumulation_steps`` padded micro-batches, collated by ``collator`` (default: the
+    job's; the steps' own, ``Steps.collator``, for packed ones)."""
     job_setup.plan.set_epoch(state.epoch, skip=state.batch_in_epoch)
-    micro_batches = iter(make_loader(job_setup, job_setup.train_set, job_setup.plan, state.epoch))
+    micro_batches = iter(make_loader(job_setup, job_setup.train_set, job_setup.plan, state.epoch, collator))
     while group := list(itertools.islice(micro_batches, job_setup.hp.gradient_accumulation_steps)):
         yield group
 
 
 def split_batch(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, torch.Tensor]]:
-    """Cut a padded batch into ``pieces`` row-wise chunks (out-of-memory backoff)."""
+    """Cut a padded batch into ``pieces`` row-wise chunks (out-of-memory backoff); a packed layout
+    collated beside it (``packing.PACKED``) is left out of the pieces, which are packed as they run."""
     if pieces == 1:
         return [batch]
-    chunks = {k: v.tensor_split(pieces) for k, v in batch.items()}
+    chunks = {k: v.tensor_split(pieces) for k, v in batch.items() if k != PACKED}
     return [{k: c[i] for k, c in chunks.items()} for i in range(pieces) if len(chunks["labels"][i])]
 
 

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from worker.training.packing import pack_fixed, token_bucket
+from worker.training.packing import pack_fixed, packed_of, token_bucket
 from worker.training.steps import Steps
 
 WARMUP_RUNS = 2  # eager runs of a body before its capture (the PyTorch docs' side-stream warm-up)
@@ -255,8 +255,9 @@ class CapturedSteps(Steps):
     def _fill(self, batch: dict[str, torch.Tensor], key: int) -> dict[str, torch.Tensor]:
         """``batch`` laid out as the graph of shape ``key`` reads it (static input buffers' names and shapes)."""
         if self.packing:
-            filled = pack_fixed(batch, self.rows, key, self.max_length, self.position_offset, self.pad_id,
-                                token_labels=self.task == "token_classification")
+            token_labels = self.task == "token_classification"
+            filled = pack_fixed(packed_of(batch, self.position_offset, token_labels), self.rows, key,
+                                self.max_length, self.position_offset, self.pad_id, token_labels)
             filled.pop("max_length_q")
             return filled
         return with_filler_rows(batch, self.rows, self.pad_id)

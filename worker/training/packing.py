@@ -155,6 +155,40 @@ def pack(batch: dict[str, torch.Tensor], position_offset: int = 0, token_labels:
     return out
 
 
+PACKED = "packed"  # the key of a collated micro-batch's packed layout (``PackingCollator``)
+
+
+class PackingCollator:
+    """The job's collator (``worker.data.BucketCollator``), each padded micro-batch with its packed
+    layout (``pack``) under ``PACKED``: built where the padded one is, in the DataLoader's workers
+    (``dataloader_num_workers``) and pinned by its pin-memory thread on CUDA, so that the training
+    thread only copies it to the device while the GPU runs the previous micro-batch.
+
+    The padded tensors stay beside it: token counts, out-of-memory splits and the captured steps'
+    shapes read them on the host, and are never copied to the device.
+
+    Args:
+        collator: the padded collator (a callable over a list of features).
+        position_offset: as ``pack``'s.
+        token_labels: as ``pack``'s (token_classification).
+    """
+
+    def __init__(self, collator, position_offset: int, token_labels: bool):
+        self.collator, self.position_offset, self.token_labels = collator, position_offset, token_labels
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.collator(features)
+        batch[PACKED] = pack(batch, self.position_offset, self.token_labels)
+        return batch
+
+
+def packed_of(batch: dict, position_offset: int, token_labels: bool) -> dict:
+    """The packed layout of a padded micro-batch: the one its collator built (``PackingCollator``),
+    else ``pack``'s now (a piece of an out-of-memory split, a sample read from the plan ahead of
+    training)."""
+    return batch[PACKED] if PACKED in batch else pack(batch, position_offset, token_labels)
+
+
 def token_bucket(real: int, examples: int, rows: int, max_length: int) -> int:
     """The tokens of a captured packed micro-batch (``pack_fixed``) that holds ``examples`` of
     ``real`` tokens in all, for graphs of ``rows`` rows: a multiple of the bucket size (at least
@@ -169,10 +203,11 @@ def token_bucket(real: int, examples: int, rows: int, max_length: int) -> int:
     return tokens
 
 
-def pack_fixed(batch: dict[str, torch.Tensor], rows: int, tokens: int, max_length: int, position_offset: int,
-               pad_id: int, token_labels: bool = False) -> dict:
-    """``pack`` into the fixed layout a captured graph reads: exactly ``tokens`` tokens, ``rows``
-    sequences read by the classifier and ``ceil(tokens / max_length)`` filler sequences after them.
+def pack_fixed(packed: dict, rows: int, tokens: int, max_length: int, position_offset: int, pad_id: int,
+               token_labels: bool = False) -> dict:
+    """A packed micro-batch (``pack``'s layout) in the fixed layout a captured graph reads: exactly
+    ``tokens`` tokens, ``rows`` sequences read by the classifier and ``ceil(tokens / max_length)``
+    filler sequences after them.
 
     The ``n`` examples come first; then ``rows - n`` filler rows of one pad token each (loss weight
     0, as ``capture.with_filler_rows``); then the remaining tokens as filler sequences of at most
@@ -188,7 +223,6 @@ def pack_fixed(batch: dict[str, torch.Tensor], rows: int, tokens: int, max_lengt
     Raises:
         ValueError: the batch does not fit ``rows`` and ``tokens`` (``token_bucket``).
     """
-    packed = pack(batch, position_offset, token_labels)
     n, real = len(packed["cls_index"]), packed["input_ids"].shape[1]
     pieces = math.ceil(tokens / max_length)
     tail = tokens - real - (rows - n)

@@ -9,7 +9,7 @@ import psutil
 import torch
 
 from shared.errors import UserError
-from shared.schemas.jobs import Hyperparameters
+from shared.schemas.hyperparameters import Hyperparameters
 from worker.data import BatchStats
 from worker.reporter import Reporter
 from worker.training.batches import micro_batch_size

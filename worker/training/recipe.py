@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from shared.errors import UserError
-from shared.schemas.jobs import GREATER_IS_BETTER
+from shared.schemas.hyperparameters import GREATER_IS_BETTER
 from shared.store.rows import Job
 from worker import embedding
 from worker.data import BatchStats, JobData
@@ -238,7 +238,7 @@ class Recipe:
         self.model.train()
         self.forward_model.train()
         while st.step < js.total_steps:
-            for group in batches.step_groups(js, st):
+            for group in batches.step_groups(js, st, self.steps.collator(js.collator)):
                 lr = next_learning_rate(self.scheduler)
                 step_values, stats = self._train_step_with_backoff(reporter, group)
                 st.add(len(group), stats)

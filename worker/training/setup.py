@@ -19,7 +19,7 @@ from shared.data.columns import JobColumns
 from shared.errors import UserError
 from shared.inference.precision import autocast_dtype
 from shared.jobs.base_models import resolve_model
-from shared.schemas.jobs import Hyperparameters, contrastive_hyperparameters
+from shared.schemas.hyperparameters import Hyperparameters, contrastive_hyperparameters
 from shared.store import artifacts
 from shared.store.rows import Job
 from worker import embedding

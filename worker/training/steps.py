@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from transformers import get_linear_schedule_with_warmup
 
-from worker.training.packing import pack, packed_logits, position_offset
+from worker.training.packing import PackingCollator, packed_logits, packed_of, position_offset
 
 StepInputs = tuple[list[dict[str, torch.Tensor]], int]  # a step's padded micro-batches and its loss terms
 
@@ -116,8 +116,8 @@ class Steps:
     ``model``: the fp32 (master) weights the optimizer updates; ``forward_model``: what computes
     (the model, its ``torch.compile`` wrapper, or its bf16 copy, ``uses_bf16_copy(dtype)``);
     ``dtype``: the autocast dtype (None: fp32); ``task``: the job's, which picks the loss
-    (``example_losses``). With ``packing`` each padded micro-batch is laid out without padding
-    before it runs (``worker.training.packing``). With ``static_grads``
+    (``example_losses``). With ``packing`` each micro-batch runs laid out without padding
+    (``worker.training.packing``), as the DataLoader collated it (``collator``). With ``static_grads``
     every gradient tensor is allocated once and zeroed in place (CUDA graphs need fixed addresses;
     so does the bf16 copy); otherwise gradients are freed after each step, as
     ``zero_grad(set_to_none=True)`` does (less memory traffic on the CPU).
@@ -165,17 +165,27 @@ class Steps:
         self.finish_step()
         return self.values.clone(), filler_tokens
 
+    def collator(self, padded):
+        """What the DataLoader collates the job's micro-batches with: its ``padded`` collator, or
+        with ``packing`` that collator with each micro-batch's packed layout built beside
+        (``packing.PackingCollator``), off the training thread."""
+        if not self.packing:
+            return padded
+        return PackingCollator(padded, self.position_offset, token_labels=self.task == "token_classification")
+
     def micro_step(self, batch: dict[str, torch.Tensor]) -> int:
         """Forward and backward of one padded micro-batch (``[rows, width]`` inputs and ``labels``,
-        on the host, pinned on CUDA), packed first with ``packing``; returns the tokens it computed
-        beyond its padded ones: none, or minus its padding when packed."""
+        on the host, pinned on CUDA); with ``packing`` it runs packed, on the layout its collator
+        built (``collator``) or, for a micro-batch collated without it, one laid out now. Returns
+        the tokens it computed beyond its padded ones: none, or minus its padding when packed."""
         computed = 0
         if self.packing:
             padded = batch["input_ids"].numel()
-            batch = pack(batch, self.position_offset, token_labels=self.task == "token_classification")
+            batch = packed_of(batch, self.position_offset, token_labels=self.task == "token_classification")
             computed = batch["input_ids"].numel() - padded
             if self.device.type == "cuda":  # a copy from pageable memory would wait for the GPU
-                batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
+                batch = {k: v.pin_memory() if torch.is_tensor(v) and not v.is_pinned() else v
+                         for k, v in batch.items()}
         batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         labels = batch.pop("labels")
         self.forward_backward(batch, labels, None)

@@ -116,10 +116,23 @@ function tick(v) {
   return v !== 0 && Math.abs(v) < 1e-2 ? v.toExponential(1) : String(+v.toPrecision(3));
 }
 
-// Checkpoints as dashed vertical lines, the best evaluation as a star.
-function drawMarks(u, {lines = [], stars = []}, color) {
+// Checkpoints as dashed vertical lines, the best evaluation as a star, reference values (the
+// zero-shot score) as labelled dashed horizontal lines.
+function drawMarks(u, {lines = [], stars = [], levels = []}, color) {
   const ctx = u.ctx;
   ctx.save();
+  for (const {value, label, stroke} of levels) {
+    const y = u.valToPos(value, "y", true);
+    ctx.strokeStyle = stroke;
+    ctx.fillStyle = stroke;
+    ctx.lineWidth = devicePixelRatio;
+    ctx.setLineDash([6 * devicePixelRatio, 4 * devicePixelRatio]);
+    ctx.beginPath(); ctx.moveTo(u.bbox.left, y); ctx.lineTo(u.bbox.left + u.bbox.width, y); ctx.stroke();
+    ctx.font = `${Math.round(12 * devicePixelRatio)}px sans-serif`;
+    ctx.textAlign = "right";
+    ctx.textBaseline = "bottom";
+    ctx.fillText(label, u.bbox.left + u.bbox.width - 4 * devicePixelRatio, y - 2 * devicePixelRatio);
+  }
   ctx.strokeStyle = color;
   ctx.globalAlpha = 0.5;
   ctx.setLineDash([4, 4]);
@@ -233,9 +246,13 @@ pages.job = () => {
   const lowerIsBetter = ["loss", "mse"].includes(info.best_metric);
   const bestName = `eval_${info.best_metric}`;
   let best = null;
+  let zeroShot = null;  // the metric for the best model at step 0: an embedding job's base model, before training
   // the star goes on the chart that shows the metric for the best model: loss with the training loss
   const marks = onLossChart => () => ({lines: info.checkpoints,
-                                       stars: best && (bestName === "eval_loss") === onLossChart ? [best] : []});
+                                       stars: best && (bestName === "eval_loss") === onLossChart ? [best] : [],
+                                       levels: zeroShot === null || onLossChart ? [] : [{
+                                         value: zeroShot, label: `zero-shot ${info.best_metric} ${tick(zeroShot)}`,
+                                         stroke: PALETTE[Math.max(0, charts.eval.names.indexOf(bestName)) % PALETTE.length]}]});
   const charts = {
     loss: new LiveChart($("#chart-loss"), {marks: marks(true)}),
     eval: new LiveChart($("#chart-eval"), {points: true, marks: marks(false)}),
@@ -248,6 +265,7 @@ pages.job = () => {
     : name === "tokens_per_second" ? charts.speed : name === "padding_efficiency" ? charts.padding : null;
   addEventListener("resize", () => Object.values(charts).forEach(c => c.resize()));
   wireCancelDelete("/ui/jobs");
+  wirePromote();
 
   const wasActive = ["queued", "running"].includes(info.status);
   const stream = new EventSource(`/jobs/${encodeURIComponent(info.job)}/stream`);
@@ -256,6 +274,10 @@ pages.job = () => {
     for (const m of JSON.parse(e.data).data) {
       const chart = chartOf(m.name);
       if (chart) chart.add(m.name, m.step, m.value);
+      if (m.name === bestName && m.step === 0 && m.value !== null) {
+        zeroShot = m.value;
+        charts.eval.el.dataset.zeroShot = String(m.value);
+      }
       if (m.name === bestName && m.value !== null && (!best || (lowerIsBetter ? m.value < best[1] : m.value > best[1]))) {
         best = [m.step, m.value];
         charts.loss.schedule(); charts.eval.schedule();
@@ -279,6 +301,32 @@ pages.job = () => {
     if (e.data) { stream.close(); say("action-message", JSON.parse(e.data).error.message, true); }
   });
 };
+
+// "Promote": point an alias (PUT /models/aliases/{alias}) at this job, then list it with the job's aliases.
+function wirePromote() {
+  const form = $("#promote-form");
+  if (!form) return;
+  form.addEventListener("submit", async e => {
+    e.preventDefault();
+    const alias = form.alias.value.trim();
+    say("promote-message", "Promoting…");
+    try {
+      const answer = await api("PUT", `/models/aliases/${encodeURIComponent(alias)}`, {job_id: form.dataset.job});
+      const moved = answer.history.length ? answer.history[0].from_job_id : null;
+      say("promote-message", moved && moved !== form.dataset.job ? `${alias} now points at this job (it pointed at ${moved}).`
+        : `${alias} points at this job.`);
+      const list = $("#job-aliases");
+      if (![...list.querySelectorAll("code")].some(c => c.textContent === alias)) {
+        const none = list.querySelector(".none");
+        if (none) none.remove();
+        const code = document.createElement("code");
+        code.className = "alias";
+        code.textContent = alias;
+        list.append(code, " ");
+      }
+    } catch (err) { say("promote-message", err.message, true); }
+  });
+}
 
 pages.compare = () => {
   const {jobs} = readJSON("chart-data");
@@ -335,20 +383,41 @@ pages.datasets = () => {
   });
 };
 
+// The POST /jobs body of the new-job form: its enabled fields (those of the chosen task), empty ones left out.
 function jobSpec(form) {
   const spec = {training_dataset: form.dataset.dataset, hyperparameters: {}};
   for (const el of form.elements) {
-    if (!el.name) continue;
-    if (el.name.startsWith("hp.")) {
+    if (!el.name || el.disabled) continue;
+    if (el.multiple) {
+      const values = [...el.selectedOptions].map(o => o.value);
+      if (values.length) spec[el.name] = values;
+    } else if (el.name.startsWith("hp.")) {
       const value = el.type === "number" ? Number(el.value) : el.value;
       if (el.value !== "") spec.hyperparameters[el.name.slice(3)] = value;
-    } else spec[el.name] = el.value;
+    } else if (el.value !== "") spec[el.name] = el.value;
   }
   return spec;
 }
 
+// Show the column fields of the chosen task only (their data-tasks); hidden ones are disabled, so not sent.
+function showTaskFields(form) {
+  const task = form.task.value;
+  // loss is no objective of the retrieval tasks: their first own metric instead (and back)
+  const metric = form["hp.metric_for_best_model"];
+  const retrieval = {embedding: "ndcg@10", reranking: "ndcg@10"}[task];
+  if (retrieval && metric.value === "loss") metric.value = retrieval;
+  else if (!retrieval && metric.value === "ndcg@10") metric.value = "loss";
+  for (const el of form.querySelectorAll("[data-tasks]")) {
+    const shown = el.dataset.tasks.split(" ").includes(task);
+    el.hidden = !shown;
+    if (el.tagName !== "LABEL") el.disabled = !shown;
+  }
+}
+
 pages.dataset = () => {
   const form = $("#job-form");
+  showTaskFields(form);
+  form.task.addEventListener("change", () => showTaskFields(form));
   let lengthsChart = null;
   $("#plan-job").addEventListener("click", async () => {
     say("job-message", "Planning…");

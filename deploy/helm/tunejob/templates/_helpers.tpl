@@ -16,6 +16,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   valueFrom: {secretKeyRef: {name: {{ .Values.database.urlSecret.name }}, key: {{ .Values.database.urlSecret.key }}}}
 - name: TUNEJOB_BROKER_URL
   valueFrom: {secretKeyRef: {name: {{ .Values.redis.urlSecret.name }}, key: {{ .Values.redis.urlSecret.key }}}}
+{{- with .Values.secretKey.name }}
+- name: TUNEJOB_SECRET_KEY
+  valueFrom: {secretKeyRef: {name: {{ . }}, key: {{ $.Values.secretKey.key }}}}
+{{- end }}
 - {name: TUNEJOB_DATA_DIR, value: /data}
 - {name: TUNEJOB_STORAGE_URL, value: {{ .Values.storage.url | quote }}}
 - {name: TUNEJOB_STORAGE_CACHE_BYTES, value: {{ .Values.storage.cacheBytes | quote }}}

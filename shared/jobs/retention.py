@@ -1,0 +1,58 @@
+"""Retention and clean-up of job and dataset files (a chore of the recovery loop, ``shared.queue``):
+the files of jobs past ``artifact_retention_days``, and whatever a process that died between a row's
+change and its files' removal left behind."""
+
+from datetime import timedelta
+
+from sqlalchemy import delete, or_, select
+
+from shared.jobs import trials
+from shared.settings import get_settings
+from shared.store import artifacts, objects
+from shared.store.engine import session_scope
+from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobStatus, utcnow
+
+
+def clean_up_files() -> None:
+    """Retention and clean-up of files, safe to run from any number of processes at once.
+
+    Marks the files of jobs that finished more than ``artifact_retention_days`` ago as deleted
+    (with a ``files_deleted`` event; the job itself stays listed), then removes every file the
+    store says should be gone: checkpoints and artifacts of jobs whose files were deleted, step
+    checkpoints of succeeded jobs, uploads and tokenization caches of deleted datasets. Those are
+    normally removed at once; this catches what a process that died in between left behind.
+    """
+    settings, now = get_settings(), utcnow()
+    if settings.artifact_retention_days is not None:
+        cutoff = now - timedelta(days=settings.artifact_retention_days)
+        with session_scope() as s:
+            expired = s.scalars(select(Job).where(Job.status.in_(JobStatus.FINISHED), Job.finished_at < cutoff,
+                                                  Job.files_deleted_at.is_(None))
+                                .with_for_update(skip_locked=True)).all()
+            for job in expired:
+                job.files_deleted_at = now
+                s.execute(delete(Checkpoint).where(Checkpoint.job_id == job.id))
+                s.add(JobEvent(job_id=job.id, code="files_deleted", level="info",
+                               message=f"checkpoints and artifacts removed: finished over "
+                                       f"{settings.artifact_retention_days:g} days ago (TUNEJOB_ARTIFACT_RETENTION_DAYS)"))
+    for folder, gone in [("checkpoints", or_(Job.status.in_(trials.NO_CHECKPOINTS), Job.files_deleted_at.isnot(None))),
+                         ("artifacts", or_(Job.status == JobStatus.PRUNED, Job.files_deleted_at.isnot(None)))]:
+        for job_id in _jobs_on_disk(folder, gone):
+            objects.remove_job_files(job_id, folder)
+    with session_scope() as s:
+        deleted = s.execute(select(Dataset.path, Dataset.sha256).where(Dataset.deleted_at.isnot(None))).all()
+        live = set(s.scalars(select(Dataset.sha256).where(Dataset.deleted_at.is_(None))))
+    for ref, _ in deleted:
+        objects.store().remove(ref)
+    for sha256 in {sha for _, sha in deleted} - live:
+        artifacts.remove_tree(artifacts.tokenized_cache_dir(sha256))
+
+
+def _jobs_on_disk(folder: str, condition) -> list[str]:
+    """Ids of the jobs that have files under ``<data>/<folder>`` (or in the bucket) and match ``condition``."""
+    names = objects.store().job_ids(folder)
+    found: list[str] = []
+    with session_scope() as s:
+        for i in range(0, len(names), 500):
+            found += s.scalars(select(Job.id).where(Job.id.in_(names[i:i + 500]), condition)).all()
+    return found
