@@ -24,7 +24,7 @@ nested (jagged) tensor, one sequence per example, which keeps dropout too.
 import contextlib
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -173,7 +173,7 @@ class PackingCollator:
         token_labels: as ``pack``'s (token_classification).
     """
 
-    def __init__(self, collator, position_offset: int, token_labels: bool):
+    def __init__(self, collator: Callable[[list[dict]], dict], position_offset: int, token_labels: bool):
         self.collator, self.position_offset, self.token_labels = collator, position_offset, token_labels
 
     def __call__(self, features: list[dict]) -> dict:

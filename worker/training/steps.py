@@ -31,6 +31,7 @@ logits) and ``loss_terms`` (what a step's loss is divided by); the step bodies c
 import copy
 import math
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -167,7 +168,7 @@ class Steps:
         self.finish_step()
         return self.values.clone(), filler_tokens
 
-    def collator(self, padded):
+    def collator(self, padded: Callable[[list[dict]], dict]) -> Callable[[list[dict]], dict]:
         """What the DataLoader collates the job's micro-batches with: its ``padded`` collator, or
         with ``packing`` that collator with each micro-batch's packed layout built beside
         (``packing.PackingCollator``), off the training thread."""
