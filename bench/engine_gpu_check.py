@@ -55,7 +55,12 @@ The one-command acceptance run (on the GPU machine, after ``source .device/gpu/o
 ../shared/gpu/README.md), this script then the whole-epoch benchmark, peers in the same lease:
     python -m bench.engine_gpu_check --model bert-base-rand --json $OUT/engine_gpu_check.json && \
     python -m bench.train --device cuda --precision bf16 --model bert-base-rand --dataset both \
-        --configs smart,smart:packing=true,trainer,trainer_cudnn_off --repeats 2 --json $OUT/bench.json --markdown $OUT/bench.md
+        --configs smart,smart:packing=true,trainer,trainer_cudnn_off --repeats 2 --json $OUT/bench.json --markdown $OUT/bench.md && \
+    python -m bench.train --device cuda --precision bf16 --model bert-base-rand --dataset mnli_size \
+        --configs smart,smart:packing=true,trainer_cudnn_off --json $OUT/mnli.json --markdown $OUT/mnli.md \
+        --section epochs-cuda-mnli-size
+(the last: one whole epoch of 392,702 BBC News sentence pairs at 128, ``bench.corpora.bbc_sentence_pairs``,
+the MNLI-size job of issue 40; unmeasured so far.)
 ``--device cpu --model <a local model>`` runs the same script on the CPU (graph checks are skipped),
 to check the script itself.
 """

@@ -49,12 +49,14 @@ PEERS = {
 
 
 def encode(tokenizer, df: pd.DataFrame, labels: list[str], max_length: int) -> list[dict]:
-    """Examples as the Trainer takes them: tokenized without padding, truncated to ``max_length``,
+    """Examples as the Trainer takes them: tokenized without padding (``text`` with ``text_pair``
+    where the corpus has pairs, as the engine tokenizes them), truncated to ``max_length``,
     each a dict of ``input_ids``, ``attention_mask`` (and ``token_type_ids``) and ``labels`` (a
     class index, or for lists of labels a multi-hot float vector: ``worker.data.label_targets``)."""
     from worker.data import label_targets
 
-    enc = tokenizer(df["text"].astype(str).tolist(), truncation=True, max_length=max_length)
+    pairs = df["text_pair"].astype(str).tolist() if "text_pair" in df else None  # the tokenizer's pair input
+    enc = tokenizer(df["text"].astype(str).tolist(), pairs, truncation=True, max_length=max_length)
     keys = [k for k in tokenizer.model_input_names if k in enc]
     targets = label_targets(df["label"], labels)
     return [{**{k: enc[k][i] for k in keys}, "labels": target} for i, target in enumerate(targets)]

@@ -246,3 +246,21 @@ def test_saved_runs_render_as_one_table(tmp_path):
     text = md.read_text()
     assert "`python -m bench.train A; python -m bench.train B`" in text and "(d1); cpu, load average 7.0 (d2)" in text
     assert "| smart |" in text and "| 1.50x |" in text  # the trainer's 6.0 s over the engine's 4.0 s
+
+
+def test_mnli_size_pairs_train_as_pairs_on_both_sides(tiny_models):
+    """The MNLI-size corpus (BBC News sentence pairs): an entailment's hypothesis is the sentence
+    after its premise, and the engine and the Trainer tokenize each pair as the tokenizer's pair
+    input (the same real tokens per epoch, more than the premises alone)."""
+    from bench.corpora import NLI_LABELS, bbc_sentence_pairs
+
+    pairs = bbc_sentence_pairs(TEXTS + HELD_OUT)
+    assert set(pairs["label"]) == set(NLI_LABELS) and (pairs["text"] != pairs["text_pair"]).all()
+    train, val = pairs[:TEXTS].reset_index(drop=True), pairs[TEXTS:].reset_index(drop=True)
+    spec = RunSpec(dataset="mnli_size", config="smart", model="tiny-bert", device="cpu", precision="auto",
+                   batch_size=BATCH, max_length=MAX_LENGTH, train_size=TEXTS, val_size=HELD_OUT)
+    cpu = torch.device("cpu")
+    engine = run_engine("smart", spec, train, val, list(NLI_LABELS), cpu)
+    peer = run_peer("trainer", spec, train, val, list(NLI_LABELS), cpu, str(tiny_models / "trainer-out"))
+    premises = run_engine("smart", spec, train.drop(columns="text_pair"), None, list(NLI_LABELS), cpu)
+    assert engine["epoch_real_tokens"] == peer["epoch_real_tokens"] > premises["epoch_real_tokens"]

@@ -396,8 +396,9 @@ def test_shared_tensors_keep_their_addresses_through_capture_and_training(engine
 
 
 def test_bf16_micro_batch_gradients_accumulate_in_fp32_master_gradients(engine_env):
-    """Each micro-batch's bf16 gradients are added into the fp32 master gradients, so a step's
-    gradient is the fp32 sum of its micro-batches' bf16 gradients, never a running bf16 sum."""
+    """Each micro-batch's bf16 gradients are added into the fp32 master gradients (the first of a
+    step's copied), so a step's gradient is the fp32 sum of its micro-batches' bf16 gradients,
+    never a running bf16 sum."""
     run = make_run("fp32-sum", precision="bf16", epochs=1, batch_size=8)
     run.warm_up()
     steps = run.steps
@@ -422,4 +423,14 @@ def test_bf16_micro_batch_gradients_accumulate_in_fp32_master_gradients(engine_e
         assert p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad, e, rtol=1e-6, atol=1e-9, msg=f"parameter {name}")
     steps.finish_step()
-    assert all(torch.count_nonzero(p.grad) == 0 for p in steps.master)  # zeroed by the update
+    # the next step's first micro-batch is copied over the masters (no zeroing, no add): the same
+    # gradients as added into zeroed masters
+    steps.n_examples.fill_(n)
+    steps.micro_step(pieces[0])
+    copied = [p.grad.clone() for p in steps.master]
+    steps.copy_first_grads = False
+    steps.discard_step()
+    assert all(torch.count_nonzero(p.grad) == 0 for p in steps.master)
+    steps.micro_step(pieces[0])
+    for name, (p, c) in enumerate(zip(steps.master, copied)):
+        torch.testing.assert_close(c, p.grad, rtol=0, atol=0, msg=f"parameter {name}")

@@ -4,6 +4,7 @@ skipped by the fused AdamW, cancel on a timer, filler rows, and the captured pat
 inputs, warm-ups and per-worker cache (on the CPU "capture" keeps the body and "replay" calls it,
 so everything but the CUDA capture and replay calls runs here)."""
 
+import copy
 import math
 import threading
 import time
@@ -21,7 +22,7 @@ from worker.training import batches, graphs, recipe
 from worker.training import capture as capturing
 from worker.training.parity import TOLERANCES, Parity
 from worker.training.recipe import Recipe
-from worker.training.steps import Steps, StepValues
+from worker.training.steps import Steps, StepValues, example_losses, make_optimizer
 
 CPU = torch.device("cpu")
 LADDER = [16, 32, 48, 64]  # a bucket ladder for max_length 64, as a CUDA worker would use
@@ -212,6 +213,39 @@ def test_filler_rows_give_the_loss_and_gradient_of_the_short_batch(engine_env):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="does not fit"):
         capturing.with_filler_rows(batch, 4, pad_id=0)
+
+
+def test_the_update_clips_in_the_fused_kernel_as_clip_grad_norm_does(engine_env):
+    """fp32: the steps' update (the clip factor handed to the fused AdamW as its ``grad_scale``)
+    gives the losses and weights of ``clip_grad_norm_`` then the fused AdamW, the update before
+    issue 40, over steps whose gradient norm is clipped."""
+    run = make_run("clip-in-kernel", epochs=1, batch_size=8)
+    run.warm_up()
+    with torch.no_grad():
+        run.model.classifier.weight.mul_(100.0)  # confident logits: gradient norms above 1
+    reference = copy.deepcopy(run.model)
+    optimizer = make_optimizer(reference, run.job_setup.hp, CPU)
+    for group in run.optimizer.param_groups:  # no schedule (its warm-up starts at 0): the same rate on both
+        group["lr"] = run.job_setup.hp.learning_rate
+    run.model.train()
+    reference.train()
+    losses, norms, reference_losses = [], [], []
+    for pieces, n in batches.first_steps(run.job_setup, run.state, 5):
+        values, _ = run.steps.step(pieces, n)
+        losses.append(values[0].item())
+        norms.append(values[1].item())
+        loss = sum(example_losses(reference(**{k: v for k, v in p.items() if k != "labels"}).logits, p["labels"],
+                                  "classification").sum() for p in pieces) / n
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        reference_losses.append(loss.item())
+    assert len(losses) == 5 and max(norms) > 1.0  # steps that clip
+    assert losses == pytest.approx(reference_losses, rel=1e-5)
+    for (name, p), q in zip(run.model.named_parameters(), reference.parameters()):
+        if not name.endswith("key.bias"):  # its gradient is 0 in theory: AdamW turns rounding noise into steps
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7, msg=name)
 
 
 # ----------------------------------------------------------------------------- the captured path

@@ -195,6 +195,8 @@ class CapturedSteps(Steps):
     bucket (``packing.token_bucket``): the micro-batch is laid out by ``packing.pack_fixed`` into
     that many tokens, ``rows`` classifier rows and filler sequences of at most ``max_length``."""
 
+    copy_first_grads = False  # one captured body serves every micro-batch of a step: it adds
+
     def __init__(self, model: torch.nn.Module, forward_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, *, dtype: torch.dtype | None, device: torch.device, task: str,
                  rows: int, input_names: list[str], pad_id: int, packing: bool = False, max_length: int = 0):
@@ -284,7 +286,7 @@ class CapturedSteps(Steps):
         gradients (master and bf16 copy), AdamW state and learning rates, the step's sums and values,
         the static inputs. All must be allocated outside the captures (``SharedPoolError``)."""
         named = {"n_examples": self.n_examples, "step_loss": self.step_loss, "found_inf": self.found_inf,
-                 "values": self.values}
+                 "clip": self.clip, "values": self.values}
         for i, p in enumerate({id(p): p for p in [*self.master, *self.compute]}.values()):
             named[f"param.{i}"], named[f"grad.{i}"] = p, p.grad
         for i, p in enumerate(self.master):
