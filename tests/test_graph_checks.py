@@ -23,7 +23,7 @@ from packaging.version import Version
 from tests.conftest import RecordingReporter, no_dropout
 from tests.test_engine import make_job
 from tests.test_steps import LADDER, empty_graph_cache  # noqa: F401  (autouse fixture)
-from worker.training import batches, graphs, recipe
+from worker.training import batches, cuda_graph, graphs, recipe
 from worker.training import capture as capturing
 from worker.training.parity import CaptureMismatch, check_against_eager
 from worker.training.recipe import Recipe
@@ -316,11 +316,11 @@ def test_a_failed_capture_restores_the_stream_the_pool_and_the_generator(monkeyp
             raise RuntimeError("injected: operation not permitted when stream is capturing")
 
     if failure is None:
-        graph = capturing.capture_graph(body, "pool", "capture")
+        graph = cuda_graph.capture_graph(body, "pool", "capture")
         assert graph.calls == [("begin", "pool"), "end"] and cuda.holds["pool"] == 2
     else:
         with pytest.raises(RuntimeError, match="previous error" if failure == "capture_end" else "injected"):
-            capturing.capture_graph(body, "pool", "capture")
+            cuda_graph.capture_graph(body, "pool", "capture")
         assert cuda.graphs[0].calls == [("begin", "pool"), "end", "reset"]  # capture ended, graph released
         assert cuda.holds["pool"] == 1  # the earlier graphs' hold, no more and no less
         assert not cuda.routing and not cuda.generator_capturing

@@ -11,8 +11,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from shared.data.batching import BatchPlan, bucket_width
+from shared.errors import UserError
 from shared.schemas.hyperparameters import Hyperparameters
 from worker.data import BatchStats, TokenizedDataset
+from worker.reporter import Reporter
 from worker.training.packing import PACKED
 from worker.training.setup import JobSetup
 from worker.training.state import TrainState
@@ -62,6 +64,26 @@ def group_stats(group: list[dict[str, torch.Tensor]], padded_to_longest: bool) -
 def micro_batch_size(hp: Hyperparameters, micro_split: int) -> int:
     """Rows of a micro-batch once each planned one runs as ``micro_split`` pieces."""
     return math.ceil(hp.batch_size / micro_split)
+
+
+def halved_split(hp: Hyperparameters, state: TrainState, largest: int, reporter: Reporter,
+                 error: torch.OutOfMemoryError) -> int:
+    """The micro-batch split after an out-of-memory ``error`` at the next step: twice
+    ``state.micro_split`` (each micro-batch halved, the accumulation doubled, the step's examples
+    unchanged), with an ``out_of_memory`` event. ``largest``: the step's largest micro-batch (rows).
+
+    Raises:
+        UserError: ``out_of_memory`` when a micro-batch of one example did not fit.
+    """
+    step = state.step + 1
+    if math.ceil(largest / state.micro_split) <= 1:
+        raise UserError("out_of_memory", f"out of memory at step {step} with a micro-batch of one example; lower "
+                        "max_length or turn on gradient_checkpointing", "hyperparameters.max_length") from error
+    split = state.micro_split * 2
+    reporter.event("out_of_memory", f"out of memory at step {step}: micro-batch cut to "
+                   f"{micro_batch_size(hp, split)}, gradient_accumulation_steps raised to "
+                   f"{hp.gradient_accumulation_steps * split}; the effective batch is unchanged", level="warning")
+    return split
 
 
 def first_steps(job_setup: JobSetup, state: TrainState, n: int) -> list[StepInputs]:

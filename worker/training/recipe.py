@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from shared.errors import UserError
 from shared.schemas.hyperparameters import GREATER_IS_BETTER
 from shared.store.rows import Job
 from worker import embedding
@@ -40,17 +39,16 @@ from worker.training.graphs import capture_steps, clear_cache, eager_reason
 from worker.training.packing import batch_bucket, bucket_counts, padded_reason
 from worker.training.parity import CHECK_STEPS
 from worker.training.progress import StepRecord, StepTimer, log_steps, notify, read_every_seconds, should_stop_early
-from worker.training.setup import load_model, prepare_job
+from worker.training.setup import prepare_job, setup_model
 from worker.training.state import TrainState, load_training_state, record_checkpoint, training_state, write_checkpoint
 from worker.training.steps import (
     Steps,
     StepValues,
-    bf16_copy,
+    eager_forward_model,
     loss_terms,
     make_optimizer,
     make_scheduler,
     next_learning_rate,
-    uses_bf16_copy,
 )
 
 log = logging.getLogger(__name__)
@@ -108,7 +106,7 @@ class Recipe:
         """
         js = self.job_setup = prepare_job(self.job, data, self.device, reporter, self.timer)
         with self.timer.phase("load"):
-            self.model = self._setup_model(checkpoint)
+            self.model = setup_model(js, self.job, self.device, checkpoint)
             self.optimizer = make_optimizer(self.model, js.hp, js.device)
             self.scheduler = make_scheduler(self.optimizer, js.hp, js.total_steps)
             self.scaler = torch.amp.GradScaler(js.device.type, enabled=js.dtype == torch.float16)
@@ -120,17 +118,6 @@ class Recipe:
         reporter.progress(total_steps=js.total_steps, device=describe(js.device), step=self.state.step)
         reporter.flush()
         return self
-
-    def _setup_model(self, checkpoint: Path | None) -> torch.nn.Module:
-        """The model from ``checkpoint`` or the base model, its embeddings frozen and activation
-        checkpointing on where the job asks for them."""
-        hp = self.job_setup.hp
-        model = load_model(checkpoint or self.job_setup.model_dir, self.job, self.device)
-        if hp.freeze_embeddings:
-            model.base_model.embeddings.requires_grad_(False)
-        if hp.gradient_checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        return model
 
     # ------------------------------------------------------------------------- warm_up
 
@@ -163,11 +150,11 @@ class Recipe:
                 log.exception("job %s: CUDA graphs not used; training eagerly", self.job.id)
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-                notify(reporter, "cuda_graphs_off", f"training eagerly: CUDA graphs not used ({type(e).__name__}: "
-                       f"{str(e)[:400]})", "warning")
+                why = f"{type(e).__name__}: {str(e)[:400]}"
+                notify(reporter, "cuda_graphs_off", f"training eagerly: CUDA graphs not used ({why})", "warning")
         elif self.device.type == "cuda":
             notify(reporter, "cuda_graphs_off", f"training eagerly: {reason}", "info")
-        self.forward_model = self._setup_forward_model()
+        self.forward_model = eager_forward_model(self.model, self.forward_model, js.dtype, hp.torch_compile)
         self.steps = self._setup_eager_steps(reporter)
 
     def capture(self, rows: int, widths: list[int], packing: bool = False) -> str:
@@ -188,14 +175,6 @@ class Recipe:
         self.model, self.forward_model, self.steps = parts.model, parts.forward_model, parts.steps
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         return message
-
-    def _setup_forward_model(self) -> torch.nn.Module:
-        """What eager steps compute with: under bf16 a bf16 copy of the model (``torch.compile``d
-        when the job asks), unless the forward model is one already; else the forward model as set up."""
-        if uses_bf16_copy(self.job_setup.dtype) and next(self.forward_model.parameters()).dtype != torch.bfloat16:
-            compute = bf16_copy(self.model)
-            return torch.compile(compute) if self.job_setup.hp.torch_compile else compute
-        return self.forward_model
 
     def _setup_eager_steps(self, reporter: Reporter | None = None) -> Steps:
         """Eager steps over the current parts (``worker.training.steps``). A job with ``packing``
@@ -292,16 +271,7 @@ class Recipe:
                                    level="warning")
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-                largest = max(len(b["labels"]) for b in group)
-                if math.ceil(largest / st.micro_split) <= 1:
-                    raise UserError("out_of_memory", f"out of memory at step {st.step + 1} with a micro-batch of one "
-                                    "example; lower max_length or turn on gradient_checkpointing",
-                                    "hyperparameters.max_length") from e
-                st.micro_split *= 2
-                reporter.event("out_of_memory", f"out of memory at step {st.step + 1}: micro-batch cut to "
-                               f"{batches.micro_batch_size(hp, st.micro_split)}, gradient_accumulation_steps raised "
-                               f"to {hp.gradient_accumulation_steps * st.micro_split}; the effective batch is "
-                               "unchanged", level="warning")
+                st.micro_split = batches.halved_split(hp, st, max(len(b["labels"]) for b in group), reporter, e)
 
     def train_step(self, group: list[dict]) -> tuple[torch.Tensor, BatchStats]:
         """Forward and backward over the micro-batches of one optimizer step, then clip and step

@@ -147,3 +147,14 @@ def load_model(path: Path, job: Job, device: torch.device | None = None) -> torc
             return model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError) as e:  # the same files fail the same way: no retry
         raise UserError("model_load_failed", f"model {job.base_model!r} could not be loaded: {e}", "base_model") from e
+
+
+def setup_model(js: JobSetup, job: Job, device: torch.device, checkpoint: Path | None) -> torch.nn.Module:
+    """The model to train, from ``checkpoint`` or the base model (``load_model``), its embeddings
+    frozen and activation checkpointing on where the job asks for them."""
+    model = load_model(checkpoint or js.model_dir, job, device)
+    if js.hp.freeze_embeddings:
+        model.base_model.embeddings.requires_grad_(False)
+    if js.hp.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model

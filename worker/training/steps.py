@@ -338,3 +338,14 @@ class StepValues:
         rows = self.host[:len(self.in_flight)].tolist()
         landed, self.in_flight = list(zip(self.in_flight, rows)), []
         return landed
+
+
+def eager_forward_model(model: torch.nn.Module, forward_model: torch.nn.Module, dtype: torch.dtype,
+                        compile_model: bool) -> torch.nn.Module:
+    """What eager steps compute with: under bf16 (``uses_bf16_copy``) a bf16 copy of ``model``
+    (``torch.compile``d with ``compile_model``), unless ``forward_model`` is one already; else
+    ``forward_model`` as it is."""
+    if uses_bf16_copy(dtype) and next(forward_model.parameters()).dtype != torch.bfloat16:
+        compute = bf16_copy(model)
+        return torch.compile(compute) if compile_model else compute
+    return forward_model
