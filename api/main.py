@@ -25,7 +25,7 @@ from api.routers import aliases, datasets, inference, jobs, live, models, openai
 from api.security import HostAndOriginCheck, allowed_hosts
 from api.ui import create_ui
 from shared.jobs.positions import estimate_queued
-from shared.jobs.webhooks import deliver_due
+from shared.jobs.webhook_delivery import deliver_due
 from shared.queue import RecoveryThread
 from shared.settings import get_settings
 from shared.store import engine
