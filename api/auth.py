@@ -37,15 +37,18 @@ from shared.store.tenancy import Caller
 # fastapi-offline serves as routes of the app).
 PUBLIC_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
-bearer = HTTPBearer(auto_error=False, scheme_name="APIKey",
-                    description="An API key: `tunejob keys create --tenant NAME`, or the local key that `tunejob serve` "
-                                "writes to <TUNEJOB_DATA_DIR>/api_key.")
+bearer = HTTPBearer(
+    auto_error=False,
+    scheme_name="APIKey",
+    description="An API key: `tunejob keys create --tenant NAME`, or the local key that `tunejob serve` "
+    "writes to <TUNEJOB_DATA_DIR>/api_key.",
+)
 UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 
 
 async def authenticate(
-        request: Request,
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller | None:
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> Caller | None:
     """The caller behind the request's API key (None on a public route).
 
     Async, so that a request does not wait for a thread-pool hand-off to be authenticated: a cached
@@ -64,15 +67,24 @@ async def authenticate(
     if credentials is None and (session := request.cookies.get(ui_sessions.COOKIE)):
         caller = await session_caller(request, session)
     elif credentials is None:
-        raise UserError("missing_api_key", "this route needs an API key: send `Authorization: Bearer <key>` (the "
-                        "local key is in <TUNEJOB_DATA_DIR>/api_key; more with `tunejob keys create`)",
-                        "Authorization", status=401, headers=UNAUTHORIZED)
+        raise UserError(
+            "missing_api_key",
+            "this route needs an API key: send `Authorization: Bearer <key>` (the "
+            "local key is in <TUNEJOB_DATA_DIR>/api_key; more with `tunejob keys create`)",
+            "Authorization",
+            status=401,
+            headers=UNAUTHORIZED,
+        )
     else:
-        found = keys.cached_caller(credentials.credentials) or await db.read(keys.authenticate,
-                                                                                credentials.credentials)
+        found = keys.cached_caller(credentials.credentials) or await db.read(keys.authenticate, credentials.credentials)
         if found is None:
-            raise UserError("invalid_api_key", "the API key is not valid, or it was revoked", "Authorization",
-                            status=401, headers=UNAUTHORIZED)
+            raise UserError(
+                "invalid_api_key",
+                "the API key is not valid, or it was revoked",
+                "Authorization",
+                status=401,
+                headers=UNAUTHORIZED,
+            )
         caller = found
     await check_rate(caller)
     return caller
@@ -88,13 +100,23 @@ async def session_caller(request: Request, token: str) -> Caller:
     """
     found = await db.read(ui_sessions.resolve, token)
     if found is None:
-        raise UserError("session_expired", "the dashboard session has expired or was signed out: sign in again at "
-                        "/ui/login", ui_sessions.COOKIE, status=401)
+        raise UserError(
+            "session_expired",
+            "the dashboard session has expired or was signed out: sign in again at /ui/login",
+            ui_sessions.COOKIE,
+            status=401,
+        )
     caller, csrf = found
     if request.method not in SAFE_METHODS and not ui_sessions.csrf_matches(
-            csrf, request.headers.get(ui_sessions.CSRF_HEADER)):
-        raise UserError("csrf_token_invalid", f"a dashboard request that changes something must send the page's "
-                        f"{ui_sessions.CSRF_HEADER} header; reload the page", ui_sessions.CSRF_HEADER, status=403)
+        csrf, request.headers.get(ui_sessions.CSRF_HEADER)
+    ):
+        raise UserError(
+            "csrf_token_invalid",
+            f"a dashboard request that changes something must send the page's "
+            f"{ui_sessions.CSRF_HEADER} header; reload the page",
+            ui_sessions.CSRF_HEADER,
+            status=403,
+        )
     return caller
 
 
@@ -140,12 +162,20 @@ async def check_rate(caller: Caller) -> None:
     for item in _rate_limits(settings.rate_limit):
         if settings.rate_limit_storage_url.startswith("memory://"):
             local = _local_limiter()
-            reset = None if await local.hit(item, caller.key_id) else \
-                (await local.get_window_stats(item, caller.key_id)).reset_time
+            reset = (
+                None
+                if await local.hit(item, caller.key_id)
+                else (await local.get_window_stats(item, caller.key_id)).reset_time
+            )
         else:
             reset = await db.in_thread(_hit, _limiter(settings.rate_limit_storage_url), item, caller.key_id)
         if reset is not None:
             wait = max(1, math.ceil(reset - time.time()))
-            raise UserError("rate_limited", f"more than {item} requests with this API key (TUNEJOB_RATE_LIMIT="
-                            f"{settings.rate_limit!r}); retry in {wait} s", "Authorization", status=429,
-                            headers={"Retry-After": str(wait)})
+            raise UserError(
+                "rate_limited",
+                f"more than {item} requests with this API key (TUNEJOB_RATE_LIMIT="
+                f"{settings.rate_limit!r}); retry in {wait} s",
+                "Authorization",
+                status=429,
+                headers={"Retry-After": str(wait)},
+            )

@@ -41,7 +41,7 @@ ERROR_STATUSES = {
     413: "The upload, or the dataset once decompressed, is larger than the service accepts.",
     415: "The body is not in a media type this operation accepts.",
     422: "The request or its data is invalid: `error.param` names the field, `error.problems` lists up to 20 "
-         "problems in the data (row, column, value, message).",
+    "problems in the data (row, column, value, message).",
     429: "Too many requests for this API key, or too many active jobs: retry after `Retry-After` seconds.",
     503: "The job store is busy (SQLite's write lock was not free in time): retry after `Retry-After` seconds.",
 }
@@ -56,8 +56,9 @@ class SafeJSONResponse(JSONResponse):
 
 
 class ProblemOut(BaseModel):
-    row: int | None = Field(description="1-based data row (a CSV header is not a row); null for the header or a "
-                                        "whole column")
+    row: int | None = Field(
+        description="1-based data row (a CSV header is not a row); null for the header or a whole column"
+    )
     column: str | None
     value: str | None = Field(description="the cell, truncated to 80 characters")
     message: str
@@ -67,20 +68,36 @@ class ErrorDetail(BaseModel):
     code: str = Field(description="stable machine-readable code, e.g. `missing_value`")
     message: str = Field(description="what is wrong, naming the file, row, column or value")
     param: str | None = Field(description="the request field at fault")
-    problems: list[ProblemOut] | None = Field(None, description="data validation report: up to 20 problems, the "
-                                                                "first of which is also `message`")
+    problems: list[ProblemOut] | None = Field(
+        None, description="data validation report: up to 20 problems, the first of which is also `message`"
+    )
 
 
 class ErrorBody(BaseModel):
     """The body of every 4xx response."""
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{"error": {
-        "code": "missing_value", "param": "text_column",
-        "message": "'reviews.csv' row 3: column 'text' is empty (and 1 more problem(s), listed in error.problems)",
-        "problems": [
-            {"row": 3, "column": "text", "value": "", "message": "is empty"},
-            {"row": 7, "column": "label", "value": "inf", "message": "is not a finite number (float32)"}],
-    }}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "error": {
+                        "code": "missing_value",
+                        "param": "text_column",
+                        "message": "'reviews.csv' row 3: column 'text' is empty (and 1 more problem(s), listed in error.problems)",
+                        "problems": [
+                            {"row": 3, "column": "text", "value": "", "message": "is empty"},
+                            {
+                                "row": 7,
+                                "column": "label",
+                                "value": "inf",
+                                "message": "is not a finite number (float32)",
+                            },
+                        ],
+                    }
+                }
+            ]
+        }
+    )
 
     error: ErrorDetail
 
@@ -90,8 +107,14 @@ def error_responses(*statuses: int) -> dict[int | str, dict]:
     return {status: {"model": ErrorBody, "description": ERROR_STATUSES[status]} for status in statuses}
 
 
-def error_response(status: int, code: str, message: str, param: str | None = None,
-                   problems: list[dict] | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    param: str | None = None,
+    problems: list[dict] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
     error = {"code": code, "message": message, "param": param, **({"problems": problems} if problems else {})}
     return SafeJSONResponse({"error": error}, status_code=status, headers=headers)
 
@@ -107,21 +130,35 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(PoolTimeout)  # no pooled connection became free in time
     async def _store_busy(_: Request, e: Exception):
         log.warning("job store busy or unreachable: %s", e)
-        return error_response(503, "store_busy", "the job store is busy or unreachable; retry shortly", None,
-                              headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+        return error_response(
+            503,
+            "store_busy",
+            "the job store is busy or unreachable; retry shortly",
+            None,
+            headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
+        )
 
     @app.exception_handler(ObjectStoreError)  # TUNEJOB_STORAGE_URL's bucket failed a request (shared.store.objects)
     async def _storage_unavailable(_: Request, e: Exception):
         log.warning("object storage unavailable: %s", e)
-        return error_response(503, "storage_unavailable", "the object storage did not answer; retry shortly", None,
-                              headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+        return error_response(
+            503,
+            "storage_unavailable",
+            "the object storage did not answer; retry shortly",
+            None,
+            headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
+        )
 
     @app.exception_handler(DataError)
     async def _data_error(request: Request, e: DataError):
         if "NUL" not in str(e.orig):  # anything else PostgreSQL refuses is a bug of ours: a 500
             return await _internal_error(request, e)
-        return error_response(422, "invalid_request", "a text in the request holds a NUL character (0x00), which "
-                              "the job store (PostgreSQL) cannot keep; nothing was written")
+        return error_response(
+            422,
+            "invalid_request",
+            "a text in the request holds a NUL character (0x00), which "
+            "the job store (PostgreSQL) cannot keep; nothing was written",
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
@@ -141,10 +178,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _internal_error(request: Request, e: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
         request_id = current_request_id()
-        return error_response(500, "internal_error", "internal server error; see the service log"
-                              + (f" (request id {request_id})" if request_id else ""),
-                              headers={REQUEST_ID_HEADER: request_id} if request_id else None)
-
+        return error_response(
+            500,
+            "internal_error",
+            "internal server error; see the service log" + (f" (request id {request_id})" if request_id else ""),
+            headers={REQUEST_ID_HEADER: request_id} if request_id else None,
+        )
 
 
 def field_path(error: dict, body: Any) -> list[str]:
@@ -159,8 +198,13 @@ def field_path(error: dict, body: Any) -> list[str]:
         return [str(p) for p in loc]
     path, current = [], body
     for i, part in enumerate(loc):
-        if isinstance(current, dict) and part in current or isinstance(current, list) and isinstance(part, int) \
-                and -len(current) <= part < len(current):
+        if (
+            isinstance(current, dict)
+            and part in current
+            or isinstance(current, list)
+            and isinstance(part, int)
+            and -len(current) <= part < len(current)
+        ):
             current = current[part]
         elif not (i == len(loc) - 1 and error.get("type") == "missing"):
             break

@@ -55,7 +55,9 @@ _CURSOR = re.compile(r"m([0-9]{1,18})-e([0-9]{1,18})")  # ASCII digits, ids a 64
 # pydantic's JSON (a non-finite metric value, e.g. a diverged loss, becomes null; json.dumps would refuse it)
 _ROWS = TypeAdapter(dict[str, list[MetricOut | EventOut]])
 VIEWS: dict[str, Callable[[Job], JobOut | PredictionOut]] = {  # the API view of a job of each kind
-    "train": lifecycle.to_out, predictions.KIND: predictions.to_out}
+    "train": lifecycle.to_out,
+    predictions.KIND: predictions.to_out,
+}
 
 
 @dataclass
@@ -79,8 +81,11 @@ class Cursor:
             return cls()
         match = _CURSOR.fullmatch(last_event_id.strip())
         if match is None:
-            raise UserError("invalid_last_event_id", f"Last-Event-ID {last_event_id!r} is not an id of this stream "
-                            "(m<metric row id>-e<event id>)", "Last-Event-ID")
+            raise UserError(
+                "invalid_last_event_id",
+                f"Last-Event-ID {last_event_id!r} is not an id of this stream (m<metric row id>-e<event id>)",
+                "Last-Event-ID",
+            )
         return cls(int(match[1]), int(match[2]))
 
 
@@ -151,9 +156,14 @@ def _rows_after(s: Session, table: type[JobEvent] | type[JobMetric], after: dict
     """The rows of ``table`` after id ``after[job]`` of each job, in id order, ROWS_PER_MESSAGE at most."""
     if not after:
         return []
-    return list(s.scalars(select(table).where(or_(*(and_(table.job_id == job_id, table.id > row_id)
-                                                   for job_id, row_id in after.items())))
-                          .order_by(table.id).limit(ROWS_PER_MESSAGE)))
+    return list(
+        s.scalars(
+            select(table)
+            .where(or_(*(and_(table.job_id == job_id, table.id > row_id) for job_id, row_id in after.items())))
+            .order_by(table.id)
+            .limit(ROWS_PER_MESSAGE)
+        )
+    )
 
 
 def read_job(job_id: str, after: Cursor) -> Read:
@@ -173,10 +183,17 @@ def read_heads(job_ids: list[str]) -> dict[str, tuple[Cursor, datetime]]:
     transaction; a job that is not in the store is left out)."""
     with read_session() as s:
         rows = s.execute(select(Job.id, Job.updated_at).where(Job.id.in_(job_ids))).all()
-        last = [dict(s.execute(select(table.job_id, func.max(table.id)).where(table.job_id.in_(job_ids))
-                               .group_by(table.job_id)).all()) for table in (JobMetric, JobEvent)]
-        return {job_id: (Cursor(last[0].get(job_id, 0), last[1].get(job_id, 0)), updated_at)
-                for job_id, updated_at in rows}
+        last = [
+            dict(
+                s.execute(
+                    select(table.job_id, func.max(table.id)).where(table.job_id.in_(job_ids)).group_by(table.job_id)
+                ).all()
+            )
+            for table in (JobMetric, JobEvent)
+        ]
+        return {
+            job_id: (Cursor(last[0].get(job_id, 0), last[1].get(job_id, 0)), updated_at) for job_id, updated_at in rows
+        }
 
 
 class JobFeed:
@@ -274,8 +291,9 @@ class Feeds:
                 # not those just started (read after `version`), nor those subscribed meanwhile (next round)
                 running = [feed for feed in self.by_job.values() if feed.started.is_set() and feed not in new]
                 if running and (version is None or version != seen):
-                    reads = await db.in_thread(read_store, {f.job_id: f.cursor for f in running},
-                                                  {f.job_id: f.updated_at for f in running})
+                    reads = await db.in_thread(
+                        read_store, {f.job_id: f.cursor for f in running}, {f.job_id: f.updated_at for f in running}
+                    )
                     complete = all(read.complete for read in reads.values())
                     for feed in running:
                         self._take(feed, reads.get(feed.job_id))
@@ -410,8 +428,11 @@ class Sent:
         if isinstance(e, UserError):
             error = {"code": e.code, "message": e.message, "param": e.param}
         else:
-            error = {"code": "stream_failed", "message": f"the job store could not be read ({type(e).__name__}); "
-                     "reconnect with Last-Event-ID", "param": None}
+            error = {
+                "code": "stream_failed",
+                "message": f"the job store could not be read ({type(e).__name__}); reconnect with Last-Event-ID",
+                "param": None,
+            }
         return ServerSentEvent(json.dumps({"error": error}), event="error")
 
     def _message(self, event: str, data: str) -> ServerSentEvent:
@@ -425,5 +446,7 @@ def rows_json(rows: Sequence[tuple[int, MetricOut | EventOut]]) -> str:
 
 def advance(cursor: Cursor, read: Read) -> Cursor:
     """The cursor after ``read``'s rows."""
-    return Cursor(read.metrics[-1][0] if read.metrics else cursor.metric_id,
-                  read.events[-1][0] if read.events else cursor.event_id)
+    return Cursor(
+        read.metrics[-1][0] if read.metrics else cursor.metric_id,
+        read.events[-1][0] if read.events else cursor.event_id,
+    )

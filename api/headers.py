@@ -12,8 +12,10 @@ from pydantic import BaseModel
 from shared.errors import UserError
 from shared.store import idempotency
 
-IdempotencyKey = Annotated[str | None, Header(alias=idempotency.HEADER, min_length=1, max_length=255,
-                                              description=idempotency.HEADER_DESCRIPTION)]
+IdempotencyKey = Annotated[
+    str | None,
+    Header(alias=idempotency.HEADER, min_length=1, max_length=255, description=idempotency.HEADER_DESCRIPTION),
+]
 
 EVENT_ID = re.compile(r"[0-9]{1,18}")  # ASCII digits only (str.isdigit passes "²", which int() refuses), < 2**63
 
@@ -27,8 +29,11 @@ def after_event_id(last_event_id: str | None) -> int:
     if not last_event_id or not last_event_id.strip():
         return 0
     if not EVENT_ID.fullmatch(last_event_id.strip()):
-        raise UserError("invalid_last_event_id", f"Last-Event-ID {last_event_id!r} is not an event id of this stream "
-                        "(an integer)", "Last-Event-ID")
+        raise UserError(
+            "invalid_last_event_id",
+            f"Last-Event-ID {last_event_id!r} is not an event id of this stream (an integer)",
+            "Last-Event-ID",
+        )
     return int(last_event_id)
 
 

@@ -39,8 +39,9 @@ async def lifespan(_: FastAPI):
     upgrade_database()
     recovery = RecoveryThread(extra=(estimate_queued,))  # the API plans queued jobs (shared.jobs.positions)
     # The API sends webhooks (why the API and not the workers: shared.jobs.webhooks)
-    deliveries = RecoveryThread(chores=(deliver_due,), every=lambda: get_settings().webhooks_poll_seconds,
-                                name="tunejob-webhooks")
+    deliveries = RecoveryThread(
+        chores=(deliver_due,), every=lambda: get_settings().webhooks_poll_seconds, name="tunejob-webhooks"
+    )
     recovery.start()
     deliveries.start()
     yield
@@ -52,11 +53,16 @@ async def lifespan(_: FastAPI):
 def create_app(bound_host: str | None = None) -> FastAPI:
     """The application, for a server listening on ``bound_host`` (default ``TUNEJOB_HOST``)."""
     engine.PING_CONNECTIONS = False  # a stale connection costs one 503, not a round trip per request
-    app = FastAPIOffline(title="tunejob", version="0.1.0", lifespan=lifespan, static_url=DOCS_STATIC_URL,
-                         dependencies=[Depends(authenticate)],
-                         description="Fine-tune Hugging Face encoders for text classification (single- and "
-                                     "multi-label) and regression. "
-                                     "Send `Authorization: Bearer <API key>` with every request but `/healthz`.")
+    app = FastAPIOffline(
+        title="tunejob",
+        version="0.1.0",
+        lifespan=lifespan,
+        static_url=DOCS_STATIC_URL,
+        dependencies=[Depends(authenticate)],
+        description="Fine-tune Hugging Face encoders for text classification (single- and "
+        "multi-label) and regression. "
+        "Send `Authorization: Bearer <API key>` with every request but `/healthz`.",
+    )
     install_error_handlers(app)
     install_openapi(app)
     app.add_middleware(HostAndOriginCheck, allowed_hosts=allowed_hosts(bound_host or get_settings().host))

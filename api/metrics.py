@@ -47,17 +47,29 @@ MIB = 2**20
 router = APIRouter(tags=["monitoring"])
 
 
-@router.get("/metrics", response_class=Response,
-            responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
-                             "description": "Prometheus text exposition format"}, **error_responses(403)})
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+            "description": "Prometheus text exposition format",
+        },
+        **error_responses(403),
+    },
+)
 def metrics(request: Request, caller: CallerDep) -> Response:
     """The service's Prometheus metrics, for admin keys (they cover every tenant's jobs); the
     job-store gauges are read now, at scrape time.
 
     403 ``admin_key_required`` for any other key."""
     if not caller.admin:
-        raise UserError("admin_key_required", "GET /metrics covers every tenant: it needs an admin key "
-                        "(`tunejob keys create --tenant ops --admin`)", "Authorization", status=403)
+        raise UserError(
+            "admin_key_required",
+            "GET /metrics covers every tenant: it needs an admin key (`tunejob keys create --tenant ops --admin`)",
+            "Authorization",
+            status=403,
+        )
     return Response(generate_latest(request.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -119,32 +131,48 @@ def store_metrics(state: StoreSnapshot) -> list[GaugeMetricFamily]:
         jobs.add_metric([status], count)
     depth = _gauge("tunejob_queue_depth", "Jobs waiting for a worker (status queued)")
     depth.add_metric([], state.jobs_by_status["queued"])
-    oldest = _gauge("tunejob_queue_oldest_age_seconds",
-                    "How long the longest-waiting queued job has waited since it (re-)entered the queue; 0 when none")
+    oldest = _gauge(
+        "tunejob_queue_oldest_age_seconds",
+        "How long the longest-waiting queued job has waited since it (re-)entered the queue; 0 when none",
+    )
     oldest.add_metric([], state.oldest_queued_seconds)
 
-    info = _gauge("tunejob_job_info", "A running job: its base model, device and worker (value 1)",
-                  ("job_id", "base_model", "device", "worker"))
+    info = _gauge(
+        "tunejob_job_info",
+        "A running job: its base model, device and worker (value 1)",
+        ("job_id", "base_model", "device", "worker"),
+    )
     per_job = {
         "step": _gauge("tunejob_job_step", "Optimizer steps done by a running job", ("job_id",)),
         "total_steps": _gauge("tunejob_job_total_steps", "Optimizer steps a running job will take", ("job_id",)),
-        "tokens_per_second": _gauge("tunejob_job_tokens_per_second",
-                                    "Real (non-padding) tokens per second of training time so far", ("job_id",)),
-        "padding_efficiency": _gauge("tunejob_job_padding_efficiency",
-                                     "Real tokens / padded tokens so far (1 = no padding)", ("job_id",)),
-        "memory_mb": _gauge("tunejob_job_memory_bytes",
-                            "Memory in use at the latest step: CUDA tensors on a GPU, worker RSS on the CPU",
-                            ("job_id",)),
-        "peak_memory_mb": _gauge("tunejob_job_peak_memory_bytes",
-                                 "Peak memory: CUDA max_memory_allocated on a GPU, worker max RSS on the CPU",
-                                 ("job_id",)),
-        "heartbeat_age_seconds": _gauge("tunejob_job_heartbeat_age_seconds",
-                                        "Seconds since the job's worker last renewed its lease", ("job_id",)),
+        "tokens_per_second": _gauge(
+            "tunejob_job_tokens_per_second", "Real (non-padding) tokens per second of training time so far", ("job_id",)
+        ),
+        "padding_efficiency": _gauge(
+            "tunejob_job_padding_efficiency", "Real tokens / padded tokens so far (1 = no padding)", ("job_id",)
+        ),
+        "memory_mb": _gauge(
+            "tunejob_job_memory_bytes",
+            "Memory in use at the latest step: CUDA tensors on a GPU, worker RSS on the CPU",
+            ("job_id",),
+        ),
+        "peak_memory_mb": _gauge(
+            "tunejob_job_peak_memory_bytes",
+            "Peak memory: CUDA max_memory_allocated on a GPU, worker max RSS on the CPU",
+            ("job_id",),
+        ),
+        "heartbeat_age_seconds": _gauge(
+            "tunejob_job_heartbeat_age_seconds", "Seconds since the job's worker last renewed its lease", ("job_id",)
+        ),
     }
     for job in state.running:
         info.add_metric([job.id, job.base_model, job.device or "", job.worker or ""], 1)
-        values = {**job.train_metrics, "step": job.step, "total_steps": job.total_steps,
-                  "heartbeat_age_seconds": job.heartbeat_age_seconds}
+        values = {
+            **job.train_metrics,
+            "step": job.step,
+            "total_steps": job.total_steps,
+            "heartbeat_age_seconds": job.heartbeat_age_seconds,
+        }
         for key, family in per_job.items():
             value = values.get(key)
             if value is not None:

@@ -51,7 +51,9 @@ OPENAI_STATUS = {JobStatus.PRUNED: "cancelled"}  # statuses OpenAI lacks: a prun
 
 class OpenAIError(BaseModel):
     code: str = Field(examples=["unknown_dataset"])
-    message: str = Field(examples=["training_dataset 'ds_0123456789abcdef' does not exist; upload it with POST /datasets"])
+    message: str = Field(
+        examples=["training_dataset 'ds_0123456789abcdef' does not exist; upload it with POST /datasets"]
+    )
     param: str | None = Field(examples=["training_file"])
     type: Literal["invalid_request_error"] = "invalid_request_error"
 
@@ -72,8 +74,10 @@ ERROR_DESCRIPTIONS = {
 def error_responses(*statuses: int) -> dict:
     """OpenAPI ``responses`` for a /v1 route: its error statuses, and "4XX" (any other client
     error, e.g. authentication) with the same body."""
-    return {**{s: {"model": OpenAIErrorResponse, "description": ERROR_DESCRIPTIONS[s]} for s in statuses},
-            "4XX": {"model": OpenAIErrorResponse, "description": "Any other client error"}}
+    return {
+        **{s: {"model": OpenAIErrorResponse, "description": ERROR_DESCRIPTIONS[s]} for s in statuses},
+        "4XX": {"model": OpenAIErrorResponse, "description": "Any other client error"},
+    }
 
 
 class OpenAIRoute(APIRoute):
@@ -102,8 +106,9 @@ async def openai_error(request: Request, error: Exception) -> JSONResponse:
     body = json.loads(response.body)
     body["error"]["type"] = "invalid_request_error"
     headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
-    return JSONResponse(body, status_code=400 if response.status_code == 422 else response.status_code,
-                        headers=headers)  # Retry-After, WWW-Authenticate
+    return JSONResponse(
+        body, status_code=400 if response.status_code == 422 else response.status_code, headers=headers
+    )  # Retry-After, WWW-Authenticate
 
 
 # ----------------------------------------------------------------------------- files and models
@@ -156,7 +161,9 @@ def unix(moment) -> int | None:
 
 
 def file_object(dataset: Dataset) -> FileObject:
-    return FileObject(id=dataset.id, bytes=dataset.bytes, created_at=unix(dataset.created_at), filename=dataset.filename)
+    return FileObject(
+        id=dataset.id, bytes=dataset.bytes, created_at=unix(dataset.created_at), filename=dataset.filename
+    )
 
 
 def model_object(name: str, path: Path, source: str) -> ModelObject:
@@ -171,17 +178,23 @@ class OpenAIHyperparameters(Hyperparameters):
     (``max_length``, ``learning_rate``, ``batching``, ...: ``Hyperparameters``, with the same
     checks); only the ones given are used."""
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{"n_epochs": 2, "batch_size": 16,
-                                                               "learning_rate_multiplier": 2, "max_length": 128}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"n_epochs": 2, "batch_size": 16, "learning_rate_multiplier": 2, "max_length": 128}]
+        }
+    )
 
     # left_to_right: "auto" first, then the number, each validated as the rest of the spec is (an
     # integral 5.0 is a batch size of 5)
     n_epochs: Literal["auto"] | Annotated[float, Field(gt=0, le=1000)] | None = Field(
-        None, union_mode="left_to_right", description="tunejob's `epochs`; may be fractional")
+        None, union_mode="left_to_right", description="tunejob's `epochs`; may be fractional"
+    )
     batch_size: Literal["auto"] | Annotated[int, Field(ge=1, le=4096)] = Field(  # type: ignore[assignment]
-        "auto", union_mode="left_to_right", description="tunejob's `batch_size` (the micro-batch)")
+        "auto", union_mode="left_to_right", description="tunejob's `batch_size` (the micro-batch)"
+    )
     learning_rate_multiplier: Literal["auto"] | Annotated[float, Field(gt=0, le=1000)] | None = Field(
-        None, union_mode="left_to_right", description=f"`learning_rate` = this x {DEFAULT_LEARNING_RATE}")
+        None, union_mode="left_to_right", description=f"`learning_rate` = this x {DEFAULT_LEARNING_RATE}"
+    )
 
 
 class SupervisedMethod(BaseModel):
@@ -214,9 +227,11 @@ class FineTuningJobCreate(BaseModel):
     metadata: Metadata = None
     integrations: list[dict[str, Any]] | None = Field(None, description="Not supported: must be empty")
     task: Literal["classification", "regression", "multi_label", "token_classification"] | None = Field(
-        None, description="tunejob: classification (default), regression, multi_label or token_classification (a "
-                          "CoNLL, JSONL or Parquet file of word lists and tag lists; columns default to `tokens` and "
-                          "`tags`)")
+        None,
+        description="tunejob: classification (default), regression, multi_label or token_classification (a "
+        "CoNLL, JSONL or Parquet file of word lists and tag lists; columns default to `tokens` and "
+        "`tags`)",
+    )
     text_column: str | None = Field(None, description="tunejob: default `text` (`tokens` for token_classification)")
     text_pair_column: str | None = Field(None, description="tunejob: default `text_pair` when the file has it")
     label_column: str | None = Field(None, description="tunejob: default `label` (`tags` for token_classification)")
@@ -224,7 +239,8 @@ class FineTuningJobCreate(BaseModel):
     decision_threshold: float | None = Field(None, description="tunejob, multi_label: default 0.5")
     tune_threshold: bool | None = Field(None, description="tunejob, multi_label: tune it on the validation set")
     validation_split: Annotated[float, Field(ge=0, lt=1)] | None = Field(
-        None, description="tunejob: default 0.1 without a validation_file")
+        None, description="tunejob: default 0.1 without a validation_file"
+    )
 
 
 @dataclass
@@ -256,25 +272,48 @@ def job_spec(body: FineTuningJobCreate, caller: Caller) -> tuple[JobCreate, Para
         RequestValidationError: the spec is invalid (``JobCreate``'s checks), with OpenAI names.
     """
     if body.method and body.method.type != "supervised":
-        raise bad_request("unsupported_method", f"method.type {body.method.type!r} is not supported: tunejob "
-                          "fine-tunes encoders for classification (single- and multi-label), regression and token "
-                          "classification, method 'supervised' only",
-                          "method.type")
+        raise bad_request(
+            "unsupported_method",
+            f"method.type {body.method.type!r} is not supported: tunejob "
+            "fine-tunes encoders for classification (single- and multi-label), regression and token "
+            "classification, method 'supervised' only",
+            "method.type",
+        )
     if body.integrations:
         raise bad_request("unsupported_parameter", "integrations are not supported", "integrations")
     names = ParamNames()
     hyperparameters = native_hyperparameters(body, names)
-    tunejob_fields = body.model_dump(include={"task", "text_column", "text_pair_column", "label_column",
-                                              "validation_split", "label_separator", "decision_threshold",
-                                              "tune_threshold"}, exclude_none=True)
-    if ("text_pair_column" not in tunejob_fields and body.task != "token_classification"
-            and "text_pair" in _columns(body.training_file, caller)):
+    tunejob_fields = body.model_dump(
+        include={
+            "task",
+            "text_column",
+            "text_pair_column",
+            "label_column",
+            "validation_split",
+            "label_separator",
+            "decision_threshold",
+            "tune_threshold",
+        },
+        exclude_none=True,
+    )
+    if (
+        "text_pair_column" not in tunejob_fields
+        and body.task != "token_classification"
+        and "text_pair" in _columns(body.training_file, caller)
+    ):
         tunejob_fields["text_pair_column"] = "text_pair"
     try:
-        spec = JobCreate.model_validate({
-            "base_model": body.model, "training_dataset": body.training_file,
-            "validation_dataset": body.validation_file, "hyperparameters": hyperparameters,
-            "metadata": body.metadata, "suffix": body.suffix, **tunejob_fields})
+        spec = JobCreate.model_validate(
+            {
+                "base_model": body.model,
+                "training_dataset": body.training_file,
+                "validation_dataset": body.validation_file,
+                "hyperparameters": hyperparameters,
+                "metadata": body.metadata,
+                "suffix": body.suffix,
+                **tunejob_fields,
+            }
+        )
     except ValidationError as e:
         raise RequestValidationError([_renamed(error, names) for error in e.errors()]) from e
     return spec, names
@@ -298,8 +337,11 @@ def native_hyperparameters(body: FineTuningJobCreate, names: ParamNames) -> dict
     supervised = body.method.supervised if body.method else None
     if supervised and supervised.hyperparameters:
         if body.hyperparameters:
-            raise bad_request("conflicting_parameters", "give hyperparameters or method.supervised.hyperparameters, "
-                              "not both", "method.supervised.hyperparameters")
+            raise bad_request(
+                "conflicting_parameters",
+                "give hyperparameters or method.supervised.hyperparameters, not both",
+                "method.supervised.hyperparameters",
+            )
         names.hyperparameters, hp = "method.supervised.hyperparameters", supervised.hyperparameters
     given = hp.model_fields_set
     hyperparameters = {name: getattr(hp, name) for name in given - OPENAI_HYPERPARAMETERS.keys()}
@@ -308,8 +350,11 @@ def native_hyperparameters(body: FineTuningJobCreate, names: ParamNames) -> dict
         if openai_name not in given or value is None or value == "auto":
             continue
         if openai_name != name and name in hyperparameters:
-            raise bad_request("conflicting_parameters", f"give {openai_name} or {name}, not both",
-                              f"{names.hyperparameters}.{openai_name}")
+            raise bad_request(
+                "conflicting_parameters",
+                f"give {openai_name} or {name}, not both",
+                f"{names.hyperparameters}.{openai_name}",
+            )
         hyperparameters[name] = value * DEFAULT_LEARNING_RATE if name == "learning_rate" else value
         names.renamed[name] = f"{names.hyperparameters}.{openai_name}"
     if body.seed is not None:
@@ -437,20 +482,30 @@ def fine_tuning_job(job: Job) -> FineTuningJob:
     """Job ``job`` as OpenAI's object (a sweep's pruned trial ``cancelled``: ``OPENAI_STATUS``)."""
     hp, error = stored_hyperparameters(job)
     hyperparameters = JobHyperparameters(
-        n_epochs=int(hp.epochs) if float(hp.epochs).is_integer() else hp.epochs, batch_size=hp.batch_size,
-        learning_rate_multiplier=float(f"{hp.learning_rate / DEFAULT_LEARNING_RATE:.12g}"))
+        n_epochs=int(hp.epochs) if float(hp.epochs).is_integer() else hp.epochs,
+        batch_size=hp.batch_size,
+        learning_rate_multiplier=float(f"{hp.learning_rate / DEFAULT_LEARNING_RATE:.12g}"),
+    )
     finished = job.status in JobStatus.FINISHED
     running_eta = job.status == JobStatus.RUNNING and job.eta_seconds is not None
     return FineTuningJob(
-        id=job.id, created_at=unix(job.created_at), finished_at=unix(job.finished_at),
+        id=job.id,
+        created_at=unix(job.created_at),
+        finished_at=unix(job.finished_at),
         error=JobError(code=error["code"], message=error["message"]) if error else None,
         fine_tuned_model=fine_tuned_model_name(job) if job.status == JobStatus.SUCCEEDED else None,
-        hyperparameters=hyperparameters, model=job.base_model, organization_id="tunejob", result_files=[],
-        seed=hp.seed, status=OPENAI_STATUS.get(job.status, job.status),
+        hyperparameters=hyperparameters,
+        model=job.base_model,
+        organization_id="tunejob",
+        result_files=[],
+        seed=hp.seed,
+        status=OPENAI_STATUS.get(job.status, job.status),
         trained_tokens=(job.train_metrics or {}).get("real_tokens") if finished else None,
-        training_file=job.training_dataset_id, validation_file=job.validation_dataset_id,
+        training_file=job.training_dataset_id,
+        validation_file=job.validation_dataset_id,
         estimated_finish=int(time.time() + job.eta_seconds) if running_eta and job.eta_seconds is not None else None,
-        metadata=job.spec.get("metadata"), method=MethodOut(supervised=SupervisedMethodOut(hyperparameters=hyperparameters)),
+        metadata=job.spec.get("metadata"),
+        method=MethodOut(supervised=SupervisedMethodOut(hyperparameters=hyperparameters)),
     )
 
 
@@ -459,8 +514,13 @@ def event_id(event: JobEvent) -> str:
 
 
 def job_event(event: JobEvent) -> FineTuningJobEvent:
-    return FineTuningJobEvent(id=event_id(event), created_at=unix(event.time), level=EVENT_LEVELS.get(event.level, "info"),
-                              message=event.message, data={"code": event.code})
+    return FineTuningJobEvent(
+        id=event_id(event),
+        created_at=unix(event.time),
+        level=EVENT_LEVELS.get(event.level, "info"),
+        message=event.message,
+        data={"code": event.code},
+    )
 
 
 def checkpoint_id(checkpoint: Checkpoint) -> str:
@@ -469,13 +529,19 @@ def checkpoint_id(checkpoint: Checkpoint) -> str:
 
 def job_checkpoint(checkpoint: Checkpoint, job: Job) -> FineTuningJobCheckpoint:
     validation = checkpoint.metrics or {}
-    metrics = CheckpointMetrics(step=checkpoint.step, valid_loss=validation.get("loss"),
-                                **{f"valid_{k}": v for k, v in validation.items()
-                                   if k != "loss" and not isinstance(v, dict)})  # per_entity stays in tunejob's API
+    metrics = CheckpointMetrics(
+        step=checkpoint.step,
+        valid_loss=validation.get("loss"),
+        **{f"valid_{k}": v for k, v in validation.items() if k != "loss" and not isinstance(v, dict)},
+    )  # per_entity stays in tunejob's API
     return FineTuningJobCheckpoint(
-        id=checkpoint_id(checkpoint), created_at=unix(checkpoint.created_at),
+        id=checkpoint_id(checkpoint),
+        created_at=unix(checkpoint.created_at),
         fine_tuned_model_checkpoint=f"{fine_tuned_model_name(job)}:ckpt-step-{checkpoint.step}",
-        fine_tuning_job_id=job.id, metrics=metrics, step_number=checkpoint.step)
+        fine_tuning_job_id=job.id,
+        metrics=metrics,
+        step_number=checkpoint.step,
+    )
 
 
 T = TypeVar("T")
@@ -494,4 +560,4 @@ def page_after(items: Sequence[T], ids: Callable[[T], str], after: str | None, l
         if position is None:
             raise bad_request("invalid_cursor", f"after {after!r} is not the id of a listed object", "after")
         start = position + 1
-    return list(items[start:start + limit]), len(items) > start + limit
+    return list(items[start : start + limit]), len(items) > start + limit

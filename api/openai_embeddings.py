@@ -17,7 +17,8 @@ class EmbeddingCreate(BaseModel):
 
     model: str
     input: str | Annotated[list[str], Field(min_length=1)] = Field(
-        description="a text or a list of texts; at most max_sync_inputs (default 64)")
+        description="a text or a list of texts; at most max_sync_inputs (default 64)"
+    )
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
@@ -48,10 +49,14 @@ class EmbeddingList(BaseModel):
 def embedding_list(model: str, vectors: np.ndarray, tokens: int, encoding_format: str) -> EmbeddingList:
     """The response for ``vectors`` ``[texts, dimensions]`` (float32): each as floats, or as base64
     of its little-endian float32 bytes, which the SDK decodes (its default format)."""
+
     def encode(vector: np.ndarray) -> list[float] | str:
         if encoding_format == "base64":
             return base64.b64encode(vector.astype("<f4").tobytes()).decode()
         return vector.tolist()
 
-    return EmbeddingList(data=[Embedding(index=i, embedding=encode(v)) for i, v in enumerate(vectors)], model=model,
-                         usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    return EmbeddingList(
+        data=[Embedding(index=i, embedding=encode(v)) for i, v in enumerate(vectors)],
+        model=model,
+        usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
+    )

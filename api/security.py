@@ -52,13 +52,25 @@ class HostAndOriginCheck(TrustedHostMiddleware):
         headers = Headers(scope=scope)
         host, origin = headers.get("host"), headers.get("origin")
         if not self.allows(getattr(parse_host_header(host), "host", None)):
-            response = error_response(400, "invalid_host", f"Host {host!r} is not served here; the allowed hosts are "
-                                      f"{self.allowed_hosts} (add names with TUNEJOB_ALLOWED_HOSTS)", "Host")
-        elif (origin is not None and scope.get("method", "GET") not in SAFE_METHODS
-              and not self.allows(getattr(parse_host_header(urlsplit(origin).netloc), "host", None))):
-            response = error_response(403, "cross_origin_request", f"requests from the web page at {origin!r} are "
-                                      "refused (cross-site); call the API from a script, or from an allowed host",
-                                      "Origin")
+            response = error_response(
+                400,
+                "invalid_host",
+                f"Host {host!r} is not served here; the allowed hosts are "
+                f"{self.allowed_hosts} (add names with TUNEJOB_ALLOWED_HOSTS)",
+                "Host",
+            )
+        elif (
+            origin is not None
+            and scope.get("method", "GET") not in SAFE_METHODS
+            and not self.allows(getattr(parse_host_header(urlsplit(origin).netloc), "host", None))
+        ):
+            response = error_response(
+                403,
+                "cross_origin_request",
+                f"requests from the web page at {origin!r} are "
+                "refused (cross-site); call the API from a script, or from an allowed host",
+                "Origin",
+            )
         else:
             await self.app(scope, receive, send)
             return

@@ -64,6 +64,15 @@ def run(app, host: str, port: int, workers: int = 1) -> None:
     supervisor restarts one that dies). Proxy headers are trusted as ``TUNEJOB_PROXY_HEADERS`` and
     ``TUNEJOB_FORWARDED_ALLOW_IPS`` say."""
     settings = get_settings()
-    uvicorn.run(app, host=host, port=port, workers=workers, log_config=logging_config(), http=HeaderDeadline,
-                access_log=settings.access_log, timeout_keep_alive=settings.http_keep_alive_seconds,
-                proxy_headers=settings.proxy_headers, forwarded_allow_ips=settings.forwarded_allow_ips)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        workers=workers,
+        log_config=logging_config(),
+        http=HeaderDeadline,
+        access_log=settings.access_log,
+        timeout_keep_alive=settings.http_keep_alive_seconds,
+        proxy_headers=settings.proxy_headers,
+        forwarded_allow_ips=settings.forwarded_allow_ips,
+    )

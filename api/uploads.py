@@ -31,11 +31,21 @@ MAX_FIELD_BYTES = 1024  # a non-file form field (e.g. /v1/files' ``purpose``)
 def upload_body(**fields: dict) -> dict:
     """The OpenAPI ``requestBody`` of an upload route: a multipart ``file`` plus ``fields``
     (name -> JSON schema, all required)."""
-    file = {"type": "string", "format": "binary",
-            "description": "The dataset: .csv, .tsv, .jsonl (.ndjson) or .parquet, UTF-8 text "
-                           "(a byte order mark is fine)."}
-    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
-        "type": "object", "required": ["file", *fields], "properties": {"file": file, **fields}}}}}}
+    file = {
+        "type": "string",
+        "format": "binary",
+        "description": "The dataset: .csv, .tsv, .jsonl (.ndjson) or .parquet, UTF-8 text (a byte order mark is fine).",
+    }
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {"type": "object", "required": ["file", *fields], "properties": {"file": file, **fields}}
+                }
+            },
+        }
+    }
 
 
 @dataclass
@@ -52,8 +62,13 @@ class Received:
     fields: dict[str, str] = field(default_factory=dict)
 
 
-async def store_upload(request: Request, caller: Caller, idempotency_key: str | None = None,
-                       required_fields: tuple[str, ...] = (), check_fields=None) -> Dataset | idempotency.Replay:
+async def store_upload(
+    request: Request,
+    caller: Caller,
+    idempotency_key: str | None = None,
+    required_fields: tuple[str, ...] = (),
+    check_fields=None,
+) -> Dataset | idempotency.Replay:
     """Receive the request's multipart ``file`` and store it as a dataset of ``caller``'s tenant.
 
     ``check_fields(fields)``, if given, may refuse the upload from its other form fields before
@@ -86,8 +101,14 @@ async def store_upload(request: Request, caller: Caller, idempotency_key: str | 
         def store(claim: idempotency.Claim | None) -> Dataset:
             return uploads.store_dataset(tmp, filename, format_, received.size, sha256, caller, claim)
 
-        return await run_in_threadpool(idempotency.once, caller.tenant, "POST /datasets", idempotency_key,
-                                       idempotency.fingerprint(filename, sha256), store)
+        return await run_in_threadpool(
+            idempotency.once,
+            caller.tenant,
+            "POST /datasets",
+            idempotency_key,
+            idempotency.fingerprint(filename, sha256),
+            store,
+        )
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -97,8 +118,9 @@ async def _receive(request: Request, path: Path, limit: int) -> Received:
     named ``file`` to ``path`` chunk by chunk and keeping other parts of up to ``MAX_FIELD_BYTES``."""
     content_type, params = parse_options_header(request.headers.get("content-type", ""))
     if content_type != b"multipart/form-data" or not params.get(b"boundary"):
-        raise UserError("unsupported_media_type", "upload the dataset as multipart/form-data with a field 'file'",
-                        "file", 415)
+        raise UserError(
+            "unsupported_media_type", "upload the dataset as multipart/form-data with a field 'file'", "file", 415
+        )
     received = Received(path)
     headers: dict[bytes, bytes] = {}
     state: dict[str, Any] = {"field": b"", "value": b"", "part": None, "data": b""}
@@ -140,9 +162,17 @@ async def _receive(request: Request, path: Path, limit: int) -> Received:
             received.fields[state["part"]] = state["data"].decode("utf-8", errors="replace")
         state["part"] = None
 
-    parser = MultipartParser(params[b"boundary"], {
-        "on_header_field": on_header_field, "on_header_value": on_header_value, "on_header_end": on_header_end,
-        "on_headers_finished": on_headers_finished, "on_part_data": on_part_data, "on_part_end": on_part_end})
+    parser = MultipartParser(
+        params[b"boundary"],
+        {
+            "on_header_field": on_header_field,
+            "on_header_value": on_header_value,
+            "on_header_end": on_header_end,
+            "on_headers_finished": on_headers_finished,
+            "on_part_data": on_part_data,
+            "on_part_end": on_part_end,
+        },
+    )
     total = 0
     try:
         async for chunk in request.stream():
@@ -164,8 +194,11 @@ def _filename(raw: bytes) -> str:
     """The uploader's file name without any directory part (never used as a path on the server)."""
     name = os.path.basename(raw.decode("utf-8", errors="replace").replace("\\", "/")) or "upload"
     if any(ord(c) < 32 for c in name) or len(name) > MAX_FILENAME_CHARS:
-        raise UserError("invalid_filename", f"the file name must be at most {MAX_FILENAME_CHARS} characters, "
-                        "without control characters", "file")
+        raise UserError(
+            "invalid_filename",
+            f"the file name must be at most {MAX_FILENAME_CHARS} characters, without control characters",
+            "file",
+        )
     return name
 
 

@@ -43,8 +43,9 @@ def median_difference(alias: np.ndarray, job: np.ndarray) -> tuple[float, float,
     """Median(alias) - median(job) in ms, with a bootstrap 95% confidence interval."""
     from scipy.stats import bootstrap
 
-    result = bootstrap((alias, job), lambda a, b: np.median(a) - np.median(b), n_resamples=2000,
-                       vectorized=False, random_state=SEED)
+    result = bootstrap(
+        (alias, job), lambda a, b: np.median(a) - np.median(b), n_resamples=2000, vectorized=False, random_state=SEED
+    )
     interval = result.confidence_interval
     return (float(np.median(alias) - np.median(job)) * 1e3, float(interval.low) * 1e3, float(interval.high) * 1e3)
 
@@ -68,8 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     stratified_split(train, test_size=1 - 100 / len(train), seed=SEED)[0].to_csv(csv, index=False)
     for name in [k for k in os.environ if k.startswith("TUNEJOB_")]:
         del os.environ[name]
-    os.environ.update(TUNEJOB_DATA_DIR=str(work / "data"), TUNEJOB_MODELS_DIR=str(models_dir), TUNEJOB_DEVICE="cpu",
-                      TUNEJOB_RATE_LIMIT="1000000/second", HF_HUB_OFFLINE="1")
+    os.environ.update(
+        TUNEJOB_DATA_DIR=str(work / "data"),
+        TUNEJOB_MODELS_DIR=str(models_dir),
+        TUNEJOB_DEVICE="cpu",
+        TUNEJOB_RATE_LIMIT="1000000/second",
+        HF_HUB_OFFLINE="1",
+    )
     from fastapi.testclient import TestClient
 
     from api.main import create_app
@@ -85,15 +91,25 @@ def main(argv: list[str] | None = None) -> int:
             client.headers["Authorization"] = f"Bearer {create_key('bench')[0]}"
             with open(csv, "rb") as f:
                 dataset = client.post("/datasets", files={"file": (csv.name, f, "text/csv")}).raise_for_status().json()
-            job = client.post("/jobs", json={"base_model": args.model, "training_dataset": dataset["id"],
-                                             "hyperparameters": {"epochs": 1, "max_length": 64}}).raise_for_status().json()
+            job = (
+                client.post(
+                    "/jobs",
+                    json={
+                        "base_model": args.model,
+                        "training_dataset": dataset["id"],
+                        "hyperparameters": {"epochs": 1, "max_length": 64},
+                    },
+                )
+                .raise_for_status()
+                .json()
+            )
             if tasks.run_job(job["id"]) != "succeeded":
                 raise SystemExit(f"job {job['id']} did not succeed: {client.get('/jobs/' + job['id']).json()}")
             client.put("/models/aliases/production", json={"job_id": job["id"]}).raise_for_status()
             refs = {"job id": job["id"], "alias": "production"}
             times: dict[str, list[float]] = {name: [] for name in refs}
             for i in range(args.warmup + args.requests):
-                for name, ref in (refs.items() if i % 2 else reversed(refs.items())):  # alternate which goes first
+                for name, ref in refs.items() if i % 2 else reversed(refs.items()):  # alternate which goes first
                     elapsed = timed(client, ref)
                     if i >= args.warmup:
                         times[name].append(elapsed)
@@ -108,14 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     ms = {name: np.array(values) * 1e3 for name, values in times.items()}
     difference, low, high = median_difference(np.array(times["alias"]), np.array(times["job id"]))
     rows = [[name, f"{np.median(v):.2f}", f"{np.percentile(v, 90):.2f}", f"{v.mean():.2f}"] for name, v in ms.items()]
-    text = (f"Sync predict (`POST /models/{{ref}}/predict`, one text, {args.model}), {args.requests} requests per "
-            f"ref, interleaved, after {args.warmup} each; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-            f"{machine}; the embedded default (SQLite), in process (TestClient).\n"
-            f"Command: `python -m bench.alias_latency {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
-            + table(["ref", "p50 ms", "p90 ms", "mean ms"], rows)
-            + f"\n\nMedian difference, alias - job id: {difference:+.2f} ms (bootstrap 95% interval "
-              f"{low:+.2f} to {high:+.2f} ms). The alias's own cost, `shared.jobs.aliases.resolve` alone "
-              f"(one primary-key read in its own session), {args.requests} calls: {resolve_ms:.3f} ms each.\n")
+    text = (
+        f"Sync predict (`POST /models/{{ref}}/predict`, one text, {args.model}), {args.requests} requests per "
+        f"ref, interleaved, after {args.warmup} each; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"{machine}; the embedded default (SQLite), in process (TestClient).\n"
+        f"Command: `python -m bench.alias_latency {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+        + table(["ref", "p50 ms", "p90 ms", "mean ms"], rows)
+        + f"\n\nMedian difference, alias - job id: {difference:+.2f} ms (bootstrap 95% interval "
+        f"{low:+.2f} to {high:+.2f} ms). The alias's own cost, `shared.jobs.aliases.resolve` alone "
+        f"(one primary-key read in its own session), {args.requests} calls: {resolve_ms:.3f} ms each.\n"
+    )
     print(text)
     if args.markdown:
         update_markdown(args.markdown, {"alias-latency": text})

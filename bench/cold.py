@@ -92,15 +92,24 @@ def run(spec: RunSpec) -> list[dict]:
         else:
             row = run_engine(spec.config, spec, train, held_out, labels, device, task)
         row.update(
-            asdict(spec), job=job, dtype=str(dtype).removeprefix("torch.") if dtype else "fp32",
-            train_examples=len(train), val_examples=len(val) if spec.evaluate else 0,
-            peak_memory_mib=peak_memory_mib(device), **mfu(row, row["flops_per_real_token"], spec.peak_flops),
-            **environment(device))
+            asdict(spec),
+            job=job,
+            dtype=str(dtype).removeprefix("torch.") if dtype else "fp32",
+            train_examples=len(train),
+            val_examples=len(val) if spec.evaluate else 0,
+            peak_memory_mib=peak_memory_mib(device),
+            **mfu(row, row["flops_per_real_token"], spec.peak_flops),
+            **environment(device),
+        )
         rows.append(row)
-        print(f"  job {job}: load {row['load_seconds']:.1f} s, epochs "
-              + " + ".join(f"{s:.1f}" for s in row["epoch_seconds"]) + " s, steady "
-              + (f"{row['steady_tokens_per_second']:,.0f}" if row["steady_tokens_per_second"] else "n/a")
-              + f" real tokens/s, peak {row['peak_memory_mib']:,.0f} MiB", flush=True)
+        print(
+            f"  job {job}: load {row['load_seconds']:.1f} s, epochs "
+            + " + ".join(f"{s:.1f}" for s in row["epoch_seconds"])
+            + " s, steady "
+            + (f"{row['steady_tokens_per_second']:,.0f}" if row["steady_tokens_per_second"] else "n/a")
+            + f" real tokens/s, peak {row['peak_memory_mib']:,.0f} MiB",
+            flush=True,
+        )
         for event in row.get("events", []):  # the engine's (e.g. how its steps run on CUDA)
             print(f"    {event['level']} {event['code']}: {event['message']}", flush=True)
     return rows

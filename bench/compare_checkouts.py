@@ -70,10 +70,19 @@ print("RESULT " + json.dumps({"loss": reporter.series("train_loss"), "grad_norm"
 
 def run_side(checkout: Path, data: Path, hyperparameters: dict) -> dict:
     """Train in ``checkout`` (a fresh process, with this interpreter) and return its results."""
-    env = {"HF_HUB_OFFLINE": "1", "TUNEJOB_DEVICE": "cpu", "TUNEJOB_DATA_DIR": str(data / "store"),
-           "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", SIDE, str(checkout.resolve()), str(data), json.dumps(hyperparameters)],
-                         capture_output=True, text=True, check=True, env=env).stdout
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TUNEJOB_DEVICE": "cpu",
+        "TUNEJOB_DATA_DIR": str(data / "store"),
+        "PATH": "/usr/bin:/bin",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", SIDE, str(checkout.resolve()), str(data), json.dumps(hyperparameters)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout
     result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
     result["loss"] = {int(k): v for k, v in result["loss"].items()}
     result["grad_norm"] = {int(k): v for k, v in result["grad_norm"].items()}
@@ -100,22 +109,36 @@ def main() -> int:
     p.add_argument("--learning-rate", type=float, default=5e-5)
     p.add_argument("--seed", type=int, default=42)
     args = p.parse_args()
-    hyperparameters = {"epochs": args.epochs, "batch_size": args.batch_size, "max_length": args.max_length,
-                       "learning_rate": args.learning_rate, "seed": args.seed}
+    hyperparameters = {
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "max_length": args.max_length,
+        "learning_rate": args.learning_rate,
+        "seed": args.seed,
+    }
     train, test = load_split(args.dataset, args.train_size, args.test_size)
     with tempfile.TemporaryDirectory(prefix="tunejob-compare-") as tmp:
         data = Path(tmp)
         train.to_pickle(data / "train.pkl")
         test.to_pickle(data / "test.pkl")
         before, after = (run_side(checkout, data, hyperparameters) for checkout in (args.before, args.after))
-    print(json.dumps({
-        "steps": [len(before["loss"]), len(after["loss"])],
-        "largest_relative_difference": {"train_loss": largest_relative_difference(after["loss"], before["loss"]),
-                                        "grad_norm": largest_relative_difference(after["grad_norm"],
-                                                                                 before["grad_norm"])},
-        "held_out_accuracy": [before["accuracy"], after["accuracy"]],
-        "hyperparameters": hyperparameters, "dataset": args.dataset, "train_size": len(train), "test_size": len(test),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "steps": [len(before["loss"]), len(after["loss"])],
+                "largest_relative_difference": {
+                    "train_loss": largest_relative_difference(after["loss"], before["loss"]),
+                    "grad_norm": largest_relative_difference(after["grad_norm"], before["grad_norm"]),
+                },
+                "held_out_accuracy": [before["accuracy"], after["accuracy"]],
+                "hyperparameters": hyperparameters,
+                "dataset": args.dataset,
+                "train_size": len(train),
+                "test_size": len(test),
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

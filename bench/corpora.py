@@ -70,11 +70,24 @@ def imdb_movies() -> pd.DataFrame:
     with tarfile.open(path) as tar:
         df = pd.read_csv(tar.extractfile("resources/rdata/csv/ggplot2/movies.csv"))
     rated = df["mpaa"].map(lambda m: f" Rated {m}." if isinstance(m, str) else "")
-    text = (df["title"].str.strip() + " (" + df["year"].astype(str) + "). " + df["length"].astype(str) + " minutes. "
-            + "IMDb rating " + df["rating"].astype(str) + " from " + df["votes"].map("{:,}".format) + " votes."
-            + rated)
+    text = (
+        df["title"].str.strip()
+        + " ("
+        + df["year"].astype(str)
+        + "). "
+        + df["length"].astype(str)
+        + " minutes. "
+        + "IMDb rating "
+        + df["rating"].astype(str)
+        + " from "
+        + df["votes"].map("{:,}".format)
+        + " votes."
+        + rated
+    )
     labels = [[g for g in MOVIE_GENRES if row[g]] for row in df[list(MOVIE_GENRES)].to_dict("records")]
     return pd.DataFrame({"text": text, "label": labels})
+
+
 MNLI_PAIRS = 392_702  # MNLI's training pairs (Williams et al., 2018, "A Broad-Coverage Challenge Corpus ...")
 NLI_LABELS = ("entailment", "neutral", "contradiction")
 
@@ -110,8 +123,9 @@ def bbc_sentence_pairs(n: int = round(MNLI_PAIRS / 0.8), seed: int = SEED) -> pd
     elsewhere[clash] = (start[premise[clash]] + size[premise[clash]]) % len(art)  # the next article's first sentence
     hypothesis = np.select([label == 0, label == 1], [premise + 1, other_in_article], elsewhere)
     text = np.array(sentences, dtype=object)
-    return pd.DataFrame({"text": text[premise], "text_pair": text[hypothesis],
-                         "label": np.array(NLI_LABELS, dtype=object)[label]})
+    return pd.DataFrame(
+        {"text": text[premise], "text_pair": text[hypothesis], "label": np.array(NLI_LABELS, dtype=object)[label]}
+    )
 
 
 def wnut16() -> pd.DataFrame:
@@ -142,7 +156,9 @@ class Corpus:
     train_size: int | None  # the issue's set: what the GPU run and the full CPU run train on
     val_size: int | None
     cpu_train_size: int  # the CPU default: a subset whose epochs take a minute or two per configuration
-    task: str = "classification"  # columns text, label (multi_label: lists of class names); token_classification: tokens, tags
+    task: str = (
+        "classification"  # columns text, label (multi_label: lists of class names); token_classification: tokens, tags
+    )
 
     def label_names(self, *parts: pd.DataFrame) -> list[str]:
         """The classes found in ``parts``, sorted: the labels, the members of multi_label's label
@@ -164,8 +180,9 @@ CORPORA = {
 CLASSIFICATION = [name for name, corpus in CORPORA.items() if corpus.task == "classification" and name != "mnli_size"]
 
 
-def load_split(name: str, train_size: int | None, val_size: int | None,
-               seed: int = SEED) -> tuple[pd.DataFrame, pd.DataFrame]:
+def load_split(
+    name: str, train_size: int | None, val_size: int | None, seed: int = SEED
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(train, held-out) DataFrames of corpus ``name``: an 80/20 split (seed 42; stratified by
     label, except for multi_label and token_classification, split at random), each cut to a
     (stratified) subset of ``train_size``/``val_size`` rows (``None``: the whole part).
@@ -182,6 +199,8 @@ def load_split(name: str, train_size: int | None, val_size: int | None,
             return part.reset_index(drop=True)
         if not stratify or size < 2 * part["label"].nunique():  # too few rows to stratify
             return part.sample(n=size, random_state=seed).reset_index(drop=True)
-        return train_test_split(part, train_size=size, random_state=seed, stratify=part["label"])[0].reset_index(drop=True)
+        return train_test_split(part, train_size=size, random_state=seed, stratify=part["label"])[0].reset_index(
+            drop=True
+        )
 
     return cut(train, train_size), cut(val, val_size)

@@ -37,8 +37,9 @@ def start_service(port: int, data_dir: Path) -> subprocess.Popen:
     for name in ("TUNEJOB_DATABASE_URL", "TUNEJOB_BROKER_URL"):  # the embedded default
         env.pop(name, None)
     log = open(data_dir.parent / "service.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "tunejob", "serve", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
 
 
 def evaluate(model_dir: Path, texts: list[str], labels: list[str]) -> float:
@@ -77,12 +78,21 @@ def main() -> int:
         with Client(url, api_key=(data_dir / "api_key").read_text().strip(), timeout=120) as client:
             dataset = client.upload_dataset(train_csv)
             print(f"uploaded {dataset.filename}: {dataset.rows} rows ({dataset.id}); {len(test)} held out")
-            job = client.create_job({
-                "base_model": args.model, "task": "classification", "training_dataset": dataset.id,
-                "text_column": "text", "label_column": "label",
-                "hyperparameters": {"epochs": args.epochs, "max_length": args.max_length,
-                                    "batch_size": args.batch_size, "learning_rate": args.learning_rate},
-            })
+            job = client.create_job(
+                {
+                    "base_model": args.model,
+                    "task": "classification",
+                    "training_dataset": dataset.id,
+                    "text_column": "text",
+                    "label_column": "label",
+                    "hyperparameters": {
+                        "epochs": args.epochs,
+                        "max_length": args.max_length,
+                        "batch_size": args.batch_size,
+                        "learning_rate": args.learning_rate,
+                    },
+                }
+            )
             print(f"job {job.id} queued")
             if watch(client, job.id, Console()) != 0:
                 return 1
@@ -96,12 +106,16 @@ def main() -> int:
     train_metrics, val = job.train_metrics, job.validation_metrics or {}
     print(f"\nheld-out test accuracy     {accuracy:.4f}  ({len(test)} BBC News articles)")
     print(f"validation accuracy        {val.get('accuracy', float('nan')):.4f}")
-    print(f"padding efficiency         {train_metrics['padding_efficiency']:.3f} "
-          f"(smart batching's own, before any bucket padding: {train_metrics['padding_efficiency_unrounded']:.3f})")
+    print(
+        f"padding efficiency         {train_metrics['padding_efficiency']:.3f} "
+        f"(smart batching's own, before any bucket padding: {train_metrics['padding_efficiency_unrounded']:.3f})"
+    )
     print(f"training throughput        {train_metrics['tokens_per_second']:.0f} real tokens/s on {job.device}")
     print(f"training time              {train_metrics['train_seconds']:.0f} s for {job.progress.step} steps")
-    print("job timings (s)            " + ", ".join(f"{k} {v:.1f}" for k, v in job.timings.model_dump().items()
-                                                   if v is not None))
+    print(
+        "job timings (s)            "
+        + ", ".join(f"{k} {v:.1f}" for k, v in job.timings.model_dump().items() if v is not None)
+    )
     print(f"demo wall time             {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         cached = next(iter(embedder_cache()._models.values()))
         result["embed_texts"] = percentiles(lambda: embed_texts(cached.loaded, [TEXT]), args.requests)
-        result["encode"] = percentiles(lambda: cached.loaded.model.encode([TEXT], show_progress_bar=False),
-                                       args.requests)
+        result["encode"] = percentiles(
+            lambda: cached.loaded.model.encode([TEXT], show_progress_bar=False), args.requests
+        )
         result["torch_threads"] = torch.get_num_threads()
     print(json.dumps(result, indent=2))
     return result

@@ -59,14 +59,32 @@ def make_job(config: str, spec, labels: list[str], task: str = "classification",
     from shared.store.rows import Job
 
     never = 10**12
-    hp = Hyperparameters(epochs=spec.epochs, learning_rate=spec.learning_rate, batch_size=spec.batch_size,
-                         max_length=spec.max_length, precision=spec.precision, seed=spec.seed,
-                         eval_every_steps=never, save_every_steps=never, save_total_limit=1,
-                         **engine_hyperparameters(config))
-    body = JobCreate(base_model=spec.model, task=task, training_dataset="bench", hyperparameters=hp,
-                     text_pair_column=text_pair_column)
-    return Job(id=f"bench-{uuid.uuid4().hex[:12]}", task=task, base_model=spec.model, label_names=labels,
-               spec=body.model_dump(mode="json"))
+    hp = Hyperparameters(
+        epochs=spec.epochs,
+        learning_rate=spec.learning_rate,
+        batch_size=spec.batch_size,
+        max_length=spec.max_length,
+        precision=spec.precision,
+        seed=spec.seed,
+        eval_every_steps=never,
+        save_every_steps=never,
+        save_total_limit=1,
+        **engine_hyperparameters(config),
+    )
+    body = JobCreate(
+        base_model=spec.model,
+        task=task,
+        training_dataset="bench",
+        hyperparameters=hp,
+        text_pair_column=text_pair_column,
+    )
+    return Job(
+        id=f"bench-{uuid.uuid4().hex[:12]}",
+        task=task,
+        base_model=spec.model,
+        label_names=labels,
+        spec=body.model_dump(mode="json"),
+    )
 
 
 class BenchReporter:
@@ -117,8 +135,15 @@ class BenchReporter:
         return []
 
 
-def run_engine(config: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, labels: list[str],
-               device: torch.device, task: str = "classification") -> dict:
+def run_engine(
+    config: str,
+    spec,
+    train: pd.DataFrame,
+    val: pd.DataFrame | None,
+    labels: list[str],
+    device: torch.device,
+    task: str = "classification",
+) -> dict:
     """One job of ``task`` and ``config`` on ``train`` (and, with ``val``, the held-out figures of
     ``bench.measure.HELD_OUT`` after training; multi_label at the default threshold, 0.5).
 
@@ -145,10 +170,15 @@ def run_engine(config: str, spec, train: pd.DataFrame, val: pd.DataFrame | None,
         raise RuntimeError(f"the engine stopped with {outcome!r} before its last epoch")
     reporter.epoch_ends.append(reporter.mark())
     figures = epoch_figures(loaded, reporter.epoch_ends, reporter.steady_start)
-    row = {"kind": "engine", "load_seconds": loaded - began, "warmup_seconds": warmed - loaded,
-           "train_seconds": sum(figures["epoch_seconds"]),
-           **figures, **flops_per_real_token(run.model, run.job_setup.train_set.lengths),
-           "events": reporter.events}
+    row = {
+        "kind": "engine",
+        "load_seconds": loaded - began,
+        "warmup_seconds": warmed - loaded,
+        "train_seconds": sum(figures["epoch_seconds"]),
+        **figures,
+        **flops_per_real_token(run.model, run.job_setup.train_set.lengths),
+        "events": reporter.events,
+    }
     if val is not None:
         metrics = run.evaluate()
         row.update({name: metrics[name] for name in HELD_OUT[task]})

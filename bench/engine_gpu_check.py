@@ -106,8 +106,10 @@ class Recorder(MemoryReporter):
 def texts(n: int, seed: int, words: tuple[int, int] = (3, 60)) -> pd.DataFrame:
     """Review-like texts of ``words`` words (default 3-60, about Rotten Tomatoes' lengths), two labels."""
     rng = random.Random(seed)
-    rows = [{"text": " ".join(rng.choices(WORDS, k=rng.randint(*words))), "label": ["fresh", "rotten"][i % 2]}
-            for i in range(n)]
+    rows = [
+        {"text": " ".join(rng.choices(WORDS, k=rng.randint(*words))), "label": ["fresh", "rotten"][i % 2]}
+        for i in range(n)
+    ]
     return pd.DataFrame(rows)
 
 
@@ -117,12 +119,25 @@ def make_run(args, device, reporter, checkpoint=None, dropout=True, words=(3, 60
     from worker.data import JobData
     from worker.training.recipe import Recipe
 
-    hp = {"epochs": 1, "batch_size": args.batch_size, "max_length": args.max_length, "learning_rate": 5e-5,
-          "precision": args.precision, "seed": 42, "eval_every_steps": 10**9, "save_every_steps": 10**9,
-          **hyperparameters}
+    hp = {
+        "epochs": 1,
+        "batch_size": args.batch_size,
+        "max_length": args.max_length,
+        "learning_rate": 5e-5,
+        "precision": args.precision,
+        "seed": 42,
+        "eval_every_steps": 10**9,
+        "save_every_steps": 10**9,
+        **hyperparameters,
+    }
     spec = JobCreate(base_model=args.model, training_dataset="check", validation_split=0.0, hyperparameters=hp)
-    job = Job(id=f"check-{uuid.uuid4().hex[:8]}", task="classification", base_model=args.model,
-              label_names=["fresh", "rotten"], spec=spec.model_dump(mode="json"))
+    job = Job(
+        id=f"check-{uuid.uuid4().hex[:8]}",
+        task="classification",
+        base_model=args.model,
+        label_names=["fresh", "rotten"],
+        spec=spec.model_dump(mode="json"),
+    )
     df = texts(args.examples, seed=0, words=words)
     run = Recipe(job, device).setup(JobData(df, None), reporter, checkpoint)
     if not dropout:
@@ -201,10 +216,16 @@ def packed_cases(args, device) -> dict[str, dict]:
         difference = largest_difference(packed.losses, padded.losses)
         steps = len(packed.losses)
         out["packed_matches_padded"] = {
-            "ok": difference < 2e-2 and state.padded_tokens == state.real_tokens and len(syncs) <= steps // 20 + 2
+            "ok": difference < 2e-2
+            and state.padded_tokens == state.real_tokens
+            and len(syncs) <= steps // 20 + 2
             and any(c == "packing" and m.startswith("packed") for c, m in packed.said),
-            "largest_relative_difference": difference, "steps": steps, "sync_warnings": len(syncs),
-            "sync_examples": syncs[:3], "events": [m for c, m in packed.said if c == "packing"]}
+            "largest_relative_difference": difference,
+            "steps": steps,
+            "sync_warnings": len(syncs),
+            "sync_examples": syncs[:3],
+            "events": [m for c, m in packed.said if c == "packing"],
+        }
 
         get_settings().cuda_graphs = True
         rec = Recorder()
@@ -213,33 +234,44 @@ def packed_cases(args, device) -> dict[str, dict]:
         graph_syncs = train_counting_syncs(run, rec)
         difference = largest_difference(rec.losses, packed.losses)
         message = captured_message(rec)
-        out["packed_graphs"] = {"ok": "packed micro-batches" in message and difference < 2e-2
-                                and len(graph_syncs) <= len(rec.losses) // 20 + 2,
-                                "largest_relative_difference": difference, "sync_warnings": len(graph_syncs),
-                                "event": message}
+        out["packed_graphs"] = {
+            "ok": "packed micro-batches" in message
+            and difference < 2e-2
+            and len(graph_syncs) <= len(rec.losses) // 20 + 2,
+            "largest_relative_difference": difference,
+            "sync_warnings": len(graph_syncs),
+            "event": message,
+        }
 
         long_args = argparse.Namespace(**{**vars(args), "max_length": args.long_length})
         speed = {}
         for packing in ("padded", "packed", "packed_graphs"):
             get_settings().cuda_graphs = packing == "packed_graphs"
             rec = Recorder()
-            run = make_run(long_args, device, rec, words=(args.long_length // 4, args.long_length),
-                           packing=packing != "padded")
+            run = make_run(
+                long_args, device, rec, words=(args.long_length // 4, args.long_length), packing=packing != "padded"
+            )
             _, warm_seconds = timed(lambda run=run, rec=rec: run.warm_up(rec))
             torch.cuda.reset_peak_memory_stats()
             _, seconds = timed(lambda run=run, rec=rec: run.train(rec))
             st = run.state
-            speed[packing] = {"warm_up_s": round(warm_seconds, 3), "train_s": round(seconds, 3), "steps": st.step,
-                              "real_tokens": st.real_tokens,
-                              "computed_tokens": st.padded_tokens,
-                              "real_tokens_per_s": round(st.real_tokens / seconds),
-                              "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20),
-                              "events": [m for c, m in rec.said if c in ("packing", "cuda_graphs", "cuda_graphs_off")]}
-        out["packed_speed"] = {"ok": speed["packed"]["computed_tokens"] == speed["packed"]["real_tokens"],
-                               "max_length": args.long_length,
-                               "speedup": round(speed["padded"]["train_s"] / speed["packed"]["train_s"], 3),
-                               "graphs_speedup": round(speed["padded"]["train_s"] / speed["packed_graphs"]["train_s"], 3),
-                               **speed}
+            speed[packing] = {
+                "warm_up_s": round(warm_seconds, 3),
+                "train_s": round(seconds, 3),
+                "steps": st.step,
+                "real_tokens": st.real_tokens,
+                "computed_tokens": st.padded_tokens,
+                "real_tokens_per_s": round(st.real_tokens / seconds),
+                "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20),
+                "events": [m for c, m in rec.said if c in ("packing", "cuda_graphs", "cuda_graphs_off")],
+            }
+        out["packed_speed"] = {
+            "ok": speed["packed"]["computed_tokens"] == speed["packed"]["real_tokens"],
+            "max_length": args.long_length,
+            "speedup": round(speed["padded"]["train_s"] / speed["packed"]["train_s"], 3),
+            "graphs_speedup": round(speed["padded"]["train_s"] / speed["packed_graphs"]["train_s"], 3),
+            **speed,
+        }
     finally:
         get_settings().cuda_graphs = True
     return out
@@ -255,16 +287,24 @@ def checked_and_replay_order(args, device) -> dict[str, dict]:
     run = make_run(args, device, rec)  # dropout on
     run.warm_up(rec)
     message = captured_message(rec)
-    out["checked"] = {"ok": "first steps: 3 step(s)" in message and "replays draw new dropout masks" in message
-                      and all(f"width {w}:" in message for w in run.steps.replays), "event": message}
+    out["checked"] = {
+        "ok": "first steps: 3 step(s)" in message
+        and "replays draw new dropout masks" in message
+        and all(f"width {w}:" in message for w in run.steps.replays),
+        "event": message,
+    }
 
     # replay_order: every width of this capture in one step, in reverse capture order
     widths = list(run.steps.replays)[::-1]
     samples = [batches.width_sample(run.job_setup, run.state.micro_split, w) for w in widths]
     pieces, n = [p for ps, _ in samples for p in ps], sum(t for _, t in samples)
     seen = parity.check_against_eager(run.steps, [(pieces, n)], [run.job_setup.hp.learning_rate])
-    out["replay_order"] = {"ok": not seen.failures(), "widths": widths, "parity": seen.describe(),
-                           "failures": seen.failures()}
+    out["replay_order"] = {
+        "ok": not seen.failures(),
+        "widths": widths,
+        "parity": seen.describe(),
+        "failures": seen.failures(),
+    }
     run.train(rec)
     return out
 
@@ -278,8 +318,9 @@ def no_padding(args, device) -> dict[str, dict]:
     run = make_run(args, device, rec, words=(args.max_length + 8, args.max_length + 40))
     run.warm_up(rec)
     first = batches.first_steps(run.job_setup, run.state, 1)[0][0][0]
-    return {"no_padding": {"ok": bool(captured_message(rec)) and bool(first["attention_mask"].all()),
-                           "events": rec.said}}
+    return {
+        "no_padding": {"ok": bool(captured_message(rec)) and bool(first["attention_mask"].all()), "events": rec.said}
+    }
 
 
 def later_widths(args, device) -> dict[str, dict]:
@@ -287,7 +328,10 @@ def later_widths(args, device) -> dict[str, dict]:
     from worker.training import graphs
 
     graphs.clear_cache()
-    short, longer = Recorder(stop_after_step=2, stop_reason="cancelled"), Recorder(stop_after_step=2, stop_reason="cancelled")
+    short, longer = (
+        Recorder(stop_after_step=2, stop_reason="cancelled"),
+        Recorder(stop_after_step=2, stop_reason="cancelled"),
+    )
     run = make_run(args, device, short, words=(3, 12))
     run.warm_up(short)
     before = set(run.steps.replays)
@@ -295,9 +339,14 @@ def later_widths(args, device) -> dict[str, dict]:
     run.warm_up(longer)
     message = captured_message(longer)
     added = sorted(set(run.steps.replays) - before)
-    return {"later_widths": {"ok": "reused" in message and bool(added)
-                             and all(f"width {w}:" in message for w in added),
-                             "first": sorted(before), "added": added, "event": message}}
+    return {
+        "later_widths": {
+            "ok": "reused" in message and bool(added) and all(f"width {w}:" in message for w in added),
+            "first": sorted(before),
+            "added": added,
+            "event": message,
+        }
+    }
 
 
 def accumulation(args, device) -> dict[str, dict]:
@@ -349,8 +398,14 @@ def failed_capture(args, device) -> dict[str, dict]:
             reserved.append(torch.cuda.memory_reserved() / 2**20)
     finally:
         CapturedSteps._micro_body = original
-    return {"failed_capture": {"ok": all(streams) and all(events) and reserved[-1] <= reserved[0] + 1,
-                               "default_stream_after": streams, "reserved_mib": reserved, "events": events}}
+    return {
+        "failed_capture": {
+            "ok": all(streams) and all(events) and reserved[-1] <= reserved[0] + 1,
+            "default_stream_after": streams,
+            "reserved_mib": reserved,
+            "events": events,
+        }
+    }
 
 
 def main(argv=None) -> int:
@@ -371,8 +426,11 @@ def main(argv=None) -> int:
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    results: dict[str, dict] = {"device": torch.cuda.get_device_name() if cuda else "cpu",
-                                "torch": torch.__version__, "model": args.model}
+    results: dict[str, dict] = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "model": args.model,
+    }
 
     try:  # the engine cases depend on each other; a crash is recorded and issue 29's cases still run
         # captured: warm_up captures and moves nothing
@@ -383,10 +441,17 @@ def main(argv=None) -> int:
         after = state_of(run)
         moved = [n for n, p in before.items() if not torch.equal(after[f"w.{n}"], p)]
         fresh = all(torch.count_nonzero(v) == 0 for k, v in after.items() if k.startswith("o."))
-        results["captured"] = {"ok": (not cuda or isinstance(run.steps, CapturedSteps)) and not moved and fresh
-                               and not (cuda and torch.backends.cuda.cudnn_sdp_enabled()),
-                               "steps": type(run.steps).__name__, "events": rec.said, "warm_up_seconds": warm_seconds,
-                               "moved_weights": moved[:5], "optimizer_state_zero": fresh}
+        results["captured"] = {
+            "ok": (not cuda or isinstance(run.steps, CapturedSteps))
+            and not moved
+            and fresh
+            and not (cuda and torch.backends.cuda.cudnn_sdp_enabled()),
+            "steps": type(run.steps).__name__,
+            "events": rec.said,
+            "warm_up_seconds": warm_seconds,
+            "moved_weights": moved[:5],
+            "optimizer_state_zero": fresh,
+        }
 
         # no_syncs (steady state) and the losses with graphs
         if cuda:
@@ -398,8 +463,12 @@ def main(argv=None) -> int:
             torch.cuda.set_sync_debug_mode("default")
         syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
         steps = len(rec.losses)
-        results["no_syncs"] = {"ok": len(syncs) <= steps // 20 + 2, "steps": steps, "sync_warnings": len(syncs),
-                               "examples": syncs[:3]}
+        results["no_syncs"] = {
+            "ok": len(syncs) <= steps // 20 + 2,
+            "steps": steps,
+            "sync_warnings": len(syncs),
+            "examples": syncs[:3],
+        }
         graph_losses = rec.losses
 
         # matches_eager
@@ -410,12 +479,20 @@ def main(argv=None) -> int:
         _, eager_seconds = timed(lambda: erun.train(eager))
         get_settings().cuda_graphs = True
         difference = largest_difference(graph_losses, eager.losses)
-        results["matches_eager"] = {"ok": difference < 2e-2, "largest_relative_difference": difference,
-                                    "eager_events": eager.said,
-                                    "first_losses": {"graphs": [graph_losses[s] for s in sorted(graph_losses)[:5]],
-                                                     "eager": [eager.losses[s] for s in sorted(eager.losses)[:5]]}}
-        results["timing"] = {"graphs": {"warm_up_s": warm_seconds, "train_s": graph_seconds},
-                             "eager": {"warm_up_s": eager_warm, "train_s": eager_seconds}, "steps": steps}
+        results["matches_eager"] = {
+            "ok": difference < 2e-2,
+            "largest_relative_difference": difference,
+            "eager_events": eager.said,
+            "first_losses": {
+                "graphs": [graph_losses[s] for s in sorted(graph_losses)[:5]],
+                "eager": [eager.losses[s] for s in sorted(eager.losses)[:5]],
+            },
+        }
+        results["timing"] = {
+            "graphs": {"warm_up_s": warm_seconds, "train_s": graph_seconds},
+            "eager": {"warm_up_s": eager_warm, "train_s": eager_seconds},
+            "steps": steps,
+        }
 
         # reused: two jobs of the same shape, dropout on, train identically; the second captures nothing
         first, second = Recorder(), Recorder()
@@ -428,8 +505,12 @@ def main(argv=None) -> int:
         run.train(second)
         reused = any(code == "cuda_graphs" and "reused" in message for code, message in second.said)
         difference = largest_difference(second.losses, first.losses)  # attention/embedding backward use atomics
-        results["reused"] = {"ok": (reused or not cuda) and difference < 1e-2, "warm_up_seconds": reuse_seconds,
-                             "events": second.said, "largest_relative_difference": difference}
+        results["reused"] = {
+            "ok": (reused or not cuda) and difference < 1e-2,
+            "warm_up_seconds": reuse_seconds,
+            "events": second.said,
+            "largest_relative_difference": difference,
+        }
 
         # resume: stop after a third of the steps (checkpoint), resume, compare with the uninterrupted run above
         stopped = Recorder(stop_after_step=max(1, steps // 3))
@@ -442,20 +523,34 @@ def main(argv=None) -> int:
         run.train(resumed)
         tail = {s: v for s, v in first.losses.items() if s > stopped.checkpoints[-1][0]}
         difference = largest_difference(resumed.losses, tail)
-        results["resume"] = {"ok": difference < 1e-2, "largest_relative_difference": difference,
-                             "resumed_steps": len(resumed.losses)}
+        results["resume"] = {
+            "ok": difference < 1e-2,
+            "largest_relative_difference": difference,
+            "resumed_steps": len(resumed.losses),
+        }
 
         # fallbacks: features that cannot be captured train eagerly and say so
         fallbacks = {}
-        for name, hp in {"fp16": {"precision": "fp16"}, "gradient_checkpointing": {"gradient_checkpointing": True}}.items():
+        for name, hp in {
+            "fp16": {"precision": "fp16"},
+            "gradient_checkpointing": {"gradient_checkpointing": True},
+        }.items():
             rec = Recorder(stop_after_step=3, stop_reason="cancelled")
             run = make_run(args, device, rec, **hp)
             run.warm_up(rec)
             outcome = run.train(rec)
             said = [m for c, m in rec.said if c == "cuda_graphs_off"]
-            fallbacks[name] = {"outcome": outcome, "event": said, "finite": all(map(math.isfinite, rec.losses.values()))}
-        results["fallbacks"] = {"ok": all(f["outcome"] == "cancelled" and f["finite"] and (f["event"] or not cuda)
-                                          for f in fallbacks.values()), **fallbacks}
+            fallbacks[name] = {
+                "outcome": outcome,
+                "event": said,
+                "finite": all(map(math.isfinite, rec.losses.values())),
+            }
+        results["fallbacks"] = {
+            "ok": all(
+                f["outcome"] == "cancelled" and f["finite"] and (f["event"] or not cuda) for f in fallbacks.values()
+            ),
+            **fallbacks,
+        }
     except Exception:
         results["crashed"] = {"ok": False, "error": traceback.format_exc()[-3000:]}
 

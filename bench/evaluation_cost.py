@@ -28,7 +28,7 @@ def main(argv: list[str]) -> None:
 
     train_n, val_n, epochs, max_length = (int(a) for a in argv)
     df = bbc_news().sample(frac=1.0, random_state=0).reset_index(drop=True)
-    train, val = df.iloc[:train_n].reset_index(drop=True), df.iloc[train_n:train_n + val_n].reset_index(drop=True)
+    train, val = df.iloc[:train_n].reset_index(drop=True), df.iloc[train_n : train_n + val_n].reset_index(drop=True)
     spent = {}
 
     def timing(name, f):
@@ -37,22 +37,33 @@ def main(argv: list[str]) -> None:
             result = f(*args, **kwargs)
             spent[name] = time.perf_counter() - start
             return result
+
         return timed
 
     for name in ("write_evaluation", "write_model_card"):
         setattr(export, name, timing(name, getattr(export, name)))
     upgrade_database()  # the store the artifact's training curves are read from
-    spec = JobCreate(base_model="all-MiniLM-L6-v2", task="classification", training_dataset="ds_bench",
-                     hyperparameters={"epochs": epochs, "batch_size": 16, "max_length": max_length,
-                                      "precision": "fp32"})
-    job = Job(id="job_benchevaluation", task="classification", base_model="all-MiniLM-L6-v2",
-              label_names=sorted(df.label.unique()), spec=spec.model_dump(mode="json"))
+    spec = JobCreate(
+        base_model="all-MiniLM-L6-v2",
+        task="classification",
+        training_dataset="ds_bench",
+        hyperparameters={"epochs": epochs, "batch_size": 16, "max_length": max_length, "precision": "fp32"},
+    )
+    job = Job(
+        id="job_benchevaluation",
+        task="classification",
+        base_model="all-MiniLM-L6-v2",
+        label_names=sorted(df.label.unique()),
+        spec=spec.model_dump(mode="json"),
+    )
     start = time.perf_counter()
     fine_tune(job, JobData(train, val), torch.device("cpu"), MemoryReporter())
     total = time.perf_counter() - start
-    print(f"train {train_n} validation {val_n} epochs {epochs} max_length {max_length} threads "
-          f"{torch.get_num_threads()}: job {total:.1f} s, evaluation report {spent['write_evaluation']:.2f} s "
-          f"({100 * spent['write_evaluation'] / total:.2f}%), model card {spent['write_model_card']:.3f} s")
+    print(
+        f"train {train_n} validation {val_n} epochs {epochs} max_length {max_length} threads "
+        f"{torch.get_num_threads()}: job {total:.1f} s, evaluation report {spent['write_evaluation']:.2f} s "
+        f"({100 * spent['write_evaluation'] / total:.2f}%), model card {spent['write_model_card']:.3f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-WORDS = ("the a match goal team coach league shares market profit bank sales film plot actor scene great dull "
-         "fine poor vote party minister bill court phone chip data cloud game").split()
+WORDS = (
+    "the a match goal team coach league shares market profit bank sales film plot actor scene great dull "
+    "fine poor vote party minister bill court phone chip data cloud game"
+).split()
 MODEL = "all-MiniLM-L6-v2"
 
 
@@ -85,9 +87,14 @@ def write_bomb(path: Path, gigabytes: float) -> Path:
     """One 1,000-byte text repeated: dictionary-encoded and zstd-compressed, a few hundred KB."""
     n = int(gigabytes * 1e9 / 1000)
     indices = pa.array(np.zeros(n, dtype=np.int32))
-    table = pa.table({"text": pa.DictionaryArray.from_arrays(indices, pa.array(["x" * 1000])),
-                      "label": pa.DictionaryArray.from_arrays(pa.array(np.arange(n, dtype=np.int32) % 2),
-                                                              pa.array(["pos", "neg"]))})
+    table = pa.table(
+        {
+            "text": pa.DictionaryArray.from_arrays(indices, pa.array(["x" * 1000])),
+            "label": pa.DictionaryArray.from_arrays(
+                pa.array(np.arange(n, dtype=np.int32) % 2), pa.array(["pos", "neg"])
+            ),
+        }
+    )
     pq.write_table(table, path, compression="zstd")
     return path
 
@@ -117,12 +124,21 @@ class PeakRSS:
 
 
 def start_api(data_dir: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "TUNEJOB_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TUNEJOB_MAX_UPLOAD_BYTES": str(4 * 1024**3)}
+    env = {
+        **os.environ,
+        "TUNEJOB_DATA_DIR": str(data_dir),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TUNEJOB_MAX_UPLOAD_BYTES": str(4 * 1024**3),
+    }
     for name in ("TUNEJOB_DATABASE_URL", "TUNEJOB_BROKER_URL"):  # the embedded default
         env.pop(name, None)
-    api = subprocess.Popen([sys.executable, "-m", "tunejob", "api", "--port", str(port)], env=env,
-                           stdout=open(data_dir / "api.log", "w"), stderr=subprocess.STDOUT)
+    api = subprocess.Popen(
+        [sys.executable, "-m", "tunejob", "api", "--port", str(port)],
+        env=env,
+        stdout=open(data_dir / "api.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -141,8 +157,14 @@ def auth_headers(data_dir: Path) -> dict:
 
 
 def job_spec(dataset_id: str) -> dict:
-    return {"base_model": MODEL, "task": "classification", "training_dataset": dataset_id, "text_column": "text",
-            "label_column": "label", "hyperparameters": {"epochs": 1, "batch_size": 32, "max_length": 128}}
+    return {
+        "base_model": MODEL,
+        "task": "classification",
+        "training_dataset": dataset_id,
+        "text_column": "text",
+        "label_column": "label",
+        "hyperparameters": {"epochs": 1, "batch_size": 32, "max_length": 128},
+    }
 
 
 def timed(rss: PeakRSS, call) -> tuple[httpx.Response, float, int]:
@@ -156,8 +178,13 @@ def timed(rss: PeakRSS, call) -> tuple[httpx.Response, float, int]:
 def measure_file(client: httpx.Client, rss: PeakRSS, path: Path, max_dry_run_rows: int | None = None) -> dict:
     with open(path, "rb") as f:
         r, upload_s, upload_peak = timed(rss, lambda: client.post("/datasets", files={"file": (path.name, f)}))
-    row = {"file": path.name, "bytes": path.stat().st_size, "upload_status": r.status_code, "upload_s": upload_s,
-           "upload_peak": upload_peak}
+    row = {
+        "file": path.name,
+        "bytes": path.stat().st_size,
+        "upload_status": r.status_code,
+        "upload_s": upload_s,
+        "upload_peak": upload_peak,
+    }
     if r.status_code != 201:
         row["error"] = r.json()["error"]["code"]
         return row
@@ -168,7 +195,8 @@ def measure_file(client: httpx.Client, rss: PeakRSS, path: Path, max_dry_run_row
     client.post(f"/jobs/{r.json()['id']}/cancel")
     if max_dry_run_rows is None or dataset["rows"] <= max_dry_run_rows:
         r, row["dry_run_s"], row["dry_run_peak"] = timed(
-            rss, lambda: client.post("/jobs", params={"dry_run": "true"}, json=job_spec(dataset["id"])))
+            rss, lambda: client.post("/jobs", params={"dry_run": "true"}, json=job_spec(dataset["id"]))
+        )
         assert r.status_code == 200, r.text
     row["dataset_id"] = dataset["id"]
     return row
@@ -197,14 +225,26 @@ def worker_tokenize(dataset_id: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(MODEL))
     names = sorted(set(data.train["label"]))
     tokenize(tokenizer, data.train, "text", None, "label", names, 128)
-    print(json.dumps({"load_s": loaded - start, "tokenize_s": time.perf_counter() - loaded,
-                      "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    print(
+        json.dumps(
+            {
+                "load_s": loaded - start,
+                "tokenize_s": time.perf_counter() - loaded,
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            }
+        )
+    )
 
 
 def measure_worker(data_dir: Path, dataset_id: str) -> dict:
     env = {**os.environ, "TUNEJOB_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-m", "bench.ingest", "--worker-tokenize", dataset_id], env=env,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.ingest", "--worker-tokenize", dataset_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -218,24 +258,36 @@ def mib(n: float) -> str:
 def markdown(rows: list[dict], command: str) -> str:
     machine = f"{psutil.cpu_count()} CPU cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
     idle = ", ".join(sorted({mib(r["idle_rss"]) for r in rows}))
-    lines = [f"_Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {machine} with `{command}`; "
-             f"each file in a fresh `tunejob api` process, idle RSS {idle} MiB (after start-up and a warm-up of each "
-             "request on 100 rows)._", "",
-             "| file | size (MB) | rows | upload (s) | validate (s) | upload + validate (s) | dry run (s) | "
-             "API RSS growth (MiB): upload / validate / dry run | worker load + tokenize (s) | worker peak RSS (MiB) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    lines = [
+        f"_Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {machine} with `{command}`; "
+        f"each file in a fresh `tunejob api` process, idle RSS {idle} MiB (after start-up and a warm-up of each "
+        "request on 100 rows)._",
+        "",
+        "| file | size (MB) | rows | upload (s) | validate (s) | upload + validate (s) | dry run (s) | "
+        "API RSS growth (MiB): upload / validate / dry run | worker load + tokenize (s) | worker peak RSS (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
     for r in rows:
         idle = r["idle_rss"]
         if r["upload_status"] != 201:
-            lines.append(f"| {r['file']} | {r['bytes'] / 1e6:,.1f} | | refused: {r['upload_status']} {r['error']} "
-                         f"in {r['upload_s']:.2f} s | | | | {mib(r['upload_peak'] - idle)} / - / - | | |")
+            lines.append(
+                f"| {r['file']} | {r['bytes'] / 1e6:,.1f} | | refused: {r['upload_status']} {r['error']} "
+                f"in {r['upload_s']:.2f} s | | | | {mib(r['upload_peak'] - idle)} / - / - | | |"
+            )
             continue
-        growth = " / ".join(mib(r[k] - idle) if k in r else "-" for k in ("upload_peak", "validate_peak", "dry_run_peak"))
+        growth = " / ".join(
+            mib(r[k] - idle) if k in r else "-" for k in ("upload_peak", "validate_peak", "dry_run_peak")
+        )
         worker = r.get("worker", {})
         lines.append(
             f"| {r['file']} | {r['bytes'] / 1e6:,.1f} | {r['rows']:,} | {r['upload_s']:.2f} | {r['validate_s']:.2f} | "
             f"{r['upload_s'] + r['validate_s']:.2f} | {r.get('dry_run_s', float('nan')):.2f} | {growth} | "
-            + (f"{worker['load_s']:.1f} + {worker['tokenize_s']:.1f} | {mib(worker['peak_rss'])} |" if worker else "| |"))
+            + (
+                f"{worker['load_s']:.1f} + {worker['tokenize_s']:.1f} | {mib(worker['peak_rss'])} |"
+                if worker
+                else "| |"
+            )
+        )
     return "\n".join(lines)
 
 
@@ -256,8 +308,11 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="tunejob-ingest-") as tmp:
         tmp = Path(tmp)
-        files = [write_dataset(tmp / f"rows{n}.{fmt}", fmt, n) for n in map(int, args.rows.split(","))
-                 for fmt in args.formats.split(",")]
+        files = [
+            write_dataset(tmp / f"rows{n}.{fmt}", fmt, n)
+            for n in map(int, args.rows.split(","))
+            for fmt in args.formats.split(",")
+        ]
         if args.gb:
             files.append(write_csv_of_size(tmp / f"big{args.gb:g}GB.csv", args.gb))
         if args.bomb_gb:
@@ -269,8 +324,9 @@ def main(argv: list[str] | None = None) -> None:
             api = start_api(data_dir, args.port)  # a fresh API per file: no memory kept from the last one
             rss = PeakRSS(api.pid)
             try:
-                with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", headers=auth_headers(data_dir),
-                                  timeout=3600) as client:
+                with httpx.Client(
+                    base_url=f"http://127.0.0.1:{args.port}", headers=auth_headers(data_dir), timeout=3600
+                ) as client:
                     measure_file(client, rss, warmup)
                     time.sleep(1)
                     row = {"idle_rss": rss.rss(), **measure_file(client, rss, path, args.no_dry_run_over)}

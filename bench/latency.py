@@ -62,13 +62,22 @@ def build_random_model(name: str, models_dir: Path) -> None:
 
 
 def start_service(work: Path, port: int, models_dir: Path) -> tuple[subprocess.Popen, Path]:
-    env = {**os.environ, "TUNEJOB_DATA_DIR": str(work / "data"), "TUNEJOB_MODELS_DIR": str(models_dir),
-           "TUNEJOB_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "TUNEJOB_DATA_DIR": str(work / "data"),
+        "TUNEJOB_MODELS_DIR": str(models_dir),
+        "TUNEJOB_DEVICE": "cpu",
+        "HF_HUB_OFFLINE": "1",
+    }
     for name in ("TUNEJOB_DATABASE_URL", "TUNEJOB_BROKER_URL"):  # the embedded default
         env.pop(name, None)
     log = work / "service.log"
-    proc = subprocess.Popen([sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tunejob", "serve", "--port", str(port)],
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
     return proc, log
 
 
@@ -126,10 +135,15 @@ def run_job(client: httpx.Client, spec: dict, data_dir: Path) -> dict:
         time.sleep(0.05)
     model_dir = data_dir / "artifacts" / job["id"] / "model"
     return {
-        "job": job["id"], "steps": job["progress"]["total_steps"], "timings": job["timings"],
-        "post_to_first_step": steps[0][1] - posted, "post_to_first_step_polled": seen_first,
-        "last_step_to_succeeded": finished - steps[-1][1], "post_to_succeeded": finished - posted,
-        "download_model_tar": download, "model_tar_bytes": tar_bytes,
+        "job": job["id"],
+        "steps": job["progress"]["total_steps"],
+        "timings": job["timings"],
+        "post_to_first_step": steps[0][1] - posted,
+        "post_to_first_step_polled": seen_first,
+        "last_step_to_succeeded": finished - steps[-1][1],
+        "post_to_succeeded": finished - posted,
+        "download_model_tar": download,
+        "model_tar_bytes": tar_bytes,
         "footprint_bytes": artifacts.disk_bytes(data_dir / "artifacts" / job["id"], checkpoints),
         "weights_bytes": (model_dir / "model.safetensors").stat().st_size,
         "tokenization": events.get("tokenized", ""),
@@ -138,6 +152,7 @@ def run_job(client: httpx.Client, spec: dict, data_dir: Path) -> dict:
 
 def render(results: list[dict], meta: dict) -> str:
     """A markdown table: one column per job (cold first), one row per figure."""
+
     def row(label, fn, spec=".2f"):
         return [label] + [format(fn(r), spec) if fn(r) is not None else "n/a" for r in results]
 
@@ -145,8 +160,9 @@ def render(results: list[dict], meta: dict) -> str:
     rows = [
         row("POST to first optimizer step (s)", lambda r: r["post_to_first_step"]),
         row("... seen by polling GET /jobs/{id} every 50 ms (s)", lambda r: r["post_to_first_step_polled"]),
-        row("... minus `load` (dataset read + model load) (s)",
-            lambda r: r["post_to_first_step"] - r["timings"]["load"]),
+        row(
+            "... minus `load` (dataset read + model load) (s)", lambda r: r["post_to_first_step"] - r["timings"]["load"]
+        ),
         *[row(f"`timings.{p}` (s)", lambda r, p=p: r["timings"][p]) for p in PHASES],
         row("last optimizer step to `succeeded` (s)", lambda r: r["last_step_to_succeeded"]),
         row("POST to `succeeded` (s)", lambda r: r["post_to_succeeded"]),
@@ -156,21 +172,29 @@ def render(results: list[dict], meta: dict) -> str:
         ["tokenization"] + [r["tokenization"].rsplit(": ", 1)[-1] for r in results],
     ]
     start = meta["service_start"]
-    return "\n".join([
-        f"_Measured {meta['date']} on {meta['machine']} (CPU, torch {meta['torch']}, transformers "
-        f"{meta['transformers']}) with `{meta['command']}`; machine state: {meta['machine_state']}._", "",
-        f"{meta['model']}, {meta['texts']} BBC News texts (10% held out for validation), max_length "
-        f"{meta['max_length']}, batch {meta['batch_size']}, {meta['epochs']:g} epoch(s), {results[0]['steps']} steps. "
-        f"Service start to API up {start['api_up']:.1f} s, to worker ready {start['worker_ready']:.1f} s.", "",
-        table(["figure"] + names, rows),
-    ])
+    return "\n".join(
+        [
+            f"_Measured {meta['date']} on {meta['machine']} (CPU, torch {meta['torch']}, transformers "
+            f"{meta['transformers']}) with `{meta['command']}`; machine state: {meta['machine_state']}._",
+            "",
+            f"{meta['model']}, {meta['texts']} BBC News texts (10% held out for validation), max_length "
+            f"{meta['max_length']}, batch {meta['batch_size']}, {meta['epochs']:g} epoch(s), {results[0]['steps']} steps. "
+            f"Service start to API up {start['api_up']:.1f} s, to worker ready {start['worker_ready']:.1f} s.",
+            "",
+            table(["figure"] + names, rows),
+        ]
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bert-base-rand", help=f"{', '.join(RANDOM_MODELS)}, or an offered model")
-    p.add_argument("--texts", type=int, default=120,
-                   help="BBC News texts uploaded: a stratified sample (seed 42) of the 1,780 of the 80%% training split")
+    p.add_argument(
+        "--texts",
+        type=int,
+        default=120,
+        help="BBC News texts uploaded: a stratified sample (seed 42) of the 1,780 of the 80%% training split",
+    )
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--epochs", type=float, default=1.0)
@@ -194,12 +218,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.model in RANDOM_MODELS:
         build_random_model(args.model, models_dir)
     train, _ = stratified_split(bbc_news(), test_size=0.2, seed=SEED)
-    sample = stratified_split(train, test_size=1 - args.texts / len(train), seed=SEED)[0] if args.texts < len(train) else train
+    sample = (
+        stratified_split(train, test_size=1 - args.texts / len(train), seed=SEED)[0]
+        if args.texts < len(train)
+        else train
+    )
     csv = work / "bbc_slice.csv"
     sample.to_csv(csv, index=False)
-    spec = {"base_model": args.model, "task": "classification", "text_column": "text", "label_column": "label",
-            "hyperparameters": {"epochs": args.epochs, "max_length": args.max_length,
-                                "batch_size": args.batch_size, "learning_rate": 5e-5}}
+    spec = {
+        "base_model": args.model,
+        "task": "classification",
+        "text_column": "text",
+        "label_column": "label",
+        "hyperparameters": {
+            "epochs": args.epochs,
+            "max_length": args.max_length,
+            "batch_size": args.batch_size,
+            "learning_rate": 5e-5,
+        },
+    }
 
     started = time.monotonic()
     service, log = start_service(work, args.port, models_dir)
@@ -213,19 +250,30 @@ def main(argv: list[str] | None = None) -> int:
             spec["training_dataset"] = dataset["id"]
             for i in range(1 + args.warm_jobs):
                 results.append(run_job(client, spec, work / "data"))
-                print(f"job {i + 1}: " + json.dumps({k: v for k, v in results[-1].items() if k != "tokenization"}),
-                      flush=True)
+                print(
+                    f"job {i + 1}: " + json.dumps({k: v for k, v in results[-1].items() if k != "tokenization"}),
+                    flush=True,
+                )
     finally:
         service.terminate()
         service.wait(timeout=120)
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": host(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "model": args.model,
-            "command": "python -m bench.latency " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine_state": args.machine_state, "texts": len(sample), "max_length": args.max_length,
-            "batch_size": args.batch_size, "epochs": args.epochs, "service_start": service_start}
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": host(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "model": args.model,
+        "command": "python -m bench.latency " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine_state": args.machine_state,
+        "texts": len(sample),
+        "max_length": args.max_length,
+        "batch_size": args.batch_size,
+        "epochs": args.epochs,
+        "service_start": service_start,
+    }
     text = render(results, meta)
     print("\n" + text)
     if args.json:

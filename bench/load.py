@@ -135,8 +135,12 @@ def configure_store(args, data_dir: Path) -> dict[str, str]:
     """The service's environment (other ``TUNEJOB_*`` settings pass through); this process uses it
     too, to migrate and make the API keys."""
     shared_limits = args.broker_url if args.api_workers > 1 else None  # several API processes: counts in Redis
-    for name, value in [("TUNEJOB_DATABASE_URL", args.database_url), ("TUNEJOB_BROKER_URL", args.broker_url),
-                        ("TUNEJOB_API_KEY", None), ("TUNEJOB_RATE_LIMIT_STORAGE_URL", shared_limits)]:
+    for name, value in [
+        ("TUNEJOB_DATABASE_URL", args.database_url),
+        ("TUNEJOB_BROKER_URL", args.broker_url),
+        ("TUNEJOB_API_KEY", None),
+        ("TUNEJOB_RATE_LIMIT_STORAGE_URL", shared_limits),
+    ]:
         os.environ.pop(name, None)
         if value:
             os.environ[name] = value
@@ -177,14 +181,40 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_wrk(base_url: str, keys: list[str], job_id: str, after_step: int, clients: int, rate: float | None,
-            seconds: float, script: Path) -> tuple[dict, float]:
+def run_wrk(
+    base_url: str,
+    keys: list[str],
+    job_id: str,
+    after_step: int,
+    clients: int,
+    rate: float | None,
+    seconds: float,
+    script: Path,
+) -> tuple[dict, float]:
     """One wrk run; returns (its BENCH_LOAD summary, its CPU seconds)."""
     interval_ms = 1000 / rate if rate else 0
     cpu0 = children_cpu_seconds()
-    out = subprocess.run(["wrk", "-t1", f"-c{clients}", f"-d{seconds:g}s", "--timeout", "10s", "-s", str(script),
-                          base_url, "--", job_id, str(interval_ms), str(after_step), *keys],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            "wrk",
+            "-t1",
+            f"-c{clients}",
+            f"-d{seconds:g}s",
+            "--timeout",
+            "10s",
+            "-s",
+            str(script),
+            base_url,
+            "--",
+            job_id,
+            str(interval_ms),
+            str(after_step),
+            *keys,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     line = next(line for line in out.splitlines() if line.startswith("BENCH_LOAD "))
     return json.loads(line.split(" ", 1)[1]), children_cpu_seconds() - cpu0
 
@@ -196,8 +226,10 @@ def training_window(driver: httpx.Client, job_id: str, step0: int, t0: float, t1
     window = [m for m in rows if t0 <= datetime.fromisoformat(m["time"]).timestamp() <= t1]
     values = [m["value"] for m in window if m["name"] == "tokens_per_second"]
     steps = {m["step"] for m in window}
-    return {"tokens_per_second": round(statistics.median(values)) if values else None,
-            "steps_per_second": round(len(steps) / (t1 - t0), 2)}
+    return {
+        "tokens_per_second": round(statistics.median(values)) if values else None,
+        "steps_per_second": round(len(steps) / (t1 - t0), 2),
+    }
 
 
 def cpu_figures(wall: float, cpu: dict[str, float], requests: int | None = None) -> dict:
@@ -210,18 +242,29 @@ def cpu_figures(wall: float, cpu: dict[str, float], requests: int | None = None)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=50, help="concurrent connections, and API keys")
-    parser.add_argument("--rates", default="500,max",
-                        help="comma-separated: requests/s in all for each loaded window, or max (closed loop)")
+    parser.add_argument(
+        "--rates",
+        default="500,max",
+        help="comma-separated: requests/s in all for each loaded window, or max (closed loop)",
+    )
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each measured window")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of the same load before each window")
     parser.add_argument("--idle-worker", action="store_true", help="cancel the job first: the worker is idle")
     parser.add_argument("--database-url", help="PostgreSQL job store (default: the embedded SQLite)")
     parser.add_argument("--broker-url", help="Redis broker (default: the embedded filesystem broker)")
-    parser.add_argument("--api-workers", type=int, default=1,
-                        help="API processes (more than 1: their rate limits in the --broker-url Redis)")
-    parser.add_argument("--job", choices=("minilm", "short-epochs"), default="minilm",
-                        help="minilm: the built-in model on BBC News (commits every ~2 s); short-epochs: a tiny "
-                             "BERT on 200 rows that evaluates and checkpoints every 2 steps (several commits a second)")
+    parser.add_argument(
+        "--api-workers",
+        type=int,
+        default=1,
+        help="API processes (more than 1: their rate limits in the --broker-url Redis)",
+    )
+    parser.add_argument(
+        "--job",
+        choices=("minilm", "short-epochs"),
+        default="minilm",
+        help="minilm: the built-in model on BBC News (commits every ~2 s); short-epochs: a tiny "
+        "BERT on 200 rows that evaluates and checkpoints every 2 steps (several commits a second)",
+    )
     parser.add_argument("--base-model", default="all-MiniLM-L6-v2")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -244,11 +287,20 @@ def main() -> int:
         env["TUNEJOB_MODELS_DIR"] = str(build_tiny_bert(work / "models" / "tiny-bert").parent)
     port = free_port()
     log = open(work / "serve.log", "w")
-    serve = subprocess.Popen([sys.executable, "-m", "tunejob", "serve", "--port", str(port), "--api-workers",
-                              str(args.api_workers)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "tunejob", "serve", "--port", str(port), "--api-workers", str(args.api_workers)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     base_url = f"http://127.0.0.1:{port}"
-    driver = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {keys[-1]}"}, timeout=120,
-                          transport=httpx.HTTPTransport(retries=10))
+    driver = httpx.Client(
+        base_url=base_url,
+        headers={"Authorization": f"Bearer {keys[-1]}"},
+        timeout=120,
+        transport=httpx.HTTPTransport(retries=10),
+    )
     try:
         for _ in range(240):
             try:
@@ -257,8 +309,13 @@ def main() -> int:
             except httpx.TransportError:
                 time.sleep(0.5)
         train, _ = stratified_split(bbc_news(), test_size=0.2, seed=42)
-        hyperparameters = {"epochs": 50, "max_length": args.max_length, "batch_size": args.batch_size,
-                           "eval_every_steps": 100_000, "save_every_steps": 100_000}
+        hyperparameters = {
+            "epochs": 50,
+            "max_length": args.max_length,
+            "batch_size": args.batch_size,
+            "eval_every_steps": 100_000,
+            "save_every_steps": 100_000,
+        }
         base_model = args.base_model
         if args.job == "short-epochs":
             train = train.head(200)
@@ -266,8 +323,14 @@ def main() -> int:
             base_model = "tiny-bert"
         csv = io.BytesIO(train.to_csv(index=False).encode())
         dataset = driver.post("/datasets", files={"file": ("bbc.csv", csv, "text/csv")}).raise_for_status().json()
-        job = driver.post("/jobs", json={"base_model": base_model, "training_dataset": dataset["id"],
-                                         "hyperparameters": hyperparameters}).raise_for_status().json()
+        job = (
+            driver.post(
+                "/jobs",
+                json={"base_model": base_model, "training_dataset": dataset["id"], "hyperparameters": hyperparameters},
+            )
+            .raise_for_status()
+            .json()
+        )
         job_url = f"/jobs/{job['id']}"
         while (state := driver.get(job_url).json())["progress"]["step"] < 5:
             assert state["status"] in ("queued", "running"), state
@@ -286,8 +349,9 @@ def main() -> int:
         meter.start()
         time.sleep(args.seconds)
         wall, cpu = meter.stop()
-        windows = [{"load": "none", **training_window(driver, job["id"], step0, t0, time.time()),
-                    **cpu_figures(wall, cpu)}]
+        windows = [
+            {"load": "none", **training_window(driver, job["id"], step0, t0, time.time()), **cpu_figures(wall, cpu)}
+        ]
 
         for rate in rates:
             step = driver.get(job_url).json()["progress"]["step"]
@@ -297,20 +361,28 @@ def main() -> int:
             summary, wrk_cpu = run_wrk(base_url, keys[:-1], job["id"], step, args.clients, rate, args.seconds, script)
             wall, cpu = meter.stop()
             duration = summary.pop("duration_s")
-            windows.append({
-                "load": f"{rate:g}/s paced" if rate else "max (closed loop)",
-                "requests_per_second": round(summary["requests"] / duration, 1), **summary,
-                **training_window(driver, job["id"], step, t0, time.time()),
-                **cpu_figures(wall, {**cpu, "load_generator": wrk_cpu}, summary["requests"])})
+            windows.append(
+                {
+                    "load": f"{rate:g}/s paced" if rate else "max (closed loop)",
+                    "requests_per_second": round(summary["requests"] / duration, 1),
+                    **summary,
+                    **training_window(driver, job["id"], step, t0, time.time()),
+                    **cpu_figures(wall, {**cpu, "load_generator": wrk_cpu}, summary["requests"]),
+                }
+            )
         driver.post(f"{job_url}/cancel")
 
         result = {
             "stack": "postgres+redis" if args.database_url else "embedded",
             "machine": f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} CPUs",
             "load_average_at_end": [round(x, 1) for x in os.getloadavg()],
-            "worker": "idle (job cancelled)" if args.idle_worker else "training", "job": args.job,
+            "worker": "idle (job cancelled)" if args.idle_worker else "training",
+            "job": args.job,
             "api_processes": args.api_workers,
-            "clients": args.clients, "seconds": args.seconds, "warmup": args.warmup, "windows": windows,
+            "clients": args.clients,
+            "seconds": args.seconds,
+            "warmup": args.warmup,
+            "windows": windows,
         }
     finally:
         driver.close()

@@ -20,11 +20,19 @@ import torch
 # The held-out figures the benchmark reports per task (validation metrics of worker.training.metrics.evaluate):
 # classification's accuracy and macro-F1, multi_label's micro-/macro-F1 and subset accuracy,
 # token_classification's entity F1 (seqeval) and token accuracy; and their column titles.
-HELD_OUT = {"classification": ("accuracy", "f1_macro"), "multi_label": ("f1_micro", "f1_macro", "subset_accuracy"),
-            "token_classification": ("entity_f1", "token_accuracy")}
-QUALITY_TITLES = {"accuracy": "held-out accuracy (mean over seeds)", "f1_micro": "held-out micro-F1 (mean over seeds)",
-                  "f1_macro": "macro-F1", "subset_accuracy": "subset accuracy",
-                  "entity_f1": "held-out entity F1 (mean over seeds)", "token_accuracy": "token accuracy"}
+HELD_OUT = {
+    "classification": ("accuracy", "f1_macro"),
+    "multi_label": ("f1_micro", "f1_macro", "subset_accuracy"),
+    "token_classification": ("entity_f1", "token_accuracy"),
+}
+QUALITY_TITLES = {
+    "accuracy": "held-out accuracy (mean over seeds)",
+    "f1_micro": "held-out micro-F1 (mean over seeds)",
+    "f1_macro": "macro-F1",
+    "subset_accuracy": "subset accuracy",
+    "entity_f1": "held-out entity F1 (mean over seeds)",
+    "token_accuracy": "token accuracy",
+}
 QUALITY = tuple(QUALITY_TITLES)  # every held-out figure a run may report, in column order
 
 
@@ -81,7 +89,9 @@ def epoch_figures(start: float, epoch_ends: list[Mark], steady_start: Mark | Non
         "epoch_real_tokens": [b.real - a.real for a, b in zip(before, before[1:])],
         "steps": last.step,
         "steps_per_epoch": epoch_ends[0].step,
-        "real_tokens": last.real, "unrounded_tokens": last.unrounded, "padded_tokens": last.padded,
+        "real_tokens": last.real,
+        "unrounded_tokens": last.unrounded,
+        "padded_tokens": last.padded,
         "efficiency_unrounded": last.real / last.unrounded,
         "efficiency_padded": last.real / last.padded,
         "steady_steps": last.step - first.step if first is not None else 0,
@@ -100,8 +110,12 @@ def flops_per_real_token(model: torch.nn.Module, lengths) -> dict:
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     lengths = [int(n) for n in lengths]
     mean_attended = sum(n * n for n in lengths) / sum(lengths)
-    return {"non_embedding_params": params, "layers": layers, "hidden": hidden,
-            "flops_per_real_token": 6 * params + 12 * layers * hidden * mean_attended}
+    return {
+        "non_embedding_params": params,
+        "layers": layers,
+        "hidden": hidden,
+        "flops_per_real_token": 6 * params + 12 * layers * hidden * mean_attended,
+    }
 
 
 def mfu(figures: dict, flops_per_token: float, peak_flops: float | None) -> dict:
@@ -111,8 +125,10 @@ def mfu(figures: dict, flops_per_token: float, peak_flops: float | None) -> dict
         return {"mfu_epoch": None, "mfu_steady": None}
     epoch = figures["epoch_real_tokens"][0] / figures["epoch_seconds"][0]
     steady = figures["steady_tokens_per_second"]
-    return {"mfu_epoch": epoch * flops_per_token / peak_flops,
-            "mfu_steady": steady * flops_per_token / peak_flops if steady else None}
+    return {
+        "mfu_epoch": epoch * flops_per_token / peak_flops,
+        "mfu_steady": steady * flops_per_token / peak_flops if steady else None,
+    }
 
 
 def before_job(device: torch.device) -> None:
@@ -152,5 +168,10 @@ def machine(device: torch.device) -> str:
 def environment(device: torch.device) -> dict:
     import transformers
 
-    return {"device": machine(device), "device_type": device.type, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
+    return {
+        "device": machine(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }

@@ -66,8 +66,10 @@ def pt2e(model, inputs: dict, fp32: float, reference: torch.Tensor) -> None:
             compile_seconds = time.perf_counter() - started
             seconds, out = mean_seconds(lambda run=compiled: run(**inputs))
         logits = (out.logits if hasattr(out, "logits") else out[0]).float()
-        print(f"torchao PT2E {name}, inductor: compiled in {compile_seconds:.1f} s, {seconds * 1000:.0f} ms a batch "
-              f"({fp32 / seconds:.2f}x PyTorch fp32); largest logit difference {float((logits - reference).abs().max()):.4f}")
+        print(
+            f"torchao PT2E {name}, inductor: compiled in {compile_seconds:.1f} s, {seconds * 1000:.0f} ms a batch "
+            f"({fp32 / seconds:.2f}x PyTorch fp32); largest logit difference {float((logits - reference).abs().max()):.4f}"
+        )
 
 
 def main(argv=None) -> int:
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     rows, width = args.batch_size, args.max_length
     input_ids = torch.randint(1000, 20000, (rows, width), generator=torch.Generator().manual_seed(0))
     attention_mask = torch.ones_like(input_ids)
-    attention_mask[rows * 3 // 4:, width * 3 // 4:] = 0
+    attention_mask[rows * 3 // 4 :, width * 3 // 4 :] = 0
     token_type_ids = torch.zeros_like(input_ids)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
 
@@ -101,8 +103,10 @@ def main(argv=None) -> int:
         int8, _ = mean_seconds(lambda: quantized(**inputs).logits)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             bf16, _ = mean_seconds(lambda: model(**inputs).logits)
-    print(f"PyTorch fp32 {fp32 * 1000:.0f} ms a batch; PyTorch int8 {int8 * 1000:.0f} ms ({fp32 / int8:.2f}x fp32); "
-          f"PyTorch bf16 autocast {bf16 * 1000:.0f} ms ({fp32 / bf16:.2f}x fp32)")
+    print(
+        f"PyTorch fp32 {fp32 * 1000:.0f} ms a batch; PyTorch int8 {int8 * 1000:.0f} ms ({fp32 / int8:.2f}x fp32); "
+        f"PyTorch bf16 autocast {bf16 * 1000:.0f} ms ({fp32 / bf16:.2f}x fp32)"
+    )
     if args.pt2e:
         pt2e(model, inputs, fp32, reference)
 
@@ -110,22 +114,36 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         exported, fused, fused_int8 = (Path(tmp) / name for name in ("model.onnx", "fused.onnx", "fused.int8.onnx"))
         small = {name: t[:2, :16] for name, t in inputs.items()}
-        torch.onnx.export(model, tuple(small.values()), exported, input_names=list(small), output_names=["logits"],
-                          dynamic_axes={name: {0: "rows", 1: "width"} for name in small}, dynamo=False,
-                          opset_version=17)
-        optimizer.optimize_model(str(exported), model_type="bert", num_heads=model.config.num_attention_heads,
-                                 hidden_size=model.config.hidden_size).save_model_to_file(str(fused))
-        quantize_dynamic(fused, fused_int8, weight_type=QuantType.QInt8,
-                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        torch.onnx.export(
+            model,
+            tuple(small.values()),
+            exported,
+            input_names=list(small),
+            output_names=["logits"],
+            dynamic_axes={name: {0: "rows", 1: "width"} for name in small},
+            dynamo=False,
+            opset_version=17,
+        )
+        optimizer.optimize_model(
+            str(exported),
+            model_type="bert",
+            num_heads=model.config.num_attention_heads,
+            hidden_size=model.config.hidden_size,
+        ).save_model_to_file(str(fused))
+        quantize_dynamic(
+            fused, fused_int8, weight_type=QuantType.QInt8, extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT}
+        )
         options = ort.SessionOptions()
         options.intra_op_num_threads = args.threads
         feed = {name: t.numpy() for name, t in inputs.items()}
         for name, file in (("ONNX Runtime fp32", fused), ("ONNX Runtime int8", fused_int8)):
             session = ort.InferenceSession(str(file), options, providers=["CPUExecutionProvider"])
             seconds, logits = mean_seconds(lambda s=session: s.run(None, feed)[0])
-            print(f"{name} {seconds * 1000:.0f} ms a batch ({fp32 / seconds:.2f}x PyTorch fp32, "
-                  f"{int8 / seconds:.2f}x PyTorch int8); largest logit difference from PyTorch fp32 "
-                  f"{float(np.abs(logits - reference.numpy()).max()):.4f}")
+            print(
+                f"{name} {seconds * 1000:.0f} ms a batch ({fp32 / seconds:.2f}x PyTorch fp32, "
+                f"{int8 / seconds:.2f}x PyTorch int8); largest logit difference from PyTorch fp32 "
+                f"{float(np.abs(logits - reference.numpy()).max()):.4f}"
+            )
     return 0
 
 

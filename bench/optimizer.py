@@ -40,8 +40,9 @@ from bench.tables import update_markdown
 
 SHAPES = {
     "tiny": dict(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32),
-    "minilm": dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                   intermediate_size=1536),
+    "minilm": dict(
+        vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536
+    ),
 }
 # bytes per parameter: reads + writes of each pass (fp32 4, bf16 2)
 BYTES = {
@@ -82,6 +83,7 @@ def variants(shape: str) -> dict[str, tuple[Callable[[], None], Callable[[], Non
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+
         out[name] = refill, step
 
     def bf16(name: str, one_pass: bool, in_kernel: bool = True) -> None:
@@ -113,6 +115,7 @@ def variants(shape: str) -> dict[str, tuple[Callable[[], None], Callable[[], Non
             torch._foreach_zero_(cg)
             if not one_pass:
                 torch._foreach_zero_(mg)
+
         out[name] = refill, step
 
     fp32("fp32 before", True, False)
@@ -151,20 +154,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     where = machine(torch.device("cpu"))
-    lines = ["| shape | parameters | variant | bytes / parameter | ms / step, fastest (median) | vs before, fastest |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| shape | parameters | variant | bytes / parameter | ms / step, fastest (median) | vs before, fastest |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for shape in args.shapes.split(","):
-        n = sum(p.numel() for p in AutoModelForSequenceClassification.from_config(
-            BertConfig(**SHAPES[shape], num_labels=3)).parameters())
+        n = sum(
+            p.numel()
+            for p in AutoModelForSequenceClassification.from_config(
+                BertConfig(**SHAPES[shape], num_labels=3)
+            ).parameters()
+        )
         result = measure(shape, args.repeats)
         for name, (fastest, median) in result.items():
             before = result["bf16 before" if name.startswith("bf16") else "fp32 before"][0]
-            lines.append(f"| {shape} | {n:,} | {name} | {BYTES[name]} | {fastest * 1e3:.3f} ({median * 1e3:.3f}) | "
-                         f"{before / fastest:.2f}x |")
+            lines.append(
+                f"| {shape} | {n:,} | {name} | {BYTES[name]} | {fastest * 1e3:.3f} ({median * 1e3:.3f}) | "
+                f"{before / fastest:.2f}x |"
+            )
             print(lines[-1], flush=True)
-    meta = (f"{where}; torch {torch.__version__}; load average at the end "
-            f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}; {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; `python -m bench.optimizer "
-            f"--shapes {args.shapes} --repeats {args.repeats} --threads {args.threads}`")
+    meta = (
+        f"{where}; torch {torch.__version__}; load average at the end "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}; {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; `python -m bench.optimizer "
+        f"--shapes {args.shapes} --repeats {args.repeats} --threads {args.threads}`"
+    )
     if args.markdown:
         update_markdown(Path(args.markdown), {"optimizer": meta + "\n\n" + "\n".join(lines)})
     print(meta)

@@ -17,8 +17,11 @@ from bench import corpora
 from shared.data.batching import BatchPlan
 from shared.jobs.base_models import resolve_model
 
-SETS = {"bbc": (corpora.bbc_news, "text", 512), "rotten_tomatoes": (corpora.rotten_tomatoes, "text", 128),
-        "wnut16": (corpora.wnut16, "tokens", 128)}
+SETS = {
+    "bbc": (corpora.bbc_news, "text", 512),
+    "rotten_tomatoes": (corpora.rotten_tomatoes, "text", 128),
+    "wnut16": (corpora.wnut16, "tokens", 128),
+}
 
 
 def lengths_of(name: str, tokenizer) -> np.ndarray:
@@ -29,8 +32,9 @@ def lengths_of(name: str, tokenizer) -> np.ndarray:
     return np.array([len(ids) for ids in encoded["input_ids"]])
 
 
-def efficiency(lengths: np.ndarray, batch_size: int, strategy: str, max_tokens: int | None = None,
-               epochs: int = 5) -> tuple[float, float]:
+def efficiency(
+    lengths: np.ndarray, batch_size: int, strategy: str, max_tokens: int | None = None, epochs: int = 5
+) -> tuple[float, float]:
     """(real / padded tokens, mean examples per micro-batch) over ``epochs`` epochs of the plan."""
     plan = BatchPlan(lengths, batch_size, strategy, seed=42, max_tokens=max_tokens)
     rows = [(plan.padding_efficiency(e), len(lengths) / len(plan.epoch_batches(e))) for e in range(epochs)]
@@ -49,8 +53,10 @@ def main() -> None:
                 budget, mean_rows = efficiency(lengths, batch_size, "token_budget", int(batch_size * lengths.mean()))
                 same, _ = efficiency(lengths, max(1, round(mean_rows)), "smart")
                 smart, _ = efficiency(lengths, batch_size, "smart")
-                print(f"| {name} {part} | {len(lengths)} | {batch_size} | {budget:.4f} | {mean_rows:.1f} | {same:.4f} "
-                      f"| {smart:.4f} |")
+                print(
+                    f"| {name} {part} | {len(lengths)} | {batch_size} | {budget:.4f} | {mean_rows:.1f} | {same:.4f} "
+                    f"| {smart:.4f} |"
+                )
 
 
 if __name__ == "__main__":

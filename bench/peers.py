@@ -71,8 +71,10 @@ def encode_words(tokenizer, df: pd.DataFrame, labels: list[str], max_length: int
     enc = tokenizer(df["tokens"].tolist(), is_split_into_words=True, truncation=True, max_length=max_length)
     index = {name: i for i, name in enumerate(labels)}
     keys = [k for k in tokenizer.model_input_names if k in enc]
-    return [{**{k: enc[k][i] for k in keys}, "labels": align_labels(enc.word_ids(i), [index[t] for t in tags], None)}
-            for i, tags in enumerate(df["tags"])]
+    return [
+        {**{k: enc[k][i] for k in keys}, "labels": align_labels(enc.word_ids(i), [index[t] for t in tags], None)}
+        for i, tags in enumerate(df["tags"])
+    ]
 
 
 class CountingCollator:
@@ -131,12 +133,28 @@ def training_arguments(spec, device: torch.device, out_dir: str, dtype, peer: Pe
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=spec.batch_size, per_device_eval_batch_size=2 * spec.batch_size,
-        num_train_epochs=spec.epochs, learning_rate=spec.learning_rate, weight_decay=0.01, lr_scheduler_type="linear",
-        warmup_steps=0.1, max_grad_norm=1.0, seed=spec.seed, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, use_cpu=device.type == "cpu", train_sampling_strategy="group_by_length",
-        report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, dataloader_pin_memory=device.type == "cuda", **peer.arguments,
+        output_dir=out_dir,
+        per_device_train_batch_size=spec.batch_size,
+        per_device_eval_batch_size=2 * spec.batch_size,
+        num_train_epochs=spec.epochs,
+        learning_rate=spec.learning_rate,
+        weight_decay=0.01,
+        lr_scheduler_type="linear",
+        warmup_steps=0.1,
+        max_grad_norm=1.0,
+        seed=spec.seed,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu=device.type == "cpu",
+        train_sampling_strategy="group_by_length",
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=device.type == "cuda",
+        **peer.arguments,
     )
 
 
@@ -152,19 +170,35 @@ def load_model(model_dir, labels: list[str], seed: int, task: str = "classificat
     )
 
     set_seed(seed)
-    names = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
-             "label2id": {n: i for i, n in enumerate(labels)}}
+    names = {
+        "num_labels": len(labels),
+        "id2label": dict(enumerate(labels)),
+        "label2id": {n: i for i, n in enumerate(labels)},
+    }
     if task == "token_classification":
         return AutoModelForTokenClassification.from_pretrained(
-            model_dir, attn_implementation="sdpa", use_safetensors=True, ignore_mismatched_sizes=True, **names)
+            model_dir, attn_implementation="sdpa", use_safetensors=True, ignore_mismatched_sizes=True, **names
+        )
     return AutoModelForSequenceClassification.from_pretrained(
-        model_dir, attn_implementation="sdpa", use_safetensors=True, ignore_mismatched_sizes=True,
+        model_dir,
+        attn_implementation="sdpa",
+        use_safetensors=True,
+        ignore_mismatched_sizes=True,
         problem_type="multi_label_classification" if task == "multi_label" else "single_label_classification",
-        **names)
+        **names,
+    )
 
 
-def run_peer(name: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, labels: list[str],
-             device: torch.device, out_dir: str, task: str = "classification") -> dict:
+def run_peer(
+    name: str,
+    spec,
+    train: pd.DataFrame,
+    val: pd.DataFrame | None,
+    labels: list[str],
+    device: torch.device,
+    out_dir: str,
+    task: str = "classification",
+) -> dict:
     """One ``Trainer.train()`` of peer ``name`` on ``train`` (and, with ``val``, the held-out
     figures of ``bench.measure.HELD_OUT`` after it, from ``Trainer.predict``; multi_label: sigmoid
     scores at threshold 0.5; token_classification: scored by the engine's own
@@ -188,15 +222,26 @@ def run_peer(name: str, spec, train: pd.DataFrame, val: pd.DataFrame | None, lab
     collator = CountingCollator(tokenizer, labels_per_token=tagging)
     marks = epoch_marks(clock, collator, spec.epochs)
     arguments = training_arguments(spec, device, out_dir, autocast_dtype(spec.precision, device), peer)
-    trainer = Trainer(model=model, args=arguments, train_dataset=examples, processing_class=tokenizer,
-                      data_collator=collator, callbacks=[marks])
+    trainer = Trainer(
+        model=model,
+        args=arguments,
+        train_dataset=examples,
+        processing_class=tokenizer,
+        data_collator=collator,
+        callbacks=[marks],
+    )
     trainer.remove_callback(PrinterCallback)
     loaded = clock.now()
     output = trainer.train()
     figures = epoch_figures(loaded, marks.epoch_ends, marks.steady_start)
-    row = {"kind": "peer", "load_seconds": loaded - began, "train_seconds": output.metrics["train_runtime"],
-           **figures, **flops_per_real_token(model, [len(e["input_ids"]) for e in examples]),
-           "optimizer": trainer.args.optim.value}
+    row = {
+        "kind": "peer",
+        "load_seconds": loaded - began,
+        "train_seconds": output.metrics["train_runtime"],
+        **figures,
+        **flops_per_real_token(model, [len(e["input_ids"]) for e in examples]),
+        "optimizer": trainer.args.optim.value,
+    }
     if val is not None:
         trainer.data_collator = collator.pad  # held-out batches are not training tokens
         predictions = trainer.predict(encoder(tokenizer, val, labels, spec.max_length))
@@ -220,6 +265,8 @@ def held_out_figures(logits, label_ids, labels: list[str], task: str) -> dict:
         metrics = tagging_metrics(*word_sequences([predicted], [torch.from_numpy(label_ids)], labels), labels)
     else:
         predicted = logits.argmax(-1)
-        metrics = {"accuracy": float(accuracy_score(label_ids, predicted)),
-                   "f1_macro": float(f1_score(label_ids, predicted, average="macro"))}
+        metrics = {
+            "accuracy": float(accuracy_score(label_ids, predicted)),
+            "f1_macro": float(f1_score(label_ids, predicted, average="macro")),
+        }
     return {name: metrics[name] for name in HELD_OUT[task]}

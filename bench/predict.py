@@ -50,9 +50,18 @@ def prepare(dataset: str, max_length: int, learning_rate: float) -> Path:
     from worker.training.recipe import Recipe
 
     corpus = CORPORA[dataset]
-    spec = RunSpec(dataset=dataset, config="smart", model="all-MiniLM-L6-v2", device="auto", precision="auto",
-                   batch_size=32, max_length=max_length, train_size=corpus.train_size, val_size=corpus.val_size,
-                   learning_rate=learning_rate)
+    spec = RunSpec(
+        dataset=dataset,
+        config="smart",
+        model="all-MiniLM-L6-v2",
+        device="auto",
+        precision="auto",
+        batch_size=32,
+        max_length=max_length,
+        train_size=corpus.train_size,
+        val_size=corpus.val_size,
+        learning_rate=learning_rate,
+    )
     train_df, _ = load_split(dataset, corpus.train_size, corpus.val_size)
     labels = sorted(str(v) for v in train_df["label"].unique())
     device, _ = resolve_device("auto")
@@ -122,12 +131,23 @@ def predict_in_this_process(config: str, dataset: str) -> dict:
         loaded = time.perf_counter()
         predictions = predict_texts(model, texts, max_tokens=options.get("max_tokens"))
         labels = [row["label"] for row in predictions.rows]
-        counts = {"tokens": predictions.tokens, "padded_tokens": predictions.padded_tokens,
-                  "truncated": predictions.truncated, "max_length": model.model_max_length}
+        counts = {
+            "tokens": predictions.tokens,
+            "padded_tokens": predictions.padded_tokens,
+            "truncated": predictions.truncated,
+            "max_length": model.model_max_length,
+        }
     done = time.perf_counter()
-    return {"config": config, "load_seconds": loaded - began, "predict_seconds": done - loaded,
-            "rows_per_second": len(texts) / (done - loaded), "labels": labels, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, **counts}
+    return {
+        "config": config,
+        "load_seconds": loaded - began,
+        "predict_seconds": done - loaded,
+        "rows_per_second": len(texts) / (done - loaded),
+        "labels": labels,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        **counts,
+    }
 
 
 def run_cold(config: str, dataset: str, scratch: Path) -> dict:
@@ -149,29 +169,42 @@ def summarize(rows: list[dict], dataset: str) -> list[dict]:
     for config in dict.fromkeys(r["config"] for r in rows):
         runs = [r for r in rows if r["config"] == config]
         labels, speed = runs[0]["labels"], statistics.median(r["rows_per_second"] for r in runs)
-        lines.append({
-            "config": config, "runs": len(runs), "load_s": statistics.median(r["load_seconds"] for r in runs),
-            "predict_s": statistics.median(r["predict_seconds"] for r in runs), "rows_per_s": speed,
-            "speedup": speed / baseline, "same_labels": sum(map(str.__eq__, labels, reference)) / len(reference),
-            "accuracy": sum(labels[i] == gold[i] for i in held_out) / len(held_out),
-            "real_per_computed": f"{runs[0]['tokens'] / runs[0]['padded_tokens']:.2f}" if "tokens" in runs[0] else "",
-            "load_averages": ", ".join(f"{r['load_average']:.1f}" for r in runs)})
+        lines.append(
+            {
+                "config": config,
+                "runs": len(runs),
+                "load_s": statistics.median(r["load_seconds"] for r in runs),
+                "predict_s": statistics.median(r["predict_seconds"] for r in runs),
+                "rows_per_s": speed,
+                "speedup": speed / baseline,
+                "same_labels": sum(map(str.__eq__, labels, reference)) / len(reference),
+                "accuracy": sum(labels[i] == gold[i] for i in held_out) / len(held_out),
+                "real_per_computed": f"{runs[0]['tokens'] / runs[0]['padded_tokens']:.2f}"
+                if "tokens" in runs[0]
+                else "",
+                "load_averages": ", ".join(f"{r['load_average']:.1f}" for r in runs),
+            }
+        )
     return lines
 
 
 def render(lines: list[dict], meta: dict) -> str:
     """The Markdown section: provenance, then a table row per configuration."""
-    head = (f"{meta['date']}, `{meta['command']}`: all {meta['texts']:,} texts of {meta['dataset']} "
-            f"@{meta['max_length']} ({meta['truncated']:,} truncated), all-MiniLM-L6-v2 fine-tuned one epoch "
-            f"(`bench.predict prepare`); {meta['machine']}; torch {meta['torch']}, {meta['threads']} threads. "
-            f"Held-out accuracy: on the {meta['held_out']:,} texts of the 20% split, not trained on. Same labels: "
-            "rows labelled as the pipeline labelled them. Load average: 1-minute, before each run.\n\n"
-            "| configuration | runs | load s | predict s | rows/s | vs pipeline | same labels | held-out accuracy "
-            "| real/computed tokens | load average |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        f"{meta['date']}, `{meta['command']}`: all {meta['texts']:,} texts of {meta['dataset']} "
+        f"@{meta['max_length']} ({meta['truncated']:,} truncated), all-MiniLM-L6-v2 fine-tuned one epoch "
+        f"(`bench.predict prepare`); {meta['machine']}; torch {meta['torch']}, {meta['threads']} threads. "
+        f"Held-out accuracy: on the {meta['held_out']:,} texts of the 20% split, not trained on. Same labels: "
+        "rows labelled as the pipeline labelled them. Load average: 1-minute, before each run.\n\n"
+        "| configuration | runs | load s | predict s | rows/s | vs pipeline | same labels | held-out accuracy "
+        "| real/computed tokens | load average |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     return head + "\n".join(
         f"| {r['config']} | {r['runs']} | {r['load_s']:.1f} | {r['predict_s']:.1f} | {r['rows_per_s']:,.0f} "
         f"| {r['speedup']:.2f}x | {100 * r['same_labels']:.2f}% | {100 * r['accuracy']:.2f}% "
-        f"| {r['real_per_computed']} | {r['load_averages']} |" for r in lines)
+        f"| {r['real_per_computed']} | {r['load_averages']} |"
+        for r in lines
+    )
 
 
 def run(args: argparse.Namespace, command: str) -> None:
@@ -188,16 +221,28 @@ def run(args: argparse.Namespace, command: str) -> None:
     machine, rows = host(), []
     with tempfile.TemporaryDirectory(prefix="tunejob-bench-") as scratch:
         for repeat in range(args.repeats):
-            for config in configs[repeat % len(configs):] + configs[:repeat % len(configs)]:
+            for config in configs[repeat % len(configs) :] + configs[: repeat % len(configs)]:
                 rows.append(run_cold(config, args.dataset, Path(scratch)))
                 r = rows[-1]
-                print(f"{config} (repeat {repeat + 1}): load {r['load_seconds']:.1f} s, predict {r['predict_seconds']:.1f} s, "
-                      f"{r['rows_per_second']:,.0f} rows/s, load average {r['load_average']:.1f}", flush=True)
+                print(
+                    f"{config} (repeat {repeat + 1}): load {r['load_seconds']:.1f} s, predict {r['predict_seconds']:.1f} s, "
+                    f"{r['rows_per_second']:,.0f} rows/s, load average {r['load_average']:.1f}",
+                    flush=True,
+                )
     texts, _, held_out = corpus_texts(args.dataset)
     ours = next(r for r in rows if "tokens" in r)
-    meta = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "command": command, "dataset": args.dataset,
-            "texts": len(texts), "max_length": ours["max_length"], "truncated": ours["truncated"], "machine": machine,
-            "torch": ours["torch"], "threads": ours["threads"], "held_out": len(held_out)}
+    meta = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+        "dataset": args.dataset,
+        "texts": len(texts),
+        "max_length": ours["max_length"],
+        "truncated": ours["truncated"],
+        "machine": machine,
+        "torch": ours["torch"],
+        "threads": ours["threads"],
+        "held_out": len(held_out),
+    }
     section = render(summarize(rows, args.dataset), meta)
     print("\n" + section)
     if args.markdown:
@@ -215,12 +260,20 @@ def register_model(model_dir: Path, tenant: str, label_names: list[str]) -> str:
     from shared.store.rows import Dataset, Job, JobStatus
 
     with session_scope() as s:
-        dataset = Dataset(tenant=tenant, filename="bench.csv", format="csv", path="", rows=0, columns=[], bytes=0,
-                          sha256="0" * 64)
+        dataset = Dataset(
+            tenant=tenant, filename="bench.csv", format="csv", path="", rows=0, columns=[], bytes=0, sha256="0" * 64
+        )
         s.add(dataset)
         s.flush()
-        job = Job(tenant=tenant, status=JobStatus.SUCCEEDED, base_model="all-MiniLM-L6-v2", task="classification",
-                  training_dataset_id=dataset.id, spec={}, label_names=label_names)
+        job = Job(
+            tenant=tenant,
+            status=JobStatus.SUCCEEDED,
+            base_model="all-MiniLM-L6-v2",
+            task="classification",
+            training_dataset_id=dataset.id,
+            spec={},
+            label_names=label_names,
+        )
         s.add(job)
         s.flush()
         job_id = job.id
@@ -247,17 +300,22 @@ def measure_latency(dataset: str, requests: int, sizes: list[int]) -> dict:
 
     texts, _, held_out = corpus_texts(dataset)
     held_out_texts = sorted((texts[i] for i in held_out), key=len)
-    sample = held_out_texts[len(held_out_texts) // 2:]
+    sample = held_out_texts[len(held_out_texts) // 2 :]
     with tempfile.TemporaryDirectory(prefix="tunejob-bench-") as data_dir:
         os.environ["TUNEJOB_DATA_DIR"] = data_dir
         get_settings.cache_clear()
         upgrade_database()
         key, _ = create_key("bench")
         config = json.loads((model_path(dataset) / "config.json").read_text())
-        job_id = register_model(model_path(dataset), "bench", [config["id2label"][str(i)] for i in range(len(config["id2label"]))])
+        job_id = register_model(
+            model_path(dataset), "bench", [config["id2label"][str(i)] for i in range(len(config["id2label"]))]
+        )
         from api.main import create_app
 
-        with TestClient(create_app(), base_url="http://localhost", headers={"Authorization": f"Bearer {key}"}) as client:
+        with TestClient(
+            create_app(), base_url="http://localhost", headers={"Authorization": f"Bearer {key}"}
+        ) as client:
+
             def call(size: int) -> float:
                 began = time.perf_counter()
                 r = client.post(f"/models/{job_id}/predict", json={"inputs": sample[:size]})
@@ -269,8 +327,11 @@ def measure_latency(dataset: str, requests: int, sizes: list[int]) -> dict:
             for size in sizes:
                 call(size)
                 times = [call(size) for _ in range(requests)]
-                result["sizes"][size] = {"p50": percentile(times, 0.5), "p99": percentile(times, 0.99),
-                                         "mean": statistics.mean(times)}
+                result["sizes"][size] = {
+                    "p50": percentile(times, 0.5),
+                    "p99": percentile(times, 0.99),
+                    "mean": statistics.mean(times),
+                }
         import torch
 
         result["threads"] = torch.get_num_threads()
@@ -284,15 +345,18 @@ def latency(args: argparse.Namespace, command: str) -> None:
 
     machine = host()
     result = measure_latency(args.dataset, args.requests, [1, 64])
-    lines = "\n".join(f"| {size} | {r['p50']:.1f} | {r['p99']:.1f} | {r['mean']:.1f} |"
-                      for size, r in result["sizes"].items())
-    section = (f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}, `{command}`: `POST /models/{{job_id}}/predict` through the "
-               f"app in process (FastAPI TestClient, embedded store), the all-MiniLM-L6-v2 fine-tuned on {args.dataset} "
-               f"(`bench.predict prepare`), held-out texts from the median length up; {args.requests} timed requests "
-               f"per size after one warm-up; {result['threads']} torch thread(s) (`sync_predict_threads` default); "
-               f"{machine}, load average {', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. "
-               f"First call (imports torch, loads the model): {result['first_ms']:,.0f} ms.\n\n"
-               "| texts per request | p50 ms | p99 ms | mean ms |\n|---|---|---|---|\n" + lines)
+    lines = "\n".join(
+        f"| {size} | {r['p50']:.1f} | {r['p99']:.1f} | {r['mean']:.1f} |" for size, r in result["sizes"].items()
+    )
+    section = (
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}, `{command}`: `POST /models/{{job_id}}/predict` through the "
+        f"app in process (FastAPI TestClient, embedded store), the all-MiniLM-L6-v2 fine-tuned on {args.dataset} "
+        f"(`bench.predict prepare`), held-out texts from the median length up; {args.requests} timed requests "
+        f"per size after one warm-up; {result['threads']} torch thread(s) (`sync_predict_threads` default); "
+        f"{machine}, load average {', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. "
+        f"First call (imports torch, loads the model): {result['first_ms']:,.0f} ms.\n\n"
+        "| texts per request | p50 ms | p99 ms | mean ms |\n|---|---|---|---|\n" + lines
+    )
     print(section)
     if args.markdown:
         update_markdown(args.markdown, {"predict-latency": section})
@@ -300,8 +364,10 @@ def latency(args: argparse.Namespace, command: str) -> None:
 
 # ----------------------------------------------------------------------------- the whole job
 
-SHORT_WORDS = ("good bad great awful fine dull fun slow sharp warm cold film plot cast story scene ending "
-               "music acting script pace twist hero villain laugh tears moving boring clever silly").split()
+SHORT_WORDS = (
+    "good bad great awful fine dull fun slow sharp warm cold film plot cast story scene ending "
+    "music acting script pace twist hero villain laugh tears moving boring clever silly"
+).split()
 
 
 def short_texts(rows: int, seed: int = 0) -> list[str]:
@@ -386,8 +452,16 @@ def measure_job(args: argparse.Namespace) -> dict:
         data_dir = work_dir / "data"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}
         os.environ.update({"TUNEJOB_DATA_DIR": str(data_dir)})
-        env.update({"TUNEJOB_DATA_DIR": str(data_dir), "TUNEJOB_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
-                    "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+        env.update(
+            {
+                "TUNEJOB_DATA_DIR": str(data_dir),
+                "TUNEJOB_DEVICE": "cpu",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+            }
+        )
         get_settings.cache_clear()
         upgrade_database()
         key, _ = create_key("bench")
@@ -404,10 +478,12 @@ def measure_job(args: argparse.Namespace) -> dict:
         job_id = register_model(model_dir, "bench", names)
         port = free_port()
         env["TUNEJOB_URL"] = f"http://127.0.0.1:{port}"
-        server = Process("serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env,
-                         work_dir / "serve.log")
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"},
-                              timeout=600)
+        server = Process(
+            "serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env, work_dir / "serve.log"
+        )
+        client = httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}, timeout=600
+        )
         sampler = None
 
         def up() -> bool:
@@ -430,12 +506,13 @@ def measure_job(args: argparse.Namespace) -> dict:
 
         def predict(dataset: str) -> tuple[float, dict, int]:
             began = time.perf_counter()
-            r = client.post("/predictions", json={"model": job_id, "dataset": dataset, "text_column": "text",
-                                                  "max_length": args.max_length})
+            r = client.post(
+                "/predictions",
+                json={"model": job_id, "dataset": dataset, "text_column": "text", "max_length": args.max_length},
+            )
             r.raise_for_status()
             pid = r.json()["id"]
-            while (p := client.get(f"/predictions/{pid}").json())["status"] not in ("succeeded", "failed",
-                                                                                     "cancelled"):
+            while (p := client.get(f"/predictions/{pid}").json())["status"] not in ("succeeded", "failed", "cancelled"):
                 time.sleep(args.poll)
             if p["status"] != "succeeded":
                 raise RuntimeError(f"prediction {pid}: {p['status']}: {p.get('error')}\n{server.tail()}")
@@ -473,21 +550,34 @@ def measure_job(args: argparse.Namespace) -> dict:
                 seconds, p, lines = predict(dataset)
                 if lines != rows:
                     raise RuntimeError(f"{lines} result rows for {rows} input rows")
-                size = {"rows": rows, "job_seconds": seconds, "rows_per_second": rows / seconds,
-                        "start_rss": start_rss, "peak_rss": sampler.peak, "samples": sampler.samples,
-                        "load_average": load, "timings": p.get("timings"),
-                        "worker_rows_per_second": (p.get("result") or {}).get("rows_per_second"),
-                        "device": p.get("device")}
+                size = {
+                    "rows": rows,
+                    "job_seconds": seconds,
+                    "rows_per_second": rows / seconds,
+                    "start_rss": start_rss,
+                    "peak_rss": sampler.peak,
+                    "samples": sampler.samples,
+                    "load_average": load,
+                    "timings": p.get("timings"),
+                    "worker_rows_per_second": (p.get("result") or {}).get("rows_per_second"),
+                    "device": p.get("device"),
+                }
                 out["sizes"].append(size)
-                print(f"{rows:,} rows: job {seconds:.1f} s ({rows / seconds:,.0f} rows/s), worker RSS "
-                      f"{start_rss / 2**20:,.0f} -> peak {sampler.peak / 2**20:,.0f} MiB, load {load:.1f}", flush=True)
+                print(
+                    f"{rows:,} rows: job {seconds:.1f} s ({rows / seconds:,.0f} rows/s), worker RSS "
+                    f"{start_rss / 2**20:,.0f} -> peak {sampler.peak / 2**20:,.0f} MiB, load {load:.1f}",
+                    flush=True,
+                )
                 if args.loop:  # right after the job, the worker idle: the same texts, model and budget
                     load, began = os.getloadavg()[0], time.perf_counter()
                     predict_texts(loaded, texts, None, args.max_length, budget)
                     loop = time.perf_counter() - began
                     size.update(loop_seconds=loop, loop_load_average=load, **job_ratio(seconds, loop))
-                    print(f"{rows:,} rows: loop {loop:.1f} s, job/loop {size['ratio']:.2f}x, target <= "
-                          f"{size['limit_s']:.1f} s: {'met' if size['met'] else 'missed'}, load {load:.1f}", flush=True)
+                    print(
+                        f"{rows:,} rows: loop {loop:.1f} s, job/loop {size['ratio']:.2f}x, target <= "
+                        f"{size['limit_s']:.1f} s: {'met' if size['met'] else 'missed'}, load {load:.1f}",
+                        flush=True,
+                    )
         finally:
             if sampler:
                 sampler.close()
@@ -503,34 +593,53 @@ def job(args: argparse.Namespace, command: str) -> None:
 
     machine = host()
     result = measure_job(args)
-    model = ("a 2-layer, 32-wide BERT with random weights (`worker.doctor.build_tiny_bert`)" if args.model == "tiny"
-             else f"the all-MiniLM-L6-v2 fine-tuned on {args.model} (`bench.predict prepare`)")
-    texts = ("short synthetic texts (3-12 words)" if args.texts == "short" else f"{args.texts} texts in order")
-    loop_note = (" Loop: `predict_texts` on the same texts and model with the job's budget (batch_size 64 x "
-                 "max_length tokens), in the benchmark process right after each job (the worker idle), at the "
-                 "worker's niceness (10), after a 64-row warm-up; target: job <= 1.3 x loop + 2 s." if args.loop else "")
-    head = (f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}, `{command}`: a real `tunejob serve` (embedded SQLite store, "
-            f"filesystem broker, temporary data dir), the model registered as a succeeded training job of the "
-            f"store (no training), {model}; {texts} @{args.max_length}. Job: `POST /predictions` -> polled "
-            f"`GET /predictions/{{id}}` (every {args.poll:g} s) until succeeded -> every row of `GET .../results?format=jsonl` read; "
-            f"the worker warmed by one 64-row prediction ({result['warm_seconds']:.1f} s, cold). Worker RSS: the "
-            f"summed RSS of `tunejob serve`'s child processes (psutil, every 0.2 s), at the POST and its peak "
-            f"until the results were read.{loop_note} {machine}; load average: 1-minute, before each timing; "
-            f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end.\n\n")
+    model = (
+        "a 2-layer, 32-wide BERT with random weights (`worker.doctor.build_tiny_bert`)"
+        if args.model == "tiny"
+        else f"the all-MiniLM-L6-v2 fine-tuned on {args.model} (`bench.predict prepare`)"
+    )
+    texts = "short synthetic texts (3-12 words)" if args.texts == "short" else f"{args.texts} texts in order"
+    loop_note = (
+        " Loop: `predict_texts` on the same texts and model with the job's budget (batch_size 64 x "
+        "max_length tokens), in the benchmark process right after each job (the worker idle), at the "
+        "worker's niceness (10), after a 64-row warm-up; target: job <= 1.3 x loop + 2 s."
+        if args.loop
+        else ""
+    )
+    head = (
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}, `{command}`: a real `tunejob serve` (embedded SQLite store, "
+        f"filesystem broker, temporary data dir), the model registered as a succeeded training job of the "
+        f"store (no training), {model}; {texts} @{args.max_length}. Job: `POST /predictions` -> polled "
+        f"`GET /predictions/{{id}}` (every {args.poll:g} s) until succeeded -> every row of `GET .../results?format=jsonl` read; "
+        f"the worker warmed by one 64-row prediction ({result['warm_seconds']:.1f} s, cold). Worker RSS: the "
+        f"summed RSS of `tunejob serve`'s child processes (psutil, every 0.2 s), at the POST and its peak "
+        f"until the results were read.{loop_note} {machine}; load average: 1-minute, before each timing; "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end.\n\n"
+    )
     if args.loop:
-        head += ("| rows | job s | rows/s | loop s | job / loop | target s (1.3 x loop + 2) | met | worker RSS start "
-                 "-> peak MiB | load average (job, loop) |\n|---|---|---|---|---|---|---|---|---|\n")
-        lines = [f"| {r['rows']:,} | {r['job_seconds']:.1f} | {r['rows_per_second']:,.0f} | {r['loop_seconds']:.1f} "
-                 f"| {r['ratio']:.2f}x | {r['limit_s']:.1f} | {'yes' if r['met'] else 'no'} "
-                 f"| {r['start_rss'] / 2**20:,.0f} -> {r['peak_rss'] / 2**20:,.0f} "
-                 f"| {r['load_average']:.1f}, {r['loop_load_average']:.1f} |" for r in result["sizes"]]
+        head += (
+            "| rows | job s | rows/s | loop s | job / loop | target s (1.3 x loop + 2) | met | worker RSS start "
+            "-> peak MiB | load average (job, loop) |\n|---|---|---|---|---|---|---|---|---|\n"
+        )
+        lines = [
+            f"| {r['rows']:,} | {r['job_seconds']:.1f} | {r['rows_per_second']:,.0f} | {r['loop_seconds']:.1f} "
+            f"| {r['ratio']:.2f}x | {r['limit_s']:.1f} | {'yes' if r['met'] else 'no'} "
+            f"| {r['start_rss'] / 2**20:,.0f} -> {r['peak_rss'] / 2**20:,.0f} "
+            f"| {r['load_average']:.1f}, {r['loop_load_average']:.1f} |"
+            for r in result["sizes"]
+        ]
     else:
-        head += ("| rows | job s | rows/s | worker rows/s | worker RSS at start MiB | peak MiB | peak - start MiB "
-                 "| RSS samples | load average |\n|---|---|---|---|---|---|---|---|---|\n")
-        lines = [f"| {r['rows']:,} | {r['job_seconds']:.1f} | {r['rows_per_second']:,.0f} "
-                 f"| {r['worker_rows_per_second'] or 0:,.0f} | {r['start_rss'] / 2**20:,.0f} "
-                 f"| {r['peak_rss'] / 2**20:,.0f} | {(r['peak_rss'] - r['start_rss']) / 2**20:,.0f} | {r['samples']} "
-                 f"| {r['load_average']:.1f} |" for r in result["sizes"]]
+        head += (
+            "| rows | job s | rows/s | worker rows/s | worker RSS at start MiB | peak MiB | peak - start MiB "
+            "| RSS samples | load average |\n|---|---|---|---|---|---|---|---|---|\n"
+        )
+        lines = [
+            f"| {r['rows']:,} | {r['job_seconds']:.1f} | {r['rows_per_second']:,.0f} "
+            f"| {r['worker_rows_per_second'] or 0:,.0f} | {r['start_rss'] / 2**20:,.0f} "
+            f"| {r['peak_rss'] / 2**20:,.0f} | {(r['peak_rss'] - r['start_rss']) / 2**20:,.0f} | {r['samples']} "
+            f"| {r['load_average']:.1f} |"
+            for r in result["sizes"]
+        ]
     section = head + "\n".join(lines)
     print("\n" + section)
     Path(f".bench-predict/job-{args.section}.json").write_text(json.dumps(result, indent=1))
@@ -556,16 +665,27 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--requests", type=int, default=50, help="timed requests per size")
     lat.add_argument("--markdown", type=Path, default=None, help="write the table into this file's section")
     whole = sub.add_parser("job", help="whole prediction jobs through a real `tunejob serve`: time, worker RSS")
-    whole.add_argument("--model", default="rotten_tomatoes",
-                       help="rotten_tomatoes or bbc (`prepare`'s model), or tiny (a random 2-layer BERT)")
+    whole.add_argument(
+        "--model",
+        default="rotten_tomatoes",
+        help="rotten_tomatoes or bbc (`prepare`'s model), or tiny (a random 2-layer BERT)",
+    )
     whole.add_argument("--texts", default="rotten_tomatoes", help="rotten_tomatoes, bbc, or short (synthetic)")
-    whole.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=[2000],
-                       help="comma-separated row counts, one job each")
+    whole.add_argument(
+        "--rows",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[2000],
+        help="comma-separated row counts, one job each",
+    )
     whole.add_argument("--max-length", type=int, default=128)
     whole.add_argument("--repeats", type=int, default=1, help="jobs per row count (each a fresh dataset)")
     whole.add_argument("--poll", type=float, default=0.2, help="seconds between GET /predictions/{id}")
-    whole.add_argument("--loop", action=argparse.BooleanOptionalAction, default=True,
-                       help="also time predict_texts on the same texts (the loop's own time)")
+    whole.add_argument(
+        "--loop",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time predict_texts on the same texts (the loop's own time)",
+    )
     whole.add_argument("--section", default="job", help="the Markdown section: predict-<section>")
     whole.add_argument("--markdown", type=Path, default=None, help="write the table into this file's section")
     one = sub.add_parser("one", help="(internal) one configuration in this process")

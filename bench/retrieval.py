@@ -42,15 +42,20 @@ NAMES = ("ndcg@10", "mrr@10", "recall@1", "recall@10", "map@100")
 def title_pairs() -> pd.DataFrame:
     """Columns ``anchor`` (the title) and ``positive`` (the body) of every BBC News article."""
     parts = bbc_news()["text"].str.strip().str.split("\n", n=1, expand=True)
-    return pd.DataFrame({"anchor": parts[0].str.strip(), "positive": parts[1].fillna("").str.strip()}).query(
-        "anchor != '' and positive != ''").reset_index(drop=True)
+    return (
+        pd.DataFrame({"anchor": parts[0].str.strip(), "positive": parts[1].fillna("").str.strip()})
+        .query("anchor != '' and positive != ''")
+        .reset_index(drop=True)
+    )
 
 
 def splits(args) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The training and validation pairs: the articles shuffled with ``--seed``, then cut."""
     pairs = title_pairs().sample(frac=1.0, random_state=args.seed).reset_index(drop=True)
-    return (pairs.iloc[:args.train].reset_index(drop=True),
-            pairs.iloc[args.train:args.train + args.validation].reset_index(drop=True))
+    return (
+        pairs.iloc[: args.train].reset_index(drop=True),
+        pairs.iloc[args.train : args.train + args.validation].reset_index(drop=True),
+    )
 
 
 def scores(model, frame: pd.DataFrame) -> dict[str, float]:
@@ -70,9 +75,19 @@ def fine_tune_job(args, task: str, train: pd.DataFrame, validation: pd.DataFrame
     from worker.reporter import MemoryReporter
     from worker.training.recipe import fine_tune
 
-    spec = JobCreate(base_model=args.model, task=task, training_dataset="ds_bench", hyperparameters={
-        "epochs": args.epochs, "batch_size": args.batch_size, "max_length": args.max_length,
-        "learning_rate": args.learning_rate, "seed": args.seed, **hyperparameters})
+    spec = JobCreate(
+        base_model=args.model,
+        task=task,
+        training_dataset="ds_bench",
+        hyperparameters={
+            "epochs": args.epochs,
+            "batch_size": args.batch_size,
+            "max_length": args.max_length,
+            "learning_rate": args.learning_rate,
+            "seed": args.seed,
+            **hyperparameters,
+        },
+    )
     job = Job(id=f"bench-{uuid.uuid4().hex[:12]}", task=task, base_model=args.model, spec=spec.model_dump(mode="json"))
     reporter = MemoryReporter()
     outcome = fine_tune(job, JobData(train, validation), torch.device("cpu"), reporter)
@@ -89,12 +104,18 @@ def tunejob_side(args) -> dict:
     reporter, model_dir = fine_tune_job(args, "embedding", train, validation)
     series = {name: reporter.series(f"eval_{name}") for name in NAMES}
     model = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
-    return {"side": "tunejob", "train_pairs": len(train), "validation_pairs": len(validation),
-            "zero_shot": {n: round(s[0], 4) for n, s in series.items()},
-            "fine_tuned": {n: round(s[max(s)], 4) for n, s in series.items()}, "scored": scores(model, validation),
-            "train_seconds": round(reporter.fields["train_metrics"]["train_seconds"], 1),
-            "seconds": round(time.perf_counter() - start, 1), "model": str(model_dir),
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "side": "tunejob",
+        "train_pairs": len(train),
+        "validation_pairs": len(validation),
+        "zero_shot": {n: round(s[0], 4) for n, s in series.items()},
+        "fine_tuned": {n: round(s[max(s)], 4) for n, s in series.items()},
+        "scored": scores(model, validation),
+        "train_seconds": round(reporter.fields["train_metrics"]["train_seconds"], 1),
+        "seconds": round(time.perf_counter() - start, 1),
+        "model": str(model_dir),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def peer_side(args) -> dict:
@@ -116,17 +137,35 @@ def peer_side(args) -> dict:
     model = SentenceTransformer(str(resolve_model(args.model)), device="cpu", local_files_only=True)
     model.max_seq_length = args.max_length
     training = SentenceTransformerTrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="bench-peer-"), num_train_epochs=args.epochs,
-        per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
-        warmup_steps=defaults.warmup_ratio, weight_decay=defaults.weight_decay, seed=args.seed,
-        batch_sampler=BatchSamplers.NO_DUPLICATES, save_strategy="no", eval_strategy="no", report_to="none",
-        use_cpu=True, logging_steps=1_000_000, disable_tqdm=True)
-    trainer = SentenceTransformerTrainer(model=model, args=training, loss=MultipleNegativesRankingLoss(model),
-                                         train_dataset=Dataset.from_pandas(train[["anchor", "positive"]]))
+        output_dir=tempfile.mkdtemp(prefix="bench-peer-"),
+        num_train_epochs=args.epochs,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        warmup_steps=defaults.warmup_ratio,
+        weight_decay=defaults.weight_decay,
+        seed=args.seed,
+        batch_sampler=BatchSamplers.NO_DUPLICATES,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1_000_000,
+        disable_tqdm=True,
+    )
+    trainer = SentenceTransformerTrainer(
+        model=model,
+        args=training,
+        loss=MultipleNegativesRankingLoss(model),
+        train_dataset=Dataset.from_pandas(train[["anchor", "positive"]]),
+    )
     runtime = trainer.train().metrics["train_runtime"]
-    return {"side": "SentenceTransformerTrainer", "scored": scores(model, validation),
-            "train_seconds": round(runtime, 1), "seconds": round(time.perf_counter() - start, 1),
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "side": "SentenceTransformerTrainer",
+        "scored": scores(model, validation),
+        "train_seconds": round(runtime, 1),
+        "seconds": round(time.perf_counter() - start, 1),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def top_k(model, queries: list[str], corpus: list[str], k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,13 +190,20 @@ def rerank_side(args) -> dict:
     def with_negatives(frame: pd.DataFrame) -> pd.DataFrame:
         _, found = top_k(embedder, frame["anchor"].tolist(), frame["positive"].tolist(), 2)
         negative = [int(row[1] if row[0] == i else row[0]) for i, row in enumerate(found.tolist())]
-        return pd.concat([pd.DataFrame({"query": frame["anchor"], "passage": frame["positive"], "label": 1.0}),
-                          pd.DataFrame({"query": frame["anchor"], "passage": frame["positive"].iloc[negative].values,
-                                        "label": 0.0})], ignore_index=True)
+        return pd.concat(
+            [
+                pd.DataFrame({"query": frame["anchor"], "passage": frame["positive"], "label": 1.0}),
+                pd.DataFrame(
+                    {"query": frame["anchor"], "passage": frame["positive"].iloc[negative].values, "label": 0.0}
+                ),
+            ],
+            ignore_index=True,
+        )
 
     start = time.perf_counter()
-    reporter, model_dir = fine_tune_job(args, "reranking", with_negatives(train), with_negatives(validation),
-                                        epochs=args.rerank_epochs)
+    reporter, model_dir = fine_tune_job(
+        args, "reranking", with_negatives(train), with_negatives(validation), epochs=args.rerank_epochs
+    )
     anchors, bodies = validation["anchor"].tolist(), validation["positive"].tolist()
     cosine, found = top_k(embedder, anchors, bodies, args.top_k)
     queries = [anchors[q] for q, row in enumerate(found.tolist()) for _ in row]
@@ -167,19 +213,28 @@ def rerank_side(args) -> dict:
     reranked = reranker.predict(list(zip(queries, passages)), batch_size=64, show_progress_bar=False)
     before = ranking_metrics(queries, cosine.reshape(-1).numpy(), labels.numpy())
     after = ranking_metrics(queries, torch.as_tensor(reranked).reshape(-1).numpy(), labels.numpy())
-    return {"side": "rerank", "top_k": args.top_k, "reranker_train_rows": 2 * len(train),
-            "embedding_top_k": {k: round(v, 4) for k, v in before.items()},
-            "reranked": {k: round(v, 4) for k, v in after.items()},
-            "train_seconds": round(reporter.fields["train_metrics"]["train_seconds"], 1),
-            "seconds": round(time.perf_counter() - start, 1)}
+    return {
+        "side": "rerank",
+        "top_k": args.top_k,
+        "reranker_train_rows": 2 * len(train),
+        "embedding_top_k": {k: round(v, 4) for k, v in before.items()},
+        "reranked": {k: round(v, 4) for k, v in after.items()},
+        "train_seconds": round(reporter.fields["train_metrics"]["train_seconds"], 1),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
 
 
 def cold(side: str, argv: list[str], *extra: str) -> dict:
     """One side in a fresh process (its own data directory): the JSON it prints."""
     env = {**os.environ, "TUNEJOB_DATA_DIR": tempfile.mkdtemp(prefix=f"bench-retrieval-{side}-")}
-    out = subprocess.run([sys.executable, "-m", "bench.retrieval", *argv, "--side", side, *extra], env=env,
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out[out.rindex("\n{\n") + 1:])  # the last thing printed (the Trainer prints dicts too)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.retrieval", *argv, "--side", side, *extra],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return json.loads(out[out.rindex("\n{\n") + 1 :])  # the last thing printed (the Trainer prints dicts too)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -202,8 +257,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.side == "compare":
         common = [a for i, a in enumerate(argv) if a != "--side" and (i == 0 or argv[i - 1] != "--side")]
         ours = cold("tunejob", common)
-        result = {"tunejob": ours, "peer": cold("peer", common),
-                  "rerank": cold("rerank", common, "--embedder", ours["model"])}
+        result = {
+            "tunejob": ours,
+            "peer": cold("peer", common),
+            "rerank": cold("rerank", common, "--embedder", ours["model"]),
+        }
         result["epoch_time_ratio"] = round(result["peer"]["train_seconds"] / ours["train_seconds"], 2)
     else:
         result = {"tunejob": tunejob_side, "peer": peer_side, "rerank": rerank_side}[args.side](args)

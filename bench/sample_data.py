@@ -36,8 +36,13 @@ def write_split(corpus: str, out_dir: Path) -> tuple[Path, Path]:
     paths = out_dir / f"{corpus}_train.{suffix}", out_dir / f"{corpus}_test.{suffix}"
     for frame, path in zip((train, test), paths):
         if suffix == "conll":
-            path.write_text("".join("".join(f"{w}\t{t}\n" for w, t in zip(words, tags)) + "\n"
-                                    for words, tags in zip(frame["tokens"], frame["tags"])), encoding="utf-8")
+            path.write_text(
+                "".join(
+                    "".join(f"{w}\t{t}\n" for w, t in zip(words, tags)) + "\n"
+                    for words, tags in zip(frame["tokens"], frame["tags"])
+                ),
+                encoding="utf-8",
+            )
         elif suffix == "jsonl":
             frame.to_json(path, orient="records", lines=True, force_ascii=False)
         else:

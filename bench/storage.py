@@ -81,15 +81,24 @@ def main(size_mb: int = 1024) -> dict:
     while not server.started:
         time.sleep(0.05)
     start, cpu = time.perf_counter(), cpu_s()
-    curl = subprocess.run(["curl", "-sS", "--fail", "-o", "/dev/null", "-w", "%{size_download}",
-                           f"http://127.0.0.1:{port}/model.tar"], capture_output=True, text=True, check=True)
+    curl = subprocess.run(
+        ["curl", "-sS", "--fail", "-o", "/dev/null", "-w", "%{size_download}", f"http://127.0.0.1:{port}/model.tar"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     phases["model_tar"] = (time.perf_counter() - start, cpu_s() - cpu)
     server.should_exit = True
     result["rss_mib_after_model_tar"] = round(peak_rss_mib(), 1)
     gb = int(curl.stdout) / 1e9
     for phase, (wall, cpu) in phases.items():
-        result.update({f"{phase}_s": round(wall, 2), f"{phase}_mb_s": round(gb * 1e3 / wall, 1),
-                       f"{phase}_cpu_s_per_gb": round(cpu / gb, 2)})
+        result.update(
+            {
+                f"{phase}_s": round(wall, 2),
+                f"{phase}_mb_s": round(gb * 1e3 / wall, 1),
+                f"{phase}_cpu_s_per_gb": round(cpu / gb, 2),
+            }
+        )
     result["load_average"] = round(os.getloadavg()[0], 1)
     store.remove(ref)
     objects.LocalDir().remove(str(data))

@@ -81,13 +81,17 @@ class Stack:
         work.mkdir(parents=True)
         self.counts = work / "counts.json"
         base = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}
-        env = {**base, "TUNEJOB_DATA_DIR": str(work / "data"), "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1"}
-        self.api = subprocess.Popen([sys.executable, "-m", "bench.streams", "--serve", str(port), str(self.counts)],
-                                    env=env, stdout=open(work / "serve.log", "w"), stderr=subprocess.STDOUT)
+        env = {**base, "TUNEJOB_DATA_DIR": str(work / "data"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        self.api = subprocess.Popen(
+            [sys.executable, "-m", "bench.streams", "--serve", str(port), str(self.counts)],
+            env=env,
+            stdout=open(work / "serve.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
         # Connection retries (with httpcore's backoff) cover the API's start-up.
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
-                                 transport=httpx.HTTPTransport(retries=8))
+        self.http = httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", timeout=120, transport=httpx.HTTPTransport(retries=8)
+        )
         self.http.get("/healthz").raise_for_status()
         self.http.headers.update(auth_headers(work / "data"))  # the key exists once the API is up
 
@@ -111,8 +115,9 @@ def auth_headers(data_dir: Path) -> dict[str, str]:
 # ----------------------------------------------------------------------------- the clients
 
 
-async def stream_client(http: httpx.AsyncClient, job_id: str, caught_up: asyncio.Event, rows: Counter,
-                        stats: dict) -> None:
+async def stream_client(
+    http: httpx.AsyncClient, job_id: str, caught_up: asyncio.Event, rows: Counter, stats: dict
+) -> None:
     """One stream of the job: counts its messages, and each metric row (step, name) received after
     ``caught_up`` is set."""
     async with aconnect_sse(http, "GET", f"/jobs/{job_id}/stream") as source:
@@ -140,8 +145,12 @@ async def poll_client(http: httpx.AsyncClient, job_id: str, stop: asyncio.Event,
 async def measure(stack: Stack, job_id: str, kind: str, clients: int, seconds: float) -> dict:
     """One window with ``clients`` clients of ``kind`` (``none``, ``streams`` or ``polling``)."""
     limits = httpx.Limits(max_connections=clients + 10)
-    async with httpx.AsyncClient(base_url=str(stack.http.base_url), headers=dict(stack.http.headers), limits=limits,
-                                 timeout=httpx.Timeout(60, read=120)) as http:
+    async with httpx.AsyncClient(
+        base_url=str(stack.http.base_url),
+        headers=dict(stack.http.headers),
+        limits=limits,
+        timeout=httpx.Timeout(60, read=120),
+    ) as http:
         caught_up, stop = asyncio.Event(), asyncio.Event()
         stats = [{} for _ in range(clients if kind != "none" else 0)]
         rows = [Counter() for _ in stats]
@@ -162,11 +171,14 @@ async def measure(stack: Stack, job_id: str, kind: str, clients: int, seconds: f
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     wall = t1 - t0
-    result = {"clients": f"{clients} {kind}" if clients else "none", "seconds": round(wall, 1),
-              "api_cpu_percent": round(100 * (cpu1 - cpu0) / wall, 1),
-              "statements_per_s": round((counts1["statements"] - counts0["statements"]) / wall, 1),
-              "transactions_per_s": round((counts1["transactions"] - counts0["transactions"]) / wall, 1),
-              "messages_per_client": min((s.get("messages", 0) for s in stats), default=0)}
+    result = {
+        "clients": f"{clients} {kind}" if clients else "none",
+        "seconds": round(wall, 1),
+        "api_cpu_percent": round(100 * (cpu1 - cpu0) / wall, 1),
+        "statements_per_s": round((counts1["statements"] - counts0["statements"]) / wall, 1),
+        "transactions_per_s": round((counts1["transactions"] - counts0["transactions"]) / wall, 1),
+        "messages_per_client": min((s.get("messages", 0) for s in stats), default=0),
+    }
     if kind == "streams":
         result["metric_rows_per_stream"] = sorted({sum(r.values()) for r in rows})
         result["duplicate_rows"] = sum(n - 1 for r in rows for n in r.values() if n > 1)
@@ -184,10 +196,20 @@ def start_job(stack: Stack, work: Path, rows: int | None, epochs: float) -> str:
     train.to_csv(csv, index=False)
     with open(csv, "rb") as f:
         dataset = stack.http.post("/datasets", files={"file": (csv.name, f, "text/csv")}).raise_for_status().json()
-    job = stack.http.post("/jobs", json={
-        "base_model": "all-MiniLM-L6-v2", "training_dataset": dataset["id"], "text_column": "text",
-        "label_column": "label", "hyperparameters": {"epochs": epochs, "max_length": 128, "batch_size": 16,
-                                                     "learning_rate": 1e-4}}).raise_for_status().json()
+    job = (
+        stack.http.post(
+            "/jobs",
+            json={
+                "base_model": "all-MiniLM-L6-v2",
+                "training_dataset": dataset["id"],
+                "text_column": "text",
+                "label_column": "label",
+                "hyperparameters": {"epochs": epochs, "max_length": 128, "batch_size": 16, "learning_rate": 1e-4},
+            },
+        )
+        .raise_for_status()
+        .json()
+    )
     while (state := stack.http.get(f"/jobs/{job['id']}").raise_for_status().json())["progress"]["step"] < 2:
         if state["status"] in ("succeeded", "failed", "cancelled"):
             raise SystemExit(f"the job ended {state['status']} before the measurement: {state['error']}")
@@ -196,17 +218,27 @@ def start_job(stack: Stack, work: Path, rows: int | None, epochs: float) -> str:
 
 
 def markdown(results: list[dict], args, machine: str) -> str:
-    lines = [f"{machine}; `python -m bench.streams --streams {args.streams} --seconds {args.seconds}"
-             + (f" --rows {args.rows}" if args.rows else "") + "`, all-MiniLM-L6-v2 training on BBC News "
-             "in the worker process of `tunejob serve`, metrics flushed every 2 s, the stream's reader polling "
-             "every 0.5 s (the defaults).", "",
-             "| clients | API CPU (% of one core) | SQL statements/s | transactions/s | messages per client "
-             "| metric rows per stream (duplicates) |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"{machine}; `python -m bench.streams --streams {args.streams} --seconds {args.seconds}"
+        + (f" --rows {args.rows}" if args.rows else "")
+        + "`, all-MiniLM-L6-v2 training on BBC News "
+        "in the worker process of `tunejob serve`, metrics flushed every 2 s, the stream's reader polling "
+        "every 0.5 s (the defaults).",
+        "",
+        "| clients | API CPU (% of one core) | SQL statements/s | transactions/s | messages per client "
+        "| metric rows per stream (duplicates) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
-        rows = (f"{', '.join(map(str, r['metric_rows_per_stream']))} ({r['duplicate_rows']})"
-                if "metric_rows_per_stream" in r else "")
-        lines.append(f"| {r['clients']} | {r['api_cpu_percent']} | {r['statements_per_s']} | "
-                     f"{r['transactions_per_s']} | {r['messages_per_client']} | {rows} |")
+        rows = (
+            f"{', '.join(map(str, r['metric_rows_per_stream']))} ({r['duplicate_rows']})"
+            if "metric_rows_per_stream" in r
+            else ""
+        )
+        lines.append(
+            f"| {r['clients']} | {r['api_cpu_percent']} | {r['statements_per_s']} | "
+            f"{r['transactions_per_s']} | {r['messages_per_client']} | {rows} |"
+        )
     return "\n".join(lines)
 
 
@@ -229,8 +261,10 @@ def main() -> int:
     stack = Stack(WORK_DIR, args.port)
     try:
         job_id = start_job(stack, WORK_DIR, args.rows, args.epochs)
-        results = [asyncio.run(measure(stack, job_id, kind, clients, args.seconds))
-                   for kind, clients in [("none", 0), ("streams", args.streams), ("polling", args.streams)]]
+        results = [
+            asyncio.run(measure(stack, job_id, kind, clients, args.seconds))
+            for kind, clients in [("none", 0), ("streams", args.streams), ("polling", args.streams)]
+        ]
         still = stack.http.get(f"/jobs/{job_id}").raise_for_status().json()["status"]
         stack.http.post(f"/jobs/{job_id}/cancel").raise_for_status()
     finally:
@@ -238,12 +272,13 @@ def main() -> int:
     for r in results:
         print(json.dumps(r))
     if still != "running":
-        print(f"warning: the job was {still} by the end: the last windows did not all see training; "
-              "raise --epochs", file=sys.stderr)
+        print(
+            f"warning: the job was {still} by the end: the last windows did not all see training; raise --epochs",
+            file=sys.stderr,
+        )
     table = markdown(results, args, described)
     print(table)
     if args.markdown:
-
         update_markdown(args.markdown, {"streams": table})
     return 0 if all(r.get("duplicate_rows", 0) == 0 for r in results) else 1
 

@@ -37,10 +37,12 @@ MODEL = "all-MiniLM-L6-v2"
 
 def space(max_epochs: int) -> dict:
     """The search space of both sides (Optuna distributions)."""
-    return {"learning_rate": {"type": "float", "low": 1e-5, "high": 3e-4, "log": True},
-            "batch_size": {"type": "categorical", "choices": [16, 32]},
-            "warmup_ratio": {"type": "float", "low": 0.0, "high": 0.2},
-            "epochs": {"type": "int", "low": 1, "high": max_epochs}}
+    return {
+        "learning_rate": {"type": "float", "low": 1e-5, "high": 3e-4, "log": True},
+        "batch_size": {"type": "categorical", "choices": [16, 32]},
+        "warmup_ratio": {"type": "float", "low": 0.0, "high": 0.2},
+        "epochs": {"type": "int", "low": 1, "high": max_epochs},
+    }
 
 
 def run_tunejob(args, work: Path) -> dict:
@@ -51,11 +53,21 @@ def run_tunejob(args, work: Path) -> dict:
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    env = {**os.environ, "TUNEJOB_DATA_DIR": str(work / "data"), "TUNEJOB_DEVICE": "cpu",
-           "OMP_NUM_THREADS": str(args.threads_per_worker), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "TUNEJOB_DATA_DIR": str(work / "data"),
+        "TUNEJOB_DEVICE": "cpu",
+        "OMP_NUM_THREADS": str(args.threads_per_worker),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     log = open(work / "serve.log", "w")
-    serve = subprocess.Popen([sys.executable, "-m", "tunejob", "serve", "--port", str(port),
-                              "--workers", str(args.workers)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "tunejob", "serve", "--port", str(port), "--workers", str(args.workers)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + args.timeout  # start-up included: this side never outlives its limit
     try:
         http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
@@ -71,12 +83,22 @@ def run_tunejob(args, work: Path) -> dict:
             r.raise_for_status()
             return r.json()["id"]
 
-        body = {"base_model": MODEL, "task": "classification", "training_dataset": upload("train.csv"),
-                "validation_dataset": upload("val.csv"), "text_column": "text", "label_column": "label",
-                "hyperparameters": {"max_length": 128, "seed": args.seed},
-                "search_space": space(args.max_epochs), "objective": {"metric": "accuracy"}, "algorithm": "tpe",
-                "seed": args.seed, "early_stopping": {"type": "median"}, "max_trials": args.trials,
-                "max_parallel_trials": args.workers}
+        body = {
+            "base_model": MODEL,
+            "task": "classification",
+            "training_dataset": upload("train.csv"),
+            "validation_dataset": upload("val.csv"),
+            "text_column": "text",
+            "label_column": "label",
+            "hyperparameters": {"max_length": 128, "seed": args.seed},
+            "search_space": space(args.max_epochs),
+            "objective": {"metric": "accuracy"},
+            "algorithm": "tpe",
+            "seed": args.seed,
+            "early_stopping": {"type": "median"},
+            "max_trials": args.trials,
+            "max_parallel_trials": args.workers,
+        }
         began = time.monotonic()
         r = http.post("/sweeps", json=body)
         r.raise_for_status()
@@ -84,27 +106,50 @@ def run_tunejob(args, work: Path) -> dict:
         while (sweep := http.get(f"/sweeps/{sweep_id}").json())["finished_at"] is None:
             if time.monotonic() > deadline:
                 http.post(f"/sweeps/{sweep_id}/cancel")
-                return {"finished": False, "wall_seconds": time.monotonic() - began,
-                        "trials": http.get(f"/sweeps/{sweep_id}/trials").json()["data"]}
+                return {
+                    "finished": False,
+                    "wall_seconds": time.monotonic() - began,
+                    "trials": http.get(f"/sweeps/{sweep_id}/trials").json()["data"],
+                }
             time.sleep(1)
         wall = time.monotonic() - began
         trials = http.get(f"/sweeps/{sweep_id}/trials").json()["data"]
-        result = {"finished": True, "status": sweep["status"], "wall_seconds": wall,
-                  "optimizer_steps": sum(t["steps"] for t in trials), "counts": sweep["trials"],
-                  "best_accuracy": sweep["best_trial"]["value"] if sweep["best_trial"] else None,
-                  "best_params": sweep["best_trial"]["params"] if sweep["best_trial"] else None, "trials": trials}
+        result = {
+            "finished": True,
+            "status": sweep["status"],
+            "wall_seconds": wall,
+            "optimizer_steps": sum(t["steps"] for t in trials),
+            "counts": sweep["trials"],
+            "best_accuracy": sweep["best_trial"]["value"] if sweep["best_trial"] else None,
+            "best_params": sweep["best_trial"]["params"] if sweep["best_trial"] else None,
+            "trials": trials,
+        }
         if args.default_job:  # after the sweep's timer: the job a user gets without a sweep, same data and seed
-            job = {key: body[key] for key in ("base_model", "task", "training_dataset", "validation_dataset",
-                                              "text_column", "label_column", "hyperparameters")}
+            job = {
+                key: body[key]
+                for key in (
+                    "base_model",
+                    "task",
+                    "training_dataset",
+                    "validation_dataset",
+                    "text_column",
+                    "label_column",
+                    "hyperparameters",
+                )
+            }
             began = time.monotonic()
             job_id = http.post("/jobs", json=job).raise_for_status().json()["id"]
             while (view := http.get(f"/jobs/{job_id}").json())["finished_at"] is None:
                 time.sleep(1)
             rows = http.get(f"/jobs/{job_id}/metrics", params={"limit": 10000}).json()["data"]
-            result["default_job"] = {"status": view["status"], "wall_seconds": time.monotonic() - began,
-                                     "hyperparameters": view["hyperparameters"],
-                                     "best_accuracy": max((r["value"] for r in rows if r["name"] == "eval_accuracy"
-                                                           and r["value"] is not None), default=None)}
+            result["default_job"] = {
+                "status": view["status"],
+                "wall_seconds": time.monotonic() - began,
+                "hyperparameters": view["hyperparameters"],
+                "best_accuracy": max(
+                    (r["value"] for r in rows if r["name"] == "eval_accuracy" and r["value"] is not None), default=None
+                ),
+            }
         return result
     finally:
         serve.terminate()
@@ -142,25 +187,53 @@ def run_trainer(args, work: Path) -> dict:
         return {"accuracy": float((np.argmax(p.predictions, -1) == p.label_ids).mean())}
 
     def hp_space(trial):
-        return {"learning_rate": trial.suggest_float("learning_rate", 1e-5, 3e-4, log=True),
-                "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [16, 32]),
-                # transformers 5 dropped TrainingArguments.warmup_ratio: a float warmup_steps in
-                # [0, 1) is the ratio of total steps (the Trainer ignored "warmup_ratio" here before)
-                "warmup_steps": trial.suggest_float("warmup_ratio", 0.0, 0.2),
-                "num_train_epochs": trial.suggest_int("num_train_epochs", 1, args.max_epochs)}
+        return {
+            "learning_rate": trial.suggest_float("learning_rate", 1e-5, 3e-4, log=True),
+            "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [16, 32]),
+            # transformers 5 dropped TrainingArguments.warmup_ratio: a float warmup_steps in
+            # [0, 1) is the ratio of total steps (the Trainer ignored "warmup_ratio" here before)
+            "warmup_steps": trial.suggest_float("warmup_ratio", 0.0, 0.2),
+            "num_train_epochs": trial.suggest_int("num_train_epochs", 1, args.max_epochs),
+        }
 
-    arguments = TrainingArguments(output_dir=str(work / "trainer"), eval_strategy="epoch", save_strategy="no",
-                                  report_to=[], use_cpu=True, seed=args.seed, disable_tqdm=True,
-                                  logging_strategy="no", per_device_eval_batch_size=64, weight_decay=0.01)
-    trainer = Trainer(model_init=lambda: load_model(model_dir, labels, args.seed), args=arguments,
-                      train_dataset=train_set, eval_dataset=val_set, processing_class=tokenizer,
-                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy,
-                      callbacks=[CountSteps()])
+    arguments = TrainingArguments(
+        output_dir=str(work / "trainer"),
+        eval_strategy="epoch",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=args.seed,
+        disable_tqdm=True,
+        logging_strategy="no",
+        per_device_eval_batch_size=64,
+        weight_decay=0.01,
+    )
+    trainer = Trainer(
+        model_init=lambda: load_model(model_dir, labels, args.seed),
+        args=arguments,
+        train_dataset=train_set,
+        eval_dataset=val_set,
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        compute_metrics=accuracy,
+        callbacks=[CountSteps()],
+    )
     began = time.monotonic()
-    best = trainer.hyperparameter_search(direction="maximize", backend="optuna", hp_space=hp_space,
-                                         n_trials=args.trials, compute_objective=lambda m: m["eval_accuracy"])
-    return {"finished": True, "wall_seconds": time.monotonic() - began, "optimizer_steps": sum(steps),
-            "trials_trained": len(steps), "best_accuracy": best.objective, "best_params": best.hyperparameters}
+    best = trainer.hyperparameter_search(
+        direction="maximize",
+        backend="optuna",
+        hp_space=hp_space,
+        n_trials=args.trials,
+        compute_objective=lambda m: m["eval_accuracy"],
+    )
+    return {
+        "finished": True,
+        "wall_seconds": time.monotonic() - began,
+        "optimizer_steps": sum(steps),
+        "trials_trained": len(steps),
+        "best_accuracy": best.objective,
+        "best_params": best.hyperparameters,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,11 +245,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads-per-worker", type=int, default=1)
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--timeout", type=float, default=1200,
-                   help="seconds per side, start-up included; tunejob's sweep still running then is cancelled")
-    p.add_argument("--default-job", action="store_true",
-                   help="after tunejob's sweep, one job with the default hyperparameters on the same data and seed "
-                        "(held-out accuracy at its best evaluation, as a trial's value)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1200,
+        help="seconds per side, start-up included; tunejob's sweep still running then is cancelled",
+    )
+    p.add_argument(
+        "--default-job",
+        action="store_true",
+        help="after tunejob's sweep, one job with the default hyperparameters on the same data and seed "
+        "(held-out accuracy at its best evaluation, as a trial's value)",
+    )
     p.add_argument("--side", choices=["both", "tunejob", "trainer"], default="both")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
@@ -187,16 +267,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = {"args": vars(args) | {"out": str(args.out)}}
     for side in ("tunejob", "trainer"):  # each cold, in its own process
-        options = {"train-size": args.train_size, "val-size": args.val_size, "trials": args.trials,
-                   "max-epochs": args.max_epochs, "workers": args.workers, "seed": args.seed, "timeout": args.timeout,
-                   "threads-per-worker": args.threads_per_worker}
-        cmd = [sys.executable, "-m", "bench.sweeps", "--side", side,
-               *[part for name, value in options.items() for part in (f"--{name}", str(value))],
-               *(["--default-job"] if args.default_job else [])]
+        options = {
+            "train-size": args.train_size,
+            "val-size": args.val_size,
+            "trials": args.trials,
+            "max-epochs": args.max_epochs,
+            "workers": args.workers,
+            "seed": args.seed,
+            "timeout": args.timeout,
+            "threads-per-worker": args.threads_per_worker,
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.sweeps",
+            "--side",
+            side,
+            *[part for name, value in options.items() for part in (f"--{name}", str(value))],
+            *(["--default-job"] if args.default_job else []),
+        ]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 120)
-            results[side] = (json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0
-                             else {"finished": False, "error": done.stderr[-2000:]})
+            results[side] = (
+                json.loads(done.stdout.strip().splitlines()[-1])
+                if done.returncode == 0
+                else {"finished": False, "error": done.stderr[-2000:]}
+            )
         except subprocess.TimeoutExpired:
             results[side] = {"finished": False, "error": f"ran past {args.timeout + 120} s"}
         print(side, json.dumps({k: v for k, v in results[side].items() if k != "trials"}, default=str), flush=True)

@@ -58,7 +58,7 @@ def quality(r: dict, key: str) -> str:
     runs = r.get(f"{key}_runs") or []
     if len(runs) < 2:
         return fmt(r.get(key), ".4f")
-    return (f"{r[key]:.4f} (range {max(runs) - min(runs):.4f}: " + ", ".join(f"{v:.4f}" for v in runs) + ")")
+    return f"{r[key]:.4f} (range {max(runs) - min(runs):.4f}: " + ", ".join(f"{v:.4f}" for v in runs) + ")"
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -72,8 +72,15 @@ def summarize(rows: list[dict]) -> list[dict]:
     summary = [median_row(g) for g in groups.values()]
     for r in summary:
         for peer in PEERS:
-            ref = next((p for p in summary if (p["dataset"], p["batch_size"], p["config"], p["job"]) ==
-                        (r["dataset"], r["batch_size"], peer, 1)), None)
+            ref = next(
+                (
+                    p
+                    for p in summary
+                    if (p["dataset"], p["batch_size"], p["config"], p["job"])
+                    == (r["dataset"], r["batch_size"], peer, 1)
+                ),
+                None,
+            )
             r[f"vs_{peer}"] = ref["train_seconds"] / r["train_seconds"] if ref else None
     return summary
 
@@ -90,21 +97,29 @@ def table(header: list[str], body: list[list[str]]) -> str:
 
 
 def provenance(meta: dict) -> str:
-    return (f"_Measured {meta['date']} on {meta['device']} with `{meta['command']}` (torch {meta['torch']}, "
-            f"transformers {meta['transformers']}, model {meta['model']}, precision {meta['dtype']}, "
-            f"{meta['epochs']} epoch(s), {meta['repeats']} repeat(s), seed(s) "
-            f"{', '.join(str(s) for s in meta.get('seeds', [42]))}"
-            + (f", CPU memory {meta['cpu_memory']}" if meta["device_type"] == "cpu" else "") + ")._")
+    return (
+        f"_Measured {meta['date']} on {meta['device']} with `{meta['command']}` (torch {meta['torch']}, "
+        f"transformers {meta['transformers']}, model {meta['model']}, precision {meta['dtype']}, "
+        f"{meta['epochs']} epoch(s), {meta['repeats']} repeat(s), seed(s) "
+        f"{', '.join(str(s) for s in meta.get('seeds', [42]))}"
+        + (f", CPU memory {meta['cpu_memory']}" if meta["device_type"] == "cpu" else "")
+        + ")._"
+    )
 
 
 def block_header(rows: list[dict]) -> str:
     r0 = rows[0]
     tokens = sorted({t for r in rows for t in r["epoch_real_tokens"]})
-    same = (f"{tokens[0]:,} real tokens per epoch, the same for every configuration" if len(tokens) == 1
-            else f"real tokens per epoch DIFFER between configurations: {', '.join(f'{t:,}' for t in tokens)}")
-    return (f"**{CORPORA[r0['dataset']].title} @{r0['max_length']}, batch {r0['batch_size']}**: "
-            f"{r0['train_examples']:,} training texts, {same}; {r0['flops_per_real_token']:.3g} FLOPs per "
-            f"real token (6 x {r0['non_embedding_params'] / 1e6:.1f}M non-embedding parameters + attention).")
+    same = (
+        f"{tokens[0]:,} real tokens per epoch, the same for every configuration"
+        if len(tokens) == 1
+        else f"real tokens per epoch DIFFER between configurations: {', '.join(f'{t:,}' for t in tokens)}"
+    )
+    return (
+        f"**{CORPORA[r0['dataset']].title} @{r0['max_length']}, batch {r0['batch_size']}**: "
+        f"{r0['train_examples']:,} training texts, {same}; {r0['flops_per_real_token']:.3g} FLOPs per "
+        f"real token (6 x {r0['non_embedding_params'] / 1e6:.1f}M non-embedding parameters + attention)."
+    )
 
 
 def render(summary: list[dict], meta: dict) -> str:
@@ -115,24 +130,43 @@ def render(summary: list[dict], meta: dict) -> str:
     for block in dict.fromkeys((r["dataset"], r["batch_size"]) for r in summary):
         rows = [r for r in summary if (r["dataset"], r["batch_size"]) == block]
         peers = [p for p in PEERS if any(r["config"] == p and r["job"] == 1 for r in rows)]
-        header = ["configuration", "load s", "warm-up s (in epoch 1)", "epoch s (warm-up included)", "train s", *(f"vs {p}" for p in peers),
-                  "steady real tokens/s", "MFU epoch / steady", "padding efficiency (unrounded / padded)", memory,
-                  "process s", *(QUALITY_TITLES[name] for name in shown)]
+        header = [
+            "configuration",
+            "load s",
+            "warm-up s (in epoch 1)",
+            "epoch s (warm-up included)",
+            "train s",
+            *(f"vs {p}" for p in peers),
+            "steady real tokens/s",
+            "MFU epoch / steady",
+            "padding efficiency (unrounded / padded)",
+            memory,
+            "process s",
+            *(QUALITY_TITLES[name] for name in shown),
+        ]
         body = []
         for r in rows:
-            line = [r["config"] + (f" (job {r['job']} in its process)" if r["job"] > 1 else ""),
-                    f"{r['load_seconds']:.1f}", fmt(r.get("warmup_seconds"), ".1f"), " + ".join(f"{s:.1f}" for s in r["epoch_seconds"]),
-                    f"{r['train_seconds']:.1f}", *(fmt(r[f"vs_{p}"], ".2f", "x") for p in peers),
-                    fmt(r["steady_tokens_per_second"], ",.0f"),
-                    f"{fmt(r['mfu_epoch'], '.1%')} / {fmt(r['mfu_steady'], '.1%')}",
-                    f"{r['efficiency_unrounded']:.3f} / {r['efficiency_padded']:.3f}",
-                    f"{r['peak_memory_mib']:,.0f}", f"{r['process_seconds']:.0f}"]
+            line = [
+                r["config"] + (f" (job {r['job']} in its process)" if r["job"] > 1 else ""),
+                f"{r['load_seconds']:.1f}",
+                fmt(r.get("warmup_seconds"), ".1f"),
+                " + ".join(f"{s:.1f}" for s in r["epoch_seconds"]),
+                f"{r['train_seconds']:.1f}",
+                *(fmt(r[f"vs_{p}"], ".2f", "x") for p in peers),
+                fmt(r["steady_tokens_per_second"], ",.0f"),
+                f"{fmt(r['mfu_epoch'], '.1%')} / {fmt(r['mfu_steady'], '.1%')}",
+                f"{r['efficiency_unrounded']:.3f} / {r['efficiency_padded']:.3f}",
+                f"{r['peak_memory_mib']:,.0f}",
+                f"{r['process_seconds']:.0f}",
+            ]
             body.append(line + [quality(r, name) for name in shown])
         parts += [block_header(rows), table(header, body)]
     targets = target_rows(summary)
     if meta["device_type"] == "cuda" and targets:
-        parts += ["Targets of issue 9 (the engine as a job runs it: `smart`, its first job in a fresh process):",
-                  table(["target", "measured", "status"], targets)]
+        parts += [
+            "Targets of issue 9 (the engine as a job runs it: `smart`, its first job in a fresh process):",
+            table(["target", "measured", "status"], targets),
+        ]
     return "\n\n".join(parts)
 
 
@@ -146,11 +180,21 @@ def target_rows(summary: list[dict]) -> list[list[str]]:
         where = f"{CORPORA[r['dataset']].title} @{r['max_length']}, batch {r['batch_size']}"
         for peer in ("trainer", "trainer_cudnn_off"):
             if r[f"vs_{peer}"] is not None:
-                out.append([f"epoch <= 1/{goal[peer]} of {peer} train_runtime, {where}", f"{r[f'vs_{peer}']:.2f}x",
-                            "met" if r[f"vs_{peer}"] >= goal[peer] else "missed"])
+                out.append(
+                    [
+                        f"epoch <= 1/{goal[peer]} of {peer} train_runtime, {where}",
+                        f"{r[f'vs_{peer}']:.2f}x",
+                        "met" if r[f"vs_{peer}"] >= goal[peer] else "missed",
+                    ]
+                )
         if r["mfu_steady"] is not None:
-            out.append([f"steady MFU >= {goal['mfu_steady']:.0%}, {where}", f"{r['mfu_steady']:.1%}",
-                        "met" if r["mfu_steady"] >= goal["mfu_steady"] else "missed"])
+            out.append(
+                [
+                    f"steady MFU >= {goal['mfu_steady']:.0%}, {where}",
+                    f"{r['mfu_steady']:.1%}",
+                    "met" if r["mfu_steady"] >= goal["mfu_steady"] else "missed",
+                ]
+            )
     return out
 
 
@@ -176,8 +220,11 @@ def render_saved(paths: list[Path]) -> str:
     of the first, with every run's command and start (date and machine with its load average)."""
     runs = [json.loads(path.read_text()) for path in paths]
     rows = [r for run in runs for r in run["rows"] if "error" not in r]
-    meta = {**runs[0]["meta"], "command": "; ".join(run["meta"]["command"] for run in runs),
-            "device": "; ".join(f"{run['meta']['device']} ({run['meta']['date']})" for run in runs)}
+    meta = {
+        **runs[0]["meta"],
+        "command": "; ".join(run["meta"]["command"] for run in runs),
+        "device": "; ".join(f"{run['meta']['device']} ({run['meta']['date']})" for run in runs),
+    }
     return render(summarize(rows), meta)
 
 

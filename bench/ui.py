@@ -42,10 +42,18 @@ CHROMIUM = os.environ.get("TUNEJOB_CHROMIUM", "/usr/bin/chromium")
 
 
 def start_api(data_dir: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "TUNEJOB_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1",
-           "TUNEJOB_RATE_LIMIT": "100000/second"}
-    api = subprocess.Popen([sys.executable, "-m", "tunejob", "api", "--port", str(port)], env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "TUNEJOB_DATA_DIR": str(data_dir),
+        "HF_HUB_OFFLINE": "1",
+        "TUNEJOB_RATE_LIMIT": "100000/second",
+    }
+    api = subprocess.Popen(
+        [sys.executable, "-m", "tunejob", "api", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(600):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
@@ -71,23 +79,68 @@ def seed_store(data_dir: Path, jobs: int, points: int) -> tuple[str, str, list[s
     spec = JobCreate(base_model="tiny-bert", training_dataset="ds_bench").model_dump(mode="json")
     now = utcnow()
     with session_scope() as s:
-        s.add(Dataset(id="ds_bench", filename="bench.csv", format="csv", path=str(data_dir / "none.csv"), rows=1,
-                      columns=["text", "label"], bytes=1, sha256="0" * 64))
+        s.add(
+            Dataset(
+                id="ds_bench",
+                filename="bench.csv",
+                format="csv",
+                path=str(data_dir / "none.csv"),
+                rows=1,
+                columns=["text", "label"],
+                bytes=1,
+                sha256="0" * 64,
+            )
+        )
         s.flush()
         for i in range(jobs):
-            s.add(Job(id=f"job_bench{i:06d}", status="cancelled" if i == 0 else "succeeded",  # 0: no artifacts
-                      base_model="tiny-bert", task="classification",
-                      training_dataset_id="ds_bench", spec=spec, created_at=now - timedelta(seconds=jobs - i),
-                      started_at=now, finished_at=now, step=100, total_steps=100, epoch=1.0,
-                      validation_metrics={"loss": 0.3, "accuracy": 0.9}, timings={"total": 12.0}))
+            s.add(
+                Job(
+                    id=f"job_bench{i:06d}",
+                    status="cancelled" if i == 0 else "succeeded",  # 0: no artifacts
+                    base_model="tiny-bert",
+                    task="classification",
+                    training_dataset_id="ds_bench",
+                    spec=spec,
+                    created_at=now - timedelta(seconds=jobs - i),
+                    started_at=now,
+                    finished_at=now,
+                    step=100,
+                    total_steps=100,
+                    epoch=1.0,
+                    validation_metrics={"loss": 0.3, "accuracy": 0.9},
+                    timings={"total": 12.0},
+                )
+            )
         running = [f"job_live{i:02d}" for i in range(10)]
         for job_id in running:
-            s.add(Job(id=job_id, status="running", base_model="tiny-bert", task="classification",
-                      training_dataset_id="ds_bench", spec=spec, started_at=now, total_steps=100_000, timings={}))
+            s.add(
+                Job(
+                    id=job_id,
+                    status="running",
+                    base_model="tiny-bert",
+                    task="classification",
+                    training_dataset_id="ds_bench",
+                    spec=spec,
+                    started_at=now,
+                    total_steps=100_000,
+                    timings={},
+                )
+            )
         s.flush()
-        s.bulk_insert_mappings(JobMetric, [{"job_id": "job_bench000000", "step": i + 1, "epoch": i / points,
-                                            "name": "train_loss", "value": 1.0 / (1 + i / 1000), "time": now}
-                                           for i in range(points)])
+        s.bulk_insert_mappings(
+            JobMetric,
+            [
+                {
+                    "job_id": "job_bench000000",
+                    "step": i + 1,
+                    "epoch": i / points,
+                    "name": "train_loss",
+                    "value": 1.0 / (1 + i / 1000),
+                    "time": now,
+                }
+                for i in range(points)
+            ],
+        )
     return key, "job_bench000000", running
 
 
@@ -177,7 +230,8 @@ def main() -> int:
                 pg.wait_for_timeout(20)
             results["chart_ready_ms"] = pg.evaluate("performance.now()")
             results["chart_wait_ms"] = 1000 * (time.perf_counter() - started)
-            draws = pg.evaluate("""(n) => {
+            draws = pg.evaluate(
+                """(n) => {
                 const times = [];
                 for (let r = 0; r < %d; r++) {
                     const el = document.createElement('div');
@@ -190,7 +244,10 @@ def main() -> int:
                     chart.plot.destroy(); el.remove();
                 }
                 return times;
-            }""" % args.repeats, args.points)  # noqa: UP031 (JavaScript: its braces are not format fields)
+            }"""  # noqa: UP031 (JavaScript: its braces are not format fields)
+                % args.repeats,
+                args.points,
+            )
             results["chart_draw_ms"] = statistics.median(draws)
             ctx.close()
 
@@ -227,19 +284,25 @@ def main() -> int:
 
 
 def markdown(r: dict, args, machine: str, load) -> str:
-    return "\n".join([
-        f"`python -m bench.ui --jobs {args.jobs} --points {args.points} --repeats {args.repeats} "
-        f"--seconds {args.seconds:g}` on {machine}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
-        "(2 cores shared with five other engineers' tests: wall-clock times are inflated by that load; "
-        "CPU time less so).", "",
-        "| Measure | Target | Result |", "| --- | --- | --- |",
-        f"| `/ui/jobs` with {args.jobs:,} jobs in the store (50 rows a page): first contentful paint, median of "
-        f"{args.repeats} cold loads | ≤ 500 ms | {r['jobs_fcp_ms']:.0f} ms (load event {r['jobs_load_ms']:.0f} ms) |",
-        f"| a chart of {args.points:,} points: uPlot draw, median of {args.repeats} | ≤ 200 ms | {r['chart_draw_ms']:.0f} ms |",
-        f"| the job page from navigation until its chart holds all {args.points:,} points from the stream | – | "
-        f"{r['chart_ready_ms']:.0f} ms |",
-        f"| API CPU, 10 job pages open on 10 training jobs (one row each per second), {args.seconds:g} s | ≤ 5% of a core "
-        f"| {r['cpu_10_pages_pct']:.1f}% (no page open: {r['cpu_idle_pct']:.1f}%) |", ""])
+    return "\n".join(
+        [
+            f"`python -m bench.ui --jobs {args.jobs} --points {args.points} --repeats {args.repeats} "
+            f"--seconds {args.seconds:g}` on {machine}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+            "(2 cores shared with five other engineers' tests: wall-clock times are inflated by that load; "
+            "CPU time less so).",
+            "",
+            "| Measure | Target | Result |",
+            "| --- | --- | --- |",
+            f"| `/ui/jobs` with {args.jobs:,} jobs in the store (50 rows a page): first contentful paint, median of "
+            f"{args.repeats} cold loads | ≤ 500 ms | {r['jobs_fcp_ms']:.0f} ms (load event {r['jobs_load_ms']:.0f} ms) |",
+            f"| a chart of {args.points:,} points: uPlot draw, median of {args.repeats} | ≤ 200 ms | {r['chart_draw_ms']:.0f} ms |",
+            f"| the job page from navigation until its chart holds all {args.points:,} points from the stream | – | "
+            f"{r['chart_ready_ms']:.0f} ms |",
+            f"| API CPU, 10 job pages open on 10 training jobs (one row each per second), {args.seconds:g} s | ≤ 5% of a core "
+            f"| {r['cpu_10_pages_pct']:.1f}% (no page open: {r['cpu_idle_pct']:.1f}%) |",
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":

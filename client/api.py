@@ -54,9 +54,16 @@ def retrying(transport: httpx.BaseTransport | None = None, retries: int = 5) -> 
     (rate limit; the store's write lock not free), and every create carries an ``Idempotency-Key``,
     so a retried POST never makes two jobs. Errors without an answer (connection refused) are not
     retried here: ``Client.follow`` reconnects its stream itself."""
-    retry = Retry(total=retries, status_forcelist=RETRY_STATUSES, retry_on_exceptions=(),
-                  allowed_methods=("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"),
-                  backoff_factor=0.5, backoff_jitter=1.0, max_backoff_wait=30.0, respect_retry_after_header=True)
+    retry = Retry(
+        total=retries,
+        status_forcelist=RETRY_STATUSES,
+        retry_on_exceptions=(),
+        allowed_methods=("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"),
+        backoff_factor=0.5,
+        backoff_jitter=1.0,
+        max_backoff_wait=30.0,
+        respect_retry_after_header=True,
+    )
     return RetryTransport(transport=transport or httpx.HTTPTransport(), retry=retry)
 
 
@@ -80,8 +87,14 @@ class TunejobError(Exception):
         problems: ``[{"row", "column", "value", "message"}]`` for data validation reports, else None.
     """
 
-    def __init__(self, status: int | None, code: str, message: str, param: str | None = None,
-                 problems: list[dict[str, Any]] | None = None):
+    def __init__(
+        self,
+        status: int | None,
+        code: str,
+        message: str,
+        param: str | None = None,
+        problems: list[dict[str, Any]] | None = None,
+    ):
         super().__init__(message)
         self.status, self.code, self.message, self.param, self.problems = status, code, message, param, problems
 
@@ -97,8 +110,13 @@ class TunejobError(Exception):
         try:
             body = response.json()
             error = body["error"]
-            return cls(response.status_code, error["code"], error["message"], error.get("param"),
-                       error.get("problems", body.get("problems")))
+            return cls(
+                response.status_code,
+                error["code"],
+                error["message"],
+                error.get("param"),
+                error.get("problems", body.get("problems")),
+            )
         except (ValueError, KeyError, TypeError):
             text = response.text.strip()[:200] or response.reason_phrase
             return cls(response.status_code, "http_error", text)
@@ -147,8 +165,13 @@ class StreamMessage:
         if event in ("progress", "end"):
             return cls(event, id_, kind.out.model_validate(payload))
         rows = payload["data"]
-        return cls(event, id_, [MetricOut.model_validate(r) for r in rows] if event == "metrics"
-                   else [EventOut.model_validate(r) for r in rows])
+        return cls(
+            event,
+            id_,
+            [MetricOut.model_validate(r) for r in rows]
+            if event == "metrics"
+            else [EventOut.model_validate(r) for r in rows],
+        )
 
 
 class Client:
@@ -165,13 +188,20 @@ class Client:
     Every method raises ``TunejobError`` on failure.
     """
 
-    def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = 60.0,
-                 transport: httpx.BaseTransport | None = None, retries: int = 5):
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        transport: httpx.BaseTransport | None = None,
+        retries: int = 5,
+    ):
         self.url = (url or os.environ.get("TUNEJOB_URL") or DEFAULT_URL).rstrip("/")
         key = api_key if api_key is not None else default_api_key()
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
-                                 transport=retrying(transport, retries))
+        self.http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=timeout, transport=retrying(transport, retries)
+        )
 
     def close(self) -> None:
         self.http.close()
@@ -287,8 +317,12 @@ class Client:
         ordered by step."""
         rows: list[MetricOut] = []
         while True:
-            page = [MetricOut.model_validate(m) for m in self.request(
-                "GET", f"/jobs/{job_id}/metrics", params={"after_step": after_step, "limit": METRICS_PAGE}).json()["data"]]
+            page = [
+                MetricOut.model_validate(m)
+                for m in self.request(
+                    "GET", f"/jobs/{job_id}/metrics", params={"after_step": after_step, "limit": METRICS_PAGE}
+                ).json()["data"]
+            ]
             if len(page) < METRICS_PAGE:
                 return rows + page
             # A full page may end inside a step: keep the whole steps, ask again from the cut one.
@@ -298,12 +332,12 @@ class Client:
 
     def job_events(self, job_id: str, kind: Kind = TRAINING) -> list[EventOut]:
         """``GET /jobs/{id}/events`` (or ``/predictions/{id}/events``, by ``kind``)."""
-        return [EventOut.model_validate(e)
-                for e in self.request("GET", f"{kind.path}/{job_id}/events").json()["data"]]
+        return [EventOut.model_validate(e) for e in self.request("GET", f"{kind.path}/{job_id}/events").json()["data"]]
 
     def job_checkpoints(self, job_id: str) -> list[CheckpointOut]:
-        return [CheckpointOut.model_validate(c)
-                for c in self.request("GET", f"/jobs/{job_id}/checkpoints").json()["data"]]
+        return [
+            CheckpointOut.model_validate(c) for c in self.request("GET", f"/jobs/{job_id}/checkpoints").json()["data"]
+        ]
 
     def list_artifacts(self, job_id: str) -> list[ArtifactOut]:
         return [ArtifactOut.model_validate(a) for a in self.request("GET", f"/jobs/{job_id}/artifacts").json()["data"]]
@@ -326,7 +360,9 @@ class Client:
         """
         directory = Path(directory)
         if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-            raise TunejobError(None, "directory_not_empty", f"{directory} exists and is not an empty directory", "output")
+            raise TunejobError(
+                None, "directory_not_empty", f"{directory} exists and is not an empty directory", "output"
+            )
         directory.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.") as tmp:
             archive = Path(tmp) / "model.archive"
@@ -342,8 +378,9 @@ class Client:
             with tarfile.open(archive) as tar:
                 tar.extractall(extracted, filter="data")
             if (extracted / MANIFEST).is_file() and (bad := verify_manifest(extracted)):
-                raise TunejobError(None, "download_corrupt",
-                                   f"the model of {job_id} differs from its manifest: {', '.join(bad)}", None)
+                raise TunejobError(
+                    None, "download_corrupt", f"the model of {job_id} differs from its manifest: {', '.join(bad)}", None
+                )
             if directory.exists():
                 directory.rmdir()
             os.replace(extracted, directory)
@@ -389,16 +426,16 @@ class Client:
     def create_prediction(self, spec: PredictionCreate | dict[str, Any]) -> PredictionOut:
         """``POST /predictions``: score every row of a dataset with a model (a succeeded job of
         yours, or a base model with a classification head); the server checks, stores and queues it."""
-        return PredictionOut.model_validate(self.request("POST", "/predictions", json=_body(spec),
-                                                         headers=idempotency_key()).json())
+        return PredictionOut.model_validate(
+            self.request("POST", "/predictions", json=_body(spec), headers=idempotency_key()).json()
+        )
 
     def plan_prediction(self, spec: PredictionCreate | dict[str, Any]) -> dict[str, Any]:
         """``POST /predictions?dry_run=true``: rows, tokens, texts truncated at ``max_length``,
         padding efficiency and estimated time; nothing is stored or queued."""
         return self.request("POST", "/predictions", params={"dry_run": "true"}, json=_body(spec)).json()["plan"]
 
-    def list_predictions(self, status: str | None = None, limit: int = 20,
-                         cursor: str | None = None) -> PredictionList:
+    def list_predictions(self, status: str | None = None, limit: int = 20, cursor: str | None = None) -> PredictionList:
         """``GET /predictions``, newest first; pass ``next_cursor`` back as ``cursor`` for the next page."""
         params = {"limit": limit, **({"status": status} if status else {}), **({"cursor": cursor} if cursor else {})}
         return PredictionList.model_validate(self.request("GET", "/predictions", params=params).json())
@@ -470,8 +507,9 @@ class Client:
     def webhook_deliveries(self, webhook_id: str, limit: int = 20, cursor: int | None = None) -> DeliveryList:
         """``GET /webhooks/{id}/deliveries``, newest first; pass ``next_cursor`` back as ``cursor``."""
         params = {"limit": limit, **({"cursor": cursor} if cursor else {})}
-        return DeliveryList.model_validate(self.request("GET", f"/webhooks/{webhook_id}/deliveries",
-                                                        params=params).json())
+        return DeliveryList.model_validate(
+            self.request("GET", f"/webhooks/{webhook_id}/deliveries", params=params).json()
+        )
 
     def ping_webhook(self, webhook_id: str) -> DeliveryOut:
         """``POST /webhooks/{id}/ping``: a signed ``webhook.ping`` event is sent to the endpoint."""
@@ -493,7 +531,9 @@ class Client:
         # The server sends a heartbeat every 15 s by default: a read timeout of 4x that means a dead connection.
         timeout = httpx.Timeout(self.http.timeout.connect, read=60.0)
         try:
-            with connect_sse(self.http, "GET", f"{kind.path}/{job_id}/stream", headers=headers, timeout=timeout) as source:
+            with connect_sse(
+                self.http, "GET", f"{kind.path}/{job_id}/stream", headers=headers, timeout=timeout
+            ) as source:
                 if source.response.is_error:
                     source.response.read()
                     raise TunejobError.from_response(source.response)
@@ -507,8 +547,9 @@ class Client:
         except httpx.TransportError as e:
             raise self._unreachable(e) from e
 
-    def follow(self, job_id: str, last_event_id: str | None = None, poll_seconds: float = 2.0,
-               kind: Kind = TRAINING) -> Iterator[StreamMessage]:
+    def follow(
+        self, job_id: str, last_event_id: str | None = None, poll_seconds: float = 2.0, kind: Kind = TRAINING
+    ) -> Iterator[StreamMessage]:
         """Everything the job (of ``kind``) reports until it ends, the ``end`` message last.
 
         From the stream, which is reconnected with ``Last-Event-ID`` when the connection drops,
@@ -561,4 +602,3 @@ class Client:
 def _body(spec: JobCreate | PredictionCreate | SweepCreate | dict[str, Any]) -> dict[str, Any]:
     """The JSON body of a job spec. A dict goes as it is: the server checks it and names what is wrong."""
     return spec if isinstance(spec, dict) else spec.model_dump(mode="json", exclude_none=True)
-

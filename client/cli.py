@@ -60,8 +60,15 @@ def list_datasets(client: Client, args, out: Console) -> None:
     datasets = client.list_datasets()
     table = Table(id_column(), Column("filename", overflow="fold"), "format", "rows", "columns", "size", "age")
     for d in datasets:
-        table.add_row(d.id, escape(d.filename), d.format, f"{d.rows:,}", escape(", ".join(d.columns)),
-                      decimal(d.bytes), age(d.created_at))
+        table.add_row(
+            d.id,
+            escape(d.filename),
+            d.format,
+            f"{d.rows:,}",
+            escape(", ".join(d.columns)),
+            decimal(d.bytes),
+            age(d.created_at),
+        )
     show(out, args, datasets, lambda: table)
 
 
@@ -92,8 +99,9 @@ def get_alias(client: Client, args, out: Console) -> None:
     alias = client.get_alias(args.name)
     table = Table("from", "to", "by", "age", title=f"{escape(alias.alias)} -> {alias.job_id}")
     for change in alias.history:
-        table.add_row(change.from_job_id or "", change.to_job_id or "(deleted)", change.changed_by or "",
-                      age(change.changed_at))
+        table.add_row(
+            change.from_job_id or "", change.to_job_id or "(deleted)", change.changed_by or "", age(change.changed_at)
+        )
     show(out, args, alias, lambda: table)
 
 
@@ -162,8 +170,14 @@ def show_report(report: dict, args, out: Console) -> None:
     """An evaluation report: its headline figures, then per class (label, entity type) precision,
     recall, F1 and support, and the labels the model does not know; --json: the whole report."""
     per_class = report.get("per_class") or report.get("per_label") or report.get("per_entity") or {}
-    table = Table("", "precision", "recall", "f1", "support",
-                  title=", ".join(f"{k} {v:.4f}" for k, v in report["metrics"].items() if v is not None))
+    table = Table(
+        "",
+        "precision",
+        "recall",
+        "f1",
+        "support",
+        title=", ".join(f"{k} {v:.4f}" for k, v in report["metrics"].items() if v is not None),
+    )
     for name, v in per_class.items():
         table.add_row(escape(name), f"{v['precision']:.4f}", f"{v['recall']:.4f}", f"{v['f1']:.4f}", str(v["support"]))
     if unknown := report.get("unknown_labels"):
@@ -219,9 +233,11 @@ def delete_job(client: Client, args, out: Console) -> None:
 
 def download_model(client: Client, args, out: Console) -> None:
     directory = client.download_model(args.job_id, args.output or Path(args.job_id))
-    out.print(f"the model of {args.job_id} is in {directory}/; load it with "
-              f"transformers.pipeline(\"text-classification\", model=\"{directory}\"), "
-              f"its training curves with tensorboard --logdir {directory}/runs")
+    out.print(
+        f"the model of {args.job_id} is in {directory}/; load it with "
+        f'transformers.pipeline("text-classification", model="{directory}"), '
+        f"its training curves with tensorboard --logdir {directory}/runs"
+    )
 
 
 def plot_job(client: Client, args, out: Console) -> None:
@@ -243,8 +259,9 @@ def create_prediction(client: Client, args, out: Console) -> int | None:
     if args.quiet or args.json:
         print(prediction.model_dump_json(indent=2) if args.json else prediction.id, flush=True)
     else:
-        out.print(f"prediction [bold]{prediction.id}[/] {prediction.status}: {prediction.model} "
-                  f"on {prediction.dataset}")
+        out.print(
+            f"prediction [bold]{prediction.id}[/] {prediction.status}: {prediction.model} on {prediction.dataset}"
+        )
     return watch(client, prediction.id, out, PREDICTION) if args.watch else None
 
 
@@ -252,8 +269,14 @@ def list_predictions(client: Client, args, out: Console) -> None:
     page = client.list_predictions(args.status, args.limit, args.cursor)
     table = Table(id_column(), "status", "model", "dataset", "rows", "age")
     for p in page.data:
-        table.add_row(p.id, styled_status(p.status), escape(p.model), p.dataset,
-                      queue_line(p) or f"{p.progress.rows_done:,}/{p.progress.total_rows:,}", age(p.created_at))
+        table.add_row(
+            p.id,
+            styled_status(p.status),
+            escape(p.model),
+            p.dataset,
+            queue_line(p) or f"{p.progress.rows_done:,}/{p.progress.total_rows:,}",
+            age(p.created_at),
+        )
     if page.next_cursor:
         table.caption = f"more: tunejob predict list --cursor {page.next_cursor}"
     show(out, args, page, lambda: table)
@@ -269,8 +292,9 @@ def watch_prediction(client: Client, args, out: Console) -> int:
 
 
 def download_predictions(client: Client, args, out: Console) -> None:
-    path = client.download_predictions(args.prediction_id, args.output or f"{args.prediction_id}.{args.format}",
-                                       args.format)
+    path = client.download_predictions(
+        args.prediction_id, args.output or f"{args.prediction_id}.{args.format}", args.format
+    )
     out.print(f"the predictions of {args.prediction_id} are in {path}")
 
 
@@ -297,9 +321,19 @@ def embed_texts(client: Client, args, out: Console) -> None:
 
 def create_webhook(client: Client, args, out: Console) -> None:
     webhook = client.create_webhook(args.url, args.events, args.description)
-    show(out, args, webhook, lambda: fields_table({
-        "id": webhook.id, "url": escape(webhook.url), "events": ", ".join(webhook.events),
-        "secret": f"{webhook.secret}  (shown only now: verify each delivery's webhook-signature with it)"}))
+    show(
+        out,
+        args,
+        webhook,
+        lambda: fields_table(
+            {
+                "id": webhook.id,
+                "url": escape(webhook.url),
+                "events": ", ".join(webhook.events),
+                "secret": f"{webhook.secret}  (shown only now: verify each delivery's webhook-signature with it)",
+            }
+        ),
+    )
 
 
 def list_webhooks(client: Client, args, out: Console) -> None:
@@ -323,8 +357,12 @@ def webhook_deliveries(client: Client, args, out: Console) -> None:
 
 def ping_webhook(client: Client, args, out: Console) -> None:
     delivery = client.ping_webhook(args.webhook_id)
-    show(out, args, delivery, lambda: f"ping {delivery.event_id} queued; see `tunejob webhooks deliveries "
-                                      f"{args.webhook_id}`")
+    show(
+        out,
+        args,
+        delivery,
+        lambda: f"ping {delivery.event_id} queued; see `tunejob webhooks deliveries {args.webhook_id}`",
+    )
 
 
 def delete_webhook(client: Client, args, out: Console) -> None:
@@ -343,8 +381,11 @@ def health(client: Client, args, out: Console) -> None:
 def add_commands(commands: argparse._SubParsersAction) -> None:
     """Register ``datasets``, ``models``, ``jobs`` and ``health`` on the ``tunejob`` parser."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", help="the tunejob server (default: $TUNEJOB_URL, else http://127.0.0.1:8000); "
-                        "the API key comes from $TUNEJOB_API_KEY, else <$TUNEJOB_DATA_DIR or ~/.tunejob>/api_key")
+    common.add_argument(
+        "--url",
+        help="the tunejob server (default: $TUNEJOB_URL, else http://127.0.0.1:8000); "
+        "the API key comes from $TUNEJOB_API_KEY, else <$TUNEJOB_DATA_DIR or ~/.tunejob>/api_key",
+    )
     read = argparse.ArgumentParser(add_help=False, parents=[common])
     read.add_argument("--json", action="store_true", help="print JSON, for scripts")
     quiet = argparse.ArgumentParser(add_help=False, parents=[read])
@@ -356,18 +397,27 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         return p
 
     datasets = commands.add_parser("datasets", help="upload and manage datasets (client)").add_subparsers(
-        dest="subcommand", required=True)
-    command(datasets, "upload", upload_dataset, "upload a CSV, TSV, JSONL or Parquet file", quiet) \
-        .add_argument("file", type=Path)
+        dest="subcommand", required=True
+    )
+    command(datasets, "upload", upload_dataset, "upload a CSV, TSV, JSONL or Parquet file", quiet).add_argument(
+        "file", type=Path
+    )
     command(datasets, "list", list_datasets, "the datasets, newest first", read)
     command(datasets, "get", get_dataset, "one dataset", read).add_argument("dataset_id")
     command(datasets, "delete", delete_dataset, "delete a dataset").add_argument("dataset_id")
 
-    models = command(commands, "models", list_models, "the base models that can be fine-tuned; `models alias`: "
-                     "your names for fine-tuned models (client)", read)
-    alias = models.add_subparsers(dest="subcommand").add_parser(
-        "alias", help="names for fine-tuned models that predictions follow").add_subparsers(dest="alias_command",
-                                                                                           required=True)
+    models = command(
+        commands,
+        "models",
+        list_models,
+        "the base models that can be fine-tuned; `models alias`: your names for fine-tuned models (client)",
+        read,
+    )
+    alias = (
+        models.add_subparsers(dest="subcommand")
+        .add_parser("alias", help="names for fine-tuned models that predictions follow")
+        .add_subparsers(dest="alias_command", required=True)
+    )
     p = command(alias, "set", set_alias, "point NAME (a slug) at a succeeded job, creating or moving it", read)
     p.add_argument("name")
     p.add_argument("job_id")
@@ -375,27 +425,39 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     command(alias, "list", list_aliases, "your aliases", read)
     command(alias, "delete", delete_alias, "remove an alias").add_argument("name")
 
-    jobs = commands.add_parser("jobs", help="create, follow and download fine-tuning jobs (client)") \
-        .add_subparsers(dest="subcommand", required=True)
-    add_create_arguments(command(jobs, "create", create_job, "create a fine-tuning job (or plan it: --dry-run)",
-                                 quiet))
+    jobs = commands.add_parser("jobs", help="create, follow and download fine-tuning jobs (client)").add_subparsers(
+        dest="subcommand", required=True
+    )
+    add_create_arguments(command(jobs, "create", create_job, "create a fine-tuning job (or plan it: --dry-run)", quiet))
     p = command(jobs, "list", list_jobs, "the jobs, newest first", read)
     p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled", "pruned"])
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--cursor", help="next_cursor of the previous page")
     command(jobs, "get", get_job, "one job: status, progress, metrics, error", read).add_argument("job_id")
-    command(jobs, "watch", watch_job, "follow a job with a live progress bar until it ends; exit 0 if it "
-            "succeeded, 3 if it failed, 4 if it was cancelled").add_argument("job_id")
-    command(jobs, "evaluation", job_evaluation, "the evaluation report of a succeeded job's model: per-class "
-            "figures (--json: the whole report, with the confusion matrix and mistakes)", read).add_argument("job_id")
+    command(
+        jobs,
+        "watch",
+        watch_job,
+        "follow a job with a live progress bar until it ends; exit 0 if it "
+        "succeeded, 3 if it failed, 4 if it was cancelled",
+    ).add_argument("job_id")
+    command(
+        jobs,
+        "evaluation",
+        job_evaluation,
+        "the evaluation report of a succeeded job's model: per-class "
+        "figures (--json: the whole report, with the confusion matrix and mistakes)",
+        read,
+    ).add_argument("job_id")
     p = command(jobs, "events", job_events, "the job's events", read)
     p.add_argument("job_id")
     p.add_argument("--follow", action="store_true", help="print new events as they happen, until the job ends")
     p = command(jobs, "metrics", job_metrics, "the metric series, one row per step", read)
     p.add_argument("job_id")
     p.add_argument("--csv", action="store_true", help="print CSV")
-    command(jobs, "cancel", cancel_job, "cancel a job (a running one stops at its next optimizer step)") \
-        .add_argument("job_id")
+    command(jobs, "cancel", cancel_job, "cancel a job (a running one stops at its next optimizer step)").add_argument(
+        "job_id"
+    )
     command(jobs, "delete", delete_job, "delete a finished job and its files").add_argument("job_id")
     p = command(jobs, "download", download_model, "download the trained model, extracted, ready for pipeline()")
     p.add_argument("job_id")
@@ -407,8 +469,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     sweeps.add_commands(commands, command, quiet, read)
     add_predict_commands(commands, command, quiet, read)
 
-    hooks = commands.add_parser("webhooks", help="endpoints that hear when jobs end (client)") \
-        .add_subparsers(dest="subcommand", required=True)
+    hooks = commands.add_parser("webhooks", help="endpoints that hear when jobs end (client)").add_subparsers(
+        dest="subcommand", required=True
+    )
     p = command(hooks, "create", create_webhook, "register an endpoint; prints its secret once", quiet)
     p.add_argument("url")
     p.add_argument("events", nargs="+", metavar="EVENT", help="e.g. job.succeeded job.failed prediction.succeeded")
@@ -422,60 +485,92 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     command(hooks, "delete", delete_webhook, "delete an endpoint and its log").add_argument("webhook_id")
 
     command(commands, "health", health, "is the server up? (client)", read).add_argument(
-        "--wait", type=float, metavar="SECONDS", help="wait this long for a server that is starting")
+        "--wait", type=float, metavar="SECONDS", help="wait this long for a server that is starting"
+    )
 
 
 def add_predict_commands(commands: argparse._SubParsersAction, command, quiet, read) -> None:
     """``tunejob predict create|list|get|watch|events|download|evaluation|cancel|delete|texts|embed``."""
-    predict = commands.add_parser("predict", help="score datasets or texts with a trained model (client)") \
-        .add_subparsers(dest="subcommand", required=True)
+    predict = commands.add_parser(
+        "predict", help="score datasets or texts with a trained model (client)"
+    ).add_subparsers(dest="subcommand", required=True)
     p = command(predict, "create", create_prediction, "score every row of a dataset (or plan it: --dry-run)", quiet)
     p.add_argument("--spec", type=Path, help="a JSON body of POST /predictions; the options below override it")
-    p.add_argument("--model", help="a succeeded job id (an embedding job's results are vectors), or a base "
-                   "model with a classification head")
+    p.add_argument(
+        "--model",
+        help="a succeeded job id (an embedding job's results are vectors), or a base model with a classification head",
+    )
     p.add_argument("--dataset", help="the dataset id to score")
     p.add_argument("--text-column")
     p.add_argument("--text-pair-column")
     p.add_argument("--id-column", help="a column naming each row in the results (default: the row index)")
-    p.add_argument("--label-column", help="a column of gold labels: the prediction also writes an evaluation "
-                   "report (tunejob predict evaluation ID)")
-    p.add_argument("--count-unknown-labels", action="store_true", default=None, help="with --label-column: score "
-                   "rows whose label the model does not know as errors (else such a test set is refused)")
+    p.add_argument(
+        "--label-column",
+        help="a column of gold labels: the prediction also writes an evaluation report (tunejob predict evaluation ID)",
+    )
+    p.add_argument(
+        "--count-unknown-labels",
+        action="store_true",
+        default=None,
+        help="with --label-column: score "
+        "rows whose label the model does not know as errors (else such a test set is refused)",
+    )
     p.add_argument("--batch-size", type=int)
     p.add_argument("--max-length", type=int, help="tokens per text at most (default: the model's limit)")
-    p.add_argument("--dry-run", action="store_true", help="print the plan (rows, tokens, padding efficiency, "
-                   "time); nothing is queued")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (rows, tokens, padding efficiency, time); nothing is queued",
+    )
     p.add_argument("--watch", action="store_true", help="then follow it as `tunejob predict watch` does")
     p = command(predict, "list", list_predictions, "the prediction jobs, newest first", read)
     p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--cursor", help="next_cursor of the previous page")
-    command(predict, "get", get_prediction, "one prediction job: status, progress, result", read) \
-        .add_argument("prediction_id")
-    command(predict, "watch", watch_prediction, "follow a prediction job until it ends; exit 0 if it succeeded, "
-            "3 if it failed, 4 if it was cancelled").add_argument("prediction_id")
+    command(predict, "get", get_prediction, "one prediction job: status, progress, result", read).add_argument(
+        "prediction_id"
+    )
+    command(
+        predict,
+        "watch",
+        watch_prediction,
+        "follow a prediction job until it ends; exit 0 if it succeeded, 3 if it failed, 4 if it was cancelled",
+    ).add_argument("prediction_id")
     p = command(predict, "download", download_predictions, "download the results: one row per input row, in order")
     p.add_argument("prediction_id")
     p.add_argument("--format", choices=["jsonl", "csv", "parquet"], default="jsonl")
     p.add_argument("-o", "--output", type=Path, help="file (default: ./<id>.<format>)")
-    command(predict, "evaluation", prediction_evaluation, "the evaluation report of a prediction made with "
-            "--label-column: per-class figures (--json: the whole report)", read).add_argument("prediction_id")
+    command(
+        predict,
+        "evaluation",
+        prediction_evaluation,
+        "the evaluation report of a prediction made with --label-column: per-class figures (--json: the whole report)",
+        read,
+    ).add_argument("prediction_id")
     command(predict, "cancel", cancel_prediction, "cancel a prediction job").add_argument("prediction_id")
-    command(predict, "delete", delete_prediction, "delete a finished prediction job and its results") \
-        .add_argument("prediction_id")
+    command(predict, "delete", delete_prediction, "delete a finished prediction job and its results").add_argument(
+        "prediction_id"
+    )
     p = command(predict, "texts", predict_texts, "score a few texts at once with a trained model's job id", read)
     p.add_argument("job_id")
     p.add_argument("texts", nargs="+")
-    p = command(predict, "embed", embed_texts, "embed a few texts at once with an embedding job's id (or a base "
-                "model's name); --json prints the whole vectors", read)
+    p = command(
+        predict,
+        "embed",
+        embed_texts,
+        "embed a few texts at once with an embedding job's id (or a base "
+        "model's name); --json prints the whole vectors",
+        read,
+    )
     p.add_argument("job_id")
     p.add_argument("texts", nargs="+")
 
 
 def main(argv: list[str]) -> int:
     """Run one client command (``argv`` starts with one of COMMANDS); returns the exit code."""
-    parser = argparse.ArgumentParser(prog="tunejob", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="tunejob", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_commands(parser.add_subparsers(dest="command", required=True))
     return run(parser.parse_args(argv))
 
@@ -490,7 +585,9 @@ def run(args: argparse.Namespace) -> int:
     except TunejobError as e:
         errors.print(f"[red]error[/]: {escape(str(e))}")
         for problem in e.problems or []:
-            errors.print(f"  row {problem.get('row')}, column {problem.get('column')!r}: {escape(str(problem.get('message')))}")
+            errors.print(
+                f"  row {problem.get('row')}, column {problem.get('column')!r}: {escape(str(problem.get('message')))}"
+            )
         return EXIT_ERROR
     except UsageError as e:
         errors.print(f"[red]usage[/]: {escape(str(e))}")
@@ -501,8 +598,14 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         job, prediction = getattr(args, "job_id", None), getattr(args, "prediction_id", None)
         sweep = getattr(args, "sweep_id", None)
-        hint = (f" (tunejob predict cancel {prediction} stops it)" if prediction
-                else f" (tunejob jobs cancel {job} stops it)" if job
-                else f" (tunejob sweeps cancel {sweep} stops it)" if sweep else "")
+        hint = (
+            f" (tunejob predict cancel {prediction} stops it)"
+            if prediction
+            else f" (tunejob jobs cancel {job} stops it)"
+            if job
+            else f" (tunejob sweeps cancel {sweep} stops it)"
+            if sweep
+            else ""
+        )
         errors.print("stopped watching; the job goes on" + hint)
         return EXIT_INTERRUPTED

@@ -15,8 +15,14 @@ from rich.table import Column, Table
 from shared.schemas.jobs import DatasetOut, EventOut, JobOut, MetricOut
 from shared.schemas.predictions import PredictionOut
 
-STATUS_STYLE = {"queued": "yellow", "running": "cyan", "succeeded": "green", "failed": "red", "cancelled": "magenta",
-                "pruned": "blue"}
+STATUS_STYLE = {
+    "queued": "yellow",
+    "running": "cyan",
+    "succeeded": "green",
+    "failed": "red",
+    "cancelled": "magenta",
+    "pruned": "blue",
+}
 
 
 def show(out: Console, args, value: Any, table: Callable[[], Any]) -> None:
@@ -39,19 +45,37 @@ def print_json(value: Any) -> None:
 
 
 def dataset_table(d: DatasetOut) -> Table:
-    return fields_table({"id": d.id, "filename": escape(d.filename), "format": d.format, "rows": f"{d.rows:,}",
-                         "columns": escape(", ".join(d.columns)), "size": decimal(d.bytes), "sha256": d.sha256,
-                         "created": f"{d.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(d.created_at)})"})
+    return fields_table(
+        {
+            "id": d.id,
+            "filename": escape(d.filename),
+            "format": d.format,
+            "rows": f"{d.rows:,}",
+            "columns": escape(", ".join(d.columns)),
+            "size": decimal(d.bytes),
+            "sha256": d.sha256,
+            "created": f"{d.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(d.created_at)})",
+        }
+    )
 
 
 def job_table(job: JobOut) -> Table:
     validation = job.validation_dataset or f"split {job.validation_split} of the training set"
-    rows = {"id": job.id, "status": styled_status(job.status), "model": escape(job.base_model), "task": job.task,
-            "training dataset": job.training_dataset, "validation": validation,
-            "columns": f"text {job.text_column!r}" + (f", pair {job.text_pair_column!r}" if job.text_pair_column
-                                                      else "") + f", label {job.label_column!r}",
-            "created": f"{job.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(job.created_at)})",
-            "progress": progress(job), "device": job.device or "", "attempts": str(job.attempts)}
+    rows = {
+        "id": job.id,
+        "status": styled_status(job.status),
+        "model": escape(job.base_model),
+        "task": job.task,
+        "training dataset": job.training_dataset,
+        "validation": validation,
+        "columns": f"text {job.text_column!r}"
+        + (f", pair {job.text_pair_column!r}" if job.text_pair_column else "")
+        + f", label {job.label_column!r}",
+        "created": f"{job.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(job.created_at)})",
+        "progress": progress(job),
+        "device": job.device or "",
+        "attempts": str(job.attempts),
+    }
     table = fields_table(rows)
     table.add_row("hyperparameters", escape(job.hyperparameters.model_dump_json(exclude_defaults=True)))
     final_summary(table, job)
@@ -59,14 +83,26 @@ def job_table(job: JobOut) -> Table:
 
 
 def prediction_table(p: PredictionOut) -> Table:
-    columns = f"text {p.text_column!r}" + (f", pair {p.text_pair_column!r}" if p.text_pair_column else "") \
+    columns = (
+        f"text {p.text_column!r}"
+        + (f", pair {p.text_pair_column!r}" if p.text_pair_column else "")
         + (f", id {p.id_column!r}" if p.id_column else "")
-    table = fields_table({"id": p.id, "status": styled_status(p.status), "model": escape(p.model), "task": p.task,
-                          "dataset": p.dataset, "columns": escape(columns),
-                          "created": f"{p.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(p.created_at)})",
-                          "rows": f"{p.progress.rows_done:,}/{p.progress.total_rows:,} ({p.progress.fraction:.0%})",
-                          "device": p.device or "", "attempts": str(p.attempts),
-                          **({"queue": queue_line(p)} if p.queue else {})})
+    )
+    table = fields_table(
+        {
+            "id": p.id,
+            "status": styled_status(p.status),
+            "model": escape(p.model),
+            "task": p.task,
+            "dataset": p.dataset,
+            "columns": escape(columns),
+            "created": f"{p.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(p.created_at)})",
+            "rows": f"{p.progress.rows_done:,}/{p.progress.total_rows:,} ({p.progress.fraction:.0%})",
+            "device": p.device or "",
+            "attempts": str(p.attempts),
+            **({"queue": queue_line(p)} if p.queue else {}),
+        }
+    )
     prediction_summary(table, p)
     return table
 
@@ -92,7 +128,7 @@ def prediction_text(text: str, row: dict[str, Any]) -> str:
     token_classification's entities (``PER carol, LOC New York``: the text at their offsets), or
     regression's value."""
     if "entities" in row:
-        return ", ".join(f"{e['entity_group']} {text[e['start']:e['end']]}" for e in row["entities"]) or "no entity"
+        return ", ".join(f"{e['entity_group']} {text[e['start'] : e['end']]}" for e in row["entities"]) or "no entity"
     if "labels" in row:
         return ", ".join(map(str, row["labels"])) or "no label"
     if "label" in row:

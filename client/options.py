@@ -19,14 +19,21 @@ def add_create_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", help="training_dataset: a dataset id (tunejob datasets upload FILE)")
     p.add_argument("--validation", help="validation_dataset id (default: validation_split 0.1 of the training set)")
     p.add_argument("--validation-split", type=float)
-    p.add_argument("--task", choices=["classification", "regression", "multi_label", "token_classification",
-                                      "embedding", "reranking"],
-                   help="token_classification: --text-column holds word lists (default tokens), "
-                        "--label-column tag lists (default tags); embedding: the columns below")
+    p.add_argument(
+        "--task",
+        choices=["classification", "regression", "multi_label", "token_classification", "embedding", "reranking"],
+        help="token_classification: --text-column holds word lists (default tokens), "
+        "--label-column tag lists (default tags); embedding: the columns below",
+    )
     p.add_argument("--anchor-column", help="embedding: the queries (default anchor)")
     p.add_argument("--positive-column", help="embedding: the text each anchor should find (default positive)")
-    p.add_argument("--negative-column", action="append", dest="negative_columns", metavar="COLUMN",
-                   help="embedding: a column of hard negatives (repeat for several)")
+    p.add_argument(
+        "--negative-column",
+        action="append",
+        dest="negative_columns",
+        metavar="COLUMN",
+        help="embedding: a column of hard negatives (repeat for several)",
+    )
     p.add_argument("--score-column", help="embedding: a similarity in [0, 1] per pair (CoSENT)")
     p.add_argument("--query-column", help="reranking: the queries (default query)")
     p.add_argument("--passage-column", help="reranking: the passage scored against each query (default passage)")
@@ -35,12 +42,23 @@ def add_create_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-column")
     p.add_argument("--label-separator", help="multi_label: split text labels on this, e.g. '|' (CSV needs it)")
     p.add_argument("--decision-threshold", type=float, help="multi_label: predict a label from this score (0.5)")
-    p.add_argument("--tune-threshold", action="store_const", const=True,
-                   help="multi_label: pick the threshold with the best validation micro-F1")
-    p.add_argument("--set", action="append", default=[], type=setting, metavar="KEY=VALUE",
-                   help="a hyperparameter, e.g. --set epochs=1 --set learning_rate=1e-4 (values are JSON, else text)")
-    p.add_argument("--dry-run", action="store_true", help="print the plan (steps, padding efficiency, duration); "
-                   "nothing is queued")
+    p.add_argument(
+        "--tune-threshold",
+        action="store_const",
+        const=True,
+        help="multi_label: pick the threshold with the best validation micro-F1",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        type=setting,
+        metavar="KEY=VALUE",
+        help="a hyperparameter, e.g. --set epochs=1 --set learning_rate=1e-4 (values are JSON, else text)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the plan (steps, padding efficiency, duration); nothing is queued"
+    )
     p.add_argument("--watch", action="store_true", help="then follow it as `tunejob jobs watch` does")
 
 
@@ -62,14 +80,25 @@ def job_spec(args) -> dict[str, Any]:
         UsageError: unreadable ``--spec``, or no base model or training dataset.
     """
     spec = read_spec(args.spec)
-    options = {"base_model": args.model, "training_dataset": args.dataset, "validation_dataset": args.validation,
-               "validation_split": args.validation_split, "task": args.task, "text_column": args.text_column,
-               "text_pair_column": args.text_pair_column, "label_column": args.label_column,
-               "label_separator": args.label_separator, "decision_threshold": args.decision_threshold,
-               "tune_threshold": args.tune_threshold, "anchor_column": args.anchor_column,
-               "positive_column": args.positive_column, "negative_columns": args.negative_columns,
-               "score_column": args.score_column, "query_column": args.query_column,
-               "passage_column": args.passage_column}
+    options = {
+        "base_model": args.model,
+        "training_dataset": args.dataset,
+        "validation_dataset": args.validation,
+        "validation_split": args.validation_split,
+        "task": args.task,
+        "text_column": args.text_column,
+        "text_pair_column": args.text_pair_column,
+        "label_column": args.label_column,
+        "label_separator": args.label_separator,
+        "decision_threshold": args.decision_threshold,
+        "tune_threshold": args.tune_threshold,
+        "anchor_column": args.anchor_column,
+        "positive_column": args.positive_column,
+        "negative_columns": args.negative_columns,
+        "score_column": args.score_column,
+        "query_column": args.query_column,
+        "passage_column": args.passage_column,
+    }
     spec.update({k: v for k, v in options.items() if v is not None})
     spec.setdefault("hyperparameters", {}).update(dict(args.set))
     require(spec, [("--model", "base_model"), ("--dataset", "training_dataset")])
@@ -83,10 +112,17 @@ def prediction_spec(args) -> dict[str, Any]:
         UsageError: unreadable ``--spec``, or no model or dataset.
     """
     spec = read_spec(args.spec)
-    options = {"model": args.model, "dataset": args.dataset, "text_column": args.text_column,
-               "text_pair_column": args.text_pair_column, "id_column": args.id_column,
-               "batch_size": args.batch_size, "max_length": args.max_length, "label_column": args.label_column,
-               "count_unknown_labels": args.count_unknown_labels}
+    options = {
+        "model": args.model,
+        "dataset": args.dataset,
+        "text_column": args.text_column,
+        "text_pair_column": args.text_pair_column,
+        "id_column": args.id_column,
+        "batch_size": args.batch_size,
+        "max_length": args.max_length,
+        "label_column": args.label_column,
+        "count_unknown_labels": args.count_unknown_labels,
+    }
     spec.update({k: v for k, v in options.items() if v is not None})
     require(spec, [("--model", "model"), ("--dataset", "dataset")])
     return spec
@@ -108,4 +144,3 @@ def require(spec: dict[str, Any], options: list[tuple[str, str]]) -> None:
     missing = [f"{option} (or {key} in --spec)" for option, key in options if key not in spec]
     if missing:
         raise UsageError(f"give {' and '.join(missing)}")
-

@@ -31,13 +31,21 @@ WATCH_SECONDS = 2.0
 
 def create_sweep(client: Client, args, out: Console) -> int | None:
     spec = {**job_spec(args), **read_space(args)}
-    options = {"algorithm": args.algorithm, "seed": args.seed, "max_trials": args.max_trials,
-               "max_parallel_trials": args.max_parallel_trials, "max_failed_trials": args.max_failed_trials,
-               "max_duration_seconds": args.max_duration, "warm_start_from": args.warm_start,
-               "include_defaults": False if args.no_defaults else None}
+    options = {
+        "algorithm": args.algorithm,
+        "seed": args.seed,
+        "max_trials": args.max_trials,
+        "max_parallel_trials": args.max_parallel_trials,
+        "max_failed_trials": args.max_failed_trials,
+        "max_duration_seconds": args.max_duration,
+        "warm_start_from": args.warm_start,
+        "include_defaults": False if args.no_defaults else None,
+    }
     spec.update({k: v for k, v in options.items() if v is not None})
-    objectives = [{"metric": metric, **({"direction": direction} if direction else {})}
-                  for metric, _, direction in (o.partition(":") for o in args.objective or [])]
+    objectives = [
+        {"metric": metric, **({"direction": direction} if direction else {})}
+        for metric, _, direction in (o.partition(":") for o in args.objective or [])
+    ]
     if objectives:
         spec.update({"objective": objectives[0]} if len(objectives) == 1 else {"objectives": objectives})
     if args.serving_precision:
@@ -55,8 +63,10 @@ def create_sweep(client: Client, args, out: Console) -> int | None:
     if args.quiet or args.json:
         print(sweep.model_dump_json(indent=2) if args.json else sweep.id, flush=True)
     else:
-        out.print(f"sweep [bold]{sweep.id}[/] {sweep.status}: {sweep.max_trials} trials of {escape(sweep.base_model)}, "
-                  f"{sweep.max_parallel_trials} at a time, {_objectives(sweep)}")
+        out.print(
+            f"sweep [bold]{sweep.id}[/] {sweep.status}: {sweep.max_trials} trials of {escape(sweep.base_model)}, "
+            f"{sweep.max_parallel_trials} at a time, {_objectives(sweep)}"
+        )
     return watch(client, sweep.id, out) if args.watch else None
 
 
@@ -128,20 +138,30 @@ def watch(client: Client, sweep_id: str, out: Console) -> int:
 
 def sweep_table(sweep) -> Table:
     table = Table(show_header=False, box=None)
-    for name, value in [("sweep", sweep.id), ("status", styled_status(sweep.status)),
-                        ("model", escape(sweep.base_model)), ("objective", _objectives(sweep)),
-                        ("search", f"{sweep.algorithm}, pruning {sweep.early_stopping}"),
-                        ("trials", f"{_counts(sweep)} of {sweep.max_trials} ({sweep.max_parallel_trials} at a time)"),
-                        ("best", _best(sweep)), ("default", _default(sweep))]:
+    for name, value in [
+        ("sweep", sweep.id),
+        ("status", styled_status(sweep.status)),
+        ("model", escape(sweep.base_model)),
+        ("objective", _objectives(sweep)),
+        ("search", f"{sweep.algorithm}, pruning {sweep.early_stopping}"),
+        ("trials", f"{_counts(sweep)} of {sweep.max_trials} ({sweep.max_parallel_trials} at a time)"),
+        ("best", _best(sweep)),
+        ("default", _default(sweep)),
+    ]:
         table.add_row(f"[bold]{name}[/]", value)
     if len(sweep.objectives) > 1:  # the Pareto front, one trial a line
-        front = [f"#{p.trial_number} " + ", ".join(f"{o.metric} {_value(v)}" for o, v in zip(sweep.objectives, p.values))
-                 for p in sweep.pareto_trials]
+        front = [
+            f"#{p.trial_number} " + ", ".join(f"{o.metric} {_value(v)}" for o, v in zip(sweep.objectives, p.values))
+            for p in sweep.pareto_trials
+        ]
         table.add_row("[bold]front[/]", "\n".join(front) or "-")
     if sweep.history:  # greyed: the earlier sweeps' trials, not this one's
         h, best = sweep.history, sweep.history.best
-        table.add_row("[dim]history[/]", f"[dim]{h.trials} trials of {', '.join(h.sweeps)}"
-                      f"{f', best {best.value:.4g} ({best.job_id})' if best else ''}[/]")
+        table.add_row(
+            "[dim]history[/]",
+            f"[dim]{h.trials} trials of {', '.join(h.sweeps)}"
+            f"{f', best {best.value:.4g} ({best.job_id})' if best else ''}[/]",
+        )
     if sweep.error:
         table.add_row("[bold]error[/]", escape(sweep.error.get("message", "")))
     return table
@@ -155,16 +175,22 @@ def trials_table(trials, sweep) -> Table:
     front = {p.trial_number for p in sweep.pareto_trials}
     table = Table("#", id_column(), "status", *names, *metrics, *(["front"] if len(metrics) > 1 else []), "steps")
     for t in trials:
-        table.add_row(f"{t.number} default" if t.default else str(t.number), t.job_id, styled_status(t.status),
-                      *(_value(t.params.get(n)) for n in names),
-                      *(_value(v) for v in t.values), *(["*" if t.number in front else ""] if len(metrics) > 1 else []),
-                      str(t.steps))
+        table.add_row(
+            f"{t.number} default" if t.default else str(t.number),
+            t.job_id,
+            styled_status(t.status),
+            *(_value(t.params.get(n)) for n in names),
+            *(_value(v) for v in t.values),
+            *(["*" if t.number in front else ""] if len(metrics) > 1 else []),
+            str(t.steps),
+        )
     return table
 
 
 def _objectives(sweep) -> str:
     return ", ".join(f"{o.direction} {o.metric}" for o in sweep.objectives) + (
-        f" (latency at {sweep.serving_precision})" if any(o.metric == "latency_ms" for o in sweep.objectives) else "")
+        f" (latency at {sweep.serving_precision})" if any(o.metric == "latency_ms" for o in sweep.objectives) else ""
+    )
 
 
 def _counts(sweep) -> str:
@@ -188,17 +214,26 @@ def _value(value) -> str:
 
 def add_commands(commands, command, quiet, read) -> None:
     """Register ``tunejob sweeps ...`` (``command``, ``quiet`` and ``read`` as in ``client.cli.add_commands``)."""
-    sweeps = commands.add_parser("sweeps", help="hyperparameter sweeps: many trials, poor ones pruned, the best "
-                                 "kept (client)").add_subparsers(dest="subcommand", required=True)
+    sweeps = commands.add_parser(
+        "sweeps", help="hyperparameter sweeps: many trials, poor ones pruned, the best kept (client)"
+    ).add_subparsers(dest="subcommand", required=True)
     p = command(sweeps, "create", create_sweep, "create a sweep (or plan it: --dry-run)", quiet)
     add_create_arguments(p)
-    p.add_argument("--space", type=Path, help="JSON or YAML: {name: {type: float|int|categorical, low, high, log, "
-                   "step, choices}}")
-    p.add_argument("--objective", action="append", help="METRIC[:maximize|minimize], e.g. accuracy (default "
-                   "direction: the metric's); repeat it for several objectives (the Pareto front), e.g. "
-                   "--objective accuracy --objective latency_ms")
-    p.add_argument("--serving-precision", choices=["fp32", "bf16", "int8"], help="the precision latency_ms is "
-                   "measured at (default fp32)")
+    p.add_argument(
+        "--space", type=Path, help="JSON or YAML: {name: {type: float|int|categorical, low, high, log, step, choices}}"
+    )
+    p.add_argument(
+        "--objective",
+        action="append",
+        help="METRIC[:maximize|minimize], e.g. accuracy (default "
+        "direction: the metric's); repeat it for several objectives (the Pareto front), e.g. "
+        "--objective accuracy --objective latency_ms",
+    )
+    p.add_argument(
+        "--serving-precision",
+        choices=["fp32", "bf16", "int8"],
+        help="the precision latency_ms is measured at (default fp32)",
+    )
     p.add_argument("--algorithm", choices=["tpe", "random", "grid"])
     p.add_argument("--seed", type=int)
     p.add_argument("--early-stopping", choices=["asha", "median", "none"])
@@ -206,18 +241,30 @@ def add_commands(commands, command, quiet, read) -> None:
     p.add_argument("--max-parallel-trials", type=int)
     p.add_argument("--max-failed-trials", type=int)
     p.add_argument("--max-duration", type=int, metavar="SECONDS", help="a budget for the whole sweep")
-    p.add_argument("--warm-start", action="append", metavar="SWEEP_ID", help="an earlier sweep of the same task "
-                   "and model whose finished trials join the study as history (repeatable)")
-    p.add_argument("--no-defaults", action="store_true", help="no default trial (trial 0 runs the fixed "
-                   "hyperparameters otherwise)")
+    p.add_argument(
+        "--warm-start",
+        action="append",
+        metavar="SWEEP_ID",
+        help="an earlier sweep of the same task and model whose finished trials join the study as history (repeatable)",
+    )
+    p.add_argument(
+        "--no-defaults", action="store_true", help="no default trial (trial 0 runs the fixed hyperparameters otherwise)"
+    )
     p = command(sweeps, "list", list_sweeps, "the sweeps, newest first", read)
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--cursor", help="next_cursor of the previous page")
-    command(sweeps, "get", get_sweep, "one sweep: status, trials by status, the best trial", read) \
-        .add_argument("sweep_id")
-    command(sweeps, "trials", sweep_trials, "the trials: number, job, parameters, status, value, steps", read) \
-        .add_argument("sweep_id")
-    command(sweeps, "watch", watch_sweep, "a live table of the trials until the sweep ends; exit 0 if it "
-            "succeeded, 3 if it failed, 4 if it was cancelled").add_argument("sweep_id")
+    command(sweeps, "get", get_sweep, "one sweep: status, trials by status, the best trial", read).add_argument(
+        "sweep_id"
+    )
+    command(
+        sweeps, "trials", sweep_trials, "the trials: number, job, parameters, status, value, steps", read
+    ).add_argument("sweep_id")
+    command(
+        sweeps,
+        "watch",
+        watch_sweep,
+        "a live table of the trials until the sweep ends; exit 0 if it "
+        "succeeded, 3 if it failed, 4 if it was cancelled",
+    ).add_argument("sweep_id")
     command(sweeps, "cancel", cancel_sweep, "cancel a sweep and every trial of it").add_argument("sweep_id")
     command(sweeps, "delete", delete_sweep, "delete an ended sweep and its trials").add_argument("sweep_id")

@@ -36,8 +36,13 @@ class LiveBar:
     """A ``rich`` progress bar on a terminal; events are printed above it."""
 
     def __init__(self, out: Console, job_id: str):
-        self.bar = Progress(TextColumn("{task.fields[status]}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[details]}"), console=out)
+        self.bar = Progress(
+            TextColumn("{task.fields[status]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[details]}"),
+            console=out,
+        )
         self.task = self.bar.add_task(job_id, total=None, status="", details="")
 
     def __enter__(self) -> "LiveBar":

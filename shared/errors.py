@@ -14,7 +14,6 @@ def without_paths(text: str) -> str:
     return PATH.sub("<path>", text)
 
 
-
 class UserError(Exception):
     """A problem with the caller's input: bad data, an unknown model, an impossible spec.
 
@@ -28,8 +27,15 @@ class UserError(Exception):
         headers: HTTP headers for the API's response, e.g. ``{"Retry-After": "30"}``.
     """
 
-    def __init__(self, code: str, message: str, param: str | None = None, status: int = 422,
-                 problems: list[dict] | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        param: str | None = None,
+        status: int = 422,
+        problems: list[dict] | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.code, self.message, self.param, self.status, self.problems = code, message, param, status, problems
         self.headers = headers
@@ -44,8 +50,12 @@ class Deleted(UserError):
     """A job or dataset that was deleted: its id answers 404, saying so and when."""
 
     def __init__(self, what: str, id_: str, when: datetime):
-        super().__init__("deleted", f"{what} {id_!r} was deleted at {when:%Y-%m-%d %H:%M:%S} UTC; its files are gone",
-                         None, status=404)
+        super().__init__(
+            "deleted",
+            f"{what} {id_!r} was deleted at {when:%Y-%m-%d %H:%M:%S} UTC; its files are gone",
+            None,
+            status=404,
+        )
 
 
 class Conflict(UserError):

@@ -42,11 +42,19 @@ def logging_config(level: str | None = None) -> dict[str, Any]:
         "disable_existing_loggers": False,
         "filters": {"context": {"()": ContextFilter}},
         "formatters": {"default": {"format": FORMAT}},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr",
-                                "formatter": "default", "filters": ["context"]}},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "stream": "ext://sys.stderr",
+                "formatter": "default",
+                "filters": ["context"],
+            }
+        },
         "root": {"level": level, "handlers": ["stderr"]},
-        "loggers": {name: {"level": level, "handlers": [], "propagate": True}
-                    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "celery")},
+        "loggers": {
+            name: {"level": level, "handlers": [], "propagate": True}
+            for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "celery")
+        },
     }
 
 

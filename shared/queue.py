@@ -136,8 +136,9 @@ def submit(spec: JobCreate | PredictionCreate, caller: Caller, claim: idempotenc
     return lifecycle.get_job(job.id, caller, kind=job.kind)
 
 
-def submit_once(route: str, spec: JobCreate | PredictionCreate, caller: Caller, key: str | None,
-                view: Callable[[Job], BaseModel]) -> BaseModel | idempotency.Replay:
+def submit_once(
+    route: str, spec: JobCreate | PredictionCreate, caller: Caller, key: str | None, view: Callable[[Job], BaseModel]
+) -> BaseModel | idempotency.Replay:
     """``submit`` once per ``Idempotency-Key`` ``key`` and body (``shared.store.idempotency.once``):
     the new job's API view (``view(job)``), or on a retry the first answer to replay.
 
@@ -145,8 +146,13 @@ def submit_once(route: str, spec: JobCreate | PredictionCreate, caller: Caller, 
         UserError: see ``submit``; 422 ``idempotency_key_reused`` (another body), 409
             ``idempotency_key_in_use`` (the first request with the key is still running).
     """
-    job = idempotency.once(caller.tenant, route, key, idempotency.fingerprint(spec.model_dump_json()),
-                           lambda claim: submit(spec, caller, claim))
+    job = idempotency.once(
+        caller.tenant,
+        route,
+        key,
+        idempotency.fingerprint(spec.model_dump_json()),
+        lambda claim: submit(spec, caller, claim),
+    )
     return job if isinstance(job, idempotency.Replay) else view(job)
 
 
@@ -177,15 +183,31 @@ class RecoveryThread:
     the period in seconds (default ``TUNEJOB_RECOVERY_SECONDS``, read at each turn); ``chores``
     replaces the usual ones."""
 
-    def __init__(self, join_seconds: float = 10.0, extra: tuple[Callable[[], object], ...] = (),
-                 every: Callable[[], float] | None = None, name: str = "tunejob-recover",
-                 chores: tuple[Callable[[], object], ...] | None = None):
+    def __init__(
+        self,
+        join_seconds: float = 10.0,
+        extra: tuple[Callable[[], object], ...] = (),
+        every: Callable[[], float] | None = None,
+        name: str = "tunejob-recover",
+        chores: tuple[Callable[[], object], ...] | None = None,
+    ):
         self.stopping, self.join_seconds = threading.Event(), join_seconds
-        chores = (resend_recovered, top_up_sweeps, retention.clean_up_files, orphans.collect_orphans,
-                  idempotency.purge_expired, webhooks.purge_deliveries) if chores is None else chores
+        chores = (
+            (
+                resend_recovered,
+                top_up_sweeps,
+                retention.clean_up_files,
+                orphans.collect_orphans,
+                idempotency.purge_expired,
+                webhooks.purge_deliveries,
+            )
+            if chores is None
+            else chores
+        )
         every = every or (lambda: get_settings().recovery_seconds)
-        self.thread = threading.Thread(target=recovery_loop, args=(self.stopping, (*chores, *extra), every),
-                                       name=name, daemon=True)
+        self.thread = threading.Thread(
+            target=recovery_loop, args=(self.stopping, (*chores, *extra), every), name=name, daemon=True
+        )
 
     def start(self) -> None:
         self.thread.start()
@@ -196,8 +218,7 @@ class RecoveryThread:
             self.thread.join(self.join_seconds)
 
 
-def recovery_loop(stop: threading.Event, chores: tuple[Callable[[], object], ...],
-                  every: Callable[[], float]) -> None:
+def recovery_loop(stop: threading.Event, chores: tuple[Callable[[], object], ...], every: Callable[[], float]) -> None:
     """Every ``every()`` seconds until ``stop`` is set, run each of ``chores``; by default
     (``RecoveryThread``): re-queue jobs whose lease expired and (re-)send the messages of queued
     jobs (``shared.jobs.lifecycle.recover``), queue the trials a sweep is short of

@@ -58,8 +58,9 @@ class Settings(BaseSettings):
     metrics_flush_seconds: float = 2.0  # metrics are buffered and written at most this often
     # How often the API and the workers run the recovery loop (shared.queue.recovery_loop); TUNEJOB_SWEEP_SECONDS,
     # its name before sweeps were hyperparameter sweeps, is still read.
-    recovery_seconds: float = Field(15.0, validation_alias=AliasChoices(
-        "TUNEJOB_RECOVERY_SECONDS", "TUNEJOB_SWEEP_SECONDS"))
+    recovery_seconds: float = Field(
+        15.0, validation_alias=AliasChoices("TUNEJOB_RECOVERY_SECONDS", "TUNEJOB_SWEEP_SECONDS")
+    )
     resend_after_seconds: float = 600.0  # re-send a queued job's message after this long (lost messages)
     stream_poll_seconds: float = 0.5  # GET /jobs/{id}/stream: how often the one reader of every streamed job polls
     ui_session_hours: float = 12.0  # a dashboard sign-in (/ui) lasts this long (shared.store.ui_sessions)

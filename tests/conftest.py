@@ -162,8 +162,9 @@ def configure_stack(kind: str, env: dict[str, str]) -> callable:
     if kind == "postgres+redis":
         require_services()
         database_url, drop = fresh_postgres_database()
-        env.update(TUNEJOB_DATABASE_URL=database_url, **redis_broker_env(),
-                   TUNEJOB_SECRET_KEY=Fernet.generate_key().decode())  # required on PostgreSQL (shared.store.sealed)
+        env.update(
+            TUNEJOB_DATABASE_URL=database_url, **redis_broker_env(), TUNEJOB_SECRET_KEY=Fernet.generate_key().decode()
+        )  # required on PostgreSQL (shared.store.sealed)
     configure(env)
     return drop
 
@@ -172,15 +173,22 @@ def configure_stack(kind: str, env: dict[str, str]) -> callable:
 def stack(request, tmp_path_factory, models_dir) -> Iterator[Stack]:
     """The API (in-process, over HTTP via TestClient) and a real Celery worker thread."""
     data_dir = tmp_path_factory.mktemp("data")
-    cleanup = configure_stack(request.param, {"TUNEJOB_DATA_DIR": str(data_dir), "TUNEJOB_MODELS_DIR": str(models_dir),
-                                              "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2"})
+    cleanup = configure_stack(
+        request.param,
+        {
+            "TUNEJOB_DATA_DIR": str(data_dir),
+            "TUNEJOB_MODELS_DIR": str(models_dir),
+            "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2",
+        },
+    )
     from api.main import create_app
     from worker.tasks import app as celery_app
 
     app = create_app()
     try:
-        with TestClient(app, base_url=BASE_URL) as client, start_worker(
-            celery_app, pool="solo", perform_ping_check=False, loglevel="WARNING", shutdown_timeout=60
+        with (
+            TestClient(app, base_url=BASE_URL) as client,
+            start_worker(celery_app, pool="solo", perform_ping_check=False, loglevel="WARNING", shutdown_timeout=60),
         ):
             stack = Stack(request.param, client, data_dir, app)
             client.headers.update(auth_header(stack.tenant))  # the store is migrated once the client started
@@ -189,8 +197,9 @@ def stack(request, tmp_path_factory, models_dir) -> Iterator[Stack]:
         cleanup()
 
 
-def wait_for_status(client: TestClient, job_id: str, statuses: set[str], timeout: float = 180,
-                    path: str = "/jobs") -> dict:
+def wait_for_status(
+    client: TestClient, job_id: str, statuses: set[str], timeout: float = 180, path: str = "/jobs"
+) -> dict:
     """Poll ``GET {path}/{id}`` (a job, or with ``path="/predictions"`` a prediction) until it reaches
     one of ``statuses``."""
     deadline = time.monotonic() + timeout

@@ -40,8 +40,13 @@ def tail(path: Path, lines: int = 80) -> str:
     return "\n".join(kept[-lines:])
 
 
-def wait_for(what: str, predicate: Callable[[], Any], timeout: float, interval: float = 0.2,
-              diagnostics: Callable[[], str] = lambda: "") -> Any:
+def wait_for(
+    what: str,
+    predicate: Callable[[], Any],
+    timeout: float,
+    interval: float = 0.2,
+    diagnostics: Callable[[], str] = lambda: "",
+) -> Any:
     """Call ``predicate`` until it returns something truthy (returned), for at most ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:
@@ -59,8 +64,9 @@ class Process:
     def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path):
         self.name, self.args, self.log = name, args, log
         self._log_file = open(log, "ab")
-        self.popen = subprocess.Popen(args, env=env, cwd=ROOT, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL)
+        self.popen = subprocess.Popen(
+            args, env=env, cwd=ROOT, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
         self.pid = self.popen.pid
 
     def alive(self) -> bool:
@@ -115,8 +121,19 @@ class RedisServer:
 
     def start(self, timeout: float = 20) -> None:
         self.starts += 1
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "yes" if self.appendonly else "no", "--dir", str(self.dir)]
+        args = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--dir",
+            str(self.dir),
+        ]
         self.process = Process(f"redis-{self.starts}", args, dict(os.environ), self.dir / f"redis-{self.starts}.log")
         wait_for(f"redis-server on port {self.port}", self.ping, timeout, 0.05, self.process.tail)
 
@@ -144,10 +161,19 @@ class Cluster:
         base = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_") or k == "TUNEJOB_REQUIRE_SERVICES"}
         # One thread per process: two workers and the API share two cores, and the model is tiny.
         # The tests poll every few milliseconds, faster than the default rate limit per API key.
-        self.env = {**base, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-                    "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                    "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1", "TUNEJOB_RATE_LIMIT": "1000000/second",
-                    **env}
+        self.env = {
+            **base,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "TQDM_DISABLE": "1",
+            "TUNEJOB_RATE_LIMIT": "1000000/second",
+            **env,
+        }
         self.processes: list[Process] = []
         self.extra_logs: list[Callable[[], str]] = []
         self.api: Process | None = None
@@ -200,8 +226,9 @@ class Cluster:
 
     def python(self, code: str, timeout: float = 60) -> str:
         """Run ``code`` in a fresh interpreter with the stack's environment; returns its output."""
-        result = subprocess.run([sys.executable, "-c", code], env=self.env, cwd=ROOT, capture_output=True, text=True,
-                                timeout=timeout)
+        result = subprocess.run(
+            [sys.executable, "-c", code], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
         assert result.returncode == 0, f"{code!r} failed:\n{result.stdout}\n{result.stderr}"
         return result.stdout
 
@@ -234,10 +261,20 @@ class Cluster:
     def submit(self, dataset_id: str, **hyperparameters) -> dict:
         from tests.conftest import TINY_MODEL
 
-        body = {"base_model": TINY_MODEL, "task": "classification", "training_dataset": dataset_id,
-                "text_column": "text", "label_column": "label",
-                "hyperparameters": {"epochs": 2, "batch_size": 8, "max_length": 64, "learning_rate": 1e-3,
-                                    **hyperparameters}}
+        body = {
+            "base_model": TINY_MODEL,
+            "task": "classification",
+            "training_dataset": dataset_id,
+            "text_column": "text",
+            "label_column": "label",
+            "hyperparameters": {
+                "epochs": 2,
+                "batch_size": 8,
+                "max_length": 64,
+                "learning_rate": 1e-3,
+                **hyperparameters,
+            },
+        }
         return self.request("POST", "/jobs", 201, json=body).json()
 
     def job(self, job_id: str) -> dict:
@@ -260,14 +297,18 @@ class Cluster:
         return self.request("GET", f"/jobs/{job_id}/checkpoints").json()["data"]
 
     def wait_status(self, job_id: str, statuses: set[str], timeout: float) -> dict:
-        return self.wait_for(f"job {job_id} to be {'/'.join(sorted(statuses))}",
-                             lambda: (j := self.job(job_id))["status"] in statuses and j, timeout)
+        return self.wait_for(
+            f"job {job_id} to be {'/'.join(sorted(statuses))}",
+            lambda: (j := self.job(job_id))["status"] in statuses and j,
+            timeout,
+        )
 
     def wait_finished(self, job_id: str, timeout: float) -> dict:
         return self.wait_status(job_id, FINISHED, timeout)
 
-    def wait_step(self, job_id: str, predicate: Callable[[dict], bool], what: str, timeout: float,
-                  interval: float = 0.05) -> dict:
+    def wait_step(
+        self, job_id: str, predicate: Callable[[dict], bool], what: str, timeout: float, interval: float = 0.05
+    ) -> dict:
         """Poll the running job until ``predicate(job)``; fails at once if it finishes first."""
 
         def check():

@@ -31,8 +31,12 @@ class S3Server:
 
     def env(self) -> dict[str, str]:
         """The standard AWS_* variables a client of this server needs."""
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-                "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1"}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": "us-east-1",
+        }
 
 
 def weed_binary() -> str | None:
@@ -74,8 +78,17 @@ def start_seaweedfs(directory: Path, timeout: float = 60) -> S3Server:
     weed = require_weed()
     ports = dict(zip(PORT_FLAGS, _free_ports(len(PORT_FLAGS)), strict=True))
     log = directory / "weed.log"
-    args = [weed, "mini", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-            "-admin.ui=false", f"-bucket={BUCKET}", *(f"-{flag}={port}" for flag, port in ports.items())]
+    args = [
+        weed,
+        "mini",
+        f"-dir={directory}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-master.telemetry=false",
+        "-admin.ui=false",
+        f"-bucket={BUCKET}",
+        *(f"-{flag}={port}" for flag, port in ports.items()),
+    ]
     env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
     with open(log, "wb") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -93,8 +106,15 @@ def _bucket_ready(server: S3Server) -> bool:
     import obstore
     from obstore.store import S3Store
 
-    store = S3Store(BUCKET, endpoint=server.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
-                    region="us-east-1", client_options={"allow_http": True}, retry_config={"max_retries": 0})
+    store = S3Store(
+        BUCKET,
+        endpoint=server.endpoint,
+        access_key_id=ACCESS_KEY,
+        secret_access_key=SECRET_KEY,
+        region="us-east-1",
+        client_options={"allow_http": True},
+        retry_config={"max_retries": 0},
+    )
     try:
         obstore.put(store, ".ready", b"")
         return True

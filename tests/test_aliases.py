@@ -12,8 +12,9 @@ def two_jobs(stack) -> tuple[str, str]:
     """Two succeeded classification jobs of ``stack.tenant``, trained differently."""
     client = stack.client
     first = train(client, "classification", upload(client, topic_rows(40, seed=1), "a.jsonl"), None, "label")
-    second = train(client, "classification", upload(client, topic_rows(40, seed=7), "b.jsonl"), None, "label",
-                   validation_split=0.0)
+    second = train(
+        client, "classification", upload(client, topic_rows(40, seed=7), "b.jsonl"), None, "label", validation_split=0.0
+    )
     return first["id"], second["id"]
 
 
@@ -39,8 +40,9 @@ def test_an_alias_moves_and_predictions_follow_it(stack, two_jobs, monkeypatch):
     assert history[0]["changed_by"] and history[0]["changed_at"]
     assert client.post("/models/production/predict", json=texts).json()["model"] == second  # the new model
 
-    prediction = client.post("/predictions", json={"model": "production", "dataset": upload(
-        client, topic_rows(6, seed=9), "score.jsonl")})
+    prediction = client.post(
+        "/predictions", json={"model": "production", "dataset": upload(client, topic_rows(6, seed=9), "score.jsonl")}
+    )
     assert prediction.status_code == 201, prediction.text
     assert prediction.json()["model"] == second and prediction.json()["model_alias"] == "production"
     done = wait_for_status(client, prediction.json()["id"], {"succeeded", "failed"}, path="/predictions")
@@ -55,8 +57,10 @@ def test_an_alias_moves_and_predictions_follow_it(stack, two_jobs, monkeypatch):
     assert [(e["previous_job_id"], e["job_id"]) for e in events] == [(second, None), (first, second), (None, first)]
 
 
-@pytest.mark.parametrize("alias, status, code", [("Production", 422, "invalid_alias"), ("-x", 422, "invalid_alias"),
-                                                  (TINY_MODEL, 422, "invalid_alias")])
+@pytest.mark.parametrize(
+    "alias, status, code",
+    [("Production", 422, "invalid_alias"), ("-x", 422, "invalid_alias"), (TINY_MODEL, 422, "invalid_alias")],
+)
 def test_a_name_that_is_not_a_slug_or_is_a_base_model_is_refused(stack, two_jobs, alias, status, code):
     r = stack.client.put(f"/models/aliases/{alias}", json={"job_id": two_jobs[0]})
     assert r.status_code == status and r.json()["error"]["code"] == code and r.json()["error"]["param"] == "alias"
@@ -68,8 +72,14 @@ def test_only_a_succeeded_job_of_the_same_tenant(stack, two_jobs):
     other = stack.client_for("tenant-b")
     assert other.put("/models/aliases/stolen", json={"job_id": two_jobs[0]}).status_code == 404
     assert client.put("/models/aliases/x", json={"job_id": "job_doesnotexist"}).status_code == 404
-    queued = client.post("/jobs", json={"base_model": TINY_MODEL, "training_dataset": upload(
-        client, topic_rows(20, seed=3), "c.jsonl"), "hyperparameters": {"epochs": 1}}).json()["id"]
+    queued = client.post(
+        "/jobs",
+        json={
+            "base_model": TINY_MODEL,
+            "training_dataset": upload(client, topic_rows(20, seed=3), "c.jsonl"),
+            "hyperparameters": {"epochs": 1},
+        },
+    ).json()["id"]
     client.post(f"/jobs/{queued}/cancel")
     r = client.put("/models/aliases/staging", json={"job_id": queued})
     assert r.status_code == 409 and r.json()["error"]["code"] == "job_not_succeeded"
@@ -96,8 +106,12 @@ def test_the_cli_sets_lists_and_shows_aliases_and_the_evaluation(stack, two_jobs
     screen = io.StringIO()
     out = Console(file=screen, width=200)
     with Client(BASE_URL, api_key=key, transport=ViaTestClient(stack.client)) as client:
-        for argv in (["models", "alias", "set", "canary", two_jobs[0]], ["models", "alias", "list"],
-                     ["models", "alias", "get", "canary"], ["jobs", "evaluation", two_jobs[0]]):
+        for argv in (
+            ["models", "alias", "set", "canary", two_jobs[0]],
+            ["models", "alias", "list"],
+            ["models", "alias", "get", "canary"],
+            ["jobs", "evaluation", two_jobs[0]],
+        ):
             args = parser.parse_args(argv)
             args.handler(client, args, out)
         assert f"canary -> {two_jobs[0]}" in screen.getvalue()

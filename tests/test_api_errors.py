@@ -23,9 +23,14 @@ def post_file(client, content: bytes, filename: str):
 
 
 def job_body(dataset_id: str, **overrides) -> dict:
-    body = {"base_model": TINY_MODEL, "task": "classification", "training_dataset": dataset_id,
-            "text_column": "text", "label_column": "label",
-            "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32, "learning_rate": 1e-3}}
+    body = {
+        "base_model": TINY_MODEL,
+        "task": "classification",
+        "training_dataset": dataset_id,
+        "text_column": "text",
+        "label_column": "label",
+        "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32, "learning_rate": 1e-3},
+    }
     body.update(overrides)
     return body
 
@@ -115,8 +120,15 @@ def test_non_utf8_jsonl_is_refused(stack):
     before = Snapshot(stack)
     content = b'{"text": "ok", "label": "a"}\n{"text": "\xff\xfe", "label": "b"}\n'
     offset = content.index(b"\xff")
-    assert_error(post_file(stack.client, content, "bad.jsonl"), 422, "invalid_encoding", "file", "bad.jsonl",
-                 "line 2", f"offset {offset}")
+    assert_error(
+        post_file(stack.client, content, "bad.jsonl"),
+        422,
+        "invalid_encoding",
+        "file",
+        "bad.jsonl",
+        "line 2",
+        f"offset {offset}",
+    )
     before.assert_unchanged()
 
 
@@ -128,8 +140,16 @@ def test_non_utf8_byte_across_read_chunks_is_located_exactly(stack):
     content = head + b"a" * ((1 << 20) - 1 - len(head)) + b"\xe2A,sports\nb,business\n"
     offset = content.index(b"\xe2")
     assert offset == (1 << 20) - 1
-    assert_error(post_file(stack.client, content, "big.csv"), 422, "invalid_encoding", "file", "big.csv",
-                 f"offset {offset}", "0xe2", "line 2")
+    assert_error(
+        post_file(stack.client, content, "big.csv"),
+        422,
+        "invalid_encoding",
+        "file",
+        "big.csv",
+        f"offset {offset}",
+        "0xe2",
+        "line 2",
+    )
     before.assert_unchanged()
 
 
@@ -137,8 +157,16 @@ def test_truncated_utf8_sequence_at_end_is_located_at_its_first_byte(stack):
     before = Snapshot(stack)
     content = b"text,label\na,b\nx\xe2\x82"  # a 3-byte sequence cut after 2 bytes
     offset = content.index(b"\xe2")
-    assert_error(post_file(stack.client, content, "cut.csv"), 422, "invalid_encoding", "file", "cut.csv",
-                 f"offset {offset}", "0xe2", "line 3")
+    assert_error(
+        post_file(stack.client, content, "cut.csv"),
+        422,
+        "invalid_encoding",
+        "file",
+        "cut.csv",
+        f"offset {offset}",
+        "0xe2",
+        "line 3",
+    )
     before.assert_unchanged()
 
 
@@ -148,10 +176,13 @@ def test_empty_file_is_refused(stack):
     before.assert_unchanged()
 
 
-@pytest.mark.parametrize("filename, content", [
-    ("header.csv", b"text,label\n"),
-    ("header.tsv", b"text\tlabel\n"),
-])
+@pytest.mark.parametrize(
+    "filename, content",
+    [
+        ("header.csv", b"text,label\n"),
+        ("header.tsv", b"text\tlabel\n"),
+    ],
+)
 def test_header_only_file_is_refused(stack, filename, content):
     before = Snapshot(stack)
     error = assert_error(post_file(stack.client, content, filename), 422, "empty_file", "file", filename)
@@ -162,25 +193,30 @@ def test_header_only_file_is_refused(stack, filename, content):
 @pytest.mark.parametrize("filename", ["data.xlsx", "data", "data.csv.exe", "notes.txt"])
 def test_unsupported_extension_is_refused(stack, filename):
     before = Snapshot(stack)
-    error = assert_error(post_file(stack.client, b"text,label\na,b\n", filename), 422, "unsupported_format",
-                         "file", filename)
+    error = assert_error(
+        post_file(stack.client, b"text,label\na,b\n", filename), 422, "unsupported_format", "file", filename
+    )
     assert ".csv" in error["message"] and ".parquet" in error["message"]  # says what is accepted
     before.assert_unchanged()
 
 
 def test_unparseable_parquet_is_refused(stack):
     before = Snapshot(stack)
-    assert_error(post_file(stack.client, b"this is not parquet at all", "x.parquet"), 422, "invalid_file", "file",
-                 "x.parquet")
+    assert_error(
+        post_file(stack.client, b"this is not parquet at all", "x.parquet"), 422, "invalid_file", "file", "x.parquet"
+    )
     before.assert_unchanged()
 
 
-@pytest.mark.parametrize("filename, content", [
-    ("ragged.csv", b"text,label\na,b\nc,d,e,f\ng,h\n"),
-    ("quote.csv", b'text,label\n"unterminated,b\n'),
-    ("broken.jsonl", b'{"text": "a", "label": "b"}\n{"text": 1\n'),
-    ("blank.csv", b"\n\n\n"),
-])
+@pytest.mark.parametrize(
+    "filename, content",
+    [
+        ("ragged.csv", b"text,label\na,b\nc,d,e,f\ng,h\n"),
+        ("quote.csv", b'text,label\n"unterminated,b\n'),
+        ("broken.jsonl", b'{"text": "a", "label": "b"}\n{"text": 1\n'),
+        ("blank.csv", b"\n\n\n"),
+    ],
+)
 def test_unparseable_text_file_is_refused(stack, filename, content):
     before = Snapshot(stack)
     assert_error(post_file(stack.client, content, filename), 422, "invalid_file", "file", filename)
@@ -219,8 +255,9 @@ def test_missing_text_or_label_column_is_refused(stack, train_ds):
 
 
 def test_missing_column_in_validation_file_names_that_file(stack, train_ds):
-    val = upload(stack.client, pd.DataFrame({"content": ["goal"], "label": ["sports"]}).to_csv(index=False).encode(),
-                 "val.csv")
+    val = upload(
+        stack.client, pd.DataFrame({"content": ["goal"], "label": ["sports"]}).to_csv(index=False).encode(), "val.csv"
+    )
     before = Snapshot(stack)
     r = stack.client.post("/jobs", json=job_body(train_ds["id"], validation_dataset=val["id"]))
     assert_error(r, 422, "missing_column", "text_column", "'text'", "val.csv")
@@ -253,24 +290,41 @@ def test_unknown_base_model_is_refused(stack, train_ds):
 
 
 def test_single_class_label_is_refused(stack):
-    one = upload(stack.client, pd.DataFrame({"text": ["a b", "c d", "e f"], "label": ["x", "x", "x"]})
-                 .to_csv(index=False).encode(), "one_class.csv")
+    one = upload(
+        stack.client,
+        pd.DataFrame({"text": ["a b", "c d", "e f"], "label": ["x", "x", "x"]}).to_csv(index=False).encode(),
+        "one_class.csv",
+    )
     before = Snapshot(stack)
     r = stack.client.post("/jobs", json=job_body(one["id"]))
     assert_error(r, 422, "single_class", "label_column", "one_class.csv", "'x'")
     before.assert_unchanged()
 
 
-@pytest.mark.parametrize("field, value", [
-    ("learning_rate", -1e-4), ("learning_rate", 0), ("epochs", 0), ("batch_size", 0), ("max_length", 4),
-    ("precision", "fp8"), ("batching", "random"), ("warmup_ratio", 1.0),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("learning_rate", -1e-4),
+        ("learning_rate", 0),
+        ("epochs", 0),
+        ("batch_size", 0),
+        ("max_length", 4),
+        ("precision", "fp8"),
+        ("batching", "random"),
+        ("warmup_ratio", 1.0),
+    ],
+)
 def test_bad_hyperparameter_is_refused_naming_it(stack, train_ds, field, value):
     before = Snapshot(stack)
     body = job_body(train_ds["id"])
     body["hyperparameters"][field] = value
-    error = assert_error(stack.client.post("/jobs", json=body), 422, "invalid_request",
-                         f"hyperparameters.{field}", f"hyperparameters.{field}")
+    error = assert_error(
+        stack.client.post("/jobs", json=body),
+        422,
+        "invalid_request",
+        f"hyperparameters.{field}",
+        f"hyperparameters.{field}",
+    )
     assert repr(value) in error["message"]  # the rejected value is quoted back
     before.assert_unchanged()
 
@@ -304,8 +358,13 @@ def test_a_nul_character_is_refused_on_both_stacks_not_a_500(stack, train_ds):
 
 
 def test_validation_label_unseen_in_training_is_refused(stack, train_ds):
-    val = upload(stack.client, pd.DataFrame({"text": ["goal", "vote", "film"], "label": ["sports", "politics", "arts"]})
-                 .to_csv(index=False).encode(), "val_labels.csv")
+    val = upload(
+        stack.client,
+        pd.DataFrame({"text": ["goal", "vote", "film"], "label": ["sports", "politics", "arts"]})
+        .to_csv(index=False)
+        .encode(),
+        "val_labels.csv",
+    )
     before = Snapshot(stack)
     r = stack.client.post("/jobs", json=job_body(train_ds["id"], validation_dataset=val["id"]))
     assert_error(r, 422, "unknown_label", "validation_dataset", "val_labels.csv", "'arts'", "'politics'")
@@ -314,15 +373,18 @@ def test_validation_label_unseen_in_training_is_refused(stack, train_ds):
 
 def test_validation_dataset_and_split_together_are_refused(stack, train_ds):
     before = Snapshot(stack)
-    r = stack.client.post("/jobs", json=job_body(train_ds["id"], validation_dataset=train_ds["id"],
-                                                 validation_split=0.2))
+    r = stack.client.post(
+        "/jobs", json=job_body(train_ds["id"], validation_dataset=train_ds["id"], validation_split=0.2)
+    )
     error = assert_error(r, 422, "invalid_request")
     assert "validation_dataset" in error["message"] and "validation_split" in error["message"]
     before.assert_unchanged()
 
 
-@pytest.mark.parametrize("where, field", [("top", "learning_rate"), ("top", "model"),
-                                          ("hyperparameters", "lr"), ("hyperparameters", "optimizer")])
+@pytest.mark.parametrize(
+    "where, field",
+    [("top", "learning_rate"), ("top", "model"), ("hyperparameters", "lr"), ("hyperparameters", "optimizer")],
+)
 def test_unknown_fields_are_refused(stack, train_ds, where, field):
     before = Snapshot(stack)
     body = job_body(train_ds["id"])
@@ -410,14 +472,21 @@ def test_split_train_validation_edges():
     train, val = split_train_validation(5, codes(5, 2), 0.0, 0)
     assert val is None and train.tolist() == [0, 1, 2, 3, 4]
     # Seeded: the API's dry run and the worker hold out the same rows.
-    assert split_train_validation(200, codes(200, 5), 0.1, 7)[1].tolist() == \
+    assert (
         split_train_validation(200, codes(200, 5), 0.1, 7)[1].tolist()
+        == split_train_validation(200, codes(200, 5), 0.1, 7)[1].tolist()
+    )
 
 
 def test_unknown_job_and_dataset_are_404(stack):
-    for path in ["/jobs/job_0123456789abcdef", "/jobs/job_0123456789abcdef/metrics",
-                 "/jobs/job_0123456789abcdef/events", "/jobs/job_0123456789abcdef/checkpoints",
-                 "/jobs/job_0123456789abcdef/artifacts", "/datasets/ds_0123456789abcdef"]:
+    for path in [
+        "/jobs/job_0123456789abcdef",
+        "/jobs/job_0123456789abcdef/metrics",
+        "/jobs/job_0123456789abcdef/events",
+        "/jobs/job_0123456789abcdef/checkpoints",
+        "/jobs/job_0123456789abcdef/artifacts",
+        "/datasets/ds_0123456789abcdef",
+    ]:
         error = assert_error(stack.client.get(path), 404, "not_found")
         assert "0123456789abcdef" in error["message"], path
     before = Snapshot(stack)
@@ -431,18 +500,26 @@ def test_bad_list_queries_are_refused(stack):
     assert_error(stack.client.get("/jobs", params={"status": "done"}), 422, "invalid_request", "status")
     assert_error(stack.client.get("/jobs", params={"limit": 0}), 422, "invalid_request", "limit")
     assert_error(stack.client.get("/jobs", params={"limit": 101}), 422, "invalid_request", "limit")
-    assert_error(stack.client.get("/jobs", params={"cursor": "job_nope"}), 422, "invalid_cursor", "cursor",
-                 "'job_nope'")
+    assert_error(
+        stack.client.get("/jobs", params={"cursor": "job_nope"}), 422, "invalid_cursor", "cursor", "'job_nope'"
+    )
 
 
 # ----------------------------------------------------------------------------- accepted uploads
 
 
-FRAME = pd.DataFrame({
-    "text": ["goal by the striker", "shares fell, sharply", "la caf\u00e9 \u00e9t\u00e9 \u2013 \U0001f600", "coach"],
-    "label": ["sports", "business", "business", "sports"],
-    "score": [1.5, -2.0, 0.25, 3.0],
-})
+FRAME = pd.DataFrame(
+    {
+        "text": [
+            "goal by the striker",
+            "shares fell, sharply",
+            "la caf\u00e9 \u00e9t\u00e9 \u2013 \U0001f600",
+            "coach",
+        ],
+        "label": ["sports", "business", "business", "sports"],
+        "score": [1.5, -2.0, 0.25, 3.0],
+    }
+)
 
 
 def encode(fmt: str, tmp_path) -> bytes:
@@ -478,6 +555,7 @@ def test_upload_each_format_is_recorded_exactly(stack, fmt, tmp_path):
     # The stored table is what a job reads: the non-ASCII text survives, and a job on it is accepted.
     from shared.data.columns import JobColumns
     from shared.data.labels import read_job_table
+
     table, _ = read_job_table(stored, fmt, filename, JobColumns("classification", "text", None, "label"))
     assert table["text"].tolist() == FRAME["text"].tolist()
     r = stack.client.post("/jobs", json=job_body(dataset["id"], validation_split=0.5))
@@ -558,8 +636,12 @@ def test_list_jobs_filters_by_status_and_pages_newest_first(stack):
 
 def test_max_length_beyond_the_models_positions_is_refused(stack):
     words = ["goal", "bank"]
-    long_texts = pd.DataFrame({"text": [" ".join([words[i % 2]] * 700) for i in range(8)],
-                               "label": [["sports", "business"][i % 2] for i in range(8)]})
+    long_texts = pd.DataFrame(
+        {
+            "text": [" ".join([words[i % 2]] * 700) for i in range(8)],
+            "label": [["sports", "business"][i % 2] for i in range(8)],
+        }
+    )
     dataset = upload(stack.client, long_texts.to_csv(index=False).encode(), "long.csv")
     before = Snapshot(stack)
     body = job_body(dataset["id"])

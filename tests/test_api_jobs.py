@@ -8,7 +8,10 @@ import pandas as pd
 
 from tests.conftest import TINY_MODEL, wait_for_status, wait_until
 
-WORDS = {"sports": ["match", "goal", "team", "coach", "league"], "business": ["shares", "market", "profit", "bank", "sales"]}
+WORDS = {
+    "sports": ["match", "goal", "team", "coach", "league"],
+    "business": ["shares", "market", "profit", "bank", "sales"],
+}
 
 
 def labelled_csv(rows: int = 48, seed: int = 0) -> bytes:
@@ -28,10 +31,14 @@ def upload(client, content: bytes, filename: str = "train.csv") -> dict:
 
 
 def submit(client, dataset_id: str, **hyperparameters) -> dict:
-    body = {"base_model": TINY_MODEL, "task": "classification", "training_dataset": dataset_id,
-            "text_column": "text", "label_column": "label",
-            "hyperparameters": {"epochs": 2, "batch_size": 8, "max_length": 64, "learning_rate": 1e-3,
-                                **hyperparameters}}
+    body = {
+        "base_model": TINY_MODEL,
+        "task": "classification",
+        "training_dataset": dataset_id,
+        "text_column": "text",
+        "label_column": "label",
+        "hyperparameters": {"epochs": 2, "batch_size": 8, "max_length": 64, "learning_rate": 1e-3, **hyperparameters},
+    }
     r = client.post("/jobs", json=body)
     assert r.status_code == 201, r.text
     return r.json()
@@ -56,8 +63,15 @@ def test_upload_submit_poll_download_predict(stack, tmp_path):
 
     metrics = client.get(f"/jobs/{job['id']}/metrics").json()["data"]
     names = {m["name"] for m in metrics}
-    assert {"train_loss", "learning_rate", "grad_norm", "tokens_per_second", "padding_efficiency",
-            "peak_memory_mb", "eval_accuracy"} <= names
+    assert {
+        "train_loss",
+        "learning_rate",
+        "grad_norm",
+        "tokens_per_second",
+        "padding_efficiency",
+        "peak_memory_mb",
+        "eval_accuracy",
+    } <= names
     steps = sorted({m["step"] for m in metrics if m["name"] == "train_loss"})
     assert steps == list(range(1, job["progress"]["total_steps"] + 1))
     later = client.get(f"/jobs/{job['id']}/metrics", params={"after_step": 3}).json()["data"]
@@ -77,8 +91,14 @@ def test_upload_submit_poll_download_predict(stack, tmp_path):
     with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
         tar.extractall(tmp_path / "model", filter="data")
     files = {p.name for p in (tmp_path / "model").iterdir()}
-    assert {"model.safetensors", "config.json", "tokenizer.json", "training_args.json", "metrics.json",
-            "manifest.json"} <= files
+    assert {
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "training_args.json",
+        "metrics.json",
+        "manifest.json",
+    } <= files
     assert not any(f.endswith((".bin", ".pt", ".pkl")) for f in files)
 
     classify = pipeline("text-classification", model=str(tmp_path / "model"), device="cpu")
@@ -89,8 +109,15 @@ def test_upload_submit_poll_download_predict(stack, tmp_path):
 def test_artifact_download_is_by_listed_name_only(stack):
     dataset = upload(stack.client, labelled_csv(rows=16))
     job = wait_for_status(stack.client, submit(stack.client, dataset["id"], epochs=1)["id"], {"succeeded"})
-    for name in ["../../tunejob.db", "model", "..%2F..%2Ftunejob.db", "model/..%2F..%2F..%2Ftunejob.db",
-                 "model/training_args.json/..", "manifest.json", "model/.model.tmp"]:
+    for name in [
+        "../../tunejob.db",
+        "model",
+        "..%2F..%2Ftunejob.db",
+        "model/..%2F..%2F..%2Ftunejob.db",
+        "model/training_args.json/..",
+        "manifest.json",
+        "model/.model.tmp",
+    ]:
         r = stack.client.get(f"/jobs/{job['id']}/artifacts/{name}")
         assert r.status_code == 404, name
         assert "error" in r.json()
@@ -113,10 +140,11 @@ def test_long_reads_leave_the_event_loop(monkeypatch):
 
     monkeypatch.setattr(db, "reads_inline", lambda: True)
     for available, limit, expected_calls in [
-            (30, 10_000, [(100, True)]),
-            (250, 10_000, [(100, True), (10_000, False)]),
-            (250, 100, [(100, True)]),
-            (100, 150, [(100, True), (150, False)])]:
+        (30, 10_000, [(100, True)]),
+        (250, 10_000, [(100, True), (10_000, False)]),
+        (250, 100, [(100, True)]),
+        (100, 150, [(100, True), (150, False)]),
+    ]:
         calls.clear()
         assert asyncio.run(db.read_rows(rows, available, limit=limit)) == list(range(min(available, limit)))
         assert calls == expected_calls

@@ -33,8 +33,9 @@ def finished(stack, dataset) -> dict:
 
 
 def job_files(data_dir, job_id: str) -> list:
-    return [p for folder in ("checkpoints", "artifacts") for p in (data_dir / folder / job_id).rglob("*")
-            if p.is_file()]
+    return [
+        p for folder in ("checkpoints", "artifacts") for p in (data_dir / folder / job_id).rglob("*") if p.is_file()
+    ]
 
 
 def download_model(client, job_id: str, dest):
@@ -66,8 +67,9 @@ def test_model_tar_files_and_manifest_match(stack, finished, tmp_path):
     listed = {a["name"]: a for a in client.get(f"/jobs/{job_id}/artifacts").json()["data"]}
     model = download_model(client, job_id, tmp_path / "model")
     manifest = json.loads((model / "manifest.json").read_text())
-    on_disk = sorted(p.relative_to(model).as_posix() for p in model.rglob("*") if p.is_file()
-                     and p.name != "manifest.json")  # runs/ (TensorBoard) included
+    on_disk = sorted(
+        p.relative_to(model).as_posix() for p in model.rglob("*") if p.is_file() and p.name != "manifest.json"
+    )  # runs/ (TensorBoard) included
     assert [f["name"] for f in manifest["files"]] == on_disk
     for f in manifest["files"]:
         data = (model / f["name"]).read_bytes()
@@ -111,7 +113,7 @@ def test_timings_are_reported_and_sum_to_at_most_the_total(stack, finished):
     assert set(timings) == set(PHASES) | {"total"}
     assert all(timings[p] is not None and timings[p] >= 0 for p in timings), timings
     assert timings["train"] > 0 and timings["load"] > 0 and timings["save"] > 0 and timings["evaluate"] > 0
-    wall = (datetime.fromisoformat(finished["finished_at"]) - datetime.fromisoformat(finished["created_at"]))
+    wall = datetime.fromisoformat(finished["finished_at"]) - datetime.fromisoformat(finished["created_at"])
     assert timings["total"] == pytest.approx(wall.total_seconds(), abs=0.01)
     phases = sum(timings[p] for p in PHASES)
     assert 0.5 * timings["total"] <= phases <= timings["total"], timings  # the rest is bookkeeping between phases

@@ -54,8 +54,10 @@ REQUESTS: dict[tuple[str, str], Callable[[dict], dict]] = {
     ("POST", "/predictions"): lambda ids: {"json": prediction_body(ids["job"], ids["dataset"])},
     ("POST", "/models/{job_id}/predict"): lambda ids: {"json": {"inputs": ["a good match"]}},
     ("POST", "/datasets"): lambda ids: {"files": {"file": ("t.csv", labelled_csv(rows=8), "text/csv")}},
-    ("POST", "/v1/files"): lambda ids: {"files": {"file": ("t.csv", labelled_csv(rows=8), "text/csv")},
-                                        "data": {"purpose": "fine-tune"}},
+    ("POST", "/v1/files"): lambda ids: {
+        "files": {"file": ("t.csv", labelled_csv(rows=8), "text/csv")},
+        "data": {"purpose": "fine-tune"},
+    },
     ("POST", "/v1/fine_tuning/jobs"): lambda ids: {"json": {"model": "tiny-bert", "training_file": ids["dataset"]}},
     ("POST", "/sweeps"): lambda ids: {"json": sweep_body(ids["dataset"])},
     ("POST", "/webhooks"): lambda ids: {"json": {"url": WEBHOOK_URL, "events": ["job.succeeded"]}},
@@ -71,33 +73,58 @@ OWNER_SKIPS = {"DELETE"}
 
 # Routes whose owner's request answers a 4xx for the owner's (succeeded) job: (status, how the error's
 # message starts, why).
-OWNER_ERRORS = {("GET", "/jobs/{job_id}/checkpoints/{step}/model.tar"):
-                (404, "checkpoint ", "a succeeded job's checkpoints are deleted (tests/test_artifacts.py covers a "
-                 "running job's)"),
-                ("GET", "/models/aliases/{alias}"):
-                (404, "alias ", "the alias is made by PUT, whose request comes after GET's in the walk"),
-                ("POST", "/models/{job_id}/embed"):
-                (422, "model ", "the owner's job is a classifier; tests/test_embedding.py covers embedding jobs"),
-                ("POST", "/models/{job_id}/rerank"):
-                (422, "job ", "the owner's job is a classifier; tests/test_reranking.py covers reranking jobs")}
+OWNER_ERRORS = {
+    ("GET", "/jobs/{job_id}/checkpoints/{step}/model.tar"): (
+        404,
+        "checkpoint ",
+        "a succeeded job's checkpoints are deleted (tests/test_artifacts.py covers a running job's)",
+    ),
+    ("GET", "/models/aliases/{alias}"): (
+        404,
+        "alias ",
+        "the alias is made by PUT, whose request comes after GET's in the walk",
+    ),
+    ("POST", "/models/{job_id}/embed"): (
+        422,
+        "model ",
+        "the owner's job is a classifier; tests/test_embedding.py covers embedding jobs",
+    ),
+    ("POST", "/models/{job_id}/rerank"): (
+        422,
+        "job ",
+        "the owner's job is a classifier; tests/test_reranking.py covers reranking jobs",
+    ),
+}
 
 # Routes that refuse the admin's request right after the owner's, by design: (status, code, why).
-AGAIN_ERRORS = {("POST", "/webhooks/{webhook_id}/ping"):
-                (429, "ping_pending", "one pending ping per endpoint, and nothing listens at WEBHOOK_URL (issue 34)"),
-                ("PUT", "/models/aliases/{alias}"):
-                (404, "not_found", "an alias names a job of its own tenant, an admin's too (issue 37)")}
+AGAIN_ERRORS = {
+    ("POST", "/webhooks/{webhook_id}/ping"): (
+        429,
+        "ping_pending",
+        "one pending ping per endpoint, and nothing listens at WEBHOOK_URL (issue 34)",
+    ),
+    ("PUT", "/models/aliases/{alias}"): (
+        404,
+        "not_found",
+        "an alias names a job of its own tenant, an admin's too (issue 37)",
+    ),
+}
 
 
 def api_routes(app) -> list[tuple[str, str]]:
     """Every (method, path template) the app serves through FastAPI routes. The documentation pages
     (/docs, /redoc, /openapi.json and their assets) are not API routes: they stay public."""
-    return sorted((method, context.path) for context in iter_route_contexts(app.routes)
-                  if isinstance(context.original_route, APIRoute) and context.original_route.include_in_schema
-                  for method in context.methods)
+    return sorted(
+        (method, context.path)
+        for context in iter_route_contexts(app.routes)
+        if isinstance(context.original_route, APIRoute) and context.original_route.include_in_schema
+        for method in context.methods
+    )
 
 
 def request_args(method: str, path: str, ids: dict) -> tuple[str, dict]:
     """The concrete URL and httpx arguments of a route for the owner's resources ``ids``."""
+
     def value(match: re.Match) -> str:
         name = match.group(1).split(":")[0]
         assert name in PATH_VALUES, f"{method} {path}: add a value for path parameter {name!r} to PATH_VALUES"
@@ -126,8 +153,13 @@ def owned(stack) -> dict:
     sweep = stack.client.post("/sweeps", json=sweep_body(dataset["id"], max_trials=1)).json()
     assert wait_for_sweep(stack.client, sweep["id"])["status"] == "succeeded"
     webhook = stack.client.post("/webhooks", json={"url": WEBHOOK_URL, "events": ["job.succeeded"]}).json()
-    yield {"job": job["id"], "dataset": dataset["id"], "prediction": prediction["id"], "sweep": sweep["id"],
-           "webhook": webhook["id"]}
+    yield {
+        "job": job["id"],
+        "dataset": dataset["id"],
+        "prediction": prediction["id"],
+        "sweep": sweep["id"],
+        "webhook": webhook["id"],
+    }
     patch.undo()
 
 
@@ -177,7 +209,9 @@ def test_another_tenant_gets_404_on_every_route_and_sees_nothing(stack, owned, o
         elif any(i in repr(kwargs) for i in owner_ids):  # a body naming the owner's resources (it may echo them)
             assert 400 <= r.status_code < 500, f"{method} {path} accepted another tenant's resources: {r.text[:300]}"
         else:
-            assert not any(i in r.text for i in owner_ids), f"{method} {path} shows another tenant's ids: {r.text[:300]}"
+            assert not any(i in r.text for i in owner_ids), (
+                f"{method} {path} shows another tenant's ids: {r.text[:300]}"
+            )
         if method in OWNER_SKIPS:
             continue
         if (method, path) in ADMIN_ONLY:
@@ -211,8 +245,9 @@ def test_lists_hold_only_the_callers_rows_and_admins_see_all(stack, owned, other
     # A cursor naming another tenant's job is refused like an unknown one.
     assert_error(other.get("/jobs", params={"cursor": owned["job"]}), 422, "invalid_cursor", "cursor")
     # Another tenant's dataset cannot be trained on, and the refusal does not confirm it exists.
-    error = assert_error(other.post("/jobs", json=job_body(owned["dataset"])), 422, "unknown_dataset",
-                         "training_dataset")
+    error = assert_error(
+        other.post("/jobs", json=job_body(owned["dataset"])), 422, "unknown_dataset", "training_dataset"
+    )
     assert "does not exist" in error["message"]
 
 
@@ -230,8 +265,9 @@ def test_a_revoked_key_fails_at_once(stack):
     assert [client.get("/jobs").status_code for _ in range(2)] == [200, 200]
     if stack.name == "postgres+redis":  # cached once the notifications of the keys made above are in
         cache = key_cache(get_settings().sqlalchemy_url)
-        wait_until(lambda: client.get("/jobs").status_code == 200 and hash_key(key) in cache.values,
-                   "the key is cached")
+        wait_until(
+            lambda: client.get("/jobs").status_code == 200 and hash_key(key) in cache.values, "the key is cached"
+        )
     subprocess.run([sys.executable, "-m", "tunejob", "keys", "revoke", row.id], check=True, capture_output=True)
     assert_error(client.get("/jobs"), 401, "invalid_api_key")
     assert_error(client.get("/datasets"), 401, "invalid_api_key")
@@ -335,8 +371,9 @@ def test_idempotent_job_submission_replays_the_first_response(stack, owned):
 
     # The same key with another body is refused and creates nothing.
     changed = {**body, "metadata": {"run": "changed"}}
-    assert_error(stack.client.post("/jobs", json=changed, headers=headers), 422, "idempotency_key_reused",
-                 "Idempotency-Key")
+    assert_error(
+        stack.client.post("/jobs", json=changed, headers=headers), 422, "idempotency_key_reused", "Idempotency-Key"
+    )
     # Keys belong to a tenant: another tenant's identical key is its own.
     other = stack.client_for("tenant-i")
     assert_error(other.post("/jobs", json=body, headers=headers), 422, "unknown_dataset")
@@ -405,16 +442,20 @@ def test_idempotency_key_is_documented_in_openapi(stack):
 # ----------------------------------------------------------------------------- caps and quotas
 
 
-@pytest.mark.parametrize("metadata, mentions", [
-    ({f"k{i}": "v" for i in range(17)}, "17 keys; at most 16"),
-    ({"k" * 65: "v"}, "65 characters; at most 64"),
-    ({"k": "v" * 513}, "513 characters; at most 512"),
-    ({"k": {"nested": "object"}}, "string"),
-])
+@pytest.mark.parametrize(
+    "metadata, mentions",
+    [
+        ({f"k{i}": "v" for i in range(17)}, "17 keys; at most 16"),
+        ({"k" * 65: "v"}, "65 characters; at most 64"),
+        ({"k": "v" * 513}, "513 characters; at most 512"),
+        ({"k": {"nested": "object"}}, "string"),
+    ],
+)
 def test_metadata_caps(stack, owned, metadata, mentions):
     before = job_ids(stack.client)
-    error = assert_error(stack.client.post("/jobs", json=job_body(owned["dataset"], metadata=metadata)), 422,
-                         "invalid_request")
+    error = assert_error(
+        stack.client.post("/jobs", json=job_body(owned["dataset"], metadata=metadata)), 422, "invalid_request"
+    )
     assert error["param"].startswith("metadata") and mentions in error["message"], error
     assert job_ids(stack.client) == before
 
@@ -428,17 +469,29 @@ def test_largest_allowed_metadata_is_accepted(stack, owned):
 
 def test_too_many_columns_is_refused(stack):
     table = pd.DataFrame({f"c{i}": ["x"] for i in range(257)})
-    error = assert_error(stack.client.post("/datasets", files={"file": ("wide.csv", table.to_csv(index=False).encode(),
-                                                                          "text/csv")}),
-                         422, "too_many_columns", "file", "wide.csv", "257 columns", "at most 256")
+    error = assert_error(
+        stack.client.post("/datasets", files={"file": ("wide.csv", table.to_csv(index=False).encode(), "text/csv")}),
+        422,
+        "too_many_columns",
+        "file",
+        "wide.csv",
+        "257 columns",
+        "at most 256",
+    )
     assert "TUNEJOB_MAX_COLUMNS" in error["message"]
 
 
 def test_too_many_classes_is_refused(stack):
     rows = pd.DataFrame({"text": [f"text {i}" for i in range(1001)], "label": [f"class-{i}" for i in range(1001)]})
     dataset = upload(stack.client, rows.to_csv(index=False).encode(), "many.csv")
-    assert_error(stack.client.post("/jobs", json=job_body(dataset["id"], validation_split=0.0)), 422,
-                 "too_many_classes", "label_column", "1001 classes", "at most 1000")
+    assert_error(
+        stack.client.post("/jobs", json=job_body(dataset["id"], validation_split=0.0)),
+        422,
+        "too_many_classes",
+        "label_column",
+        "1001 classes",
+        "at most 1000",
+    )
 
 
 def test_active_jobs_per_tenant_are_capped(stack, monkeypatch):
@@ -512,8 +565,10 @@ def test_a_held_write_lock_answers_503_and_reads_go_on(stack, owned, monkeypatch
     try:
         assert stack.client.get(f"/jobs/{owned['job']}").status_code == 200  # WAL: readers never wait
         assert stack.client.get(f"/jobs/{owned['job']}/metrics", params={"after_step": 1}).status_code == 200
-        for r in (stack.client.post(f"/jobs/{owned['job']}/cancel"),
-                  stack.client.post("/datasets", files={"file": ("t.csv", labelled_csv(rows=8), "text/csv")})):
+        for r in (
+            stack.client.post(f"/jobs/{owned['job']}/cancel"),
+            stack.client.post("/datasets", files={"file": ("t.csv", labelled_csv(rows=8), "text/csv")}),
+        ):
             assert_error(r, 503, "store_busy")
             assert r.headers["retry-after"] == "1"
     finally:
@@ -548,8 +603,9 @@ def test_allowed_hosts_setting_adds_names(stack, monkeypatch):
 
 def test_cross_site_writes_are_refused(stack, owned):
     url = f"/jobs/{owned['job']}/cancel"
-    assert_error(stack.client.post(url, headers={"Origin": "https://attacker.example"}), 403, "cross_origin_request",
-                 "Origin")
+    assert_error(
+        stack.client.post(url, headers={"Origin": "https://attacker.example"}), 403, "cross_origin_request", "Origin"
+    )
     assert_error(stack.client.post(url, headers={"Origin": "null"}), 403, "cross_origin_request")
     assert stack.client.post(url, headers={"Origin": "http://localhost:8000"}).status_code == 200
     # Reads are not state-changing; the key still guards them.

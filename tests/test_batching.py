@@ -244,7 +244,8 @@ def test_bucket_efficiency_and_the_widths_a_plan_uses():
         assert plan.padding_efficiency(epoch, ladder=ladder) == pytest.approx(real / bucketed)
         assert plan.padding_efficiency(epoch, ladder=ladder) < plan.padding_efficiency(epoch) <= 1
         assert plan.padding_efficiency(epoch, ladder=bucket_ladder(512, 1)) == pytest.approx(
-            plan.padding_efficiency(epoch))
+            plan.padding_efficiency(epoch)
+        )
     counts = plan.width_counts(ladder, epochs=2.5)
     assert set(counts) <= set(ladder) and list(counts) == sorted(counts)
     assert sum(counts.values()) == sum(len(plan.epoch_batches(e)) for e in range(3))
@@ -265,12 +266,25 @@ def test_training_batches_have_ladder_widths_and_every_example_once_per_epoch(en
 
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "market", "goal"]
-    df = pd.DataFrame({"text": [" ".join(rng.choice(words, size=rng.integers(1, 60))) for _ in range(90)],
-                       "label": ["a", "b", "c"] * 30})
-    spec = JobCreate(base_model=TINY_MODEL, training_dataset="ds", validation_split=0.0,
-                     hyperparameters={"batch_size": 8, "max_length": 64, "pad_to_multiple_of": None})
-    job = Job(id="buckets", task="classification", base_model=TINY_MODEL, label_names=["a", "b", "c"],
-              spec=spec.model_dump(mode="json"))
+    df = pd.DataFrame(
+        {
+            "text": [" ".join(rng.choice(words, size=rng.integers(1, 60))) for _ in range(90)],
+            "label": ["a", "b", "c"] * 30,
+        }
+    )
+    spec = JobCreate(
+        base_model=TINY_MODEL,
+        training_dataset="ds",
+        validation_split=0.0,
+        hyperparameters={"batch_size": 8, "max_length": 64, "pad_to_multiple_of": None},
+    )
+    job = Job(
+        id="buckets",
+        task="classification",
+        base_model=TINY_MODEL,
+        label_names=["a", "b", "c"],
+        spec=spec.model_dump(mode="json"),
+    )
     run = Recipe(job, torch.device("cpu")).setup(JobData(df, None), RecordingReporter())
     ladder = bucket_ladder(64)
     run.job_setup.collator.ladder = ladder  # as on a CUDA worker
@@ -297,14 +311,24 @@ def tokenizer(models_dir):
     return AutoTokenizer.from_pretrained(models_dir / TINY_MODEL)
 
 
-TEXTS = ["goal", "the coach praised the team after a long league match",
-         "shares rose", "bank profit and market sales were up again this quarter, said the bank",
-         "a", "team team team team team team team team team team team team team team team team team team"]
+TEXTS = [
+    "goal",
+    "the coach praised the team after a long league match",
+    "shares rose",
+    "bank profit and market sales were up again this quarter, said the bank",
+    "a",
+    "team team team team team team team team team team team team team team team team team team",
+]
 
 
 def frame(n: int = len(TEXTS)) -> pd.DataFrame:
-    return pd.DataFrame({"text": TEXTS[:n], "other": [t[::-1] for t in TEXTS[:n]],
-                         "label": ["sports", "sports", "business", "business", "sports", "sports"][:n]})
+    return pd.DataFrame(
+        {
+            "text": TEXTS[:n],
+            "other": [t[::-1] for t in TEXTS[:n]],
+            "label": ["sports", "sports", "business", "business", "sports", "sports"][:n],
+        }
+    )
 
 
 def encode(tokenizer, max_length: int = 64, **kw):
@@ -331,8 +355,9 @@ def test_tokenize_once_without_padding_and_map_labels(tokenizer):
     assert set(ds.encodings) == {"input_ids", "token_type_ids", "attention_mask"}
     assert ds.lengths.tolist() == [len(ids) for ids in ds.encodings["input_ids"]]
     assert ds.lengths.max() == 12 and ds.lengths.min() == 3  # [CLS] a [SEP]
-    assert all(ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id
-               for ids in ds.encodings["input_ids"])
+    assert all(
+        ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id for ids in ds.encodings["input_ids"]
+    )
     assert ds.labels == [1, 1, 0, 0, 1, 1]
     assert ds[3]["labels"] == 0 and len(ds[3]["input_ids"]) == 12  # truncated to max_length
 
@@ -438,7 +463,10 @@ def test_padding_ladder_defaults():
     assert padding_ladder(Hyperparameters(max_length=128), cuda) == [16, 32, 48, 64, 80, 96, 112, 128]
     assert padding_ladder(Hyperparameters(max_length=200, torch_compile=True), cpu) == [64, 128, 192, 200]
     assert padding_ladder(Hyperparameters(max_length=40, pad_to_multiple_of=16, torch_compile=True), cuda) == [
-        16, 32, 40]
+        16,
+        32,
+        40,
+    ]
 
 
 def test_dry_run_plan_shows_smart_and_bucket_efficiency_and_the_buckets(models_dir, monkeypatch, tmp_path):
@@ -451,12 +479,14 @@ def test_dry_run_plan_shows_smart_and_bucket_efficiency_and_the_buckets(models_d
     rng = np.random.default_rng(1)
     texts = [" ".join(["market"] * int(n)) for n in rng.integers(1, 200, size=300)]
     train = pd.DataFrame({"text": texts, "label": ["a", "b"] * 150})
-    spec = JobCreate(base_model=TINY_MODEL, training_dataset="ds", hyperparameters={
-        "batch_size": 16, "max_length": 128, "epochs": 2})
+    spec = JobCreate(
+        base_model=TINY_MODEL, training_dataset="ds", hyperparameters={"batch_size": 16, "max_length": 128, "epochs": 2}
+    )
     train.to_csv(tmp_path / "train.csv", index=False)
     dataset = Dataset(id="ds", filename="train.csv", format="csv", path=str(tmp_path / "train.csv"))
-    plan = planning.plan_job(planning.CheckedSpec(spec, models_dir / TINY_MODEL, dataset, None, ["a", "b"],
-                                                  Caller("tenant-a")))
+    plan = planning.plan_job(
+        planning.CheckedSpec(spec, models_dir / TINY_MODEL, dataset, None, ["a", "b"], Caller("tenant-a"))
+    )
     ladder = bucket_ladder(128)
     assert plan["buckets"]["ladder"] == ladder
     widths = plan["buckets"]["widths"]

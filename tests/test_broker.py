@@ -16,8 +16,9 @@ def test_a_message_is_not_seen_before_it_is_written_whole(tmp_path, monkeypatch)
     meanwhile moved and read an empty file and failed on the JSON (``JSONDecodeError``). The poll
     here runs at that moment (while the body is being encoded, the file already open)."""
     config = shared.queue.celery_config(Settings(data_dir=tmp_path))
-    with Connection("filesystem://", transport=config.get("broker_transport"),
-                    transport_options=config["broker_transport_options"]) as connection:
+    with Connection(
+        "filesystem://", transport=config.get("broker_transport"), transport_options=config["broker_transport_options"]
+    ) as connection:
         channel = connection.default_channel
         seen = []
 

@@ -37,8 +37,14 @@ class Served:
 
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """``tunejob ARGS`` as a subprocess; its output is in ``.stdout`` and ``.stderr``."""
-        return subprocess.run([sys.executable, "-m", "tunejob", *args], env=self.env, cwd=ROOT, text=True,
-                              capture_output=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "tunejob", *args],
+            env=self.env,
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
 
     def client(self) -> Client:
         key_file = self.data_dir / "api_key"
@@ -54,12 +60,24 @@ def serving(work: Path, models_dir: Path, *options: str):
     """``tunejob serve OPTIONS`` on a free port with the tiny model, yielded once it answers, then stopped."""
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}
-    env = {**base, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "TUNEJOB_DATA_DIR": str(work / "data"),
-           "TUNEJOB_MODELS_DIR": str(models_dir), "TUNEJOB_DEVICE": "cpu", "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2",
-           "TUNEJOB_STREAM_POLL_SECONDS": "0.1", "TUNEJOB_URL": f"http://127.0.0.1:{port}", "COLUMNS": "200"}
-    process = Process("serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port), *options], env,
-                      work / "serve.log")
+    env = {
+        **base,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TUNEJOB_DATA_DIR": str(work / "data"),
+        "TUNEJOB_MODELS_DIR": str(models_dir),
+        "TUNEJOB_DEVICE": "cpu",
+        "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2",
+        "TUNEJOB_STREAM_POLL_SECONDS": "0.1",
+        "TUNEJOB_URL": f"http://127.0.0.1:{port}",
+        "COLUMNS": "200",
+    }
+    process = Process(
+        "serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port), *options], env, work / "serve.log"
+    )
     server = Served(f"http://127.0.0.1:{port}", work / "data", env, process)
 
     def up() -> bool:
@@ -78,8 +96,9 @@ def serving(work: Path, models_dir: Path, *options: str):
 def write_csv(path: Path, rows: int, seed: int = 0) -> Path:
     rng = random.Random(seed)
     labels = [["sports", "business"][i % 2] for i in range(rows)]
-    pd.DataFrame({"text": [" ".join(rng.choices(WORDS[label], k=rng.randint(3, 24))) for label in labels],
-                  "label": labels}).to_csv(path, index=False)
+    pd.DataFrame(
+        {"text": [" ".join(rng.choices(WORDS[label], k=rng.randint(3, 24))) for label in labels], "label": labels}
+    ).to_csv(path, index=False)
     return path
 
 
@@ -95,9 +114,27 @@ def test_create_watch_download_and_the_pictures_of_the_run(served, tmp_path):
     from transformers import pipeline
 
     dataset = upload(served, write_csv(tmp_path / "train.csv", 64))
-    created = served.cli("jobs", "create", "--model", TINY_MODEL, "--dataset", dataset, "--text-column", "text",
-                         "--label-column", "label", "--set", "epochs=2", "--set", "batch_size=8",
-                         "--set", "learning_rate=1e-3", "--set", "eval_every_steps=4", "--watch")
+    created = served.cli(
+        "jobs",
+        "create",
+        "--model",
+        TINY_MODEL,
+        "--dataset",
+        dataset,
+        "--text-column",
+        "text",
+        "--label-column",
+        "label",
+        "--set",
+        "epochs=2",
+        "--set",
+        "batch_size=8",
+        "--set",
+        "learning_rate=1e-3",
+        "--set",
+        "eval_every_steps=4",
+        "--watch",
+    )
     assert created.returncode == 0, created.stdout + created.stderr
     assert "succeeded" in created.stdout
     assert "validation accuracy" in created.stdout and "train tokens_per_second" in created.stdout
@@ -116,7 +153,9 @@ def test_create_watch_download_and_the_pictures_of_the_run(served, tmp_path):
     assert curves.ndim == 3 and curves.shape[0] > 500 and curves.shape[1] > 500
     runs = EventAccumulator(str(model_dir / "runs"))
     runs.Reload()
-    assert {"train/loss", "train/learning_rate", "train/tokens_per_second", "eval/accuracy"} <= set(runs.Tags()["scalars"])
+    assert {"train/loss", "train/learning_rate", "train/tokens_per_second", "eval/accuracy"} <= set(
+        runs.Tags()["scalars"]
+    )
     assert [e.step for e in runs.Scalars("train/loss")] == list(range(1, steps + 1))
     assert [e.step for e in runs.Scalars("eval/accuracy")] == [*range(4, steps, 4), steps]
 
@@ -137,22 +176,38 @@ def test_create_watch_download_and_the_pictures_of_the_run(served, tmp_path):
 
 def test_predict_a_dataset_and_a_few_texts_from_the_command_line(served, tmp_path):
     dataset = upload(served, write_csv(tmp_path / "train.csv", 48))
-    trained = served.cli("jobs", "create", "--model", TINY_MODEL, "--dataset", dataset, "--set", "epochs=1",
-                         "--set", "batch_size=8", "--set", "learning_rate=1e-3", "--quiet")
+    trained = served.cli(
+        "jobs",
+        "create",
+        "--model",
+        TINY_MODEL,
+        "--dataset",
+        dataset,
+        "--set",
+        "epochs=1",
+        "--set",
+        "batch_size=8",
+        "--set",
+        "learning_rate=1e-3",
+        "--quiet",
+    )
     assert trained.returncode == 0, trained.stderr
     job_id = trained.stdout.strip()
     assert served.cli("jobs", "watch", job_id).returncode == 0
 
-    texts = pd.DataFrame({"doc": [f"d{i}" for i in range(30)],
-                          "text": ["goal match team" if i % 2 else "shares market profit" for i in range(30)]})
+    texts = pd.DataFrame(
+        {
+            "doc": [f"d{i}" for i in range(30)],
+            "text": ["goal match team" if i % 2 else "shares market profit" for i in range(30)],
+        }
+    )
     texts.to_csv(tmp_path / "score.csv", index=False)
     to_score = upload(served, tmp_path / "score.csv")
     planned = served.cli("predict", "create", "--model", job_id, "--dataset", to_score, "--dry-run", "--json")
     assert planned.returncode == 0, planned.stderr
     assert json.loads(planned.stdout)["rows"] == 30
 
-    created = served.cli("predict", "create", "--model", job_id, "--dataset", to_score, "--id-column", "doc",
-                         "--watch")
+    created = served.cli("predict", "create", "--model", job_id, "--dataset", to_score, "--id-column", "doc", "--watch")
     assert created.returncode == 0, created.stdout + created.stderr
     assert "succeeded" in created.stdout and "tunejob predict download" in created.stdout
     prediction_id = created.stdout.split()[1]
@@ -166,8 +221,9 @@ def test_predict_a_dataset_and_a_few_texts_from_the_command_line(served, tmp_pat
     assert results["id"].tolist() == texts["doc"].tolist()
     assert set(results["label"]) <= set(WORDS)
 
-    answer = json.loads(served.cli("predict", "texts", job_id, "goal match team", "shares market profit",
-                                   "--json").stdout)
+    answer = json.loads(
+        served.cli("predict", "texts", job_id, "goal match team", "shares market profit", "--json").stdout
+    )
     assert [p["label"] for p in answer["predictions"]] == results["label"].tolist()[:2][::-1]
 
     missing = served.cli("predict", "get", "job_0000000000000000")
@@ -196,9 +252,23 @@ def test_a_failing_job_makes_watch_exit_non_zero(served, tmp_path):
     dataset = upload(served, path)
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"allow_large_targets": True}))
-    created = served.cli("jobs", "create", "--spec", str(spec), "--model", TINY_MODEL, "--dataset", dataset,
-                         "--task", "regression", "--label-column", "score", "--set", "max_nonfinite_steps=1",
-                         "--watch")
+    created = served.cli(
+        "jobs",
+        "create",
+        "--spec",
+        str(spec),
+        "--model",
+        TINY_MODEL,
+        "--dataset",
+        dataset,
+        "--task",
+        "regression",
+        "--label-column",
+        "score",
+        "--set",
+        "max_nonfinite_steps=1",
+        "--watch",
+    )
     assert created.returncode == 3, created.stdout + created.stderr
     assert "failed" in created.stdout and "nonfinite_loss" in created.stdout
 
@@ -206,9 +276,15 @@ def test_a_failing_job_makes_watch_exit_non_zero(served, tmp_path):
 def test_the_stream_delivers_each_metric_row_once_across_a_reconnect(served, tmp_path):
     client = served.client()
     dataset = client.upload_dataset(write_csv(tmp_path / "long.csv", 160, seed=1))
-    job = client.create_job({"base_model": TINY_MODEL, "training_dataset": dataset.id, "text_column": "text",
-                             "label_column": "label", "hyperparameters": {"epochs": 2, "batch_size": 4,
-                                                                          "eval_every_steps": 20}})
+    job = client.create_job(
+        {
+            "base_model": TINY_MODEL,
+            "training_dataset": dataset.id,
+            "text_column": "text",
+            "label_column": "label",
+            "hyperparameters": {"epochs": 2, "batch_size": 4, "eval_every_steps": 20},
+        }
+    )
     received, events = [], []
 
     def take(message) -> None:
@@ -246,8 +322,15 @@ def test_errors_carry_the_api_error_and_the_status(served, tmp_path):
         list(client.stream("job_nope"))
     assert (error.value.status, error.value.code) == (404, "not_found")
     dataset = client.upload_dataset(write_csv(tmp_path / "train.csv", 16))  # a job of its own: runs alone too
-    job = client.create_job({"base_model": TINY_MODEL, "training_dataset": dataset.id, "text_column": "text",
-                             "label_column": "label", "hyperparameters": {"epochs": 1, "batch_size": 8}})
+    job = client.create_job(
+        {
+            "base_model": TINY_MODEL,
+            "training_dataset": dataset.id,
+            "text_column": "text",
+            "label_column": "label",
+            "hyperparameters": {"epochs": 1, "batch_size": 8},
+        }
+    )
     client.cancel_job(job.id)
     with pytest.raises(TunejobError) as error:
         list(client.stream(job.id, last_event_id="42"))
@@ -263,12 +346,22 @@ def test_an_error_with_problems_and_the_key_from_the_data_dir(tmp_path, monkeypa
 
     def answer(request: httpx.Request) -> httpx.Response:
         seen.append(request.headers.get("authorization"))
-        return httpx.Response(422, json={"error": {
-            "code": "invalid_label", "message": "'train.csv' row 3: label 'x' is not a number", "param": "label_column",
-            "problems": [{"row": 3, "column": "score", "value": "x", "message": "not a number"}]}})
+        return httpx.Response(
+            422,
+            json={
+                "error": {
+                    "code": "invalid_label",
+                    "message": "'train.csv' row 3: label 'x' is not a number",
+                    "param": "label_column",
+                    "problems": [{"row": 3, "column": "score", "value": "x", "message": "not a number"}],
+                }
+            },
+        )
 
-    with Client("http://tunejob.test", transport=httpx.MockTransport(answer)) as client, \
-            pytest.raises(TunejobError) as error:
+    with (
+        Client("http://tunejob.test", transport=httpx.MockTransport(answer)) as client,
+        pytest.raises(TunejobError) as error,
+    ):
         client.create_job({"base_model": TINY_MODEL, "training_dataset": "ds_x"})
     assert seen == ["Bearer tj_secret"]
     e = error.value
@@ -285,8 +378,10 @@ def test_a_few_texts_show_each_task_s_prediction():
     from client.display import prediction_text
 
     text = "carol flew to New York"
-    entities = [{"entity_group": "PER", "score": 0.9, "word": "carol", "start": 0, "end": 5},
-                {"entity_group": "LOC", "score": 0.8, "word": "new york", "start": 14, "end": 22}]
+    entities = [
+        {"entity_group": "PER", "score": 0.9, "word": "carol", "start": 0, "end": 5},
+        {"entity_group": "LOC", "score": 0.8, "word": "new york", "start": 14, "end": 22},
+    ]
     assert prediction_text(text, {"entities": entities}) == "PER carol, LOC New York"
     assert prediction_text(text, {"entities": []}) == "no entity"
     assert prediction_text(text, {"labels": ["comedy", "drama"], "probabilities": {}}) == "comedy, drama"
@@ -297,14 +392,40 @@ def test_a_few_texts_show_each_task_s_prediction():
 
 def test_client_commands_load_no_server_stack():
     """The client commands must start fast: no torch, worker, pandas, job store or settings."""
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "tunejob", "jobs", "list",
-                             "--url", f"http://127.0.0.1:{free_port()}"], cwd=ROOT, text=True, capture_output=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "tunejob",
+            "jobs",
+            "list",
+            "--url",
+            f"http://127.0.0.1:{free_port()}",
+        ],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+    )
     assert result.returncode == 1 and "connection_error" in result.stderr
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert "httpx" in imported and "client.api" in imported
-    heavy = {"torch", "pandas", "numpy", "sqlalchemy", "fastapi", "transformers", "celery", "pydantic_settings",
-             "matplotlib", "worker", "api"}
+    heavy = {
+        "torch",
+        "pandas",
+        "numpy",
+        "sqlalchemy",
+        "fastapi",
+        "transformers",
+        "celery",
+        "pydantic_settings",
+        "matplotlib",
+        "worker",
+        "api",
+    }
     assert not heavy & imported
+
 
 def test_a_downloaded_model_is_checked_against_its_manifest(tmp_path, monkeypatch):
     """No server: a mock transport serves a model.tar whose manifest.json matches its files, then
@@ -356,29 +477,49 @@ def test_every_client_command_runs_as_a_client_command():
 
 def run_tunejob(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     # COLUMNS: usage errors unwrapped (a long tmp_path, e.g. under pytest-xdist, split the message)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}, "TUNEJOB_DATA_DIR": str(cwd),
-           "COLUMNS": "1000"}
-    return subprocess.run([sys.executable, "-m", "tunejob", *args], env=env, cwd=ROOT, text=True, capture_output=True,
-                          timeout=60)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")},
+        "TUNEJOB_DATA_DIR": str(cwd),
+        "COLUMNS": "1000",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "tunejob", *args], env=env, cwd=ROOT, text=True, capture_output=True, timeout=60
+    )
 
 
 def test_webhooks_reach_the_server_and_bad_files_are_a_usage_error(tmp_path):
     r = run_tunejob("webhooks", "list", "--url", "http://127.0.0.1:9", cwd=tmp_path)  # nothing listens there
     assert r.returncode == 1 and "cannot reach tunejob" in r.stderr, (r.returncode, r.stderr)
     (tmp_path / "bad.yaml").write_text("learning_rate: {type: float, low: [\n")
-    r = run_tunejob("sweeps", "create", "--model", TINY_MODEL, "--dataset", "ds_x", "--objective", "accuracy",
-                    "--space", str(tmp_path / "bad.yaml"), "--url", "http://127.0.0.1:9", cwd=tmp_path)
+    r = run_tunejob(
+        "sweeps",
+        "create",
+        "--model",
+        TINY_MODEL,
+        "--dataset",
+        "ds_x",
+        "--objective",
+        "accuracy",
+        "--space",
+        str(tmp_path / "bad.yaml"),
+        "--url",
+        "http://127.0.0.1:9",
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and "usage: --space" in r.stderr and "Traceback" not in r.stderr, (r.returncode, r.stderr)
     (tmp_path / "list.json").write_text("[1, 2]")
-    r = run_tunejob("jobs", "create", "--spec", str(tmp_path / "list.json"), "--url", "http://127.0.0.1:9", cwd=tmp_path)
+    r = run_tunejob(
+        "jobs", "create", "--spec", str(tmp_path / "list.json"), "--url", "http://127.0.0.1:9", cwd=tmp_path
+    )
     assert r.returncode == 2 and "expected a JSON object" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_version():
     from importlib.metadata import version
 
-    r = subprocess.run([sys.executable, "-m", "tunejob", "--version"], cwd=ROOT, text=True, capture_output=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "tunejob", "--version"], cwd=ROOT, text=True, capture_output=True, timeout=60
+    )
     assert r.returncode == 0 and r.stdout.strip() == f"tunejob {version('tunejob')}", (r.stdout, r.stderr)
 
 
@@ -386,8 +527,14 @@ def complete(line: str, tmp_path: Path) -> list[str]:
     """What the shell code of ``tunejob completion`` gets for the words typed so far, ``line``: the
     CLI run under argcomplete's protocol (its environment variables; the answer in a file)."""
     answer = tmp_path / "completions"
-    env = {**os.environ, "_ARGCOMPLETE": "1", "_ARGCOMPLETE_IFS": "\n", "COMP_LINE": line,
-           "COMP_POINT": str(len(line)), "_ARGCOMPLETE_STDOUT_FILENAME": str(answer)}
+    env = {
+        **os.environ,
+        "_ARGCOMPLETE": "1",
+        "_ARGCOMPLETE_IFS": "\n",
+        "COMP_LINE": line,
+        "COMP_POINT": str(len(line)),
+        "_ARGCOMPLETE_STDOUT_FILENAME": str(answer),
+    }
     r = subprocess.run([sys.executable, "-m", "tunejob"], env=env, cwd=ROOT, text=True, capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return sorted(answer.read_text().split())
@@ -396,8 +543,9 @@ def complete(line: str, tmp_path: Path) -> list[str]:
 def test_shell_completion(tmp_path):
     """``tunejob completion bash|zsh|fish`` prints argcomplete's shell code, and the completions it
     asks for cover the server commands, the client's, their subcommands and options."""
-    r = subprocess.run([sys.executable, "-m", "tunejob", "completion", "bash"], cwd=ROOT, text=True,
-                       capture_output=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "tunejob", "completion", "bash"], cwd=ROOT, text=True, capture_output=True, timeout=60
+    )
     assert r.returncode == 0 and "complete " in r.stdout and "tunejob" in r.stdout, (r.stdout, r.stderr)
     assert complete("tunejob d", tmp_path) == ["datasets", "db", "doctor"]
     assert complete("tunejob jobs cr", tmp_path) == ["create"]

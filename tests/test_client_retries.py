@@ -11,15 +11,46 @@ from client.api import IDEMPOTENCY_HEADER
 from tests.conftest import BASE_URL, TINY_MODEL
 from tests.test_api_jobs import labelled_csv, upload
 
-JOB = {"id": "job_1", "status": "queued", "base_model": TINY_MODEL, "task": "classification",
-       "training_dataset": "ds_1", "text_column": "text", "label_column": "label", "hyperparameters": {"epochs": 1},
-       "created_at": "2026-01-01T00:00:00Z", "progress": {"step": 0, "total_steps": None, "epoch": 0.0,
-                                                          "fraction": 0.0, "eta_seconds": None}, "attempts": 0, "timings": {},
-       **dict.fromkeys(["validation_dataset", "validation_split", "text_pair_column", "label_names", "metadata",
-                        "suffix", "started_at", "finished_at", "train_metrics", "validation_metrics", "device",
-                        "error"])}
-DATASET = {"id": "ds_1", "filename": "a.csv", "format": "csv", "rows": 1, "columns": ["text"], "bytes": 11,
-           "sha256": "0" * 64, "created_at": "2026-01-01T00:00:00Z"}
+JOB = {
+    "id": "job_1",
+    "status": "queued",
+    "base_model": TINY_MODEL,
+    "task": "classification",
+    "training_dataset": "ds_1",
+    "text_column": "text",
+    "label_column": "label",
+    "hyperparameters": {"epochs": 1},
+    "created_at": "2026-01-01T00:00:00Z",
+    "progress": {"step": 0, "total_steps": None, "epoch": 0.0, "fraction": 0.0, "eta_seconds": None},
+    "attempts": 0,
+    "timings": {},
+    **dict.fromkeys(
+        [
+            "validation_dataset",
+            "validation_split",
+            "text_pair_column",
+            "label_names",
+            "metadata",
+            "suffix",
+            "started_at",
+            "finished_at",
+            "train_metrics",
+            "validation_metrics",
+            "device",
+            "error",
+        ]
+    ),
+}
+DATASET = {
+    "id": "ds_1",
+    "filename": "a.csv",
+    "format": "csv",
+    "rows": 1,
+    "columns": ["text"],
+    "bytes": 11,
+    "sha256": "0" * 64,
+    "created_at": "2026-01-01T00:00:00Z",
+}
 
 
 @pytest.fixture
@@ -31,10 +62,15 @@ def slept(monkeypatch) -> list[float]:
 
 
 def test_a_429_is_retried_after_its_retry_after_and_a_503_with_jittered_backoff(slept):
-    answers = iter([httpx.Response(429, headers={"Retry-After": "7"}, json={"error": {"code": "rate_limited",
-                                                                                  "message": "slow down"}}),
-                    httpx.Response(503, json={"error": {"code": "store_busy", "message": "busy"}}),
-                    httpx.Response(200, json={"status": "ok"})])
+    answers = iter(
+        [
+            httpx.Response(
+                429, headers={"Retry-After": "7"}, json={"error": {"code": "rate_limited", "message": "slow down"}}
+            ),
+            httpx.Response(503, json={"error": {"code": "store_busy", "message": "busy"}}),
+            httpx.Response(200, json={"status": "ok"}),
+        ]
+    )
     with Client("http://tunejob.test", transport=httpx.MockTransport(lambda request: next(answers))) as client:
         assert client.health() == {"status": "ok"}
     assert slept[0] == 7.0  # the server's Retry-After
@@ -56,8 +92,9 @@ def test_every_create_sends_its_own_idempotency_key_and_a_retry_the_same_one(sle
     def answer(request: httpx.Request) -> httpx.Response:
         seen.append((request.url.path, request.headers.get(IDEMPOTENCY_HEADER), request.read()))
         if len(seen) % 2:  # every first try is refused
-            return httpx.Response(503, headers={"Retry-After": "1"}, json={"error": {"code": "store_busy",
-                                                                                  "message": "busy"}})
+            return httpx.Response(
+                503, headers={"Retry-After": "1"}, json={"error": {"code": "store_busy", "message": "busy"}}
+            )
         if request.url.path == "/datasets":
             return httpx.Response(201, json=DATASET)
         return httpx.Response(201, json=JOB)
@@ -81,8 +118,9 @@ def test_the_stream_of_watch_is_retried_instead_of_falling_back_to_polling(slept
     def answer(request: httpx.Request) -> httpx.Response:
         paths.append(request.url.path)
         if paths.count("/jobs/job_1/stream") == 1:
-            return httpx.Response(429, headers={"Retry-After": "2"}, json={"error": {"code": "rate_limited",
-                                                                                  "message": "x"}})
+            return httpx.Response(
+                429, headers={"Retry-After": "2"}, json={"error": {"code": "rate_limited", "message": "x"}}
+            )
         import json
 
         body = f"event: end\nid: 1\ndata: {json.dumps(end)}\n\n"
@@ -104,8 +142,9 @@ class LosesTheFirstAnswer(httpx.BaseTransport):
         self.api, self.lost = api, 0
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        answer = self.api.request(request.method, str(request.url), headers=dict(request.headers),
-                                  content=request.read())
+        answer = self.api.request(
+            request.method, str(request.url), headers=dict(request.headers), content=request.read()
+        )
         if request.method == "POST" and not self.lost:
             self.lost += 1
             return httpx.Response(503, headers={"Retry-After": "1"}, text="upstream connect error")
@@ -115,14 +154,23 @@ class LosesTheFirstAnswer(httpx.BaseTransport):
 def test_a_retried_create_makes_one_job(stack, slept):
     dataset = upload(stack.client, labelled_csv())
     key = stack.client.headers["Authorization"].removeprefix("Bearer ")
-    spec = {"base_model": TINY_MODEL, "task": "classification", "training_dataset": dataset["id"],
-            "text_column": "text", "label_column": "label", "hyperparameters": {"epochs": 1, "max_length": 32},
-            "metadata": {"test": "retried-create"}}
+    spec = {
+        "base_model": TINY_MODEL,
+        "task": "classification",
+        "training_dataset": dataset["id"],
+        "text_column": "text",
+        "label_column": "label",
+        "hyperparameters": {"epochs": 1, "max_length": 32},
+        "metadata": {"test": "retried-create"},
+    }
     transport = LosesTheFirstAnswer(stack.client)
     with Client(BASE_URL, api_key=key, transport=transport) as client:
         job = client.create_job(spec)
         client.cancel_job(job.id)
     assert transport.lost == 1 and slept == [1.0]
-    mine = [j for j in stack.client.get("/jobs", params={"limit": 100}).json()["data"]
-            if (j.get("metadata") or {}).get("test") == "retried-create"]
+    mine = [
+        j
+        for j in stack.client.get("/jobs", params={"limit": 100}).json()["data"]
+        if (j.get("metadata") or {}).get("test") == "retried-create"
+    ]
     assert [j["id"] for j in mine] == [job.id]

@@ -26,10 +26,13 @@ def client(tmp_path_factory):
         get_settings.cache_clear()
 
 
-@pytest.mark.parametrize("page, expected", [
-    ("/docs", {"swagger-ui-bundle.js", "swagger-ui.css", "openapi.json"}),
-    ("/redoc", {"redoc.standalone.js", "openapi.json"}),
-])
+@pytest.mark.parametrize(
+    "page, expected",
+    [
+        ("/docs", {"swagger-ui-bundle.js", "swagger-ui.css", "openapi.json"}),
+        ("/redoc", {"redoc.standalone.js", "openapi.json"}),
+    ],
+)
 def test_docs_page_loads_only_local_assets(client, page, expected):
     r = client.get(page)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")

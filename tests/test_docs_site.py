@@ -45,12 +45,17 @@ def test_the_site_loads_nothing_from_another_host(site):
 
 
 def test_the_check_finds_what_a_page_would_fetch(tmp_path):
-    (tmp_path / "page.html").write_text('<script src="https://unpkg.com/shim"></script>'
-                                        '<link rel="preconnect" href="//fonts.gstatic.com">'
-                                        '<a href="https://example.com/">a link is fine</a><img src="img/local.svg">')
+    (tmp_path / "page.html").write_text(
+        '<script src="https://unpkg.com/shim"></script>'
+        '<link rel="preconnect" href="//fonts.gstatic.com">'
+        '<a href="https://example.com/">a link is fine</a><img src="img/local.svg">'
+    )
     (tmp_path / "style.css").write_text("@font-face { src: url(https://fonts.gstatic.com/a.woff2) }")
-    assert external_loads(tmp_path) == ["page.html: https://unpkg.com/shim", "page.html: //fonts.gstatic.com",
-                                        "style.css: https://fonts.gstatic.com/a.woff2"]
+    assert external_loads(tmp_path) == [
+        "page.html: https://unpkg.com/shim",
+        "page.html: //fonts.gstatic.com",
+        "style.css: https://fonts.gstatic.com/a.woff2",
+    ]
 
 
 def test_the_reference_presents_the_apps_openapi_document(site):
@@ -84,7 +89,9 @@ def test_the_readme_is_a_short_front_door():
         assert (ROOT / target).is_file(), target  # every link into docs/ names a file that exists
 
 
-@pytest.mark.parametrize("page", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))])
+@pytest.mark.parametrize(
+    "page", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
+)
 def test_every_code_block_is_closed(page):
     """An unclosed fence turns the rest of a page into code, which neither GitHub nor MkDocs reports."""
     fences = [line for line in (ROOT / page).read_text().splitlines() if line.lstrip().startswith("```")]

@@ -19,8 +19,9 @@ CPU = torch.device("cpu")
 
 def test_doctor_on_the_cpu_reports_and_exits_0():
     env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")} | {"TUNEJOB_DEVICE": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "tunejob", "doctor", "--json"], capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tunejob", "doctor", "--json"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     checks = {c["name"]: c for c in report["checks"]}
@@ -31,8 +32,7 @@ def test_doctor_on_the_cpu_reports_and_exits_0():
 
 
 @pytest.mark.parametrize("mismatch", [False, True])
-def test_the_graph_check_passes_a_faithful_capture_and_fails_a_wrong_one(engine_env, models_dir, monkeypatch,
-                                                                          mismatch):
+def test_the_graph_check_passes_a_faithful_capture_and_fails_a_wrong_one(engine_env, models_dir, monkeypatch, mismatch):
     monkeypatch.setattr(doctor, "MODEL_NAME", "tiny-bert")  # engine_env's models directory has it
     from shared.settings import get_settings
 

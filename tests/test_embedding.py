@@ -15,8 +15,20 @@ from tests.conftest import TINY_MODEL, RecordingReporter, wait_for_status
 from tests.test_predictions import PART_ROWS, small_parts  # noqa: F401  (the fixture: parts of PART_ROWS rows)
 
 TINY_ST = "tiny-st"  # the tiny BERT saved as a sentence-transformers directory
-TOPICS = ["football", "election", "guitar", "volcano", "bakery", "satellite", "chess", "harbour", "orchestra",
-          "glacier", "marathon", "parliament"]
+TOPICS = [
+    "football",
+    "election",
+    "guitar",
+    "volcano",
+    "bakery",
+    "satellite",
+    "chess",
+    "harbour",
+    "orchestra",
+    "glacier",
+    "marathon",
+    "parliament",
+]
 
 
 def pairs(rows: int, seed: int = 0) -> pd.DataFrame:
@@ -25,8 +37,13 @@ def pairs(rows: int, seed: int = 0) -> pd.DataFrame:
     out = []
     for i in range(rows):
         topic, other = rng.sample(TOPICS, 2)
-        out.append({"anchor": f"{topic} question {i}", "positive": f"an answer about the {topic} number {i}",
-                    "negative": f"an answer about the {other} number {i}"})
+        out.append(
+            {
+                "anchor": f"{topic} question {i}",
+                "positive": f"an answer about the {topic} number {i}",
+                "negative": f"an answer about the {other} number {i}",
+            }
+        )
     return pd.DataFrame(out)
 
 
@@ -48,9 +65,20 @@ def embedding_job(job_id: str, negatives: bool = False, score: bool = False, **h
     from shared.store.rows import Job
 
     extra = {"negative_columns": ["negative"]} if negatives else {"score_column": "score"} if score else {}
-    spec = JobCreate(base_model=TINY_ST, task="embedding", training_dataset="ds_test", **extra,
-                     hyperparameters={"epochs": 1, "batch_size": 8, "max_length": 32, "precision": "fp32",
-                                      "learning_rate": 1e-3, **hyperparameters})
+    spec = JobCreate(
+        base_model=TINY_ST,
+        task="embedding",
+        training_dataset="ds_test",
+        **extra,
+        hyperparameters={
+            "epochs": 1,
+            "batch_size": 8,
+            "max_length": 32,
+            "precision": "fp32",
+            "learning_rate": 1e-3,
+            **hyperparameters,
+        },
+    )
     return Job(id=job_id, task="embedding", base_model=TINY_ST, spec=spec.model_dump(mode="json"))
 
 
@@ -65,10 +93,12 @@ def test_spec_defaults_and_refusals():
     spec = JobCreate(base_model="m", task="embedding", training_dataset="ds")
     assert (spec.anchor_column, spec.positive_column) == ("anchor", "positive")
     assert spec.hyperparameters.metric_for_best_model == "ndcg@10"
-    for bad in [{"task": "classification", "anchor_column": "q"},
-                {"task": "embedding", "negative_columns": ["positive"]},
-                {"task": "embedding", "score_column": "s", "negative_columns": ["n"]},
-                {"task": "embedding", "hyperparameters": {"metric_for_best_model": "accuracy"}}]:
+    for bad in [
+        {"task": "classification", "anchor_column": "q"},
+        {"task": "embedding", "negative_columns": ["positive"]},
+        {"task": "embedding", "score_column": "s", "negative_columns": ["n"]},
+        {"task": "embedding", "hyperparameters": {"metric_for_best_model": "accuracy"}},
+    ]:
         with pytest.raises(ValidationError):
             JobCreate(base_model="m", training_dataset="ds", **bad)
 
@@ -103,8 +133,9 @@ def test_smart_batches_stay_length_sorted_without_duplicates():
 
     lengths = np.arange(400) % 97 + 3
     keys = np.stack([np.arange(400), np.arange(400) + 1000], axis=1)  # no repeats: the plan is BatchPlan's
-    assert DistinctBatchPlan(lengths, keys, 16, "smart", 1).epoch_batches(0) == \
-        BatchPlan(lengths, 16, "smart", 1).epoch_batches(0)
+    assert DistinctBatchPlan(lengths, keys, 16, "smart", 1).epoch_batches(0) == BatchPlan(
+        lengths, 16, "smart", 1
+    ).epoch_batches(0)
 
 
 # ----------------------------------------------------------------------------- loss parity
@@ -116,8 +147,7 @@ def capture_gradients(run) -> list[dict[str, torch.Tensor]]:
     captured = []
 
     def before_step(optimizer, args, kwargs):
-        captured.append({n: p.grad.detach().clone() for n, p in run.model.st.named_parameters()
-                         if p.grad is not None})
+        captured.append({n: p.grad.detach().clone() for n, p in run.model.st.named_parameters() if p.grad is not None})
 
     run.optimizer.register_step_pre_hook(before_step)
     return captured
@@ -162,7 +192,7 @@ def test_loss_and_gradients_equal_sentence_transformers_own(engine_env, tiny_st,
     no_dropout(reference)
     reference.max_seq_length = 32
     columns = ["anchor", "positive"] + (["negative"] if kind == "negatives" else [])
-    loss_fn = (CoSENTLoss(reference) if kind == "score" else MultipleNegativesRankingLoss(reference))
+    loss_fn = CoSENTLoss(reference) if kind == "score" else MultipleNegativesRankingLoss(reference)
     labels = torch.tensor(frame["score"].values) if kind == "score" else torch.zeros(8)
     loss = loss_fn(st_batch(reference, frame, columns), labels)
     loss.backward()
@@ -231,8 +261,14 @@ def test_training_end_to_end_improves_retrieval_and_saves_a_sentence_transformer
     from shared.store import artifacts
 
     path = artifacts.model_dir("e2e")
-    for name in ["modules.json", "1_Pooling/config.json", "sentence_bert_config.json", "model.safetensors",
-                 "metrics.json", "manifest.json"]:
+    for name in [
+        "modules.json",
+        "1_Pooling/config.json",
+        "sentence_bert_config.json",
+        "model.safetensors",
+        "metrics.json",
+        "manifest.json",
+    ]:
         assert (path / name).is_file(), name
     model = SentenceTransformer(str(path), device="cpu", local_files_only=True)
     vectors = model.encode(["football question 1", "an answer about the football number 1"])
@@ -269,25 +305,32 @@ def test_a_resumed_job_continues_with_the_same_losses(engine_env, tiny_st):
 
 
 def upload(client, frame: pd.DataFrame, filename: str = "pairs.csv") -> str:
-    r = client.post("/datasets", files={"file": (filename, io.BytesIO(frame.to_csv(index=False).encode()),
-                                                 "text/csv")})
+    r = client.post("/datasets", files={"file": (filename, io.BytesIO(frame.to_csv(index=False).encode()), "text/csv")})
     assert r.status_code == 201, r.text
     return r.json()["id"]
 
 
 def submit(client, training: str, dry_run: bool = False, **fields):
-    body = {"base_model": TINY_ST, "task": "embedding", "training_dataset": training,
-            "hyperparameters": {"epochs": 2, "batch_size": 16, "max_length": 32, "learning_rate": 2e-3}, **fields}
+    body = {
+        "base_model": TINY_ST,
+        "task": "embedding",
+        "training_dataset": training,
+        "hyperparameters": {"epochs": 2, "batch_size": 16, "max_length": 32, "learning_rate": 2e-3},
+        **fields,
+    }
     return client.post("/jobs", json=body, params={"dry_run": "true"} if dry_run else None)
 
 
-@pytest.mark.parametrize("column, value, fields, message", [
-    ("anchor", "", {}, "column 'anchor' is empty"),
-    ("positive", "  ", {}, "column 'positive' is empty"),
-    ("negative", "", {"negative_columns": ["negative"]}, "column 'negative' is empty"),
-    ("score", "1.5", {"score_column": "score"}, "column 'score' is outside [0, 1]"),
-    ("score", "high", {"score_column": "score"}, "column 'score' is not a number"),
-])
+@pytest.mark.parametrize(
+    "column, value, fields, message",
+    [
+        ("anchor", "", {}, "column 'anchor' is empty"),
+        ("positive", "  ", {}, "column 'positive' is empty"),
+        ("negative", "", {"negative_columns": ["negative"]}, "column 'negative' is empty"),
+        ("score", "1.5", {"score_column": "score"}, "column 'score' is outside [0, 1]"),
+        ("score", "high", {"score_column": "score"}, "column 'score' is not a number"),
+    ],
+)
 def test_bad_rows_are_refused_naming_file_row_and_column(stack, tiny_st, column, value, fields, message):
     frame = pairs(6)
     frame["score"] = "0.5"
@@ -318,8 +361,13 @@ def test_dry_run_plans_rows_by_their_longest_text(stack, tiny_st):
     assert r.status_code == 200, r.text
     plan = r.json()["plan"]
     assert plan["examples"] == 30 and plan["token_lengths"]["max"] >= 8  # the positives, longer than anchors
-    r = submit(stack.client, upload(stack.client, pairs(40)), dry_run=True, validation_split=0.25,
-               hyperparameters={"batch_size": 16, "gradient_accumulation_steps": 2})
+    r = submit(
+        stack.client,
+        upload(stack.client, pairs(40)),
+        dry_run=True,
+        validation_split=0.25,
+        hyperparameters={"batch_size": 16, "gradient_accumulation_steps": 2},
+    )
     assert r.json()["plan"]["micro_batches_per_epoch"] == 1  # GradCache: one micro-batch of 32 per step
 
 
@@ -342,11 +390,13 @@ def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, api_job):
 
     client, job = stack.client, api_job
     assert job["status"] == "succeeded", job["error"]
-    assert (job["anchor_column"], job["positive_column"], job["negative_columns"]) == ("anchor", "positive",
-                                                                                       ["negative"])
+    assert (job["anchor_column"], job["positive_column"], job["negative_columns"]) == (
+        "anchor",
+        "positive",
+        ["negative"],
+    )
     assert set(job["validation_metrics"]) >= {"ndcg@10", "mrr@10", "recall@1", "recall@10", "map@100"}
-    steps = {m["step"] for m in client.get(f"/jobs/{job['id']}/metrics").json()["data"]
-             if m["name"] == "eval_ndcg@10"}
+    steps = {m["step"] for m in client.get(f"/jobs/{job['id']}/metrics").json()["data"] if m["name"] == "eval_ndcg@10"}
     assert 0 in steps and len(steps) >= 2  # the zero-shot figure, then each evaluation
 
     texts = ["football question 3", "an answer about the glacier number 7"]
@@ -354,8 +404,9 @@ def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, api_job):
     assert r.status_code == 200, r.text
     served = np.array(r.json()["embeddings"])
     assert r.json()["dimensions"] == served.shape[1] and r.json()["tokens"] > 0
-    local = SentenceTransformer(str(stack.data_dir / "artifacts" / job["id"] / "model"), device="cpu",
-                                local_files_only=True).encode(texts)
+    local = SentenceTransformer(
+        str(stack.data_dir / "artifacts" / job["id"] / "model"), device="cpu", local_files_only=True
+    ).encode(texts)
     cosine = (served * local).sum(1) / np.linalg.norm(served, axis=1) / np.linalg.norm(local, axis=1)
     assert cosine.min() >= 0.9999
 
@@ -366,6 +417,7 @@ def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, api_job):
         vectors = np.array([d.embedding for d in response.data]) if fmt == "float" else None
         if fmt == "base64":  # the SDK returns the base64 text when asked for it explicitly
             import base64
+
             vectors = np.stack([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in response.data])
         np.testing.assert_allclose(vectors, served, atol=1e-6)
         assert response.usage.prompt_tokens == r.json()["tokens"]
@@ -385,12 +437,33 @@ def test_cli_jobs_create_takes_the_embedding_columns():
 
     parser = argparse.ArgumentParser()
     add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["jobs", "create", "--model", "all-MiniLM-L6-v2", "--dataset", "ds_1", "--task",
-                              "embedding", "--anchor-column", "title", "--positive-column", "body",
-                              "--negative-column", "n1", "--negative-column", "n2"])
+    args = parser.parse_args(
+        [
+            "jobs",
+            "create",
+            "--model",
+            "all-MiniLM-L6-v2",
+            "--dataset",
+            "ds_1",
+            "--task",
+            "embedding",
+            "--anchor-column",
+            "title",
+            "--positive-column",
+            "body",
+            "--negative-column",
+            "n1",
+            "--negative-column",
+            "n2",
+        ]
+    )
     spec = JobCreate(**job_spec(args))
     assert (spec.task, spec.anchor_column, spec.positive_column, spec.negative_columns) == (
-        "embedding", "title", "body", ["n1", "n2"])
+        "embedding",
+        "title",
+        "body",
+        ["n1", "n2"],
+    )
 
 
 def test_a_prediction_job_writes_each_row_s_vector_a_part_at_a_time(stack, api_job, small_parts):  # noqa: F811
@@ -424,8 +497,9 @@ def test_a_prediction_job_writes_each_row_s_vector_a_part_at_a_time(stack, api_j
     parquet = pq.ParquetFile(io.BytesIO(download.content))
     assert max(parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)) <= PART_ROWS
     table = parquet.read()
-    model = SentenceTransformer(str(stack.data_dir / "artifacts" / api_job["id"] / "model"), device="cpu",
-                                local_files_only=True)
+    model = SentenceTransformer(
+        str(stack.data_dir / "artifacts" / api_job["id"] / "model"), device="cpu", local_files_only=True
+    )
     dimensions = model.get_embedding_dimension()
     assert table.schema.field("embedding").type == pa.list_(pa.float32(), dimensions)
     assert table.column("id").to_pylist() == [f"d{i}" for i in range(21)]
@@ -434,15 +508,19 @@ def test_a_prediction_job_writes_each_row_s_vector_a_part_at_a_time(stack, api_j
     vectors = np.array(table.column("embedding").to_pylist(), dtype=np.float32)
     assert (vectors * local).sum(1).min() >= 0.9999
 
-    lines = [json.loads(line) for line in client.get(f"/predictions/{done['id']}/results",
-                                                     params={"format": "jsonl"}).text.splitlines()]
+    lines = [
+        json.loads(line)
+        for line in client.get(f"/predictions/{done['id']}/results", params={"format": "jsonl"}).text.splitlines()
+    ]
     np.testing.assert_allclose([row["embedding"] for row in lines], vectors, atol=1e-7)
     csv = pd.read_csv(io.BytesIO(client.get(f"/predictions/{done['id']}/results", params={"format": "csv"}).content))
     np.testing.assert_allclose(np.array([json.loads(cell) for cell in csv["embedding"]]), vectors, atol=1e-7)
 
     before = client.get("/predictions").json()["data"]
-    for fields, param in [({"text_pair_column": "doc", "id_column": None}, "text_pair_column"),
-                          ({"precision": "int8"}, "precision")]:
+    for fields, param in [
+        ({"text_pair_column": "doc", "id_column": None}, "text_pair_column"),
+        ({"precision": "int8"}, "precision"),
+    ]:
         r = client.post("/predictions", json={**body, **fields})
         assert r.status_code == 422 and r.json()["error"]["param"] == param, r.text
     assert client.get("/predictions").json()["data"] == before  # nothing stored or queued
@@ -455,11 +533,19 @@ def test_a_sweep_of_embedding_jobs_optimises_a_retrieval_metric(stack, tiny_st):
     from tests.test_sweeps import ids
 
     client = stack.client
-    body = {"base_model": TINY_ST, "task": "embedding", "training_dataset": upload(client, pairs(48, seed=3)),
-            "validation_split": 0.25, "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32},
-            "search_space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
-            "objective": {"metric": "ndcg@10"}, "algorithm": "random", "seed": 3,
-            "early_stopping": {"type": "none"}, "max_trials": 2}
+    body = {
+        "base_model": TINY_ST,
+        "task": "embedding",
+        "training_dataset": upload(client, pairs(48, seed=3)),
+        "validation_split": 0.25,
+        "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32},
+        "search_space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
+        "objective": {"metric": "ndcg@10"},
+        "algorithm": "random",
+        "seed": 3,
+        "early_stopping": {"type": "none"},
+        "max_trials": 2,
+    }
     jobs = ids(client, "/jobs")
     for metric in ("ndcg@10", "mrr@10", "recall@10"):
         r = client.post("/sweeps", json={**body, "objective": {"metric": metric}}, params={"dry_run": "true"})

@@ -23,14 +23,21 @@ WORDS = ["alpha", "beta", "gamma", "delta", "market", "goal", "team", "profit"]
 
 def make_job(job_id: str, **hyperparameters) -> tuple[Job, JobData]:
     rng = random.Random(0)
-    rows = [{"text": " ".join(rng.choices(WORDS, k=rng.randint(2, 40))), "label": ["a", "b"][i % 2]}
-            for i in range(40)]
+    rows = [{"text": " ".join(rng.choices(WORDS, k=rng.randint(2, 40))), "label": ["a", "b"][i % 2]} for i in range(40)]
     df = pd.DataFrame(rows)
-    spec = JobCreate(base_model=TINY_MODEL, training_dataset="ds_x", validation_split=0.2,
-                     hyperparameters={"epochs": 3, "batch_size": 8, "max_length": 64, "learning_rate": 1e-3,
-                                      **hyperparameters})
-    job = Job(id=job_id, task="classification", base_model=TINY_MODEL, label_names=["a", "b"],
-              spec=spec.model_dump(mode="json"))
+    spec = JobCreate(
+        base_model=TINY_MODEL,
+        training_dataset="ds_x",
+        validation_split=0.2,
+        hyperparameters={"epochs": 3, "batch_size": 8, "max_length": 64, "learning_rate": 1e-3, **hyperparameters},
+    )
+    job = Job(
+        id=job_id,
+        task="classification",
+        base_model=TINY_MODEL,
+        label_names=["a", "b"],
+        spec=spec.model_dump(mode="json"),
+    )
     return job, JobData(df.iloc[:32], df.iloc[32:])
 
 
@@ -107,7 +114,7 @@ def test_resume_gives_the_same_losses_and_each_example_once_per_epoch(engine_env
     # The stopped-and-resumed run saw every training example exactly once per epoch.
     n = len(run.job_setup.train_set)
     assert len(seen) == 3 * n
-    epochs = [seen[:n], seen[n:2 * n], seen[2 * n:]]
+    epochs = [seen[:n], seen[n : 2 * n], seen[2 * n :]]
     assert all(Counter(e) == Counter(range(n)) for e in epochs)
     assert sum(batches_per_epoch) == total  # one optimizer step per micro-batch here
 

@@ -12,15 +12,24 @@ import pytest
 from tests.conftest import TINY_MODEL, wait_for_status
 from worker.evaluation import calibration, classification_report, regression_report, token_report
 
-WORDS = {"sports": ["goal", "match", "team", "score"], "tech": ["chip", "code", "cloud", "data"],
-         "food": ["bread", "soup", "salt", "cake"]}
+WORDS = {
+    "sports": ["goal", "match", "team", "score"],
+    "tech": ["chip", "code", "cloud", "data"],
+    "food": ["bread", "soup", "salt", "cake"],
+}
 
 
 def topic_rows(rows: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     names = sorted(WORDS)
-    return [{"text": " ".join(rng.choices(WORDS[names[i % 3]] + ["the", "a"], k=rng.randint(3, 12))),
-             "label": names[i % 3], "score": float(i % 3) + rng.random()} for i in range(rows)]
+    return [
+        {
+            "text": " ".join(rng.choices(WORDS[names[i % 3]] + ["the", "a"], k=rng.randint(3, 12))),
+            "label": names[i % 3],
+            "score": float(i % 3) + rng.random(),
+        }
+        for i in range(rows)
+    ]
 
 
 def upload(client, rows: list[dict], filename: str) -> str:
@@ -31,11 +40,25 @@ def upload(client, rows: list[dict], filename: str) -> str:
 
 
 def train(client, task: str, train_id: str, validation_id: str | None, label_column: str, **fields) -> dict:
-    r = client.post("/jobs", json={
-        "base_model": TINY_MODEL, "task": task, "training_dataset": train_id, "validation_dataset": validation_id,
-        "text_column": "text", "label_column": label_column, **fields,
-        "hyperparameters": {"epochs": 2, "batch_size": 8, "max_length": 32, "learning_rate": 1e-3,
-                            "precision": "fp32"}})
+    r = client.post(
+        "/jobs",
+        json={
+            "base_model": TINY_MODEL,
+            "task": task,
+            "training_dataset": train_id,
+            "validation_dataset": validation_id,
+            "text_column": "text",
+            "label_column": label_column,
+            **fields,
+            "hyperparameters": {
+                "epochs": 2,
+                "batch_size": 8,
+                "max_length": 32,
+                "learning_rate": 1e-3,
+                "precision": "fp32",
+            },
+        },
+    )
     assert r.status_code == 201, r.text
     job = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"})
     assert job["status"] == "succeeded", job["error"]
@@ -58,8 +81,13 @@ def test_the_confusion_matrix_is_what_the_downloaded_model_predicts(stack, tmp_p
 
     client = stack.client
     validation = topic_rows(30, seed=2)
-    job = train(client, "classification", upload(client, topic_rows(60, seed=1), "train.jsonl"),
-                upload(client, validation, "dev.jsonl"), "label")
+    job = train(
+        client,
+        "classification",
+        upload(client, topic_rows(60, seed=1), "train.jsonl"),
+        upload(client, validation, "dev.jsonl"),
+        "label",
+    )
     r = client.get(f"/jobs/{job['id']}/evaluation")
     assert r.status_code == 200, r.text
     report = r.json()
@@ -97,8 +125,10 @@ def test_the_confusion_matrix_is_what_the_downloaded_model_predicts(stack, tmp_p
 def score(client, job_id: str, dataset_id: str, label_column: str | None, expect: int = 201, **fields) -> dict:
     """A prediction of ``dataset_id`` with ``job_id``'s model (``label_column``: its gold labels),
     waited for when created."""
-    r = client.post("/predictions", json={"model": job_id, "dataset": dataset_id, "text_column": "text",
-                                          "label_column": label_column, **fields})
+    r = client.post(
+        "/predictions",
+        json={"model": job_id, "dataset": dataset_id, "text_column": "text", "label_column": label_column, **fields},
+    )
     assert r.status_code == expect, r.text
     if expect != 201:
         return r.json()["error"]
@@ -122,8 +152,10 @@ def through_the_cli(stack, argv: list[str]) -> tuple[str, str]:
     cli.add_commands(parser.add_subparsers(dest="command", required=True))
     key = stack.client.headers["Authorization"].removeprefix("Bearer ")
     screen, printed = io.StringIO(), io.StringIO()
-    with Client(BASE_URL, api_key=key, transport=ViaTestClient(stack.client)) as client, \
-            contextlib.redirect_stdout(printed):
+    with (
+        Client(BASE_URL, api_key=key, transport=ViaTestClient(stack.client)) as client,
+        contextlib.redirect_stdout(printed),
+    ):
         args = parser.parse_args(argv)
         args.handler(client, args, Console(file=screen, width=200))
     return screen.getvalue(), printed.getvalue()
@@ -138,8 +170,7 @@ def test_a_test_set_gets_the_validation_report_and_its_figures_are_what_the_pred
     client = stack.client
     validation = topic_rows(30, seed=2)
     validation_id = upload(client, validation, "dev.jsonl")
-    job = train(client, "classification", upload(client, topic_rows(60, seed=1), "train.jsonl"), validation_id,
-                "label")
+    job = train(client, "classification", upload(client, topic_rows(60, seed=1), "train.jsonl"), validation_id, "label")
     expected = client.get(f"/jobs/{job['id']}/evaluation").json()
     prediction = score(client, job["id"], validation_id, "label")
     assert prediction["label_column"] == "label"
@@ -147,8 +178,9 @@ def test_a_test_set_gets_the_validation_report_and_its_figures_are_what_the_pred
     report = client.get(prediction["evaluation_url"]).json()
     assert report["confusion_matrix"]["counts"] == expected["confusion_matrix"]["counts"]
     assert report["metrics"] == pytest.approx(expected["metrics"])
-    assert {n: v["support"] for n, v in report["per_class"].items()} == \
-        {n: v["support"] for n, v in expected["per_class"].items()}
+    assert {n: v["support"] for n, v in report["per_class"].items()} == {
+        n: v["support"] for n, v in expected["per_class"].items()
+    }
     assert sorted(m["row"] for m in report["mistakes"]) == sorted(m["row"] for m in expected["mistakes"])
     r = client.get(f"{prediction['evaluation_url']}/confusion_matrix.png")
     assert r.status_code == 200 and r.content[:8] == b"\x89PNG\r\n\x1a\n"
@@ -162,8 +194,21 @@ def test_a_test_set_gets_the_validation_report_and_its_figures_are_what_the_pred
     assert "'music' (first in row 1)" in error["message"] and "'test.jsonl'" in error["message"]
     assert len(client.get("/predictions", params={"limit": 100}).json()["data"]) == before  # nothing queued
 
-    screen, prediction_id = through_the_cli(stack, ["predict", "create", "--model", job["id"], "--dataset", test_id,
-                                                    "--label-column", "label", "--count-unknown-labels", "--quiet"])
+    screen, prediction_id = through_the_cli(
+        stack,
+        [
+            "predict",
+            "create",
+            "--model",
+            job["id"],
+            "--dataset",
+            test_id,
+            "--label-column",
+            "label",
+            "--count-unknown-labels",
+            "--quiet",
+        ],
+    )
     prediction = wait_for_status(client, prediction_id.strip(), {"succeeded", "failed"}, path="/predictions")
     assert prediction["status"] == "succeeded", prediction["error"]
     screen, _ = through_the_cli(stack, ["predict", "evaluation", prediction["id"]])
@@ -197,15 +242,16 @@ def test_regression_and_multi_label_reports(stack):
     prediction = score(client, job["id"], dev, "score")  # the validation rows, as a test set
     tested = client.get(f"/predictions/{prediction['id']}/evaluation").json()
     assert tested["metrics"] == pytest.approx(report["metrics"]) and tested["figures"] == ["residuals.png"]
-    values = [json.loads(line)["value"] for line in client.get(f"/predictions/{prediction['id']}/results").text.splitlines()]
+    values = [
+        json.loads(line)["value"] for line in client.get(f"/predictions/{prediction['id']}/results").text.splitlines()
+    ]
     assert tested["mae"] == pytest.approx(np.mean(np.abs(np.array(values) - [r["score"] for r in rows[36:]])))
     assert report["task"] == "regression" and report["figures"] == ["residuals.png"]
     assert report["rmse"] ** 2 == pytest.approx(job["validation_metrics"]["mse"], rel=1e-4)
     assert {"mae", "pearson_r", "spearman_r"} <= set(report) and len(report["largest_errors"]) == 12
     assert client.get(f"/jobs/{job['id']}/artifacts/model/residuals.png").status_code == 200
 
-    multi = [{"text": r["text"], "topics": [r["label"]] + (["tech"] if i % 4 == 0 else [])}
-             for i, r in enumerate(rows)]
+    multi = [{"text": r["text"], "topics": [r["label"]] + (["tech"] if i % 4 == 0 else [])} for i, r in enumerate(rows)]
     dev = upload(client, multi[36:], "dev.jsonl")
     job = train(client, "multi_label", upload(client, multi[:36], "train.jsonl"), dev, "topics", tune_threshold=True)
     report = client.get(f"/jobs/{job['id']}/evaluation").json()
@@ -238,8 +284,14 @@ def test_token_classification_report_agrees_with_validation(stack):
 
 def test_a_job_without_validation_rows_has_no_report_and_a_running_one_409(stack):
     client = stack.client
-    job = train(client, "classification", upload(client, topic_rows(30, seed=4), "train.jsonl"), None, "label",
-                validation_split=0.0)
+    job = train(
+        client,
+        "classification",
+        upload(client, topic_rows(30, seed=4), "train.jsonl"),
+        None,
+        "label",
+        validation_split=0.0,
+    )
     r = client.get(f"/jobs/{job['id']}/evaluation")
     assert r.status_code == 404 and "evaluation report" in r.json()["error"]["message"]
     assert client.get("/jobs/job_doesnotexist/evaluation").status_code == 404
@@ -250,8 +302,14 @@ def test_a_job_without_validation_rows_has_no_report_and_a_running_one_409(stack
 def test_a_held_out_split_is_reported_on_its_rows(stack):
     """Without a validation dataset the report scores the held-out ``validation_split`` rows."""
     client = stack.client
-    job = train(client, "classification", upload(client, topic_rows(60, seed=5), "train.jsonl"), None, "label",
-                validation_split=0.25)
+    job = train(
+        client,
+        "classification",
+        upload(client, topic_rows(60, seed=5), "train.jsonl"),
+        None,
+        "label",
+        validation_split=0.25,
+    )
     report = client.get(f"/jobs/{job['id']}/evaluation").json()
     assert report["rows"] == 15
     assert report["accuracy"] == pytest.approx(job["validation_metrics"]["accuracy"])

@@ -44,8 +44,12 @@ from tests.test_api_jobs import labelled_csv
 STACKS = ["embedded", "postgres+redis"]
 # Short lifecycle timings: a dead worker's lease expires after 4 s, and API and workers run the
 # recovery loop every second.
-FAST = {"TUNEJOB_DEVICE": "cpu", "TUNEJOB_LEASE_SECONDS": "4", "TUNEJOB_RECOVERY_SECONDS": "1",
-        "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2"}
+FAST = {
+    "TUNEJOB_DEVICE": "cpu",
+    "TUNEJOB_LEASE_SECONDS": "4",
+    "TUNEJOB_RECOVERY_SECONDS": "1",
+    "TUNEJOB_METRICS_FLUSH_SECONDS": "0.2",
+}
 # 44 training rows (48 less the 10% validation split) in micro-batches of 4: 11 optimizer steps an
 # epoch. The tiny model trains 30-100 steps a second on one CPU core, so LONG (231 steps) lasts a
 # few seconds; an evaluation every epoch and frequent checkpoints slow it down.
@@ -86,8 +90,11 @@ class Stacks:
         """A stack's environment: ``embedded`` (SQLite and the filesystem broker under the data
         directory) or ``postgres+redis``; ``env`` adds or overrides ``TUNEJOB_*`` variables."""
         n = len(self.clusters) + 1
-        base = {**FAST, "TUNEJOB_DATA_DIR": str(self.tmp_path / f"data-{n}"),
-                "TUNEJOB_MODELS_DIR": str(self.models_dir)}
+        base = {
+            **FAST,
+            "TUNEJOB_DATA_DIR": str(self.tmp_path / f"data-{n}"),
+            "TUNEJOB_MODELS_DIR": str(self.models_dir),
+        }
         if kind == "postgres+redis":
             require_services()
             database_url, drop = fresh_postgres_database()
@@ -147,7 +154,8 @@ def assert_steps_once(cluster: Cluster, job: dict) -> None:
     duplicated = sorted(s for s, n in Counter(steps).items() if n > 1)
     missing = sorted(set(range(1, total + 1)) - set(steps))
     assert steps == list(range(1, total + 1)), (
-        f"train_loss steps are not 1..{total} exactly once: duplicated {duplicated}, missing {missing}")
+        f"train_loss steps are not 1..{total} exactly once: duplicated {duplicated}, missing {missing}"
+    )
 
 
 def resumed_step(cluster: Cluster, job_id: str) -> int:
@@ -181,8 +189,9 @@ def assert_never_twice_at_once(codes: list[str]) -> None:
 def results(worker: Process) -> list[str]:
     """What ``run_job`` returned for each task message the worker handled, in order (Celery logs
     it): "succeeded", "cancelled", "shutdown", ... or "skipped" for a no-op."""
-    return re.findall(r"Task tunejob\.run_job\[[^\]]*\] succeeded in [0-9.e-]+s: '(\w+)'",
-                      worker.log.read_text(errors="replace"))
+    return re.findall(
+        r"Task tunejob\.run_job\[[^\]]*\] succeeded in [0-9.e-]+s: '(\w+)'", worker.log.read_text(errors="replace")
+    )
 
 
 def received(worker: Process) -> int:
@@ -234,8 +243,17 @@ def test_kill_9_mid_training_resumes_once_from_checkpoint(stacks, kind):
     assert job["status"] == "succeeded", (job, codes)
     assert job["attempts"] == 2, (job["attempts"], codes)
     # The lease expired and the reaper re-queued it; exactly one success.
-    assert codes == ["created", "started", "tokenized", "job_restarted", "started", "tokenized", "resumed", "timings",
-                     "succeeded"], codes
+    assert codes == [
+        "created",
+        "started",
+        "tokenized",
+        "job_restarted",
+        "started",
+        "tokenized",
+        "resumed",
+        "timings",
+        "succeeded",
+    ], codes
     assert resumed_step(c, job_id) == checkpoint
     assert_steps_once(c, job)
 
@@ -289,8 +307,7 @@ def test_job_longer_than_visibility_timeout_runs_once(stacks):
     time.sleep(max(0.0, 4 - (datetime.now(UTC) - parse_time(started["started_at"])).total_seconds()))
 
     second = c.start_worker()
-    c.wait_for("the second worker to skip the redelivered message", lambda: results(second) == ["skipped"],
-               timeout=120)
+    c.wait_for("the second worker to skip the redelivered message", lambda: results(second) == ["skipped"], timeout=120)
     assert c.job(job_id)["status"] == "running"  # redelivered and skipped while the first worker trains it
 
     c.cancel(job_id)
@@ -314,9 +331,9 @@ def test_twenty_jobs_on_two_workers_each_run_once(stacks, kind):
     dataset = c.upload(labelled_csv(rows=16, seed=1))
     job_ids = [c.submit(dataset["id"], **TINY)["id"] for _ in range(20)]
 
-    c.wait_for("all 20 jobs to finish",
-               lambda: all(c.job(j)["status"] in FINISHED for j in job_ids),
-               timeout=240, interval=1)
+    c.wait_for(
+        "all 20 jobs to finish", lambda: all(c.job(j)["status"] in FINISHED for j in job_ids), timeout=240, interval=1
+    )
     for job_id in job_ids:
         assert_ran_once(c, c.job(job_id))
     # The re-sent messages queue behind the originals, so when the last two jobs end together none
@@ -385,8 +402,17 @@ def test_sigterm_checkpoints_requeues_and_resumes(stacks, kind):
     job = c.wait_finished(job_id, timeout=150)
     codes = c.codes(job_id)
     assert job["status"] == "succeeded" and job["attempts"] == 2, (job, codes)
-    assert codes == ["created", "started", "tokenized", "requeued", "started", "tokenized", "resumed", "timings",
-                     "succeeded"], codes
+    assert codes == [
+        "created",
+        "started",
+        "tokenized",
+        "requeued",
+        "started",
+        "tokenized",
+        "resumed",
+        "timings",
+        "succeeded",
+    ], codes
     assert resumed_step(c, job_id) == stopped_at
     assert_steps_once(c, job)
 
@@ -408,8 +434,9 @@ def test_cancel_queued_and_running_jobs(stacks, kind):
     assert cancelled["status"] == "cancelled" and cancelled["started_at"] is None
 
     worker = c.start_worker()
-    running_id = c.submit(dataset["id"], epochs=500, batch_size=4, eval_every_steps=10**6,
-                          save_every_steps=10**6)["id"]  # queued behind the cancelled job's message
+    running_id = c.submit(dataset["id"], epochs=500, batch_size=4, eval_every_steps=10**6, save_every_steps=10**6)[
+        "id"
+    ]  # queued behind the cancelled job's message
     c.wait_step(running_id, lambda j: j["progress"]["step"] >= 5, "step 5", timeout=120)
     job = c.job(queued_id)  # its message came first, and was a no-op
     assert job["status"] == "cancelled" and job["started_at"] is None and job["attempts"] == 0, job

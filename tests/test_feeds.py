@@ -25,16 +25,38 @@ JOBS = [f"job_feed{i}" for i in range(5)]
 @pytest.fixture(params=["embedded", "postgres+redis"])
 def store(request, tmp_path) -> str:
     """A store holding the running jobs JOBS, read every 50 ms by the feeds."""
-    drop = configure_stack(request.param, {"TUNEJOB_DATA_DIR": str(tmp_path / "data"),
-                                           "TUNEJOB_STREAM_POLL_SECONDS": "0.05"})
+    drop = configure_stack(
+        request.param, {"TUNEJOB_DATA_DIR": str(tmp_path / "data"), "TUNEJOB_STREAM_POLL_SECONDS": "0.05"}
+    )
     upgrade_database()
     spec = JobCreate(base_model="tiny-bert", training_dataset="ds_feed").model_dump(mode="json")
     with session_scope() as s:
-        s.add(Dataset(id="ds_feed", filename="f.csv", format="csv", path=str(tmp_path / "f.csv"), rows=1,
-                      columns=["text", "label"], bytes=1, sha256="0" * 64))
+        s.add(
+            Dataset(
+                id="ds_feed",
+                filename="f.csv",
+                format="csv",
+                path=str(tmp_path / "f.csv"),
+                rows=1,
+                columns=["text", "label"],
+                bytes=1,
+                sha256="0" * 64,
+            )
+        )
         s.flush()
-        s.add_all(Job(id=job_id, status=JobStatus.RUNNING, base_model="tiny-bert", task="classification",
-                      training_dataset_id="ds_feed", spec=spec, total_steps=100, timings={}) for job_id in JOBS)
+        s.add_all(
+            Job(
+                id=job_id,
+                status=JobStatus.RUNNING,
+                base_model="tiny-bert",
+                task="classification",
+                training_dataset_id="ds_feed",
+                spec=spec,
+                total_steps=100,
+                timings={},
+            )
+            for job_id in JOBS
+        )
     yield request.param
     drop()
 
@@ -44,8 +66,10 @@ def report_step(step: int) -> None:
     (no SELECT: the reads counted below are the feeds')."""
     with session_scope() as s:
         s.execute(update(Job).where(Job.id.in_(JOBS)).values(step=step, updated_at=utcnow()))
-        s.add_all(JobMetric(job_id=job_id, step=step, epoch=0.0, name="train_loss", value=1 / step, time=utcnow())
-                  for job_id in JOBS)
+        s.add_all(
+            JobMetric(job_id=job_id, step=step, epoch=0.0, name="train_loss", value=1 / step, time=utcnow())
+            for job_id in JOBS
+        )
 
 
 @contextmanager
@@ -112,8 +136,10 @@ def test_the_streams_of_many_jobs_cost_one_read_per_poll_and_get_each_row_once(s
         await asyncio.to_thread(report_step, 2)
         again = Reader(feeds_, JOBS[0], Cursor.parse(first.last_id))
         await asyncio.to_thread(report_step, 3)
-        await until(lambda: again.steps == [2, 3] and all(r.steps == [1, 2, 3] for r in list(readers.values())[1:]),
-                    "steps 2 and 3 on every stream")
+        await until(
+            lambda: again.steps == [2, 3] and all(r.steps == [1, 2, 3] for r in list(readers.values())[1:]),
+            "steps 2 and 3 on every stream",
+        )
         for reader in [again, *readers.values()]:
             await reader.close()
 

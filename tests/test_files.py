@@ -34,9 +34,14 @@ def tokenizer(models_dir):
 
 def frame(n: int = 30) -> pd.DataFrame:
     words = ["goal", "market", "team", "profit", "unbelievably", "coach", "!", "é"]
-    return pd.DataFrame({"text": [" ".join(words[(i + j) % len(words)] for j in range(i)) for i in range(n)],
-                         "pair": [words[i % len(words)] * (i % 5) for i in range(n)],
-                         "label": ["a", "b"] * (n // 2), "score": [i / 3 for i in range(n)]})
+    return pd.DataFrame(
+        {
+            "text": [" ".join(words[(i + j) % len(words)] for j in range(i)) for i in range(n)],
+            "pair": [words[i % len(words)] * (i % 5) for i in range(n)],
+            "label": ["a", "b"] * (n // 2),
+            "score": [i / 3 for i in range(n)],
+        }
+    )
 
 
 @pytest.mark.parametrize("pair,labels,label_column", [(None, ["a", "b"], "label"), ("pair", None, "score")])
@@ -138,8 +143,9 @@ def test_weights_are_written_once_per_step_and_the_artifact_links_the_best(engin
     import torch
 
     scripted = itertools.chain([1.0, 0.5], itertools.count(0.7, 0.1))  # every 2 steps and at the end: best at step 4
-    monkeypatch.setattr(Recipe, "evaluate", lambda run, reporter=None: {"loss": next(scripted), "accuracy": 0.5,
-                                                                        "f1_macro": 0.5})
+    monkeypatch.setattr(
+        Recipe, "evaluate", lambda run, reporter=None: {"loss": next(scripted), "accuracy": 0.5, "f1_macro": 0.5}
+    )
     job, data = make_job("linked", epochs=2, eval_every_steps=2, save_every_steps=2)
     reporter = RecordingReporter()
     run = Recipe(job, torch.device("cpu")).setup(data, reporter)
@@ -175,11 +181,15 @@ def test_the_final_weights_are_written_and_hashed_beside_the_final_evaluation(en
     from shared.store import manifest
 
     losses = itertools.count(1.0, -0.1)  # every evaluation is the best so far
-    monkeypatch.setattr(Recipe, "evaluate", lambda run, reporter=None: {"loss": next(losses), "accuracy": 0.5,
-                                                                        "f1_macro": 0.5})
+    monkeypatch.setattr(
+        Recipe, "evaluate", lambda run, reporter=None: {"loss": next(losses), "accuracy": 0.5, "f1_macro": 0.5}
+    )
     hashed = []
-    monkeypatch.setattr(manifest, "sha256_of",
-                        lambda path: hashed.append((path.name, threading.current_thread().name)) or sha256_of(path))
+    monkeypatch.setattr(
+        manifest,
+        "sha256_of",
+        lambda path: hashed.append((path.name, threading.current_thread().name)) or sha256_of(path),
+    )
     job, data = make_job("final", epochs=2)
     data = data if validation else type(data)(data.train, None)
     reporter = RecordingReporter()

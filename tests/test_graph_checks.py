@@ -78,6 +78,7 @@ def test_eager_reference_runs_the_captured_attention_kernel_on_the_same_mask(eng
             with monkeypatch.context() as m:
                 m.setattr(masking_utils, "is_tracing", lambda *args: True)
                 replay()
+
         return run
 
     faulty_replays(monkeypatch, micro=as_if_capturing)
@@ -92,8 +93,12 @@ def test_eager_reference_runs_the_captured_attention_kernel_on_the_same_mask(eng
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def spy(*args, **kwargs):
-        backends = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
-                    torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
+        backends = (
+            torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled(),
+            torch.backends.cuda.math_sdp_enabled(),
+            torch.backends.cuda.cudnn_sdp_enabled(),
+        )
         side = "eager" if steps.replay_update == steps.update else "graph"
         calls.append((side, kwargs.get("attn_mask") is None, backends))
         return sdpa(*args, **kwargs)
@@ -128,11 +133,14 @@ def test_every_new_width_is_checked_also_one_a_later_job_adds(engine_env, monkey
     The first job captures only the first steps' widths; a later job of the same shape adds the
     faulty width: its check fails before the width is used, and that job trains eagerly."""
     first = make_run("first", epochs=1, batch_size=8)
-    first_widths = sorted({p["input_ids"].shape[1] for pieces, _ in batches.first_steps(first.job_setup, first.state, 3)
-                           for p in pieces})
+    first_widths = sorted(
+        {p["input_ids"].shape[1] for pieces, _ in batches.first_steps(first.job_setup, first.state, 3) for p in pieces}
+    )
     faulty = max(set(first.job_setup.plan.width_counts(LADDER, 1)) - set(first_widths))
-    faulty_replays(monkeypatch, micro=lambda self, width, replay: (
-        (lambda: (replay(), self.step_loss.add_(0.5))) if width == faulty else replay))
+    faulty_replays(
+        monkeypatch,
+        micro=lambda self, width, replay: (lambda: (replay(), self.step_loss.add_(0.5))) if width == faulty else replay,
+    )
     message = capture(first, first_widths)
     assert faulty not in first.steps.replays and all(f"width {w}:" in message for w in first_widths)
 
@@ -166,6 +174,7 @@ def frozen_learning_rate(self, replay):
         seen.extend([] if seen else [lr.clone() for lr in lrs])
         torch._foreach_copy_(lrs, seen)
         replay()
+
     return run
 
 
@@ -178,6 +187,7 @@ def frozen_adam_step(self, replay):
         seen.extend([] if seen else [c.clone() for c in counts])
         torch._foreach_copy_(counts, seen)
         replay()
+
     return run
 
 
@@ -189,6 +199,7 @@ def frozen_rng(self, width, replay):
         seen.extend([] if seen else [torch.get_rng_state()])
         torch.set_rng_state(seen[0])
         replay()
+
     return run
 
 
@@ -202,15 +213,19 @@ def test_three_steps_under_warm_up_with_dropout_catch_what_one_step_cannot(engin
     widths = list(run.job_setup.plan.width_counts(LADDER, 1))
     with pytest.raises(CaptureMismatch, match="the first 3 steps") as error:
         capture(run, widths)
-    expected = {"learning_rate": "updated weights", "adam_step": "updated weights",
-                "dropout_rng": "drew the same dropout masks"}[fault]
+    expected = {
+        "learning_rate": "updated weights",
+        "adam_step": "updated weights",
+        "dropout_rng": "drew the same dropout masks",
+    }[fault]
     assert expected in str(error.value)
 
     # The same faulty graphs pass a one-step check: what the first step alone could see.
     graphs._failed.clear()
     run = make_run(fault + "-one", dropout=True, epochs=1, batch_size=8)
-    parts = graphs.uncaptured_parts(run.job_setup, run.model, run.forward_model, run.optimizer, run.scheduler,
-                                    run.scaler, 8)
+    parts = graphs.uncaptured_parts(
+        run.job_setup, run.model, run.forward_model, run.optimizer, run.scheduler, run.scaler, 8
+    )
     steps = parts.steps
     steps.capture(widths)
     first = batches.first_steps(run.job_setup, run.state, 1)
@@ -347,8 +362,11 @@ def test_transformers_floor_has_capture_safe_bert_mask_preparation():
     5.0 builds it in ``masking_utils``, which skips that look while capturing and takes a 4D mask
     as given (checked in the 5.0.0 wheel)."""
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    spec = next(SpecifierSet(d.removeprefix("transformers")) for d in pyproject["project"]["dependencies"]
-                if d.startswith("transformers"))
+    spec = next(
+        SpecifierSet(d.removeprefix("transformers"))
+        for d in pyproject["project"]["dependencies"]
+        if d.startswith("transformers")
+    )
     assert Version("4.46.0") not in spec and Version("4.57.0") not in spec
     assert Version("5.0.0") in spec and Version(transformers.__version__) in spec
 
@@ -368,6 +386,7 @@ def test_a_capture_that_rebinds_a_shared_tensor_is_refused(engine_env, monkeypat
         def run():
             self.compute[0].grad = None
             body()
+
         return run
 
     monkeypatch.setattr(capturing.CapturedSteps, "_micro_body", rebinding)
@@ -381,8 +400,9 @@ def test_a_capture_that_rebinds_a_shared_tensor_is_refused(engine_env, monkeypat
 
 def test_shared_tensors_keep_their_addresses_through_capture_and_training(engine_env):
     run = make_run("addresses", epochs=1, batch_size=8)
-    parts = graphs.uncaptured_parts(run.job_setup, run.model, run.forward_model, run.optimizer, run.scheduler,
-                                    run.scaler, 8)
+    parts = graphs.uncaptured_parts(
+        run.job_setup, run.model, run.forward_model, run.optimizer, run.scheduler, run.scaler, 8
+    )
     steps = parts.steps
     steps.capture(list(run.job_setup.plan.width_counts(LADDER, 1)))
     before = steps.shared_tensors()

@@ -34,11 +34,19 @@ KEDA_MODELS = {"ScaledObject": keda.ScaledObject, "TriggerAuthentication": keda.
 # on (ingress with TLS, GPU node placement, a Redis password for KEDA), and KEDA off (a plain Deployment).
 VALUE_SETS = {
     "defaults": [],
-    "all-options": ["api.ingress.enabled=true", "api.ingress.className=nginx", "api.ingress.tls[0].secretName=t-tls",
-                    "api.ingress.tls[0].hosts[0]=tunejob.example.com", "redis.passwordSecret.name=tunejob-redis",
-                    "worker.nodeSelector.nvidia\\.com/gpu\\.present=true",
-                    "worker.tolerations[0].key=nvidia.com/gpu", "worker.tolerations[0].operator=Exists",
-                    "worker.tolerations[0].effect=NoSchedule", "storage.presignedSeconds=600", "keda.minReplicaCount=1"],
+    "all-options": [
+        "api.ingress.enabled=true",
+        "api.ingress.className=nginx",
+        "api.ingress.tls[0].secretName=t-tls",
+        "api.ingress.tls[0].hosts[0]=tunejob.example.com",
+        "redis.passwordSecret.name=tunejob-redis",
+        "worker.nodeSelector.nvidia\\.com/gpu\\.present=true",
+        "worker.tolerations[0].key=nvidia.com/gpu",
+        "worker.tolerations[0].operator=Exists",
+        "worker.tolerations[0].effect=NoSchedule",
+        "storage.presignedSeconds=600",
+        "keda.minReplicaCount=1",
+    ],
     "no-keda": ["keda.enabled=false", "worker.replicas=3"],
 }
 
@@ -71,8 +79,12 @@ def _set_args(values: list[str]) -> list[str]:
 
 def render(helm: list[str], values: list[str], kube_version: str = KUBERNETES_VERSIONS[-1]) -> list[dict]:
     """``helm template`` of the chart with these ``--set`` values: its manifests, parsed."""
-    out = subprocess.run([*helm, "template", "t", str(CHART), "--kube-version", kube_version, *_set_args(values)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [*helm, "template", "t", str(CHART), "--kube-version", kube_version, *_set_args(values)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
@@ -111,8 +123,16 @@ def test_bad_values_are_caught(helm):
 
 
 def test_workers_get_one_gpu_a_grace_period_and_a_queue_scaler(helm):
-    kinds = by_kind(render(helm, ["worker.terminationGracePeriodSeconds=420", "keda.queue=gpu-jobs",
-                                  "worker.nodeSelector.nvidia\\.com/gpu\\.present=true"]))
+    kinds = by_kind(
+        render(
+            helm,
+            [
+                "worker.terminationGracePeriodSeconds=420",
+                "keda.queue=gpu-jobs",
+                "worker.nodeSelector.nvidia\\.com/gpu\\.present=true",
+            ],
+        )
+    )
     worker = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "t-worker")
     pod = worker["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 420

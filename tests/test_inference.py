@@ -22,23 +22,50 @@ from shared.inference.loop import ModelCache, load_for_inference, predict_texts
 from shared.jobs.base_models import BUILTIN, available_models
 
 LABELS = ["business", "sport", "tech"]
-TEXTS = ["Shares fell sharply after the bank's results were published on Monday morning.",
-         "A goal.", "", "The new phone has a faster chip, a larger screen and a battery that lasts two days " * 3,
-         "Injury time winner", "Markets rallied.", "Rain stopped play for an hour at Lord's."]
+TEXTS = [
+    "Shares fell sharply after the bank's results were published on Monday morning.",
+    "A goal.",
+    "",
+    "The new phone has a faster chip, a larger screen and a battery that lasts two days " * 3,
+    "Injury time winner",
+    "Markets rallied.",
+    "Rain stopped play for an hour at Lord's.",
+]
 TAGS = ["B-LOC", "B-PER", "I-LOC", "O"]
 CPU = torch.device("cpu")
 
 
-def save_tiny_model(path, num_labels: int, max_length: int = 32, problem_type: str | None = "single_label_classification",
-                    names: list[str] = LABELS, head=BertForSequenceClassification):
+def save_tiny_model(
+    path,
+    num_labels: int,
+    max_length: int = 32,
+    problem_type: str | None = "single_label_classification",
+    names: list[str] = LABELS,
+    head=BertForSequenceClassification,
+):
     """A 2-layer BERT saved as a tunejob job saves its model: safetensors, config with id2label
     and problem_type, the all-MiniLM-L6-v2 tokenizer with ``model_max_length`` = the job's max_length.
     ``num_labels`` 1: a regression model; ``head``: ``BertForTokenClassification`` for a tagger."""
     tokenizer = AutoTokenizer.from_pretrained(available_models()[next(iter(BUILTIN))][0])
-    labels = ({"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)},
-               "problem_type": problem_type} if num_labels > 1 else {"problem_type": "regression"})
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=512, num_labels=num_labels, **labels)
+    labels = (
+        {
+            "id2label": dict(enumerate(names)),
+            "label2id": {n: i for i, n in enumerate(names)},
+            "problem_type": problem_type,
+        }
+        if num_labels > 1
+        else {"problem_type": "regression"}
+    )
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        num_labels=num_labels,
+        **labels,
+    )
     torch.manual_seed(0)
     head(config).save_pretrained(path, safe_serialization=True)
     tokenizer.model_max_length = max_length
@@ -59,8 +86,12 @@ def classifier(classifier_dir):
 def logits_one_by_one(loaded, texts: list[str], max_length: int) -> torch.Tensor:
     """The model run on each text alone, unpadded: the reference."""
     with torch.no_grad():
-        return torch.cat([loaded.model(**loaded.tokenizer(t, truncation=True, max_length=max_length,
-                                                           return_tensors="pt")).logits for t in texts])
+        return torch.cat(
+            [
+                loaded.model(**loaded.tokenizer(t, truncation=True, max_length=max_length, return_tensors="pt")).logits
+                for t in texts
+            ]
+        )
 
 
 def test_loads_a_tunejob_model(classifier):
@@ -92,9 +123,12 @@ def test_pairs_are_the_second_segment(classifier):
     pairs = ["first"] * len(TEXTS)
     got = predict_texts(classifier, TEXTS, pairs)
     with torch.no_grad():
-        expected = [classifier.model(**classifier.tokenizer(t, p, truncation=True, max_length=32,
-                                                             return_tensors="pt")).logits.argmax(-1).item()
-                    for t, p in zip(TEXTS, pairs)]
+        expected = [
+            classifier.model(**classifier.tokenizer(t, p, truncation=True, max_length=32, return_tensors="pt"))
+            .logits.argmax(-1)
+            .item()
+            for t, p in zip(TEXTS, pairs)
+        ]
     assert [r["label"] for r in got.rows] == [LABELS[i] for i in expected]
 
 
@@ -102,7 +136,9 @@ def test_regression_gives_the_single_output(tmp_path):
     loaded = load_for_inference(save_tiny_model(tmp_path, 1), CPU)
     got = predict_texts(loaded, TEXTS)
     assert loaded.task == "regression" and loaded.label_names is None
-    assert [r["value"] for r in got.rows] == pytest.approx(logits_one_by_one(loaded, TEXTS, 32)[:, 0].tolist(), abs=1e-5)
+    assert [r["value"] for r in got.rows] == pytest.approx(
+        logits_one_by_one(loaded, TEXTS, 32)[:, 0].tolist(), abs=1e-5
+    )
 
 
 def test_multi_label_rows_are_sigmoid_scores_against_the_saved_threshold(tmp_path):
@@ -126,8 +162,9 @@ def test_multi_label_rows_are_sigmoid_scores_against_the_saved_threshold(tmp_pat
 
 @pytest.fixture(scope="module")
 def tagger_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tagger"), len(TAGS), problem_type=None, names=TAGS,
-                           head=BertForTokenClassification)
+    return save_tiny_model(
+        tmp_path_factory.mktemp("tagger"), len(TAGS), problem_type=None, names=TAGS, head=BertForTokenClassification
+    )
 
 
 @pytest.mark.parametrize("max_tokens", [1, None])
@@ -138,21 +175,29 @@ def test_entities_are_the_token_classification_pipeline_s(tagger_dir, max_tokens
     got = predict_texts(loaded, texts, max_tokens=max_tokens)
     assert got.truncated == 1  # the long text: cut at 32 tokens, as the pipeline cuts it (model_max_length)
     ner = pipeline("token-classification", model=str(tagger_dir), aggregation_strategy="simple", device="cpu")
-    expected = [[{**e, "score": pytest.approx(float(e["score"]), abs=1e-5)} for e in entities]
-                for entities in ner(texts)]
+    expected = [
+        [{**e, "score": pytest.approx(float(e["score"]), abs=1e-5)} for e in entities] for entities in ner(texts)
+    ]
     assert [row["entities"] for row in got.rows] == expected
     assert sum(len(e) for e in expected) > len(texts)  # random weights tag plenty of tokens
     for text, row in zip(texts, got.rows):  # offsets into the text (the uncased tokenizer lowercases words)
-        assert all(text[e["start"]:e["end"]].lower().replace(" ", "") == e["word"].replace(" ", "")
-                   for e in row["entities"] if "#" not in e["word"])
+        assert all(
+            text[e["start"] : e["end"]].lower().replace(" ", "") == e["word"].replace(" ", "")
+            for e in row["entities"]
+            if "#" not in e["word"]
+        )
     with pytest.raises(UserError) as e:
         predict_texts(loaded, ["carol"], ["pair"])
     assert e.value.status == 422 and e.value.param == "pairs"
 
 
 def test_bad_arguments_are_user_errors_naming_the_field(classifier):
-    for kwargs, param in [({"max_length": 33}, "max_length"), ({"max_length": 1}, "max_length"),
-                          ({"pairs": ["one"]}, "pairs"), ({"max_tokens": 0}, "max_tokens")]:
+    for kwargs, param in [
+        ({"max_length": 33}, "max_length"),
+        ({"max_length": 1}, "max_length"),
+        ({"pairs": ["one"]}, "pairs"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ]:
         with pytest.raises(UserError) as e:
             predict_texts(classifier, TEXTS, **kwargs)
         assert e.value.status == 422 and e.value.param == param

@@ -27,8 +27,10 @@ def parquet_bytes(table: pa.Table, **kwargs) -> bytes:
 
 def strict_json(text: str):
     """json.loads that refuses NaN and Infinity, as a strict JSON parser does."""
+
     def refuse(name):
         raise ValueError(f"{name} is not JSON")
+
     return json.loads(text, parse_constant=refuse)
 
 
@@ -55,8 +57,13 @@ def test_quoted_tsv_with_tabs_newlines_and_quotes_is_read_exactly(stack, writer)
 
     from shared.data.columns import JobColumns
     from shared.data.labels import read_job_table
-    table, _ = read_job_table(stack.data_dir / "uploads" / f"{dataset['id']}.tsv", "tsv", "quoted.tsv",
-                              JobColumns("classification", "text", None, "label"))
+
+    table, _ = read_job_table(
+        stack.data_dir / "uploads" / f"{dataset['id']}.tsv",
+        "tsv",
+        "quoted.tsv",
+        JobColumns("classification", "text", None, "label"),
+    )
     assert table["text"].tolist() == TEXTS
 
 
@@ -67,8 +74,13 @@ def test_unquoted_tsv_keeps_quotes_as_text(stack):
 
     from shared.data.columns import JobColumns
     from shared.data.labels import read_job_table
-    table, _ = read_job_table(stack.data_dir / "uploads" / f"{dataset['id']}.tsv", "tsv", "unquoted.tsv",
-                              JobColumns("classification", "text", None, "label"))
+
+    table, _ = read_job_table(
+        stack.data_dir / "uploads" / f"{dataset['id']}.tsv",
+        "tsv",
+        "unquoted.tsv",
+        JobColumns("classification", "text", None, "label"),
+    )
     assert table["text"].tolist() == ['"Great movie" he said', 'say "hi" twice', '"ok"', "plain"]
 
 
@@ -76,35 +88,90 @@ def test_utf8_bom_is_read_and_utf16_refused(stack):
     dataset = upload(stack.client, "\ufefftext,label\nhello,a\nworld,b\n".encode(), "bom.csv")
     assert dataset["columns"] == ["text", "label"]  # not "\ufefftext"
     before = Snapshot(stack)
-    error = assert_error(post_file(stack.client, "text,label\nhello,a\n".encode("utf-16"), "wide.csv"), 422,
-                         "invalid_encoding", "file", "wide.csv", "offset 0")
+    error = assert_error(
+        post_file(stack.client, "text,label\nhello,a\n".encode("utf-16"), "wide.csv"),
+        422,
+        "invalid_encoding",
+        "file",
+        "wide.csv",
+        "offset 0",
+    )
     assert "UTF-16" in error["message"]
     before.assert_unchanged()
 
 
-@pytest.mark.parametrize("filename, content, problem", [
-    ("ragged.csv", b"text,label\na,b\nc,d,e\nf,g\n", {"row": 2, "column": None, "value": "c,d,e",
-                                                        "message": "has 3 field(s) where the header has 2"}),
-    ("short.csv", b"text,label\na,b\nc\n", {"row": 2, "column": None, "value": "c",
-                                             "message": "has 1 field(s) where the header has 2"}),
-    ("quote.csv", b'text,label\n"Great" film,a\n', {"row": 1, "column": None, "value": None, "message":
-                                                     "(line 2) does not parse: ',' expected after '\"' (a quote "
-                                                     "inside a field must be doubled, and the field quoted)"}),
-    ("long.csv", b"text,label\n" + b"x" * (1 << 20) + b"y,a\nok,b\n", {
-        "row": 1, "column": None, "value": None, "message": "(line 2) does not parse: field larger than field "
-                                                            "limit (1048576)"}),
-    ("dup.csv", b"text,label,text\na,b,c\n", {"row": None, "column": "text", "value": None,
-                                               "message": "is a duplicate column name (columns 1 and 3)"}),
-    ("arrays.jsonl", b'{"text": "a", "label": "x"}\n["b", "y"]\n', {"row": 2, "column": None, "value": '["b", "y"]',
-                                                                  "message": "(line 2) is a JSON list, not an object "
-                                                                  '(each line must be one {"column": value, ...} object)'}),
-    ("dupkey.jsonl", b'{"text": "a", "text": "b", "label": "x"}\n', {"row": 1, "column": None,
-                                                                     "value": '{"text": "a", "text": "b", "label": "x"}',
-                                                                     "message": "(line 1) has the key 'text' twice"}),
-    ("nan.jsonl", b'{"text": "a", "label": NaN}\n', {"row": 1, "column": None, "value": '{"text": "a", "label": NaN}',
-                                                     "message": "(line 1) holds NaN, which is not valid JSON "
-                                                                "(use null, or a number)"}),
-])
+@pytest.mark.parametrize(
+    "filename, content, problem",
+    [
+        (
+            "ragged.csv",
+            b"text,label\na,b\nc,d,e\nf,g\n",
+            {"row": 2, "column": None, "value": "c,d,e", "message": "has 3 field(s) where the header has 2"},
+        ),
+        (
+            "short.csv",
+            b"text,label\na,b\nc\n",
+            {"row": 2, "column": None, "value": "c", "message": "has 1 field(s) where the header has 2"},
+        ),
+        (
+            "quote.csv",
+            b'text,label\n"Great" film,a\n',
+            {
+                "row": 1,
+                "column": None,
+                "value": None,
+                "message": "(line 2) does not parse: ',' expected after '\"' (a quote "
+                "inside a field must be doubled, and the field quoted)",
+            },
+        ),
+        (
+            "long.csv",
+            b"text,label\n" + b"x" * (1 << 20) + b"y,a\nok,b\n",
+            {
+                "row": 1,
+                "column": None,
+                "value": None,
+                "message": "(line 2) does not parse: field larger than field limit (1048576)",
+            },
+        ),
+        (
+            "dup.csv",
+            b"text,label,text\na,b,c\n",
+            {"row": None, "column": "text", "value": None, "message": "is a duplicate column name (columns 1 and 3)"},
+        ),
+        (
+            "arrays.jsonl",
+            b'{"text": "a", "label": "x"}\n["b", "y"]\n',
+            {
+                "row": 2,
+                "column": None,
+                "value": '["b", "y"]',
+                "message": "(line 2) is a JSON list, not an object "
+                '(each line must be one {"column": value, ...} object)',
+            },
+        ),
+        (
+            "dupkey.jsonl",
+            b'{"text": "a", "text": "b", "label": "x"}\n',
+            {
+                "row": 1,
+                "column": None,
+                "value": '{"text": "a", "text": "b", "label": "x"}',
+                "message": "(line 1) has the key 'text' twice",
+            },
+        ),
+        (
+            "nan.jsonl",
+            b'{"text": "a", "label": NaN}\n',
+            {
+                "row": 1,
+                "column": None,
+                "value": '{"text": "a", "label": NaN}',
+                "message": "(line 1) holds NaN, which is not valid JSON (use null, or a number)",
+            },
+        ),
+    ],
+)
 def test_structural_problems_are_refused_at_upload_with_a_report(stack, filename, content, problem):
     before = Snapshot(stack)
     error = assert_error(post_file(stack.client, content, filename), 422, "invalid_file", "file", filename)
@@ -116,8 +183,14 @@ def test_report_lists_at_most_20_problems_and_the_first_in_the_message(stack):
     rows = "".join(f"{'' if i % 2 else 'text ' + str(i)},label\n" for i in range(60))
     dataset = upload(stack.client, f"text,label\n{rows}".encode(), "holes.csv")
     before = Snapshot(stack)
-    error = assert_error(stack.client.post("/jobs", json=job_body(dataset["id"])), 422, "missing_value",
-                         "text_column", "'holes.csv' row 2: column 'text' is empty", "more problem(s)")
+    error = assert_error(
+        stack.client.post("/jobs", json=job_body(dataset["id"])),
+        422,
+        "missing_value",
+        "text_column",
+        "'holes.csv' row 2: column 'text' is empty",
+        "more problem(s)",
+    )
     assert [p["row"] for p in error["problems"]] == list(range(2, 42, 2))  # 20, in row order
     assert all(p == {"row": p["row"], "column": "text", "value": "", "message": "is empty"} for p in error["problems"])
     before.assert_unchanged()
@@ -131,15 +204,16 @@ def test_metrics_after_a_step_beyond_64_bits_is_a_4xx(stack):
     job = stack.client.post("/jobs", json=job_body(dataset["id"], validation_split=0.5)).json()
     r = stack.client.get(f"/jobs/{job['id']}/metrics", params={"after_step": 9223372036854775808})
     assert_error(r, 422, "invalid_request", "after_step")
-    assert stack.client.get(f"/jobs/{job['id']}/metrics", params={"after_step": 2**31 - 1}).json() == \
-        {"data": []}
+    assert stack.client.get(f"/jobs/{job['id']}/metrics", params={"after_step": 2**31 - 1}).json() == {"data": []}
     wait_for_status(stack.client, job["id"], FINISHED)
 
 
 @pytest.mark.parametrize("dry_run", [True, False])
 def test_jsonl_labels_that_are_objects_are_refused_at_submit(stack, dry_run):
-    content = b'{"text": "goal", "label": {"name": "sport"}}\n{"text": "bank", "label": "business"}\n' \
-              b'{"text": "vote", "label": ["politics"]}\n'
+    content = (
+        b'{"text": "goal", "label": {"name": "sport"}}\n{"text": "bank", "label": "business"}\n'
+        b'{"text": "vote", "label": ["politics"]}\n'
+    )
     dataset = upload(stack.client, content, "nested.jsonl")
     before = Snapshot(stack)
     r = stack.client.post("/jobs", params={"dry_run": dry_run}, json=job_body(dataset["id"]))
@@ -186,23 +260,33 @@ def test_bytes_text_column_is_refused_at_submit_and_in_the_dry_run(stack):
 # ----------------------------------------------------------------------------- labels and targets
 
 
-@pytest.mark.parametrize("target, message", [
-    ("inf", "is not a finite number"), ("nan", "is not a finite number"), ("-inf", "is not a finite number"),
-    ("1e38", "is larger than 1e+06"), ("1e39", "is not a finite number (float32)"), ("true", "is not a number"),
-])
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("inf", "is not a finite number"),
+        ("nan", "is not a finite number"),
+        ("-inf", "is not a finite number"),
+        ("1e38", "is larger than 1e+06"),
+        ("1e39", "is not a finite number (float32)"),
+        ("true", "is not a number"),
+    ],
+)
 def test_regression_targets_must_be_finite_and_bounded(stack, target, message):
     content = f"text,score\ngoal,1.5\nbank,{target}\ncoach,0.5\nshares,2\n".encode()
     dataset = upload(stack.client, content, "targets.csv")
     before = Snapshot(stack)
     r = stack.client.post("/jobs", json=job_body(dataset["id"], task="regression", label_column="score"))
     error = assert_error(r, 422, "invalid_label", "label_column", "targets.csv", "row 2", message)
-    assert error["problems"] == [{"row": 2, "column": "score", "value": target, "message": error["problems"][0]["message"]}]
+    assert error["problems"] == [
+        {"row": 2, "column": "score", "value": target, "message": error["problems"][0]["message"]}
+    ]
     before.assert_unchanged()
 
 
 def test_json_true_is_not_a_regression_target(stack):
-    dataset = upload(stack.client, b'{"text": "a", "y": 1.5}\n{"text": "b", "y": true}\n{"text": "c", "y": 2}\n',
-                     "bool.jsonl")
+    dataset = upload(
+        stack.client, b'{"text": "a", "y": 1.5}\n{"text": "b", "y": true}\n{"text": "c", "y": 2}\n', "bool.jsonl"
+    )
     r = stack.client.post("/jobs", json=job_body(dataset["id"], task="regression", label_column="y"))
     assert_error(r, 422, "invalid_label", "label_column", "row 2", "a boolean, not a number")
 
@@ -252,14 +336,24 @@ def test_nonfinite_metrics_are_stored_as_null_and_flagged(stack):
     with session_scope() as s:  # hold the finished job's lease as a worker would
         s.execute(update(Job).where(Job.id == job["id"]).values(status="running", lease_owner="test-worker"))
     now = utcnow()
-    assert lifecycle.record_progress(job["id"], "test-worker", {"train_metrics": {"loss": float("nan"), "lr": 0.1}},
-                       [(1000, 9.0, "train_loss", float("inf"), now), (1000, 9.0, "grad_norm", float("nan"), now),
-                        (1000, 9.0, "learning_rate", 0.5, now)])
+    assert lifecycle.record_progress(
+        job["id"],
+        "test-worker",
+        {"train_metrics": {"loss": float("nan"), "lr": 0.1}},
+        [
+            (1000, 9.0, "train_loss", float("inf"), now),
+            (1000, 9.0, "grad_norm", float("nan"), now),
+            (1000, 9.0, "learning_rate", 0.5, now),
+        ],
+    )
     with session_scope() as s:
         s.execute(update(Job).where(Job.id == job["id"]).values(status=status, lease_owner=None))
     got = strict_json(stack.client.get(f"/jobs/{job['id']}/metrics", params={"after_step": 999}).text)["data"]
     assert [(m["name"], m["value"], m["nonfinite"]) for m in got] == [
-        ("train_loss", None, True), ("grad_norm", None, True), ("learning_rate", 0.5, False)]
+        ("train_loss", None, True),
+        ("grad_norm", None, True),
+        ("learning_rate", 0.5, False),
+    ]
     assert strict_json(stack.client.get(f"/jobs/{job['id']}").text)["train_metrics"] == {"loss": None, "lr": 0.1}
 
 
@@ -289,14 +383,18 @@ def test_parquet_bomb_is_refused_by_expanded_size(stack, monkeypatch):
 
     monkeypatch.setattr(get_settings(), "max_dataset_bytes", 50_000_000)
     n = 1_000_000
-    table = pa.table({"text": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array(["x" * 200])),
-                      "label": pa.DictionaryArray.from_arrays(pa.array(np.arange(n, dtype=np.int32) % 2),
-                                                              pa.array(["a", "b"]))})
+    table = pa.table(
+        {
+            "text": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array(["x" * 200])),
+            "label": pa.DictionaryArray.from_arrays(pa.array(np.arange(n, dtype=np.int32) % 2), pa.array(["a", "b"])),
+        }
+    )
     content = parquet_bytes(table, compression="zstd")
     assert len(content) < 200_000
     before = Snapshot(stack)
-    error = assert_error(post_file(stack.client, content, "bomb.parquet"), 413, "dataset_too_large", "file",
-                         "bomb.parquet", "50,000,000")
+    error = assert_error(
+        post_file(stack.client, content, "bomb.parquet"), 413, "dataset_too_large", "file", "bomb.parquet", "50,000,000"
+    )
     assert "expands" in error["message"]
     before.assert_unchanged()
 
@@ -305,8 +403,7 @@ def test_parquet_whose_pages_declare_a_huge_expansion_is_refused_before_reading(
     table = pa.table({"text": ["a" * (80 << 20)], "label": ["x"]})  # 80 MiB of one byte, zstd: a few KB
     content = parquet_bytes(table, compression="zstd", use_dictionary=False)
     assert len(content) < 100_000
-    assert_error(post_file(stack.client, content, "zip.parquet"), 413, "dataset_too_large", "file",
-                 "decompress to")
+    assert_error(post_file(stack.client, content, "zip.parquet"), 413, "dataset_too_large", "file", "decompress to")
 
 
 def test_upload_over_the_limit_is_refused_from_its_content_length(stack, monkeypatch):
@@ -334,8 +431,11 @@ def test_no_server_path_in_errors(stack):
     data_dir = str(stack.data_dir)
     table = pq.ParquetFile(io.BytesIO(parquet_bytes(pa.table({"text": ["a"], "label": ["b"]}))))
     truncated = parquet_bytes(pa.table({"text": ["a"] * 100, "label": ["b"] * 100}))
-    for filename, content in [("junk.parquet", b"PAR1" + b"\0" * 64 + b"PAR1"), ("cut.parquet", truncated[:-30]),
-                              ("cut2.parquet", truncated[40:])]:
+    for filename, content in [
+        ("junk.parquet", b"PAR1" + b"\0" * 64 + b"PAR1"),
+        ("cut.parquet", truncated[:-30]),
+        ("cut2.parquet", truncated[40:]),
+    ]:
         r = post_file(stack.client, content, filename)
         assert_error(r, 422, "invalid_file", "file", filename)
         assert data_dir not in r.text and "/uploads" not in r.text and ".tmp" not in r.text, r.text
@@ -379,8 +479,11 @@ def test_openapi_documents_the_error_body_for_every_4xx_and_the_dry_run_plan(sta
             if "{" in path:
                 assert "404" in errors, (method, path)
             for status, response in errors.items():
-                assert response["content"]["application/json"]["schema"] == \
-                    {"$ref": f"#/components/schemas/{body}"}, (method, path, status)
+                assert response["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{body}"}, (
+                    method,
+                    path,
+                    status,
+                )
     assert schema["paths"]["/datasets"]["post"]["responses"].keys() >= {"201", "413", "415", "422"}
     dry_run = schema["paths"]["/jobs"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert dry_run == {"$ref": "#/components/schemas/DryRunOut"}
@@ -394,8 +497,12 @@ def test_openapi_documents_the_error_body_for_every_4xx_and_the_dry_run_plan(sta
 def test_library_messages_lose_their_server_paths():
     from shared.errors import without_paths
 
-    assert without_paths("[Errno 2] No such file or directory: '/data/uploads/ds_1.csv'") == \
-        "[Errno 2] No such file or directory: '<path>'"
-    assert without_paths("Could not open Parquet input source '/root/.tunejob/uploads/.1a2b.tmp': bad") == \
-        "Could not open Parquet input source '<path>': bad"
+    assert (
+        without_paths("[Errno 2] No such file or directory: '/data/uploads/ds_1.csv'")
+        == "[Errno 2] No such file or directory: '<path>'"
+    )
+    assert (
+        without_paths("Could not open Parquet input source '/root/.tunejob/uploads/.1a2b.tmp': bad")
+        == "Could not open Parquet input source '<path>': bad"
+    )
     assert without_paths("see http://host/a/b, ratio 3/4") == "see http://host/a/b, ratio 3/4"

@@ -20,14 +20,16 @@ from tests.test_predictions import predict, scoring_csv, wait_prediction
 
 def texts_of_many_widths() -> list[str]:
     rng = random.Random(0)
-    return [" ".join(rng.choices(["goal", "market", "team", "bank", "profit"], k=rng.randint(2, 30)))
-            for _ in range(40)]
+    return [
+        " ".join(rng.choices(["goal", "market", "team", "bank", "profit"], k=rng.randint(2, 30))) for _ in range(40)
+    ]
 
 
 def largest_gap(a, b) -> float:
     """The largest difference of a class probability between two predictions of the same texts."""
-    return max(abs(x["probabilities"][k] - y["probabilities"][k]) for x, y in zip(a.rows, b.rows)
-               for k in x["probabilities"])
+    return max(
+        abs(x["probabilities"][k] - y["probabilities"][k]) for x, y in zip(a.rows, b.rows) for k in x["probabilities"]
+    )
 
 
 @pytest.mark.parametrize("amx", [False, True])
@@ -41,8 +43,11 @@ def test_int8_quantizes_every_linear_layer_and_predicts(models_dir, monkeypatch,
     int8 = load_for_inference(models_dir / TINY_MODEL, torch.device("cpu"), "int8")
     assert int8.precision == "int8"
     assert (int8.model.way, int8.model.fallback) == ("compiled" if amx else "eager", None)
-    layers = [type(m) for m in int8.model.eager.modules() if isinstance(m, torch.nn.Linear)
-              or isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
+    layers = [
+        type(m)
+        for m in int8.model.eager.modules()
+        if isinstance(m, torch.nn.Linear) or isinstance(m, torch.ao.nn.quantized.dynamic.Linear)
+    ]
     assert layers and all(t is torch.ao.nn.quantized.dynamic.Linear for t in layers), set(layers)
     texts = texts_of_many_widths()
     compiled_at_load = counters["stats"]["unique_graphs"]
@@ -61,6 +66,7 @@ def test_int8_falls_back_to_eager_when_compiling_fails(models_dir, monkeypatch):
 
     def no_compiler(*args):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(int8_module, "compiled_int8", no_compiler)
     int8 = load_for_inference(models_dir / TINY_MODEL, torch.device("cpu"), "int8")
@@ -75,7 +81,9 @@ def test_int8_falls_back_to_eager_when_compiling_fails(models_dir, monkeypatch):
             if len(calls) > 1:
                 raise RuntimeError("a guard failed")
             return int8_module.eager_int8(args[0])(**batch).logits
+
         return run
+
     monkeypatch.setattr(int8_module, "compiled_int8", fails_later)
     int8 = load_for_inference(models_dir / TINY_MODEL, torch.device("cpu"), "int8")
     assert int8.model.way == "compiled"
@@ -95,8 +103,7 @@ def test_an_int8_prediction_job_and_its_plan(stack):
     release_models()  # this worker's first int8 job of the model: loaded (and quantized) now
     client = stack.client
     dataset = upload(client, scoring_csv(), "score.csv")
-    body = {"model": TINY_MODEL, "dataset": dataset["id"], "text_column": "body", "max_length": 16,
-            "precision": "int8"}
+    body = {"model": TINY_MODEL, "dataset": dataset["id"], "text_column": "body", "max_length": 16, "precision": "int8"}
     done = wait_prediction(client, predict(client, body)["id"])
     assert done["status"] == "succeeded", done["error"]
     assert done["precision"] == "int8" and done["result"]["rows"] == 29
@@ -104,7 +111,9 @@ def test_an_int8_prediction_job_and_its_plan(stack):
     assert len(said) == 1 and said[0]["message"].startswith("int8: "), said
     assert "not compiled again" not in said[0]["message"]
     again = wait_prediction(client, predict(client, body)["id"])  # the worker kept the quantized model
-    said = [e["message"] for e in client.get(f"/predictions/{again['id']}/events").json()["data"] if e["code"] == "int8"]
+    said = [
+        e["message"] for e in client.get(f"/predictions/{again['id']}/events").json()["data"] if e["code"] == "int8"
+    ]
     assert again["result"] == {**done["result"], **{k: again["result"][k] for k in again["result"] if "second" in k}}
     assert said and "kept loaded by this worker since an earlier job: not compiled again" in said[0], said
     int8_plan = predict(client, body, expect=200, dry_run="true")["plan"]

@@ -10,8 +10,7 @@ import pytest
 
 @pytest.mark.parametrize("module", ["api.main", "client.cli", "shared.queue"])
 def test_module_imports_nothing_from_the_worker(module):
-    code = (f"import sys, {module}; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('worker', 'torch')))")
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] in ('worker', 'torch')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]", f"{module} loads {loaded.strip()}"
 
@@ -36,8 +35,12 @@ def test_the_images_copy_every_package():
 # queue on top. ``errors``, ``schemas`` and ``settings`` are the foundation everyone may use.
 FOUNDATION = {"errors", "schemas", "settings"}
 MAY_IMPORT = {
-    "errors": set(), "schemas": set(), "settings": {"schemas"}, "logs": {"settings"},
-    "store": FOUNDATION, "data": FOUNDATION,
+    "errors": set(),
+    "schemas": set(),
+    "settings": {"schemas"},
+    "logs": {"settings"},
+    "store": FOUNDATION,
+    "data": FOUNDATION,
     "inference": FOUNDATION | {"data"},
     "jobs": FOUNDATION | {"store", "data", "inference"},
     "queue": FOUNDATION | {"store", "data", "inference", "jobs"},
@@ -50,8 +53,13 @@ def _shared_imports(path):
 
     parts = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
-                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        names = (
+            [node.module]
+            if isinstance(node, ast.ImportFrom) and node.module
+            else [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else []
+        )
         for name in names:
             if name.startswith("shared."):
                 parts.add(name.split(".")[1])
@@ -107,7 +115,7 @@ def import_graph(root):
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:  # relative: from the package, up level - 1
-                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
                 imported |= {module(f"{base}.{a.name}") for a in node.names}
         graph[name] = imported - {"", name}
@@ -206,9 +214,16 @@ def test_the_training_parts_never_import_the_recipe():
             continue
         tree = ast.parse(path.read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
-                     for a in n.names}
+        imported |= {
+            f"{n.module}.{a.name}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module
+            for a in n.names
+        }
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        wrong += [f"worker/training/{path.name} imports {m}" for m in sorted(imported)
-                  if m == "worker.training.recipe" or m.startswith("worker.training.recipe.")]
+        wrong += [
+            f"worker/training/{path.name} imports {m}"
+            for m in sorted(imported)
+            if m == "worker.training.recipe" or m.startswith("worker.training.recipe.")
+        ]
     assert not wrong, wrong

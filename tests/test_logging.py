@@ -46,8 +46,12 @@ def test_an_unhandled_error_is_logged_with_time_level_and_request_id(stack, log_
     stack.app.add_api_route("/test-boom", boom)
     from fastapi.testclient import TestClient
 
-    client = TestClient(stack.app, base_url=str(stack.client.base_url), headers=dict(stack.client.headers),
-                        raise_server_exceptions=False)
+    client = TestClient(
+        stack.app,
+        base_url=str(stack.client.base_url),
+        headers=dict(stack.client.headers),
+        raise_server_exceptions=False,
+    )
     answer = client.get("/test-boom", headers={HEADER: "boom-1"})
     assert answer.status_code == 500 and answer.headers[HEADER] == "boom-1"
     assert answer.json()["error"]["message"].endswith("(request id boom-1)")
@@ -58,8 +62,15 @@ def test_an_unhandled_error_is_logged_with_time_level_and_request_id(stack, log_
 
 def test_a_worker_logs_under_the_job_id(stack, log_lines):
     dataset = upload(stack.client, labelled_csv())
-    job = stack.client.post("/jobs", json={"base_model": TINY_MODEL, "training_dataset": dataset["id"],
-                                           "text_column": "text", "label_column": "label"}).json()
+    job = stack.client.post(
+        "/jobs",
+        json={
+            "base_model": TINY_MODEL,
+            "training_dataset": dataset["id"],
+            "text_column": "text",
+            "label_column": "label",
+        },
+    ).json()
     stack.client.post(f"/jobs/{job['id']}/cancel")
     send(job["id"])  # a message for a job that has ended: the worker skips it, and says so
 
@@ -76,11 +87,13 @@ def test_loading_a_model_in_the_worker_prints_no_known_noise():
     import subprocess
     import sys
 
-    code = ("import logging, worker\n"
-            "from transformers import AutoModelForSequenceClassification, BertConfig\n"
-            "AutoModelForSequenceClassification.from_config(BertConfig(hidden_size=32, num_hidden_layers=1, "
-            "num_attention_heads=2, intermediate_size=37))\n"
-            "logging.getLogger('torchao').warning('Failed to load something else')\n")
+    code = (
+        "import logging, worker\n"
+        "from transformers import AutoModelForSequenceClassification, BertConfig\n"
+        "AutoModelForSequenceClassification.from_config(BertConfig(hidden_size=32, num_hidden_layers=1, "
+        "num_attention_heads=2, intermediate_size=37))\n"
+        "logging.getLogger('torchao').warning('Failed to load something else')\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert "torchao/_C" not in result.stderr and "Enum subclass" not in result.stderr, result.stderr
     assert "Failed to load something else" in result.stderr

@@ -22,20 +22,30 @@ def scrape(client) -> dict[str, list]:
 def value(metrics: dict, family: str, sample: str | None = None, **labels) -> float:
     """The value of the one sample of ``family`` (named ``sample``, default the family's name)
     whose labels include ``labels``."""
-    found = [s.value for s in metrics[family] if s.name == (sample or family)
-             and all(s.labels.get(k) == v for k, v in labels.items())]
+    found = [
+        s.value
+        for s in metrics[family]
+        if s.name == (sample or family) and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
     assert len(found) == 1, (family, sample, labels, metrics[family])
     return found[0]
 
 
-def requests_counted(metrics: dict, handler: str, method: str, status: str, sample: str = "http_requests_total",
-                     **labels) -> float:
+def requests_counted(
+    metrics: dict, handler: str, method: str, status: str, sample: str = "http_requests_total", **labels
+) -> float:
     """An HTTP request counter (or histogram sample) by route template, method and status; 0 before
     the first such request."""
     family = sample.removesuffix("_total").removesuffix("_count").removesuffix("_bucket").removesuffix("_sum")
-    return sum(s.value for s in metrics.get(family, []) if s.name == sample and s.labels.get("handler") == handler
-               and s.labels.get("method") == method and s.labels.get("status") == status
-               and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for s in metrics.get(family, [])
+        if s.name == sample
+        and s.labels.get("handler") == handler
+        and s.labels.get("method") == method
+        and s.labels.get("status") == status
+        and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def test_metrics_while_a_job_trains(stack):
@@ -102,8 +112,9 @@ def scrape_while_training(client, before: dict, submitted: list[str]) -> None:
     poll = ("/jobs/{job_id}", "GET", "200")
     for sample in ("http_requests_total", "http_request_duration_seconds_count"):
         assert requests_counted(metrics, *poll, sample) - requests_counted(before, *poll, sample) == polls
-    assert requests_counted(metrics, *poll, "http_request_duration_seconds_bucket", le="+Inf") == \
-        requests_counted(metrics, *poll, "http_request_duration_seconds_count")
+    assert requests_counted(metrics, *poll, "http_request_duration_seconds_bucket", le="+Inf") == requests_counted(
+        metrics, *poll, "http_request_duration_seconds_count"
+    )
     assert requests_counted(metrics, *poll, "http_request_duration_seconds_sum") > 0
     assert requests_counted(metrics, "/jobs", "POST", "201") - requests_counted(before, "/jobs", "POST", "201") == 2
 

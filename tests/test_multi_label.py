@@ -15,7 +15,11 @@ import pytest
 
 from tests.conftest import TINY_MODEL, wait_for_status
 
-GENRES = {"drama": ["tears", "family", "loss"], "comedy": ["joke", "laugh", "funny"], "action": ["chase", "gun", "fight"]}
+GENRES = {
+    "drama": ["tears", "family", "loss"],
+    "comedy": ["joke", "laugh", "funny"],
+    "action": ["chase", "gun", "fight"],
+}
 
 
 def genre_rows(rows: int = 48, seed: int = 0) -> list[dict]:
@@ -44,9 +48,15 @@ def upload(client, content: bytes, filename: str) -> dict:
 
 
 def body(dataset_id: str, **fields) -> dict:
-    return {"base_model": TINY_MODEL, "task": "multi_label", "training_dataset": dataset_id,
-            "text_column": "text", "label_column": "genres",
-            "hyperparameters": {"epochs": 2, "batch_size": 8, "max_length": 32, "learning_rate": 1e-3}, **fields}
+    return {
+        "base_model": TINY_MODEL,
+        "task": "multi_label",
+        "training_dataset": dataset_id,
+        "text_column": "text",
+        "label_column": "genres",
+        "hyperparameters": {"epochs": 2, "batch_size": 8, "max_length": 32, "learning_rate": 1e-3},
+        **fields,
+    }
 
 
 def submit(client, dataset_id: str, **fields) -> dict:
@@ -78,8 +88,12 @@ def test_jsonl_list_labels_train_a_model_the_pipeline_reads(stack, tmp_path):
     assert plan["labels"] == 3 and plan["rows_without_labels"] == 6  # rows 0, 8, ..., 40 of 48
     assert "6 row(s) of 'movies.jsonl' have no label" in plan["notes"][0]
 
-    job = submit(client, dataset["id"], tune_threshold=True,
-                 hyperparameters={**body("")["hyperparameters"], "metric_for_best_model": "f1_micro"})
+    job = submit(
+        client,
+        dataset["id"],
+        tune_threshold=True,
+        hyperparameters={**body("")["hyperparameters"], "metric_for_best_model": "f1_micro"},
+    )
     assert job["status"] == "succeeded", job["error"]
     assert job["label_names"] == ["action", "comedy", "drama"] and job["task"] == "multi_label"
     metrics = job["validation_metrics"]
@@ -168,8 +182,14 @@ def test_bad_labels_are_refused_naming_file_row_column_and_value(stack):
 
 def test_openai_facade_maps_multi_label(stack):
     dataset = upload(stack.client, csv_with_separator(genre_rows(rows=16)), "small.csv")
-    request = {"model": TINY_MODEL, "training_file": dataset["id"], "task": "multi_label", "label_column": "genres",
-               "label_separator": "|", "hyperparameters": {"n_epochs": 1}}
+    request = {
+        "model": TINY_MODEL,
+        "training_file": dataset["id"],
+        "task": "multi_label",
+        "label_column": "genres",
+        "label_separator": "|",
+        "hyperparameters": {"n_epochs": 1},
+    }
     r = stack.client.post("/v1/fine_tuning/jobs", json=request)
     assert r.status_code == 200, r.text
     job = wait_for_status(stack.client, r.json()["id"], {"succeeded", "failed", "cancelled"})
@@ -186,8 +206,9 @@ def test_cli_sends_the_multi_label_options():
 
     parser = argparse.ArgumentParser()
     add_create_arguments(parser)
-    args = parser.parse_args(["--model", "m", "--dataset", "ds_1", "--task", "multi_label", "--label-separator", "|",
-                              "--tune-threshold"])
+    args = parser.parse_args(
+        ["--model", "m", "--dataset", "ds_1", "--task", "multi_label", "--label-separator", "|", "--tune-threshold"]
+    )
     spec = job_spec(args)
     assert (spec["task"], spec["label_separator"], spec["tune_threshold"]) == ("multi_label", "|", True)
     assert "decision_threshold" not in spec  # not given: the server's default

@@ -34,8 +34,13 @@ def bucket_env(s3_server, tmp_path, monkeypatch):
     left behind."""
     from shared.settings import get_settings
 
-    for key in {*(k for k in os.environ if k.startswith("TUNEJOB_")), "TUNEJOB_DATA_DIR", "TUNEJOB_DATABASE_URL",
-                "TUNEJOB_BROKER_URL", "TUNEJOB_STORAGE_CACHE_BYTES"} - {"TUNEJOB_REQUIRE_SERVICES"}:
+    for key in {
+        *(k for k in os.environ if k.startswith("TUNEJOB_")),
+        "TUNEJOB_DATA_DIR",
+        "TUNEJOB_DATABASE_URL",
+        "TUNEJOB_BROKER_URL",
+        "TUNEJOB_STORAGE_CACHE_BYTES",
+    } - {"TUNEJOB_REQUIRE_SERVICES"}:
         monkeypatch.setenv(key, "")  # recorded, so that teardown restores (or removes) it
         monkeypatch.delenv(key)
     for key, value in s3_server.env().items():
@@ -57,14 +62,19 @@ def on_host(data_dir: Path, **env: str):
 
 
 def files_outside_cache(data_dir: Path) -> list[str]:
-    return sorted(p.relative_to(data_dir).as_posix() for p in data_dir.rglob("*")
-                  if p.is_file() and p.relative_to(data_dir).parts[0] != "cache")
+    return sorted(
+        p.relative_to(data_dir).as_posix()
+        for p in data_dir.rglob("*")
+        if p.is_file() and p.relative_to(data_dir).parts[0] != "cache"
+    )
 
 
 def collect(stream) -> bytes:
     """The bytes of an async iterable (as a StreamingResponse reads ``TarStream``), joined."""
+
     async def chunks() -> bytes:
         return b"".join([bytes(chunk) async for chunk in stream])
+
     return asyncio.run(chunks())
 
 
@@ -93,7 +103,10 @@ def test_published_files_come_back_checked_against_the_manifest(bucket_env, tmp_
     local = store.local(ref)
     assert (tmp_path / "b" / "cache") in local.parents
     assert sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()) == [
-        "manifest.json", "model.safetensors", "runs/events"]
+        "manifest.json",
+        "model.safetensors",
+        "runs/events",
+    ]
     tar = artifacts.TarStream(store.files(ref))
     assert sum(len(chunk) for chunk in tar) == tar.size
     # The API's way (async: Remote.achunks, no thread hop per chunk) gives the same bytes.
@@ -105,7 +118,8 @@ def test_published_files_come_back_checked_against_the_manifest(bucket_env, tmp_
     with pytest.raises(OSError, match="does not match its manifest"):
         store.local(ref)
     assert not (tmp_path / "c" / "cache" / "objects").exists() or not any(
-        p.is_file() for p in (tmp_path / "c" / "cache" / "objects").rglob("*"))
+        p.is_file() for p in (tmp_path / "c" / "cache" / "objects").rglob("*")
+    )
     with pytest.raises(OSError, match="does not match its manifest"):
         b"".join(artifacts.TarStream(store.files(ref)))
     with pytest.raises(OSError, match="does not match its manifest"):
@@ -134,7 +148,7 @@ def test_the_host_cache_is_bounded_least_recently_used_first(bucket_env, tmp_pat
 
 
 def test_the_api_and_workers_share_only_the_bucket_and_the_store(bucket_env, models_dir, tmp_path, monkeypatch):
-    """"Hosts", each with its own empty data directory: the API takes the upload and the job; a
+    """ "Hosts", each with its own empty data directory: the API takes the upload and the job; a
     worker trains it until SIGTERM's checkpoint; another worker resumes from the bucket's
     checkpoint (steps exact); the API serves the model from the bucket; a prediction's parts go
     through the bucket too; single files redirect to presigned URLs; deletes empty the bucket."""
@@ -146,8 +160,9 @@ def test_the_api_and_workers_share_only_the_bucket_and_the_store(bucket_env, mod
     from worker import reporter, tasks
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("TUNEJOB_STORAGE", "AWS_"))}
-    drop = configure_stack("postgres+redis", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"),
-                                              "TUNEJOB_MODELS_DIR": str(models_dir), **env})
+    drop = configure_stack(
+        "postgres+redis", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"), "TUNEJOB_MODELS_DIR": str(models_dir), **env}
+    )
     try:
         with TestClient(create_app(), base_url=BASE_URL) as client:
             client.headers.update(auth_header("tenant-a"))
@@ -160,8 +175,11 @@ def test_the_api_and_workers_share_only_the_bucket_and_the_store(bucket_env, mod
             on_host(tmp_path / "worker-1")
             calls = iter(range(1000))
             real_should_stop = reporter.Reporter.should_stop
-            monkeypatch.setattr(reporter.Reporter, "should_stop",
-                                lambda self: "shutdown" if next(calls) >= 3 else real_should_stop(self))
+            monkeypatch.setattr(
+                reporter.Reporter,
+                "should_stop",
+                lambda self: "shutdown" if next(calls) >= 3 else real_should_stop(self),
+            )
             assert tasks.run_job(job["id"]) == "shutdown"
             monkeypatch.setattr(reporter.Reporter, "should_stop", real_should_stop)
             [checkpoint] = client.get(f"/jobs/{job['id']}/checkpoints").json()["data"]
@@ -176,8 +194,9 @@ def test_the_api_and_workers_share_only_the_bucket_and_the_store(bucket_env, mod
             assert job["status"] == "succeeded", job
             codes = [e["code"] for e in client.get(f"/jobs/{job['id']}/events").json()["data"]]
             assert codes.count("resumed") == 1, codes
-            steps = sorted(m["step"] for m in client.get(f"/jobs/{job['id']}/metrics").json()["data"]
-                           if m["name"] == "train_loss")
+            steps = sorted(
+                m["step"] for m in client.get(f"/jobs/{job['id']}/metrics").json()["data"] if m["name"] == "train_loss"
+            )
             assert steps == list(range(1, job["progress"]["total_steps"] + 1))  # each step once
 
             r = client.get(f"/jobs/{job['id']}/artifacts/model.tar")
@@ -186,7 +205,9 @@ def test_the_api_and_workers_share_only_the_bucket_and_the_store(bucket_env, mod
                 tar.extractall(tmp_path / "downloaded", filter="data")
             assert verify_manifest(tmp_path / "downloaded") == []
             r = client.get(f"/jobs/{job['id']}/evaluation")  # read from the bucket too
-            assert r.status_code == 200 and r.json() == json.loads((tmp_path / "downloaded/evaluation.json").read_text())
+            assert r.status_code == 200 and r.json() == json.loads(
+                (tmp_path / "downloaded/evaluation.json").read_text()
+            )
             assert files_outside_cache(tmp_path / "api-2") == []
 
             # A prediction with that model: scored on worker 1's host, in parts (the bucket's),
@@ -245,15 +266,29 @@ def test_the_recovery_loop_collects_orphans_but_nothing_a_row_points_at(bucket_e
 
     kept = publish("uploads/ds_kept.csv")
     with session_scope() as s:
-        s.add(Dataset(id="ds_kept", filename="a.csv", format="csv", path=kept, rows=1, columns=["text"], bytes=7,
-                      sha256="0" * 64))
-    for name in ("uploads/ds_lost.csv", "checkpoints/job_gone/step-00000001/training_state.pt",
-                 "artifacts/job_gone/model/config.json"):
+        s.add(
+            Dataset(
+                id="ds_kept",
+                filename="a.csv",
+                format="csv",
+                path=kept,
+                rows=1,
+                columns=["text"],
+                bytes=7,
+                sha256="0" * 64,
+            )
+        )
+    for name in (
+        "uploads/ds_lost.csv",
+        "checkpoints/job_gone/step-00000001/training_state.pt",
+        "artifacts/job_gone/model/config.json",
+    ):
         publish(name)
 
     assert orphans.collect_orphans(force=True) == []  # all younger than the grace period
     assert sorted(orphans.collect_orphans(grace=timedelta(0), force=True)) == sorted(
-        ["uploads/ds_lost.csv", "checkpoints/job_gone/step-00000001", "artifacts/job_gone"])
+        ["uploads/ds_lost.csv", "checkpoints/job_gone/step-00000001", "artifacts/job_gone"]
+    )
     assert [key for key, _, _ in store.listing("uploads")] == [kept]
     assert store.listing("checkpoints") == store.listing("artifacts") == []
 
@@ -268,8 +303,9 @@ def test_an_unreachable_bucket_is_a_503_and_leaves_no_row(bucket_env, models_dir
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     env = {k: v for k, v in os.environ.items() if k.startswith("TUNEJOB_STORAGE")}
-    drop = configure_stack("embedded", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"),
-                                        "TUNEJOB_MODELS_DIR": str(models_dir), **env})
+    drop = configure_stack(
+        "embedded", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"), "TUNEJOB_MODELS_DIR": str(models_dir), **env}
+    )
     try:
         with TestClient(create_app(), base_url=BASE_URL) as client:
             client.headers.update(auth_header("tenant-a"))
@@ -295,8 +331,14 @@ def test_retention_and_the_storage_quota_see_the_bucket(bucket_env, models_dir, 
     from worker import tasks
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("TUNEJOB_STORAGE", "AWS_"))}
-    drop = configure_stack("postgres+redis", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"),  # the SQLite store
-                                              "TUNEJOB_MODELS_DIR": str(models_dir), **env})  # is in a data dir
+    drop = configure_stack(
+        "postgres+redis",
+        {
+            "TUNEJOB_DATA_DIR": str(tmp_path / "api"),  # the SQLite store
+            "TUNEJOB_MODELS_DIR": str(models_dir),
+            **env,
+        },
+    )  # is in a data dir
 
     def job_objects(job_id: str) -> list[str]:
         store = objects.store()

@@ -46,9 +46,13 @@ class Service:
         return self.client.files.create(file=(filename, io.BytesIO(content)), purpose="fine-tune")
 
     def wait_job(self, job_id: str, statuses: set[str], timeout: float = 180):
-        return wait_for(f"job {job_id} to be {'/'.join(sorted(statuses))}",
-                        lambda: (j := self.client.fine_tuning.jobs.retrieve(job_id)).status in statuses and j,
-                        timeout, 0.3, lambda: self.process.tail())
+        return wait_for(
+            f"job {job_id} to be {'/'.join(sorted(statuses))}",
+            lambda: (j := self.client.fine_tuning.jobs.retrieve(job_id)).status in statuses and j,
+            timeout,
+            0.3,
+            lambda: self.process.tail(),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +62,21 @@ def service(tmp_path_factory, models_dir) -> Service:
     workdir = tmp_path_factory.mktemp("serve")
     data_dir = workdir / "data"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_")}
-    env.update(TUNEJOB_DATA_DIR=str(data_dir), TUNEJOB_MODELS_DIR=str(models_dir), TUNEJOB_DEVICE="cpu",
-               TUNEJOB_METRICS_FLUSH_SECONDS="0.2", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.update(
+        TUNEJOB_DATA_DIR=str(data_dir),
+        TUNEJOB_MODELS_DIR=str(models_dir),
+        TUNEJOB_DEVICE="cpu",
+        TUNEJOB_METRICS_FLUSH_SECONDS="0.2",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
     port = free_port()
-    process = Process("serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env,
-                      workdir / "serve.log")
+    process = Process(
+        "serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env, workdir / "serve.log"
+    )
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
@@ -116,9 +129,14 @@ def test_fine_tune_retrieve_events_checkpoints(service):
     train = service.upload(labelled_jsonl(40, seed=1, pair=True))
     validation = service.upload(labelled_jsonl(12, seed=2, pair=True), "validation.jsonl")
     job = client.fine_tuning.jobs.create(
-        model=TINY_MODEL, training_file=train.id, validation_file=validation.id, suffix="news", seed=7,
+        model=TINY_MODEL,
+        training_file=train.id,
+        validation_file=validation.id,
+        suffix="news",
+        seed=7,
         hyperparameters={"n_epochs": 2, "batch_size": 8, "learning_rate_multiplier": 20, "max_length": 32},
-        metadata={"team": "search"})
+        metadata={"team": "search"},
+    )
     assert job.object == "fine_tuning.job" and job.status in {"queued", "running"}
     assert job.model == TINY_MODEL and job.training_file == train.id and job.validation_file == validation.id
     assert job.hyperparameters.n_epochs == 2 and job.hyperparameters.batch_size == 8
@@ -154,12 +172,17 @@ def test_fine_tune_retrieve_events_checkpoints(service):
 def test_list_pages_and_cancel(service):
     client = service.client
     train = service.upload(labelled_jsonl(40, seed=3))
-    quick = client.fine_tuning.jobs.create(model=TINY_MODEL, training_file=train.id,
-                                           hyperparameters={"n_epochs": 1, "batch_size": 8, "max_length": 32})
+    quick = client.fine_tuning.jobs.create(
+        model=TINY_MODEL, training_file=train.id, hyperparameters={"n_epochs": 1, "batch_size": 8, "max_length": 32}
+    )
     validation = service.upload(labelled_jsonl(12, seed=5), "validation.jsonl")
-    slow = client.fine_tuning.jobs.create(model=TINY_MODEL, training_file=train.id, validation_file=validation.id,
-                                          suffix="slow",
-                                          hyperparameters={"n_epochs": 1000, "batch_size": 2, "max_length": 32})
+    slow = client.fine_tuning.jobs.create(
+        model=TINY_MODEL,
+        training_file=train.id,
+        validation_file=validation.id,
+        suffix="slow",
+        hyperparameters={"n_epochs": 1000, "batch_size": 2, "max_length": 32},
+    )
     with pytest.raises(openai.ConflictError) as in_use:
         client.files.delete(train.id)
     assert in_use.value.code == "dataset_in_use" and quick.id in in_use.value.message
@@ -173,8 +196,13 @@ def test_list_pages_and_cancel(service):
     last = client.fine_tuning.jobs.list(limit=100)
     assert not last.has_more and len(last.data) == len(native_ids)
 
-    wait_for(f"a checkpoint of {slow.id}",
-             lambda: service.native.get(f"/jobs/{slow.id}/checkpoints").json()["data"], 120, 0.3, service.process.tail)
+    wait_for(
+        f"a checkpoint of {slow.id}",
+        lambda: service.native.get(f"/jobs/{slow.id}/checkpoints").json()["data"],
+        120,
+        0.3,
+        service.process.tail,
+    )
     cancelling = client.fine_tuning.jobs.cancel(slow.id)
     assert cancelling.id == slow.id and cancelling.status in {"running", "cancelled"}
     cancelled = service.wait_job(slow.id, FINISHED, timeout=60)

@@ -26,9 +26,18 @@ RTOL, ATOL = 1e-5, 1e-7
 
 
 def tiny(kind: str, task: str, num_labels: int = 3) -> torch.nn.Module:
-    common = {"vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "intermediate_size": 32, "max_position_embeddings": MAX_LENGTH + 4, "hidden_dropout_prob": 0.0,
-              "attention_probs_dropout_prob": 0.0, "num_labels": num_labels, "type_vocab_size": 2}
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "max_position_embeddings": MAX_LENGTH + 4,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "num_labels": num_labels,
+        "type_vocab_size": 2,
+    }
     config = RobertaConfig(pad_token_id=1, **common) if kind == "roberta" else BertConfig(**common)
     if task == "multi_label":
         config.problem_type = "multi_label_classification"
@@ -71,9 +80,15 @@ def loss_and_grads(model, batch, task, packed: bool):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-CASES = [("bert", "classification", False), ("bert", "classification", True), ("bert", "multi_label", False),
-         ("bert", "regression", False), ("bert", "token_classification", False), ("roberta", "classification", False),
-         ("roberta", "token_classification", True)]
+CASES = [
+    ("bert", "classification", False),
+    ("bert", "classification", True),
+    ("bert", "multi_label", False),
+    ("bert", "regression", False),
+    ("bert", "token_classification", False),
+    ("roberta", "classification", False),
+    ("roberta", "token_classification", True),
+]
 
 
 @pytest.mark.parametrize("kind,task,pairs", CASES)
@@ -137,8 +152,9 @@ def test_a_packed_job_trains_like_the_padded_job(engine_env):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-6, msg=name)
     assert packed.state.real_tokens == padded.state.real_tokens == packed.state.padded_tokens
     assert padded.state.padded_tokens > padded.state.real_tokens
-    assert ("packing", "packed micro-batches: no padding, attention per example (variable-length kernel)") in \
-        zip(packed_reporter.events, packed_reporter.messages)
+    assert ("packing", "packed micro-batches: no padding, attention per example (variable-length kernel)") in zip(
+        packed_reporter.events, packed_reporter.messages
+    )
     assert "packing" not in padded_reporter.events  # the default says nothing
 
 
@@ -193,12 +209,15 @@ def test_a_filled_packed_batch_gives_the_loss_and_gradient_of_the_packed_batch()
     model.zero_grad()
     filled = pack_fixed(pack(batch), 8, token_bucket(MAX_LENGTH + 6, 3, 8, MAX_LENGTH), MAX_LENGTH, 0, 0)
     labels, weights = filled.pop("labels"), filled.pop("weights")
-    filled_loss = (example_losses(packed_logits(model, filled, "classification"), labels, "classification")
-                   * weights).sum()
+    filled_loss = (
+        example_losses(packed_logits(model, filled, "classification"), labels, "classification") * weights
+    ).sum()
     filled_loss.backward()
     torch.testing.assert_close(filled_loss.detach(), loss, rtol=RTOL, atol=0)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name], rtol=RTOL, atol=max(ATOL, RTOL * grads[name].abs().max().item()))
+        torch.testing.assert_close(
+            p.grad, grads[name], rtol=RTOL, atol=max(ATOL, RTOL * grads[name].abs().max().item())
+        )
 
 
 def test_captured_packed_steps_train_like_eager_packed_steps(engine_env):

@@ -43,8 +43,10 @@ def scoring_csv(rows: int = 29, seed: int = 1) -> bytes:
     """Texts to score with ids that are not row numbers, some far longer than 16 tokens."""
     rng = random.Random(seed)
     words = ["match", "goal", "team", "shares", "market", "profit", "bank", "coach"]
-    data = [{"doc": f"d-{1000 - i}", "body": " ".join(rng.choices(words, k=rng.choice([2, 5, 40]))),
-             "other": "x"} for i in range(rows)]
+    data = [
+        {"doc": f"d-{1000 - i}", "body": " ".join(rng.choices(words, k=rng.choice([2, 5, 40]))), "other": "x"}
+        for i in range(rows)
+    ]
     return pd.DataFrame(data).to_csv(index=False).encode()
 
 
@@ -83,8 +85,15 @@ def to_score(stack, small_parts) -> dict:
 
 
 def body_for(model: str, dataset: dict, **fields) -> dict:
-    return {"model": model, "dataset": dataset["id"], "text_column": "body", "id_column": "doc",
-            "max_length": 16, "batch_size": 4, **fields}
+    return {
+        "model": model,
+        "dataset": dataset["id"],
+        "text_column": "body",
+        "id_column": "doc",
+        "max_length": 16,
+        "batch_size": 4,
+        **fields,
+    }
 
 
 def test_predict_with_a_trained_job_writes_every_row_once_in_input_order(stack, trained, to_score):
@@ -103,7 +112,8 @@ def test_predict_with_a_trained_job_writes_every_row_once_in_input_order(stack, 
     assert result["rows"] == 29 and result["max_length"] == 16
     # The stack's worker runs on the CPU, as the plan batches.
     assert [result[k] for k in ("truncated", "tokens", "padded_tokens")] == [
-        plan[k] for k in ("truncated", "tokens", "padded_tokens")]
+        plan[k] for k in ("truncated", "tokens", "padded_tokens")
+    ]
     assert 0 < result["truncated"] < 29  # the 40-word texts only
     assert 0 < result["padding_efficiency"] <= 1 and result["rows_per_second"] > 0
     assert done["results_url"] == f"/predictions/{prediction['id']}/results"
@@ -141,8 +151,9 @@ def test_rows_are_numbered_by_index_without_an_id_column_and_a_base_model_with_a
     no_limit = wait_prediction(client, predict(client, body_for(TINY_MODEL, to_score, max_length=None))["id"])
     assert no_limit["max_length"] == no_limit["result"]["max_length"] == 512  # the model's limit
     assert no_limit["result"]["truncated"] == 0
-    paired = wait_prediction(client, predict(client, body_for(TINY_MODEL, to_score, max_length=None,
-                                                              text_pair_column="other"))["id"])
+    paired = wait_prediction(
+        client, predict(client, body_for(TINY_MODEL, to_score, max_length=None, text_pair_column="other"))["id"]
+    )
     assert paired["status"] == "succeeded", paired["error"]
     assert paired["result"]["tokens"] == no_limit["result"]["tokens"] + 2 * 29  # "x" and a [SEP] a row
 
@@ -151,8 +162,15 @@ def test_a_regression_model_predicts_values(stack, to_score):
     client = stack.client
     data = pd.DataFrame({"text": ["short", "a longer text here", "mid text"] * 8, "label": [0.5, 2.0, 1.0] * 8})
     dataset = upload(client, data.to_csv(index=False).encode(), "reg.csv")
-    r = client.post("/jobs", json={"base_model": TINY_MODEL, "task": "regression", "training_dataset": dataset["id"],
-                                   "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32}})
+    r = client.post(
+        "/jobs",
+        json={
+            "base_model": TINY_MODEL,
+            "task": "regression",
+            "training_dataset": dataset["id"],
+            "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32},
+        },
+    )
     assert r.status_code == 201, r.text
     job = wait_for_status(client, r.json()["id"], FINISHED)
     assert job["status"] == "succeeded", job["error"]
@@ -189,8 +207,11 @@ def test_jobs_and_predictions_do_not_answer_for_each_other(stack, trained, to_sc
     prediction = wait_prediction(client, predict(client, body_for(trained["id"], to_score))["id"])
     for path in [f"/jobs/{prediction['id']}", f"/jobs/{prediction['id']}/events", f"/jobs/{prediction['id']}/metrics"]:
         assert client.get(path).status_code == 404, path
-    for path in [f"/predictions/{trained['id']}", f"/predictions/{trained['id']}/events",
-                 f"/predictions/{trained['id']}/results"]:
+    for path in [
+        f"/predictions/{trained['id']}",
+        f"/predictions/{trained['id']}/events",
+        f"/predictions/{trained['id']}/results",
+    ]:
         assert client.get(path).status_code == 404, path
     assert client.post(f"/predictions/{trained['id']}/cancel").status_code == 404
     assert client.delete(f"/predictions/{trained['id']}").status_code == 404
@@ -273,18 +294,22 @@ def test_another_tenant_sees_nothing_and_cannot_use_the_job(stack, trained, to_s
     assert other.get("/predictions").json()["data"] == []
 
 
-@pytest.mark.parametrize("fields, status, code, param, named", [
-    ({"text_column": "nope"}, 422, "missing_column", "text_column", "'nope'"),
-    ({"id_column": "ident"}, 422, "missing_column", "id_column", "'ident'"),
-    ({"text_pair_column": "pair"}, 422, "missing_column", "text_pair_column", "'pair'"),
-    ({"model": "all-MiniLM-L6-v2"}, 422, "model_without_head", "model", "'all-MiniLM-L6-v2'"),
-    ({"model": "no-such-model"}, 422, "unknown_model", "model", "'no-such-model'"),
-    ({"model": "job_0000000000000000"}, 404, "unknown_model", "model", "'job_0000000000000000'"),
-    ({"dataset": "ds_0000000000000000"}, 422, "unknown_dataset", "dataset", "'ds_0000000000000000'"),
-    ({"max_length": 4096}, 422, "max_length_too_long", "max_length", "4096"),
-])
-def test_bad_input_is_refused_naming_the_field_and_nothing_is_queued(stack, trained, to_score, fields, status, code,
-                                                                      param, named):
+@pytest.mark.parametrize(
+    "fields, status, code, param, named",
+    [
+        ({"text_column": "nope"}, 422, "missing_column", "text_column", "'nope'"),
+        ({"id_column": "ident"}, 422, "missing_column", "id_column", "'ident'"),
+        ({"text_pair_column": "pair"}, 422, "missing_column", "text_pair_column", "'pair'"),
+        ({"model": "all-MiniLM-L6-v2"}, 422, "model_without_head", "model", "'all-MiniLM-L6-v2'"),
+        ({"model": "no-such-model"}, 422, "unknown_model", "model", "'no-such-model'"),
+        ({"model": "job_0000000000000000"}, 404, "unknown_model", "model", "'job_0000000000000000'"),
+        ({"dataset": "ds_0000000000000000"}, 422, "unknown_dataset", "dataset", "'ds_0000000000000000'"),
+        ({"max_length": 4096}, 422, "max_length_too_long", "max_length", "4096"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_field_and_nothing_is_queued(
+    stack, trained, to_score, fields, status, code, param, named
+):
     client = stack.client
     before = count_predictions(client)
     r = client.post("/predictions", json={**body_for(trained["id"], to_score), **fields})
@@ -318,7 +343,6 @@ def test_a_job_that_did_not_succeed_or_was_deleted_is_refused(stack, to_score):
     assert r.json()["error"]["param"] == "model"
 
 
-
 # ----------------------------------------------------------------------------- multi_label and token_classification
 
 THRESHOLD = 0.35  # the multi_label job's decision_threshold: not the 0.5 default
@@ -330,8 +354,12 @@ def train_multi_label(client) -> dict:
     from tests.test_multi_label import genre_rows, jsonl
     from tests.test_multi_label import submit as train
 
-    job = train(client, upload(client, jsonl(genre_rows()), "movies.jsonl")["id"], decision_threshold=THRESHOLD,
-                hyperparameters={"epochs": 10, "batch_size": 8, "max_length": 32, "learning_rate": 3e-3})
+    job = train(
+        client,
+        upload(client, jsonl(genre_rows()), "movies.jsonl")["id"],
+        decision_threshold=THRESHOLD,
+        hyperparameters={"epochs": 10, "batch_size": 8, "max_length": 32, "learning_rate": 3e-3},
+    )
     assert job["status"] == "succeeded", job["error"]
     return job
 
@@ -356,10 +384,14 @@ def sigmoid_scores(directory, texts: list[str], max_length: int) -> list[list[fl
     """The saved multi_label model run directly: each text's sigmoid score per label."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    model, tokenizer = AutoModelForSequenceClassification.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    model, tokenizer = (
+        AutoModelForSequenceClassification.from_pretrained(directory),
+        AutoTokenizer.from_pretrained(directory),
+    )
     with torch.no_grad():
-        logits = model(**tokenizer(texts, truncation=True, max_length=max_length, padding=True,
-                                   return_tensors="pt")).logits
+        logits = model(
+            **tokenizer(texts, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
+        ).logits
     return torch.sigmoid(logits).tolist()
 
 
@@ -402,8 +434,11 @@ def tagger(stack) -> dict:
 
 
 def text_dataset(client, texts: list[str]) -> dict:
-    return upload(client, pd.DataFrame({"doc": [f"d-{i}" for i in range(len(texts))], "body": texts})
-                  .to_csv(index=False).encode(), "texts.csv")
+    return upload(
+        client,
+        pd.DataFrame({"doc": [f"d-{i}" for i in range(len(texts))], "body": texts}).to_csv(index=False).encode(),
+        "texts.csv",
+    )
 
 
 def all_formats(client, prediction_id: str) -> tuple[list[dict], list[dict], pd.DataFrame]:
@@ -453,8 +488,11 @@ def test_a_token_classification_model_predicts_the_pipeline_s_entities(stack, ta
     assert [row["entities"] for row in lines] == pipeline_entities(model_dir(stack, tagger), texts)
     assert {e["entity_group"] for row in lines for e in row["entities"]} == {"PER", "LOC"}  # it learnt them
     for text, row in zip(texts, lines):  # offsets into the text (the uncased tokenizer lowercases words)
-        assert all(text[e["start"]:e["end"]].lower().replace(" ", "") == e["word"].replace(" ", "")
-                   for e in row["entities"] if "#" not in e["word"])
+        assert all(
+            text[e["start"] : e["end"]].lower().replace(" ", "") == e["word"].replace(" ", "")
+            for e in row["entities"]
+            if "#" not in e["word"]
+        )
     assert parquet.schema.field("entities").type.value_type.names == ["entity_group", "score", "word", "start", "end"]
     assert list(csv.columns) == ["id", "entities"]
     assert [json.loads(cell) for cell in csv["entities"]] == [row["entities"] for row in lines]
@@ -480,8 +518,11 @@ def test_word_lists_and_text_pairs_are_refused_for_token_classification(stack, t
         assert (error["code"], error["param"]) == ("invalid_text", "text_column"), filename
         assert error["problems"][0]["column"] == "tokens" and "holds a list, not text" in error["message"]
         assert "raw text" in error["message"] and f"{filename!r}" in error["message"]
-    paired = {**body_for(tagger["id"], text_dataset(client, ["carol went home"])), "text_pair_column": "doc",
-              "id_column": None}
+    paired = {
+        **body_for(tagger["id"], text_dataset(client, ["carol went home"])),
+        "text_pair_column": "doc",
+        "id_column": None,
+    }
     r = client.post("/predictions", json=paired)
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_text_pair_column", r.text
     assert r.json()["error"]["param"] == "text_pair_column"
@@ -491,9 +532,11 @@ def test_word_lists_and_text_pairs_are_refused_for_token_classification(stack, t
 def test_parts_regroup_the_rows_after_those_already_written():
     from shared.jobs.predictions import PredictionBatch, parts_of
 
-    batches = [PredictionBatch(0, list("abcde"), list("ABCDE"), list(range(5))),
-               PredictionBatch(5, list("fghij"), list("FGHIJ"), list(range(5, 10))),
-               PredictionBatch(10, ["k"], ["K"], [10])]
+    batches = [
+        PredictionBatch(0, list("abcde"), list("ABCDE"), list(range(5))),
+        PredictionBatch(5, list("fghij"), list("FGHIJ"), list(range(5, 10))),
+        PredictionBatch(10, ["k"], ["K"], [10]),
+    ]
     for skip in (0, 3, 4, 7, 11):
         parts = list(parts_of(iter(batches), 4, skip))
         assert [p.start for p in parts] == list(range(skip, 11, 4))
@@ -509,8 +552,12 @@ KILL_ROWS, KILL_PART_ROWS = 20_000, 50  # 400 parts: seconds of work, stopped af
 
 @pytest.mark.parametrize("kind", ["embedded", "postgres+redis"])
 @pytest.mark.parametrize("stop, code", [("kill", "job_restarted"), ("sigterm", "requeued")])
-def test_a_worker_stopped_mid_prediction_is_resumed_and_every_row_is_written_once(stacks, kind, stop,  # noqa: F811
-                                                                                  code):
+def test_a_worker_stopped_mid_prediction_is_resumed_and_every_row_is_written_once(
+    stacks,  # noqa: F811
+    kind,
+    stop,
+    code,
+):
     """``kill -9`` (frozen first, so that it writes nothing after the check): the lease expires and
     the reaper re-queues the job. SIGTERM: the worker re-queues it after its current part and exits.
     Either way a new worker resumes after the parts written."""
@@ -541,8 +588,11 @@ def test_a_worker_stopped_mid_prediction_is_resumed_and_every_row_is_written_onc
         assert cluster.request("GET", url).json()["status"] == "queued"
 
     cluster.start_worker()
-    done = cluster.wait_for("the prediction to finish", lambda: (j := cluster.request("GET", url).json())[
-        "status"] in FINISHED and j, timeout=180)
+    done = cluster.wait_for(
+        "the prediction to finish",
+        lambda: (j := cluster.request("GET", url).json())["status"] in FINISHED and j,
+        timeout=180,
+    )
     assert done["status"] == "succeeded", done
     assert done["attempts"] == 2 and done["result"]["rows"] == KILL_ROWS
     events = cluster.request("GET", f"{url}/events").json()["data"]

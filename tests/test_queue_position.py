@@ -18,13 +18,27 @@ from tests.test_api_jobs import labelled_csv, upload
 
 
 def add_job(stack, dataset_id: str, status: str, **columns) -> str:
-    spec = {"base_model": TINY_MODEL, "task": "classification", "training_dataset": dataset_id,
-            "text_column": "text", "label_column": "label", "hyperparameters": {"epochs": 2, "batch_size": 8,
-                                                                                "max_length": 64}}
+    spec = {
+        "base_model": TINY_MODEL,
+        "task": "classification",
+        "training_dataset": dataset_id,
+        "text_column": "text",
+        "label_column": "label",
+        "hyperparameters": {"epochs": 2, "batch_size": 8, "max_length": 64},
+    }
     now = utcnow()
-    job = Job(id=new_id("job"), tenant=stack.tenant, base_model=TINY_MODEL, task="classification",
-              training_dataset_id=dataset_id, spec=spec, status=status, created_at=now, enqueued_at=now,
-              **columns)
+    job = Job(
+        id=new_id("job"),
+        tenant=stack.tenant,
+        base_model=TINY_MODEL,
+        task="classification",
+        training_dataset_id=dataset_id,
+        spec=spec,
+        status=status,
+        created_at=now,
+        enqueued_at=now,
+        **columns,
+    )
     with session_scope() as s:
         s.add(job)
     return job.id
@@ -37,10 +51,21 @@ def queue_of(stack, job_id: str) -> dict | None:
 def test_queued_jobs_show_their_place_and_estimated_start(stack):
     dataset = upload(stack.client, labelled_csv())["id"]
     # a past job on the model gives the plans their throughput (shared.jobs.planning.estimate_seconds)
-    add_job(stack, dataset, JobStatus.SUCCEEDED, finished_at=utcnow(),
-            train_metrics={"tokens_per_second": 2000.0, "padding_efficiency_unrounded": 0.5})
-    running = add_job(stack, dataset, JobStatus.RUNNING, eta_seconds=100.0, lease_owner="elsewhere",
-                      lease_expires_at=utcnow() + timedelta(hours=1))
+    add_job(
+        stack,
+        dataset,
+        JobStatus.SUCCEEDED,
+        finished_at=utcnow(),
+        train_metrics={"tokens_per_second": 2000.0, "padding_efficiency_unrounded": 0.5},
+    )
+    running = add_job(
+        stack,
+        dataset,
+        JobStatus.RUNNING,
+        eta_seconds=100.0,
+        lease_owner="elsewhere",
+        lease_expires_at=utcnow() + timedelta(hours=1),
+    )
     first = add_job(stack, dataset, JobStatus.QUEUED, plan_seconds=30.0, planned_at=utcnow())
     second = add_job(stack, dataset, JobStatus.QUEUED)  # not planned yet
     third = add_job(stack, dataset, JobStatus.QUEUED)
@@ -51,8 +76,7 @@ def test_queued_jobs_show_their_place_and_estimated_start(stack):
     assert 120 < q2["estimated_start_seconds"] <= 130  # + the first one's plan estimate, on the one worker
     assert q3["estimated_start_seconds"] is None and q3["estimated_start_at"] is None  # the second: no plan yet
     assert queue_of(stack, running) is None
-    assert queue_line(JobOut.model_validate(stack.client.get(f"/jobs/{third}").json())) == \
-        "#3 in queue · start unknown"
+    assert queue_line(JobOut.model_validate(stack.client.get(f"/jobs/{third}").json())) == "#3 in queue · start unknown"
 
     estimate_queued()  # the API's recovery loop does this in the background
     with session_scope() as s:
@@ -72,7 +96,7 @@ def test_queued_jobs_show_their_place_and_estimated_start(stack):
         places = []
         for line in stream.iter_lines():
             if line.startswith("data: {") and '"queue"' in line:
-                place = json.loads(line[len("data: "):])["queue"]["position"]
+                place = json.loads(line[len("data: ") :])["queue"]["position"]
                 if not places:
                     stack.client.post(f"/jobs/{first}/cancel")
                 if not places or places[-1] != place:
@@ -82,4 +106,3 @@ def test_queued_jobs_show_their_place_and_estimated_start(stack):
     assert places == [3, 2]
     for job_id in (second, third):
         stack.client.post(f"/jobs/{job_id}/cancel")
-

@@ -30,24 +30,35 @@ def reads(monkeypatch) -> list[str]:
 
     made = []
     for module, name in ((api.db, "find_job"), (api.routers.jobs, "_metrics")):
+
         def counted(*args, read=getattr(module, name), name=name):  # noqa: B008 (bound now)
             made.append(name)
             return read(*args)
+
         monkeypatch.setattr(module, name, counted)
     return made
 
 
 def in_another_process(sql: str) -> None:
     """Run ``sql`` in a transaction of a new Python process (SQLAlchemy core, no ORM session)."""
-    script = ("import sys; from sqlalchemy import create_engine, text\n"
-              "with create_engine(sys.argv[1]).begin() as c: c.execute(text(sys.argv[2]))")
+    script = (
+        "import sys; from sqlalchemy import create_engine, text\n"
+        "with create_engine(sys.argv[1]).begin() as c: c.execute(text(sys.argv[2]))"
+    )
     subprocess.run([sys.executable, "-c", script, get_settings().sqlalchemy_url, sql], check=True)
 
 
 def test_polls_read_nothing_until_the_job_or_its_metrics_change(stack, reads):
     client = stack.client
-    job_id = add_job(stack, upload(client, labelled_csv())["id"], JobStatus.RUNNING, step=3, total_steps=10,
-                     lease_owner="elsewhere", lease_expires_at=utcnow() + timedelta(hours=1))
+    job_id = add_job(
+        stack,
+        upload(client, labelled_csv())["id"],
+        JobStatus.RUNNING,
+        step=3,
+        total_steps=10,
+        lease_owner="elsewhere",
+        lease_expires_at=utcnow() + timedelta(hours=1),
+    )
     with session_scope() as s:
         s.add(JobMetric(job_id=job_id, step=3, epoch=0.3, name="train_loss", value=0.7))
 
@@ -61,11 +72,14 @@ def test_polls_read_nothing_until_the_job_or_its_metrics_change(stack, reads):
     def poll_reads_nothing() -> bool:  # on PostgreSQL once the cache listens (a moment after its first use)
         reads.clear()
         return poll() == (3, [3]) and reads == []
+
     wait_until(poll_reads_nothing, "a poll of the unchanged job is answered from the cache")
 
     in_another_process(f"UPDATE jobs SET step = 4 WHERE id = '{job_id}'")
-    in_another_process(f"INSERT INTO job_metrics (job_id, step, epoch, name, value, time) "
-                       f"VALUES ('{job_id}', 4, 0.4, 'train_loss', 0.6, '2026-01-01 00:00:00')")
+    in_another_process(
+        f"INSERT INTO job_metrics (job_id, step, epoch, name, value, time) "
+        f"VALUES ('{job_id}', 4, 0.4, 'train_loss', 0.6, '2026-01-01 00:00:00')"
+    )
     if stack.name == "embedded":  # SQLite's data_version changed with the commit
         assert poll() == (4, [3, 4])
     else:  # the notifications come a socket hop after the commits
@@ -77,8 +91,13 @@ def test_a_change_made_through_the_api_is_read_by_the_next_request(stack):
     """Read-your-writes within one API process: its own commit empties its cache at once, before
     the notification (PostgreSQL) comes back."""
     client = stack.client
-    job_id = add_job(stack, upload(client, labelled_csv())["id"], JobStatus.RUNNING,
-                     lease_owner="elsewhere", lease_expires_at=utcnow() + timedelta(hours=1))
+    job_id = add_job(
+        stack,
+        upload(client, labelled_csv())["id"],
+        JobStatus.RUNNING,
+        lease_owner="elsewhere",
+        lease_expires_at=utcnow() + timedelta(hours=1),
+    )
     client.get(f"/jobs/{job_id}/metrics")
     for _ in range(3):
         assert client.get(f"/jobs/{job_id}").json()["status"] == "running"
@@ -104,8 +123,10 @@ def test_a_commit_in_this_process_empties_the_caches_of_the_tables_it_wrote(tmp_
     try:
         upgrade_database()
         conninfo = get_settings().sqlalchemy_url.replace("+psycopg", "")
-        jobs, keys = (PostgresCache(conninfo, Channel(f"tunejob_test_{name}", frozenset({table}), 10))
-                      for name, table in (("jobs", "jobs"), ("keys", "api_keys")))
+        jobs, keys = (
+            PostgresCache(conninfo, Channel(f"tunejob_test_{name}", frozenset({table}), 10))
+            for name, table in (("jobs", "jobs"), ("keys", "api_keys"))
+        )
         wait_until(lambda: jobs.get("k")[1] is not None and keys.get("k")[1] is not None, "both caches listen")
         for cache in (jobs, keys):
             cache.put("k", "v", cache.get("k")[1])

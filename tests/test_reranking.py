@@ -22,8 +22,13 @@ def rows(queries: int, seed: int = 0) -> pd.DataFrame:
         topic = rng.choice(TOPICS)
         for i in range(4):
             about = topic if i < 2 else rng.choice([t for t in TOPICS if t != topic])
-            out.append({"query": f"tell me about {topic} {q}", "passage": f"a text about the {about} {q}.{i}",
-                        "label": 1.0 if i < 2 else 0.0})
+            out.append(
+                {
+                    "query": f"tell me about {topic} {q}",
+                    "passage": f"a text about the {about} {q}.{i}",
+                    "label": 1.0 if i < 2 else 0.0,
+                }
+            )
     return pd.DataFrame(out)
 
 
@@ -46,8 +51,11 @@ def test_spec_fields_and_refusals():
     spec = JobCreate(base_model="m", task="reranking", training_dataset="ds")
     assert (spec.query_column, spec.passage_column, spec.label_column) == ("query", "passage", "label")
     assert spec.hyperparameters.metric_for_best_model == "ndcg@10"
-    for bad in [{"task": "classification", "query_column": "q"}, {"task": "reranking", "passage_column": "query"},
-                {"task": "reranking", "text_pair_column": "x"}]:
+    for bad in [
+        {"task": "classification", "query_column": "q"},
+        {"task": "reranking", "passage_column": "query"},
+        {"task": "reranking", "text_pair_column": "x"},
+    ]:
         with pytest.raises(ValidationError):
             JobCreate(base_model="m", training_dataset="ds", **bad)
 
@@ -56,9 +64,19 @@ def reranking_job(job_id: str, **hyperparameters):
     from shared.schemas.jobs import JobCreate
     from shared.store.rows import Job
 
-    spec = JobCreate(base_model=TINY_MODEL, task="reranking", training_dataset="ds_test",
-                     hyperparameters={"epochs": 4, "batch_size": 16, "max_length": 32, "precision": "fp32",
-                                      "learning_rate": 2e-3, **hyperparameters})
+    spec = JobCreate(
+        base_model=TINY_MODEL,
+        task="reranking",
+        training_dataset="ds_test",
+        hyperparameters={
+            "epochs": 4,
+            "batch_size": 16,
+            "max_length": 32,
+            "precision": "fp32",
+            "learning_rate": 2e-3,
+            **hyperparameters,
+        },
+    )
     return Job(id=job_id, task="reranking", base_model=TINY_MODEL, spec=spec.model_dump(mode="json"))
 
 
@@ -75,27 +93,39 @@ def test_training_raises_ndcg_and_the_artifact_loads_in_a_cross_encoder(engine_e
     ndcg = reporter.series("eval_ndcg@10")
     assert ndcg[max(ndcg)] > 0.9, ndcg
     model = CrossEncoder(str(artifacts.model_dir("rerank")), device="cpu", local_files_only=True)
-    scores = model.predict([("tell me about chess 1", "a text about the chess 1.0"),
-                            ("tell me about chess 1", "a text about the volcano 1.3")])
+    scores = model.predict(
+        [
+            ("tell me about chess 1", "a text about the chess 1.0"),
+            ("tell me about chess 1", "a text about the volcano 1.3"),
+        ]
+    )
     assert 0 <= scores.min() and scores.max() <= 1 and scores[0] > scores[1]
 
 
 def upload(client, frame: pd.DataFrame, filename: str = "rerank.csv") -> str:
-    r = client.post("/datasets", files={"file": (filename, io.BytesIO(frame.to_csv(index=False).encode()),
-                                                 "text/csv")})
+    r = client.post("/datasets", files={"file": (filename, io.BytesIO(frame.to_csv(index=False).encode()), "text/csv")})
     assert r.status_code == 201, r.text
     return r.json()["id"]
 
 
-@pytest.mark.parametrize("column, value, message", [
-    ("passage", "", "column 'passage' is empty"),
-    ("label", "2", "column 'label' is outside [0, 1]"),
-])
+@pytest.mark.parametrize(
+    "column, value, message",
+    [
+        ("passage", "", "column 'passage' is empty"),
+        ("label", "2", "column 'label' is outside [0, 1]"),
+    ],
+)
 def test_bad_rows_are_refused_naming_file_row_and_column(stack, column, value, message):
     frame = rows(2).astype(object)
     frame.loc[2, column] = value
-    r = stack.client.post("/jobs", json={"base_model": TINY_MODEL, "task": "reranking",
-                                         "training_dataset": upload(stack.client, frame, "bad.csv")})
+    r = stack.client.post(
+        "/jobs",
+        json={
+            "base_model": TINY_MODEL,
+            "task": "reranking",
+            "training_dataset": upload(stack.client, frame, "bad.csv"),
+        },
+    )
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert "'bad.csv' row 3" in error["message"] and message in error["message"], error["message"]
@@ -103,18 +133,24 @@ def test_bad_rows_are_refused_naming_file_row_and_column(stack, column, value, m
 
 def test_rerank_endpoint_orders_documents_best_first(stack):
     client = stack.client
-    r = client.post("/jobs", json={"base_model": TINY_MODEL, "task": "reranking",
-                                   "training_dataset": upload(client, rows(40, seed=1)),
-                                   "validation_dataset": upload(client, rows(10, seed=2), "dev.csv"),
-                                   "hyperparameters": {"epochs": 4, "batch_size": 16, "max_length": 32,
-                                                       "learning_rate": 2e-3}})
+    r = client.post(
+        "/jobs",
+        json={
+            "base_model": TINY_MODEL,
+            "task": "reranking",
+            "training_dataset": upload(client, rows(40, seed=1)),
+            "validation_dataset": upload(client, rows(10, seed=2), "dev.csv"),
+            "hyperparameters": {"epochs": 4, "batch_size": 16, "max_length": 32, "learning_rate": 2e-3},
+        },
+    )
     assert r.status_code == 201, r.text
     job = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"})
     assert job["status"] == "succeeded", job["error"]
     assert job["query_column"] == "query" and "mrr@10" in job["validation_metrics"]
     documents = ["a text about the volcano 3.3", "a text about the chess 3.0", "a text about the bakery 3.2"]
-    r = client.post(f"/models/{job['id']}/rerank", json={"query": "tell me about chess 3", "documents": documents,
-                                                          "top_n": 2})
+    r = client.post(
+        f"/models/{job['id']}/rerank", json={"query": "tell me about chess 3", "documents": documents, "top_n": 2}
+    )
     assert r.status_code == 200, r.text
     results = r.json()["results"]
     assert len(results) == 2 and results[0]["index"] == 1

@@ -21,13 +21,21 @@ def test_an_unexpected_failure_is_retried_after_a_growing_countdown(stack, monke
     def broken_recipe(kind: str):
         def run(job, device, reporter):
             raise OSError("No space left on device")
+
         return run
 
     monkeypatch.setattr(worker.tasks, "send", recording_send)
     monkeypatch.setattr(worker.tasks, "recipe", broken_recipe)
     dataset = upload(stack.client, labelled_csv())
-    job = stack.client.post("/jobs", json={"base_model": TINY_MODEL, "training_dataset": dataset["id"],
-                                           "text_column": "text", "label_column": "label"}).json()
+    job = stack.client.post(
+        "/jobs",
+        json={
+            "base_model": TINY_MODEL,
+            "training_dataset": dataset["id"],
+            "text_column": "text",
+            "label_column": "label",
+        },
+    ).json()
     ended = wait_for_status(stack.client, job["id"], {"failed", "succeeded"}, timeout=60)
     assert ended["status"] == "failed" and ended["error"]["code"] == "too_many_restarts"
     assert sent == [0.4, 0.8, 1.6]  # restart_backoff_seconds x 2^restarts, for max_restarts = 3
@@ -38,5 +46,7 @@ def test_an_unexpected_failure_is_retried_after_a_growing_countdown(stack, monke
     for countdown, failed_at, next_start in zip(sent, restarted, started[1:]):
         # the message's ETA is set after the event was written: the next attempt cannot start earlier
         assert (next_start - failed_at).total_seconds() >= countdown, (failed_at, next_start)
-    assert "retrying in 0.4 s: OSError: No space left on device" in [e["message"] for e in events
-                                                                     if e["code"] == "job_restarted"][0]
+    assert (
+        "retrying in 0.4 s: OSError: No space left on device"
+        in [e["message"] for e in events if e["code"] == "job_restarted"][0]
+    )

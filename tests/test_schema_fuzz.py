@@ -50,7 +50,9 @@ def client(request, tmp_path_factory):
     drop = configure_stack(request.param, {"TUNEJOB_DATA_DIR": str(tmp_path_factory.mktemp("fuzz"))})
     try:
         with TestClient(APP, base_url=BASE_URL):  # runs the app's start-up (migrations, recovery loop), shutdown
-            client = ASGIClient(APP, base_url=BASE_URL)  # not entered: schemathesis would start a lifespan it never stops
+            client = ASGIClient(
+                APP, base_url=BASE_URL
+            )  # not entered: schemathesis would start a lifespan it never stops
             FUZZ_KEY.update(auth_header("fuzz"))  # a key of its own tenant, for every generated request (FuzzKey)
             client.headers.update(FUZZ_KEY)
             assert client.get("/openapi.json").json() == APP.openapi()
@@ -76,11 +78,19 @@ def seed_example_dataset(client) -> None:
 
 @schema.parametrize()
 @hypothesis.seed(20261121)
-@hypothesis.settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True,
-                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.settings(
+    max_examples=EXAMPLES_PER_OPERATION,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(hypothesis.HealthCheck),
+)
 def test_every_operation_conforms_to_its_schema(case, client):
-    case.call_and_validate(base_url=BASE_URL, session=client, excluded_checks=[positive_data_acceptance],
-                           additional_checks=[schema_valid_requests_pass_request_validation])
+    case.call_and_validate(
+        base_url=BASE_URL,
+        session=client,
+        excluded_checks=[positive_data_acceptance],
+        additional_checks=[schema_valid_requests_pass_request_validation],
+    )
 
 
 @schemathesis.check

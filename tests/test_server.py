@@ -31,8 +31,9 @@ def tunejob_env(data_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def tunejob(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "tunejob", *args], env=env, cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "tunejob", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert not check or result.returncode == 0, f"tunejob {' '.join(args)}: {result.stdout}\n{result.stderr}"
     return result
 
@@ -42,8 +43,12 @@ class Api:
 
     def __init__(self, tmp_path: Path, env: dict[str, str], host: str = "127.0.0.1", *args: str):
         self.port, self.host = free_port(), host
-        self.process = Process("api", [sys.executable, "-m", "tunejob", "api", "--host", host, "--port",
-                                       str(self.port), *args], env, tmp_path / f"api-{self.port}.log")
+        self.process = Process(
+            "api",
+            [sys.executable, "-m", "tunejob", "api", "--host", host, "--port", str(self.port), *args],
+            env,
+            tmp_path / f"api-{self.port}.log",
+        )
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "Api":
@@ -91,8 +96,14 @@ def test_keys_are_printed_once_and_stored_only_as_hashes(tmp_path):
 
 def test_without_a_key_the_api_refuses_to_listen_beyond_loopback(tmp_path):
     port = free_port()
-    result = subprocess.run([sys.executable, "-m", "tunejob", "api", "--host", "0.0.0.0", "--port", str(port)],
-                            env=tunejob_env(tmp_path / "data"), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "tunejob", "api", "--host", "0.0.0.0", "--port", str(port)],
+        env=tunejob_env(tmp_path / "data"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert "refusing to listen on 0.0.0.0 without an API key" in result.stderr
     assert "tunejob keys create" in result.stderr
@@ -179,12 +190,19 @@ def test_rows_created_before_api_keys_belong_to_the_default_tenant(engine_env):
     config.attributes["connection_engine"] = get_engine()
     command.upgrade(config, "0001")
     with get_engine().begin() as conn:
-        conn.execute(text("INSERT INTO datasets (id, filename, format, path, rows, columns, bytes, sha256, created_at) "
-                          "VALUES ('ds_old', 'a.csv', 'csv', '/x', 1, '[]', 1, 'x', '2026-01-01 00:00:00')"))
-        conn.execute(text(
-            "INSERT INTO jobs (id, status, base_model, task, training_dataset_id, spec, created_at, updated_at, "
-            "cancel_requested, step, epoch, attempts, restarts) VALUES ('job_old', 'succeeded', 'm', "
-            "'classification', 'ds_old', '{}', '2026-01-01 00:00:00', '2026-01-01 00:00:00', 0, 0, 0, 1, 0)"))
+        conn.execute(
+            text(
+                "INSERT INTO datasets (id, filename, format, path, rows, columns, bytes, sha256, created_at) "
+                "VALUES ('ds_old', 'a.csv', 'csv', '/x', 1, '[]', 1, 'x', '2026-01-01 00:00:00')"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO jobs (id, status, base_model, task, training_dataset_id, spec, created_at, updated_at, "
+                "cancel_requested, step, epoch, attempts, restarts) VALUES ('job_old', 'succeeded', 'm', "
+                "'classification', 'ds_old', '{}', '2026-01-01 00:00:00', '2026-01-01 00:00:00', 0, 0, 0, 1, 0)"
+            )
+        )
     command.upgrade(config, "head")
     command.downgrade(config, "0001")
     command.upgrade(config, "head")
@@ -207,13 +225,20 @@ def test_rows_created_before_api_keys_belong_to_the_default_tenant(engine_env):
 def test_worker_nice_lowers_its_cpu_priority(tmp_path):
     """`tunejob serve` starts its worker with --nice 10, so that on a shared CPU the API's
     requests are scheduled before training."""
-    worker = Process("worker", [sys.executable, "-m", "tunejob", "worker", "--nice", "7"],
-                     tunejob_env(tmp_path / "data", TUNEJOB_DEVICE="cpu"), tmp_path / "worker.log")
+    worker = Process(
+        "worker",
+        [sys.executable, "-m", "tunejob", "worker", "--nice", "7"],
+        tunejob_env(tmp_path / "data", TUNEJOB_DEVICE="cpu"),
+        tmp_path / "worker.log",
+    )
     try:
         base = os.getpriority(os.PRIO_PROCESS, os.getpid())
-        wait_for("the worker to lower its priority",
-                 lambda: worker.alive() and os.getpriority(os.PRIO_PROCESS, worker.pid) == base + 7, 60,
-                 diagnostics=worker.tail)
+        wait_for(
+            "the worker to lower its priority",
+            lambda: worker.alive() and os.getpriority(os.PRIO_PROCESS, worker.pid) == base + 7,
+            60,
+            diagnostics=worker.tail,
+        )
     finally:
         worker.stop()
 
@@ -221,14 +246,22 @@ def test_worker_nice_lowers_its_cpu_priority(tmp_path):
 def test_workers_stop_when_serve_is_killed(tmp_path):
     """A SIGKILL of `tunejob serve` (which cannot stop its workers) does not leave them running
     beside the workers of the next serve: each stops as on SIGTERM (issue 25: kill -9 mid-sweep)."""
-    serve = Process("serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(free_port()), "--workers", "2"],
-                    tunejob_env(tmp_path / "data", TUNEJOB_DEVICE="cpu"), tmp_path / "serve.log")
+    serve = Process(
+        "serve",
+        [sys.executable, "-m", "tunejob", "serve", "--port", str(free_port()), "--workers", "2"],
+        tunejob_env(tmp_path / "data", TUNEJOB_DEVICE="cpu"),
+        tmp_path / "serve.log",
+    )
     try:
+
         def two_workers_up() -> bool:
             assert serve.alive(), serve.tail()
             children = psutil.Process(serve.pid).children()
-            return (len(children) == 2 and all(str(serve.pid) in c.cmdline() for c in children)
-                    and serve.tail(400).count(" ready.") >= 2)  # both consuming: "celery@<host> ready."
+            return (
+                len(children) == 2
+                and all(str(serve.pid) in c.cmdline() for c in children)
+                and serve.tail(400).count(" ready.") >= 2
+            )  # both consuming: "celery@<host> ready."
 
         wait_for("serve's two workers", two_workers_up, 60, diagnostics=serve.tail)
         workers = psutil.Process(serve.pid).children()
@@ -293,6 +326,7 @@ def test_on_postgres_a_read_session_holds_no_transaction_and_a_write_session_one
 
     drop = configure_stack("postgres+redis", {"TUNEJOB_DATA_DIR": str(tmp_path)})
     try:
+
         def status(session) -> TransactionStatus:
             return session.connection().connection.dbapi_connection.info.transaction_status
 
@@ -316,8 +350,17 @@ def test_on_postgres_processes_starting_at_once_migrate_one_after_the_other(tmp_
     database_url, drop = fresh_postgres_database()
     try:
         env = tunejob_env(tmp_path, TUNEJOB_DATABASE_URL=database_url)
-        processes = [subprocess.Popen([sys.executable, "-m", "tunejob", "db", "upgrade"], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        processes = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tunejob", "db", "upgrade"],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(4)
+        ]
         results = [(p.wait(timeout=120), p.stderr.read()) for p in processes]
         assert all(code == 0 for code, _ in results), [err[-2000:] for code, err in results if code]
     finally:

@@ -42,8 +42,10 @@ def make_run(name: str, reporter=None, label_names=("a", "b"), **hyperparameters
     job, data = make_job(name, **hyperparameters)
     if list(label_names) != job.label_names:  # the same examples under other label names
         rename = dict(zip(job.label_names, label_names))
-        data.train["label"], data.validation["label"] = data.train["label"].map(rename), data.validation[
-            "label"].map(rename)
+        data.train["label"], data.validation["label"] = (
+            data.train["label"].map(rename),
+            data.validation["label"].map(rename),
+        )
         job.label_names = list(label_names)
     run = Recipe(job, CPU).setup(data, reporter or RecordingReporter())
     no_dropout(run.model)
@@ -122,8 +124,7 @@ def test_nonfinite_steps_are_skipped_without_a_sync_and_fail_the_job_at_the_next
     after = state_of(run)  # the fused AdamW skipped it: weights, moments and step count unchanged
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
-    run = make_run("nan-once", reporter := RecordingReporter(), epochs=1, save_every_steps=10**6,
-                   max_nonfinite_steps=3)
+    run = make_run("nan-once", reporter := RecordingReporter(), epochs=1, save_every_steps=10**6, max_nonfinite_steps=3)
     run.forward_model = NaNLogits(run.model, bad_calls={2})
     run.warm_up(reporter)
     assert run.train(reporter) == "completed"
@@ -133,8 +134,7 @@ def test_nonfinite_steps_are_skipped_without_a_sync_and_fail_the_job_at_the_next
     assert all(torch.isfinite(p).all() for p in run.model.parameters())
 
     reporter = RecordingReporter()
-    run = make_run("nan-run", reporter, epochs=3, save_every_steps=10**6, eval_every_steps=10**6,
-                   max_nonfinite_steps=3)
+    run = make_run("nan-run", reporter, epochs=3, save_every_steps=10**6, eval_every_steps=10**6, max_nonfinite_steps=3)
     run.forward_model = NaNLogits(run.model, bad_calls=set(range(3, 1000)))
     with pytest.raises(UserError) as error:
         run.warm_up(reporter)
@@ -149,15 +149,20 @@ def test_cancel_is_read_on_a_timer_and_stops_within_two_seconds(engine_env, monk
 
     requested = threading.Event()
     queries, flushed = [], []
-    monkeypatch.setattr(reporting.lifecycle, "cancel_requested", lambda job_id: queries.append(time.monotonic())
-                        or requested.is_set())
-    monkeypatch.setattr(reporting.lifecycle, "record_progress", lambda job_id, worker, progress, metrics: flushed.extend(metrics)
-                        or True)
+    monkeypatch.setattr(
+        reporting.lifecycle, "cancel_requested", lambda job_id: queries.append(time.monotonic()) or requested.is_set()
+    )
+    monkeypatch.setattr(
+        reporting.lifecycle,
+        "record_progress",
+        lambda job_id, worker, progress, metrics: flushed.extend(metrics) or True,
+    )
     monkeypatch.setattr(reporting.lifecycle, "add_event", lambda *args, **kwargs: None)
     read_rarely(monkeypatch, 0.5)
     reporter = Reporter("cancel", "worker-1")
-    run = make_run("cancel", reporter, epochs=1000, batch_size=4, max_length=32, eval_every_steps=10**6,
-                   save_every_steps=10**6)
+    run = make_run(
+        "cancel", reporter, epochs=1000, batch_size=4, max_length=32, eval_every_steps=10**6, save_every_steps=10**6
+    )
     run.warm_up()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # short steps even when other processes have the cores
@@ -173,8 +178,13 @@ def test_cancel_is_read_on_a_timer_and_stops_within_two_seconds(engine_env, monk
     assert outcome == "cancelled"
     asked = started + 1.5
     assert stopped - asked < 2.0, stopped - asked
-    assert len(queries) >= 2 and all(b - a >= Reporter.CANCEL_CHECK_SECONDS  # on a timer, not every step
-                                     for a, b in zip(queries, queries[1:]))
+    assert (
+        len(queries) >= 2
+        and all(
+            b - a >= Reporter.CANCEL_CHECK_SECONDS  # on a timer, not every step
+            for a, b in zip(queries, queries[1:])
+        )
+    )
     reporter.flush()
     logged_steps = sorted({step for step, _, name, _, _ in flushed if name == "train_loss"})
     assert logged_steps == list(range(1, run.state.step + 1))  # the metrics of every step arrived
@@ -234,8 +244,15 @@ def test_the_update_clips_in_the_fused_kernel_as_clip_grad_norm_does(engine_env)
         values, _ = run.steps.step(pieces, n)
         losses.append(values[0].item())
         norms.append(values[1].item())
-        loss = sum(example_losses(reference(**{k: v for k, v in p.items() if k != "labels"}).logits, p["labels"],
-                                  "classification").sum() for p in pieces) / n
+        loss = (
+            sum(
+                example_losses(
+                    reference(**{k: v for k, v in p.items() if k != "labels"}).logits, p["labels"], "classification"
+                ).sum()
+                for p in pieces
+            )
+            / n
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         optimizer.step()
@@ -319,8 +336,9 @@ def test_a_later_job_reuses_the_captured_model_with_its_own_weights_and_a_fresh_
     assert second.model.config.id2label == {0: "no", 1: "yes"}  # this job's labels in its artifact
     for name, p in second.model.named_parameters():
         assert torch.equal(p, initial[name]), name  # this job's initial weights, copied in place
-    assert all(float(s["step"]) == 0 and torch.count_nonzero(s["exp_avg"]) == 0
-               for s in second.optimizer.state.values())
+    assert all(
+        float(s["step"]) == 0 and torch.count_nonzero(s["exp_avg"]) == 0 for s in second.optimizer.state.values()
+    )
     assert second.train(reporter) == "completed"
     assert reporter.series("train_loss") == pytest.approx(reference.series("train_loss"), rel=1e-5)
     assert reporter.series("learning_rate") == pytest.approx(reference.series("learning_rate"))
@@ -402,8 +420,14 @@ def test_jobs_that_cannot_be_captured_say_why(engine_env, monkeypatch):
         job = SimpleNamespace(task=hp.pop("task", "classification"))
         hp = Hyperparameters(**hp)
         plan = BatchPlan(np.full(96, length), hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch)
-        job_setup = SimpleNamespace(device=torch.device("cuda", 0), hp=hp, dtype=dtype, job=job, plan=plan,
-                                    collator=SimpleNamespace(ladder=[64, 128, 256, 512]))
+        job_setup = SimpleNamespace(
+            device=torch.device("cuda", 0),
+            hp=hp,
+            dtype=dtype,
+            job=job,
+            plan=plan,
+            collator=SimpleNamespace(ladder=[64, 128, 256, 512]),
+        )
         return graphs.eager_reason(job_setup, packing)
 
     assert reason() is None
@@ -423,8 +447,9 @@ def test_jobs_that_cannot_be_captured_say_why(engine_env, monkeypatch):
 
 
 @pytest.mark.parametrize("fault", ["update_not_replayed", "loss_of_other_inputs"])
-def test_a_capture_that_does_not_match_the_eager_step_trains_eagerly_and_is_not_tried_again(engine_env, monkeypatch,
-                                                                                                fault):
+def test_a_capture_that_does_not_match_the_eager_step_trains_eagerly_and_is_not_tried_again(
+    engine_env, monkeypatch, fault
+):
     """A replayed step that differs from the eager step (here an update graph that does nothing, or
     a forward that sees other inputs) is not used: the job trains eagerly from its initial state,
     exactly like a job that never tried graphs, an event says why, and a later job of the same
@@ -455,8 +480,9 @@ def test_a_capture_that_does_not_match_the_eager_step_trains_eagerly_and_is_not_
     run.warm_up(reporter)
     assert type(run.steps) is Steps and reporter.events[-1] == "cuda_graphs_off"
     assert "does not match the eager step" in reporter.messages[-1]
-    assert ("updated weights differ by 1 of the update" if fault == "update_not_replayed" else "step 1: loss ") in \
-        reporter.messages[-1]
+    assert (
+        "updated weights differ by 1 of the update" if fault == "update_not_replayed" else "step 1: loss "
+    ) in reporter.messages[-1]
     assert run.train(reporter) == "completed"
     assert reporter.series("train_loss") == pytest.approx(reference.series("train_loss"), rel=1e-5)
 
@@ -479,9 +505,15 @@ def test_parity_tolerances_are_tight_in_fp32_and_bf16_aware():
     assert parity(torch.bfloat16, loss=(1.1, 1.0)).failures()[0].startswith("step 1: loss")
     assert parity(torch.float32, norm=(2.0, float("nan"))).failures()[0].startswith("step 1: grad_norm")
     assert parity(torch.float32, update=0.05).failures()[0].startswith("updated weights")
-    assert Parity([(1.0, 1.0)] * 3, [(2.0, 2.0), (2.0, 2.0), (3.0, 2.0)], 0.0,
-                         TOLERANCES[torch.float32]).failures()[0].startswith("step 3: grad_norm")
-    assert Parity([(1.0, 1.0)], [(2.0, 2.0)], 0.0, TOLERANCES[torch.float32],
-                         fresh_dropout=False).failures()[0].startswith("two replays")
+    assert (
+        Parity([(1.0, 1.0)] * 3, [(2.0, 2.0), (2.0, 2.0), (3.0, 2.0)], 0.0, TOLERANCES[torch.float32])
+        .failures()[0]
+        .startswith("step 3: grad_norm")
+    )
+    assert (
+        Parity([(1.0, 1.0)], [(2.0, 2.0)], 0.0, TOLERANCES[torch.float32], fresh_dropout=False)
+        .failures()[0]
+        .startswith("two replays")
+    )
     assert parity(torch.bfloat16, update=0.05).failures() == []
     assert parity(torch.bfloat16, update=1.0).failures()[0].startswith("updated weights")

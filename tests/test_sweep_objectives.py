@@ -48,16 +48,27 @@ def dominated(a: list[float], b: list[float]) -> bool:
 
 
 def test_a_sweep_of_accuracy_and_latency_searches_models_and_lengths_prunes_on_accuracy_and_reports_its_front(
-        stack, dataset, controlled_metrics):  # noqa: F811
+    stack,
+    dataset,  # noqa: F811
+    controlled_metrics,  # noqa: F811
+):
     client = stack.client
     # Trial 1 is worse than trial 0 at step 2: the median pruner (first objective only) stops it.
     controlled_metrics.update({0: {2: 0.6, 4: 0.7}, 1: {2: 0.2}, 2: {2: 0.8, 4: 0.9}, 3: {2: 0.7, 4: 0.85}})
-    sweep = create(client, multi_body(
-        dataset["id"], serving_precision="fp32", max_trials=4,
-        search_space={"base_model": {"type": "categorical", "choices": [TINY_MODEL, SECOND_MODEL]},
-                      "max_length": {"type": "categorical", "choices": [16, 32]},
-                      "learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
-        early_stopping={"type": "median", "min_trials": 1}))
+    sweep = create(
+        client,
+        multi_body(
+            dataset["id"],
+            serving_precision="fp32",
+            max_trials=4,
+            search_space={
+                "base_model": {"type": "categorical", "choices": [TINY_MODEL, SECOND_MODEL]},
+                "max_length": {"type": "categorical", "choices": [16, 32]},
+                "learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
+            },
+            early_stopping={"type": "median", "min_trials": 1},
+        ),
+    )
     assert sweep["objectives"] == OBJECTIVES and sweep["objective"] == OBJECTIVES[0]
     sweep = wait_for_sweep(client, sweep["id"], timeout=400)
     assert sweep["status"] == "succeeded", sweep
@@ -68,11 +79,16 @@ def test_a_sweep_of_accuracy_and_latency_searches_models_and_lengths_prunes_on_a
         job = client.get(f"/jobs/{t['job_id']}").json()
         assert job["base_model"] == t["params"]["base_model"]
         assert job["hyperparameters"]["max_length"] == t["params"]["max_length"]
-        latency = [m["value"] for m in client.get(f"/jobs/{t['job_id']}/metrics").json()["data"]
-                   if m["name"] == "eval_latency_ms"]
+        latency = [
+            m["value"]
+            for m in client.get(f"/jobs/{t['job_id']}/metrics").json()["data"]
+            if m["name"] == "eval_latency_ms"
+        ]
         if t["status"] == "succeeded":
             assert len(latency) == 1 and latency[0] > 0, latency
-            assert t["values"] == [t["value"], latency[0]] and t["value"] == max(controlled_metrics[t["number"]].values())
+            assert t["values"] == [t["value"], latency[0]] and t["value"] == max(
+                controlled_metrics[t["number"]].values()
+            )
         else:
             assert latency == [] and t["values"][1] is None
 
@@ -91,7 +107,9 @@ def test_a_sweep_of_accuracy_and_latency_searches_models_and_lengths_prunes_on_a
 
 
 def test_a_single_objective_sweep_has_no_front(stack, dataset):  # noqa: F811
-    sweep = wait_for_sweep(stack.client, create(stack.client, sweep_body(dataset["id"], max_trials=1))["id"], timeout=400)
+    sweep = wait_for_sweep(
+        stack.client, create(stack.client, sweep_body(dataset["id"], max_trials=1))["id"], timeout=400
+    )
     assert sweep["pareto_trials"] == [] and sweep["objectives"] == [{"metric": "accuracy", "direction": "maximize"}]
     r = stack.client.get(f"/sweeps/{sweep['id']}/report/pareto_front.png")
     assert r.status_code == 409 and r.json()["error"]["code"] == "single_objective", r.text
@@ -105,8 +123,10 @@ BAD = [
     ({"objectives": [OBJECTIVES[0], OBJECTIVES[0]]}, "objectives"),
     ({"objective": OBJECTIVES[1], "objectives": None}, "objective.metric"),
     ({"objective": {"metric": "loss"}, "objectives": OBJECTIVES}, None),  # one or the other
-    ({"search_space": {"base_model": {"type": "categorical", "choices": [TINY_MODEL, "no-such-model"]}}},
-     "search_space.base_model.choices"),
+    (
+        {"search_space": {"base_model": {"type": "categorical", "choices": [TINY_MODEL, "no-such-model"]}}},
+        "search_space.base_model.choices",
+    ),
     ({"search_space": {"base_model": {"type": "int", "low": 1, "high": 2}}}, "search_space.base_model"),
     ({"search_space": {"max_length": {"type": "int", "low": 16, "high": 1024}}}, "search_space.max_length"),
 ]
@@ -131,10 +151,16 @@ def test_the_latency_task_check_refuses_a_task_without_the_predict_path():
     from shared.jobs.search import check_objectives
     from shared.schemas.sweeps import SweepCreate
 
-    spec = SweepCreate.model_validate({
-        "base_model": TINY_MODEL, "task": "reranking", "training_dataset": "ds_x",
-        "search_space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-3}},
-        "objectives": [{"metric": "ndcg@10"}, {"metric": "latency_ms"}]}, strict=False)
+    spec = SweepCreate.model_validate(
+        {
+            "base_model": TINY_MODEL,
+            "task": "reranking",
+            "training_dataset": "ds_x",
+            "search_space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-3}},
+            "objectives": [{"metric": "ndcg@10"}, {"metric": "latency_ms"}],
+        },
+        strict=False,
+    )
     with pytest.raises(UserError) as e:
         check_objectives(spec)
     assert e.value.param == "objectives.1.metric" and "reranking" in e.value.message
@@ -148,18 +174,29 @@ def test_the_pareto_picture_is_drawn_in_threads_without_pyplot():
     space = {"learning_rate": FloatDistribution(1e-5, 1e-2, log=True)}
     study = optuna.create_study(directions=["maximize", "minimize"])
     for i in range(6):
-        study.add_trial(optuna.trial.create_trial(params={"learning_rate": 10 ** -(2 + i % 3)}, distributions=space,
-                                                  values=[0.5 + 0.05 * i, 10.0 + (i % 3)]))
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={"learning_rate": 10 ** -(2 + i % 3)},
+                distributions=space,
+                values=[0.5 + 0.05 * i, 10.0 + (i % 3)],
+            )
+        )
     with ThreadPoolExecutor(4) as pool:
         pngs = list(pool.map(lambda _: picture(study, "pareto_front.png", ("accuracy", "latency_ms")), range(8)))
     assert len(set(pngs)) == 1 and pngs[0].startswith(b"\x89PNG")
-    code = ("import sys, optuna; from shared.jobs.sweep_report import picture\n"
-            "s = optuna.create_study(directions=['maximize', 'minimize'])\n"
-            "s.optimize(lambda t: (t.suggest_float('x', 0, 2), t.params['x'] ** 2), 3)\n"
-            "picture(s, 'pareto_front.png'); print('matplotlib.pyplot' in sys.modules)")
+    code = (
+        "import sys, optuna; from shared.jobs.sweep_report import picture\n"
+        "s = optuna.create_study(directions=['maximize', 'minimize'])\n"
+        "s.optimize(lambda t: (t.suggest_float('x', 0, 2), t.params['x'] ** 2), 3)\n"
+        "picture(s, 'pareto_front.png'); print('matplotlib.pyplot' in sys.modules)"
+    )
     root = Path(__file__).resolve().parent.parent
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          cwd=root).stdout.strip() == "False"
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
+        ).stdout.strip()
+        == "False"
+    )
 
 
 @pytest.mark.parametrize("stack", ["embedded"], indirect=True)
@@ -183,7 +220,9 @@ def test_the_sweep_page_draws_the_front_narrow_and_wide(stack, server, watched, 
             assert wait_for_points(w.page, "#chart-front", 0) == sweep["trials"]["succeeded"]
             assert w.page.locator("span.tag.front").count() == len(sweep["pareto_trials"]) >= 1
             assert w.page.locator("span.tag", has_text="default").count() == 1  # item 6: the default trial marked
-            w.page.screenshot(path=str(shots / f"sweep-front-{'wide' if width > 800 else 'narrow'}.png"), full_page=True)
+            w.page.screenshot(
+                path=str(shots / f"sweep-front-{'wide' if width > 800 else 'narrow'}.png"), full_page=True
+            )
 
 
 def test_the_cli_prints_the_front_and_marks_its_trials():
@@ -195,10 +234,22 @@ def test_the_cli_prints_the_front_and_marks_its_trials():
     example = SweepOut.model_json_schema()["examples"][0]
     front = [{"job_id": "job_b", "trial_number": 1, "params": {"max_length": 64}, "value": 0.8, "values": [0.8, 2.5]}]
     sweep = SweepOut.model_validate({**example, "objectives": OBJECTIVES, "pareto_trials": front})
-    trials = [TrialOut.model_validate({"number": n, "job_id": f"job_{c}", "status": "succeeded",
-                                       "params": {"max_length": m}, "value": a, "values": [a, ms], "steps": 6,
-                                       "started_at": None, "finished_at": None})
-              for n, c, m, a, ms in ((0, "a", 128, 0.79, 9.0), (1, "b", 64, 0.8, 2.5))]
+    trials = [
+        TrialOut.model_validate(
+            {
+                "number": n,
+                "job_id": f"job_{c}",
+                "status": "succeeded",
+                "params": {"max_length": m},
+                "value": a,
+                "values": [a, ms],
+                "steps": 6,
+                "started_at": None,
+                "finished_at": None,
+            }
+        )
+        for n, c, m, a, ms in ((0, "a", 128, 0.79, 9.0), (1, "b", 64, 0.8, 2.5))
+    ]
     console = Console(width=200, record=True)
     console.print(sweep_table(sweep), trials_table(trials, sweep))
     text = console.export_text()

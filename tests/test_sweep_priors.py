@@ -25,9 +25,11 @@ def created(api, sweep: dict) -> dict:
 
 
 def test_trial_0_runs_the_fixed_hyperparameters_and_is_marked(client, dataset):  # noqa: F811
-    space = {"learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3, "log": True},
-             "batch_size": {"type": "categorical", "choices": [4, 8, 16]},
-             "warmup_ratio": {"type": "float", "low": 0.2, "high": 0.5}}  # the default 0.1 lies below
+    space = {
+        "learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3, "log": True},
+        "batch_size": {"type": "categorical", "choices": [4, 8, 16]},
+        "warmup_ratio": {"type": "float", "low": 0.2, "high": 0.5},
+    }  # the default 0.1 lies below
     sweep = created(client, body(dataset["id"], search_space=space, max_trials=3, max_parallel_trials=2, seed=3))
     first, second = trials(client, sweep["id"])
     # The spec's batch_size (8), tunejob's default learning rate (5e-5); warmup_ratio taken into its range.
@@ -63,21 +65,35 @@ def test_include_defaults_false_asks_the_sampler_from_trial_0(client, dataset): 
 
 def test_a_grid_holds_its_points_and_the_default_trial(client, dataset):  # noqa: F811
     space = {"batch_size": {"type": "categorical", "choices": [4, 8]}}
-    r = client.post("/sweeps", json=body(dataset["id"], algorithm="grid", search_space=space, max_trials=3),
-                    params={"dry_run": "true"})
+    r = client.post(
+        "/sweeps",
+        json=body(dataset["id"], algorithm="grid", search_space=space, max_trials=3),
+        params={"dry_run": "true"},
+    )
     assert r.status_code == 200, r.text
-    refused(client, body(dataset["id"], algorithm="grid", search_space=space, max_trials=3, include_defaults=False),
-            422, "grid_too_small", "max_trials")
+    refused(
+        client,
+        body(dataset["id"], algorithm="grid", search_space=space, max_trials=3, include_defaults=False),
+        422,
+        "grid_too_small",
+        "max_trials",
+    )
 
 
-@pytest.mark.parametrize("fixed,space,expected", [
-    ({}, {"epochs": {"type": "int", "low": 1, "high": 2}}, {"epochs": 2}),  # default 3.0, above the range
-    ({}, {"epochs": {"type": "categorical", "choices": [2, 3, 4]}}, {"epochs": 3}),
-    ({}, {"warmup_ratio": {"type": "float", "low": 0.0, "high": 0.32, "step": 0.04}}, {"warmup_ratio": 0.08}),
-    ({}, {"eval_every_steps": {"type": "int", "low": 5, "high": 50}}, {"eval_every_steps": 5}),  # default null
-    ({"gradient_checkpointing": False}, {"gradient_checkpointing": {"type": "categorical", "choices": [True, False]}},
-     {"gradient_checkpointing": False}),
-])
+@pytest.mark.parametrize(
+    "fixed,space,expected",
+    [
+        ({}, {"epochs": {"type": "int", "low": 1, "high": 2}}, {"epochs": 2}),  # default 3.0, above the range
+        ({}, {"epochs": {"type": "categorical", "choices": [2, 3, 4]}}, {"epochs": 3}),
+        ({}, {"warmup_ratio": {"type": "float", "low": 0.0, "high": 0.32, "step": 0.04}}, {"warmup_ratio": 0.08}),
+        ({}, {"eval_every_steps": {"type": "int", "low": 5, "high": 50}}, {"eval_every_steps": 5}),  # default null
+        (
+            {"gradient_checkpointing": False},
+            {"gradient_checkpointing": {"type": "categorical", "choices": [True, False]}},
+            {"gradient_checkpointing": False},
+        ),
+    ],
+)
 def test_default_params_lie_in_their_ranges(fixed, space, expected):
     from shared.jobs.search import default_params
     from shared.jobs.search_space import distributions
@@ -92,25 +108,40 @@ def test_default_params_lie_in_their_ranges(fixed, space, expected):
 
 
 def test_ranges_left_out_take_the_prior_of_the_models_size(client, dataset):  # noqa: F811
-    space = {"learning_rate": {}, "batch_size": {}, "warmup_ratio": {"type": "float"}, "weight_decay": {},
-             "epochs": {}, "max_length": {"type": "categorical", "choices": [16, 32]}}
+    space = {
+        "learning_rate": {},
+        "batch_size": {},
+        "warmup_ratio": {"type": "float"},
+        "weight_decay": {},
+        "epochs": {},
+        "max_length": {"type": "categorical", "choices": [16, 32]},
+    }
     fixed = {"max_length": 32}  # tunejob's defaults for the rest: every prior holds them
-    r = client.post("/sweeps", json=body(dataset["id"], search_space=space, hyperparameters=fixed),
-                    params={"dry_run": "true"})
+    r = client.post(
+        "/sweeps", json=body(dataset["id"], search_space=space, hyperparameters=fixed), params={"dry_run": "true"}
+    )
     assert r.status_code == 200, r.text
     plan = r.json()
     assert plan["search_space"]["learning_rate"] == repr(optuna.distributions.FloatDistribution(3e-5, 3e-4, log=True))
     assert plan["search_space"]["batch_size"] == repr(optuna.distributions.CategoricalDistribution([16, 32]))
     assert plan["search_space"]["epochs"] == repr(optuna.distributions.IntDistribution(2, 5))
     # The default trial is tunejob's default job exactly.
-    assert plan["first_trials"][0] == {"learning_rate": 5e-5, "batch_size": 16, "warmup_ratio": 0.1,
-                                       "weight_decay": 0.01, "epochs": 3, "max_length": 32}
+    assert plan["first_trials"][0] == {
+        "learning_rate": 5e-5,
+        "batch_size": 16,
+        "warmup_ratio": 0.1,
+        "weight_decay": 0.01,
+        "epochs": 3,
+        "max_length": 32,
+    }
     sweep = created(client, body(dataset["id"], search_space=space, hyperparameters=fixed))
     assert trials(client, sweep["id"])[0]["params"] == plan["first_trials"][0]
 
 
-@pytest.mark.parametrize("count,size,lr", [(22_713_728, "small", (3e-5, 3e-4)), (110e6, "base", (1e-5, 1e-4)),
-                                           (355e6, "large", (5e-6, 5e-5))])
+@pytest.mark.parametrize(
+    "count,size,lr",
+    [(22_713_728, "small", (3e-5, 3e-4)), (110e6, "base", (1e-5, 1e-4)), (355e6, "large", (5e-6, 5e-5))],
+)
 def test_the_size_is_the_models_parameter_count(monkeypatch, models_dir, count, size, lr):
     from shared.jobs import priors
     from shared.schemas.sweeps import SweepCreate
@@ -156,8 +187,10 @@ def finish(job_id: str, status: str, curve: dict[int, float]) -> None:
     with session_scope() as s:
         job = s.get(Job, job_id)
         job.status, job.finished_at = status, utcnow()
-        s.add_all(JobMetric(job_id=job_id, step=step, epoch=0.0, name="eval_accuracy", value=value)
-                  for step, value in curve.items())
+        s.add_all(
+            JobMetric(job_id=job_id, step=step, epoch=0.0, name="eval_accuracy", value=value)
+            for step, value in curve.items()
+        )
 
 
 def edit_sweep(sweep_id: str, tenant: str | None = None, **spec) -> None:
@@ -181,8 +214,11 @@ def test_a_warm_start_brings_finished_trials_as_history_for_the_pruner(client, d
     median = {"early_stopping": {"type": "median", "min_trials": 1}}
 
     sweep = created(client, body(dataset["id"], warm_start_from=[source["id"]], max_trials=1, **median))
-    assert sweep["history"] == {"sweeps": [source["id"]], "trials": 2, "best": {
-        "job_id": done["job_id"], "trial_number": 0, "params": done["params"], "value": 0.8}}, sweep
+    assert sweep["history"] == {
+        "sweeps": [source["id"]],
+        "trials": 2,
+        "best": {"job_id": done["job_id"], "trial_number": 0, "params": done["params"], "value": 0.8},
+    }, sweep
     assert sweep["trials"]["queued"] == 1 and sweep["max_trials"] == 1  # history is no trial of this sweep
     (first,) = trials(client, sweep["id"])
     assert first["number"] == 0 and first["default"] is True
@@ -219,8 +255,9 @@ def test_a_warm_start_from_another_tenant_task_or_model_is_refused(client, datas
         edit_sweep(source, base_model="all-MiniLM-L6-v2")
     else:
         source = "sweep_0000000000000000"
-    error = refused(client, body(dataset["id"], warm_start_from=[source]), 422, "invalid_warm_start",
-                    "warm_start_from[0]")
+    error = refused(
+        client, body(dataset["id"], warm_start_from=[source]), 422, "invalid_warm_start", "warm_start_from[0]"
+    )
     assert source in error["message"] and (mismatch in ("tenant", "missing") or mismatch in error["message"]), error
 
 
@@ -260,14 +297,16 @@ def test_a_spent_budget_ends_the_sweep_and_stops_its_trials(client, dataset, suc
     ended = client.get(f"/sweeps/{sweep['id']}").json()
     assert ended["status"] == ("succeeded" if succeeded else "failed"), ended
     assert ended["error"]["code"] == "budget_spent" and "ended on its budget" in ended["error"]["message"], ended
-    assert ended["best_trial"] == ({"job_id": first["job_id"], "trial_number": 0, "params": first["params"],
-                                    "value": 0.7} if succeeded else None)
+    assert ended["best_trial"] == (
+        {"job_id": first["job_id"], "trial_number": 0, "params": first["params"], "value": 0.7} if succeeded else None
+    )
     assert len(trials(client, sweep["id"])) == before
     # The running trial is stopped as on cancel, and its event says why.
     running = client.get(f"/jobs/{second['job_id']}").json()
     events = client.get(f"/jobs/{second['job_id']}/events").json()["data"]
     assert running["status"] == "running" and any(
-        e["code"] == "cancel_requested" and "ended on its budget" in e["message"] for e in events), events
+        e["code"] == "cancel_requested" and "ended on its budget" in e["message"] for e in events
+    ), events
 
 
 def test_a_budget_under_one_evaluations_time_is_refused(client, dataset):  # noqa: F811
@@ -282,9 +321,25 @@ def test_the_cli_sends_the_default_trial_warm_start_and_budget_options():
 
     parser = argparse.ArgumentParser()
     cli.add_commands(parser.add_subparsers())
-    args = parser.parse_args(["sweeps", "create", "--model", "m", "--dataset", "ds_1", "--dry-run", "--json",
-                              "--warm-start", "sweep_a", "--warm-start", "sweep_b", "--no-defaults",
-                              "--max-duration", "120"])
+    args = parser.parse_args(
+        [
+            "sweeps",
+            "create",
+            "--model",
+            "m",
+            "--dataset",
+            "ds_1",
+            "--dry-run",
+            "--json",
+            "--warm-start",
+            "sweep_a",
+            "--warm-start",
+            "sweep_b",
+            "--no-defaults",
+            "--max-duration",
+            "120",
+        ]
+    )
     sent = []
 
     class Planner:
@@ -294,4 +349,7 @@ def test_the_cli_sends_the_default_trial_warm_start_and_budget_options():
 
     create_sweep(Planner(), args, Console())
     assert sent and (sent[0]["warm_start_from"], sent[0]["include_defaults"], sent[0]["max_duration_seconds"]) == (
-        ["sweep_a", "sweep_b"], False, 120), sent
+        ["sweep_a", "sweep_b"],
+        False,
+        120,
+    ), sent

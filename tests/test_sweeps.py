@@ -32,11 +32,20 @@ def sweep_body(dataset_id: str, **fields) -> dict:
     """A sweep of the tiny model: 48 rows, 43 for training (batch 8: 6 optimizer steps an epoch)."""
     from tests.conftest import TINY_MODEL
 
-    return {"base_model": TINY_MODEL, "task": "classification", "training_dataset": dataset_id,
-            "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32, "eval_every_steps": 2},
-            "search_space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
-            "objective": {"metric": "accuracy"}, "algorithm": "random", "seed": 7,
-            "early_stopping": {"type": "none"}, "max_trials": 2, "max_parallel_trials": 1, **fields}
+    return {
+        "base_model": TINY_MODEL,
+        "task": "classification",
+        "training_dataset": dataset_id,
+        "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32, "eval_every_steps": 2},
+        "search_space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
+        "objective": {"metric": "accuracy"},
+        "algorithm": "random",
+        "seed": 7,
+        "early_stopping": {"type": "none"},
+        "max_trials": 2,
+        "max_parallel_trials": 1,
+        **fields,
+    }
 
 
 def ids(client, path: str) -> set[str]:
@@ -80,10 +89,18 @@ def controlled_metrics(monkeypatch):
 
 def test_trials_are_jobs_run_in_parallel_up_to_the_limit_and_the_best_is_kept(stack, dataset):
     client = stack.client
-    sweep = create(client, sweep_body(dataset["id"], max_trials=3, max_parallel_trials=2,
-                                      search_space={"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2,
-                                                                      "log": True},
-                                                    "batch_size": {"type": "categorical", "choices": [4, 8]}}))
+    sweep = create(
+        client,
+        sweep_body(
+            dataset["id"],
+            max_trials=3,
+            max_parallel_trials=2,
+            search_space={
+                "learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
+                "batch_size": {"type": "categorical", "choices": [4, 8]},
+            },
+        ),
+    )
     assert sweep["status"] in {"queued", "running"} and sweep["trials"]["queued"] + sweep["trials"]["running"] == 2
     sweep = wait_for_sweep(client, sweep["id"])
     assert sweep["status"] == "succeeded", sweep
@@ -102,8 +119,11 @@ def test_trials_are_jobs_run_in_parallel_up_to_the_limit_and_the_best_is_kept(st
         assert job["hyperparameters"]["batch_size"] == t["params"]["batch_size"]
         assert job["hyperparameters"]["metric_for_best_model"] == "accuracy"  # the weights kept are the best's
         # A trial's value is its best evaluation's, not its last.
-        evals = [m["value"] for m in client.get(f"/jobs/{t['job_id']}/metrics").json()["data"]
-                 if m["name"] == "eval_accuracy"]
+        evals = [
+            m["value"]
+            for m in client.get(f"/jobs/{t['job_id']}/metrics").json()["data"]
+            if m["name"] == "eval_accuracy"
+        ]
         assert t["value"] == max(evals)
 
     # Never more than max_parallel_trials queued or running: when each trial was created, at most
@@ -118,7 +138,8 @@ def test_trials_are_jobs_run_in_parallel_up_to_the_limit_and_the_best_is_kept(st
     assert table.status_code == 200 and table.headers["content-type"].startswith("text/csv")
     rows = list(csv.DictReader(io.StringIO(table.text)))
     assert [(int(r["number"]), r["job_id"], float(r["value"])) for r in rows] == [
-        (t["number"], t["job_id"], t["value"]) for t in trials]
+        (t["number"], t["job_id"], t["value"]) for t in trials
+    ]
     for picture in ("optimization_history.png", "param_importances.png"):
         r = client.get(f"/sweeps/{sweep['id']}/report/{picture}")
         if r.status_code == 409:  # importances need trials of different values
@@ -134,8 +155,9 @@ def test_trials_are_jobs_run_in_parallel_up_to_the_limit_and_the_best_is_kept(st
     assert "model.tar" in artifacts
 
 
-@pytest.mark.parametrize("early_stopping", [{"type": "median", "min_trials": 1},
-                                            {"type": "asha", "min_steps": 2, "reduction_factor": 2}])
+@pytest.mark.parametrize(
+    "early_stopping", [{"type": "median", "min_trials": 1}, {"type": "asha", "min_steps": 2, "reduction_factor": 2}]
+)
 def test_a_trial_worse_than_the_others_at_an_evaluation_is_pruned(stack, dataset, controlled_metrics, early_stopping):
     """Trial 0 scores 0.5, 0.9, 0.6 at steps 2, 4, 6: it completes with value 0.9 (its best, not
     its last). Trial 1 scores 0.1 at step 2, below trial 0 there: the median pruner (median of
@@ -149,12 +171,17 @@ def test_a_trial_worse_than_the_others_at_an_evaluation_is_pruned(stack, dataset
     assert (first["status"], first["value"], first["steps"]) == ("succeeded", 0.9, 6)
     assert (second["status"], second["value"], second["steps"]) == ("pruned", 0.1, 2)
     assert sweep["trials"]["pruned"] == 1
-    assert sweep["best_trial"] == {"job_id": first["job_id"], "trial_number": 0, "params": first["params"],
-                                   "value": 0.9}
+    assert sweep["best_trial"] == {
+        "job_id": first["job_id"],
+        "trial_number": 0,
+        "params": first["params"],
+        "value": 0.9,
+    }
     # The pruned trial: its metrics kept, its checkpoints and weights gone, no model.
     pruned = second["job_id"]
-    assert [m["step"] for m in client.get(f"/jobs/{pruned}/metrics").json()["data"]
-            if m["name"] == "eval_accuracy"] == [2]
+    assert [
+        m["step"] for m in client.get(f"/jobs/{pruned}/metrics").json()["data"] if m["name"] == "eval_accuracy"
+    ] == [2]
     events = [e["code"] for e in client.get(f"/jobs/{pruned}/events").json()["data"]]
     assert "pruning" in events and events[-1] == "pruned"
     # The sweep's stream, read after its end: each trial's start and end, the best, then the end.
@@ -167,8 +194,15 @@ def test_a_trial_worse_than_the_others_at_an_evaluation_is_pruned(stack, dataset
 
 def test_cancel_ends_every_trial_and_delete_removes_them(stack, dataset):
     client = stack.client
-    sweep = create(client, sweep_body(dataset["id"], hyperparameters={"batch_size": 8, "max_length": 32, **LONG},
-                                      max_trials=5, max_parallel_trials=2))
+    sweep = create(
+        client,
+        sweep_body(
+            dataset["id"],
+            hyperparameters={"batch_size": 8, "max_length": 32, **LONG},
+            max_trials=5,
+            max_parallel_trials=2,
+        ),
+    )
     assert client.delete(f"/sweeps/{sweep['id']}").status_code == 409  # running: cancel first
     r = client.post(f"/sweeps/{sweep['id']}/cancel")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
@@ -226,17 +260,28 @@ def test_dry_run_and_idempotent_retry_queue_nothing_twice(stack, dataset):
 
 
 BAD = [
-    ({"search_space": {"learning_rate": {"type": "float", "low": 1e-2, "high": 1e-4}}}, "search_space.learning_rate.low"),
-    ({"search_space": {"learning_rate": {"type": "float", "low": 0, "high": 1e-2, "log": True}}},
-     "search_space.learning_rate.low"),
+    (
+        {"search_space": {"learning_rate": {"type": "float", "low": 1e-2, "high": 1e-4}}},
+        "search_space.learning_rate.low",
+    ),
+    (
+        {"search_space": {"learning_rate": {"type": "float", "low": 0, "high": 1e-2, "log": True}}},
+        "search_space.learning_rate.low",
+    ),
     ({"search_space": {"dropout_rate": {"type": "float", "low": 0, "high": 0.5}}}, "search_space.dropout_rate"),
     ({"search_space": {"batch_size": {"type": "float", "low": 4.5, "high": 8}}}, "search_space.batch_size.type"),
     ({"search_space": {"batch_size": {"type": "int", "low": 4, "high": 8192}}}, "search_space.batch_size"),
     ({"objective": {"metric": "pearson_r"}}, "objective.metric"),
     ({"objective": {"metric": "loss", "direction": "maximize"}}, "objective.direction"),
     ({"max_trials": 10**6}, "max_trials"),
-    ({"algorithm": "grid", "search_space": {"batch_size": {"type": "categorical", "choices": [4, 8]}}, "max_trials": 4},
-     "max_trials"),
+    (
+        {
+            "algorithm": "grid",
+            "search_space": {"batch_size": {"type": "categorical", "choices": [4, 8]}},
+            "max_trials": 4,
+        },
+        "max_trials",
+    ),
 ]
 
 
@@ -255,8 +300,14 @@ def test_bad_input_is_a_4xx_naming_the_field_and_queues_nothing(stack, dataset, 
 def test_another_tenant_gets_404(stack, dataset):
     sweep = create(stack.client, sweep_body(dataset["id"], max_trials=1))
     other = stack.client_for("tenant-b")
-    for method, path in [("get", ""), ("get", "/trials"), ("post", "/cancel"), ("delete", ""), ("get", "/stream"),
-                         ("get", "/report/trials.csv")]:
+    for method, path in [
+        ("get", ""),
+        ("get", "/trials"),
+        ("post", "/cancel"),
+        ("delete", ""),
+        ("get", "/stream"),
+        ("get", "/report/trials.csv"),
+    ]:
         r = getattr(other, method)(f"/sweeps/{sweep['id']}{path}")
         assert r.status_code == 404, (method, path, r.text)
     assert other.get("/sweeps").json()["data"] == []
@@ -273,8 +324,12 @@ def test_kill_9_of_the_whole_service_mid_sweep_then_a_restart_ends_with_exactly_
     c = stacks.make(kind)
     [worker] = c.start(workers=1)
     dataset = c.upload(labelled_csv(rows=48, seed=9))
-    body = sweep_body(dataset["id"], max_trials=4, max_parallel_trials=2,
-                      hyperparameters={"epochs": 6, "batch_size": 4, "max_length": 32, "save_every_steps": 5})
+    body = sweep_body(
+        dataset["id"],
+        max_trials=4,
+        max_parallel_trials=2,
+        hyperparameters={"epochs": 6, "batch_size": 4, "max_length": 32, "save_every_steps": 5},
+    )
     sweep = c.request("POST", "/sweeps", 201, json=body).json()
 
     def training_past_a_checkpoint() -> dict | None:
@@ -282,15 +337,19 @@ def test_kill_9_of_the_whole_service_mid_sweep_then_a_restart_ends_with_exactly_
         running = [t for t in trials if t["status"] == "running" and c.checkpoints(t["job_id"])]
         return running[0] if len(trials) >= 3 and running else None
 
-    killed = c.wait_for("a third trial asked and one training past a checkpoint", training_past_a_checkpoint, 180,
-                        interval=0.05)
+    killed = c.wait_for(
+        "a third trial asked and one training past a checkpoint", training_past_a_checkpoint, 180, interval=0.05
+    )
     worker.signal(signal.SIGKILL)
     c.api.signal(signal.SIGKILL)
     assert worker.wait(10) == -signal.SIGKILL and c.api.wait(10) == -signal.SIGKILL
 
     c.start(workers=1)
-    sweep = c.wait_for("the sweep to end", lambda: (s := c.request("GET", f"/sweeps/{sweep['id']}").json())
-                       ["status"] in ENDED and s, 240)
+    sweep = c.wait_for(
+        "the sweep to end",
+        lambda: (s := c.request("GET", f"/sweeps/{sweep['id']}").json())["status"] in ENDED and s,
+        240,
+    )
     trials = c.request("GET", f"/sweeps/{sweep['id']}/trials").json()["data"]
     assert sweep["status"] == "succeeded", (sweep, trials)
     assert [t["number"] for t in trials] == [0, 1, 2, 3] and len({t["job_id"] for t in trials}) == 4, trials
@@ -308,8 +367,9 @@ def test_serve_starts_one_worker_per_gpu_each_seeing_only_its_own(monkeypatch):
     from tunejob.cli import worker_launches
 
     plain = worker_launches(3, None)
-    assert len(plain) == 3 and all(args[-5:] == ["worker", "--nice", "10", "--parent", str(os.getpid())]
-                                   for args, _ in plain)
+    assert len(plain) == 3 and all(
+        args[-5:] == ["worker", "--nice", "10", "--parent", str(os.getpid())] for args, _ in plain
+    )
     assert all(env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES") for _, env in plain)
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in worker_launches(1, "0,2")] == ["0", "2"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -326,8 +386,11 @@ def served_by_two(tmp_path_factory, models_dir):
     from tests.test_client_cli import serving
 
     for server in serving(tmp_path_factory.mktemp("served2"), models_dir, "--workers", "2"):
-        wait_until(lambda: server.process.tail(400).count(" ready.") >= 2,  # noqa: B023 (called at once)
-                   "both workers ready", timeout=180)
+        wait_until(
+            lambda: server.process.tail(400).count(" ready.") >= 2,  # noqa: B023 (called at once)
+            "both workers ready",
+            timeout=180,
+        )
         yield server
 
 
@@ -338,10 +401,31 @@ def test_cli_sweep_runs_two_trials_at_once_on_serve_with_two_workers(served_by_t
     served = served_by_two
     dataset = upload(served, write_csv(tmp_path / "train.csv", 48))
     (tmp_path / "space.yaml").write_text("learning_rate: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}\n")
-    created = served.cli("sweeps", "create", "--model", TINY_MODEL, "--dataset", dataset, "--set", "epochs=3",
-                         "--set", "batch_size=8", "--set", "max_length=32", "--space", str(tmp_path / "space.yaml"),
-                         "--objective", "accuracy", "--algorithm", "random", "--max-trials", "2",
-                         "--max-parallel-trials", "2", "--watch")
+    created = served.cli(
+        "sweeps",
+        "create",
+        "--model",
+        TINY_MODEL,
+        "--dataset",
+        dataset,
+        "--set",
+        "epochs=3",
+        "--set",
+        "batch_size=8",
+        "--set",
+        "max_length=32",
+        "--space",
+        str(tmp_path / "space.yaml"),
+        "--objective",
+        "accuracy",
+        "--algorithm",
+        "random",
+        "--max-trials",
+        "2",
+        "--max-parallel-trials",
+        "2",
+        "--watch",
+    )
     assert created.returncode == 0, created.stdout + created.stderr
     sweep_id = created.stdout.split()[1]
     assert "succeeded" in created.stdout and "best" in created.stdout

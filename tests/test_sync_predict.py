@@ -43,7 +43,10 @@ def test_labels_match_the_model_run_directly(stack, trained):
     body = r.json()
     assert body["model"] == trained[0] and body["max_length"] == 64 and body["truncated"] == 1
     model_dir = stack.data_dir / "artifacts" / trained[0] / "model"
-    model, tokenizer = AutoModelForSequenceClassification.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    model, tokenizer = (
+        AutoModelForSequenceClassification.from_pretrained(model_dir),
+        AutoTokenizer.from_pretrained(model_dir),
+    )
     with torch.no_grad():
         logits = model(**tokenizer(TEXTS, truncation=True, padding=True, return_tensors="pt")).logits
     expected = torch.softmax(logits, dim=-1)
@@ -72,8 +75,13 @@ def test_a_token_classification_model_answers_the_pipeline_s_entities(stack):
     assert r.status_code == 200, r.text
     assert r.json()["truncated"] == 1
     assert [row["entities"] for row in r.json()["predictions"]] == pipeline_entities(model_dir(stack, job), texts)
-    assert_error(predict(stack.client, job["id"], [["carol went home", "pair"]]), 422, "invalid_inputs", "inputs",
-                 "token_classification")
+    assert_error(
+        predict(stack.client, job["id"], [["carol went home", "pair"]]),
+        422,
+        "invalid_inputs",
+        "inputs",
+        "token_classification",
+    )
 
 
 def test_input_limits_are_422_naming_the_field(stack, trained):

@@ -110,8 +110,9 @@ def test_metrics_are_entity_level_and_per_type():
 def test_conll_file_reads_as_sentences_of_tokens_and_tags(tmp_path):
     path = tmp_path / "wnut.conll"
     path.write_bytes(conll(5))
-    df, summary = read_job_table(path, "conll", "wnut.conll", JobColumns("token_classification", "tokens", None,
-                                                                          "tags"))
+    df, summary = read_job_table(
+        path, "conll", "wnut.conll", JobColumns("token_classification", "tokens", None, "tags")
+    )
     expected = sentences(5)
     assert df["tokens"].tolist() == [w for w, _ in expected] and df["tags"].tolist() == [t for _, t in expected]
     assert summary.names == TAGS and summary.codes is None
@@ -123,9 +124,19 @@ def upload(client, content: bytes, filename: str):
 
 
 def submit(client, training: str, validation: str | None = None, **fields):
-    body = {"base_model": TINY_MODEL, "task": "token_classification", "training_dataset": training,
-            "hyperparameters": {"epochs": 3, "batch_size": 8, "max_length": 32, "learning_rate": 3e-3,
-                                "metric_for_best_model": "entity_f1"}, **fields}
+    body = {
+        "base_model": TINY_MODEL,
+        "task": "token_classification",
+        "training_dataset": training,
+        "hyperparameters": {
+            "epochs": 3,
+            "batch_size": 8,
+            "max_length": 32,
+            "learning_rate": 3e-3,
+            "metric_for_best_model": "entity_f1",
+        },
+        **fields,
+    }
     if validation:
         body["validation_dataset"] = validation
     return client.post("/jobs", json=body)
@@ -137,17 +148,27 @@ def test_uploads_in_conll_jsonl_and_parquet_plan_alike(stack):
     buffer = io.BytesIO()
     frame.to_parquet(buffer)
     ids = []
-    for content, name, fmt in [(conll(30), "train.conll", "conll"), (tagged_jsonl(30), "train.jsonl", "jsonl"),
-                               (buffer.getvalue(), "train.parquet", "parquet")]:
+    for content, name, fmt in [
+        (conll(30), "train.conll", "conll"),
+        (tagged_jsonl(30), "train.jsonl", "jsonl"),
+        (buffer.getvalue(), "train.parquet", "parquet"),
+    ]:
         r = upload(client, content, name)
         assert r.status_code == 201, r.text
         assert r.json()["rows"] == 30 and r.json()["format"] == fmt and r.json()["columns"] == ["tokens", "tags"]
         ids.append(r.json()["id"])
     plans = []
     for dataset in ids:
-        r = client.post("/jobs", params={"dry_run": "true"}, json={
-            "base_model": TINY_MODEL, "task": "token_classification", "training_dataset": dataset,
-            "hyperparameters": {"max_length": 8}})
+        r = client.post(
+            "/jobs",
+            params={"dry_run": "true"},
+            json={
+                "base_model": TINY_MODEL,
+                "task": "token_classification",
+                "training_dataset": dataset,
+                "hyperparameters": {"max_length": 8},
+            },
+        )
         assert r.status_code == 200, r.text
         plans.append(r.json()["plan"])
     assert plans[0]["token_lengths"] == plans[1]["token_lengths"] == plans[2]["token_lengths"]
@@ -186,13 +207,16 @@ def test_training_end_to_end_and_the_artifact_in_a_pipeline(stack):
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("rows, row, column, message", [
-    ([{"tokens": ["alice", "went"], "tags": ["B-PER"]}], 2, "tags", "has 1 tag(s) for 2 word(s)"),
-    ([{"tokens": [], "tags": []}], 2, "tokens", "is an empty sentence"),
-    ([{"tokens": "alice went", "tags": ["B-PER", "O"]}], 2, "tokens", "holds text, not a list of words"),
-    ([{"tokens": ["alice", ""], "tags": ["B-PER", "O"]}], 2, "tokens", "word 2 is empty"),
-    ([{"tokens": ["alice"], "tags": "B-PER"}], 2, "tags", "holds text, not a list of tags"),
-])
+@pytest.mark.parametrize(
+    "rows, row, column, message",
+    [
+        ([{"tokens": ["alice", "went"], "tags": ["B-PER"]}], 2, "tags", "has 1 tag(s) for 2 word(s)"),
+        ([{"tokens": [], "tags": []}], 2, "tokens", "is an empty sentence"),
+        ([{"tokens": "alice went", "tags": ["B-PER", "O"]}], 2, "tokens", "holds text, not a list of words"),
+        ([{"tokens": ["alice", ""], "tags": ["B-PER", "O"]}], 2, "tokens", "word 2 is empty"),
+        ([{"tokens": ["alice"], "tags": "B-PER"}], 2, "tags", "holds text, not a list of tags"),
+    ],
+)
 def test_bad_rows_are_refused_naming_file_row_column_and_value(stack, rows, row, column, message):
     good = [{"tokens": w, "tags": t} for w, t in sentences(1)]
     dataset = upload(stack.client, jsonl(good + rows), "bad.jsonl").json()["id"]
@@ -227,9 +251,15 @@ def test_a_conll_line_without_a_tag_is_refused_at_upload_with_its_line(stack):
 
 def test_the_openai_facade_takes_the_task_and_its_column_defaults(stack):
     dataset = upload(stack.client, conll(20), "train.conll").json()["id"]
-    r = stack.client.post("/v1/fine_tuning/jobs", json={
-        "model": TINY_MODEL, "training_file": dataset, "task": "token_classification",
-        "hyperparameters": {"n_epochs": 1, "batch_size": 8}})
+    r = stack.client.post(
+        "/v1/fine_tuning/jobs",
+        json={
+            "model": TINY_MODEL,
+            "training_file": dataset,
+            "task": "token_classification",
+            "hyperparameters": {"n_epochs": 1, "batch_size": 8},
+        },
+    )
     assert r.status_code == 200, r.text
     job = wait_for_status(stack.client, r.json()["id"], {"succeeded", "failed", "cancelled"})
     assert job["status"] == "succeeded", job["error"]
@@ -247,10 +277,15 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_batch(engine_env):
     from worker.data import JobData
     from worker.training.recipe import Recipe
 
-    spec = JobCreate(base_model=TINY_MODEL, task="token_classification", training_dataset="ds_test",
-                     hyperparameters={"epochs": 1, "batch_size": 4, "max_length": 32, "precision": "fp32"})
-    job = Job(id="t", task="token_classification", base_model=TINY_MODEL, spec=spec.model_dump(mode="json"),
-              label_names=TAGS)
+    spec = JobCreate(
+        base_model=TINY_MODEL,
+        task="token_classification",
+        training_dataset="ds_test",
+        hyperparameters={"epochs": 1, "batch_size": 4, "max_length": 32, "precision": "fp32"},
+    )
+    job = Job(
+        id="t", task="token_classification", base_model=TINY_MODEL, spec=spec.model_dump(mode="json"), label_names=TAGS
+    )
     frame = pd.DataFrame([{"tokens": w, "tags": t} for w, t in sentences(8, seed=3)])
     run = Recipe(job, torch.device("cpu")).setup(JobData(frame, None), RecordingReporter())
     no_dropout(run.model)
@@ -272,11 +307,26 @@ def token_job(job_id: str, **hyperparameters):
     from shared.schemas.jobs import JobCreate
     from shared.store.rows import Job
 
-    spec = JobCreate(base_model=TINY_MODEL, task="token_classification", training_dataset="ds_test",
-                     hyperparameters={"epochs": 2, "batch_size": 4, "max_length": 32, "precision": "fp32",
-                                      "learning_rate": 1e-3, **hyperparameters})
-    return Job(id=job_id, task="token_classification", base_model=TINY_MODEL, spec=spec.model_dump(mode="json"),
-               label_names=TAGS)
+    spec = JobCreate(
+        base_model=TINY_MODEL,
+        task="token_classification",
+        training_dataset="ds_test",
+        hyperparameters={
+            "epochs": 2,
+            "batch_size": 4,
+            "max_length": 32,
+            "precision": "fp32",
+            "learning_rate": 1e-3,
+            **hyperparameters,
+        },
+    )
+    return Job(
+        id=job_id,
+        task="token_classification",
+        base_model=TINY_MODEL,
+        spec=spec.model_dump(mode="json"),
+        label_names=TAGS,
+    )
 
 
 def test_a_resumed_job_continues_with_the_same_losses(engine_env):
@@ -322,8 +372,9 @@ def test_label_all_subwords_trains_on_later_subwords_and_scores_first_ones(engin
     from worker.data import JobData
     from worker.training.recipe import Recipe
 
-    frame = pd.DataFrame({"tokens": [["schwarzenegger", "went", "to", "paris"]],
-                          "tags": [["B-PER", "O", "O", "B-LOC"]]})
+    frame = pd.DataFrame(
+        {"tokens": [["schwarzenegger", "went", "to", "paris"]], "tags": [["B-PER", "O", "O", "B-LOC"]]}
+    )
     job = token_job("all-subwords")
     job.spec["label_all_subwords"] = True
     run = Recipe(job, torch.device("cpu")).setup(JobData(frame, frame), RecordingReporter())

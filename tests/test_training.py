@@ -18,8 +18,10 @@ from worker.training.metrics import loss_sum_of
 from worker.training.recipe import Recipe
 
 CPU = torch.device("cpu")
-WORDS = {"sports": ["match", "goal", "team", "coach", "league"],
-         "business": ["shares", "market", "profit", "bank", "sales"]}
+WORDS = {
+    "sports": ["match", "goal", "team", "coach", "league"],
+    "business": ["shares", "market", "profit", "bank", "sales"],
+}
 
 
 def texts_frame(rows: int, seed: int = 0) -> pd.DataFrame:
@@ -36,12 +38,22 @@ def texts_frame(rows: int, seed: int = 0) -> pd.DataFrame:
 
 
 def make_job(task: str = "classification", **hyperparameters) -> Job:
-    hp = {"epochs": 1, "batch_size": 8, "max_length": 48, "learning_rate": 1e-3, "precision": "fp32",
-          **hyperparameters}
-    spec = JobCreate(base_model=TINY_MODEL, task=task, training_dataset="ds_test", text_column="text",
-                     label_column="label" if task == "classification" else "score", hyperparameters=hp)
-    return Job(id="t", task=task, base_model=TINY_MODEL, spec=spec.model_dump(mode="json"),
-               label_names=["business", "sports"] if task == "classification" else None)
+    hp = {"epochs": 1, "batch_size": 8, "max_length": 48, "learning_rate": 1e-3, "precision": "fp32", **hyperparameters}
+    spec = JobCreate(
+        base_model=TINY_MODEL,
+        task=task,
+        training_dataset="ds_test",
+        text_column="text",
+        label_column="label" if task == "classification" else "score",
+        hyperparameters=hp,
+    )
+    return Job(
+        id="t",
+        task=task,
+        base_model=TINY_MODEL,
+        spec=spec.model_dump(mode="json"),
+        label_names=["business", "sports"] if task == "classification" else None,
+    )
 
 
 def make_run(job: Job, train_rows: int = 40, validation_rows: int = 0, reporter=None):
@@ -185,12 +197,15 @@ def test_frozen_embeddings_with_gradient_checkpointing_train_the_rest(engine_env
     run = make_run(make_job(epochs=2, freeze_embeddings=True, gradient_checkpointing=True, learning_rate=5e-3))
     model = run.model
     checkpointing = getattr(type(model), "is_activation_checkpointing", None)
-    assert (model.is_activation_checkpointing if checkpointing is not None else model.is_gradient_checkpointing)
+    assert model.is_activation_checkpointing if checkpointing is not None else model.is_gradient_checkpointing
 
     # Count the checkpointed layer calls, to prove the recompute path really ran.
     calls = {"n": 0}
-    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)
-              and hasattr(m, "_gradient_checkpointing_func")]
+    layers = [
+        m
+        for m in model.modules()
+        if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")
+    ]
     assert layers
     for layer in layers:
         inner = layer._gradient_checkpointing_func
@@ -262,8 +277,9 @@ def test_regression_trains_on_mse_and_evaluates_mse_and_pearson(engine_env):
     with torch.no_grad():
         predictions = run.model(**batch).logits.squeeze(-1)
     assert metrics["mse"] == pytest.approx(F.mse_loss(predictions, labels).item(), rel=1e-4)
-    assert metrics["pearson_r"] == pytest.approx(float(np.corrcoef(predictions.numpy(), labels.numpy())[0, 1]),
-                                                 abs=1e-4)
+    assert metrics["pearson_r"] == pytest.approx(
+        float(np.corrcoef(predictions.numpy(), labels.numpy())[0, 1]), abs=1e-4
+    )
     # The per-epoch evaluations were logged under eval_ names.
     assert reporter.series("eval_mse") and reporter.series("eval_pearson_r")
 
@@ -321,5 +337,6 @@ def test_batch_stats_of_a_step_are_summed_over_micro_batches(engine_env):
     run.warm_up()
     _, stats = run.train_step(group)
     parts = [BatchStats.of(b) for b in group]
-    assert stats == BatchStats(sum(p.real for p in parts), sum(p.unrounded for p in parts),
-                               sum(p.padded for p in parts))
+    assert stats == BatchStats(
+        sum(p.real for p in parts), sum(p.unrounded for p in parts), sum(p.padded for p in parts)
+    )

@@ -36,8 +36,10 @@ from tests.test_sweeps import ENDED, sweep_body
 
 # Each process, in its own mount namespace: its own data directory kept (bound aside, then back),
 # the folder of every process's data directory covered by an empty tmpfs.
-ISOLATE = ('set -e; mount --make-rprivate /; mount --bind "$OWN" "$STAGE"; mount -t tmpfs tmpfs "$HOSTS"; '
-           'mkdir "$OWN"; mount --bind "$STAGE" "$OWN"; exec "$@"')
+ISOLATE = (
+    'set -e; mount --make-rprivate /; mount --bind "$OWN" "$STAGE"; mount -t tmpfs tmpfs "$HOSTS"; '
+    'mkdir "$OWN"; mount --bind "$STAGE" "$OWN"; exec "$@"'
+)
 
 
 def require_unshare() -> None:
@@ -75,18 +77,29 @@ class Hosts(faults_support.Cluster):
 def test_an_api_and_two_workers_on_separate_hosts(stacks, s3_server, monkeypatch):  # noqa: F811
     require_unshare()
     monkeypatch.setattr(test_faults, "Cluster", Hosts)
-    c = stacks.make("postgres+redis", TUNEJOB_STORAGE_URL=f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}",
-                    TUNEJOB_METRICS_FLUSH_SECONDS="0.05", **s3_server.env())
+    c = stacks.make(
+        "postgres+redis",
+        TUNEJOB_STORAGE_URL=f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}",
+        TUNEJOB_METRICS_FLUSH_SECONDS="0.05",
+        **s3_server.env(),
+    )
     first, second = c.start(workers=2)
     hosts = c.workdir / "hosts"
 
     # A job: the API takes the upload into the bucket; whichever worker claims it trains it.
     dataset = c.upload(labelled_csv(rows=48))
     job_id = c.submit(dataset["id"], **LONG, save_every_steps=20)["id"]
-    c.wait_step(job_id, lambda job: bool(c.checkpoints(job_id)) and job["progress"]["step"]
-                - c.checkpoints(job_id)[-1]["step"] >= 3, "3 steps past a checkpoint", timeout=150, interval=0.01)
-    owner = c.python("from shared.store.engine import read_session; from shared.store.rows import Job\n"
-                     f"with read_session() as s: print(s.get(Job, {job_id!r}).lease_owner)")  # host:pid:nonce
+    c.wait_step(
+        job_id,
+        lambda job: bool(c.checkpoints(job_id)) and job["progress"]["step"] - c.checkpoints(job_id)[-1]["step"] >= 3,
+        "3 steps past a checkpoint",
+        timeout=150,
+        interval=0.01,
+    )
+    owner = c.python(
+        "from shared.store.engine import read_session; from shared.store.rows import Job\n"
+        f"with read_session() as s: print(s.get(Job, {job_id!r}).lease_owner)"
+    )  # host:pid:nonce
     trainer = next(w for w in (first, second) if w.popen.pid == int(owner.split(":")[1]))
     trainer.signal(signal.SIGKILL)
     assert wait_exit(c, trainer, 10) == -signal.SIGKILL
@@ -99,22 +112,30 @@ def test_an_api_and_two_workers_on_separate_hosts(stacks, s3_server, monkeypatch
     assert_steps_once(c, job)
 
     r = c.request("GET", f"/jobs/{job_id}/artifacts/model.tar")
-    assert len(r.content) == next(a["bytes"] for a in c.request("GET", f"/jobs/{job_id}/artifacts").json()["data"]
-                                  if a["name"] == "model.tar")
+    assert len(r.content) == next(
+        a["bytes"] for a in c.request("GET", f"/jobs/{job_id}/artifacts").json()["data"] if a["name"] == "model.tar"
+    )
     # A sweep's trials run on both workers: the one that resumed and a new one (a third host).
     resumer = second if trainer is first else first
     third = c.start_worker()
     c.wait_worker_ready(third, timeout=300)  # a worker starts in 10-20 s; far longer on a loaded machine
     before = results(resumer).count("succeeded")
-    sweep = c.request("POST", "/sweeps", json=sweep_body(dataset["id"], max_trials=4, max_parallel_trials=2),
-                      expect=201).json()
-    c.wait_for("the sweep to end", lambda: c.request("GET", f"/sweeps/{sweep['id']}").json()["status"] in ENDED,
-               timeout=400)
+    sweep = c.request(
+        "POST", "/sweeps", json=sweep_body(dataset["id"], max_trials=4, max_parallel_trials=2), expect=201
+    ).json()
+    c.wait_for(
+        "the sweep to end", lambda: c.request("GET", f"/sweeps/{sweep['id']}").json()["status"] in ENDED, timeout=400
+    )
     assert c.request("GET", f"/sweeps/{sweep['id']}").json()["status"] == "succeeded"
     assert results(resumer).count("succeeded") > before and "succeeded" in results(third), c.diagnostics()
 
     # Nothing but caches (and the API's local key) on the disks of the hosts that are still up.
     up = {c.api.name, resumer.name, third.name}
-    leaked = [p for p in hosts.rglob("*") if p.is_file() and p.relative_to(hosts).parts[0] in up
-              and p.relative_to(hosts).parts[1] not in ("cache", "api_key")]
+    leaked = [
+        p
+        for p in hosts.rglob("*")
+        if p.is_file()
+        and p.relative_to(hosts).parts[0] in up
+        and p.relative_to(hosts).parts[1] not in ("cache", "api_key")
+    ]
     assert leaked == [], leaked

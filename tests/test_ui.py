@@ -90,8 +90,12 @@ def test_the_session_uses_the_api_with_its_csrf_token(stack, job):
     client, csrf = sign_in(stack)
     assert client.get(f"/jobs/{job['id']}").json()["id"] == job["id"]  # the cookie stands for the key
     dataset = upload(stack.client, labelled_csv(rows=24))
-    body = {"base_model": "tiny-bert", "task": "classification", "training_dataset": dataset["id"],
-            "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32}}
+    body = {
+        "base_model": "tiny-bert",
+        "task": "classification",
+        "training_dataset": dataset["id"],
+        "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32},
+    }
 
     refused = client.post("/jobs", json=body)
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "csrf_token_invalid"
@@ -175,7 +179,7 @@ def test_pages_show_the_tenants_data(stack, job):
     client, _ = sign_in(stack)
     dataset = job["training_dataset"]
     page = client.get(f"/ui/datasets/{dataset}").text
-    assert "<th scope=\"col\">text</th>" in page and "<th scope=\"col\">label</th>" in page
+    assert '<th scope="col">text</th>' in page and '<th scope="col">label</th>' in page
     assert re.search(r"<td>(sports|business)</td>", page), "sample rows are shown"
     assert 'value="3.0"' in page, "the form shows the hyperparameters' defaults (epochs)"
     assert dataset in client.get("/ui/datasets").text
@@ -209,8 +213,9 @@ def test_a_jobs_evaluation_and_aliases_on_its_page_and_per_class_f1_deltas_on_co
     cells = re.findall(r'<td class="[^"]*" style="--share: ([0-9.]+)" title="[^"]*">(\d+)</td>', page)
     matrix = report["confusion_matrix"]
     assert [int(count) for _, count in cells] == [c for row in matrix["counts"] for c in row]
-    assert [float(share) for share, _ in cells] == pytest.approx([v for row in matrix["normalized"] for v in row],
-                                                                 abs=1e-3)
+    assert [float(share) for share, _ in cells] == pytest.approx(
+        [v for row in matrix["normalized"] for v in row], abs=1e-3
+    )
     table = page.split('id="mistakes"')[1].split("</table>")[0] if report["mistakes"] else ""
     assert table.count("<tr>") == len(report["mistakes"]) + 1  # and the header
     assert 'id="promote-form"' in page and '<span class="none">none</span>' in page
@@ -222,8 +227,9 @@ def test_a_jobs_evaluation_and_aliases_on_its_page_and_per_class_f1_deltas_on_co
     assert '<code class="alias">ui-production</code>' in client.get(f"/ui/jobs/{job['id']}").text
     stack.client.delete("/models/aliases/ui-production")
 
-    other = wait_for_status(stack.client, submit(stack.client, job["training_dataset"], epochs=2,
-                                                 learning_rate=3e-3)["id"], {"succeeded"})
+    other = wait_for_status(
+        stack.client, submit(stack.client, job["training_dataset"], epochs=2, learning_rate=3e-3)["id"], {"succeeded"}
+    )
     theirs = stack.client.get(f"/jobs/{other['id']}/evaluation").json()
     compare = client.get(f"/ui/compare?jobs={job['id']},{other['id']}").text
     assert compare.count('id="f1-deltas"') == 1 and compare.index("<main") < compare.index('id="f1-deltas"')
@@ -238,8 +244,16 @@ def test_the_new_job_form_has_the_columns_of_every_task(stack, job):
     client, _ = sign_in(stack)
     page = client.get(f"/ui/datasets/{job['training_dataset']}").text
     tasks = dict(re.findall(r'<select id="f-(\w+)" name="\w+"(?: multiple size="3")? data-tasks="([\w ]+)"', page))
-    assert set(tasks) == {"text_column", "label_column", "anchor_column", "positive_column", "negative_columns",
-                          "score_column", "query_column", "passage_column"}
+    assert set(tasks) == {
+        "text_column",
+        "label_column",
+        "anchor_column",
+        "positive_column",
+        "negative_columns",
+        "score_column",
+        "query_column",
+        "passage_column",
+    }
     assert "embedding" not in tasks["text_column"].split() and "reranking" not in tasks["text_column"].split()
     assert "reranking" in tasks["label_column"].split() and "embedding" not in tasks["label_column"].split()
     assert tasks["anchor_column"] == tasks["negative_columns"] == "embedding"
@@ -287,15 +301,18 @@ def test_the_jobs_page_follows_its_running_jobs_through_one_stream(stack, job):
         event = None
         for line in r.iter_lines():
             if line.startswith("event: "):
-                event = line[len("event: "):]
+                event = line[len("event: ") :]
             elif line.startswith("data: "):
-                body = json.loads(line[len("data: "):])
+                body = json.loads(line[len("data: ") :])
                 seen.append((event, body["id"], body.get("status")))
                 if (event, body["id"]) == ("progress", running) and body["status"] == "running":
                     assert body["progress"]["fraction"] == 0.5
                     with session_scope() as s:  # as its worker would, when it ends
-                        s.execute(update(Job).where(Job.id == running).values(
-                            status="succeeded", step=10, finished_at=utcnow(), updated_at=utcnow()))
+                        s.execute(
+                            update(Job)
+                            .where(Job.id == running)
+                            .values(status="succeeded", step=10, finished_at=utcnow(), updated_at=utcnow())
+                        )
     assert ("end", job["id"], "succeeded") in seen and ("end", running, "succeeded") in seen
     assert seen[0] == ("gone", "job_nope", None) and {i for _, i, _ in seen[1:]} == {running, job["id"]}
     gone = other.get("/ui/jobs/live", params={"ids": running}).text  # not its job: gone, and done

@@ -203,8 +203,12 @@ def walk(page, server: str, tmp_path: Path) -> None:
     # a second, short job (through the API), then the two compared
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {key}"}) as api:
         spec = api.get(f"/jobs/{job_id}").json()
-        body = {"base_model": TINY_MODEL, "task": "classification", "training_dataset": spec["training_dataset"],
-                "hyperparameters": {"epochs": 1, "batch_size": 16, "max_length": 32}}
+        body = {
+            "base_model": TINY_MODEL,
+            "task": "classification",
+            "training_dataset": spec["training_dataset"],
+            "hyperparameters": {"epochs": 1, "batch_size": 16, "max_length": 32},
+        }
         other = api.post("/jobs", json=body).json()["id"]
         # the jobs page follows it through one stream until it succeeds: no reload, no polling
         fetched = []
@@ -232,8 +236,12 @@ def test_another_tenants_job_is_a_404_page_in_the_browser(stack, server, watched
     owner, _ = create_key("ui-owner")
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {owner}"}) as api:
         ds = api.post("/datasets", files={"file": ("t.csv", labelled_csv(rows=16), "text/csv")}).json()["id"]
-        body = {"base_model": TINY_MODEL, "task": "classification", "training_dataset": ds,
-                "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32}}
+        body = {
+            "base_model": TINY_MODEL,
+            "task": "classification",
+            "training_dataset": ds,
+            "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32},
+        }
         job_id = api.post("/jobs", json=body).json()["id"]
     with watched("tenant") as w:
         sign_in(w.page, "ui-intruder")
@@ -256,10 +264,16 @@ def test_an_embedding_job_s_chart_draws_its_zero_shot_line(stack, server, watche
     with watched("zero-shot") as w:
         key = sign_in(w.page, "ui-embedding")
         with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {key}"}) as api:
-            ds = api.post("/datasets", files={"file": ("pairs.csv", pairs(48).to_csv(index=False).encode(), "text/csv")})
-            body = {"base_model": TINY_ST, "task": "embedding", "training_dataset": ds.json()["id"],
-                    "validation_split": 0.25, "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32,
-                                                                  "learning_rate": 2e-3}}
+            ds = api.post(
+                "/datasets", files={"file": ("pairs.csv", pairs(48).to_csv(index=False).encode(), "text/csv")}
+            )
+            body = {
+                "base_model": TINY_ST,
+                "task": "embedding",
+                "training_dataset": ds.json()["id"],
+                "validation_split": 0.25,
+                "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32, "learning_rate": 2e-3},
+            }
             job = wait_for_status(api, api.post("/jobs", json=body).json()["id"], {"succeeded", "failed"}, 600)
             assert job["status"] == "succeeded", job["error"]
             metrics = api.get(f"/jobs/{job['id']}/metrics").json()["data"]

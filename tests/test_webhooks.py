@@ -42,8 +42,9 @@ class Receiver:
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["content-length"]))
                 status = receiver.statuses.pop(0) if len(receiver.statuses) > 1 else receiver.statuses[0]
-                receiver.requests.append({"headers": {k.lower(): v for k, v in self.headers.items()},
-                                          "body": body, "status": status})
+                receiver.requests.append(
+                    {"headers": {k.lower(): v for k, v in self.headers.items()}, "body": body, "status": status}
+                )
                 self.send_response(status)
                 self.send_header("content-length", "0")
                 self.end_headers()
@@ -84,11 +85,30 @@ def end_a_job(tenant: str, dataset_id: str | None = None, metadata: dict | None 
     with session_scope() as s:
         if dataset_id is None:
             dataset_id = new_id("ds")
-            s.add(Dataset(id=dataset_id, tenant=tenant, filename="a.csv", format="csv", path="/nonexistent",
-                          rows=1, columns=["text", "label"], bytes=1, sha256="0" * 64))
-        job = Job(id=new_id("job"), tenant=tenant, base_model=TINY_MODEL, task="classification",
-                  training_dataset_id=dataset_id, spec={"metadata": metadata}, status=JobStatus.QUEUED,
-                  created_at=now, enqueued_at=now)
+            s.add(
+                Dataset(
+                    id=dataset_id,
+                    tenant=tenant,
+                    filename="a.csv",
+                    format="csv",
+                    path="/nonexistent",
+                    rows=1,
+                    columns=["text", "label"],
+                    bytes=1,
+                    sha256="0" * 64,
+                )
+            )
+        job = Job(
+            id=new_id("job"),
+            tenant=tenant,
+            base_model=TINY_MODEL,
+            task="classification",
+            training_dataset_id=dataset_id,
+            spec={"metadata": metadata},
+            status=JobStatus.QUEUED,
+            created_at=now,
+            enqueued_at=now,
+        )
         s.add(job)
     request_cancel(job.id, Caller(tenant))
     return job.id
@@ -105,9 +125,19 @@ def verified(secret: str, request: dict) -> dict:
     return Verifier(secret).verify(request["body"], request["headers"])
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:9/hook", "http://localhost/hook", "http://10.1.2.3/hook",
-                                 "http://192.168.0.10/hook", "http://169.254.169.254/latest/meta-data",
-                                 "http://[::1]:8000/hook", "http://0.0.0.0/hook", "http://[::ffff:127.0.0.1]/"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9/hook",
+        "http://localhost/hook",
+        "http://10.1.2.3/hook",
+        "http://192.168.0.10/hook",
+        "http://169.254.169.254/latest/meta-data",
+        "http://[::1]:8000/hook",
+        "http://0.0.0.0/hook",
+        "http://[::ffff:127.0.0.1]/",
+    ],
+)
 def test_a_private_url_is_refused(stack, url):
     answer = stack.client.post("/webhooks", json={"url": url, "events": ["job.succeeded"]})
     assert answer.status_code == 422, answer.text
@@ -116,11 +146,13 @@ def test_a_private_url_is_refused(stack, url):
 
 
 def test_bad_webhook_bodies_name_the_field(stack):
-    cases = [({"url": "ftp://example.com/x", "events": ["job.succeeded"]}, "url"),
-             ({"url": "http://", "events": ["job.succeeded"]}, "url"),
-             ({"url": "http://no-such-host.invalid/x", "events": ["job.succeeded"]}, "url"),
-             ({"url": "https://example.com/x", "events": ["job.finished"]}, "events.0"),
-             ({"url": "https://example.com/x", "events": []}, "events")]
+    cases = [
+        ({"url": "ftp://example.com/x", "events": ["job.succeeded"]}, "url"),
+        ({"url": "http://", "events": ["job.succeeded"]}, "url"),
+        ({"url": "http://no-such-host.invalid/x", "events": ["job.succeeded"]}, "url"),
+        ({"url": "https://example.com/x", "events": ["job.finished"]}, "events.0"),
+        ({"url": "https://example.com/x", "events": []}, "events"),
+    ]
     for body, param in cases:
         answer = stack.client.post("/webhooks", json=body)
         assert answer.status_code == 422 and answer.json()["error"]["param"] == param, answer.text
@@ -138,32 +170,49 @@ def test_a_job_end_is_delivered_signed_once_and_logged(stack, receiver, fast_web
 
     job_id = end_a_job(stack.tenant, metadata={"team": "nlp"})
     end_a_job("tenant-b")  # another tenant's job: not this endpoint's business
-    wait_until(lambda: [d["status"] for d in deliveries(stack.client, webhook["id"])] == ["delivered"],
-               "the delivery was recorded")
+    wait_until(
+        lambda: [d["status"] for d in deliveries(stack.client, webhook["id"])] == ["delivered"],
+        "the delivery was recorded",
+    )
     assert len(receiver.requests) == 1
     request = receiver.requests[0]
     payload = verified(webhook["secret"], request)
     assert payload["type"] == "job.cancelled"
-    assert payload["data"] == {**payload["data"], "id": job_id, "object": "job", "status": "cancelled",
-                               "metadata": {"team": "nlp"}}
+    assert payload["data"] == {
+        **payload["data"],
+        "id": job_id,
+        "object": "job",
+        "status": "cancelled",
+        "metadata": {"team": "nlp"},
+    }
     assert request["headers"]["webhook-id"] == f"evt_{job_id}_cancelled"
     with pytest.raises(WebhookVerificationError):  # another endpoint's secret does not verify it
-        Verifier(stack.client.post("/webhooks", json={"url": receiver.url, "events": ["job.failed"]})
-                 .json()["secret"]).verify(request["body"], request["headers"])
+        Verifier(
+            stack.client.post("/webhooks", json={"url": receiver.url, "events": ["job.failed"]}).json()["secret"]
+        ).verify(request["body"], request["headers"])
     [logged] = deliveries(stack.client, webhook["id"])
-    assert (logged["attempts"], logged["response_status"], logged["error"], logged["event_type"]) == \
-        (1, 200, None, "job.cancelled")
+    assert (logged["attempts"], logged["response_status"], logged["error"], logged["event_type"]) == (
+        1,
+        200,
+        None,
+        "job.cancelled",
+    )
     assert logged["event_id"] == request["headers"]["webhook-id"] and logged["next_attempt_at"] is None
 
 
 def test_failed_attempts_are_retried_with_backoff_then_given_up(stack, fast_webhooks):
     flaky, down = Receiver([500, 503, 200]), Receiver([500])
     try:
-        hooks = [stack.client.post("/webhooks", json={"url": r.url, "events": ["job.cancelled"]}).json()
-                 for r in (flaky, down)]
+        hooks = [
+            stack.client.post("/webhooks", json={"url": r.url, "events": ["job.cancelled"]}).json()
+            for r in (flaky, down)
+        ]
         end_a_job(stack.tenant)
-        wait_until(lambda: [deliveries(stack.client, h["id"])[0]["status"] for h in hooks] == ["delivered", "failed"],
-                   "one delivered after retries, one given up", timeout=60)
+        wait_until(
+            lambda: [deliveries(stack.client, h["id"])[0]["status"] for h in hooks] == ["delivered", "failed"],
+            "one delivered after retries, one given up",
+            timeout=60,
+        )
         [delivered], [failed] = (deliveries(stack.client, h["id"]) for h in hooks)
         assert [r["status"] for r in flaky.requests] == [500, 503, 200] and delivered["attempts"] == 3
         assert len({r["headers"]["webhook-id"] for r in flaky.requests}) == 1  # one event id on every attempt
@@ -174,7 +223,10 @@ def test_failed_attempts_are_retried_with_backoff_then_given_up(stack, fast_webh
         assert len(down.requests) == 4
         # every attempt is logged (issue 34), not only the last answer
         assert [(a["status_code"], a["error"]) for a in delivered["attempt_log"]] == [
-            (500, "answered HTTP 500"), (503, "answered HTTP 503"), (200, None)]
+            (500, "answered HTTP 500"),
+            (503, "answered HTTP 503"),
+            (200, None),
+        ]
         assert [a["status_code"] for a in failed["attempt_log"]] == [500] * 4
         assert all(a["duration_ms"] >= 0 and a["at"].endswith("Z") for a in failed["attempt_log"])
     finally:
@@ -208,8 +260,9 @@ class ViaTestClient(httpx.BaseTransport):
         self.api = api
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        answer = self.api.request(request.method, str(request.url), headers=dict(request.headers),
-                                  content=request.read())
+        answer = self.api.request(
+            request.method, str(request.url), headers=dict(request.headers), content=request.read()
+        )
         return httpx.Response(answer.status_code, headers=answer.headers.multi_items(), content=answer.content)
 
 
@@ -218,14 +271,19 @@ def test_the_client_and_the_cli(stack, receiver, fast_webhooks):
     screen = io.StringIO()
     out = Console(file=screen, width=200)
     with Client(BASE_URL, api_key=key, transport=ViaTestClient(stack.client)) as client:
-        cli.create_webhook(client, argparse.Namespace(url=receiver.url, events=["job.cancelled"], description="ci",
-                                                      json=False, quiet=False), out)
+        cli.create_webhook(
+            client,
+            argparse.Namespace(url=receiver.url, events=["job.cancelled"], description="ci", json=False, quiet=False),
+            out,
+        )
         [webhook] = [w for w in client.list_webhooks() if w.description == "ci"]
         assert "whsec_" in screen.getvalue() and "shown only now" in screen.getvalue()
         cli.ping_webhook(client, argparse.Namespace(webhook_id=webhook.id, json=False), out)
         wait_until(lambda: client.webhook_deliveries(webhook.id).data[0].status == "delivered", "the ping arrived")
         screen.truncate(0)
-        cli.webhook_deliveries(client, argparse.Namespace(webhook_id=webhook.id, limit=20, cursor=None, json=False), out)
+        cli.webhook_deliveries(
+            client, argparse.Namespace(webhook_id=webhook.id, limit=20, cursor=None, json=False), out
+        )
         assert "webhook.ping" in screen.getvalue() and "delivered" in screen.getvalue() and " 200 " in screen.getvalue()
         client.delete_webhook(webhook.id)
         assert webhook.id not in [w.id for w in client.list_webhooks()]
@@ -236,11 +294,15 @@ def test_a_cancelled_sweep_is_delivered(stack, receiver, fast_webhooks):
     from tests.test_sweeps import create, sweep_body
 
     webhook = stack.client.post("/webhooks", json={"url": receiver.url, "events": ["sweep.cancelled"]}).json()
-    dataset = stack.client.post("/datasets", files={"file": ("s.csv", io.BytesIO(labelled_csv(rows=48, seed=5)))}).json()
+    dataset = stack.client.post(
+        "/datasets", files={"file": ("s.csv", io.BytesIO(labelled_csv(rows=48, seed=5)))}
+    ).json()
     sweep = create(stack.client, sweep_body(dataset["id"], hyperparameters={"batch_size": 8, "max_length": 32, **LONG}))
     assert stack.client.post(f"/sweeps/{sweep['id']}/cancel").status_code == 200
-    wait_until(lambda: [d["status"] for d in deliveries(stack.client, webhook["id"])] == ["delivered"],
-               "the sweep's end was delivered")
+    wait_until(
+        lambda: [d["status"] for d in deliveries(stack.client, webhook["id"])] == ["delivered"],
+        "the sweep's end was delivered",
+    )
     [request] = receiver.requests
     payload = verified(webhook["secret"], request)
     assert payload["type"] == "sweep.cancelled"
@@ -308,15 +370,20 @@ def test_an_attempt_has_a_whole_deadline_and_reads_at_most_64_kib(stack, fast_we
             client = stack.client_for(f"tenant-{answer.__name__}")
             hook = client.post("/webhooks", json={"url": endpoint.url, "events": ["job.cancelled"]}).json()
             end_a_job(f"tenant-{answer.__name__}")
-            wait_until(lambda c=client, h=hook: deliveries(c, h["id"])[0]["status"] != "pending", "the attempt ended",
-                       timeout=40)
+            wait_until(
+                lambda c=client, h=hook: deliveries(c, h["id"])[0]["status"] != "pending",
+                "the attempt ended",
+                timeout=40,
+            )
             [logged] = deliveries(client, hook["id"])
             if answer is trickle:
                 assert (logged["status"], logged["response_status"]) == ("failed", None), logged
                 assert "no complete answer within 2 s" in logged["error"], logged
                 assert logged["attempt_log"][0]["duration_ms"] < 10_000, logged
             else:
-                assert (logged["status"], logged["response_status"], logged["error"]) == ("delivered", 200, None), logged
+                assert (logged["status"], logged["response_status"], logged["error"]) == ("delivered", 200, None), (
+                    logged
+                )
         finally:
             endpoint.close()
 
@@ -345,8 +412,11 @@ def test_a_slow_endpoint_does_not_hold_up_another(stack, fast_webhooks, monkeypa
         wait_until(lambda: fast.requests, "the other tenant's delivery arrived", timeout=30)
         # the slow endpoint's six take two rounds of 4 s (4 at once): far from all answered yet
         assert sum(d["status"] == "delivered" for d in deliveries(stack.client, slow_hook["id"])) < 6
-        wait_until(lambda: all(d["status"] == "delivered" for d in deliveries(stack.client, slow_hook["id"])),
-                   "the slow endpoint's deliveries all arrived", timeout=60)
+        wait_until(
+            lambda: all(d["status"] == "delivered" for d in deliveries(stack.client, slow_hook["id"])),
+            "the slow endpoint's deliveries all arrived",
+            timeout=60,
+        )
     finally:
         slow.close()
         fast.close()
@@ -355,6 +425,7 @@ def test_a_slow_endpoint_does_not_hold_up_another(stack, fast_webhooks, monkeypa
 def test_endpoints_per_tenant_are_capped_and_pings_do_not_pile_up(stack, fast_webhooks, monkeypatch):
     """Issue 34: endpoints per tenant are capped (``TUNEJOB_MAX_WEBHOOKS_PER_TENANT``, 409), and an
     endpoint takes a ping only once its last one was delivered (429 ``ping_pending``)."""
+
     def slowly(handler) -> None:
         time.sleep(3)
         handler.send_response(200)
@@ -368,8 +439,12 @@ def test_endpoints_per_tenant_are_capped_and_pings_do_not_pile_up(stack, fast_we
         hooks = [client.post("/webhooks", json={"url": endpoint.url, "events": ["job.failed"]}) for _ in range(3)]
         assert [h.status_code for h in hooks] == [201, 201, 409], [h.text for h in hooks]
         assert hooks[2].json()["error"]["code"] == "too_many_webhooks"
-        assert stack.client_for("tenant-other").post("/webhooks", json={"url": endpoint.url,
-                                                                       "events": ["job.failed"]}).status_code == 201
+        assert (
+            stack.client_for("tenant-other")
+            .post("/webhooks", json={"url": endpoint.url, "events": ["job.failed"]})
+            .status_code
+            == 201
+        )
         hook = hooks[0].json()["id"]
         assert client.post(f"/webhooks/{hook}/ping").status_code == 202
         again = client.post(f"/webhooks/{hook}/ping")
@@ -393,19 +468,31 @@ def test_the_delivery_log_keeps_30_days(stack):
     hook = client.post("/webhooks", json={"url": "https://93.184.216.34/hook", "events": ["job.failed"]}).json()["id"]
     old, recent = utcnow() - timedelta(days=31), utcnow() - timedelta(days=29)
     with session_scope() as s:
-        for n, (status, created) in enumerate([("delivered", old), ("failed", old), ("pending", old),
-                                               ("delivered", recent)]):
-            s.add(WebhookDelivery(webhook_id=hook, event_id=f"evt_{n}", event_type="job.failed", payload={},
-                                  status=status, attempts=1, next_attempt_at=utcnow() + timedelta(days=1),
-                                  created_at=created))
+        for n, (status, created) in enumerate(
+            [("delivered", old), ("failed", old), ("pending", old), ("delivered", recent)]
+        ):
+            s.add(
+                WebhookDelivery(
+                    webhook_id=hook,
+                    event_id=f"evt_{n}",
+                    event_type="job.failed",
+                    payload={},
+                    status=status,
+                    attempts=1,
+                    next_attempt_at=utcnow() + timedelta(days=1),
+                    created_at=created,
+                )
+            )
     assert webhooks.purge_deliveries() >= 2
     assert sorted(d["event_id"] for d in deliveries(client, hook)) == ["evt_2", "evt_3"]
     assert webhooks.purge_deliveries in RecoveryThread().thread._args[1]  # the API's and workers' loop runs it
 
 
-@pytest.mark.parametrize("address", ["2002:a00:1::1", "2002:c0a8:101::1", "2001:0:4136:e378:8000:63bf:f5ff:fffe",
-                                     "64:ff9b::a00:1", "::ffff:127.0.0.1"],
-                         ids=["6to4-10.0.0.1", "6to4-192.168.1.1", "teredo-client-10.0.0.1", "nat64-10.0.0.1", "mapped"])
+@pytest.mark.parametrize(
+    "address",
+    ["2002:a00:1::1", "2002:c0a8:101::1", "2001:0:4136:e378:8000:63bf:f5ff:fffe", "64:ff9b::a00:1", "::ffff:127.0.0.1"],
+    ids=["6to4-10.0.0.1", "6to4-192.168.1.1", "teredo-client-10.0.0.1", "nat64-10.0.0.1", "mapped"],
+)
 def test_ipv6_addresses_that_embed_a_private_one_are_refused(address):
     """Issue 34: a 6to4, Teredo or NAT64 address reaches the IPv4 address inside it, which is checked
     on every Python (which of them ``is_private`` counts has changed between versions)."""
@@ -451,8 +538,9 @@ def stored_secrets(webhook_id: str) -> tuple[str, str | None]:
     from sqlalchemy import text
 
     with session_scope() as s:
-        return tuple(s.execute(text("SELECT secret, previous_secret FROM webhooks WHERE id = :id"),
-                               {"id": webhook_id}).one())
+        return tuple(
+            s.execute(text("SELECT secret, previous_secret FROM webhooks WHERE id = :id"), {"id": webhook_id}).one()
+        )
 
 
 def test_secrets_are_stored_encrypted_and_the_key_rotates(stack, receiver, fast_webhooks, monkeypatch):

@@ -19,10 +19,16 @@ from tests.test_webhooks import Receiver, end_a_job, verified
 @pytest.fixture(params=["embedded", "postgres+redis"])
 def api_process_env(request, tmp_path):
     """A store of its own (no in-process API sends from it) and the environment of ``tunejob api``."""
-    drop = configure_stack(request.param, {
-        "TUNEJOB_DATA_DIR": str(tmp_path / "data"), "TUNEJOB_WEBHOOKS_ALLOW_PRIVATE_URLS": "true",
-        "TUNEJOB_WEBHOOKS_RETRY_SECONDS": "1,1,1,1,1,1", "TUNEJOB_WEBHOOKS_POLL_SECONDS": "0.2",
-        "TUNEJOB_WEBHOOKS_TIMEOUT_SECONDS": "5"})
+    drop = configure_stack(
+        request.param,
+        {
+            "TUNEJOB_DATA_DIR": str(tmp_path / "data"),
+            "TUNEJOB_WEBHOOKS_ALLOW_PRIVATE_URLS": "true",
+            "TUNEJOB_WEBHOOKS_RETRY_SECONDS": "1,1,1,1,1,1",
+            "TUNEJOB_WEBHOOKS_POLL_SECONDS": "0.2",
+            "TUNEJOB_WEBHOOKS_TIMEOUT_SECONDS": "5",
+        },
+    )
     upgrade_database()
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TUNEJOB_PORT": str(port)}
@@ -43,8 +49,9 @@ def test_no_delivery_is_lost_or_sent_twice_across_an_api_restart(api_process_env
 
     api = start()
     try:
-        webhook = httpx.post(f"{url}/webhooks", headers=headers,
-                             json={"url": receiver.url, "events": ["job.cancelled"]}).json()
+        webhook = httpx.post(
+            f"{url}/webhooks", headers=headers, json={"url": receiver.url, "events": ["job.cancelled"]}
+        ).json()
         first = end_a_job("tenant-a")
         wait_for("a failed attempt", lambda: receiver.requests, timeout=60, diagnostics=api.tail)
         api.stop(timeout=30)  # a deploy: SIGTERM
@@ -55,8 +62,12 @@ def test_no_delivery_is_lost_or_sent_twice_across_an_api_restart(api_process_env
         def log() -> list[dict]:
             return httpx.get(f"{url}/webhooks/{webhook['id']}/deliveries", headers=headers).json()["data"]
 
-        wait_for("both delivered", lambda: [d["status"] for d in log()] == ["delivered"] * 2, timeout=60,
-                 diagnostics=api.tail)
+        wait_for(
+            "both delivered",
+            lambda: [d["status"] for d in log()] == ["delivered"] * 2,
+            timeout=60,
+            diagnostics=api.tail,
+        )
     finally:
         api.stop(timeout=30)
         receiver.close()
@@ -65,8 +76,13 @@ def test_no_delivery_is_lost_or_sent_twice_across_an_api_restart(api_process_env
     assert ids == sorted([f"evt_{first}_cancelled", f"evt_{second}_cancelled"])  # each once
     assert {verified(webhook["secret"], r)["data"]["id"] for r in answered} == {first, second}
     with read_session() as s:  # the API has stopped: the log from the store
-        attempts = dict(s.execute(select(WebhookDelivery.event_id, WebhookDelivery.attempts)
-                                  .where(WebhookDelivery.webhook_id == webhook["id"])).all())
+        attempts = dict(
+            s.execute(
+                select(WebhookDelivery.event_id, WebhookDelivery.attempts).where(
+                    WebhookDelivery.webhook_id == webhook["id"]
+                )
+            ).all()
+        )
     assert attempts[f"evt_{first}_cancelled"] >= 2 and attempts[f"evt_{second}_cancelled"] >= 1
 
 

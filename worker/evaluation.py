@@ -49,8 +49,9 @@ TEXT_CHARS = 1000  # a listed text is cut to this many characters
 REPORTED_TASKS = ("classification", "regression", "multi_label", "token_classification")
 
 
-def write_evaluation(model_dir: Path, task: str, table: pd.DataFrame | None, columns: dict,
-                     device: torch.device) -> dict | None:
+def write_evaluation(
+    model_dir: Path, task: str, table: pd.DataFrame | None, columns: dict, device: torch.device
+) -> dict | None:
     """Predict ``table`` (the validation rows) with the model saved in ``model_dir`` and write the
     report there (``write_report``). ``columns``: the job's ``text_column``, ``text_pair_column``
     and ``label_column``. Returns the report, or None (nothing written) without a table or for a
@@ -70,8 +71,14 @@ def write_evaluation(model_dir: Path, task: str, table: pd.DataFrame | None, col
     return write_report(model_dir, report)
 
 
-def sequence_report(task: str, label_names: list[str] | None, gold: list, rows: list[dict], texts: list[str],
-                    threshold: float | None = None) -> dict:
+def sequence_report(
+    task: str,
+    label_names: list[str] | None,
+    gold: list,
+    rows: list[dict],
+    texts: list[str],
+    threshold: float | None = None,
+) -> dict:
     """The report of a classification, multi_label or regression model from its prediction ``rows``
     (``shared.inference.loop.Predictions.rows``, in the order of ``gold`` and ``texts``). ``gold``:
     class names, lists of class names (multi_label) or numbers; ``threshold``: multi_label's
@@ -100,19 +107,45 @@ def classification_report(label_names: list[str], gold: list[str], rows: list[di
     confidence = scores.max(axis=1)
     correct = np.array(gold) == np.array(predicted)
     report = {
-        "task": "classification", "rows": len(gold), "accuracy": float(accuracy_score(gold, predicted)),
-        "per_class": {n: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(s)}
-                      for n, p, r, f, s in zip(names, precision, recall, f1, support)},
-        "averages": {average: dict(zip(("precision", "recall", "f1"), map(float, precision_recall_fscore_support(
-            gold, predicted, labels=names, average=average, zero_division=0)[:3])))
-            for average in ("macro", "micro", "weighted")},
-        "confusion_matrix": {"labels": names, "counts": counts.tolist(),
-                             "normalized": (counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)).tolist()},
+        "task": "classification",
+        "rows": len(gold),
+        "accuracy": float(accuracy_score(gold, predicted)),
+        "per_class": {
+            n: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(s)}
+            for n, p, r, f, s in zip(names, precision, recall, f1, support)
+        },
+        "averages": {
+            average: dict(
+                zip(
+                    ("precision", "recall", "f1"),
+                    map(
+                        float,
+                        precision_recall_fscore_support(
+                            gold, predicted, labels=names, average=average, zero_division=0
+                        )[:3],
+                    ),
+                )
+            )
+            for average in ("macro", "micro", "weighted")
+        },
+        "confusion_matrix": {
+            "labels": names,
+            "counts": counts.tolist(),
+            "normalized": (counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)).tolist(),
+        },
         "calibration": calibration(confidence, correct),
         "unknown_labels": unknown,
-        "mistakes": [{"row": int(i), "text": texts[i][:TEXT_CHARS], "label": gold[i], "prediction": predicted[i],
-                      "score": float(confidence[i])}
-                     for i in np.argsort(-confidence, kind="stable") if not correct[i]][:MISTAKES],
+        "mistakes": [
+            {
+                "row": int(i),
+                "text": texts[i][:TEXT_CHARS],
+                "label": gold[i],
+                "prediction": predicted[i],
+                "score": float(confidence[i]),
+            }
+            for i in np.argsort(-confidence, kind="stable")
+            if not correct[i]
+        ][:MISTAKES],
     }
     if len(label_names) == 2:
         positive = np.array(gold) == label_names[1]
@@ -127,14 +160,20 @@ def calibration(confidence: np.ndarray, correct: np.ndarray) -> dict:
     non-empty bin of the top label's probability, its mean ``confidence``, ``accuracy`` and ``count``
     (``sklearn.calibration.calibration_curve``, uniform bins)."""
     confidence = np.clip(confidence, 0.0, 1.0)
-    accuracy, mean_confidence = calibration_curve(correct, confidence, n_bins=CALIBRATION_BINS, strategy="uniform",
-                                                  pos_label=True)
+    accuracy, mean_confidence = calibration_curve(
+        correct, confidence, n_bins=CALIBRATION_BINS, strategy="uniform", pos_label=True
+    )
     bins = np.searchsorted(np.linspace(0, 1, CALIBRATION_BINS + 1)[1:-1], confidence)  # calibration_curve's bins
     counts = np.bincount(bins, minlength=CALIBRATION_BINS)
     counts = counts[counts > 0]
     ece = float(np.sum(counts / len(confidence) * np.abs(accuracy - mean_confidence)))
-    return {"ece": ece, "bins": [{"confidence": float(c), "accuracy": float(a), "count": int(n)}
-                                 for c, a, n in zip(mean_confidence, accuracy, counts)]}
+    return {
+        "ece": ece,
+        "bins": [
+            {"confidence": float(c), "accuracy": float(a), "count": int(n)}
+            for c, a, n in zip(mean_confidence, accuracy, counts)
+        ],
+    }
 
 
 def multi_label_report(label_names: list[str], gold: list[list[str]], rows: list[dict], threshold: float) -> dict:
@@ -148,12 +187,23 @@ def multi_label_report(label_names: list[str], gold: list[list[str]], rows: list
         y_pred[i, [index[n] for n in row["labels"]]] = 1
     precision, recall, f1, support = precision_recall_fscore_support(y_true, y_pred, zero_division=0)
     return {
-        "task": "multi_label", "rows": len(gold), "threshold": threshold,
+        "task": "multi_label",
+        "rows": len(gold),
+        "threshold": threshold,
         "subset_accuracy": float(accuracy_score(y_true, y_pred)),
-        "per_label": {n: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(s)}
-                      for n, p, r, f, s in zip(label_names, precision, recall, f1, support)},
-        "averages": {average: dict(zip(("precision", "recall", "f1"), map(float, precision_recall_fscore_support(
-            y_true, y_pred, average=average, zero_division=0)[:3]))) for average in ("macro", "micro")},
+        "per_label": {
+            n: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(s)}
+            for n, p, r, f, s in zip(label_names, precision, recall, f1, support)
+        },
+        "averages": {
+            average: dict(
+                zip(
+                    ("precision", "recall", "f1"),
+                    map(float, precision_recall_fscore_support(y_true, y_pred, average=average, zero_division=0)[:3]),
+                )
+            )
+            for average in ("macro", "micro")
+        },
         "unknown_labels": sorted({n for labels in gold for n in labels} - set(label_names)),
     }
 
@@ -164,24 +214,35 @@ def regression_report(gold: np.ndarray, predicted: np.ndarray, texts: list[str])
     residuals = predicted - gold
     varied = len(gold) > 1 and np.ptp(gold) > 0 and np.ptp(predicted) > 0
     return {
-        "task": "regression", "rows": len(gold), "mae": float(mean_absolute_error(gold, predicted)),
+        "task": "regression",
+        "rows": len(gold),
+        "mae": float(mean_absolute_error(gold, predicted)),
         "rmse": float(np.sqrt(mean_squared_error(gold, predicted))),
         "pearson_r": float(pearsonr(gold, predicted).statistic) if varied else None,
         "spearman_r": float(spearmanr(gold, predicted).statistic) if varied else None,
         "residuals": {"label": gold.tolist(), "residual": residuals.tolist()},
-        "largest_errors": [{"row": int(i), "text": texts[i][:TEXT_CHARS], "label": float(gold[i]),
-                            "prediction": float(predicted[i]), "error": float(residuals[i])}
-                           for i in np.argsort(-np.abs(residuals), kind="stable")[:MISTAKES]],
+        "largest_errors": [
+            {
+                "row": int(i),
+                "text": texts[i][:TEXT_CHARS],
+                "label": float(gold[i]),
+                "prediction": float(predicted[i]),
+                "error": float(residuals[i]),
+            }
+            for i in np.argsort(-np.abs(residuals), kind="stable")[:MISTAKES]
+        ],
     }
 
 
 def predict_words(loaded: LoadedModel, words: list[list[str]]) -> list[list[str]]:
     """Each sentence's predicted tag per word, from the word's first subword (as validation scores
     words: ``worker.tagging``); words cut off by truncation at the model's ``max_length`` get none."""
-    encoded = loaded.tokenizer(words, is_split_into_words=True, truncation=True, max_length=loaded.model_max_length,
-                               padding=False)
-    features = [{k: encoded[k][i] for k in loaded.tokenizer.model_input_names if k in encoded}
-                for i in range(len(words))]
+    encoded = loaded.tokenizer(
+        words, is_split_into_words=True, truncation=True, max_length=loaded.model_max_length, padding=False
+    )
+    features = [
+        {k: encoded[k][i] for k in loaded.tokenizer.model_input_names if k in encoded} for i in range(len(words))
+    ]
     ladder = job_ladder(loaded.model_max_length, None, False, loaded.device.type == "cuda")
     budget = DEFAULT_MAX_TOKENS.get(loaded.device.type, DEFAULT_MAX_TOKENS["cpu"])
     lengths = np.array([len(f["input_ids"]) for f in features])
@@ -194,18 +255,23 @@ def predict_words(loaded: LoadedModel, words: list[list[str]]) -> list[list[str]
     return tags
 
 
-def token_report(label_names: list[str], gold: list[list[str]], predicted: list[list[str]],
-                 words: list[list[str]]) -> dict:
+def token_report(
+    label_names: list[str], gold: list[list[str]], predicted: list[list[str]], words: list[list[str]]
+) -> dict:
     """seqeval's entity-level report (``tagging_metrics``: overall and per entity type) and the
     ``MISTAKES`` sentences with the most wrongly tagged words. Gold tags of words the prediction
     does not reach (truncated) are left out, as in validation."""
-    gold = [g[:len(p)] for g, p in zip(gold, predicted)]
+    gold = [g[: len(p)] for g, p in zip(gold, predicted)]
     errors = np.array([sum(a != b for a, b in zip(g, p)) for g, p in zip(gold, predicted)])
     return {
-        "task": "token_classification", "rows": len(gold), **tagging_metrics(gold, predicted, label_names),
-        "worst_sentences": [{"row": int(i), "words": words[i], "labels": gold[i], "predictions": predicted[i],
-                             "errors": int(errors[i])}
-                            for i in np.argsort(-errors, kind="stable")[:MISTAKES] if errors[i]],
+        "task": "token_classification",
+        "rows": len(gold),
+        **tagging_metrics(gold, predicted, label_names),
+        "worst_sentences": [
+            {"row": int(i), "words": words[i], "labels": gold[i], "predictions": predicted[i], "errors": int(errors[i])}
+            for i in np.argsort(-errors, kind="stable")[:MISTAKES]
+            if errors[i]
+        ],
     }
 
 
@@ -213,13 +279,22 @@ def headline(report: dict) -> dict[str, float | None]:
     """The report's summary figures (its ``metrics``; the model card's ``model-index``)."""
     if report["task"] == "classification":
         macro = report["averages"]["macro"]
-        return {"accuracy": report["accuracy"], "f1_macro": macro["f1"], "precision_macro": macro["precision"],
-                "recall_macro": macro["recall"]}
+        return {
+            "accuracy": report["accuracy"],
+            "f1_macro": macro["f1"],
+            "precision_macro": macro["precision"],
+            "recall_macro": macro["recall"],
+        }
     if report["task"] == "multi_label":
-        return {"f1_micro": report["averages"]["micro"]["f1"], "f1_macro": report["averages"]["macro"]["f1"],
-                "subset_accuracy": report["subset_accuracy"]}
-    names = {"regression": ("mae", "rmse", "pearson_r", "spearman_r"),
-             "token_classification": ("entity_precision", "entity_recall", "entity_f1", "token_accuracy")}
+        return {
+            "f1_micro": report["averages"]["micro"]["f1"],
+            "f1_macro": report["averages"]["macro"]["f1"],
+            "subset_accuracy": report["subset_accuracy"],
+        }
+    names = {
+        "regression": ("mae", "rmse", "pearson_r", "spearman_r"),
+        "token_classification": ("entity_precision", "entity_recall", "entity_f1", "token_accuracy"),
+    }
     return {name: report[name] for name in names[report["task"]]}
 
 
@@ -245,8 +320,13 @@ def figures(report: dict) -> dict[str, bytes]:
         fig = Figure(figsize=(2 + 0.5 * len(names), 1.5 + 0.5 * len(names)), dpi=100, layout="constrained")
         ax = fig.add_subplot()
         image = ax.imshow(normalized, cmap="Blues", vmin=0, vmax=1)
-        ax.set(xticks=range(len(names)), yticks=range(len(names)), xlabel="predicted", ylabel="gold",
-               title="confusion matrix (row-normalized)")
+        ax.set(
+            xticks=range(len(names)),
+            yticks=range(len(names)),
+            xlabel="predicted",
+            ylabel="gold",
+            title="confusion matrix (row-normalized)",
+        )
         ax.set_xticklabels(names, rotation=45, ha="right")
         ax.set_yticklabels(names)
         if len(names) <= 20:
@@ -259,8 +339,13 @@ def figures(report: dict) -> dict[str, bytes]:
         bins = report["calibration"]["bins"]
         ax.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfectly calibrated")
         ax.plot([b["confidence"] for b in bins], [b["accuracy"] for b in bins], marker="o", label="model")
-        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (top label's probability)", ylabel="accuracy",
-               title=f"reliability diagram (ECE {report['calibration']['ece']:.3f})")
+        ax.set(
+            xlim=(0, 1),
+            ylim=(0, 1),
+            xlabel="confidence (top label's probability)",
+            ylabel="accuracy",
+            title=f"reliability diagram (ECE {report['calibration']['ece']:.3f})",
+        )
         ax.legend(loc="upper left")
         pictures["reliability_diagram.png"] = png_of(fig)
     elif report["task"] == "regression":

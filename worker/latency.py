@@ -15,8 +15,9 @@ from worker.data import JobData
 from worker.reporter import Reporter
 
 
-def record_latency(job, data: JobData, model_dir: Path, device: torch.device, reporter: Reporter, step: int,
-                   epoch: float) -> float | None:
+def record_latency(
+    job, data: JobData, model_dir: Path, device: torch.device, reporter: Reporter, step: int, epoch: float
+) -> float | None:
     """Measure and store the saved model's latency if ``job`` is a trial of a sweep with a
     ``latency_ms`` objective; returns it (None otherwise).
 
@@ -33,6 +34,8 @@ def record_latency(job, data: JobData, model_dir: Path, device: torch.device, re
     value = latency_ms(model_dir, device, precision, texts, pairs)
     reporter.log(step, epoch, {f"eval_{LATENCY}": value})
     reporter.flush()
-    reporter.event(LATENCY, f"latency_ms {value:.2f}: the median of {REPEATS} predictions of {len(texts)} "
-                   f"validation texts at {precision}")
+    reporter.event(
+        LATENCY,
+        f"latency_ms {value:.2f}: the median of {REPEATS} predictions of {len(texts)} validation texts at {precision}",
+    )
     return value

@@ -15,8 +15,11 @@ from worker.data import JobData
 
 CARD = "README.md"
 # else text-classification
-PIPELINE_TAGS = {"token_classification": "token-classification", "embedding": "sentence-similarity",
-                 "reranking": "text-ranking"}
+PIPELINE_TAGS = {
+    "token_classification": "token-classification",
+    "embedding": "sentence-similarity",
+    "reranking": "text-ranking",
+}
 MODEL_CLASSES = {"token_classification": "AutoModelForTokenClassification"}  # else ...SequenceClassification
 TEMPLATE = """---
 {{ card_data }}
@@ -64,8 +67,9 @@ _For the model's owner to fill in: what it is for, what it is not for, and the d
 """
 
 
-def write_model_card(directory: Path, job: Job, data: JobData | None, report: dict | None, hardware: str,
-                     timings: dict) -> ModelCard:
+def write_model_card(
+    directory: Path, job: Job, data: JobData | None, report: dict | None, hardware: str, timings: dict
+) -> ModelCard:
     """Write ``README.md`` into the model ``directory``: ``base_model``, ``pipeline_tag``,
     ``library_name``, the training dataset's id (``datasets``) and sha256 (``dataset_sha256``),
     ``model-index`` with ``report``'s ``metrics`` (none without a report), the hyperparameters,
@@ -76,22 +80,46 @@ def write_model_card(directory: Path, job: Job, data: JobData | None, report: di
     validation = job.validation_dataset_id or job.training_dataset_id or "validation"
     train_id = job.training_dataset_id
     card_data = ModelCardData(
-        model_name=job.id, base_model=job.base_model, library_name="sentence-transformers" if job.task in ("embedding", "reranking") else "transformers",
-        pipeline_tag=PIPELINE_TAGS.get(job.task, "text-classification"), datasets=[train_id] if train_id else None,
+        model_name=job.id,
+        base_model=job.base_model,
+        library_name="sentence-transformers" if job.task in ("embedding", "reranking") else "transformers",
+        pipeline_tag=PIPELINE_TAGS.get(job.task, "text-classification"),
+        datasets=[train_id] if train_id else None,
         dataset_sha256={train_id: data.train_sha256} if train_id and data else None,
-        eval_results=[EvalResult(task_type=PIPELINE_TAGS.get(job.task, "text-classification"),
-                                 dataset_type=validation, dataset_name=validation, dataset_split="validation",
-                                 dataset_revision=data.validation_sha256 if data else None,
-                                 metric_type=name, metric_value=value)
-                      for name, value in metrics.items() if value is not None] or None)
+        eval_results=[
+            EvalResult(
+                task_type=PIPELINE_TAGS.get(job.task, "text-classification"),
+                dataset_type=validation,
+                dataset_name=validation,
+                dataset_split="validation",
+                dataset_revision=data.validation_sha256 if data else None,
+                metric_type=name,
+                metric_value=value,
+            )
+            for name, value in metrics.items()
+            if value is not None
+        ]
+        or None,
+    )
     held_out = f"{job.spec.get('validation_split')} of the training rows, held out" if report else "none"
     card = ModelCard.from_template(
-        card_data, template_str=TEMPLATE, job=job, labels=", ".join(job.label_names or []), metrics=metrics,
+        card_data,
+        template_str=TEMPLATE,
+        job=job,
+        labels=", ".join(job.label_names or []),
+        metrics=metrics,
         train_sha256=data.train_sha256 if data else None,
-        validation=(f"`{job.validation_dataset_id}` (sha256 `{data.validation_sha256 if data else None}`)"
-                    if job.validation_dataset_id else held_out),
-        hyperparameters=job.spec["hyperparameters"], train_seconds=timings.get("train"),
-        total_seconds=timings.get("total"), hardware=hardware,
-        model_class=MODEL_CLASSES.get(job.task, "AutoModelForSequenceClassification"), card=card_data)
+        validation=(
+            f"`{job.validation_dataset_id}` (sha256 `{data.validation_sha256 if data else None}`)"
+            if job.validation_dataset_id
+            else held_out
+        ),
+        hyperparameters=job.spec["hyperparameters"],
+        train_seconds=timings.get("train"),
+        total_seconds=timings.get("total"),
+        hardware=hardware,
+        model_class=MODEL_CLASSES.get(job.task, "AutoModelForSequenceClassification"),
+        card=card_data,
+    )
     card.save(directory / CARD)
     return card

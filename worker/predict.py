@@ -47,8 +47,10 @@ from worker.device import describe
 from worker.evaluation import sequence_report, write_report
 from worker.reporter import Reporter
 
-INT8_WAYS = {"compiled": "int8: torchao PT2E dynamic quantization compiled by inductor, under bf16 autocast",
-             "eager": "int8: eager dynamic quantization of the Linear layers (torch.ao quantize_dynamic)"}
+INT8_WAYS = {
+    "compiled": "int8: torchao PT2E dynamic quantization compiled by inductor, under bf16 autocast",
+    "eager": "int8: eager dynamic quantization of the Linear layers (torch.ao quantize_dynamic)",
+}
 
 
 @dataclass
@@ -108,8 +110,9 @@ def model_cache(device: torch.device, embedding: bool = False) -> ModelCache:
     is kept with it); ``embedding``: the embedding models' cache (``load_embedder``)."""
     key = f"{device}|{'embedding' if embedding else 'head'}"
     if key not in _model_caches:
-        _model_caches[key] = ModelCache(max(1, get_settings().worker_model_cache), device,
-                                        load=load_embedder if embedding else load_for_inference)
+        _model_caches[key] = ModelCache(
+            max(1, get_settings().worker_model_cache), device, load=load_embedder if embedding else load_for_inference
+        )
     return _model_caches[key]
 
 
@@ -129,10 +132,13 @@ def setup(job: Job, device: torch.device, reporter: Reporter) -> Scoring:
     cached = key in cache.keys()
     loaded = cache.get(key, directory, spec.precision).loaded
     if isinstance(loaded.model, Int8Model):
-        reporter.event("int8", INT8_WAYS[loaded.model.way] + (f" (the compiled model failed: {loaded.model.fallback})"
-                                                             if loaded.model.fallback else "")
-                       + (" (kept loaded by this worker since an earlier job: not compiled again)" if cached else ""),
-                       level="warning" if loaded.model.fallback else "info")
+        reporter.event(
+            "int8",
+            INT8_WAYS[loaded.model.way]
+            + (f" (the compiled model failed: {loaded.model.fallback})" if loaded.model.fallback else "")
+            + (" (kept loaded by this worker since an earlier job: not compiled again)" if cached else ""),
+            level="warning" if loaded.model.fallback else "info",
+        )
     with read_session() as s:
         dataset = s.get(Dataset, job.training_dataset_id)
     directory = results_dir(job.id)
@@ -140,8 +146,11 @@ def setup(job: Job, device: torch.device, reporter: Reporter) -> Scoring:
     run = Scoring(job, spec, loaded, dataset, directory, len(parts), part_counts(parts))
     if parts:
         reporter.event("resumed", f"resuming after {run.counts['rows']} rows already written in {len(parts)} parts")
-    reporter.progress(device=describe(device), step=run.counts["rows"],
-                      timings={**(job.timings or {}), "load": round(time.perf_counter() - start, 3)})
+    reporter.progress(
+        device=describe(device),
+        step=run.counts["rows"],
+        timings={**(job.timings or {}), "load": round(time.perf_counter() - start, 3)},
+    )
     return run
 
 
@@ -173,23 +182,34 @@ def score_part(run: Scoring, part: PredictionBatch, max_length: int) -> tuple[pa
     if isinstance(run.loaded, LoadedEmbedder):
         embedded = embed_texts(run.loaded, part.texts, max_length=max_length, batch_size=run.spec.batch_size)
         return embedding_table(part.ids, embedded.vectors, id_type(run.job.spec)), {
-            "rows": len(part.texts), "truncated": embedded.truncated, "tokens": embedded.tokens,
-            "padded_tokens": embedded.padded_tokens}
-    predictions = predict_texts(run.loaded, part.texts, part.pairs, max_length,
-                                max_tokens(run.spec.batch_size, max_length))
+            "rows": len(part.texts),
+            "truncated": embedded.truncated,
+            "tokens": embedded.tokens,
+            "padded_tokens": embedded.padded_tokens,
+        }
+    predictions = predict_texts(
+        run.loaded, part.texts, part.pairs, max_length, max_tokens(run.spec.batch_size, max_length)
+    )
     table = results_table(part.ids, run.loaded.task, run.loaded.label_names, predictions.rows, id_type(run.job.spec))
-    return table, {"rows": len(part.texts), "truncated": predictions.truncated, "tokens": predictions.tokens,
-                   "padded_tokens": predictions.padded_tokens}
+    return table, {
+        "rows": len(part.texts),
+        "truncated": predictions.truncated,
+        "tokens": predictions.tokens,
+        "padded_tokens": predictions.padded_tokens,
+    }
 
 
 def result(run: Scoring) -> dict:
     """The job's ``PredictionResult``: the counts so far, with this attempt's rates."""
     seconds = max(time.perf_counter() - run.started, 1e-9)
     counts = run.counts
-    return {**counts, "max_length": run.spec.max_length,
-            "padding_efficiency": counts["tokens"] / counts["padded_tokens"] if counts["padded_tokens"] else None,
-            "tokens_per_second": run.scored["tokens"] / seconds if run.scored["rows"] else None,
-            "rows_per_second": run.scored["rows"] / seconds if run.scored["rows"] else None}
+    return {
+        **counts,
+        "max_length": run.spec.max_length,
+        "padding_efficiency": counts["tokens"] / counts["padded_tokens"] if counts["padded_tokens"] else None,
+        "tokens_per_second": run.scored["tokens"] / seconds if run.scored["rows"] else None,
+        "rows_per_second": run.scored["rows"] / seconds if run.scored["rows"] else None,
+    }
 
 
 def report_progress(run: Scoring, reporter: Reporter) -> None:
@@ -205,8 +225,11 @@ def finish(run: Scoring, reporter: Reporter) -> None:
     summary = result(run)
     reporter.progress(step=run.counts["rows"], total_steps=run.counts["rows"], eta_seconds=0.0, train_metrics=summary)
     reporter.flush()
-    reporter.event("results", f"{summary['rows']} rows scored; {summary['truncated']} texts longer than "
-                   f"max_length {run.spec.max_length} were truncated")
+    reporter.event(
+        "results",
+        f"{summary['rows']} rows scored; {summary['truncated']} texts longer than "
+        f"max_length {run.spec.max_length} were truncated",
+    )
     if run.spec.label_column is not None:
         evaluate_test_set(run, reporter)
 
@@ -222,15 +245,23 @@ def evaluate_test_set(run: Scoring, reporter: Reporter) -> dict:
     assert cols.label is not None  # the spec has a label_column
     table, _ = read_job_table(objects.dataset_file(run.dataset), run.dataset.format, run.dataset.filename, cols)
     rows = [row for part in result_tables(written_parts(run.directory)) for row in part.to_pylist()]
-    report = sequence_report(run.loaded.task, run.loaded.label_names, table[cols.label].tolist(), rows,
-                             table[cols.text].tolist(), run.loaded.decision_threshold)
+    report = sequence_report(
+        run.loaded.task,
+        run.loaded.label_names,
+        table[cols.label].tolist(),
+        rows,
+        table[cols.text].tolist(),
+        run.loaded.decision_threshold,
+    )
     report = write_report(run.directory, report)
     for name in [artifacts.EVALUATION, *report["figures"]]:
         objects.store().publish(run.directory / name)
     figures = ", ".join(f"{k} {v:.4f}" for k, v in report["metrics"].items() if v is not None)
     unknown = report.get("unknown_labels") or []
-    counted = (f"; labels the model does not know, counted as errors: {', '.join(map(repr, unknown))}"
-               if unknown else "")
-    reporter.event("evaluation", f"test set report on {report['rows']} rows: {figures}{counted}",
-                   level="warning" if unknown else "info")
+    counted = f"; labels the model does not know, counted as errors: {', '.join(map(repr, unknown))}" if unknown else ""
+    reporter.event(
+        "evaluation",
+        f"test set report on {report['rows']} rows: {figures}{counted}",
+        level="warning" if unknown else "info",
+    )
     return report

@@ -25,8 +25,9 @@ class Reporter:
 
     CANCEL_CHECK_SECONDS = 1.0
 
-    def __init__(self, job_id: str, worker_id: str, stop_flags: dict[str, threading.Event] | None = None,
-                 trial: bool = False):
+    def __init__(
+        self, job_id: str, worker_id: str, stop_flags: dict[str, threading.Event] | None = None, trial: bool = False
+    ):
         self.job_id, self.worker_id, self.trial = job_id, worker_id, trial  # trial: of a sweep (shared.jobs.sweeps)
         self.stop_flags = stop_flags or {}  # e.g. {"shutdown": <SIGTERM seen>, "lease_lost": <heartbeat lost it>}
         self.flush_seconds = get_settings().metrics_flush_seconds
@@ -146,12 +147,15 @@ class PhaseTimer:
 def timed(phase: str):
     """Decorator: time a method of ``worker.training.recipe.Recipe`` (anything with a ``timer``) as
     ``phase`` of its ``timer``."""
+
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper(run, *args, **kwargs):
             with run.timer.phase(phase):
                 return fn(run, *args, **kwargs)
+
         return wrapper
+
     return decorate
 
 

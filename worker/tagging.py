@@ -50,8 +50,15 @@ def align_labels(word_ids: list[int | None], tags: list[int], inside: list[int] 
     return labels
 
 
-def tokenize_words(tokenizer: PreTrainedTokenizerBase, df: pd.DataFrame, words_column: str, tags_column: str,
-                   label_names: list[str], max_length: int, label_all_subwords: bool = False) -> TokenizedDataset:
+def tokenize_words(
+    tokenizer: PreTrainedTokenizerBase,
+    df: pd.DataFrame,
+    words_column: str,
+    tags_column: str,
+    label_names: list[str],
+    max_length: int,
+    label_all_subwords: bool = False,
+) -> TokenizedDataset:
     """Tokenize rows of words (``words_column``: lists of strings) with the fast tokenizer, in
     batches of ``TOKENIZE_BATCH`` rows, truncated to ``max_length`` tokens, without padding, and
     align their tags (``tags_column``: lists of names in ``label_names``) with ``align_labels``.
@@ -69,12 +76,17 @@ def tokenize_words(tokenizer: PreTrainedTokenizerBase, df: pd.DataFrame, words_c
     words, tags = df[words_column].tolist(), df[tags_column].tolist()
     encodings, labels = {}, []
     for start in range(0, len(words), TOKENIZE_BATCH):
-        enc = tokenizer(words[start:start + TOKENIZE_BATCH], is_split_into_words=True, truncation=True,
-                        max_length=max_length, padding=False)
+        enc = tokenizer(
+            words[start : start + TOKENIZE_BATCH],
+            is_split_into_words=True,
+            truncation=True,
+            max_length=max_length,
+            padding=False,
+        )
         for k in tokenizer.model_input_names:
             if k in enc:
                 encodings.setdefault(k, []).extend(enc[k])
-        for i, row_tags in enumerate(tags[start:start + TOKENIZE_BATCH]):
+        for i, row_tags in enumerate(tags[start : start + TOKENIZE_BATCH]):
             labels.append(align_labels(enc.word_ids(i), [index[t] for t in row_tags], inside))
     return TokenizedDataset(encodings, labels)
 
@@ -95,8 +107,9 @@ def inside_names(names: list[str]) -> dict[str, str] | None:
     return {name: name if name == "O" else f"I-{name}" for name in names}
 
 
-def word_sequences(predictions: list[torch.Tensor], targets: list[torch.Tensor],
-                   names: list[str]) -> tuple[list[list[str]], list[list[str]]]:
+def word_sequences(
+    predictions: list[torch.Tensor], targets: list[torch.Tensor], names: list[str]
+) -> tuple[list[list[str]], list[list[str]]]:
     """Gold and predicted tag names per example, at the positions whose target is not ``IGNORE``
     (the first subword of each word in a validation set). ``predictions`` and ``targets`` are per
     micro-batch ``[rows, width]`` ints."""
@@ -129,6 +142,13 @@ def tagging_metrics(y_true: list[list[str]], y_pred: list[list[str]], names: lis
         "entity_recall": float(overall["recall"]),
         "entity_f1": float(overall["f1-score"]),
         "token_accuracy": float(accuracy_score(y_true, y_pred)),
-        "per_entity": {kind: {"precision": float(v["precision"]), "recall": float(v["recall"]),
-                              "f1": float(v["f1-score"]), "support": int(v["support"])} for kind, v in report.items()},
+        "per_entity": {
+            kind: {
+                "precision": float(v["precision"]),
+                "recall": float(v["recall"]),
+                "f1": float(v["f1-score"]),
+                "support": int(v["support"]),
+            }
+            for kind, v in report.items()
+        },
     }

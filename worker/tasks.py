@@ -143,10 +143,19 @@ def record_outcome(job, worker_id: str, outcome: str) -> None:
         if lifecycle.finish(job_id, worker_id, outcome) and outcome in (JobStatus.SUCCEEDED, JobStatus.PRUNED):
             lifecycle.discard_checkpoints(job_id)
     elif outcome == "time_limit":
-        lifecycle.finish(job_id, worker_id, JobStatus.FAILED, {
-            "code": "time_limit", "message": f"ran past TUNEJOB_MAX_JOB_SECONDS={get_settings().max_job_seconds}"})
-    elif outcome == "shutdown" and lifecycle.requeue(job_id, worker_id, "requeued", "worker shut down (SIGTERM); "
-                                                 f"resumes from {lifecycle.RESUMES_FROM[job.kind]}", restart=False):
+        lifecycle.finish(
+            job_id,
+            worker_id,
+            JobStatus.FAILED,
+            {"code": "time_limit", "message": f"ran past TUNEJOB_MAX_JOB_SECONDS={get_settings().max_job_seconds}"},
+        )
+    elif outcome == "shutdown" and lifecycle.requeue(
+        job_id,
+        worker_id,
+        "requeued",
+        f"worker shut down (SIGTERM); resumes from {lifecycle.RESUMES_FROM[job.kind]}",
+        restart=False,
+    ):
         send(job_id)
     if job.sweep_id is not None:  # the trials its end asked for (shared.jobs.sweeps)
         send_trials(job.sweep_id)
@@ -160,23 +169,36 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
     )
     from worker.reporter import Reporter
 
-    reporter = Reporter(job.id, worker_id, stop_flags={"shutdown": stopping, "lease_lost": heartbeat.lease_lost},
-                        trial=job.sweep_id is not None)
+    reporter = Reporter(
+        job.id,
+        worker_id,
+        stop_flags={"shutdown": stopping, "lease_lost": heartbeat.lease_lost},
+        trial=job.sweep_id is not None,
+    )
     try:
         device, note = resolve_device(get_settings().device)
         if note:
             reporter.event("device", note, level="warning")
         return recipe(job.kind)(job, device, reporter)
     except UserError as e:  # deterministic: the same input fails the same way, so no retry
-        lifecycle.finish(job.id, worker_id, JobStatus.FAILED, {"code": e.code, "message": e.message,
-                                                          **({"problems": e.problems} if e.problems else {})})
+        lifecycle.finish(
+            job.id,
+            worker_id,
+            JobStatus.FAILED,
+            {"code": e.code, "message": e.message, **({"problems": e.problems} if e.problems else {})},
+        )
         return JobStatus.FAILED
     except Exception as e:
         log.exception("job %s failed unexpectedly", job.id)
         message = f"{type(e).__name__}: {e}"
         countdown = restart_countdown(job.restarts)
-        if lifecycle.requeue(job.id, worker_id, "job_restarted",
-                             f"unexpected error, retrying in {countdown:g} s: {message}", restart=True):
+        if lifecycle.requeue(
+            job.id,
+            worker_id,
+            "job_restarted",
+            f"unexpected error, retrying in {countdown:g} s: {message}",
+            restart=True,
+        ):
             send(job.id, countdown=countdown)
         return "error"
 

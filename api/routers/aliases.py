@@ -12,15 +12,24 @@ router = APIRouter(prefix="/models/aliases", tags=["models"])
 
 def _out(alias: str, caller) -> AliasOut:
     row, history = aliases.get_alias(alias, caller)
-    return AliasOut(alias=row.alias, job_id=row.job_id, updated_at=row.updated_at, updated_by=row.updated_by,
-                    history=[AliasChangeOut.model_validate(c) for c in history])
+    return AliasOut(
+        alias=row.alias,
+        job_id=row.job_id,
+        updated_at=row.updated_at,
+        updated_by=row.updated_by,
+        history=[AliasChangeOut.model_validate(c) for c in history],
+    )
 
 
 @router.get("")
 def list_aliases(caller: CallerDep) -> dict[str, list[dict]]:
     """Your tenant's aliases and the jobs they name."""
-    return {"data": [{"alias": a.alias, "job_id": a.job_id, "updated_at": a.updated_at, "updated_by": a.updated_by}
-                     for a in aliases.list_aliases(caller)]}
+    return {
+        "data": [
+            {"alias": a.alias, "job_id": a.job_id, "updated_at": a.updated_at, "updated_by": a.updated_by}
+            for a in aliases.list_aliases(caller)
+        ]
+    }
 
 
 @router.put("/{alias}", responses=error_responses(404, 409, 422))

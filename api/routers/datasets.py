@@ -12,10 +12,16 @@ from shared.store import idempotency
 router = APIRouter(tags=["datasets"])
 
 
-@router.post("/datasets", status_code=201, openapi_extra=upload_body(), responses=error_responses(409, 413, 415, 422),
-             response_model=DatasetOut)
-async def upload_dataset(request: Request, caller: CallerDep,
-                         idempotency_key: IdempotencyKey = None) -> DatasetOut | JSONResponse:
+@router.post(
+    "/datasets",
+    status_code=201,
+    openapi_extra=upload_body(),
+    responses=error_responses(409, 413, 415, 422),
+    response_model=DatasetOut,
+)
+async def upload_dataset(
+    request: Request, caller: CallerDep, idempotency_key: IdempotencyKey = None
+) -> DatasetOut | JSONResponse:
     """Upload a CSV, TSV, JSONL or Parquet file (multipart field ``file``).
 
     The body is streamed to disk and refused with 413 as soon as it passes

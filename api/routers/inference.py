@@ -37,20 +37,30 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
     answer is the job id it named."""
     limit = get_settings().max_sync_inputs
     if len(body.inputs) > limit:
-        raise UserError("too_many_inputs", f"inputs has {len(body.inputs)} items; at most {limit} are answered "
-                        "at once (max_sync_inputs)", "inputs")
+        raise UserError(
+            "too_many_inputs",
+            f"inputs has {len(body.inputs)} items; at most {limit} are answered at once (max_sync_inputs)",
+            "inputs",
+        )
     job_id = aliases.resolve(job_id, caller)
     cached = model_cache().get(job_id, trained_model_dir(job_id, caller))
     texts, pairs = split_inputs(body.inputs)
     if pairs is not None and cached.loaded.task == "token_classification":
-        raise UserError("invalid_inputs", f"job {job_id!r} is a token_classification model: inputs are texts, "
-                        "not [text, text_pair] pairs", "inputs")
+        raise UserError(
+            "invalid_inputs",
+            f"job {job_id!r} is a token_classification model: inputs are texts, not [text, text_pair] pairs",
+            "inputs",
+        )
     from shared.inference.loop import predict_texts
 
     with cached.lock:
         predictions = predict_texts(cached.loaded, texts, pairs, body.max_length)
-    return PredictOut(model=job_id, predictions=predictions.rows, truncated=predictions.truncated,
-                      max_length=body.max_length or cached.loaded.model_max_length)
+    return PredictOut(
+        model=job_id,
+        predictions=predictions.rows,
+        truncated=predictions.truncated,
+        max_length=body.max_length or cached.loaded.model_max_length,
+    )
 
 
 @router.post("/models/{job_id}/embed", responses=error_responses(404, 409, 422))
@@ -59,8 +69,14 @@ def embed(job_id: str, body: EmbedIn, caller: CallerDep) -> EmbedOut:
     job (or a base model, by name), in input order: the vectors ``SentenceTransformer(path).encode``
     gives for the job's artifact. Texts longer than the job's ``max_length`` are truncated and counted."""
     result, loaded = embed_texts_with(job_id, body.inputs, body.normalize, caller, "inputs")
-    return EmbedOut(model=job_id, embeddings=result.vectors.tolist(), dimensions=loaded.dimensions,
-                    tokens=result.tokens, truncated=result.truncated, max_length=loaded.max_length)
+    return EmbedOut(
+        model=job_id,
+        embeddings=result.vectors.tolist(),
+        dimensions=loaded.dimensions,
+        tokens=result.tokens,
+        truncated=result.truncated,
+        max_length=loaded.max_length,
+    )
 
 
 @router.post("/models/{job_id}/rerank", responses=error_responses(404, 409, 422))
@@ -70,20 +86,24 @@ def rerank(job_id: str, body: RerankIn, caller: CallerDep) -> RerankOut:
     first; ``top_n`` keeps the best few."""
     limit = get_settings().max_sync_inputs
     if len(body.documents) > limit:
-        raise UserError("too_many_inputs", f"documents has {len(body.documents)} items; at most {limit} are "
-                        "answered at once (max_sync_inputs)", "documents")
+        raise UserError(
+            "too_many_inputs",
+            f"documents has {len(body.documents)} items; at most {limit} are answered at once (max_sync_inputs)",
+            "documents",
+        )
     job_id = aliases.resolve(job_id, caller)
     job, model_dir = trained_model(job_id, caller)
     if job.task != "reranking":
-        raise UserError("unsupported_task", f"job {job_id!r} was trained for {job.task}; reranking needs a "
-                        "reranking job", "job_id")
+        raise UserError(
+            "unsupported_task", f"job {job_id!r} was trained for {job.task}; reranking needs a reranking job", "job_id"
+        )
     cached = model_cache().get(job_id, model_dir)
     from shared.inference.loop import predict_texts
 
     with cached.lock:
         rows = predict_texts(cached.loaded, [body.query] * len(body.documents), body.documents).rows
     scores = [1 / (1 + math.exp(-row["value"])) for row in rows]
-    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n]
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n]
     return RerankOut(model=job_id, results=[RerankResult(index=i, relevance_score=scores[i]) for i in order])
 
 
@@ -97,8 +117,11 @@ def embed_texts_with(ref: str, texts: list[str], normalize: bool, caller: Caller
     """
     limit = get_settings().max_sync_inputs
     if len(texts) > limit:
-        raise UserError("too_many_inputs", f"{param} has {len(texts)} items; at most {limit} are answered at once "
-                        "(max_sync_inputs)", param)
+        raise UserError(
+            "too_many_inputs",
+            f"{param} has {len(texts)} items; at most {limit} are answered at once (max_sync_inputs)",
+            param,
+        )
     model_dir = embedding_model(aliases.resolve(ref, caller), caller)
     cached = embedder_cache().get(str(model_dir), model_dir)
     from shared.inference.embed import embed_texts

@@ -24,13 +24,20 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
 Status = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled|pruned)$")]
 MAX_STEP = 2**31 - 1  # steps are stored as 32-bit integers (PostgreSQL INTEGER)
 # Built once: polling clients ask for a job's new metrics all the time.
-METRICS_AFTER_STEP = (select(JobMetric)
-                      .where(JobMetric.job_id == bindparam("job_id"), JobMetric.step > bindparam("after_step"))
-                      .order_by(JobMetric.step, JobMetric.id).limit(bindparam("limit")))
+METRICS_AFTER_STEP = (
+    select(JobMetric)
+    .where(JobMetric.job_id == bindparam("job_id"), JobMetric.step > bindparam("after_step"))
+    .order_by(JobMetric.step, JobMetric.id)
+    .limit(bindparam("limit"))
+)
 
 
-@router.post("", status_code=201, response_model=JobOut, responses={
-    200: {"model": DryRunOut, "description": "dry_run=true: the job's plan; nothing is stored or queued"}})
+@router.post(
+    "",
+    status_code=201,
+    response_model=JobOut,
+    responses={200: {"model": DryRunOut, "description": "dry_run=true: the job's plan; nothing is stored or queued"}},
+)
 def create_job(spec: JobCreate, caller: CallerDep, dry_run: bool = False, idempotency_key: IdempotencyKey = None):
     """Validate the spec against its model and data, store the job, then queue its id.
 
@@ -49,12 +56,14 @@ def create_job(spec: JobCreate, caller: CallerDep, dry_run: bool = False, idempo
 
 
 @router.get("")
-def list_jobs(caller: CallerDep, status: Status = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
-              cursor: str | None = None) -> JobList:
+def list_jobs(
+    caller: CallerDep, status: Status = None, limit: Annotated[int, Query(ge=1, le=100)] = 20, cursor: str | None = None
+) -> JobList:
     """Jobs, newest first. Pass ``next_cursor`` back as ``cursor`` for the next page."""
     page, has_more = lifecycle.list_jobs(caller, limit, cursor, status, param="cursor")
-    return JobList(data=with_positions([lifecycle.to_out(j) for j in page]),
-                   next_cursor=page[-1].id if has_more else None)
+    return JobList(
+        data=with_positions([lifecycle.to_out(j) for j in page]), next_cursor=page[-1].id if has_more else None
+    )
 
 
 @router.get("/{job_id}")
@@ -79,13 +88,16 @@ def cancel_job(job_id: str, caller: CallerDep) -> JobOut:
 
 
 @router.get("/{job_id}/metrics")
-async def job_metrics(job_id: str, caller: CallerDep, after_step: Annotated[int, Query(ge=-1, le=MAX_STEP)] = -1,
-                      limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000) -> dict[str, list[MetricOut]]:
+async def job_metrics(
+    job_id: str,
+    caller: CallerDep,
+    after_step: Annotated[int, Query(ge=-1, le=MAX_STEP)] = -1,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+) -> dict[str, list[MetricOut]]:
     """The metric series (step, epoch, name, value, time), ordered by step. A value that was not
     finite (NaN, Infinity) is null, with ``nonfinite`` true."""
     await db.job(job_id, caller)
-    return {"data": await db.cached(("metrics", job_id, after_step, limit), _metrics, job_id, after_step,
-                                       limit=limit)}
+    return {"data": await db.cached(("metrics", job_id, after_step, limit), _metrics, job_id, after_step, limit=limit)}
 
 
 def _metrics(job_id: str, after_step: int, limit: int) -> list[MetricOut]:
@@ -115,8 +127,9 @@ def job_checkpoints(job_id: str, caller: CallerDep) -> dict[str, list[Checkpoint
 
 
 @router.get("/{job_id}/checkpoints/{step}/model.tar")
-def download_checkpoint(job_id: str, step: Annotated[int, Path(ge=0, le=MAX_STEP)], caller: CallerDep
-                        ) -> StreamingResponse:
+def download_checkpoint(
+    job_id: str, step: Annotated[int, Path(ge=0, le=MAX_STEP)], caller: CallerDep
+) -> StreamingResponse:
     """A checkpoint's model (weights, config, tokenizer; not the optimizer state) as an uncompressed
     tar, e.g. of a running job. Checkpoints beyond ``save_total_limit`` are rotated away, and a
     succeeded job's are deleted (its model is in the artifacts)."""
@@ -128,8 +141,12 @@ def download_checkpoint(job_id: str, step: Annotated[int, Path(ge=0, le=MAX_STEP
 def list_artifacts(job_id: str, caller: CallerDep) -> dict[str, list[ArtifactOut]]:
     """The job's downloadable files once it succeeded: ``model.tar`` (the model directory, ready
     for ``transformers``), ``metrics.json``, and each file of the model as ``model/<name>``."""
-    return {"data": [ArtifactOut(name=name, bytes=size, url=f"/jobs/{job_id}/artifacts/{name}")
-                     for name, size in artifacts.listing(lifecycle.model_files(job_id, caller)).items()]}
+    return {
+        "data": [
+            ArtifactOut(name=name, bytes=size, url=f"/jobs/{job_id}/artifacts/{name}")
+            for name, size in artifacts.listing(lifecycle.model_files(job_id, caller)).items()
+        ]
+    }
 
 
 @router.get("/{job_id}/artifacts/model/{filename:path}")
@@ -147,8 +164,11 @@ def download_artifact(job_id: str, name: str, caller: CallerDep):
     if files and name == "model.tar":
         return _tar_response(artifacts.TarStream(files), f"{job_id}-model.tar")
     if files and name == "model.tar.gz":
-        return StreamingResponse(artifacts.gzip_stream(iter(artifacts.TarStream(files))), media_type="application/gzip",
-                                 headers={"Content-Disposition": f'attachment; filename="{job_id}-model.tar.gz"'})
+        return StreamingResponse(
+            artifacts.gzip_stream(iter(artifacts.TarStream(files))),
+            media_type="application/gzip",
+            headers={"Content-Disposition": f'attachment; filename="{job_id}-model.tar.gz"'},
+        )
     return _file(files, name if name == artifacts.METRICS else "", name)
 
 
@@ -162,10 +182,16 @@ def _file(files: dict, filename: str, name: str) -> Response:
         return FileResponse(source, filename=basename, media_type="application/octet-stream")
     if url := objects.store().presigned_url(source):
         return RedirectResponse(url, status_code=307)
-    return StreamingResponse(source.achunks(), media_type="application/octet-stream", headers={
-        "Content-Length": str(source.size), "Content-Disposition": f'attachment; filename="{basename}"'})
+    return StreamingResponse(
+        source.achunks(),
+        media_type="application/octet-stream",
+        headers={"Content-Length": str(source.size), "Content-Disposition": f'attachment; filename="{basename}"'},
+    )
 
 
 def _tar_response(tar: artifacts.TarStream, filename: str) -> StreamingResponse:
-    return StreamingResponse(tar, media_type="application/x-tar", headers={
-        "Content-Length": str(tar.size), "Content-Disposition": f'attachment; filename="{filename}"'})
+    return StreamingResponse(
+        tar,
+        media_type="application/x-tar",
+        headers={"Content-Length": str(tar.size), "Content-Disposition": f'attachment; filename="{filename}"'},
+    )

@@ -15,11 +15,22 @@ from shared.settings import get_settings
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
-@router.get("/{job_id}/stream", response_class=EventSourceResponse,
-            responses={200: {"content": {"text/event-stream": {}},
-                             "description": "progress, metrics, events, then end (see api/feeds.py)"}})
-def stream_job(job_id: str, request: Request, caller: CallerDep,
-               last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None) -> EventSourceResponse:
+@router.get(
+    "/{job_id}/stream",
+    response_class=EventSourceResponse,
+    responses={
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": "progress, metrics, events, then end (see api/feeds.py)",
+        }
+    },
+)
+def stream_job(
+    job_id: str,
+    request: Request,
+    caller: CallerDep,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+) -> EventSourceResponse:
     """Server-sent events: ``progress`` (the job, as ``GET /jobs/{id}``) whenever it changes,
     ``metrics`` and ``events`` (``{"data": [...]}``, each row once) as they are written, and
     ``end`` (the job) after it finished. Each message's id is the position to resume from with
@@ -27,12 +38,16 @@ def stream_job(job_id: str, request: Request, caller: CallerDep,
     connection open. Every open stream of a job shares one reader of the job store."""
     lifecycle.get_job(job_id, caller)
     cursor = Cursor.parse(last_event_id)
-    return EventSourceResponse(request.app.state.feeds.stream(job_id, cursor),
-                               ping=get_settings().stream_heartbeat_seconds)
+    return EventSourceResponse(
+        request.app.state.feeds.stream(job_id, cursor), ping=get_settings().stream_heartbeat_seconds
+    )
 
 
-@router.get("/{job_id}/plot.png", response_class=Response,
-            responses={200: {"content": {"image/png": {}}, "description": "the training curves"}})
+@router.get(
+    "/{job_id}/plot.png",
+    response_class=Response,
+    responses={200: {"content": {"image/png": {}}, "description": "the training curves"}},
+)
 def plot_job(job_id: str, caller: CallerDep) -> Response:
     """Train loss and learning rate, evaluation metrics, tokens/s and padding efficiency by step,
     drawn from the metric rows written so far (the artifact's ``training_curves.png`` is the

@@ -47,8 +47,11 @@ router = APIRouter(prefix="/v1", tags=["openai-compatible"], route_class=OpenAIR
 Limit = Annotated[int, Query(ge=1, le=100)]
 
 
-@router.post("/files", responses=error_responses(400, 413, 415),
-             openapi_extra=upload_body(purpose={"type": "string", "enum": ["fine-tune"]}))
+@router.post(
+    "/files",
+    responses=error_responses(400, 413, 415),
+    openapi_extra=upload_body(purpose={"type": "string", "enum": ["fine-tune"]}),
+)
 async def create_file(request: Request, caller: CallerDep) -> FileObject:
     """Upload a training or validation file (multipart fields ``file`` and ``purpose``, which must
     be ``fine-tune``): JSONL rows ``{"text": ..., "label": ...}`` (and ``"text_pair"``), or CSV, TSV,
@@ -61,13 +64,19 @@ async def create_file(request: Request, caller: CallerDep) -> FileObject:
 
 def check_purpose(fields: dict[str, str]) -> None:
     if fields["purpose"] != "fine-tune":
-        raise UserError("invalid_request", f"purpose {fields['purpose']!r} is not supported; use 'fine-tune'",
-                        "purpose")
+        raise UserError(
+            "invalid_request", f"purpose {fields['purpose']!r} is not supported; use 'fine-tune'", "purpose"
+        )
 
 
 @router.get("/files", responses=error_responses(400))
-def list_files(caller: CallerDep, after: str | None = None, limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
-               order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> FileList:
+def list_files(
+    caller: CallerDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    order: Literal["asc", "desc"] = "desc",
+    purpose: str | None = None,
+) -> FileList:
     """Files by upload time, ``limit`` at a time after file ``after``. Every file has purpose
     ``fine-tune``: any other ``purpose`` lists nothing."""
     if purpose not in (None, "fine-tune"):
@@ -100,8 +109,11 @@ def create_embeddings(body: EmbeddingCreate, caller: CallerDep) -> EmbeddingList
     name), as ``POST /models/{job_id}/embed`` does; ``usage`` counts the inputs' tokens."""
     result, loaded = embed_texts_with(body.model, body.texts, True, caller, "input")
     if body.dimensions is not None and body.dimensions != loaded.dimensions:
-        raise UserError("unsupported_dimensions", f"dimensions {body.dimensions}: model {body.model!r} gives "
-                        f"{loaded.dimensions}-dimensional vectors", "dimensions")
+        raise UserError(
+            "unsupported_dimensions",
+            f"dimensions {body.dimensions}: model {body.model!r} gives {loaded.dimensions}-dimensional vectors",
+            "dimensions",
+        )
     return embedding_list(body.model, result.vectors, result.tokens, body.encoding_format)
 
 
@@ -138,15 +150,18 @@ def cancel_fine_tuning_job(job_id: str, caller: CallerDep) -> FineTuningJob:
 
 
 @router.get("/fine_tuning/jobs/{job_id}/events", responses=error_responses(400, 404))
-def list_fine_tuning_events(job_id: str, caller: CallerDep, after: str | None = None, limit: Limit = 20) -> FineTuningJobEventList:
+def list_fine_tuning_events(
+    job_id: str, caller: CallerDep, after: str | None = None, limit: Limit = 20
+) -> FineTuningJobEventList:
     """The job's events, newest first."""
     events, has_more = page_after(lifecycle.list_events(job_id, caller)[::-1], event_id, after, limit)
     return FineTuningJobEventList(data=[job_event(e) for e in events], has_more=has_more)
 
 
 @router.get("/fine_tuning/jobs/{job_id}/checkpoints", responses=error_responses(400, 404))
-def list_fine_tuning_checkpoints(job_id: str, caller: CallerDep, after: str | None = None,
-                                 limit: Limit = 10) -> FineTuningJobCheckpointList:
+def list_fine_tuning_checkpoints(
+    job_id: str, caller: CallerDep, after: str | None = None, limit: Limit = 10
+) -> FineTuningJobCheckpointList:
     """The job's kept checkpoints (the newest ``save_total_limit``), newest first."""
     job = lifecycle.get_job(job_id, caller)
     checkpoints, has_more = page_after(lifecycle.list_checkpoints(job_id, caller)[::-1], checkpoint_id, after, limit)

@@ -30,11 +30,18 @@ router = APIRouter(prefix="/predictions", tags=["predictions"])
 Status = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")]
 
 
-@router.post("", status_code=201, response_model=PredictionOut, responses={
-    200: {"model": PredictionDryRunOut, "description": "dry_run=true: the plan; nothing is stored or queued"},
-    **error_responses(404, 409, 413)})
-def create_prediction(spec: PredictionCreate, caller: CallerDep, dry_run: bool = False,
-                      idempotency_key: IdempotencyKey = None):
+@router.post(
+    "",
+    status_code=201,
+    response_model=PredictionOut,
+    responses={
+        200: {"model": PredictionDryRunOut, "description": "dry_run=true: the plan; nothing is stored or queued"},
+        **error_responses(404, 409, 413),
+    },
+)
+def create_prediction(
+    spec: PredictionCreate, caller: CallerDep, dry_run: bool = False, idempotency_key: IdempotencyKey = None
+):
     """Check the request against its model and data, store the prediction job, then queue its id.
 
     ``model`` is a succeeded training job of yours (``job_…``) or a base model with a
@@ -44,19 +51,22 @@ def create_prediction(spec: PredictionCreate, caller: CallerDep, dry_run: bool =
     first response back and queues nothing.
     """
     if dry_run:
-        plan = PredictionDryRunOut(dry_run=True, plan=predictions.plan_prediction(
-            predictions.check_prediction(spec, caller)))
+        plan = PredictionDryRunOut(
+            dry_run=True, plan=predictions.plan_prediction(predictions.check_prediction(spec, caller))
+        )
         return SafeJSONResponse(plan.model_dump(mode="json"))
     return respond(submit_once("POST /predictions", spec, caller, idempotency_key, predictions.to_out))
 
 
 @router.get("")
-def list_predictions(caller: CallerDep, status: Status = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
-                     cursor: str | None = None) -> PredictionList:
+def list_predictions(
+    caller: CallerDep, status: Status = None, limit: Annotated[int, Query(ge=1, le=100)] = 20, cursor: str | None = None
+) -> PredictionList:
     """Prediction jobs, newest first. Pass ``next_cursor`` back as ``cursor`` for the next page."""
     page, has_more = lifecycle.list_jobs(caller, limit, cursor, status, param="cursor", kind=KIND)
-    return PredictionList(data=with_positions([predictions.to_out(j) for j in page]),
-                          next_cursor=page[-1].id if has_more else None)
+    return PredictionList(
+        data=with_positions([predictions.to_out(j) for j in page]), next_cursor=page[-1].id if has_more else None
+    )
 
 
 @router.get("/{prediction_id}")
@@ -85,11 +95,17 @@ def prediction_events(prediction_id: str, caller: CallerDep) -> dict[str, list[E
     return {"data": [EventOut.model_validate(e) for e in lifecycle.list_events(prediction_id, caller, kind=KIND)]}
 
 
-@router.get("/{prediction_id}/results", response_class=StreamingResponse, responses={
-    200: {"content": {t: {} for t in MEDIA_TYPES.values()}, "description": "one row per input row, in input order"},
-    **error_responses(409)})
-def prediction_results(prediction_id: str, caller: CallerDep,
-                       format: Literal["jsonl", "csv", "parquet"] = "jsonl") -> StreamingResponse:
+@router.get(
+    "/{prediction_id}/results",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {t: {} for t in MEDIA_TYPES.values()}, "description": "one row per input row, in input order"},
+        **error_responses(409),
+    },
+)
+def prediction_results(
+    prediction_id: str, caller: CallerDep, format: Literal["jsonl", "csv", "parquet"] = "jsonl"
+) -> StreamingResponse:
     """A succeeded prediction's results, streamed: one row per input row, in input order, with
     ``id`` (the ``id_column`` value, as text, or the 0-based row index), then ``label``, ``score``
     and ``probabilities`` (every class's) for classification; ``value`` for regression;
@@ -99,8 +115,11 @@ def prediction_results(prediction_id: str, caller: CallerDep,
     ``probabilities.<class>`` column per class, and ``labels`` and ``entities`` as JSON text. 409
     before it has succeeded."""
     chunks = results_stream(prediction_id, caller, format)
-    return StreamingResponse(chunks, media_type=MEDIA_TYPES[format], headers={
-        "Content-Disposition": f'attachment; filename="{prediction_id}.{format}"'})
+    return StreamingResponse(
+        chunks,
+        media_type=MEDIA_TYPES[format],
+        headers={"Content-Disposition": f'attachment; filename="{prediction_id}.{format}"'},
+    )
 
 
 @router.get("/{prediction_id}/evaluation", responses=error_responses(409))
@@ -113,25 +132,40 @@ def prediction_evaluation(prediction_id: str, caller: CallerDep) -> dict:
     return evaluation.prediction_evaluation(prediction_id, caller)
 
 
-@router.get("/{prediction_id}/evaluation/{name}", response_class=FileResponse, responses={
-    200: {"content": {"image/png": {}}, "description": "a picture the report names in its ``figures``"},
-    **error_responses(409)})
-def prediction_evaluation_figure(prediction_id: str, caller: CallerDep,
-                                 name: Annotated[str, Path(pattern=r"^[a-z_]{1,40}\.png$")]) -> FileResponse:
+@router.get(
+    "/{prediction_id}/evaluation/{name}",
+    response_class=FileResponse,
+    responses={
+        200: {"content": {"image/png": {}}, "description": "a picture the report names in its ``figures``"},
+        **error_responses(409),
+    },
+)
+def prediction_evaluation_figure(
+    prediction_id: str, caller: CallerDep, name: Annotated[str, Path(pattern=r"^[a-z_]{1,40}\.png$")]
+) -> FileResponse:
     """A picture of the prediction's evaluation report (``confusion_matrix.png``,
     ``reliability_diagram.png``, ``residuals.png``: as the report's ``figures`` lists them)."""
     return FileResponse(evaluation.prediction_report_file(prediction_id, caller, name), media_type="image/png")
 
 
-@router.get("/{prediction_id}/stream", response_class=EventSourceResponse,
-            responses={200: {"content": {"text/event-stream": {}},
-                             "description": "progress, events, then end (see api/feeds.py)"}})
-def stream_prediction(prediction_id: str, request: Request, caller: CallerDep,
-                      last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None
-                      ) -> EventSourceResponse:
+@router.get(
+    "/{prediction_id}/stream",
+    response_class=EventSourceResponse,
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "progress, events, then end (see api/feeds.py)"}
+    },
+)
+def stream_prediction(
+    prediction_id: str,
+    request: Request,
+    caller: CallerDep,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+) -> EventSourceResponse:
     """Server-sent events, as ``GET /jobs/{id}/stream``: ``progress`` (the prediction, as
     ``GET /predictions/{id}``) whenever it changes, ``events`` as they are written, and ``end``
     (the prediction) after it finished; resumable with ``Last-Event-ID``."""
     lifecycle.get_job(prediction_id, caller, kind=KIND)
-    return EventSourceResponse(request.app.state.feeds.stream(prediction_id, Cursor.parse(last_event_id)),
-                               ping=get_settings().stream_heartbeat_seconds)
+    return EventSourceResponse(
+        request.app.state.feeds.stream(prediction_id, Cursor.parse(last_event_id)),
+        ping=get_settings().stream_heartbeat_seconds,
+    )

@@ -19,14 +19,23 @@ from shared.store import idempotency
 from shared.store.tenancy import Caller
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
-TRIAL_EVENTS = {"started": "trial_started", "succeeded": "trial_ended", "failed": "trial_ended",
-                "cancelled": "trial_ended", "pruned": "trial_pruned", "job_restarted": "trial_restarted"}
+TRIAL_EVENTS = {
+    "started": "trial_started",
+    "succeeded": "trial_ended",
+    "failed": "trial_ended",
+    "cancelled": "trial_ended",
+    "pruned": "trial_pruned",
+    "job_restarted": "trial_restarted",
+}
 
 
-@router.post("", status_code=201, response_model=SweepOut, responses={
-    200: {"model": SweepPlan, "description": "dry_run=true: the plan; nothing is stored or queued"}})
-def create_sweep(spec: SweepCreate, caller: CallerDep, dry_run: bool = False,
-                 idempotency_key: IdempotencyKey = None):
+@router.post(
+    "",
+    status_code=201,
+    response_model=SweepOut,
+    responses={200: {"model": SweepPlan, "description": "dry_run=true: the plan; nothing is stored or queued"}},
+)
+def create_sweep(spec: SweepCreate, caller: CallerDep, dry_run: bool = False, idempotency_key: IdempotencyKey = None):
     """Check the sweep against its model, data and the search space, store it and queue its first
     trials (``max_parallel_trials`` of them); each later trial is asked for when one ends.
 
@@ -36,9 +45,13 @@ def create_sweep(spec: SweepCreate, caller: CallerDep, dry_run: bool = False,
     """
     if dry_run:
         return SafeJSONResponse(sweeps.plan_sweep(spec, caller).model_dump(mode="json"))
-    created = idempotency.once(caller.tenant, "POST /sweeps", idempotency_key,
-                               idempotency.fingerprint(spec.model_dump_json()),
-                               lambda claim: sweeps.create_sweep(spec, caller, claim))
+    created = idempotency.once(
+        caller.tenant,
+        "POST /sweeps",
+        idempotency_key,
+        idempotency.fingerprint(spec.model_dump_json()),
+        lambda claim: sweeps.create_sweep(spec, caller, claim),
+    )
     if isinstance(created, idempotency.Replay):
         return respond(created)
     send_trials(created.id)
@@ -46,8 +59,9 @@ def create_sweep(spec: SweepCreate, caller: CallerDep, dry_run: bool = False,
 
 
 @router.get("")
-def list_sweeps(caller: CallerDep, limit: Annotated[int, Query(ge=1, le=100)] = 20,
-                cursor: str | None = None) -> SweepList:
+def list_sweeps(
+    caller: CallerDep, limit: Annotated[int, Query(ge=1, le=100)] = 20, cursor: str | None = None
+) -> SweepList:
     """Sweeps, newest first. Pass ``next_cursor`` back as ``cursor`` for the next page."""
     page, more = sweeps.list_sweeps(caller, limit, cursor)
     return SweepList(data=page, next_cursor=page[-1].id if more else None)
@@ -77,22 +91,37 @@ def delete_sweep(sweep_id: str, caller: CallerDep) -> Response:
     return Response(status_code=204)
 
 
-@router.get("/{sweep_id}/report/{report}", response_class=Response, responses={
-    200: {"content": {"text/csv": {}, "image/png": {}}, "description": "the report file"}, **error_responses(409)})
+@router.get(
+    "/{sweep_id}/report/{report}",
+    response_class=Response,
+    responses={
+        200: {"content": {"text/csv": {}, "image/png": {}}, "description": "the report file"},
+        **error_responses(409),
+    },
+)
 def sweep_report_file(sweep_id: str, report: str, caller: CallerDep) -> Response:
     """The sweep's report, drawn from its trials now: ``trials.csv`` (number, job, parameters,
     status, value, steps), and Optuna's ``optimization_history.png`` and ``param_importances.png``
     (409 ``not_enough_trials`` until enough trials completed)."""
     content, media_type = sweep_report.report_file(sweep_id, report, caller)
-    return Response(content, media_type=media_type,
-                    headers={"Content-Disposition": f'attachment; filename="{sweep_id}-{report}"'})
+    return Response(
+        content, media_type=media_type, headers={"Content-Disposition": f'attachment; filename="{sweep_id}-{report}"'}
+    )
 
 
-@router.get("/{sweep_id}/stream", response_class=EventSourceResponse,
-            responses={200: {"content": {"text/event-stream": {}},
-                             "description": "trial_started, trial_ended, trial_pruned, best, end"}})
-def stream_sweep(sweep_id: str, caller: CallerDep,
-                 last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None) -> EventSourceResponse:
+@router.get(
+    "/{sweep_id}/stream",
+    response_class=EventSourceResponse,
+    responses={
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": "trial_started, trial_ended, trial_pruned, best, end",
+        }
+    },
+)
+def stream_sweep(
+    sweep_id: str, caller: CallerDep, last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None
+) -> EventSourceResponse:
     """Server-sent events: ``trial_started``, ``trial_ended``, ``trial_pruned`` and
     ``trial_restarted`` (``{"trial_number", "job_id", "code", "message"}``), ``best`` (the sweep,
     whenever its best trial changes) and ``end`` (the sweep, once it ended). Message ids are job
@@ -109,8 +138,13 @@ async def _feed(sweep_id: str, caller: Caller, after: int):
         for event_id, job_id, event, number in await db.in_thread(sweeps.events_since, sweep_id, caller, after):
             after = event_id
             if event.code in TRIAL_EVENTS:
-                yield ServerSentEvent(event=TRIAL_EVENTS[event.code], id=str(event_id), data=json.dumps({
-                    "trial_number": number, "job_id": job_id, "code": event.code, "message": event.message}))
+                yield ServerSentEvent(
+                    event=TRIAL_EVENTS[event.code],
+                    id=str(event_id),
+                    data=json.dumps(
+                        {"trial_number": number, "job_id": job_id, "code": event.code, "message": event.message}
+                    ),
+                )
         if sweep.best_trial is not None and sweep.best_trial != best:
             best = sweep.best_trial
             yield ServerSentEvent(event="best", data=sweep.model_dump_json())

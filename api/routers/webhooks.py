@@ -21,9 +21,13 @@ def _out(webhook: Webhook, model: type[Out]) -> Out:
 
 
 def _delivery(d: WebhookDelivery) -> DeliveryOut:
-    return DeliveryOut.model_validate({**{c: getattr(d, c) for c in DeliveryOut.model_fields if hasattr(d, c)},
-                                       "next_attempt_at": d.next_attempt_at if d.status == webhooks.PENDING else None,
-                                       "attempt_log": d.attempt_log or []})
+    return DeliveryOut.model_validate(
+        {
+            **{c: getattr(d, c) for c in DeliveryOut.model_fields if hasattr(d, c)},
+            "next_attempt_at": d.next_attempt_at if d.status == webhooks.PENDING else None,
+            "attempt_log": d.attempt_log or [],
+        }
+    )
 
 
 @router.post("", status_code=201, responses=error_responses(409))
@@ -54,8 +58,12 @@ def delete_webhook(webhook_id: str, caller: CallerDep) -> Response:
 
 
 @router.get("/{webhook_id}/deliveries")
-def list_deliveries(webhook_id: str, caller: CallerDep, limit: Annotated[int, Query(ge=1, le=100)] = 20,
-                    cursor: Annotated[int | None, Query(ge=1)] = None) -> DeliveryList:
+def list_deliveries(
+    webhook_id: str,
+    caller: CallerDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    cursor: Annotated[int | None, Query(ge=1)] = None,
+) -> DeliveryList:
     """The delivery log, newest first: each event's status (``pending``, ``delivered``,
     ``failed``), attempts, the status code of the last answer and why it failed, and every attempt
     (``attempt_log``: its time, status code, error and duration). Pass

@@ -22,8 +22,10 @@ from shared.errors import UserError
 
 STATIC_DIR = Path(__file__).parent / "static"
 # Scripts, styles, images and connections from this origin only; uPlot sets element styles from script.
-CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
-       "connect-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'")
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'"
+)
 
 
 def create_ui(feeds: Feeds) -> FastAPI:

@@ -85,8 +85,15 @@ def _safe_next(target: str | None) -> str:
 def _set_cookie(request: Request, response: RedirectResponse, token: str) -> RedirectResponse:
     settings = get_settings()
     secure = settings.cookie_secure if settings.cookie_secure is not None else request.url.scheme == "https"
-    response.set_cookie(ui_sessions.COOKIE, token, max_age=int(settings.ui_session_hours * 3600), path="/",
-                        httponly=True, samesite="strict", secure=secure)
+    response.set_cookie(
+        ui_sessions.COOKIE,
+        token,
+        max_age=int(settings.ui_session_hours * 3600),
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=secure,
+    )
     return response
 
 
@@ -100,8 +107,9 @@ def login(request: Request, key: Annotated[str, Form(max_length=128)], next: Ann
     """Sign in with an API key: a session for the key's tenant and rights (the key is not kept)."""
     caller = keys.authenticate(key.strip())
     if caller is None:
-        return render(request, "login.html", 401, next=_safe_next(next),
-                      error="That API key is not valid, or it was revoked.")
+        return render(
+            request, "login.html", 401, next=_safe_next(next), error="That API key is not valid, or it was revoked."
+        )
     return _set_cookie(request, RedirectResponse(_safe_next(next), status_code=303), ui_sessions.start(caller))
 
 
@@ -110,8 +118,13 @@ def signin_link(request: Request, token: str):
     """A one-time sign-in link (``tunejob serve`` prints one for its local key)."""
     session_token = ui_sessions.redeem(token)
     if session_token is None:
-        return render(request, "login.html", 401, next="/ui/jobs",
-                      error="That sign-in link was used already or has expired: sign in with an API key.")
+        return render(
+            request,
+            "login.html",
+            401,
+            next="/ui/jobs",
+            error="That sign-in link was used already or has expired: sign in with an API key.",
+        )
     return _set_cookie(request, RedirectResponse("/ui/jobs", status_code=303), session_token)
 
 
@@ -120,8 +133,9 @@ def logout(request: Request, csrf_token: Annotated[str, Form()] = ""):
     token = request.cookies.get(ui_sessions.COOKIE, "")
     found = ui_sessions.resolve(token)
     if found is not None and not ui_sessions.csrf_matches(found[1], csrf_token):
-        raise UserError("csrf_token_invalid", "the sign-out form is stale: reload the page and try again",
-                        "csrf_token", status=403)
+        raise UserError(
+            "csrf_token_invalid", "the sign-out form is stale: reload the page and try again", "csrf_token", status=403
+        )
     if found is not None:
         ui_sessions.end(token)
     response = RedirectResponse("/ui/login", status_code=303)
@@ -135,9 +149,14 @@ def home():
 
 
 @router.get("/jobs", response_class=HTMLResponse)
-def jobs_page(request: Request, s: SessionDep, status: Annotated[str | None, Query()] = None,
-              task: Annotated[str | None, Query()] = None, sweep: Annotated[str | None, Query(max_length=64)] = None,
-              cursor: str | None = None):
+def jobs_page(
+    request: Request,
+    s: SessionDep,
+    status: Annotated[str | None, Query()] = None,
+    task: Annotated[str | None, Query()] = None,
+    sweep: Annotated[str | None, Query(max_length=64)] = None,
+    cursor: str | None = None,
+):
     """Training jobs, newest first, PAGE_SIZE at a time, filtered by status, task and sweep."""
     status, task, sweep = status or None, task or None, (sweep or "").strip() or None
     if status not in (None, *STATUSES) or task not in (None, *TASKS):
@@ -146,14 +165,27 @@ def jobs_page(request: Request, s: SessionDep, status: Annotated[str | None, Que
     rows = [lifecycle.to_out(j) for j in page]
     query = {k: v for k, v in {"status": status, "task": task, "sweep": sweep}.items() if v}
     next_url = f"/ui/jobs?{urlencode({**query, 'cursor': page[-1].id})}" if has_more else None
-    return render(request, "jobs.html", s=s, jobs=rows, status=status, task=task, sweep=sweep, statuses=STATUSES,
-                  tasks=TASKS,
-                  next_url=next_url, first_url=f"/ui/jobs?{urlencode(query)}" if cursor else None,
-                  live=",".join(j.id for j in rows if j.status in (JobStatus.QUEUED, JobStatus.RUNNING)))
+    return render(
+        request,
+        "jobs.html",
+        s=s,
+        jobs=rows,
+        status=status,
+        task=task,
+        sweep=sweep,
+        statuses=STATUSES,
+        tasks=TASKS,
+        next_url=next_url,
+        first_url=f"/ui/jobs?{urlencode(query)}" if cursor else None,
+        live=",".join(j.id for j in rows if j.status in (JobStatus.QUEUED, JobStatus.RUNNING)),
+    )
 
 
-@router.get("/jobs/live", response_class=EventSourceResponse,
-            responses={200: {"content": {"text/event-stream": {}}, "description": "progress and end of each job"}})
+@router.get(
+    "/jobs/live",
+    response_class=EventSourceResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "progress and end of each job"}},
+)
 def jobs_live(request: Request, s: SessionDep, ids: Annotated[str, Query(max_length=PAGE_SIZE * 40)]):
     """Server-sent ``progress`` (the job, as ``GET /jobs/{id}``) of each of the comma-separated
     ``ids`` (at most PAGE_SIZE) whenever its row changes, ``end`` (the job) once it finished, and
@@ -162,8 +194,10 @@ def jobs_live(request: Request, s: SessionDep, ids: Annotated[str, Query(max_len
     (``api.feeds``: no store reads of its own)."""
     job_ids = list(dict.fromkeys(i.strip() for i in ids.split(",") if i.strip()))[:PAGE_SIZE]
     owned = [i for i in job_ids if _owned(i, s)]
-    return EventSourceResponse(request.app.state.feeds.watch(owned, gone=[i for i in job_ids if i not in owned]),
-                               ping=get_settings().stream_heartbeat_seconds)
+    return EventSourceResponse(
+        request.app.state.feeds.watch(owned, gone=[i for i in job_ids if i not in owned]),
+        ping=get_settings().stream_heartbeat_seconds,
+    )
 
 
 def _owned(job_id: str, s: Session) -> bool:
@@ -179,12 +213,24 @@ def job_page(request: Request, job_id: str, s: SessionDep):
     job = lifecycle.to_out(lifecycle.get_job(job_id, s.caller))
     checkpoints = lifecycle.list_checkpoints(job_id, s.caller)
     files = lifecycle.model_files(job_id, s.caller) if job.status == JobStatus.SUCCEEDED else {}
-    return render(request, "job.html", s=s, job=job, events=lifecycle.list_events(job_id, s.caller),
-                  checkpoints=checkpoints, artifacts=artifacts.listing(files) if files else {},
-                  report=_report(job), aliases=[a.alias for a in aliases.list_aliases(s.caller) if a.job_id == job_id],
-                  chart={"job": job.id, "status": job.status, "checkpoints": [c.step for c in checkpoints],
-                         "best_metric": job.hyperparameters.metric_for_best_model,
-                         "total_steps": job.progress.total_steps})
+    return render(
+        request,
+        "job.html",
+        s=s,
+        job=job,
+        events=lifecycle.list_events(job_id, s.caller),
+        checkpoints=checkpoints,
+        artifacts=artifacts.listing(files) if files else {},
+        report=_report(job),
+        aliases=[a.alias for a in aliases.list_aliases(s.caller) if a.job_id == job_id],
+        chart={
+            "job": job.id,
+            "status": job.status,
+            "checkpoints": [c.step for c in checkpoints],
+            "best_metric": job.hyperparameters.metric_for_best_model,
+            "total_steps": job.progress.total_steps,
+        },
+    )
 
 
 @router.get("/compare", response_class=HTMLResponse)
@@ -192,12 +238,23 @@ def compare_page(request: Request, s: SessionDep, jobs_: Annotated[str, Query(al
     """2 to MAX_COMPARED jobs side by side: curves overlaid, hyperparameters and final metrics."""
     ids = list(dict.fromkeys(i.strip() for i in jobs_.split(",") if i.strip()))
     if not 2 <= len(ids) <= MAX_COMPARED:
-        raise UserError("invalid_compare", f"compare 2 to {MAX_COMPARED} jobs (?jobs=job_a,job_b); got {len(ids)}",
-                        "jobs", status=400)
+        raise UserError(
+            "invalid_compare",
+            f"compare 2 to {MAX_COMPARED} jobs (?jobs=job_a,job_b); got {len(ids)}",
+            "jobs",
+            status=400,
+        )
     compared = [lifecycle.to_out(lifecycle.get_job(i, s.caller)) for i in ids]
     rows = _compare_rows(compared)
-    return render(request, "compare.html", s=s, jobs=compared, rows=rows, chart={"jobs": ids},
-                  f1_rows=_f1_rows([_report(j) for j in compared]))
+    return render(
+        request,
+        "compare.html",
+        s=s,
+        jobs=compared,
+        rows=rows,
+        chart={"jobs": ids},
+        f1_rows=_f1_rows([_report(j) for j in compared]),
+    )
 
 
 def _report(job) -> dict | None:
@@ -210,8 +267,7 @@ def _report(job) -> dict | None:
 def _f1_rows(reports: list[dict | None]) -> list[tuple[str, list[float | None], list[float | None]]]:
     """Per class (label, entity type) of the compared jobs' reports: (name, each job's F1, each
     job's F1 minus the first job's; None where a job has no such class or no report)."""
-    per_class = [(r.get("per_class") or r.get("per_label") or r.get("per_entity") or {}) if r else {}
-                 for r in reports]
+    per_class = [(r.get("per_class") or r.get("per_label") or r.get("per_entity") or {}) if r else {} for r in reports]
     names = list(dict.fromkeys(n for classes in per_class for n in classes))
     rows = []
     for name in names:
@@ -222,9 +278,15 @@ def _f1_rows(reports: list[dict | None]) -> list[tuple[str, list[float | None], 
 
 def _compare_rows(compared: list) -> list[tuple[str, list, bool]]:
     """(name, one value per job, whether they differ) for each setting and final metric."""
+
     def flat(job) -> dict:
-        spec = {"base_model": job.base_model, "task": job.task, "training_dataset": job.training_dataset,
-                "status": job.status, **{f"hp.{k}": v for k, v in job.hyperparameters.model_dump().items()}}
+        spec = {
+            "base_model": job.base_model,
+            "task": job.task,
+            "training_dataset": job.training_dataset,
+            "status": job.status,
+            **{f"hp.{k}": v for k, v in job.hyperparameters.model_dump().items()},
+        }
         spec.update({f"val.{k}": v for k, v in (job.validation_metrics or {}).items()})
         spec["duration_s"] = job.timings.total
         return spec
@@ -237,23 +299,37 @@ def _compare_rows(compared: list) -> list[tuple[str, list, bool]]:
 @router.get("/datasets", response_class=HTMLResponse)
 def datasets_page(request: Request, s: SessionDep):
     datasets, _ = uploads.list_datasets(s.caller)
-    return render(request, "datasets.html", s=s, datasets=datasets,
-                  max_upload=get_settings().max_upload_bytes)
+    return render(request, "datasets.html", s=s, datasets=datasets, max_upload=get_settings().max_upload_bytes)
 
 
 @router.get("/datasets/{dataset_id}", response_class=HTMLResponse)
 def dataset_page(request: Request, dataset_id: str, s: SessionDep):
     """A dataset's columns and first rows, and the form that plans and creates a job on it."""
     dataset = uploads.get_dataset(dataset_id, s.caller)
-    batch = next(read_batches(objects.dataset_file(dataset), dataset.format, dataset.filename, dataset.columns,
-                              Problems(dataset.filename)), None)
-    sample = [] if batch is None else [[batch.values[c][i] for c in dataset.columns]
-                                       for i in range(min(SAMPLE_ROWS, batch.size))]
+    batch = next(
+        read_batches(
+            objects.dataset_file(dataset), dataset.format, dataset.filename, dataset.columns, Problems(dataset.filename)
+        ),
+        None,
+    )
+    sample = (
+        []
+        if batch is None
+        else [[batch.values[c][i] for c in dataset.columns] for i in range(min(SAMPLE_ROWS, batch.size))]
+    )
     defaults = Hyperparameters()
-    return render(request, "dataset.html", s=s, dataset=dataset, sample=sample, tasks=TASKS,
-                  models=sorted(available_models()), defaults=defaults,
-                  best_metrics=get_args(Hyperparameters.model_fields["metric_for_best_model"].annotation),
-                  batchings=get_args(Hyperparameters.model_fields["batching"].annotation))
+    return render(
+        request,
+        "dataset.html",
+        s=s,
+        dataset=dataset,
+        sample=sample,
+        tasks=TASKS,
+        models=sorted(available_models()),
+        defaults=defaults,
+        best_metrics=get_args(Hyperparameters.model_fields["metric_for_best_model"].annotation),
+        batchings=get_args(Hyperparameters.model_fields["batching"].annotation),
+    )
 
 
 @router.get("/predictions", response_class=HTMLResponse)
@@ -261,23 +337,35 @@ def predictions_page(request: Request, s: SessionDep, cursor: str | None = None)
     page, has_more = lifecycle.list_jobs(s.caller, PAGE_SIZE, cursor, param="cursor", kind=predictions.KIND)
     models, _ = lifecycle.list_jobs(s.caller, 200, status=JobStatus.SUCCEEDED)
     datasets, _ = uploads.list_datasets(s.caller)
-    return render(request, "predictions.html", s=s, predictions=[predictions.to_out(j) for j in page],
-                  models=models, datasets=datasets,
-                  next_url=f"/ui/predictions?cursor={quote(page[-1].id)}" if has_more else None)
+    return render(
+        request,
+        "predictions.html",
+        s=s,
+        predictions=[predictions.to_out(j) for j in page],
+        models=models,
+        datasets=datasets,
+        next_url=f"/ui/predictions?cursor={quote(page[-1].id)}" if has_more else None,
+    )
 
 
 @router.get("/predictions/{prediction_id}", response_class=HTMLResponse)
 def prediction_page(request: Request, prediction_id: str, s: SessionDep):
     prediction = predictions.to_out(lifecycle.get_job(prediction_id, s.caller, kind=predictions.KIND))
-    return render(request, "prediction.html", s=s, p=prediction,
-                  events=lifecycle.list_events(prediction_id, s.caller, kind=predictions.KIND))
+    return render(
+        request,
+        "prediction.html",
+        s=s,
+        p=prediction,
+        events=lifecycle.list_events(prediction_id, s.caller, kind=predictions.KIND),
+    )
 
 
 @router.get("/sweeps", response_class=HTMLResponse)
 def sweeps_page(request: Request, s: SessionDep, cursor: str | None = None):
     page, more = sweeps.list_sweeps(s.caller, PAGE_SIZE, cursor)
-    return render(request, "sweeps.html", s=s, sweeps=page,
-                  next_url=f"/ui/sweeps?cursor={quote(page[-1].id)}" if more else None)
+    return render(
+        request, "sweeps.html", s=s, sweeps=page, next_url=f"/ui/sweeps?cursor={quote(page[-1].id)}" if more else None
+    )
 
 
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
@@ -288,11 +376,25 @@ def sweep_page(request: Request, sweep_id: str, s: SessionDep):
     trials = sweeps.list_trials(sweep_id, s.caller)
     params = list(dict.fromkeys(k for t in trials for k in t.params))
     front = [p.trial_number for p in sweep.pareto_trials]
-    return render(request, "sweep.html", s=s, sweep=sweep, trials=trials, params=params, front=front,
-                  chart={"metric": sweep.objective.metric, "params": params, "front": front,
-                         "objectives": [o.metric for o in sweep.objectives],
-                         "trials": [{"number": t.number, "status": t.status, "value": t.value, "values": t.values,
-                                     "params": t.params} for t in trials]})
+    return render(
+        request,
+        "sweep.html",
+        s=s,
+        sweep=sweep,
+        trials=trials,
+        params=params,
+        front=front,
+        chart={
+            "metric": sweep.objective.metric,
+            "params": params,
+            "front": front,
+            "objectives": [o.metric for o in sweep.objectives],
+            "trials": [
+                {"number": t.number, "status": t.status, "value": t.value, "values": t.values, "params": t.params}
+                for t in trials
+            ],
+        },
+    )
 
 
 def age(when: datetime | None, until: datetime | None = None) -> str:

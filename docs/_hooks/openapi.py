@@ -71,8 +71,10 @@ def operation_markdown(path: str, method: str, op: dict) -> list[str]:
     if op.get("parameters"):
         out += ["| parameter | in | type | required | description |", "| --- | --- | --- | --- | --- |"]
         for p in op["parameters"]:
-            out.append(f"| `{p['name']}` | {p['in']} | {type_of(p.get('schema', {}))} | "
-                       f"{'yes' if p.get('required') else 'no'} | {cell(p.get('description'))} |")
+            out.append(
+                f"| `{p['name']}` | {p['in']} | {type_of(p.get('schema', {}))} | "
+                f"{'yes' if p.get('required') else 'no'} | {cell(p.get('description'))} |"
+            )
         out.append("")
     body = op.get("requestBody", {}).get("content", {})
     for media, content in body.items():
@@ -96,8 +98,10 @@ def schema_markdown(name: str, schema: dict) -> list[str]:
         required = set(schema.get("required", []))
         out += ["| field | type | required | description |", "| --- | --- | --- | --- |"]
         for field, prop in properties.items():
-            out.append(f"| `{field}` | {type_of(prop)} | {'yes' if field in required else 'no'} | "
-                       f"{cell(prop.get('description'))} |")
+            out.append(
+                f"| `{field}` | {type_of(prop)} | {'yes' if field in required else 'no'} | "
+                f"{cell(prop.get('description'))} |"
+            )
         out.append("")
     elif "enum" in schema or "type" in schema:
         out += [f"Type: {type_of(schema)}", ""]
@@ -118,7 +122,7 @@ def render(document: dict) -> str:
         info.get("description", ""),
         "",
         "Every 4xx answer has the body [`ErrorBody`](#errorbody): "
-        "`{\"error\": {\"code\", \"message\", \"param\", \"problems\"}}` "
+        '`{"error": {"code", "message", "param", "problems"}}` '
         "(see [Jobs: errors](../guide/jobs.md#errors)).",
         "",
     ]

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import httpx
 
-WORDS = {"sports": "goal match team coach league striker keeper season win cup".split(),
-         "business": "market shares profit bank trade economy deal stock growth firm".split()}
+WORDS = {
+    "sports": "goal match team coach league striker keeper season win cup".split(),
+    "business": "market shares profit bank trade economy deal stock growth firm".split(),
+}
 
 
 def dataset_csv(path: Path, rows: int) -> Path:
@@ -56,15 +58,26 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "TUNEJOB_DATA_DIR": str(work / "data"), "TUNEJOB_MODELS_DIR": str(work / "models"),
-           "TUNEJOB_DEVICE": "cpu", "TUNEJOB_METRICS_FLUSH_SECONDS": "0.5", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "TUNEJOB_DATA_DIR": str(work / "data"),
+        "TUNEJOB_MODELS_DIR": str(work / "models"),
+        "TUNEJOB_DEVICE": "cpu",
+        "TUNEJOB_METRICS_FLUSH_SECONDS": "0.5",
+        "PYTHONUNBUFFERED": "1",
+    }
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop `serve` (below) on a timeout too
-    serve = subprocess.Popen([sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "tunejob", "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         link = None
         for line in serve.stdout:  # stdout is a pipe: the link goes to a 0600 file (tunejob.cli.announce_dashboard)
-            if (m := re.search(r"sign-in link .* is in (\S+)", line)):
+            if m := re.search(r"sign-in link .* is in (\S+)", line):
                 link = Path(m[1]).read_text().strip()
                 break
         base = f"http://127.0.0.1:{port}"
@@ -98,9 +111,15 @@ def existing(api: httpx.Client) -> dict[str, str]:
 
 
 def pages(dataset: str, first: str, second: str, prediction: str) -> dict[str, str]:
-    return {"dataset": f"/ui/datasets/{dataset}", "jobs": "/ui/jobs", "job": f"/ui/jobs/{first}",
-            "compare": f"/ui/compare?jobs={first},{second}", "datasets": "/ui/datasets",
-            "predictions": "/ui/predictions", "prediction": f"/ui/predictions/{prediction}"}
+    return {
+        "dataset": f"/ui/datasets/{dataset}",
+        "jobs": "/ui/jobs",
+        "job": f"/ui/jobs/{first}",
+        "compare": f"/ui/compare?jobs={first},{second}",
+        "datasets": "/ui/datasets",
+        "predictions": "/ui/predictions",
+        "prediction": f"/ui/predictions/{prediction}",
+    }
 
 
 def run_jobs(page, api: httpx.Client, work: Path, out: Path) -> dict[str, str]:
@@ -124,8 +143,11 @@ def run_jobs(page, api: httpx.Client, work: Path, out: Path) -> dict[str, str]:
         page.wait_for_timeout(250)
     page.screenshot(path=str(out / "job-live-wide-light.png"), full_page=True)
     dataset = dataset_url.rsplit("/", 1)[-1]
-    body = {"base_model": "tiny-bert", "training_dataset": dataset,
-            "hyperparameters": {"epochs": 4, "max_length": 64, "learning_rate": 3e-4, "batch_size": 32}}
+    body = {
+        "base_model": "tiny-bert",
+        "training_dataset": dataset,
+        "hyperparameters": {"epochs": 4, "max_length": 64, "learning_rate": 3e-4, "batch_size": 32},
+    }
     second = api.post("/jobs", json=body).json()["id"]
     for job in (first, second):
         while api.get(f"/jobs/{job}").json()["status"] not in ("succeeded", "failed", "cancelled"):
@@ -140,8 +162,9 @@ def shoot(browser, base: str, state: dict, shots: dict[str, str], out: Path) -> 
     """Each page wide and narrow, light and dark; the sign-in page."""
     for scheme in ("light", "dark"):
         for width, tag in ((1280, "wide"), (390, "narrow")):
-            ctx = browser.new_context(base_url=base, viewport={"width": width, "height": 900},
-                                      color_scheme=scheme, storage_state=state)
+            ctx = browser.new_context(
+                base_url=base, viewport={"width": width, "height": 900}, color_scheme=scheme, storage_state=state
+            )
             pg = ctx.new_page()
             for name, url in shots.items():
                 pg.goto(url)

@@ -10,8 +10,8 @@ Revises: 0004
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0005'
-down_revision = '0004'
+revision = "0005"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 
@@ -19,8 +19,8 @@ LOCAL_KEY = sa.text("name = 'local key (tunejob serve)' AND tenant = 'default'")
 
 
 def upgrade() -> None:
-    op.execute(sa.update(sa.table('api_keys', sa.column('admin'))).where(LOCAL_KEY).values(admin=True))
+    op.execute(sa.update(sa.table("api_keys", sa.column("admin"))).where(LOCAL_KEY).values(admin=True))
 
 
 def downgrade() -> None:
-    op.execute(sa.update(sa.table('api_keys', sa.column('admin'))).where(LOCAL_KEY).values(admin=False))
+    op.execute(sa.update(sa.table("api_keys", sa.column("admin"))).where(LOCAL_KEY).values(admin=False))

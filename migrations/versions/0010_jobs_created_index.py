@@ -9,15 +9,15 @@ Revises: 0009
 
 from alembic import op
 
-revision = '0010'
-down_revision = '0009'
+revision = "0010"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
 
 def upgrade() -> None:
-    op.create_index('ix_jobs_created', 'jobs', ['created_at'])
+    op.create_index("ix_jobs_created", "jobs", ["created_at"])
 
 
 def downgrade() -> None:
-    op.drop_index('ix_jobs_created', table_name='jobs')
+    op.drop_index("ix_jobs_created", table_name="jobs")

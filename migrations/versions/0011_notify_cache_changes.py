@@ -12,8 +12,8 @@ Revises: 0010
 
 from alembic import op
 
-revision = '0011'
-down_revision = '0010'
+revision = "0011"
+down_revision = "0010"
 branch_labels = None
 depends_on = None
 
@@ -30,8 +30,10 @@ def upgrade() -> None:
             RETURN NULL;
         END $$""")
     for table, channel in TRIGGERS.items():
-        op.execute(f"CREATE TRIGGER {table}_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON {table} "
-                   f"FOR EACH STATEMENT EXECUTE FUNCTION tunejob_notify_changed('{channel}')")
+        op.execute(
+            f"CREATE TRIGGER {table}_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON {table} "
+            f"FOR EACH STATEMENT EXECUTE FUNCTION tunejob_notify_changed('{channel}')"
+        )
 
 
 def downgrade() -> None:

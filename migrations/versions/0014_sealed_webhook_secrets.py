@@ -11,8 +11,8 @@ from alembic import op
 
 from shared.store.sealed import seal, unseal
 
-revision = '0014'
-down_revision = '0013'
+revision = "0014"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 
@@ -23,12 +23,15 @@ def _rewrite(change) -> None:
     bind = op.get_bind()
     webhooks = sa.table("webhooks", sa.column("id"), *(sa.column(c) for c in COLUMNS))
     for row in bind.execute(sa.select(webhooks)).all():
-        bind.execute(sa.update(webhooks).where(webhooks.c.id == row.id).values(
-            {c: change(getattr(row, c)) for c in COLUMNS if getattr(row, c) is not None}))
+        bind.execute(
+            sa.update(webhooks)
+            .where(webhooks.c.id == row.id)
+            .values({c: change(getattr(row, c)) for c in COLUMNS if getattr(row, c) is not None})
+        )
 
 
 def upgrade() -> None:
-    with op.batch_alter_table('webhooks', schema=None) as batch_op:
+    with op.batch_alter_table("webhooks", schema=None) as batch_op:
         for column in COLUMNS:
             batch_op.alter_column(column, type_=sa.Text(), existing_type=sa.String(length=64))
     _rewrite(seal)
@@ -36,6 +39,6 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     _rewrite(unseal)
-    with op.batch_alter_table('webhooks', schema=None) as batch_op:
+    with op.batch_alter_table("webhooks", schema=None) as batch_op:
         for column in COLUMNS:
             batch_op.alter_column(column, type_=sa.String(length=64), existing_type=sa.Text())

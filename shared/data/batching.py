@@ -168,8 +168,9 @@ class BatchPlan:
         per_epoch = [math.ceil(len(self.epoch_batches(e)) / gradient_accumulation_steps) for e in range(full + 1)]
         return max(1, sum(per_epoch[:full]) + math.ceil(fraction * per_epoch[full]))
 
-    def padding_efficiency(self, epoch: int = 0, max_length: int | None = None, multiple: int = 1,
-                           ladder: list[int] | None = None) -> float:
+    def padding_efficiency(
+        self, epoch: int = 0, max_length: int | None = None, multiple: int = 1, ladder: list[int] | None = None
+    ) -> float:
         """Real tokens / padded tokens of an epoch's plan: batches padded to their longest member
         rounded up to ``multiple`` or to the next width of ``ladder``, or to ``max_length`` when given
         (``fixed`` padding)."""

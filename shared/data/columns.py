@@ -33,13 +33,28 @@ class JobColumns:
     def of(cls, spec) -> "JobColumns":
         get = spec.get if isinstance(spec, dict) else lambda k, default=None: getattr(spec, k, default)
         if get("task") == "embedding":
-            return cls("embedding", get("anchor_column", "anchor"), get("positive_column", "positive"),
-                       get("score_column"), negatives=tuple(get("negative_columns") or ()))
+            return cls(
+                "embedding",
+                get("anchor_column", "anchor"),
+                get("positive_column", "positive"),
+                get("score_column"),
+                negatives=tuple(get("negative_columns") or ()),
+            )
         if get("task") == "reranking":
-            return cls("reranking", get("query_column", "query"), get("passage_column", "passage"),
-                       get("label_column", "label"))
-        return cls(get("task", "classification"), get("text_column", "text"), get("text_pair_column"),
-                   get("label_column", "label"), bool(get("allow_large_targets", False)), get("label_separator"))
+            return cls(
+                "reranking",
+                get("query_column", "query"),
+                get("passage_column", "passage"),
+                get("label_column", "label"),
+            )
+        return cls(
+            get("task", "classification"),
+            get("text_column", "text"),
+            get("text_pair_column"),
+            get("label_column", "label"),
+            bool(get("allow_large_targets", False)),
+            get("label_separator"),
+        )
 
     @property
     def has_classes(self) -> bool:
@@ -72,8 +87,11 @@ class JobColumns:
             assert self.text_pair is not None  # ``of`` names both text columns of these tasks
             if self.task == "reranking":
                 return [(self.text, "query_column"), (self.text_pair, "passage_column")]
-            return [(self.text, "anchor_column"), (self.text_pair, "positive_column"),
-                    *((column, "negative_columns") for column in self.negatives)]
+            return [
+                (self.text, "anchor_column"),
+                (self.text_pair, "positive_column"),
+                *((column, "negative_columns") for column in self.negatives),
+            ]
         return [(self.text, "text_column")] + ([(self.text_pair, "text_pair_column")] if self.text_pair else [])
 
     @property
@@ -131,14 +149,18 @@ def class_name(value: Any) -> str:
         if not value.strip():
             raise ValueError("is empty")
         if len(value) > MAX_CLASS_NAME_CHARS:
-            raise ValueError(f"is {len(value):,} characters long; class names are at most {MAX_CLASS_NAME_CHARS:,} "
-                             "(is it the right column?)")
+            raise ValueError(
+                f"is {len(value):,} characters long; class names are at most {MAX_CLASS_NAME_CHARS:,} "
+                "(is it the right column?)"
+            )
         return value
     if value is None:
         raise ValueError("is missing")
     if isinstance(value, float):
-        raise ValueError("is a float; classification labels are class names (strings, integers or booleans): "
-                         "use task 'regression' for numeric targets")
+        raise ValueError(
+            "is a float; classification labels are class names (strings, integers or booleans): "
+            "use task 'regression' for numeric targets"
+        )
     raise ValueError(f"holds {_kind(value)}; labels are strings, integers or booleans")
 
 
@@ -156,10 +178,11 @@ def label_list(value: Any, separator: str | None) -> list[str]:
     if value is None:
         raise ValueError("is missing")
     if isinstance(value, str):
-        raise ValueError("holds text, not a list of labels: give label_separator (e.g. \",\") to split it")
+        raise ValueError('holds text, not a list of labels: give label_separator (e.g. ",") to split it')
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"holds {_kind(value)}; multi_label labels are lists of class names, or text split on "
-                         "label_separator")
+        raise ValueError(
+            f"holds {_kind(value)}; multi_label labels are lists of class names, or text split on label_separator"
+        )
     names = []
     for item in value:
         try:
@@ -189,8 +212,10 @@ def regression_target(value: Any, allow_large: bool = False) -> float:
     if not math.isfinite(y) or abs(y) > FLOAT32_MAX:
         raise ValueError("is not a finite number (float32)")
     if abs(y) > MAX_REGRESSION_TARGET and not allow_large:
-        raise ValueError(f"is larger than {MAX_REGRESSION_TARGET:g} in absolute value; scale the targets, or set "
-                         "allow_large_targets to true in the job spec")
+        raise ValueError(
+            f"is larger than {MAX_REGRESSION_TARGET:g} in absolute value; scale the targets, or set "
+            "allow_large_targets to true in the job spec"
+        )
     return y
 
 
@@ -241,13 +266,31 @@ def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems:
                 problems.add(batch.start + i + 1, cols.label, value, str(e), code, cols.label_param)
         if problems.items:
             continue  # keep reading to report up to MAX_PROBLEMS, but hand out no data
-        yield JobBatch(batch.start, batch.values[cols.text],
-                       batch.values[cols.text_pair] if cols.text_pair else None, labels,
-                       {column: batch.values[column] for column in cols.negatives})
+        yield JobBatch(
+            batch.start,
+            batch.values[cols.text],
+            batch.values[cols.text_pair] if cols.text_pair else None,
+            labels,
+            {column: batch.values[column] for column in cols.negatives},
+        )
     # Text problems first (as a job reads its columns), then labels, each in row order.
-    rank = {param: i for i, param in enumerate(["file", "text_column", "text_pair_column", "anchor_column",
-                                                "positive_column", "negative_columns", "query_column",
-                                                "passage_column", "label_column", "score_column"])}
+    rank = {
+        param: i
+        for i, param in enumerate(
+            [
+                "file",
+                "text_column",
+                "text_pair_column",
+                "anchor_column",
+                "positive_column",
+                "negative_columns",
+                "query_column",
+                "passage_column",
+                "label_column",
+                "score_column",
+            ]
+        )
+    }
     problems.items.sort(key=lambda p: (rank.get(p.param, 0), p.row or 0))
 
 
@@ -259,8 +302,10 @@ def check_words(value: Any) -> str | None:
     if value is None:
         return "is missing"
     if isinstance(value, str):
-        return ("holds text, not a list of words: token_classification reads a JSON list per row (JSONL), a list "
-                "column (Parquet) or a CoNLL file")
+        return (
+            "holds text, not a list of words: token_classification reads a JSON list per row (JSONL), a list "
+            "column (Parquet) or a CoNLL file"
+        )
     if not isinstance(value, (list, tuple)):
         return f"holds {_kind(value)}, not a list of words"
     if not value:
@@ -308,5 +353,3 @@ def _tagged_batch(batch: Batch, cols: JobColumns, problems: Problems) -> Iterato
             problems.add(batch.start + i + 1, cols.label, label, str(e), code, "label_column")
     if not problems.items:
         yield JobBatch(batch.start, [list(w) for w in words], None, tags)
-
-

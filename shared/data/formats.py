@@ -6,8 +6,14 @@ import numpy as np
 
 from shared.errors import UserError
 
-FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
-           ".conll": "conll"}
+FORMATS = {
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".conll": "conll",
+}
 TEXT_FORMATS = {"csv", "tsv", "jsonl", "conll"}
 CONLL_COLUMNS = ("tokens", "tags")  # the columns of a CoNLL file
 BATCH_BYTES = 1 << 20  # data per batch; also the longest row (JSONL line, Parquet row) or CSV field accepted
@@ -33,5 +39,3 @@ def detect_format(filename: str) -> str:
             "file",
         )
     return fmt
-
-

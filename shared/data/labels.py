@@ -32,6 +32,7 @@ class LabelSummary:
 
 def sort_class_names(names) -> list[str]:
     """Class names sorted numerically when every one spells a finite number, else as text."""
+
     def number(name: str) -> float | None:
         try:
             x = float(name)
@@ -93,10 +94,13 @@ class ClassIndex:
         if code is None:
             limit = get_settings().max_classes
             if len(self.index) == limit:
-                raise UserError("too_many_classes", f"{self.filename!r}: label column {self.column!r} has "
-                                f"{limit + 1} classes by row {row}; at most {limit} "
-                                "(TUNEJOB_MAX_CLASSES): is it the right column, or is this a regression task?",
-                                "label_column")
+                raise UserError(
+                    "too_many_classes",
+                    f"{self.filename!r}: label column {self.column!r} has "
+                    f"{limit + 1} classes by row {row}; at most {limit} "
+                    "(TUNEJOB_MAX_CLASSES): is it the right column, or is this a regression task?",
+                    "label_column",
+                )
             code = self.index[name] = len(self.index)
             self.first_row[name] = row
             self.counts.append(0)
@@ -173,5 +177,3 @@ def read_job_table(path: Path, fmt: str, filename: str, cols: JobColumns) -> tup
     if cols.label:
         frame[cols.label] = labels if classes is not None else np.array(labels, dtype=np.float32)
     return pd.DataFrame(frame), classes.summary() if classes is not None else LabelSummary(len(texts))
-
-

@@ -39,8 +39,15 @@ class Problems:
     def full(self) -> bool:
         return len(self.items) >= MAX_PROBLEMS
 
-    def add(self, row: int | None, column: str | None, value: Any, message: str, code: str = "invalid_file",
-            param: str = "file") -> None:
+    def add(
+        self,
+        row: int | None,
+        column: str | None,
+        value: Any,
+        message: str,
+        code: str = "invalid_file",
+        param: str = "file",
+    ) -> None:
         if not self.full:
             self.items.append(Problem(row, column, show_value(value), message, code, param))
 
@@ -54,8 +61,12 @@ class Problems:
         if len(self.items) > 1:
             more = f"{len(self.items) - 1}{'+' if self.full else ''}"
             message += f" (and {more} more problem(s), listed in error.problems)"
-        return UserError(first.code, message, first.param, problems=[
-            {"row": p.row, "column": p.column, "value": p.value, "message": p.message} for p in self.items])
+        return UserError(
+            first.code,
+            message,
+            first.param,
+            problems=[{"row": p.row, "column": p.column, "value": p.value, "message": p.message} for p in self.items],
+        )
 
     def raise_if_any(self) -> None:
         if (error := self.error()) is not None:
@@ -72,5 +83,3 @@ def show_value(value: Any) -> str | None:
 
 def invalid_file(filename: str, fmt: str, detail: str) -> UserError:
     return UserError("invalid_file", f"{filename!r} could not be parsed as {fmt}: {detail}", "file")
-
-

@@ -19,8 +19,14 @@ from shared.data.readers.parquet import parquet_batches
 from shared.errors import UserError
 
 
-def read_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
-                 problems: Problems, list_columns: tuple[str, ...] = ()) -> Iterator[Batch]:
+def read_batches(
+    path: Path,
+    fmt: str,
+    filename: str,
+    columns: list[str] | None,
+    problems: Problems,
+    list_columns: tuple[str, ...] = (),
+) -> Iterator[Batch]:
     """Stream a stored dataset file in batches of at most about ``BATCH_BYTES``.
 
     ``columns``: the columns whose values to return (None: none, only count and check the
@@ -34,8 +40,13 @@ def read_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
             format, never a server path), ``dataset_too_large`` (413) for a Parquet file that
             expands beyond ``TUNEJOB_MAX_DATASET_BYTES``.
     """
-    readers: dict[str, Callable[..., Iterator[Batch]]] = {"csv": csv_batches, "tsv": csv_batches, "jsonl": jsonl_batches, "conll": conll_batches,
-               "parquet": functools.partial(parquet_batches, list_columns=list_columns)}
+    readers: dict[str, Callable[..., Iterator[Batch]]] = {
+        "csv": csv_batches,
+        "tsv": csv_batches,
+        "jsonl": jsonl_batches,
+        "conll": conll_batches,
+        "parquet": functools.partial(parquet_batches, list_columns=list_columns),
+    }
     try:
         yield from readers[fmt](path, fmt, filename, columns, problems)
     except UserError:
@@ -71,8 +82,9 @@ def inspect_dataset(path: Path, fmt: str, filename: str) -> DatasetInfo:
     problems.raise_if_any()
     columns = pq.ParquetFile(path).schema_arrow.names if fmt == "parquet" else keys
     if rows == 0:
-        raise UserError("empty_file", f"{filename!r} has a header but no data row" if columns else
-                        f"{filename!r} has no data row", "file")
+        raise UserError(
+            "empty_file",
+            f"{filename!r} has a header but no data row" if columns else f"{filename!r} has no data row",
+            "file",
+        )
     return DatasetInfo(rows, columns)
-
-

@@ -54,20 +54,34 @@ def load_embedder(model_dir: Path, device: torch.device, precision: str = "auto"
     if precision not in ("auto", "fp32"):
         raise UserError("invalid_precision", f"embeddings are computed in fp32, not {precision}", "precision")
     try:
-        model = SentenceTransformer(str(model_dir), device=str(device), local_files_only=True,
-                                    trust_remote_code=False, model_kwargs={"use_safetensors": True}).eval()
+        model = SentenceTransformer(
+            str(model_dir),
+            device=str(device),
+            local_files_only=True,
+            trust_remote_code=False,
+            model_kwargs={"use_safetensors": True},
+        ).eval()
     except (OSError, ValueError, KeyError) as e:
-        raise UserError("model_not_embeddable", f"not a model tunejob can embed with: {without_paths(str(e))}",
-                        "model") from e
+        raise UserError(
+            "model_not_embeddable", f"not a model tunejob can embed with: {without_paths(str(e))}", "model"
+        ) from e
     max_length, dimensions = model.max_seq_length, model.get_embedding_dimension()
     if max_length is None or dimensions is None:
-        raise UserError("model_not_embeddable", "not a model tunejob can embed with: its length limit or vector size "
-                        "is unknown", "model")
+        raise UserError(
+            "model_not_embeddable",
+            "not a model tunejob can embed with: its length limit or vector size is unknown",
+            "model",
+        )
     return LoadedEmbedder(model, max_length, dimensions, device)
 
 
-def embed_texts(loaded: LoadedEmbedder, texts: list[str], normalize: bool = True, max_length: int | None = None,
-                batch_size: int = ENCODE_BATCH) -> Embeddings:
+def embed_texts(
+    loaded: LoadedEmbedder,
+    texts: list[str],
+    normalize: bool = True,
+    max_length: int | None = None,
+    batch_size: int = ENCODE_BATCH,
+) -> Embeddings:
     """Embed ``texts`` in input order, ``batch_size`` texts per forward pass, each cut at
     ``max_length`` tokens (default and upper bound: ``loaded.max_length``); ``normalize``: unit
     length (the model's own ``Normalize`` module does it already for tunejob's models).
@@ -77,16 +91,31 @@ def embed_texts(loaded: LoadedEmbedder, texts: list[str], normalize: bool = True
     """
     limit = max_length or loaded.max_length
     if not 2 <= limit <= loaded.max_length:
-        raise UserError("invalid_max_length", f"max_length {limit} must be between 2 and the model's limit, "
-                        f"{loaded.max_length}", "max_length")
+        raise UserError(
+            "invalid_max_length",
+            f"max_length {limit} must be between 2 and the model's limit, {loaded.max_length}",
+            "max_length",
+        )
     model = loaded.model
-    counts = np.array([len(ids) for ids in model.tokenizer(texts, truncation=False, add_special_tokens=True,
-                                                           return_attention_mask=False)["input_ids"]], dtype=np.int64)
+    counts = np.array(
+        [
+            len(ids)
+            for ids in model.tokenizer(texts, truncation=False, add_special_tokens=True, return_attention_mask=False)[
+                "input_ids"
+            ]
+        ],
+        dtype=np.int64,
+    )
     model.max_seq_length = limit  # the cached model is used under its lock (one call at a time)
     try:
         with torch.inference_mode():
-            vectors = model.encode(texts, batch_size=batch_size, convert_to_numpy=True,
-                                   normalize_embeddings=normalize, show_progress_bar=False)
+            vectors = model.encode(
+                texts,
+                batch_size=batch_size,
+                convert_to_numpy=True,
+                normalize_embeddings=normalize,
+                show_progress_bar=False,
+            )
     finally:
         model.max_seq_length = loaded.max_length
     clipped = np.minimum(counts, limit)[np.argsort([-len(t) for t in texts], kind="stable")]

@@ -79,8 +79,9 @@ def compiled_int8(model: torch.nn.Module, example: dict[str, torch.Tensor], max_
     rows, width = torch.export.Dim("rows", min=1), torch.export.Dim("width", min=2, max=max_width)
     logits_of = LogitsOf(copy.deepcopy(model))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        exported = torch.export.export(logits_of, (), example, strict=False,
-                                       dynamic_shapes={name: {0: rows, 1: width} for name in example}).module()
+        exported = torch.export.export(
+            logits_of, (), example, strict=False, dynamic_shapes={name: {0: rows, 1: width} for name in example}
+        ).module()
         quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config(is_dynamic=True))
         prepared = prepare_pt2e(exported, quantizer)
         prepared(**example)
@@ -91,6 +92,7 @@ def compiled_int8(model: torch.nn.Module, example: dict[str, torch.Tensor], max_
         # outside it carry other dispatch keys, and a call with those would compile again
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
             return compiled(**batch)
+
     return run
 
 
@@ -101,6 +103,10 @@ class LogitsOf(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits

@@ -19,8 +19,9 @@ TEXTS = 32  # the batch: the first validation texts
 REPEATS = 5  # timed predictions of it; latency_ms is their median
 
 
-def latency_ms(model_dir: Path, device: torch.device, precision: str, texts: list[str],
-               pairs: list[str] | None = None) -> float:
+def latency_ms(
+    model_dir: Path, device: torch.device, precision: str, texts: list[str], pairs: list[str] | None = None
+) -> float:
     """The median milliseconds over ``REPEATS`` calls of ``predict_texts`` on ``texts[:TEXTS]`` (with
     ``pairs``), the model in ``model_dir`` loaded on ``device`` at ``precision`` (fp32, bf16, int8),
     at its own ``max_length`` as sync predict does.

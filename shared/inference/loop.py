@@ -114,21 +114,29 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
             one of ``TASK_ROWS``' tasks with a fast tokenizer (``model_not_predictable``).
     """
     if precision not in PRECISIONS:
-        raise UserError("invalid_precision", f"precision {precision!r} is not one of {', '.join(PRECISIONS)}",
-                        "precision")
+        raise UserError(
+            "invalid_precision", f"precision {precision!r} is not one of {', '.join(PRECISIONS)}", "precision"
+        )
     if precision == "int8" and device.type != "cpu":
-        raise UserError("unsupported_precision", "precision int8 (dynamic quantization) runs on CPU workers only; "
-                        "use auto, fp32 or bf16 on a GPU", "precision")
+        raise UserError(
+            "unsupported_precision",
+            "precision int8 (dynamic quantization) runs on CPU workers only; use auto, fp32 or bf16 on a GPU",
+            "precision",
+        )
     dtype = autocast_dtype("fp32" if precision == "int8" else precision, device, param="precision")
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
         task = task_of(config)
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-        model = MODEL_CLASSES.get(task, AutoModelForSequenceClassification).from_pretrained(
-            model_dir, config=config, use_safetensors=True, trust_remote_code=False, device_map=device).eval()
+        model = (
+            MODEL_CLASSES.get(task, AutoModelForSequenceClassification)
+            .from_pretrained(model_dir, config=config, use_safetensors=True, trust_remote_code=False, device_map=device)
+            .eval()
+        )
     except (OSError, ValueError, KeyError) as e:
-        raise UserError("model_not_predictable", f"not a model tunejob can predict with: {without_paths(str(e))}",
-                        "model") from e
+        raise UserError(
+            "model_not_predictable", f"not a model tunejob can predict with: {without_paths(str(e))}", "model"
+        ) from e
     if not tokenizer.is_fast:
         raise UserError("model_not_predictable", "the model's tokenizer has no fast version", "model")
     labels = [config.id2label[i] for i in range(config.num_labels)] if task != "regression" else None
@@ -139,15 +147,29 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
         example = tokenizer(["an example", "a longer example text"], padding=True, return_tensors="pt")
         model = Int8Model(model, {k: example[k] for k in tokenizer.model_input_names if k in example}, max_length)
     return LoadedModel(
-        model, tokenizer, task, labels, max_length, device, "int8" if precision == "int8" else PRECISION_NAMES[dtype],
+        model,
+        tokenizer,
+        task,
+        labels,
+        max_length,
+        device,
+        "int8" if precision == "int8" else PRECISION_NAMES[dtype],
         decision_threshold=getattr(config, "decision_threshold", DEFAULT_DECISION_THRESHOLD)
-        if task == "multi_label" else None,
+        if task == "multi_label"
+        else None,
         entities=TokenClassificationPipeline(model=model, tokenizer=tokenizer, device=model.device)
-        if task == "token_classification" else None)
+        if task == "token_classification"
+        else None,
+    )
 
 
-def predict_texts(loaded: LoadedModel, texts: list[str], pairs: list[str] | None = None,
-                  max_length: int | None = None, max_tokens: int | None = None) -> Predictions:
+def predict_texts(
+    loaded: LoadedModel,
+    texts: list[str],
+    pairs: list[str] | None = None,
+    max_length: int | None = None,
+    max_tokens: int | None = None,
+) -> Predictions:
     """Predict ``texts`` (with ``pairs`` as the tokenizer's second segment) in input order.
 
     ``max_length`` (default: ``loaded.model_max_length``): tokens per text; longer texts are
@@ -169,11 +191,19 @@ def predict_texts(loaded: LoadedModel, texts: list[str], pairs: list[str] | None
     if not texts:
         return Predictions([], 0, 0, 0)
     per_token = loaded.task == "token_classification"  # offsets and special tokens, for the entities
-    encoded = loaded.tokenizer(texts, pairs, truncation=True, max_length=max_length, padding=False,
-                               return_offsets_mapping=per_token, return_special_tokens_mask=per_token)
+    encoded = loaded.tokenizer(
+        texts,
+        pairs,
+        truncation=True,
+        max_length=max_length,
+        padding=False,
+        return_offsets_mapping=per_token,
+        return_special_tokens_mask=per_token,
+    )
     truncated = sum(bool(e.overflowing) for e in encoded.encodings)
-    features = [{k: encoded[k][i] for k in loaded.tokenizer.model_input_names if k in encoded}
-                for i in range(len(texts))]
+    features = [
+        {k: encoded[k][i] for k in loaded.tokenizer.model_input_names if k in encoded} for i in range(len(texts))
+    ]
     lengths = np.array([len(ids) for ids in encoded["input_ids"]])
     ladder = job_ladder(max_length, None, False, loaded.device.type == "cuda")
     budget = max_tokens or DEFAULT_MAX_TOKENS.get(loaded.device.type, DEFAULT_MAX_TOKENS["cpu"])
@@ -191,13 +221,17 @@ def checked_max_length(loaded: LoadedModel, max_length: int | None) -> int:
     if max_length is None:
         return loaded.model_max_length
     if not 2 <= max_length <= loaded.model_max_length:
-        raise UserError("invalid_max_length", f"max_length {max_length} must be between 2 and the model's limit, "
-                        f"{loaded.model_max_length}", "max_length")
+        raise UserError(
+            "invalid_max_length",
+            f"max_length {max_length} must be between 2 and the model's limit, {loaded.model_max_length}",
+            "max_length",
+        )
     return max_length
 
 
-def run_batches(loaded: LoadedModel, features: list[dict], batches: list[np.ndarray],
-                ladder: list[int]) -> tuple[list[torch.Tensor], int]:
+def run_batches(
+    loaded: LoadedModel, features: list[dict], batches: list[np.ndarray], ladder: list[int]
+) -> tuple[list[torch.Tensor], int]:
     """Each text's fp32 logits on the CPU, in input order: ``[num_labels]`` from a sequence head,
     ``[tokens, num_labels]`` from a token head (the text's own tokens, padding cut); and the tokens
     computed (rows x padded width, summed over batches). Each batch is padded to its ladder width
@@ -220,33 +254,41 @@ def run_batches(loaded: LoadedModel, features: list[dict], batches: list[np.ndar
     return cast(list[torch.Tensor], logits), padded  # every text's row filled
 
 
-def classification_rows(loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str],
-                        encoded: BatchEncoding) -> list[dict]:
+def classification_rows(
+    loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str], encoded: BatchEncoding
+) -> list[dict]:
     """Softmax over each text's ``[classes]`` logits: the top label, its probability, and every class's."""
     names = loaded.label_names or []
     probabilities = torch.softmax(torch.stack(logits), dim=-1)
     top = probabilities.argmax(dim=-1).tolist()
-    return [{"label": names[best], "score": row[best], "probabilities": dict(zip(names, row))}
-            for best, row in zip(top, probabilities.tolist())]
+    return [
+        {"label": names[best], "score": row[best], "probabilities": dict(zip(names, row))}
+        for best, row in zip(top, probabilities.tolist())
+    ]
 
 
-def regression_rows(loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str],
-                    encoded: BatchEncoding) -> list[dict]:
+def regression_rows(
+    loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str], encoded: BatchEncoding
+) -> list[dict]:
     """Each text's single output (``[1]`` logits) as the predicted value."""
     return [{"value": value} for value in torch.stack(logits)[:, 0].tolist()]
 
 
-def multi_label_rows(loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str],
-                     encoded: BatchEncoding) -> list[dict]:
+def multi_label_rows(
+    loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str], encoded: BatchEncoding
+) -> list[dict]:
     """The sigmoid of each text's ``[labels]`` logits: every label's score, and the labels (in
     label order) whose score is at least ``loaded.decision_threshold``."""
     names, threshold = loaded.label_names or [], loaded.decision_threshold
-    return [{"labels": [n for n, p in zip(names, row) if p >= threshold], "probabilities": dict(zip(names, row))}
-            for row in torch.sigmoid(torch.stack(logits)).tolist()]
+    return [
+        {"labels": [n for n, p in zip(names, row) if p >= threshold], "probabilities": dict(zip(names, row))}
+        for row in torch.sigmoid(torch.stack(logits)).tolist()
+    ]
 
 
-def entity_rows(loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str],
-                encoded: BatchEncoding) -> list[dict]:
+def entity_rows(
+    loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str], encoded: BatchEncoding
+) -> list[dict]:
     """Each text's entities from its ``[tokens, tags]`` logits, grouped by
     ``TokenClassificationPipeline.postprocess`` with aggregation ``"simple"`` (tags ``O`` left
     out): ``entity_group`` (the tag without its ``B-``/``I-``), ``score`` (the mean of its tokens'
@@ -256,17 +298,36 @@ def entity_rows(loaded: LoadedModel, logits: list[torch.Tensor], texts: list[str
     assert loaded.entities is not None, "a token_classification model has its entities pipeline"
     rows = []
     for i, (text, scores) in enumerate(zip(texts, logits)):
-        outputs = {"logits": scores[None], "sentence": text,
-                   **{k: torch.tensor([encoded[k][i]]) for k in ("input_ids", "offset_mapping", "special_tokens_mask")}}
+        outputs = {
+            "logits": scores[None],
+            "sentence": text,
+            **{k: torch.tensor([encoded[k][i]]) for k in ("input_ids", "offset_mapping", "special_tokens_mask")},
+        }
         entities = loaded.entities.postprocess([outputs], aggregation_strategy=AggregationStrategy.SIMPLE)
-        rows.append({"entities": [{"entity_group": e["entity_group"], "score": float(e["score"]), "word": e["word"],
-                                   "start": int(e["start"]), "end": int(e["end"])} for e in entities]})
+        rows.append(
+            {
+                "entities": [
+                    {
+                        "entity_group": e["entity_group"],
+                        "score": float(e["score"]),
+                        "word": e["word"],
+                        "start": int(e["start"]),
+                        "end": int(e["end"]),
+                    }
+                    for e in entities
+                ]
+            }
+        )
     return rows
 
 
 RowsOf = Callable[[LoadedModel, list[torch.Tensor], list[str], BatchEncoding], list[dict]]
-TASK_ROWS: dict[str, RowsOf] = {"classification": classification_rows, "regression": regression_rows,
-                                "multi_label": multi_label_rows, "token_classification": entity_rows}
+TASK_ROWS: dict[str, RowsOf] = {
+    "classification": classification_rows,
+    "regression": regression_rows,
+    "multi_label": multi_label_rows,
+    "token_classification": entity_rows,
+}
 
 
 @dataclass
@@ -284,8 +345,7 @@ class ModelCache:
     key may both load it; the first stored is kept. ``load``: ``load_for_inference``, or
     ``shared.inference.embed.load_embedder`` for embedding models."""
 
-    def __init__(self, size: int, device: torch.device, precision: str = "auto",
-                 load: Callable = load_for_inference):
+    def __init__(self, size: int, device: torch.device, precision: str = "auto", load: Callable = load_for_inference):
         self.size, self.device, self.precision, self.load = size, device, precision, load
         self._models: OrderedDict[str, CachedModel] = OrderedDict()
         self._lock = Lock()

@@ -6,8 +6,9 @@ import torch
 from shared.errors import UserError
 
 
-def autocast_dtype(precision: str, device: torch.device,
-                   param: str = "hyperparameters.precision") -> torch.dtype | None:
+def autocast_dtype(
+    precision: str, device: torch.device, param: str = "hyperparameters.precision"
+) -> torch.dtype | None:
     """The ``torch.autocast`` dtype for a precision setting, None for fp32.
 
     ``auto`` picks bf16 on GPUs that support it, fp16 (with a GradScaler) on older GPUs, and fp32 on

@@ -26,8 +26,12 @@ def checked_alias(alias: str) -> str:
     """Raises: UserError (422 ``invalid_alias``, naming ``alias``) unless ``alias`` is a slug of
     ``ALIAS`` that is not also a base model's name (which it would hide)."""
     if not ALIAS.match(alias):
-        raise UserError("invalid_alias", f"alias {alias!r} is not a slug: 1 to 64 lowercase letters, digits and "
-                        "hyphens, starting with a letter or digit", "alias")
+        raise UserError(
+            "invalid_alias",
+            f"alias {alias!r} is not a slug: 1 to 64 lowercase letters, digits and "
+            "hyphens, starting with a letter or digit",
+            "alias",
+        )
     if alias in available_models():
         raise UserError("invalid_alias", f"alias {alias!r} is the name of a base model (GET /models)", "alias")
     return alias
@@ -72,13 +76,30 @@ def delete_alias(alias: str, caller: Caller) -> None:
 
 
 def _record(s, caller: Caller, alias: str, previous: str | None, job_id: str | None) -> None:
-    change = ModelAliasChange(tenant=caller.tenant, alias=alias, from_job_id=previous, to_job_id=job_id,
-                              changed_by=caller.key_id, changed_at=utcnow())
+    change = ModelAliasChange(
+        tenant=caller.tenant,
+        alias=alias,
+        from_job_id=previous,
+        to_job_id=job_id,
+        changed_by=caller.key_id,
+        changed_at=utcnow(),
+    )
     s.add(change)
     s.flush()  # its id names the event
-    emit(s, caller.tenant, EVENT, f"evt_alias_{change.id}",
-         {"alias": alias, "object": "model_alias", "job_id": job_id, "previous_job_id": previous,
-          "changed_by": caller.key_id, "changed_at": change.changed_at.isoformat().replace("+00:00", "Z")})
+    emit(
+        s,
+        caller.tenant,
+        EVENT,
+        f"evt_alias_{change.id}",
+        {
+            "alias": alias,
+            "object": "model_alias",
+            "job_id": job_id,
+            "previous_job_id": previous,
+            "changed_by": caller.key_id,
+            "changed_at": change.changed_at.isoformat().replace("+00:00", "Z"),
+        },
+    )
 
 
 def get_alias(alias: str, caller: Caller) -> tuple[ModelAlias, list[ModelAliasChange]]:
@@ -87,17 +108,18 @@ def get_alias(alias: str, caller: Caller) -> tuple[ModelAlias, list[ModelAliasCh
         row = s.get(ModelAlias, (caller.tenant, alias)) if ALIAS.match(alias) else None
         if row is None:
             raise NotFound("alias", alias)
-        history = s.scalars(select(ModelAliasChange).where(
-            ModelAliasChange.tenant == caller.tenant, ModelAliasChange.alias == alias)
-            .order_by(ModelAliasChange.id.desc())).all()
+        history = s.scalars(
+            select(ModelAliasChange)
+            .where(ModelAliasChange.tenant == caller.tenant, ModelAliasChange.alias == alias)
+            .order_by(ModelAliasChange.id.desc())
+        ).all()
         return row, list(history)
 
 
 def list_aliases(caller: Caller) -> list[ModelAlias]:
     """The caller's tenant's aliases, by name."""
     with read_session() as s:
-        return list(s.scalars(select(ModelAlias).where(ModelAlias.tenant == caller.tenant)
-                              .order_by(ModelAlias.alias)))
+        return list(s.scalars(select(ModelAlias).where(ModelAlias.tenant == caller.tenant).order_by(ModelAlias.alias)))
 
 
 def resolve(ref: str, caller: Caller) -> str:
@@ -106,6 +128,5 @@ def resolve(ref: str, caller: Caller) -> str:
     if not ALIAS.match(ref):
         return ref
     with read_session() as s:
-        job_id = s.scalar(select(ModelAlias.job_id).where(ModelAlias.tenant == caller.tenant,
-                                                          ModelAlias.alias == ref))
+        job_id = s.scalar(select(ModelAlias.job_id).where(ModelAlias.tenant == caller.tenant, ModelAlias.alias == ref))
     return job_id or ref

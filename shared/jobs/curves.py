@@ -23,8 +23,13 @@ MIN_SPAN = 0.1  # a panel of other metrics spans at least this share of its valu
 def metric_rows(job_id: str) -> list[Row]:
     """The job's metric rows ``(step, name, value, time)``, ordered by step."""
     with read_session() as s:
-        return list(s.execute(select(JobMetric.step, JobMetric.name, JobMetric.value, JobMetric.time)
-                              .where(JobMetric.job_id == job_id).order_by(JobMetric.step, JobMetric.id)))
+        return list(
+            s.execute(
+                select(JobMetric.step, JobMetric.name, JobMetric.value, JobMetric.time)
+                .where(JobMetric.job_id == job_id)
+                .order_by(JobMetric.step, JobMetric.id)
+            )
+        )
 
 
 def series_of(rows: list[Row]) -> Series:
@@ -53,8 +58,9 @@ def render_png(series: Series, title: str) -> bytes:
     if names:
         eval_ax.set_ylim(*panel_range(names, series))
     _plot(speed_ax, series, {"tokens_per_second": "real tokens/s"}, "tokens/s")
-    _plot(speed_ax.twinx(), series, {"padding_efficiency": "padding efficiency"}, "padding efficiency",
-          color="tab:gray")
+    _plot(
+        speed_ax.twinx(), series, {"padding_efficiency": "padding efficiency"}, "padding efficiency", color="tab:gray"
+    )
     speed_ax.set_xlabel("step (optimizer steps)")
 
     buffer = io.BytesIO()

@@ -25,8 +25,9 @@ def job_evaluation(job_id: str, caller: Caller) -> dict:
     """
     job = get_job(job_id, caller)
     if job.status != "succeeded":
-        raise Conflict("job_not_succeeded", f"job {job_id!r} is {job.status}: its evaluation report is written "
-                       "when it succeeds")
+        raise Conflict(
+            "job_not_succeeded", f"job {job_id!r} is {job.status}: its evaluation report is written when it succeeds"
+        )
     report = read_report(artifacts.model_dir(job_id) / artifacts.EVALUATION)
     if report is None:
         raise NotFound("evaluation report of job", job_id)
@@ -45,16 +46,24 @@ def prediction_report_file(prediction_id: str, caller: Caller, name: str = artif
     """
     job = get_job(prediction_id, caller, kind=KIND)
     if not job.spec.get("label_column"):
-        raise UserError("no_evaluation", f"prediction {prediction_id!r} was made without a label_column: it has no "
-                        "evaluation report", "prediction_id", 404)
+        raise UserError(
+            "no_evaluation",
+            f"prediction {prediction_id!r} was made without a label_column: it has no evaluation report",
+            "prediction_id",
+            404,
+        )
     if job.status != "succeeded":
-        raise Conflict("prediction_not_succeeded", f"prediction {prediction_id!r} is {job.status}: its evaluation "
-                       "report is written when it succeeds")
+        raise Conflict(
+            "prediction_not_succeeded",
+            f"prediction {prediction_id!r} is {job.status}: its evaluation report is written when it succeeds",
+        )
     store = objects.store()
     path = store.local(store.ref(results_dir(prediction_id) / name)) if job.files_deleted_at is None else None
     if path is None and name == artifacts.EVALUATION:
-        raise Conflict("results_deleted", f"prediction {prediction_id!r}: its results were deleted "
-                       "(TUNEJOB_ARTIFACT_RETENTION_DAYS)")
+        raise Conflict(
+            "results_deleted",
+            f"prediction {prediction_id!r}: its results were deleted (TUNEJOB_ARTIFACT_RETENTION_DAYS)",
+        )
     if path is None:
         raise NotFound(f"figure of prediction {prediction_id!r}", name)
     return path

@@ -27,9 +27,12 @@ def check_task(spec: PredictionCreate, task: str) -> None:
         UserError: ``unsupported_task`` (422, naming ``label_column``) for a token_classification model.
     """
     if spec.label_column is not None and task not in REPORTED:
-        raise UserError("unsupported_task", f"model {spec.model!r} is a {task} model: a label_column is scored for "
-                        f"{', '.join(REPORTED)} models only (predictions read raw text, not tagged words)",
-                        "label_column")
+        raise UserError(
+            "unsupported_task",
+            f"model {spec.model!r} is a {task} model: a label_column is scored for "
+            f"{', '.join(REPORTED)} models only (predictions read raw text, not tagged words)",
+            "label_column",
+        )
 
 
 def gold_columns(spec: PredictionCreate, task: str, model_ref: str) -> JobColumns:
@@ -38,12 +41,19 @@ def gold_columns(spec: PredictionCreate, task: str, model_ref: str) -> JobColumn
     with read_session() as s:
         model_job = s.get(Job, model_ref) if model_ref.startswith("job_") else None
         trained = JobColumns.of(model_job.spec) if model_job is not None else None
-    return JobColumns(task, spec.text_column, spec.text_pair_column, spec.label_column,
-                      trained.allow_large_targets if trained else False, trained.label_separator if trained else None)
+    return JobColumns(
+        task,
+        spec.text_column,
+        spec.text_pair_column,
+        spec.label_column,
+        trained.allow_large_targets if trained else False,
+        trained.label_separator if trained else None,
+    )
 
 
-def check_gold_labels(spec: PredictionCreate, dataset: Dataset, task: str, model_ref: str,
-                      label_names: list[str] | None) -> list[str]:
+def check_gold_labels(
+    spec: PredictionCreate, dataset: Dataset, task: str, model_ref: str, label_names: list[str] | None
+) -> list[str]:
     """Read and check the label column of a prediction's dataset (every row, as a training job's
     labels are checked). Returns the labels the model does not know (``count_unknown_labels``
     allowed them), in the dataset's class order.
@@ -60,8 +70,11 @@ def check_gold_labels(spec: PredictionCreate, dataset: Dataset, task: str, model
     unknown = [name for name in summary.names or [] if name not in label_names]
     if unknown and not spec.count_unknown_labels:
         named = ", ".join(f"{name!r} (first in row {summary.first_row[name]})" for name in unknown[:20])
-        raise UserError("unknown_labels", f"{dataset.filename!r}: label column {spec.label_column!r} holds labels "
-                        f"model {spec.model!r} does not know: {named}{' ...' if len(unknown) > 20 else ''}; it knows "
-                        f"{label_names}. Fix the labels, or set count_unknown_labels to score those rows as errors",
-                        "label_column")
+        raise UserError(
+            "unknown_labels",
+            f"{dataset.filename!r}: label column {spec.label_column!r} holds labels "
+            f"model {spec.model!r} does not know: {named}{' ...' if len(unknown) > 20 else ''}; it knows "
+            f"{label_names}. Fix the labels, or set count_unknown_labels to score those rows as errors",
+            "label_column",
+        )
     return unknown

@@ -51,7 +51,10 @@ def to_out(job: Job) -> JobOut:
     if job.status == JobStatus.SUCCEEDED:
         fraction = 1.0
     return JobOut(
-        id=job.id, status=job.status, base_model=job.base_model, task=job.task,
+        id=job.id,
+        status=job.status,
+        base_model=job.base_model,
+        task=job.task,
         training_dataset=job.training_dataset_id,
         validation_dataset=job.validation_dataset_id,
         validation_split=spec.get("validation_split"),
@@ -79,7 +82,8 @@ def to_out(job: Job) -> JobOut:
         error=error,
         timings=Timings(**(job.timings or {})),
         files_deleted_at=job.files_deleted_at,
-        sweep_id=job.sweep_id, trial_number=job.trial_number,
+        sweep_id=job.sweep_id,
+        trial_number=job.trial_number,
     )
 
 
@@ -104,10 +108,17 @@ def create_job(spec: JobCreate, caller: Caller, claim: idempotency.Claim | None 
             row = s.get(Dataset, dataset.id, with_for_update={"read": True}, populate_existing=True)
             if row is None or row.deleted_at is not None:
                 raise UserError("unknown_dataset", f"dataset {dataset.id!r} was deleted", "training_dataset")
-        job = Job(id=new_id("job"), tenant=caller.tenant, base_model=spec.base_model, task=spec.task,
-                  training_dataset_id=checked.train.id,
-                  validation_dataset_id=checked.validation.id if checked.validation else None,
-                  spec=spec.model_dump(mode="json"), label_names=checked.label_names, created_at=received)
+        job = Job(
+            id=new_id("job"),
+            tenant=caller.tenant,
+            base_model=spec.base_model,
+            task=spec.task,
+            training_dataset_id=checked.train.id,
+            validation_dataset_id=checked.validation.id if checked.validation else None,
+            spec=spec.model_dump(mode="json"),
+            label_names=checked.label_names,
+            created_at=received,
+        )
         return insert_queued(s, job, "job created and queued", claim, to_out)
 
 
@@ -139,9 +150,16 @@ def get_job(job_id: str, caller: Caller, kind: str = "train") -> Job:
         return owned_job(s, job_id, caller, kind=kind)
 
 
-def list_jobs(caller: Caller, limit: int, after: str | None = None, status: str | None = None,
-              param: str = "after", kind: str = "train", task: str | None = None,
-              sweep: str | None = None) -> tuple[list[Job], bool]:
+def list_jobs(
+    caller: Caller,
+    limit: int,
+    after: str | None = None,
+    status: str | None = None,
+    param: str = "after",
+    kind: str = "train",
+    task: str | None = None,
+    sweep: str | None = None,
+) -> tuple[list[Job], bool]:
     """The caller's jobs of ``kind`` (an admin's: all), newest first, ``limit`` at a time after job
     ``after``, optionally of one ``status``, one ``task`` and one ``sweep`` (its trials).
 
@@ -250,8 +268,14 @@ def claim(job_id: str, worker_id: str) -> Job | None:
             job.timings = {"queued": round((now - job.created_at).total_seconds(), 3)}
         else:  # a later attempt: its phases replace those of the one before
             job.timings = {"queued": (job.timings or {}).get("queued")}
-        s.add(JobEvent(job_id=job_id, code="started", level="info",
-                       message=f"attempt {job.attempts} started on worker {worker_id}"))
+        s.add(
+            JobEvent(
+                job_id=job_id,
+                code="started",
+                level="info",
+                message=f"attempt {job.attempts} started on worker {worker_id}",
+            )
+        )
         return job
 
 
@@ -291,8 +315,7 @@ def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> boo
     message = without_paths(message)  # often a library's exception: no server path in any response
     job.lease_owner, job.lease_expires_at, job.enqueued_at = None, None, None
     if restart and job.restarts >= get_settings().max_restarts:
-        job.error = {"code": "too_many_restarts",
-                     "message": f"gave up after {job.restarts} restarts; last: {message}"}
+        job.error = {"code": "too_many_restarts", "message": f"gave up after {job.restarts} restarts; last: {message}"}
         end_job(s, job, JobStatus.FAILED, utcnow())
         s.add(JobEvent(job_id=job.id, code="failed", level="error", message=job.error["message"]))
         trials.ended(s, job)
@@ -317,15 +340,24 @@ def recover() -> list[str]:
         trials.lock_sweep_of(s, *s.scalars(select(Job.id).where(is_expired, Job.sweep_id.isnot(None))).all())
         expired = s.scalars(select(Job).where(is_expired).with_for_update(skip_locked=True)).all()
         for job in expired:
-            _requeue_or_fail(s, job, "job_restarted",
-                             f"lease of worker {job.lease_owner} expired at {job.lease_expires_at:%H:%M:%S}; "
-                             f"resuming from {RESUMES_FROM[job.kind]}", restart=True)
+            _requeue_or_fail(
+                s,
+                job,
+                "job_restarted",
+                f"lease of worker {job.lease_owner} expired at {job.lease_expires_at:%H:%M:%S}; "
+                f"resuming from {RESUMES_FROM[job.kind]}",
+                restart=True,
+            )
         grace = now - timedelta(seconds=settings.recovery_seconds)
         stale = now - timedelta(seconds=settings.resend_after_seconds)
-        return list(s.scalars(select(Job.id).where(
-            Job.status == JobStatus.QUEUED,
-            or_(and_(Job.enqueued_at.is_(None), Job.updated_at < grace), Job.enqueued_at < stale),
-        )))
+        return list(
+            s.scalars(
+                select(Job.id).where(
+                    Job.status == JobStatus.QUEUED,
+                    or_(and_(Job.enqueued_at.is_(None), Job.updated_at < grace), Job.enqueued_at < stale),
+                )
+            )
+        )
 
 
 def record_progress(
@@ -360,8 +392,9 @@ def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any]
     with session_scope() as s:
         s.add(Checkpoint(job_id=job_id, step=step, path=path, metrics=json_safe(metrics)))
         s.flush()
-        old = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
-                        .order_by(Checkpoint.step.desc()).offset(keep)).all()
+        old = s.scalars(
+            select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).offset(keep)
+        ).all()
         for checkpoint in old:
             s.delete(checkpoint)
         return [c.path for c in old]
@@ -399,8 +432,9 @@ def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | Non
 
 def describe_timings(timings: dict[str, float | None]) -> str:
     """One line, e.g. ``seconds: queued 0.21, load 1.05, ..., total 15.4``."""
-    return "seconds: " + ", ".join(f"{name} {timings[name]:.2f}" for name in Timings.model_fields
-                                   if timings.get(name) is not None)
+    return "seconds: " + ", ".join(
+        f"{name} {timings[name]:.2f}" for name in Timings.model_fields if timings.get(name) is not None
+    )
 
 
 # ----------------------------------------------------------------------------- files
@@ -457,13 +491,20 @@ def delete_job(job_id: str, caller: Caller, kind: str = "train") -> None:
     with session_scope() as s:
         job = owned_job(s, job_id, caller, for_update=True, kind=kind)
         if job.status in ACTIVE:
-            raise Conflict("job_not_finished", f"job {job_id!r} is {job.status}; cancel it first "
-                           f"(POST {ROUTES[kind]}/{job_id}/cancel), then delete it once it has stopped")
-        predicting = s.scalars(select(Job.id).where(Job.kind == "predict", Job.base_model == job_id,
-                                                    Job.status.in_(ACTIVE))).all()
+            raise Conflict(
+                "job_not_finished",
+                f"job {job_id!r} is {job.status}; cancel it first "
+                f"(POST {ROUTES[kind]}/{job_id}/cancel), then delete it once it has stopped",
+            )
+        predicting = s.scalars(
+            select(Job.id).where(Job.kind == "predict", Job.base_model == job_id, Job.status.in_(ACTIVE))
+        ).all()
         if predicting:
-            raise Conflict("model_in_use", f"job {job_id!r} is the model of {len(predicting)} queued or running "
-                           f"prediction(s): {', '.join(predicting[:5])}; wait for them to finish or cancel them")
+            raise Conflict(
+                "model_in_use",
+                f"job {job_id!r} is the model of {len(predicting)} queued or running "
+                f"prediction(s): {', '.join(predicting[:5])}; wait for them to finish or cancel them",
+            )
         job.deleted_at, job.files_deleted_at = now, job.files_deleted_at or now
         for child in (JobMetric, JobEvent, Checkpoint):
             s.execute(delete(child).where(child.job_id == job_id))

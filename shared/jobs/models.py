@@ -25,12 +25,20 @@ def trained_model(ref: str, caller: Caller) -> tuple[Job, Path]:
     except NotFound:
         raise UserError("unknown_model", f"model {ref!r}: no such training job", "model", 404) from None
     if job.status != JobStatus.SUCCEEDED:
-        raise UserError("model_not_ready", f"model {ref!r} is a training job that is {job.status}; only a succeeded "
-                        "job has a model", "model", 409)
+        raise UserError(
+            "model_not_ready",
+            f"model {ref!r} is a training job that is {job.status}; only a succeeded job has a model",
+            "model",
+            409,
+        )
     directory = artifacts.local_model(ref) if job.files_deleted_at is None else None  # from the bucket if set
     if directory is None:
-        raise UserError("model_files_deleted", f"model {ref!r}: the job's files were deleted "
-                        "(TUNEJOB_ARTIFACT_RETENTION_DAYS)", "model", 409)
+        raise UserError(
+            "model_files_deleted",
+            f"model {ref!r}: the job's files were deleted (TUNEJOB_ARTIFACT_RETENTION_DAYS)",
+            "model",
+            409,
+        )
     return job, directory
 
 
@@ -51,6 +59,10 @@ def embedding_model(ref: str, caller: Caller) -> Path:
             raise UserError(e.code, e.message.replace("base_model", "model"), "model") from None
     job, directory = trained_model(ref, caller)
     if job.task != "embedding":
-        raise UserError("unsupported_task", f"model {ref!r} was trained for {job.task}; embeddings come from an "
-                        "embedding job (task 'embedding') or a base model", "model")
+        raise UserError(
+            "unsupported_task",
+            f"model {ref!r} was trained for {job.task}; embeddings come from an "
+            "embedding job (task 'embedding') or a base model",
+            "model",
+        )
     return directory

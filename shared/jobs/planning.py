@@ -51,14 +51,19 @@ def visible_dataset(s, dataset_id: str, param: str, caller: Caller) -> Dataset:
     dataset = by_id(s, Dataset, dataset_id)
     if dataset is None or not caller.sees(dataset.tenant) or dataset.deleted_at is not None:
         deleted = dataset is not None and caller.sees(dataset.tenant)
-        raise UserError("unknown_dataset", f"{param} {dataset_id!r} does not exist"
-                        f"{' any more (it was deleted)' if deleted else ''}; upload it with POST /datasets", param)
+        raise UserError(
+            "unknown_dataset",
+            f"{param} {dataset_id!r} does not exist"
+            f"{' any more (it was deleted)' if deleted else ''}; upload it with POST /datasets",
+            param,
+        )
     return dataset
 
 
 def max_input_length(model_dir: Path) -> int | None:
     """Longest input the model takes, in tokens: the tokenizer's ``model_max_length`` when it is
     real (some tokenizers store a huge sentinel), else the config's ``max_position_embeddings``."""
+
     def read(name: str) -> dict:
         try:
             return json.loads((model_dir / name).read_text())
@@ -74,8 +79,11 @@ def max_input_length(model_dir: Path) -> int | None:
 def _require_columns(dataset: Dataset, cols: JobColumns) -> None:
     for column, param in cols.texts + ([(cols.label, cols.label_param)] if cols.label else []):
         if column not in dataset.columns:
-            raise UserError("missing_column", f"column {column!r} ({param}) not found in {dataset.filename!r}; "
-                            f"its columns are {dataset.columns}", param)
+            raise UserError(
+                "missing_column",
+                f"column {column!r} ({param}) not found in {dataset.filename!r}; its columns are {dataset.columns}",
+                param,
+            )
 
 
 def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
@@ -92,22 +100,37 @@ def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
     model_dir = resolve_model(spec.base_model)
     limit = max_input_length(model_dir)
     if limit and spec.hyperparameters.max_length > limit:
-        raise UserError("max_length_too_long", f"hyperparameters.max_length {spec.hyperparameters.max_length} is "
-                        f"longer than {spec.base_model!r} accepts ({limit} tokens)", "hyperparameters.max_length")
+        raise UserError(
+            "max_length_too_long",
+            f"hyperparameters.max_length {spec.hyperparameters.max_length} is "
+            f"longer than {spec.base_model!r} accepts ({limit} tokens)",
+            "hyperparameters.max_length",
+        )
     with read_session() as s:
         train = visible_dataset(s, spec.training_dataset, "training_dataset", caller)
-        val = (visible_dataset(s, spec.validation_dataset, "validation_dataset", caller)
-               if spec.validation_dataset else None)
+        val = (
+            visible_dataset(s, spec.validation_dataset, "validation_dataset", caller)
+            if spec.validation_dataset
+            else None
+        )
     cols = JobColumns.of(spec)
     for dataset in [train] + ([val] if val else []):
         _require_columns(dataset, cols)
     summary = scan_job_data(objects.dataset_file(train), train.format, train.filename, cols)
     if spec.task in ("classification", "token_classification") and summary.names is not None and len(summary.names) < 2:
-        raise UserError("single_class", f"label column {cols.label!r} in {train.filename!r} has a single class "
-                        f"({summary.names[0]!r}); {spec.task} needs at least 2", "label_column")
+        raise UserError(
+            "single_class",
+            f"label column {cols.label!r} in {train.filename!r} has a single class "
+            f"({summary.names[0]!r}); {spec.task} needs at least 2",
+            "label_column",
+        )
     if spec.task == "multi_label" and not summary.names:
-        raise UserError("no_labels", f"label column {cols.label!r} in {train.filename!r} has no label in any row; "
-                        "multi_label needs at least one", "label_column")
+        raise UserError(
+            "no_labels",
+            f"label column {cols.label!r} in {train.filename!r} has no label in any row; "
+            "multi_label needs at least one",
+            "label_column",
+        )
     if val:
         val_summary = scan_job_data(objects.dataset_file(val), val.format, val.filename, cols)
         _check_validation_labels(summary.names, val_summary, val.filename, cols.label)
@@ -124,8 +147,14 @@ def _check_validation_labels(names: list[str] | None, val: LabelSummary, filenam
     if unseen:
         problems = Problems(filename)
         for name in unseen:
-            problems.add(val.first_row[name], column, name, "is a class the training set lacks", "unknown_label",
-                         "validation_dataset")
+            problems.add(
+                val.first_row[name],
+                column,
+                name,
+                "is a class the training set lacks",
+                "unknown_label",
+                "validation_dataset",
+            )
         error = problems.error(f"{filename!r} has labels the training set lacks: {sorted(unseen)[:10]}")
         assert error is not None  # a problem per unseen class
         raise error
@@ -168,8 +197,10 @@ def plan_job(checked: CheckedSpec) -> dict:
     for strategy in STRATEGIES:
         plan = plan_for(strategy)
         fixed_width = hp.max_length if strategy == "fixed" else None
-        efficiency[strategy] = {"unrounded": plan.padding_efficiency(0, fixed_width, 1),
-                                "bucketed": plan.padding_efficiency(0, fixed_width, ladder=ladder)}
+        efficiency[strategy] = {
+            "unrounded": plan.padding_efficiency(0, fixed_width, 1),
+            "bucketed": plan.padding_efficiency(0, fixed_width, ladder=ladder),
+        }
     plan = plan_for(hp.batching)
     micro_batches = len(plan.batches)
     total_steps = plan.count_steps(hp.epochs, hp.gradient_accumulation_steps)
@@ -177,18 +208,26 @@ def plan_job(checked: CheckedSpec) -> dict:
     counts, edges = np.histogram(lengths, bins=min(16, max(1, int(lengths.max()) // 8)))
     return {
         "examples": len(lengths),
-        "token_lengths": {"bin_edges": [round(float(e), 1) for e in edges], "counts": counts.tolist(),
-                          "mean": float(lengths.mean()), "max": int(lengths.max())},
+        "token_lengths": {
+            "bin_edges": [round(float(e), 1) for e in edges],
+            "counts": counts.tolist(),
+            "mean": float(lengths.mean()),
+            "max": int(lengths.max()),
+        },
         "truncated_fraction": float((full > hp.max_length).mean()),
         "truncated_examples": int((full > hp.max_length).sum()),
         "padding_efficiency": efficiency,
-        "buckets": {"ladder": ladder, "widths": [{"width": w, "micro_batches": n} for w, n in used.items()],
-                    "padding_efficiency": efficiency[hp.batching]["bucketed"]},
+        "buckets": {
+            "ladder": ladder,
+            "widths": [{"width": w, "micro_batches": n} for w, n in used.items()],
+            "padding_efficiency": efficiency[hp.batching]["bucketed"],
+        },
         "micro_batches_per_epoch": micro_batches,
         "steps_per_epoch": math.ceil(micro_batches / hp.gradient_accumulation_steps),
         "total_steps": total_steps,
-        **estimate_seconds(spec.base_model, int(lengths.sum()) * hp.epochs / efficiency[hp.batching]["unrounded"],
-                           checked.caller),
+        **estimate_seconds(
+            spec.base_model, int(lengths.sum()) * hp.epochs / efficiency[hp.batching]["unrounded"], checked.caller
+        ),
         **(multi_label_plan(checked) if spec.task == "multi_label" else {}),
     }
 
@@ -196,8 +235,14 @@ def plan_job(checked: CheckedSpec) -> dict:
 def multi_label_plan(checked: CheckedSpec) -> dict:
     """The plan's multi_label fields (see ``plan_job``)."""
     empty = checked.rows_without_labels
-    notes = [f"{empty} row(s) of {checked.train.filename!r} have no label: they are kept, as examples of "
-             "none of the labels"] if empty else []
+    notes = (
+        [
+            f"{empty} row(s) of {checked.train.filename!r} have no label: they are kept, as examples of "
+            "none of the labels"
+        ]
+        if empty
+        else []
+    )
     return {"labels": len(checked.label_names or ()), "rows_without_labels": empty, "notes": notes}
 
 
@@ -220,11 +265,12 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
             if cols.task == "embedding":  # each text is encoded alone; a row is as long as its longest
                 assert batch.pairs is not None  # the positives
                 columns = [batch.texts, batch.pairs, *batch.negatives.values()]
-                parts.append(np.max([token_counts(tokenizer, c[a:a + TOKENIZE_ROWS], None) for c in columns], axis=0))
+                parts.append(np.max([token_counts(tokenizer, c[a : a + TOKENIZE_ROWS], None) for c in columns], axis=0))
                 continue
-            pairs = batch.pairs[a:a + TOKENIZE_ROWS] if batch.pairs is not None else None
-            parts.append(token_counts(tokenizer, batch.texts[a:a + TOKENIZE_ROWS], pairs,
-                                      cols.task == "token_classification"))
+            pairs = batch.pairs[a : a + TOKENIZE_ROWS] if batch.pairs is not None else None
+            parts.append(
+                token_counts(tokenizer, batch.texts[a : a + TOKENIZE_ROWS], pairs, cols.task == "token_classification")
+            )
     problems.raise_if_any()  # the file changed since check_spec read it
     lengths = np.concatenate(parts)
     codes = classes.summary().codes if classes is not None else None
@@ -234,13 +280,20 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
 
 def token_counts(tokenizer, texts: list, pairs: list[str] | None, words: bool = False) -> np.ndarray:
     """Tokens of each text (with its pair; ``words``: lists of words), untruncated, as int32 ``[len(texts)]``."""
-    ids = tokenizer(texts, pairs, truncation=False, return_attention_mask=False, return_token_type_ids=False,
-                    is_split_into_words=words)["input_ids"]
+    ids = tokenizer(
+        texts,
+        pairs,
+        truncation=False,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+        is_split_into_words=words,
+    )["input_ids"]
     return np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
 
 
-def estimate_seconds(base_model: str, padded_tokens: float, caller: Caller, kind: str = "train",
-                     precision: str | None = None) -> dict:
+def estimate_seconds(
+    base_model: str, padded_tokens: float, caller: Caller, kind: str = "train", precision: str | None = None
+) -> dict:
     """Time for ``padded_tokens`` at the padded-token throughput of the newest succeeded job of
     ``kind`` (training, or prediction: a forward pass only) of ``caller``'s tenant on
     ``base_model`` (throughput depends on the worker's device, so this is a guide); with
@@ -249,13 +302,17 @@ def estimate_seconds(base_model: str, padded_tokens: float, caller: Caller, kind
     with read_session() as s:
         query = select(Job).where(Job.status == JobStatus.SUCCEEDED, Job.base_model == base_model, Job.kind == kind)
         recent = s.scalars(scoped(query, Job, caller).order_by(Job.finished_at.desc()).limit(20 if precision else 1))
-        job = next((j for j in recent if precision is None or (j.spec or {}).get("precision", "auto") == precision),
-                   None)
+        job = next(
+            (j for j in recent if precision is None or (j.spec or {}).get("precision", "auto") == precision), None
+        )
     metrics = (job.train_metrics or {}) if job else {}
     if job is None or not metrics.get("tokens_per_second"):
         return {"estimated_seconds": None, "estimate_basis": f"no succeeded job on {base_model} yet"}
     # Training records the efficiency of its unrounded padding apart; a prediction records what it computed.
-    padded_per_second = metrics["tokens_per_second"] / metrics.get("padding_efficiency_unrounded",
-                                                                   metrics.get("padding_efficiency"))
-    return {"estimated_seconds": padded_tokens / padded_per_second,
-            "estimate_basis": f"job {job.id}: {padded_per_second:.0f} padded tokens/s on {job.device}"}
+    padded_per_second = metrics["tokens_per_second"] / metrics.get(
+        "padding_efficiency_unrounded", metrics.get("padding_efficiency")
+    )
+    return {
+        "estimated_seconds": padded_tokens / padded_per_second,
+        "estimate_basis": f"job {job.id}: {padded_per_second:.0f} padded tokens/s on {job.device}",
+    }

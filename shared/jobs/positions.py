@@ -33,8 +33,9 @@ def queue_positions(s: Session, now: datetime | None = None) -> dict[str, QueueP
     """The place and estimated start of every queued job, by job id (one read of the queued and
     running jobs' rows)."""
     now = now or utcnow()
-    queued = s.execute(select(Job.id, Job.plan_seconds).where(Job.status == JobStatus.QUEUED)
-                       .order_by(Job.created_at, Job.id)).all()
+    queued = s.execute(
+        select(Job.id, Job.plan_seconds).where(Job.status == JobStatus.QUEUED).order_by(Job.created_at, Job.id)
+    ).all()
     if not queued:
         return {}
     running = s.execute(select(Job.eta_seconds, Job.updated_at).where(Job.status == JobStatus.RUNNING)).all()
@@ -44,9 +45,12 @@ def queue_positions(s: Session, now: datetime | None = None) -> dict[str, QueueP
     for ahead, (job_id, plan_seconds) in enumerate(queued):
         start = heapq.heappop(free_in)  # math.inf: unknown
         known = math.isfinite(start)
-        positions[job_id] = QueuePosition(position=ahead + 1, ahead=ahead,
-                                          estimated_start_seconds=round(start, 1) if known else None,
-                                          estimated_start_at=now + timedelta(seconds=start) if known else None)
+        positions[job_id] = QueuePosition(
+            position=ahead + 1,
+            ahead=ahead,
+            estimated_start_seconds=round(start, 1) if known else None,
+            estimated_start_at=now + timedelta(seconds=start) if known else None,
+        )
         heapq.heappush(free_in, start + (plan_seconds if plan_seconds is not None else math.inf))
     return positions
 
@@ -59,8 +63,11 @@ def moved(before: QueuePosition | None, after: QueuePosition | None, seconds: fl
         return before is not after
     if (before.position, before.estimated_start_at is None) != (after.position, after.estimated_start_at is None):
         return True
-    return after.estimated_start_at is not None and before.estimated_start_at is not None and \
-        abs((after.estimated_start_at - before.estimated_start_at).total_seconds()) >= seconds
+    return (
+        after.estimated_start_at is not None
+        and before.estimated_start_at is not None
+        and abs((after.estimated_start_at - before.estimated_start_at).total_seconds()) >= seconds
+    )
 
 
 def remaining(eta_seconds: float | None, reported_at: datetime, now: datetime) -> float:
@@ -87,9 +94,12 @@ def estimate_queued() -> int:
     ``shared.jobs.predictions.plan_prediction``) as ``Job.plan_seconds``. A plan that fails (its dataset
     was deleted meanwhile) stores none. Returns how many were planned."""
     with read_session() as s:
-        todo = s.execute(select(Job.id, Job.kind, Job.tenant, Job.spec)
-                         .where(Job.status == JobStatus.QUEUED, Job.planned_at.is_(None))
-                         .order_by(Job.created_at, Job.id).limit(PLANS_PER_SWEEP)).all()
+        todo = s.execute(
+            select(Job.id, Job.kind, Job.tenant, Job.spec)
+            .where(Job.status == JobStatus.QUEUED, Job.planned_at.is_(None))
+            .order_by(Job.created_at, Job.id)
+            .limit(PLANS_PER_SWEEP)
+        ).all()
     for job_id, kind, tenant, spec in todo:
         try:
             seconds = plan_estimate(kind, spec, Caller(tenant))
@@ -97,8 +107,11 @@ def estimate_queued() -> int:
             log.warning("no plan estimate for queued job %s: %s", job_id, e)
             seconds = None
         with session_scope() as s:
-            s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED)
-                      .values(plan_seconds=seconds, planned_at=utcnow()))
+            s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status == JobStatus.QUEUED)
+                .values(plan_seconds=seconds, planned_at=utcnow())
+            )
     return len(todo)
 
 

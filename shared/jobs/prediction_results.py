@@ -39,8 +39,15 @@ MEDIA_TYPES = {"jsonl": "application/x-ndjson", "csv": "text/csv", "parquet": "a
 # Written in each part's Parquet metadata, summed over the parts for the job's result.
 PART_COUNTS = ("rows", "truncated", "tokens", "padded_tokens")
 # One entity of a token_classification row (``shared.inference.loop.entity_rows``).
-ENTITY = pa.struct([("entity_group", pa.string()), ("score", pa.float64()), ("word", pa.string()),
-                    ("start", pa.int64()), ("end", pa.int64())])
+ENTITY = pa.struct(
+    [
+        ("entity_group", pa.string()),
+        ("score", pa.float64()),
+        ("word", pa.string()),
+        ("start", pa.int64()),
+        ("end", pa.int64()),
+    ]
+)
 
 
 # ----------------------------------------------------------------------------- results on disk
@@ -81,8 +88,9 @@ def write_part(directory: Path, index: int, table: pa.Table, counts: dict[str, i
     return objects.store().publish(path)
 
 
-def results_table(ids: list, task: str, label_names: list[str] | None, rows: list[dict],
-                  id_type: pa.DataType) -> pa.Table:
+def results_table(
+    ids: list, task: str, label_names: list[str] | None, rows: list[dict], id_type: pa.DataType
+) -> pa.Table:
     """One part's rows as a table: ``id``, then the task's ``result_fields``. ``rows``:
     ``shared.inference.loop.Predictions.rows``."""
     columns = {"id": pa.array(ids, id_type)}
@@ -95,8 +103,9 @@ def embedding_table(ids: list, vectors: np.ndarray, id_type: pa.DataType) -> pa.
     """One part's rows of an embedding model: ``id``, then ``embedding``, a fixed-size list of
     float32 (``vectors``: ``[rows, dimensions]``), stored without a copy to Python lists."""
     flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1), pa.float32())
-    return pa.table({"id": pa.array(ids, id_type),
-                     "embedding": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])})
+    return pa.table(
+        {"id": pa.array(ids, id_type), "embedding": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])}
+    )
 
 
 def result_fields(task: str, label_names: list[str] | None) -> list[tuple[str, pa.DataType]]:
@@ -132,12 +141,20 @@ def results_stream(job_id: str, caller: Caller, fmt: str) -> Iterator[bytes]:
     with read_session() as s:
         job = owned_job(s, job_id, caller, kind=KIND)
     if job.status != JobStatus.SUCCEEDED:
-        raise UserError("results_not_ready", f"prediction {job_id!r} is {job.status}; results are served once it "
-                        "has succeeded", "prediction_id", 409)
+        raise UserError(
+            "results_not_ready",
+            f"prediction {job_id!r} is {job.status}; results are served once it has succeeded",
+            "prediction_id",
+            409,
+        )
     parts = written_parts(results_dir(job_id))
     if job.files_deleted_at is not None or not parts:
-        raise UserError("results_deleted", f"prediction {job_id!r}: its results were deleted "
-                        "(TUNEJOB_ARTIFACT_RETENTION_DAYS)", "prediction_id", 409)
+        raise UserError(
+            "results_deleted",
+            f"prediction {job_id!r}: its results were deleted (TUNEJOB_ARTIFACT_RETENTION_DAYS)",
+            "prediction_id",
+            409,
+        )
     return {"jsonl": _jsonl, "csv": _csv, "parquet": _parquet}[fmt](parts)
 
 

@@ -83,16 +83,21 @@ def head_of(directory: Path, name: str) -> tuple[str, list[str] | None]:
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise UserError("unsupported_model", f"model {name!r} cannot be loaded: {without_paths(str(e))}",
-                        "model") from None
+        raise UserError(
+            "unsupported_model", f"model {name!r} cannot be loaded: {without_paths(str(e))}", "model"
+        ) from None
     try:
         task = task_of(config)
     except ValueError as e:
         architectures = config.architectures or []
         if not any("For" in a for a in architectures):
-            raise UserError("model_without_head", f"model {name!r} has no classification or regression head "
-                            f"({', '.join(architectures) or 'no architecture'}): fine-tune it with POST /jobs, "
-                            "then predict with the job's id", "model") from None
+            raise UserError(
+                "model_without_head",
+                f"model {name!r} has no classification or regression head "
+                f"({', '.join(architectures) or 'no architecture'}): fine-tune it with POST /jobs, "
+                "then predict with the job's id",
+                "model",
+            ) from None
         raise UserError("unsupported_task", f"model {name!r} cannot be used for predictions: {e}", "model") from None
     return task, [config.id2label[i] for i in range(config.num_labels)] if task != "regression" else None
 
@@ -117,8 +122,11 @@ def prediction_model(ref: str, caller: Caller) -> PredictionModel:
         return PredictionModel(ref, directory, task, names, max_input_length(directory))
     job, directory = trained_model(ref, caller)
     if job.task not in TASKS:
-        raise UserError("unsupported_task", f"model {ref!r} was trained for {job.task}; predictions support "
-                        f"{', '.join(TASKS)}", "model")
+        raise UserError(
+            "unsupported_task",
+            f"model {ref!r} was trained for {job.task}; predictions support {', '.join(TASKS)}",
+            "model",
+        )
     limit = embedding_limit(directory) if job.task == "embedding" else max_input_length(directory)
     return PredictionModel(ref, directory, job.task, job.label_names, limit)
 
@@ -149,8 +157,15 @@ class PredictionBatch:
 def _columns(spec: PredictionCreate) -> list[tuple[str, str]]:
     """(column, request field) of each column a prediction reads and scores (its ``label_column``
     is read by ``shared.jobs.gold``)."""
-    return [(c, f) for c, f in [(spec.text_column, "text_column"), (spec.text_pair_column, "text_pair_column"),
-                                (spec.id_column, "id_column")] if c is not None]
+    return [
+        (c, f)
+        for c, f in [
+            (spec.text_column, "text_column"),
+            (spec.text_pair_column, "text_pair_column"),
+            (spec.id_column, "id_column"),
+        ]
+        if c is not None
+    ]
 
 
 def prediction_batches(dataset: Dataset, spec: PredictionCreate, problems: Problems) -> Iterator[PredictionBatch]:
@@ -160,8 +175,14 @@ def prediction_batches(dataset: Dataset, spec: PredictionCreate, problems: Probl
     Problems go to ``problems`` (the caller raises them); no batch is yielded after the first one."""
     columns = _columns(spec)
     texts = tuple(c for c, param in columns if param != "id_column")  # Parquet lists read, to be named
-    for batch in read_batches(objects.dataset_file(dataset), dataset.format, dataset.filename, [c for c, _ in columns],
-                              problems, list_columns=texts):
+    for batch in read_batches(
+        objects.dataset_file(dataset),
+        dataset.format,
+        dataset.filename,
+        [c for c, _ in columns],
+        problems,
+        list_columns=texts,
+    ):
         for column, param in columns:
             check = _id_problem if param == "id_column" else _text_problem
             for i, value in enumerate(batch.values[column]):
@@ -170,17 +191,26 @@ def prediction_batches(dataset: Dataset, spec: PredictionCreate, problems: Probl
                     problems.add(batch.start + i + 1, column, value, message, code, param)
         if problems.items:
             continue  # keep reading to report up to MAX_PROBLEMS, but hand out no data
-        ids = ([_id_text(v) for v in batch.values[spec.id_column]] if spec.id_column
-               else list(range(batch.start, batch.start + batch.size)))
-        yield PredictionBatch(batch.start, batch.values[spec.text_column],
-                              batch.values[spec.text_pair_column] if spec.text_pair_column else None, ids)
+        ids = (
+            [_id_text(v) for v in batch.values[spec.id_column]]
+            if spec.id_column
+            else list(range(batch.start, batch.start + batch.size))
+        )
+        yield PredictionBatch(
+            batch.start,
+            batch.values[spec.text_column],
+            batch.values[spec.text_pair_column] if spec.text_pair_column else None,
+            ids,
+        )
 
 
 def _text_problem(value) -> str | None:
     """What is wrong with a text cell (``check_text``), a list said to be one (CoNLL's ``tokens``)."""
     if isinstance(value, (list, tuple)):
-        return ("holds a list, not text: predictions read raw text, one string a row (for a list of words, "
-                "join them with spaces)")
+        return (
+            "holds a list, not text: predictions read raw text, one string a row (for a list of words, "
+            "join them with spaces)"
+        )
     return check_text(value)
 
 
@@ -243,21 +273,33 @@ def check_prediction(spec: PredictionCreate, caller: Caller) -> CheckedPredictio
     """
     model = prediction_model(spec.model, caller)
     if spec.text_pair_column and model.task in ("token_classification", "embedding"):
-        raise UserError("invalid_text_pair_column", f"model {spec.model!r} is a {model.task} model: it reads "
-                        "one text a row; leave text_pair_column out", "text_pair_column")
+        raise UserError(
+            "invalid_text_pair_column",
+            f"model {spec.model!r} is a {model.task} model: it reads one text a row; leave text_pair_column out",
+            "text_pair_column",
+        )
     if model.task == "embedding" and spec.precision not in ("auto", "fp32"):
-        raise UserError("invalid_precision", f"model {spec.model!r} is an embedding model: embeddings are computed "
-                        f"in fp32, not {spec.precision}", "precision")
+        raise UserError(
+            "invalid_precision",
+            f"model {spec.model!r} is an embedding model: embeddings are computed in fp32, not {spec.precision}",
+            "precision",
+        )
     check_task(spec, model.task)
     if spec.max_length and model.limit and spec.max_length > model.limit:
-        raise UserError("max_length_too_long", f"max_length {spec.max_length} is longer than model {spec.model!r} "
-                        f"accepts ({model.limit} tokens)", "max_length")
+        raise UserError(
+            "max_length_too_long",
+            f"max_length {spec.max_length} is longer than model {spec.model!r} accepts ({model.limit} tokens)",
+            "max_length",
+        )
     with read_session() as s:
         dataset = visible_dataset(s, spec.dataset, "dataset", caller)
     for column, param in _columns(spec) + ([(spec.label_column, "label_column")] if spec.label_column else []):
         if column not in dataset.columns:
-            raise UserError("missing_column", f"column {column!r} ({param}) not found in {dataset.filename!r}; "
-                            f"its columns are {dataset.columns}", param)
+            raise UserError(
+                "missing_column",
+                f"column {column!r} ({param}) not found in {dataset.filename!r}; its columns are {dataset.columns}",
+                param,
+            )
     problems = Problems(dataset.filename)
     for _ in prediction_batches(dataset, spec, problems):
         pass
@@ -288,10 +330,18 @@ def create_prediction(spec: PredictionCreate, caller: Caller, claim: idempotency
         model_job = s.get(Job, checked.model.ref, with_for_update={"read": True}, populate_existing=True)
         if model_job is not None and model_job.deleted_at is not None:
             raise UserError("model_deleted", f"model {spec.model!r} was deleted", "model", 404)
-        job = Job(id=new_id("job"), tenant=caller.tenant, kind=KIND, base_model=checked.model.ref,  # an alias resolved
-                  task=checked.model.task,
-                  training_dataset_id=row.id, spec=stored_spec(checked),
-                  label_names=checked.model.label_names, total_steps=row.rows, created_at=received)
+        job = Job(
+            id=new_id("job"),
+            tenant=caller.tenant,
+            kind=KIND,
+            base_model=checked.model.ref,  # an alias resolved
+            task=checked.model.task,
+            training_dataset_id=row.id,
+            spec=stored_spec(checked),
+            label_names=checked.model.label_names,
+            total_steps=row.rows,
+            created_at=received,
+        )
         return insert_queued(s, job, "prediction created and queued", claim, to_out)
 
 
@@ -318,24 +368,40 @@ def plan_prediction(checked: CheckedPrediction) -> dict:
     rows = truncated = tokens = padded = 0
     batches = prediction_batches(checked.dataset, spec, Problems(checked.dataset.filename))
     for part in parts_of(batches, get_settings().predict_part_rows):
-        full = np.concatenate([token_lengths(tokenizer, part.texts[a:a + TOKENIZE_ROWS],
-                                             part.pairs[a:a + TOKENIZE_ROWS] if part.pairs else None)
-                               for a in range(0, len(part.texts), TOKENIZE_ROWS)])
+        full = np.concatenate(
+            [
+                token_lengths(
+                    tokenizer,
+                    part.texts[a : a + TOKENIZE_ROWS],
+                    part.pairs[a : a + TOKENIZE_ROWS] if part.pairs else None,
+                )
+                for a in range(0, len(part.texts), TOKENIZE_ROWS)
+            ]
+        )
         lengths = np.minimum(full, max_length)
         rows, tokens = rows + len(full), tokens + int(lengths.sum())
         truncated += int((full > max_length).sum())
         padded += padded_tokens(lengths, max_tokens(spec.batch_size, max_length), ladder)
-    return {"rows": rows, "task": checked.model.task, "label_names": checked.model.label_names,
-            "max_length": max_length, "tokens": tokens, "truncated": truncated, "padded_tokens": padded,
-            "padding_efficiency": tokens / padded if padded else 1.0,
-            **estimate_seconds(checked.model.ref, padded, checked.caller, kind=KIND, precision=spec.precision)}
+    return {
+        "rows": rows,
+        "task": checked.model.task,
+        "label_names": checked.model.label_names,
+        "max_length": max_length,
+        "tokens": tokens,
+        "truncated": truncated,
+        "padded_tokens": padded,
+        "padding_efficiency": tokens / padded if padded else 1.0,
+        **estimate_seconds(checked.model.ref, padded, checked.caller, kind=KIND, precision=spec.precision),
+    }
 
 
 def padded_tokens(lengths: np.ndarray, budget: int, ladder: list[int]) -> int:
     """Tokens computed for texts of ``lengths`` batched as ``shared.inference`` batches them
     (``token_budget_batches``), each batch padded to its longest member's width on ``ladder``."""
-    return sum(len(batch) * bucket_width(ladder, int(lengths[batch].max()))
-               for batch in token_budget_batches(lengths, budget, ladder))
+    return sum(
+        len(batch) * bucket_width(ladder, int(lengths[batch].max()))
+        for batch in token_budget_batches(lengths, budget, ladder)
+    )
 
 
 def token_lengths(tokenizer, texts: list[str], pairs: list[str] | None) -> np.ndarray:
@@ -358,18 +424,40 @@ def to_out(job: Job) -> PredictionOut:
     total = job.total_steps or 0
     done = total if job.status == JobStatus.SUCCEEDED else job.step
     return PredictionOut(
-        id=job.id, status=job.status, model=job.base_model, task=job.task, dataset=job.training_dataset_id,
+        id=job.id,
+        status=job.status,
+        model=job.base_model,
+        task=job.task,
+        dataset=job.training_dataset_id,
         model_alias=spec["model"] if spec["model"] != job.base_model else None,
-        text_column=spec["text_column"], text_pair_column=spec.get("text_pair_column"),
-        id_column=spec.get("id_column"), label_column=spec.get("label_column"), batch_size=spec["batch_size"], max_length=spec.get("max_length"),
-        precision=spec.get("precision", "auto"), label_names=job.label_names, created_at=job.created_at, started_at=job.started_at,
+        text_column=spec["text_column"],
+        text_pair_column=spec.get("text_pair_column"),
+        id_column=spec.get("id_column"),
+        label_column=spec.get("label_column"),
+        batch_size=spec["batch_size"],
+        max_length=spec.get("max_length"),
+        precision=spec.get("precision", "auto"),
+        label_names=job.label_names,
+        created_at=job.created_at,
+        started_at=job.started_at,
         finished_at=job.finished_at,
-        progress=PredictionProgress(rows_done=done, total_rows=total, fraction=min(1.0, done / total) if total else 0.0,
-                                    rows_per_second=(result or {}).get("rows_per_second"),
-                                    eta_seconds=job.eta_seconds),
+        progress=PredictionProgress(
+            rows_done=done,
+            total_rows=total,
+            fraction=min(1.0, done / total) if total else 0.0,
+            rows_per_second=(result or {}).get("rows_per_second"),
+            eta_seconds=job.eta_seconds,
+        ),
         result=PredictionResult(**result) if result else None,
         results_url=f"/predictions/{job.id}/results" if job.status == JobStatus.SUCCEEDED else None,
-        evaluation_url=(f"/predictions/{job.id}/evaluation" if job.status == JobStatus.SUCCEEDED
-                        and spec.get("label_column") else None),
-        device=job.device, attempts=job.attempts, error=job.error, timings=Timings(**(job.timings or {})),
-        files_deleted_at=job.files_deleted_at)
+        evaluation_url=(
+            f"/predictions/{job.id}/evaluation"
+            if job.status == JobStatus.SUCCEEDED and spec.get("label_column")
+            else None
+        ),
+        device=job.device,
+        attempts=job.attempts,
+        error=job.error,
+        timings=Timings(**(job.timings or {})),
+        files_deleted_at=job.files_deleted_at,
+    )

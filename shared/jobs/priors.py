@@ -32,10 +32,12 @@ SIZES = (("small", 60e6), ("base", 200e6), ("large", math.inf))  # (size, parame
 
 
 def _shared(epochs_high: int) -> dict[str, Distribution]:
-    return {"batch_size": Distribution(type="categorical", choices=[16, 32]),
-            "warmup_ratio": Distribution(type="float", low=0.0, high=0.1),
-            "weight_decay": Distribution(type="float", low=0.0, high=0.1),
-            "epochs": Distribution(type="int", low=2, high=epochs_high)}
+    return {
+        "batch_size": Distribution(type="categorical", choices=[16, 32]),
+        "warmup_ratio": Distribution(type="float", low=0.0, high=0.1),
+        "weight_decay": Distribution(type="float", low=0.0, high=0.1),
+        "epochs": Distribution(type="int", low=2, high=epochs_high),
+    }
 
 
 PRIORS: dict[str, dict[str, Distribution]] = {
@@ -76,8 +78,11 @@ def fill(spec: SweepCreate) -> SweepCreate:
     Raises:
         UserError: ``unknown_model`` (only when a range is to be filled).
     """
-    names = [name for name, d in spec.search_space.items() if wants_prior(d) and name in PRIORS["base"]
-             and d.type in (None, PRIORS["base"][name].type)]
+    names = [
+        name
+        for name, d in spec.search_space.items()
+        if wants_prior(d) and name in PRIORS["base"] and d.type in (None, PRIORS["base"][name].type)
+    ]
     if not names:
         return spec
     priors = PRIORS[model_size(spec.base_model)]

@@ -26,17 +26,27 @@ def clean_up_files() -> None:
     if settings.artifact_retention_days is not None:
         cutoff = now - timedelta(days=settings.artifact_retention_days)
         with session_scope() as s:
-            expired = s.scalars(select(Job).where(Job.status.in_(JobStatus.FINISHED), Job.finished_at < cutoff,
-                                                  Job.files_deleted_at.is_(None))
-                                .with_for_update(skip_locked=True)).all()
+            expired = s.scalars(
+                select(Job)
+                .where(Job.status.in_(JobStatus.FINISHED), Job.finished_at < cutoff, Job.files_deleted_at.is_(None))
+                .with_for_update(skip_locked=True)
+            ).all()
             for job in expired:
                 job.files_deleted_at = now
                 s.execute(delete(Checkpoint).where(Checkpoint.job_id == job.id))
-                s.add(JobEvent(job_id=job.id, code="files_deleted", level="info",
-                               message=f"checkpoints and artifacts removed: finished over "
-                                       f"{settings.artifact_retention_days:g} days ago (TUNEJOB_ARTIFACT_RETENTION_DAYS)"))
-    for folder, gone in [("checkpoints", or_(Job.status.in_(trials.NO_CHECKPOINTS), Job.files_deleted_at.isnot(None))),
-                         ("artifacts", or_(Job.status == JobStatus.PRUNED, Job.files_deleted_at.isnot(None)))]:
+                s.add(
+                    JobEvent(
+                        job_id=job.id,
+                        code="files_deleted",
+                        level="info",
+                        message=f"checkpoints and artifacts removed: finished over "
+                        f"{settings.artifact_retention_days:g} days ago (TUNEJOB_ARTIFACT_RETENTION_DAYS)",
+                    )
+                )
+    for folder, gone in [
+        ("checkpoints", or_(Job.status.in_(trials.NO_CHECKPOINTS), Job.files_deleted_at.isnot(None))),
+        ("artifacts", or_(Job.status == JobStatus.PRUNED, Job.files_deleted_at.isnot(None))),
+    ]:
         for job_id in _jobs_on_disk(folder, gone):
             objects.remove_job_files(job_id, folder)
     with session_scope() as s:
@@ -54,5 +64,5 @@ def _jobs_on_disk(folder: str, condition) -> list[str]:
     found: list[str] = []
     with session_scope() as s:
         for i in range(0, len(names), 500):
-            found += s.scalars(select(Job.id).where(Job.id.in_(names[i:i + 500]), condition)).all()
+            found += s.scalars(select(Job.id).where(Job.id.in_(names[i : i + 500]), condition)).all()
     return found

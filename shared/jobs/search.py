@@ -36,11 +36,22 @@ RUNNING, SUCCEEDED, FAILED, CANCELLED = "running", "succeeded", "failed", "cance
 ENDED = (SUCCEEDED, FAILED, CANCELLED)
 METRIC_ALIASES = {"f1": "entity_f1"}  # the issue's "f1 for entities"
 LATENCY_TASKS = ("classification", "regression", "multi_label", "token_classification")  # shared.inference.loop's
-STATES = {JobStatus.SUCCEEDED: TrialState.COMPLETE, JobStatus.PRUNED: TrialState.PRUNED,
-          JobStatus.FAILED: TrialState.FAIL, JobStatus.CANCELLED: TrialState.FAIL,
-          JobStatus.QUEUED: TrialState.RUNNING, JobStatus.RUNNING: TrialState.RUNNING}
-TRIAL_STATUSES = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.SUCCEEDED, JobStatus.PRUNED, JobStatus.FAILED,
-                  JobStatus.CANCELLED)
+STATES = {
+    JobStatus.SUCCEEDED: TrialState.COMPLETE,
+    JobStatus.PRUNED: TrialState.PRUNED,
+    JobStatus.FAILED: TrialState.FAIL,
+    JobStatus.CANCELLED: TrialState.FAIL,
+    JobStatus.QUEUED: TrialState.RUNNING,
+    JobStatus.RUNNING: TrialState.RUNNING,
+}
+TRIAL_STATUSES = (
+    JobStatus.QUEUED,
+    JobStatus.RUNNING,
+    JobStatus.SUCCEEDED,
+    JobStatus.PRUNED,
+    JobStatus.FAILED,
+    JobStatus.CANCELLED,
+)
 
 
 # ----------------------------------------------------------------------------- the spec
@@ -60,18 +71,29 @@ def check_objectives(spec: SweepCreate) -> list[Objective]:
         field = "objective" if spec.objectives is None else f"objectives.{i}"
         metric = METRIC_ALIASES.get(objective.metric, objective.metric)
         if metric == LATENCY and (i == 0 or spec.task not in LATENCY_TASKS):
-            why = (f"task {spec.task!r} is not served by tunejob's prediction path (latency_ms: "
-                   f"{', '.join(LATENCY_TASKS)})" if i > 0 else "the first objective picks each trial's kept weights "
-                   "from its evaluations, and pruning decides on it: put a validation metric first")
+            why = (
+                f"task {spec.task!r} is not served by tunejob's prediction path (latency_ms: "
+                f"{', '.join(LATENCY_TASKS)})"
+                if i > 0
+                else "the first objective picks each trial's kept weights "
+                "from its evaluations, and pruning decides on it: put a validation metric first"
+            )
             raise UserError("invalid_objective", f"{field}.metric latency_ms: {why}", f"{field}.metric")
         if metric != LATENCY and metric not in TASK_METRICS[spec.task]:
-            raise UserError("invalid_objective", f"{field}.metric {objective.metric!r} is not a metric of task "
-                            f"{spec.task!r}; use one of {', '.join(TASK_METRICS[spec.task])}", f"{field}.metric")
+            raise UserError(
+                "invalid_objective",
+                f"{field}.metric {objective.metric!r} is not a metric of task "
+                f"{spec.task!r}; use one of {', '.join(TASK_METRICS[spec.task])}",
+                f"{field}.metric",
+            )
         natural = "minimize" if metric == LATENCY or not GREATER_IS_BETTER[metric] else "maximize"
         if objective.direction not in (None, natural):
-            raise UserError("invalid_objective", f"{field}.direction {objective.direction!r}: {metric} is better "
-                            f"when it is {'larger' if natural == 'maximize' else 'smaller'}; use {natural!r}",
-                            f"{field}.direction")
+            raise UserError(
+                "invalid_objective",
+                f"{field}.direction {objective.direction!r}: {metric} is better "
+                f"when it is {'larger' if natural == 'maximize' else 'smaller'}; use {natural!r}",
+                f"{field}.direction",
+            )
         if metric in {o.metric for o in checked}:
             raise UserError("invalid_objective", f"objectives: {metric} is listed twice", "objectives")
         checked.append(Objective(metric=metric, direction=natural))
@@ -94,23 +116,37 @@ def check_sweep(spec: SweepCreate) -> tuple[SweepCreate, dict[str, BaseDistribut
     objectives = check_objectives(spec)
     limit = get_settings().max_trials_per_sweep
     if spec.max_trials > limit:
-        raise UserError("too_many_trials", f"max_trials {spec.max_trials} is over this server's quota of {limit} "
-                        "trials per sweep (TUNEJOB_MAX_TRIALS_PER_SWEEP)", "max_trials")
+        raise UserError(
+            "too_many_trials",
+            f"max_trials {spec.max_trials} is over this server's quota of {limit} "
+            "trials per sweep (TUNEJOB_MAX_TRIALS_PER_SWEEP)",
+            "max_trials",
+        )
     floor = get_settings().min_sweep_duration_seconds
     if spec.max_duration_seconds is not None and spec.max_duration_seconds < floor:
-        raise UserError("budget_too_small", f"max_duration_seconds {spec.max_duration_seconds} is under one "
-                        f"evaluation's time, this server's minimum of {floor:g} s (TUNEJOB_MIN_SWEEP_DURATION_SECONDS)",
-                        "max_duration_seconds")
+        raise UserError(
+            "budget_too_small",
+            f"max_duration_seconds {spec.max_duration_seconds} is under one "
+            f"evaluation's time, this server's minimum of {floor:g} s (TUNEJOB_MIN_SWEEP_DURATION_SECONDS)",
+            "max_duration_seconds",
+        )
     if spec.max_parallel_trials > spec.max_trials:
-        raise UserError("too_many_parallel_trials", f"max_parallel_trials {spec.max_parallel_trials} is over max_trials "
-                        f"{spec.max_trials}", "max_parallel_trials")
+        raise UserError(
+            "too_many_parallel_trials",
+            f"max_parallel_trials {spec.max_parallel_trials} is over max_trials {spec.max_trials}",
+            "max_parallel_trials",
+        )
     spec = spec.model_copy(update={"objective": objectives[0], "objectives": objectives if spec.objectives else None})
     space = distributions(spec)
     search_space.check_models(spec)
     if spec.algorithm == "grid" and spec.max_trials > (size := search_space.check_grid(spec)) + spec.include_defaults:
-        raise UserError("grid_too_small", f"max_trials {spec.max_trials} is over the grid's {size} points"
-                        f"{' and the default trial' if spec.include_defaults else ''}: trials would repeat "
-                        "parameters", "max_trials")
+        raise UserError(
+            "grid_too_small",
+            f"max_trials {spec.max_trials} is over the grid's {size} points"
+            f"{' and the default trial' if spec.include_defaults else ''}: trials would repeat "
+            "parameters",
+            "max_trials",
+        )
     return spec, space
 
 
@@ -134,8 +170,12 @@ def trial_hyperparameters(fixed: dict[str, Any], params: dict[str, Any]) -> dict
         Hyperparameters.model_validate(hyperparameters)
     except ValidationError as e:
         name = str(e.errors()[0]["loc"][0]) if e.errors()[0]["loc"] else ""
-        raise UserError("invalid_trial", f"search_space.{name}: the trial asked {name}={params.get(name)!r}, which "
-                        f"is not a valid {name}: {e.errors()[0]['msg']}", f"search_space.{name}") from None
+        raise UserError(
+            "invalid_trial",
+            f"search_space.{name}: the trial asked {name}={params.get(name)!r}, which "
+            f"is not a valid {name}: {e.errors()[0]['msg']}",
+            f"search_space.{name}",
+        ) from None
     return hyperparameters
 
 
@@ -167,11 +207,13 @@ def pruner(spec: SweepCreate) -> optuna.pruners.BasePruner:
     """The sweep's ``early_stopping`` as an Optuna pruner."""
     es = spec.early_stopping
     if es.type == "asha":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=es.min_steps or "auto",
-                                                      reduction_factor=es.reduction_factor)
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=es.min_steps or "auto", reduction_factor=es.reduction_factor
+        )
     if es.type == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=es.min_trials, n_warmup_steps=es.min_steps,
-                                           n_min_trials=es.min_trials)
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=es.min_trials, n_warmup_steps=es.min_steps, n_min_trials=es.min_trials
+        )
     return optuna.pruners.NopPruner()
 
 
@@ -182,9 +224,11 @@ def curves(s: Session, job_ids: list[str], metric: str) -> dict[str, dict[int, f
     """Each job's objective by optimizer step (its ``eval_<metric>`` rows; the first per step, as
     Optuna's ``Trial.report`` keeps; non-finite values left out)."""
     out: dict[str, dict[int, float]] = {job_id: {} for job_id in job_ids}
-    rows = s.execute(select(JobMetric.job_id, JobMetric.step, JobMetric.value)
-                     .where(JobMetric.job_id.in_(job_ids), JobMetric.name == f"eval_{metric}",
-                            JobMetric.value.isnot(None)).order_by(JobMetric.id))
+    rows = s.execute(
+        select(JobMetric.job_id, JobMetric.step, JobMetric.value)
+        .where(JobMetric.job_id.in_(job_ids), JobMetric.name == f"eval_{metric}", JobMetric.value.isnot(None))
+        .order_by(JobMetric.id)
+    )
     for job_id, step, value in rows:
         if value is not None:  # as the query asks: typed Optional, as the column is
             out[job_id].setdefault(step, value)
@@ -200,8 +244,10 @@ def best_value(curve: dict[int, float], spec: SweepCreate) -> float | None:
 
 def params_of(job: Job, spec: SweepCreate) -> dict[str, Any]:
     """The trial's searched parameters (``base_model`` from the job's own field)."""
-    return {name: job.base_model if name == search_space.BASE_MODEL else job.spec["hyperparameters"][name]
-            for name in spec.search_space}
+    return {
+        name: job.base_model if name == search_space.BASE_MODEL else job.spec["hyperparameters"][name]
+        for name in spec.search_space
+    }
 
 
 def more_curves(s: Session, spec: SweepCreate, job_ids: list[str]) -> dict[str, list[dict[int, float]]]:
@@ -221,8 +267,14 @@ def values_of(curve: dict[int, float], more: list[dict[int, float]], spec: Sweep
     return [first, *(c.get(kept, c[max(c)]) if c else None for c in more)]
 
 
-def frozen(job: Job, spec: SweepCreate, space: dict, curve: dict[int, float], state: TrialState | None = None,
-           more: list[dict[int, float]] | None = None) -> FrozenTrial:
+def frozen(
+    job: Job,
+    spec: SweepCreate,
+    space: dict,
+    curve: dict[int, float],
+    state: TrialState | None = None,
+    more: list[dict[int, float]] | None = None,
+) -> FrozenTrial:
     """Trial ``job`` as Optuna sees it: with ``more`` (the other objectives' curves, ``more_curves``)
     a trial of a multi-objective study, else of a study of the first objective. Its job id is its
     user attribute ``job_id``."""
@@ -231,9 +283,15 @@ def frozen(job: Job, spec: SweepCreate, space: dict, curve: dict[int, float], st
     values = [v for v in found if v is not None] if None not in found else []
     if state == TrialState.COMPLETE and not values:  # succeeded without a finite evaluation (or latency)
         state = TrialState.FAIL
-    return create_trial(state=state, values=values or None, params=params_of(job, spec),
-                        distributions=space, intermediate_values=curve, system_attrs=job.trial_attrs or {},
-                        user_attrs={"job_id": job.id})
+    return create_trial(
+        state=state,
+        values=values or None,
+        params=params_of(job, spec),
+        distributions=space,
+        intermediate_values=curve,
+        system_attrs=job.trial_attrs or {},
+        user_attrs={"job_id": job.id},
+    )
 
 
 def history(s: Session, spec: SweepCreate, space: dict, multi: bool = False) -> list[FrozenTrial]:
@@ -245,9 +303,16 @@ def history(s: Session, spec: SweepCreate, space: dict, multi: bool = False) -> 
     value of every objective, is left out (an Optuna study holds no such trial)."""
     if not spec.warm_start_from:
         return []
-    jobs = sorted(s.scalars(select(Job).where(Job.sweep_id.in_(spec.warm_start_from), Job.deleted_at.is_(None),
-                                              Job.status.in_((JobStatus.SUCCEEDED, JobStatus.PRUNED)))),
-                  key=lambda j: (spec.warm_start_from.index(j.sweep_id or ""), j.trial_number or 0))
+    jobs = sorted(
+        s.scalars(
+            select(Job).where(
+                Job.sweep_id.in_(spec.warm_start_from),
+                Job.deleted_at.is_(None),
+                Job.status.in_((JobStatus.SUCCEEDED, JobStatus.PRUNED)),
+            )
+        ),
+        key=lambda j: (spec.warm_start_from.index(j.sweep_id or ""), j.trial_number or 0),
+    )
     trial_curves = curves(s, [job.id for job in jobs], spec.objective.metric)
     more = more_curves(s, spec, [job.id for job in jobs]) if multi else {job.id: [] for job in jobs}
     out = []
@@ -258,19 +323,35 @@ def history(s: Session, spec: SweepCreate, space: dict, multi: bool = False) -> 
         if len(values) < len(found):  # succeeded without a finite evaluation (or latency)
             continue
         try:
-            out.append(create_trial(state=state, values=values or None, distributions=space, intermediate_values=curve,
-                                    params={name: job.base_model if name == search_space.BASE_MODEL
-                                            else job.spec["hyperparameters"].get(name) for name in space},
-                                    user_attrs={"job_id": job.id, "sweep_id": job.sweep_id,
-                                                "trial_number": job.trial_number}))
+            out.append(
+                create_trial(
+                    state=state,
+                    values=values or None,
+                    distributions=space,
+                    intermediate_values=curve,
+                    params={
+                        name: job.base_model
+                        if name == search_space.BASE_MODEL
+                        else job.spec["hyperparameters"].get(name)
+                        for name in space
+                    },
+                    user_attrs={"job_id": job.id, "sweep_id": job.sweep_id, "trial_number": job.trial_number},
+                )
+            )
         except (ValueError, TypeError):  # outside this space
             continue
     return out
 
 
-def study_of(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict[str, dict[int, float]],
-             asking: bool = False, more: dict[str, list[dict[int, float]]] | None = None,
-             past: list[FrozenTrial] | None = None) -> optuna.Study:
+def study_of(
+    spec: SweepCreate,
+    space: dict,
+    trials: list[Job],
+    trial_curves: dict[str, dict[int, float]],
+    asking: bool = False,
+    more: dict[str, list[dict[int, float]]] | None = None,
+    past: list[FrozenTrial] | None = None,
+) -> optuna.Study:
     """An in-memory Optuna study holding the warm start's ``past`` trials (``history``) and then
     ``trials`` (in number order). Only a study ``asking`` for trials gets the sweep's sampler
     (``sampler``: a grid's is built from all its points); pruning and the report get a random one,
@@ -281,8 +362,11 @@ def study_of(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: di
     pruners and ``Trial.report`` take one objective; intermediate values are the first objective's
     either way)."""
     chosen = sampler(spec, len(trials)) if asking else optuna.samplers.RandomSampler(seed=spec.seed)
-    directions = [o.direction or "maximize" for o in spec.all_objectives] if more is not None else [
-        spec.objective.direction or "maximize"]
+    directions = (
+        [o.direction or "maximize" for o in spec.all_objectives]
+        if more is not None
+        else [spec.objective.direction or "maximize"]
+    )
     study = optuna.create_study(directions=directions, sampler=chosen, pruner=pruner(spec))
     study.add_trials(past or [])
     for job in sorted(trials, key=lambda j: j.trial_number or 0):  # every trial has its number
@@ -304,8 +388,9 @@ def default_params(spec: SweepCreate, space: dict[str, BaseDistribution]) -> dic
     for name, d in space.items():
         value = fixed[name]
         if isinstance(d, CategoricalDistribution):
-            params[name] = next((c for c in d.choices if c == value and isinstance(c, bool) == isinstance(value, bool)),
-                                d.choices[0])
+            params[name] = next(
+                (c for c in d.choices if c == value and isinstance(c, bool) == isinstance(value, bool)), d.choices[0]
+            )
             continue
         assert isinstance(d, (FloatDistribution, IntDistribution))  # the only kinds search_space builds
         value = d.low if value is None else min(max(value, d.low), d.high)  # None: e.g. eval_every_steps
@@ -315,9 +400,15 @@ def default_params(spec: SweepCreate, space: dict[str, BaseDistribution]) -> dic
     return params
 
 
-def ask(spec: SweepCreate, space: dict, trials: list[Job], trial_curves: dict, n: int,
-        more: dict[str, list[dict[int, float]]] | None = None, past: list[FrozenTrial] | None = None
-        ) -> list[tuple[dict, dict]]:
+def ask(
+    spec: SweepCreate,
+    space: dict,
+    trials: list[Job],
+    trial_curves: dict,
+    n: int,
+    more: dict[str, list[dict[int, float]]] | None = None,
+    past: list[FrozenTrial] | None = None,
+) -> list[tuple[dict, dict]]:
     """The next ``n`` trials' (params, Optuna system attributes), each asked with the ones before it
     (and every queued or running trial) in the study as running. A sweep's first trial, with
     ``include_defaults``, is the default trial (``default_params``), enqueued through Optuna's

@@ -52,9 +52,11 @@ def distributions(spec: SweepCreate) -> dict[str, BaseDistribution]:
         if name not in SEARCHABLE:
             raise refuse(f"{name!r} is not a hyperparameter; use one of {', '.join(SEARCHABLE)}", field)
         if d.type is None:
-            raise refuse(f"a range needs its type (float, int or categorical) and bounds; tunejob fills them only "
-                         f"for {', '.join(PRIORS['base'])}, and only when no bound, step or choice is given",
-                         f"{field}.type")
+            raise refuse(
+                f"a range needs its type (float, int or categorical) and bounds; tunejob fills them only "
+                f"for {', '.join(PRIORS['base'])}, and only when no bound, step or choice is given",
+                f"{field}.type",
+            )
         if name == BASE_MODEL:
             if d.type != "categorical" or not d.choices or not all(isinstance(v, str) for v in d.choices):
                 raise refuse("base_model is searched over categorical choices of model names", field)
@@ -92,20 +94,30 @@ def check_models(spec: SweepCreate) -> None:
             ``search_space.base_model.choices`` (or ``base_model``, ``search_space.max_length``).
     """
     searched = spec.search_space.get(BASE_MODEL)
-    models, field = (searched.choices or [], f"search_space.{BASE_MODEL}.choices") if searched else (
-        [spec.base_model], BASE_MODEL)
+    models, field = (
+        (searched.choices or [], f"search_space.{BASE_MODEL}.choices") if searched else ([spec.base_model], BASE_MODEL)
+    )
     lengths = spec.search_space.get("max_length")
-    longest = spec.hyperparameters.max_length if lengths is None else int(
-        max(lengths.choices or []) if lengths.type == "categorical" else lengths.high or 0)
+    longest = (
+        spec.hyperparameters.max_length
+        if lengths is None
+        else int(max(lengths.choices or []) if lengths.type == "categorical" else lengths.high or 0)
+    )
     available = available_models()
     for model in models:
         if model not in available:
-            raise UserError("unknown_model", f"{field}: unknown base model {model!r}; available: "
-                            f"{', '.join(sorted(available)) or 'none'}", field)
+            raise UserError(
+                "unknown_model",
+                f"{field}: unknown base model {model!r}; available: {', '.join(sorted(available)) or 'none'}",
+                field,
+            )
         limit = max_input_length(available[model][0])
         if limit and longest > limit:
-            raise UserError("max_length_too_long", f"{field}: {model!r} accepts {limit} tokens, and a trial may get "
-                            f"max_length {longest}", "search_space.max_length" if lengths else field)
+            raise UserError(
+                "max_length_too_long",
+                f"{field}: {model!r} accepts {limit} tokens, and a trial may get max_length {longest}",
+                "search_space.max_length" if lengths else field,
+            )
 
 
 def _check_range(name: str, d: Distribution, field: str) -> None:
@@ -125,11 +137,16 @@ def _check_range(name: str, d: Distribution, field: str) -> None:
             raise refuse("an int range needs integer low, high and step", field)
         for bound in ("low", "high"):
             if abs(getattr(d, bound)) > MAX_RANGE_VALUES:
-                raise refuse(f"{bound} {getattr(d, bound):g} is beyond +-2**53 (the integers a float64 holds "
-                             "exactly)", f"{field}.{bound}")
+                raise refuse(
+                    f"{bound} {getattr(d, bound):g} is beyond +-2**53 (the integers a float64 holds exactly)",
+                    f"{field}.{bound}",
+                )
     if (size := range_size(d)) is not None and size > MAX_RANGE_VALUES:
-        raise refuse(f"step {d.step or 1:g} divides {d.low:g}..{d.high:g} into more than 2**53 values: use a larger "
-                     f"step{', or none (a continuous range)' if d.type == 'float' else ''}", f"{field}.step")
+        raise refuse(
+            f"step {d.step or 1:g} divides {d.low:g}..{d.high:g} into more than 2**53 values: use a larger "
+            f"step{', or none (a continuous range)' if d.type == 'float' else ''}",
+            f"{field}.step",
+        )
 
 
 def range_size(d: Distribution) -> int | None:
@@ -160,9 +177,12 @@ def check_grid(spec: SweepCreate) -> int:
     points, limit = math.prod(sizes.values()), get_settings().max_grid_points
     if points > limit:
         counts = " x ".join(f"{name} {n:,}" for name, n in sizes.items())
-        raise UserError("grid_too_large", f"search_space: the grid has {points:.4g} points ({counts}), over this "
-                        f"server's {limit:,} (TUNEJOB_MAX_GRID_POINTS); use fewer values, or algorithm random or tpe",
-                        "search_space")
+        raise UserError(
+            "grid_too_large",
+            f"search_space: the grid has {points:.4g} points ({counts}), over this "
+            f"server's {limit:,} (TUNEJOB_MAX_GRID_POINTS); use fewer values, or algorithm random or tpe",
+            "search_space",
+        )
     return points
 
 

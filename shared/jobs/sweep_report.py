@@ -37,15 +37,22 @@ def report_file(sweep_id: str, name: str, caller: Caller) -> tuple[bytes, str]:
     if name == "trials.csv":
         return trials_csv(spec, trials, trial_curves, more).encode(), "text/csv"
     if name == "pareto_front.png" and not search.multi_objective(spec):
-        raise UserError("single_objective", f"sweep {sweep_id!r} has one objective: no Pareto front", "name",
-                        status=409)
-    study = search.study_of(spec, distributions(spec), trials, trial_curves,
-                            more=more if name == "pareto_front.png" else None)
+        raise UserError(
+            "single_objective", f"sweep {sweep_id!r} has one objective: no Pareto front", "name", status=409
+        )
+    study = search.study_of(
+        spec, distributions(spec), trials, trial_curves, more=more if name == "pareto_front.png" else None
+    )
     completed = [t for t in study.get_trials(deepcopy=False) if t.values is not None]
     if len(completed) < (2 if name == "param_importances.png" else 1) or (
-            name == "param_importances.png" and len({t.value for t in completed}) < 2):
-        raise UserError("not_enough_trials", f"sweep {sweep_id!r} has {len(completed)} completed trials: too few "
-                        f"for {name}", "name", status=409)
+        name == "param_importances.png" and len({t.value for t in completed}) < 2
+    ):
+        raise UserError(
+            "not_enough_trials",
+            f"sweep {sweep_id!r} has {len(completed)} completed trials: too few for {name}",
+            "name",
+            status=409,
+        )
     return picture(study, name, tuple(o.metric for o in spec.all_objectives)), "image/png"
 
 
@@ -62,7 +69,9 @@ def picture(study: optuna.Study, name: str, labels: tuple[str, ...] = ("objectiv
     if name == "optimization_history.png":
         completed = [(t.number, t.value) for t in study.get_trials(deepcopy=False) if t.value is not None]
         numbers, values = [n for n, _ in completed], [v for _, v in completed]
-        better: Callable[[float, float], float] = max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
+        better: Callable[[float, float], float] = (
+            max if study.direction == optuna.study.StudyDirection.MAXIMIZE else min
+        )
         best = list(itertools.accumulate(values, better))
         axes.scatter(numbers, values, label="objective value")
         axes.plot(numbers, best, color="tab:red", label="best value")
@@ -71,8 +80,10 @@ def picture(study: optuna.Study, name: str, labels: tuple[str, ...] = ("objectiv
     elif name == "pareto_front.png":
         front = {t.number for t in study.best_trials}
         done = [t for t in study.get_trials(deepcopy=False) if t.values is not None]
-        for label, color, points in (("trial", "tab:blue", [t for t in done if t.number not in front]),
-                                     ("best trial (the front)", "tab:red", [t for t in done if t.number in front])):
+        for label, color, points in (
+            ("trial", "tab:blue", [t for t in done if t.number not in front]),
+            ("best trial (the front)", "tab:red", [t for t in done if t.number in front]),
+        ):
             axes.scatter([t.values[0] for t in points], [t.values[1] for t in points], color=color, label=label)
         axes.set(title="Pareto front", xlabel=labels[0], ylabel=labels[1])
         axes.legend()
@@ -95,7 +106,16 @@ def trials_csv(spec, trials, trial_curves, more) -> str:
     writer.writerow(["number", "job_id", "status", *names, "value", *others, "steps", "started_at", "finished_at"])
     for t in trials:
         params = search.params_of(t, spec)
-        writer.writerow([t.trial_number, t.id, t.status, *(params[n] for n in names),
-                         *search.values_of(trial_curves[t.id], more[t.id], spec), t.step, t.started_at,
-                         t.finished_at])
+        writer.writerow(
+            [
+                t.trial_number,
+                t.id,
+                t.status,
+                *(params[n] for n in names),
+                *search.values_of(trial_curves[t.id], more[t.id], spec),
+                t.step,
+                t.started_at,
+                t.finished_at,
+            ]
+        )
     return out.getvalue()

@@ -81,15 +81,28 @@ def create_sweep(spec: SweepCreate, caller: Caller, claim: idempotency.Claim | N
     with lifecycle.admission(caller) as s:
         check_warm_start(s, spec, caller)
         first = min(spec.max_parallel_trials, spec.max_trials)
-        active = s.scalar(select(func.count()).select_from(Job).where(
-            Job.tenant == caller.tenant, Job.status.in_(ACTIVE))) or 0
+        active = (
+            s.scalar(select(func.count()).select_from(Job).where(Job.tenant == caller.tenant, Job.status.in_(ACTIVE)))
+            or 0
+        )
         limit = get_settings().max_active_jobs_per_tenant
         if active + first > limit:
-            raise UserError("too_many_active_jobs", f"tenant {caller.tenant!r} has {active} queued or running jobs; "
-                            f"{first} parallel trials would pass its maximum (TUNEJOB_MAX_ACTIVE_JOBS_PER_TENANT="
-                            f"{limit})", "max_parallel_trials", status=429, headers={"Retry-After": "60"})
-        sweep = Sweep(id=new_id("sweep"), tenant=caller.tenant, status=RUNNING, spec=spec.model_dump(mode="json"),
-                      label_names=checked.label_names)
+            raise UserError(
+                "too_many_active_jobs",
+                f"tenant {caller.tenant!r} has {active} queued or running jobs; "
+                f"{first} parallel trials would pass its maximum (TUNEJOB_MAX_ACTIVE_JOBS_PER_TENANT="
+                f"{limit})",
+                "max_parallel_trials",
+                status=429,
+                headers={"Retry-After": "60"},
+            )
+        sweep = Sweep(
+            id=new_id("sweep"),
+            tenant=caller.tenant,
+            status=RUNNING,
+            spec=spec.model_dump(mode="json"),
+            label_names=checked.label_names,
+        )
         s.add(sweep)
         s.flush()
         top_up(s, sweep)
@@ -104,12 +117,17 @@ def plan_sweep(spec: SweepCreate, caller: Caller) -> SweepPlan:
     with read_session() as s:
         check_warm_start(s, spec, caller)
         past = history(s, spec, space, multi_objective(spec))
-    first = ask(spec, space, [], {}, min(spec.max_parallel_trials, spec.max_trials),
-                {} if multi_objective(spec) else None, past)
-    return SweepPlan(max_trials=spec.max_trials, max_parallel_trials=spec.max_parallel_trials,
-                     search_space={name: repr(d) for name, d in space.items()}, objective=spec.objective,
-                     first_trials=[params for params, _ in first],
-                     trial_plan=plan_job(check_spec(trial_template(spec), caller)))
+    first = ask(
+        spec, space, [], {}, min(spec.max_parallel_trials, spec.max_trials), {} if multi_objective(spec) else None, past
+    )
+    return SweepPlan(
+        max_trials=spec.max_trials,
+        max_parallel_trials=spec.max_parallel_trials,
+        search_space={name: repr(d) for name, d in space.items()},
+        objective=spec.objective,
+        first_trials=[params for params, _ in first],
+        trial_plan=plan_job(check_spec(trial_template(spec), caller)),
+    )
 
 
 def check_warm_start(s: Session, spec: SweepCreate, caller: Caller) -> None:
@@ -127,9 +145,13 @@ def check_warm_start(s: Session, spec: SweepCreate, caller: Caller) -> None:
         theirs = spec_of(source)
         for name in ("task", "base_model"):
             if getattr(theirs, name) != getattr(spec, name):
-                raise UserError("invalid_warm_start", f"{field}: sweep {sweep_id!r} has {name} "
-                                f"{getattr(theirs, name)!r}, this sweep {getattr(spec, name)!r}: its trials' values "
-                                "say nothing about this one's", field)
+                raise UserError(
+                    "invalid_warm_start",
+                    f"{field}: sweep {sweep_id!r} has {name} "
+                    f"{getattr(theirs, name)!r}, this sweep {getattr(spec, name)!r}: its trials' values "
+                    "say nothing about this one's",
+                    field,
+                )
 
 
 def top_up_all() -> list[str]:
@@ -147,8 +169,13 @@ def top_up_all() -> list[str]:
 def unsent_trials(sweep_id: str) -> list[str]:
     """The sweep's queued trials whose message was never sent (``shared.queue.send_trials``)."""
     with read_session() as s:
-        return list(s.scalars(select(Job.id).where(Job.sweep_id == sweep_id, Job.status == JobStatus.QUEUED,
-                                                   Job.enqueued_at.is_(None))))
+        return list(
+            s.scalars(
+                select(Job.id).where(
+                    Job.sweep_id == sweep_id, Job.status == JobStatus.QUEUED, Job.enqueued_at.is_(None)
+                )
+            )
+        )
 
 
 def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
@@ -225,38 +252,68 @@ def to_out(s: Session, sweep: Sweep) -> SweepOut:
     best = None
     for t in trials:
         value = best_value(trial_curves[t.id], spec)
-        if t.status == JobStatus.SUCCEEDED and value is not None and (
-                best is None or (value > best.value if spec.objective.direction == "maximize" else value < best.value)):
+        if (
+            t.status == JobStatus.SUCCEEDED
+            and value is not None
+            and (best is None or (value > best.value if spec.objective.direction == "maximize" else value < best.value))
+        ):
             best = BestTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=value)
     more = more_curves(s, spec, [t.id for t in trials])
     pareto = pareto_trials(spec, trials, trial_curves, more) if multi_objective(spec) else []
-    default = next((trial_out(t, spec, trial_curves, more) for t in trials
-                    if t.trial_number == 0 and spec.include_defaults), None)
+    default = next(
+        (trial_out(t, spec, trial_curves, more) for t in trials if t.trial_number == 0 and spec.include_defaults), None
+    )
     started = [t.started_at for t in trials if t.started_at is not None]
     status = sweep.status if sweep.status != RUNNING or started else "queued"
     status = "paused" if sweep.status == RUNNING and (sweep.error or {}).get("code") == PAUSED else status
-    return SweepOut(id=sweep.id, status=status, base_model=spec.base_model, task=spec.task, objective=spec.objective,
-                    algorithm=spec.algorithm, early_stopping=spec.early_stopping.type, max_trials=spec.max_trials,
-                    max_parallel_trials=spec.max_parallel_trials, objectives=spec.all_objectives,
-                    serving_precision=spec.serving_precision,
-                    trials={name: counts[name] for name in TRIAL_STATUSES}, best_trial=best, default_trial=default,
-                    pareto_trials=pareto, history=history_out(s, spec),
-                    created_at=sweep.created_at, started_at=min(started, default=None),
-                    finished_at=sweep.finished_at, error=sweep.error)
+    return SweepOut(
+        id=sweep.id,
+        status=status,
+        base_model=spec.base_model,
+        task=spec.task,
+        objective=spec.objective,
+        algorithm=spec.algorithm,
+        early_stopping=spec.early_stopping.type,
+        max_trials=spec.max_trials,
+        max_parallel_trials=spec.max_parallel_trials,
+        objectives=spec.all_objectives,
+        serving_precision=spec.serving_precision,
+        trials={name: counts[name] for name in TRIAL_STATUSES},
+        best_trial=best,
+        default_trial=default,
+        pareto_trials=pareto,
+        history=history_out(s, spec),
+        created_at=sweep.created_at,
+        started_at=min(started, default=None),
+        finished_at=sweep.finished_at,
+        error=sweep.error,
+    )
 
 
-def pareto_trials(spec: SweepCreate, trials: list[Job], trial_curves: dict[str, dict[int, float]],
-                  more: dict[str, list[dict[int, float]]]) -> list[ParetoTrial]:
+def pareto_trials(
+    spec: SweepCreate,
+    trials: list[Job],
+    trial_curves: dict[str, dict[int, float]],
+    more: dict[str, list[dict[int, float]]],
+) -> list[ParetoTrial]:
     """A sweep of several objectives: its Pareto front, the succeeded trials that no other beats on
     every objective, by number: Optuna's ``Study.best_trials`` of the multi-objective study rebuilt
     from the rows (``shared.jobs.search.study_of``; ``more``: ``more_curves``). The warm start's
     history is not on it (not this sweep's trials)."""
     study = study_of(spec, distributions(spec), trials, trial_curves, more=more)
     by_id = {t.id: t for t in trials}
-    front = sorted(((by_id[trial.user_attrs["job_id"]], trial.values) for trial in study.best_trials
-                    if trial.user_attrs.get("job_id") in by_id), key=lambda pair: pair[0].trial_number or 0)
-    return [ParetoTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=values[0],
-                        values=values) for t, values in front]
+    front = sorted(
+        (
+            (by_id[trial.user_attrs["job_id"]], trial.values)
+            for trial in study.best_trials
+            if trial.user_attrs.get("job_id") in by_id
+        ),
+        key=lambda pair: pair[0].trial_number or 0,
+    )
+    return [
+        ParetoTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=values[0], values=values)
+        for t, values in front
+    ]
 
 
 def history_out(s: Session, spec: SweepCreate) -> History | None:
@@ -266,9 +323,17 @@ def history_out(s: Session, spec: SweepCreate) -> History | None:
     past = history(s, spec, distributions(spec))
     pick = max if spec.objective.direction == "maximize" else min
     best = pick((t for t in past if t.value is not None), key=lambda t: t.value or 0.0, default=None)
-    return History(sweeps=spec.warm_start_from, trials=len(past), best=best and BestTrial(
-        job_id=best.user_attrs["job_id"], trial_number=best.user_attrs["trial_number"], params=best.params,
-        value=best.value))
+    return History(
+        sweeps=spec.warm_start_from,
+        trials=len(past),
+        best=best
+        and BestTrial(
+            job_id=best.user_attrs["job_id"],
+            trial_number=best.user_attrs["trial_number"],
+            params=best.params,
+            value=best.value,
+        ),
+    )
 
 
 def get_sweep(sweep_id: str, caller: Caller) -> SweepOut:
@@ -287,14 +352,23 @@ def list_sweeps(caller: Caller, limit: int, after: str | None = None) -> tuple[l
         return [to_out(s, sweep) for sweep in page], more
 
 
-def trial_out(t: Job, spec: SweepCreate, trial_curves: dict[str, dict[int, float]],
-              more: dict[str, list[dict[int, float]]]) -> TrialOut:
+def trial_out(
+    t: Job, spec: SweepCreate, trial_curves: dict[str, dict[int, float]], more: dict[str, list[dict[int, float]]]
+) -> TrialOut:
     """The API view of trial ``t`` (``default``: trial 0 of a sweep with ``include_defaults``;
     ``values``: each objective's, from ``trial_curves`` and ``more``, ``more_curves``)."""
-    return TrialOut(number=t.trial_number, job_id=t.id, status=t.status, params=params_of(t, spec),
-                    default=spec.include_defaults and t.trial_number == 0, value=best_value(trial_curves[t.id], spec),
-                    values=values_of(trial_curves[t.id], more[t.id], spec), steps=t.step, started_at=t.started_at,
-                    finished_at=t.finished_at)
+    return TrialOut(
+        number=t.trial_number,
+        job_id=t.id,
+        status=t.status,
+        params=params_of(t, spec),
+        default=spec.include_defaults and t.trial_number == 0,
+        value=best_value(trial_curves[t.id], spec),
+        values=values_of(trial_curves[t.id], more[t.id], spec),
+        steps=t.step,
+        started_at=t.started_at,
+        finished_at=t.finished_at,
+    )
 
 
 def list_trials(sweep_id: str, caller: Caller) -> list[TrialOut]:
@@ -325,11 +399,13 @@ def delete_sweep(sweep_id: str, caller: Caller) -> None:
     """
     with session_scope() as s:
         sweep = owned_sweep(s, sweep_id, caller, for_update=True)
-        active = s.scalar(select(func.count()).select_from(Job).where(Job.sweep_id == sweep_id,
-                                                                      Job.status.in_(ACTIVE)))
+        active = s.scalar(select(func.count()).select_from(Job).where(Job.sweep_id == sweep_id, Job.status.in_(ACTIVE)))
         if sweep.status not in ENDED or active:
-            raise Conflict("sweep_not_finished", f"sweep {sweep_id!r} is {sweep.status} with {active} active "
-                           f"trials; cancel it (POST /sweeps/{sweep_id}/cancel), then delete it once they stopped")
+            raise Conflict(
+                "sweep_not_finished",
+                f"sweep {sweep_id!r} is {sweep.status} with {active} active "
+                f"trials; cancel it (POST /sweeps/{sweep_id}/cancel), then delete it once they stopped",
+            )
         sweep.deleted_at = utcnow()
         trial_ids = list(s.scalars(select(Job.id).where(Job.sweep_id == sweep_id, Job.deleted_at.is_(None))))
     for job_id in trial_ids:
@@ -341,7 +417,10 @@ def events_since(sweep_id: str, caller: Caller, after_id: int) -> list[tuple[int
     ``(event id, job id, event, trial number)``. Raises: NotFound, Deleted."""
     with read_session() as s:
         owned_sweep(s, sweep_id, caller)
-        rows = s.execute(select(JobEvent, Job.trial_number).join(Job, Job.id == JobEvent.job_id)
-                         .where(Job.sweep_id == sweep_id, JobEvent.id > after_id).order_by(JobEvent.id))
+        rows = s.execute(
+            select(JobEvent, Job.trial_number)
+            .join(Job, Job.id == JobEvent.job_id)
+            .where(Job.sweep_id == sweep_id, JobEvent.id > after_id)
+            .order_by(JobEvent.id)
+        )
         return [(e.id, e.job_id, e, number) for e, number in rows]
-

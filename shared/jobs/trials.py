@@ -70,8 +70,9 @@ def ended(s: Session, job: Job) -> None:
         log.exception("sweep %s: asking for the next trials failed; the recovery loop tries again", sweep.id)
 
 
-def insert_queued(s: Session, job: Job, message: str, claim: idempotency.Claim | None,
-                  view: Callable[[Job], BaseModel] | None) -> Job:
+def insert_queued(
+    s: Session, job: Job, message: str, claim: idempotency.Claim | None, view: Callable[[Job], BaseModel] | None
+) -> Job:
     """Add ``job`` (queued) and its ``created`` event to session ``s``; with an idempotency
     ``claim``, record its API view (``view(job)``, once the row's defaults are filled) as the 201
     answer in the same transaction."""
@@ -114,23 +115,48 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
     counts = Counter(t.status for t in trials)
     active = counts[JobStatus.QUEUED] + counts[JobStatus.RUNNING]
     if counts[JobStatus.FAILED] > spec.max_failed_trials:
-        end_sweep(s, sweep, FAILED, {"code": "too_many_failed_trials", "message": f"{counts[JobStatus.FAILED]} "
-                                     f"trials failed, more than max_failed_trials {spec.max_failed_trials}"})
+        end_sweep(
+            s,
+            sweep,
+            FAILED,
+            {
+                "code": "too_many_failed_trials",
+                "message": f"{counts[JobStatus.FAILED]} "
+                f"trials failed, more than max_failed_trials {spec.max_failed_trials}",
+            },
+        )
         return []
     budget = spec.max_duration_seconds
-    if budget is not None and (active or len(trials) < spec.max_trials) and (
-            utcnow() - sweep.created_at).total_seconds() >= budget:
+    if (
+        budget is not None
+        and (active or len(trials) < spec.max_trials)
+        and (utcnow() - sweep.created_at).total_seconds() >= budget
+    ):
         ok = counts[JobStatus.SUCCEEDED] > 0
-        end_sweep(s, sweep, SUCCEEDED if ok else FAILED, {"code": BUDGET, "message": (
-            f"the sweep ended on its budget: max_duration_seconds {budget} passed, {len(trials)} of "
-            f"{spec.max_trials} trials asked; " + ("the best so far is kept" if ok else "no trial had succeeded"))})
+        end_sweep(
+            s,
+            sweep,
+            SUCCEEDED if ok else FAILED,
+            {
+                "code": BUDGET,
+                "message": (
+                    f"the sweep ended on its budget: max_duration_seconds {budget} passed, {len(trials)} of "
+                    f"{spec.max_trials} trials asked; "
+                    + ("the best so far is kept" if ok else "no trial had succeeded")
+                ),
+            },
+        )
         return []
     wanted = min(spec.max_parallel_trials - active, spec.max_trials - len(trials))
     if wanted <= 0:
         if active == 0:
             ok = counts[JobStatus.SUCCEEDED] > 0
-            end_sweep(s, sweep, SUCCEEDED if ok else FAILED,
-                      None if ok else {"code": "no_trial_succeeded", "message": "no trial succeeded"})
+            end_sweep(
+                s,
+                sweep,
+                SUCCEEDED if ok else FAILED,
+                None if ok else {"code": "no_trial_succeeded", "message": "no trial succeeded"},
+            )
         return []
     wanted = admitted(s, sweep, wanted)
     if wanted <= 0:
@@ -138,8 +164,15 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
     space = distributions(spec)
     ids = [t.id for t in trials]
     multi = multi_objective(spec)
-    asked = ask(spec, space, trials, curves(s, ids, spec.objective.metric), wanted,
-                more_curves(s, spec, ids) if multi else None, history(s, spec, space, multi))
+    asked = ask(
+        spec,
+        space,
+        trials,
+        curves(s, ids, spec.objective.metric),
+        wanted,
+        more_curves(s, spec, ids) if multi else None,
+        history(s, spec, space, multi),
+    )
     template = trial_template(spec).model_dump(mode="json")
     try:
         hyperparameters = [trial_hyperparameters(template["hyperparameters"], params) for params, _ in asked]
@@ -151,10 +184,19 @@ def top_up(s: Session, sweep: Sweep) -> list[Job]:
     new = []
     for number, ((params, attrs), hp) in enumerate(zip(asked, hyperparameters), start=len(trials)):
         model = params.get(BASE_MODEL, spec.base_model)
-        job = Job(id=new_id("job"), tenant=sweep.tenant, base_model=model, task=spec.task,
-                  training_dataset_id=spec.training_dataset, validation_dataset_id=spec.validation_dataset,
-                  spec={**template, "base_model": model, "hyperparameters": hp},
-                  label_names=sweep.label_names, sweep_id=sweep.id, trial_number=number, trial_attrs=attrs)
+        job = Job(
+            id=new_id("job"),
+            tenant=sweep.tenant,
+            base_model=model,
+            task=spec.task,
+            training_dataset_id=spec.training_dataset,
+            validation_dataset_id=spec.validation_dataset,
+            spec={**template, "base_model": model, "hyperparameters": hp},
+            label_names=sweep.label_names,
+            sweep_id=sweep.id,
+            trial_number=number,
+            trial_attrs=attrs,
+        )
         new.append(insert_queued(s, job, f"trial {number} of sweep {sweep.id} queued: {params}", None, None))
     return new
 
@@ -168,10 +210,17 @@ def admitted(s: Session, sweep: Sweep, wanted: int) -> int:
     if not try_lock_tenant(s, sweep.tenant):
         return 0
     limit = get_settings().max_active_jobs_per_tenant
-    active = s.scalar(select(func.count()).select_from(Job).where(Job.tenant == sweep.tenant,
-                                                                  Job.status.in_(ACTIVE))) or 0
-    why = (f"tenant {sweep.tenant!r} has {active} queued or running jobs, its maximum "
-           f"(TUNEJOB_MAX_ACTIVE_JOBS_PER_TENANT={limit})") if active >= limit else None
+    active = (
+        s.scalar(select(func.count()).select_from(Job).where(Job.tenant == sweep.tenant, Job.status.in_(ACTIVE))) or 0
+    )
+    why = (
+        (
+            f"tenant {sweep.tenant!r} has {active} queued or running jobs, its maximum "
+            f"(TUNEJOB_MAX_ACTIVE_JOBS_PER_TENANT={limit})"
+        )
+        if active >= limit
+        else None
+    )
     if why is None:
         try:
             quotas.check_storage(s, sweep.tenant)
@@ -192,11 +241,20 @@ def end_sweep(s: Session, sweep: Sweep, status: str, error: dict | None = None) 
     webhook deliveries are stored in the same transaction (``shared.jobs.webhooks``)."""
     now = utcnow()
     sweep.status, sweep.finished_at, sweep.error = status, now, error
-    webhooks.emit(s, sweep.tenant, f"sweep.{status}", f"evt_{sweep.id}_{status}",
-                  {"id": sweep.id, "object": "sweep", "status": status, "error": error,
-                   "finished_at": now.isoformat().replace("+00:00", "Z")})
-    for job in s.scalars(select(Job).where(Job.sweep_id == sweep.id, Job.status.in_(ACTIVE))
-                         .with_for_update()):
+    webhooks.emit(
+        s,
+        sweep.tenant,
+        f"sweep.{status}",
+        f"evt_{sweep.id}_{status}",
+        {
+            "id": sweep.id,
+            "object": "sweep",
+            "status": status,
+            "error": error,
+            "finished_at": now.isoformat().replace("+00:00", "Z"),
+        },
+    )
+    for job in s.scalars(select(Job).where(Job.sweep_id == sweep.id, Job.status.in_(ACTIVE)).with_for_update()):
         cancel_in(s, job, now, f" (sweep {sweep.id} {status}{': ' + error['message'] if error else ''})")
 
 
@@ -211,14 +269,22 @@ def stored_hyperparameters(job: Job) -> tuple[Hyperparameters, dict[str, Any] | 
         return Hyperparameters(**stored), job.error
     except ValidationError as e:
         bad = {str(err["loc"][0]) for err in e.errors() if err["loc"]}
-        log.error("job %s: stored hyperparameters do not validate, shown with defaults for %s: %s",
-                  job.id, sorted(bad), e.errors(include_url=False))
+        log.error(
+            "job %s: stored hyperparameters do not validate, shown with defaults for %s: %s",
+            job.id,
+            sorted(bad),
+            e.errors(include_url=False),
+        )
         kept = {k: v for k, v in stored.items() if k not in bad}
         try:
             hyperparameters = Hyperparameters(**kept)
         except ValidationError:
             hyperparameters = Hyperparameters()
         values = ", ".join(f"{k}={stored.get(k)!r}" for k in sorted(bad))
-        return hyperparameters, {"code": "invalid_stored_hyperparameters", "message": f"job {job.id}'s stored "
-                                 f"hyperparameters are invalid ({values}), shown as their defaults; this job's row "
-                                 f"is broken: delete it", "stored_error": job.error}
+        return hyperparameters, {
+            "code": "invalid_stored_hyperparameters",
+            "message": f"job {job.id}'s stored "
+            f"hyperparameters are invalid ({values}), shown as their defaults; this job's row "
+            f"is broken: delete it",
+            "stored_error": job.error,
+        }

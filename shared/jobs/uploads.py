@@ -20,8 +20,9 @@ from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
 from shared.store.tenancy import Caller, lock_tenant, owned, scoped
 
 
-def store_dataset(tmp: Path, filename: str, fmt: str, size: int, sha256: str, caller: Caller,
-                  claim: idempotency.Claim | None = None) -> Dataset:
+def store_dataset(
+    tmp: Path, filename: str, fmt: str, size: int, sha256: str, caller: Caller, claim: idempotency.Claim | None = None
+) -> Dataset:
     """Check an uploaded file, received at ``tmp`` (``api.uploads`` streams it there), in batches
     (``shared.data.read.inspect_dataset``: UTF-8, parses, unique header, no ragged row, at least one
     row, Parquet's expanded size) and against the caller's quotas, then move it under a
@@ -50,8 +51,17 @@ def store_dataset(tmp: Path, filename: str, fmt: str, size: int, sha256: str, ca
         with session_scope() as s:
             lock_tenant(s, caller.tenant)
             quotas.check_storage(s, caller.tenant, size, job_files)
-            dataset = Dataset(id=dataset_id, tenant=caller.tenant, filename=filename, format=fmt, path=ref,
-                              rows=info.rows, columns=info.columns, bytes=size, sha256=sha256)
+            dataset = Dataset(
+                id=dataset_id,
+                tenant=caller.tenant,
+                filename=filename,
+                format=fmt,
+                path=ref,
+                rows=info.rows,
+                columns=info.columns,
+                bytes=size,
+                sha256=sha256,
+            )
             s.add(dataset)
             s.flush()
             if claim is not None:
@@ -74,8 +84,9 @@ def get_dataset(dataset_id: str, caller: Caller, param: str | None = None) -> Da
         return owned(s, Dataset, dataset_id, caller, param)
 
 
-def list_datasets(caller: Caller, limit: int | None = None, after: str | None = None,
-                  newest_first: bool = True) -> tuple[list[Dataset], bool]:
+def list_datasets(
+    caller: Caller, limit: int | None = None, after: str | None = None, newest_first: bool = True
+) -> tuple[list[Dataset], bool]:
     """The caller's datasets (an admin's: all) in upload order (newest first by default), ``limit``
     at a time after the dataset ``after``. Returns (datasets, has_more); see ``shared.store.engine.keyset_page``."""
     mine = scoped(select(Dataset), Dataset, caller)
@@ -92,12 +103,18 @@ def delete_dataset(dataset_id: str, caller: Caller) -> None:
     """
     with session_scope() as s:
         dataset = owned(s, Dataset, dataset_id, caller, for_update=True)
-        users = s.scalars(select(Job.id).where(
-            Job.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)),
-            or_(Job.training_dataset_id == dataset_id, Job.validation_dataset_id == dataset_id))).all()
+        users = s.scalars(
+            select(Job.id).where(
+                Job.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)),
+                or_(Job.training_dataset_id == dataset_id, Job.validation_dataset_id == dataset_id),
+            )
+        ).all()
         if users:
-            raise Conflict("dataset_in_use", f"dataset {dataset_id!r} is used by {len(users)} queued or running "
-                           f"job(s): {', '.join(users[:5])}; wait for them to finish or cancel them")
+            raise Conflict(
+                "dataset_in_use",
+                f"dataset {dataset_id!r} is used by {len(users)} queued or running "
+                f"job(s): {', '.join(users[:5])}; wait for them to finish or cancel them",
+            )
         dataset.deleted_at = utcnow()
         ref, sha256 = dataset.path, dataset.sha256
         shared_content = s.scalar(select(Dataset.id).where(Dataset.sha256 == sha256, Dataset.deleted_at.is_(None)))

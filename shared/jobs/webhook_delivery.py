@@ -33,14 +33,27 @@ def deliver_due() -> int:
     process's ``SENDERS``: at most ``SENDS_PER_ENDPOINT`` of one endpoint's in flight at once, so that
     a slow or backlogged endpoint cannot take the senders from the others. Returns how many were started."""
     now = utcnow()
-    rank = func.row_number().over(partition_by=WebhookDelivery.webhook_id,
-                                  order_by=(WebhookDelivery.next_attempt_at, WebhookDelivery.id)).label("rank")
-    due = select(WebhookDelivery.id, WebhookDelivery.webhook_id, WebhookDelivery.next_attempt_at, rank).where(
-        WebhookDelivery.status == PENDING, WebhookDelivery.next_attempt_at <= now,
-        or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now)).subquery()
+    rank = (
+        func.row_number()
+        .over(partition_by=WebhookDelivery.webhook_id, order_by=(WebhookDelivery.next_attempt_at, WebhookDelivery.id))
+        .label("rank")
+    )
+    due = (
+        select(WebhookDelivery.id, WebhookDelivery.webhook_id, WebhookDelivery.next_attempt_at, rank)
+        .where(
+            WebhookDelivery.status == PENDING,
+            WebhookDelivery.next_attempt_at <= now,
+            or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now),
+        )
+        .subquery()
+    )
     with read_session() as s:
-        rows = s.execute(select(due.c.id, due.c.webhook_id).where(due.c.rank <= SENDS_PER_ENDPOINT)
-                         .order_by(due.c.next_attempt_at, due.c.id).limit(DELIVERIES_PER_TURN)).all()
+        rows = s.execute(
+            select(due.c.id, due.c.webhook_id)
+            .where(due.c.rank <= SENDS_PER_ENDPOINT)
+            .order_by(due.c.next_attempt_at, due.c.id)
+            .limit(DELIVERIES_PER_TURN)
+        ).all()
     return SENDERS.start([(delivery_id, webhook_id) for delivery_id, webhook_id in rows])
 
 
@@ -97,10 +110,15 @@ def _take(delivery_id: int) -> tuple[WebhookDelivery, Webhook, datetime] | None:
     now = utcnow()
     lease = now + timedelta(seconds=get_settings().webhooks_timeout_seconds + LEASE_MARGIN_SECONDS)
     with session_scope() as s:
-        result = s.execute(update(WebhookDelivery).where(
-            WebhookDelivery.id == delivery_id, WebhookDelivery.status == PENDING,
-            or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now))
-            .values(lease_expires_at=lease))
+        result = s.execute(
+            update(WebhookDelivery)
+            .where(
+                WebhookDelivery.id == delivery_id,
+                WebhookDelivery.status == PENDING,
+                or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now),
+            )
+            .values(lease_expires_at=lease)
+        )
         if result.rowcount != 1:  # type: ignore[attr-defined]  # DML returns a CursorResult
             return None
         delivery = s.get(WebhookDelivery, delivery_id, populate_existing=True)
@@ -124,13 +142,18 @@ async def attempt(delivery: WebhookDelivery, webhook: Webhook, lease: datetime) 
         return None, f"no complete answer within {timeout:g} s (TUNEJOB_WEBHOOKS_TIMEOUT_SECONDS)"
 
 
-async def _post(client: httpx.AsyncClient, delivery: WebhookDelivery, webhook: Webhook
-                ) -> tuple[int | None, str | None]:
+async def _post(
+    client: httpx.AsyncClient, delivery: WebhookDelivery, webhook: Webhook
+) -> tuple[int | None, str | None]:
     body = json.dumps(delivery.payload, separators=(",", ":"), ensure_ascii=False).encode()
     timestamp = int(time.time())
-    headers = {"content-type": "application/json", "user-agent": "tunejob-webhooks",
-               "webhook-id": delivery.event_id, "webhook-timestamp": str(timestamp),
-               "webhook-signature": signatures(webhook, delivery.event_id, timestamp, body)}
+    headers = {
+        "content-type": "application/json",
+        "user-agent": "tunejob-webhooks",
+        "webhook-id": delivery.event_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": signatures(webhook, delivery.event_id, timestamp, body),
+    }
     try:
         address = (await asyncio.to_thread(resolve, webhook.url))[0]
     except UserError as e:
@@ -167,9 +190,15 @@ def _record(delivery_id: int, lease: datetime, status_code: int | None, error: s
             return
         delivery.attempts += 1
         delivery.response_status, delivery.error, delivery.lease_expires_at = status_code, error, None
-        delivery.attempt_log = [*(delivery.attempt_log or []), {
-            "at": now.isoformat().replace("+00:00", "Z"), "status_code": status_code, "error": error,
-            "duration_ms": round(seconds * 1000)}]
+        delivery.attempt_log = [
+            *(delivery.attempt_log or []),
+            {
+                "at": now.isoformat().replace("+00:00", "Z"),
+                "status_code": status_code,
+                "error": error,
+                "duration_ms": round(seconds * 1000),
+            },
+        ]
         if error is None:
             delivery.status, delivery.delivered_at = DELIVERED, now
         elif delivery.attempts > len(delays):
@@ -177,5 +206,6 @@ def _record(delivery_id: int, lease: datetime, status_code: int | None, error: s
         else:
             delivery.next_attempt_at = now + timedelta(seconds=delays[delivery.attempts - 1])
     if error is not None:
-        log.warning("webhook delivery %s failed (attempt %s, %.1f s): %s", delivery_id, delivery.attempts, seconds,
-                    error)
+        log.warning(
+            "webhook delivery %s failed (attempt %s, %.1f s): %s", delivery_id, delivery.attempts, seconds, error
+        )

@@ -61,9 +61,19 @@ from shared.store.webhook_rows import Webhook, WebhookDelivery
 
 log = logging.getLogger(__name__)
 
-EVENT_TYPES = ("job.succeeded", "job.failed", "job.cancelled",
-               "prediction.succeeded", "prediction.failed", "prediction.cancelled",
-               "sweep.succeeded", "sweep.failed", "sweep.cancelled", "trial.pruned", "model.alias_updated")
+EVENT_TYPES = (
+    "job.succeeded",
+    "job.failed",
+    "job.cancelled",
+    "prediction.succeeded",
+    "prediction.failed",
+    "prediction.cancelled",
+    "sweep.succeeded",
+    "sweep.failed",
+    "sweep.cancelled",
+    "trial.pruned",
+    "model.alias_updated",
+)
 PING = "webhook.ping"  # POST /webhooks/{id}/ping: sent whatever the endpoint subscribed to
 SECRET_PREFIX = "whsec_"
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
@@ -94,8 +104,12 @@ def refused_address(address: str) -> str | None:
         # An IPv4 address inside an IPv6 one reaches that IPv4 host: mapped (::ffff:a.b.c.d), 6to4
         # (2002::/16), Teredo (2001::/32: server and client) and NAT64 (64:ff9b::/96). Checked here on
         # every Python: which of them is_private or is_global counts has changed between versions.
-        embedded = [ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ()),
-                    ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if ip in NAT64 else None]
+        embedded = [
+            ip.ipv4_mapped,
+            ip.sixtofour,
+            *(ip.teredo or ()),
+            ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if ip in NAT64 else None,
+        ]
         for inner in filter(None, embedded):
             if (reason := refused_address(str(inner))) is not None:
                 return f"{reason} (inside {ip})"
@@ -119,8 +133,12 @@ def resolve(url: str) -> list[str]:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UserError("invalid_url", f"webhook url {url!r} must be an http:// or https:// URL with a host", "url")
     if parts.username is not None or parts.password is not None:
-        raise UserError("invalid_url", "webhook url must not carry a user name or password (user:password@); "
-                        "verify deliveries with the webhook-signature header instead", "url")
+        raise UserError(
+            "invalid_url",
+            "webhook url must not carry a user name or password (user:password@); "
+            "verify deliveries with the webhook-signature header instead",
+            "url",
+        )
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
@@ -130,9 +148,13 @@ def resolve(url: str) -> list[str]:
     if not get_settings().webhooks_allow_private_urls:
         for address in addresses:
             if (reason := refused_address(address)) is not None:
-                raise UserError("private_url", f"webhook url host {parts.hostname!r} is {address}, a {reason} "
-                                "address; webhooks reach only public addresses unless the operator sets "
-                                "TUNEJOB_WEBHOOKS_ALLOW_PRIVATE_URLS=true", "url")
+                raise UserError(
+                    "private_url",
+                    f"webhook url host {parts.hostname!r} is {address}, a {reason} "
+                    "address; webhooks reach only public addresses unless the operator sets "
+                    "TUNEJOB_WEBHOOKS_ALLOW_PRIVATE_URLS=true",
+                    "url",
+                )
     return addresses
 
 
@@ -153,11 +175,21 @@ def create_webhook(caller: Caller, url: str, events: list[str], description: str
         limit = get_settings().max_webhooks_per_tenant
         count = s.scalar(select(func.count()).select_from(Webhook).where(Webhook.tenant == caller.tenant)) or 0
         if count >= limit:
-            raise UserError("too_many_webhooks", f"tenant {caller.tenant!r} has {count} webhook endpoints, this "
-                            f"server's maximum (TUNEJOB_MAX_WEBHOOKS_PER_TENANT={limit}); delete one first", "url",
-                            status=409)
-        webhook = Webhook(tenant=caller.tenant, url=url, events=list(dict.fromkeys(events)), secret=new_secret(),
-                          description=description, created_at=utcnow())
+            raise UserError(
+                "too_many_webhooks",
+                f"tenant {caller.tenant!r} has {count} webhook endpoints, this "
+                f"server's maximum (TUNEJOB_MAX_WEBHOOKS_PER_TENANT={limit}); delete one first",
+                "url",
+                status=409,
+            )
+        webhook = Webhook(
+            tenant=caller.tenant,
+            url=url,
+            events=list(dict.fromkeys(events)),
+            secret=new_secret(),
+            description=description,
+            created_at=utcnow(),
+        )
         s.add(webhook)
     return webhook
 
@@ -190,8 +222,9 @@ def delete_webhook(webhook_id: str, caller: Caller) -> None:
         s.delete(_owned(s, webhook_id, caller))
 
 
-def list_deliveries(webhook_id: str, caller: Caller, limit: int, after: int | None = None
-                    ) -> tuple[list[WebhookDelivery], bool]:
+def list_deliveries(
+    webhook_id: str, caller: Caller, limit: int, after: int | None = None
+) -> tuple[list[WebhookDelivery], bool]:
     """The endpoint's deliveries, newest first, ``limit`` at a time after delivery ``after``.
 
     Returns: (deliveries, has_more). Raises: NotFound; UserError ``invalid_cursor``."""
@@ -245,12 +278,26 @@ def ping(webhook_id: str, caller: Caller) -> WebhookDelivery:
     with session_scope() as s:
         s.get(Webhook, webhook_id, with_for_update=True)  # one ping check at a time per endpoint
         webhook = _owned(s, webhook_id, caller)
-        if s.scalar(select(WebhookDelivery.id).where(WebhookDelivery.webhook_id == webhook_id,
-                                                     WebhookDelivery.event_type == PING,
-                                                     WebhookDelivery.status == PENDING).limit(1)) is not None:
-            raise UserError("ping_pending", f"webhook {webhook_id!r} has a ping not yet delivered; follow it in "
-                            "its deliveries (GET /webhooks/{id}/deliveries), then ping again", "webhook_id",
-                            status=429, headers={"Retry-After": "5"})
+        if (
+            s.scalar(
+                select(WebhookDelivery.id)
+                .where(
+                    WebhookDelivery.webhook_id == webhook_id,
+                    WebhookDelivery.event_type == PING,
+                    WebhookDelivery.status == PENDING,
+                )
+                .limit(1)
+            )
+            is not None
+        ):
+            raise UserError(
+                "ping_pending",
+                f"webhook {webhook_id!r} has a ping not yet delivered; follow it in "
+                "its deliveries (GET /webhooks/{id}/deliveries), then ping again",
+                "webhook_id",
+                status=429,
+                headers={"Retry-After": "5"},
+            )
         delivery = _delivery(webhook.id, f"evt_ping_{secrets.token_hex(8)}", PING, {"webhook": webhook.id})
         s.add(delivery)
     return delivery
@@ -261,8 +308,9 @@ def purge_deliveries() -> int:
     ``webhooks_log_retention_days`` ago, so that the log does not grow for ever. Returns how many."""
     cutoff = utcnow() - timedelta(days=get_settings().webhooks_log_retention_days)
     with session_scope() as s:
-        result = s.execute(delete(WebhookDelivery).where(WebhookDelivery.status != PENDING,
-                                                         WebhookDelivery.created_at < cutoff))
+        result = s.execute(
+            delete(WebhookDelivery).where(WebhookDelivery.status != PENDING, WebhookDelivery.created_at < cutoff)
+        )
         return result.rowcount  # type: ignore[attr-defined]  # DML returns a CursorResult
 
 
@@ -272,8 +320,16 @@ def purge_deliveries() -> int:
 def _delivery(webhook_id: str, event_id: str, event_type: str, data: dict[str, Any]) -> WebhookDelivery:
     now = utcnow()
     payload = {"type": event_type, "timestamp": now.isoformat().replace("+00:00", "Z"), "data": data}
-    return WebhookDelivery(webhook_id=webhook_id, event_id=event_id, event_type=event_type, payload=payload,
-                           status=PENDING, attempts=0, next_attempt_at=now, created_at=now)
+    return WebhookDelivery(
+        webhook_id=webhook_id,
+        event_id=event_id,
+        event_type=event_type,
+        payload=payload,
+        status=PENDING,
+        attempts=0,
+        next_attempt_at=now,
+        created_at=now,
+    )
 
 
 def emit(s: Session, tenant: str, event_type: str, event_id: str, data: dict[str, Any]) -> int:
@@ -294,8 +350,13 @@ def job_ended(s: Session, job: Job) -> None:
     pruner: ``trial.pruned``) for a job that just ended, in the transaction that ends it. ``data``: the job's id, kind, status, error and metadata; fetch the
     rest from the API."""
     noun = "prediction" if job.kind == "predict" else "trial" if job.status == "pruned" else "job"
-    data = {"id": job.id, "object": noun, "status": job.status, "error": job.error,
-            **({"sweep_id": job.sweep_id, "trial_number": job.trial_number} if job.sweep_id else {}),
-            "metadata": (job.spec or {}).get("metadata"),
-            "finished_at": job.finished_at.isoformat().replace("+00:00", "Z") if job.finished_at else None}
+    data = {
+        "id": job.id,
+        "object": noun,
+        "status": job.status,
+        "error": job.error,
+        **({"sweep_id": job.sweep_id, "trial_number": job.trial_number} if job.sweep_id else {}),
+        "metadata": (job.spec or {}).get("metadata"),
+        "finished_at": job.finished_at.isoformat().replace("+00:00", "Z") if job.finished_at else None,
+    }
     emit(s, job.tenant, f"{noun}.{job.status}", f"evt_{job.id}_{job.status}", data)

@@ -9,17 +9,31 @@ from pydantic.json_schema import JsonDict
 
 HYPERPARAMETERS_EXAMPLE: JsonDict = {"epochs": 1, "learning_rate": 1e-4, "batch_size": 16, "max_length": 128}
 # The values of Hyperparameters.metric_for_best_model that apply to each task.
-TASK_METRICS = {"classification": ("loss", "accuracy", "f1_macro"), "regression": ("loss", "mse", "pearson_r"),
-                "multi_label": ("loss", "f1_micro", "f1_macro", "subset_accuracy"),
-                "token_classification": ("loss", "entity_f1", "entity_precision", "entity_recall", "token_accuracy"),
-                "embedding": ("ndcg@10", "mrr@10", "recall@1", "recall@10", "map@100"),
-                "reranking": ("ndcg@10", "mrr@10", "loss")}
+TASK_METRICS = {
+    "classification": ("loss", "accuracy", "f1_macro"),
+    "regression": ("loss", "mse", "pearson_r"),
+    "multi_label": ("loss", "f1_micro", "f1_macro", "subset_accuracy"),
+    "token_classification": ("loss", "entity_f1", "entity_precision", "entity_recall", "token_accuracy"),
+    "embedding": ("ndcg@10", "mrr@10", "recall@1", "recall@10", "map@100"),
+    "reranking": ("ndcg@10", "mrr@10", "loss"),
+}
 # embedding: information-retrieval metrics of the validation split (worker.embedding.retrieval_metrics)
 IR_METRICS = TASK_METRICS["embedding"]
 # Whether a larger value of each metric is better (the best evaluation; a sweep's objective direction).
-GREATER_IS_BETTER = {"loss": False, "mse": False, "accuracy": True, "f1_macro": True, "pearson_r": True,
-                     "f1_micro": True, "subset_accuracy": True, "entity_f1": True, "entity_precision": True,
-                     "entity_recall": True, "token_accuracy": True, **dict.fromkeys(IR_METRICS, True)}
+GREATER_IS_BETTER = {
+    "loss": False,
+    "mse": False,
+    "accuracy": True,
+    "f1_macro": True,
+    "pearson_r": True,
+    "f1_micro": True,
+    "subset_accuracy": True,
+    "entity_f1": True,
+    "entity_precision": True,
+    "entity_recall": True,
+    "token_accuracy": True,
+    **dict.fromkeys(IR_METRICS, True),
+}
 
 
 def _takes_int(annotation: Any) -> bool:
@@ -62,28 +76,51 @@ class Hyperparameters(BaseModel):
     precision: Literal["auto", "fp32", "fp16", "bf16"] = "auto"
     batching: Literal["smart", "dynamic", "fixed", "token_budget"] = "smart"
     max_tokens_per_batch: int | None = Field(
-        None, ge=8, description="token_budget: padded tokens per micro-batch. Default batch_size * max_length.")
+        None, ge=8, description="token_budget: padded tokens per micro-batch. Default batch_size * max_length."
+    )
     pad_to_multiple_of: int | None = Field(
-        None, ge=1, le=512, description="Round padded lengths up to a multiple of this. Default: the bucket ladder "
-        "(16, 32, ..., 128, 160, ..., 256, 320, ...) on CUDA, the longest member on the CPU.")
+        None,
+        ge=1,
+        le=512,
+        description="Round padded lengths up to a multiple of this. Default: the bucket ladder "
+        "(16, 32, ..., 128, 160, ..., 256, 320, ...) on CUDA, the longest member on the CPU.",
+    )
     gradient_checkpointing: bool = False
     freeze_embeddings: bool = False
     torch_compile: bool = Field(False, description="torch.compile the model; lengths are padded to multiples of 64.")
     packing: bool = Field(
-        False, description="Lay each micro-batch's examples end to end without padding, attention per example on a "
+        False,
+        description="Lay each micro-batch's examples end to end without padding, attention per example on a "
         "variable-length kernel (flash on CUDA in bf16/fp16). Eager steps only: CUDA graphs capture padded widths. "
-        "BERT and RoBERTa families; others train padded, with an event.")
+        "BERT and RoBERTa families; others train padded, with an event.",
+    )
     eval_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
     save_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
     save_total_limit: int = Field(2, ge=1, le=1000, description="Checkpoints kept on disk (the newest).")
-    metric_for_best_model: Literal["loss", "accuracy", "f1_macro", "mse", "pearson_r", "f1_micro",
-                                   "subset_accuracy", "entity_f1", "entity_precision", "entity_recall",
-                                   "token_accuracy", "ndcg@10", "mrr@10", "recall@1", "recall@10",
-                                   "map@100"] = Field("loss", description="Default: loss; ndcg@10 for embedding.")
+    metric_for_best_model: Literal[
+        "loss",
+        "accuracy",
+        "f1_macro",
+        "mse",
+        "pearson_r",
+        "f1_micro",
+        "subset_accuracy",
+        "entity_f1",
+        "entity_precision",
+        "entity_recall",
+        "token_accuracy",
+        "ndcg@10",
+        "mrr@10",
+        "recall@1",
+        "recall@10",
+        "map@100",
+    ] = Field("loss", description="Default: loss; ndcg@10 for embedding.")
     early_stopping_patience: int | None = Field(
-        None, ge=1, description="Stop after this many evaluations without improving metric_for_best_model.")
+        None, ge=1, description="Stop after this many evaluations without improving metric_for_best_model."
+    )
     max_nonfinite_steps: int = Field(
-        25, ge=1, description="Fail after this many consecutive optimizer steps with a non-finite loss or gradient.")
+        25, ge=1, description="Fail after this many consecutive optimizer steps with a non-finite loss or gradient."
+    )
     warmup_ratio: float = Field(0.1, ge=0, lt=1)
     weight_decay: float = Field(0.01, ge=0, le=1)
     seed: int = Field(42, ge=0, le=2**32 - 1)

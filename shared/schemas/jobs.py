@@ -25,52 +25,81 @@ def json_safe(value: Any) -> Any:
 
 # Metadata caps: OpenAI's, the defaults of TUNEJOB_MAX_METADATA_* (enforced by shared.store.quotas.check_metadata).
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
-Metadata = Annotated[dict[str, str] | None, Field(
-    description=f"Your own labels: at most {MAX_METADATA_KEYS} keys of up to {MAX_METADATA_KEY_CHARS} characters, "
-                f"string values of up to {MAX_METADATA_VALUE_CHARS} (TUNEJOB_MAX_METADATA_*).",
-    json_schema_extra=lambda schema: schema["anyOf"][0].update(
-        maxProperties=MAX_METADATA_KEYS, propertyNames={"maxLength": MAX_METADATA_KEY_CHARS},
-        additionalProperties={"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS}))]
+Metadata = Annotated[
+    dict[str, str] | None,
+    Field(
+        description=f"Your own labels: at most {MAX_METADATA_KEYS} keys of up to {MAX_METADATA_KEY_CHARS} characters, "
+        f"string values of up to {MAX_METADATA_VALUE_CHARS} (TUNEJOB_MAX_METADATA_*).",
+        json_schema_extra=lambda schema: schema["anyOf"][0].update(
+            maxProperties=MAX_METADATA_KEYS,
+            propertyNames={"maxLength": MAX_METADATA_KEY_CHARS},
+            additionalProperties={"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS},
+        ),
+    ),
+]
 
 # Realistic examples for the OpenAPI schema: a BBC News job as `make demo` runs it.
 JOB_CREATE_EXAMPLE: JsonDict = {
-    "base_model": "all-MiniLM-L6-v2", "task": "classification", "training_dataset": "ds_3f9a1c2b7d4e5f60",
-    "validation_split": 0.1, "text_column": "text", "label_column": "label",
-    "hyperparameters": HYPERPARAMETERS_EXAMPLE, "metadata": {"project": "news-topics"},
+    "base_model": "all-MiniLM-L6-v2",
+    "task": "classification",
+    "training_dataset": "ds_3f9a1c2b7d4e5f60",
+    "validation_split": 0.1,
+    "text_column": "text",
+    "label_column": "label",
+    "hyperparameters": HYPERPARAMETERS_EXAMPLE,
+    "metadata": {"project": "news-topics"},
 }
 MULTI_LABEL_EXAMPLE: JsonDict = {
-    "base_model": "all-MiniLM-L6-v2", "task": "multi_label", "training_dataset": "ds_7c1e5a9f0b3d2e48",
-    "validation_split": 0.1, "text_column": "text", "label_column": "genres", "label_separator": "|",
-    "tune_threshold": True, "hyperparameters": {**HYPERPARAMETERS_EXAMPLE, "metric_for_best_model": "f1_micro"},
+    "base_model": "all-MiniLM-L6-v2",
+    "task": "multi_label",
+    "training_dataset": "ds_7c1e5a9f0b3d2e48",
+    "validation_split": 0.1,
+    "text_column": "text",
+    "label_column": "genres",
+    "label_separator": "|",
+    "tune_threshold": True,
+    "hyperparameters": {**HYPERPARAMETERS_EXAMPLE, "metric_for_best_model": "f1_micro"},
 }
 TOKEN_JOB_CREATE_EXAMPLE: JsonDict = {  # named entities from a CoNLL file (columns tokens and tags)
-    "base_model": "all-MiniLM-L6-v2", "task": "token_classification", "training_dataset": "ds_7b2e90c4a1d35f18",
-    "validation_dataset": "ds_c5d1e7a9032b4f6e", "text_column": "tokens", "label_column": "tags",
+    "base_model": "all-MiniLM-L6-v2",
+    "task": "token_classification",
+    "training_dataset": "ds_7b2e90c4a1d35f18",
+    "validation_dataset": "ds_c5d1e7a9032b4f6e",
+    "text_column": "tokens",
+    "label_column": "tags",
     "hyperparameters": {**HYPERPARAMETERS_EXAMPLE, "metric_for_best_model": "entity_f1"},
 }
 # The spec's fields that only one task reads (JobOut shows them for that task)
-TASK_FIELDS = {"embedding": ("anchor_column", "positive_column", "negative_columns", "score_column"),
-               "reranking": ("query_column", "passage_column")}
+TASK_FIELDS = {
+    "embedding": ("anchor_column", "positive_column", "negative_columns", "score_column"),
+    "reranking": ("query_column", "passage_column"),
+}
 
 
 class JobCreate(BaseModel):
     """Body of ``POST /jobs``."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
-        "examples": [JOB_CREATE_EXAMPLE, MULTI_LABEL_EXAMPLE, TOKEN_JOB_CREATE_EXAMPLE]})
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={"examples": [JOB_CREATE_EXAMPLE, MULTI_LABEL_EXAMPLE, TOKEN_JOB_CREATE_EXAMPLE]},
+    )
 
     base_model: str
-    task: Literal["classification", "regression", "multi_label", "token_classification", "embedding",
-                  "reranking"] = Field(
-        "classification", description="multi_label: each row has a list of labels (none, one or several); "
-        "sigmoid outputs trained with BCEWithLogitsLoss. token_classification (named entities, IOB/BIO tags): "
-        "text_column names a column of word lists (default `tokens`), label_column one of tag lists of the same "
-        "length (default `tags`); JSONL, Parquet (list columns) or CoNLL files. embedding (a bi-encoder, saved as a "
-        "sentence-transformers model): pairs of anchor_column and positive_column texts, trained with "
-        "MultipleNegativesRankingLoss (with negative_columns as hard negatives), or with a score_column in [0, 1], "
-        "trained with CoSENT; validated by retrieval (ndcg@10, mrr@10, recall@1, recall@10, map@100). reranking "
-        "(a cross-encoder): query_column and passage_column texts with a label_column of 0/1 or a score in [0, 1], "
-        "trained with binary cross-entropy; validated by reranking each query's passages (ndcg@10, mrr@10).")
+    task: Literal["classification", "regression", "multi_label", "token_classification", "embedding", "reranking"] = (
+        Field(
+            "classification",
+            description="multi_label: each row has a list of labels (none, one or several); "
+            "sigmoid outputs trained with BCEWithLogitsLoss. token_classification (named entities, IOB/BIO tags): "
+            "text_column names a column of word lists (default `tokens`), label_column one of tag lists of the same "
+            "length (default `tags`); JSONL, Parquet (list columns) or CoNLL files. embedding (a bi-encoder, saved as a "
+            "sentence-transformers model): pairs of anchor_column and positive_column texts, trained with "
+            "MultipleNegativesRankingLoss (with negative_columns as hard negatives), or with a score_column in [0, 1], "
+            "trained with CoSENT; validated by retrieval (ndcg@10, mrr@10, recall@1, recall@10, map@100). reranking "
+            "(a cross-encoder): query_column and passage_column texts with a label_column of 0/1 or a score in [0, 1], "
+            "trained with binary cross-entropy; validated by reranking each query's passages (ndcg@10, mrr@10).",
+        )
+    )
     training_dataset: str
     validation_dataset: str | None = None
     validation_split: float | None = Field(None, ge=0, lt=1, description="Default 0.1 when no validation_dataset.")
@@ -78,35 +107,55 @@ class JobCreate(BaseModel):
     text_pair_column: str | None = None
     label_column: str = "label"
     label_separator: str | None = Field(
-        None, min_length=1, max_length=8, description="multi_label: the label column holds text such as "
+        None,
+        min_length=1,
+        max_length=8,
+        description="multi_label: the label column holds text such as "
         "`drama|comedy`, split on this separator (CSV and TSV need it; JSONL and Parquet may hold lists instead). "
-        "An empty cell is a row with no label.")
+        "An empty cell is a row with no label.",
+    )
     decision_threshold: float = Field(
-        0.5, gt=0, lt=1, description="multi_label: a label is predicted when its sigmoid score is at least this")
+        0.5, gt=0, lt=1, description="multi_label: a label is predicted when its sigmoid score is at least this"
+    )
     tune_threshold: bool = Field(
-        False, description="multi_label: instead of decision_threshold, use the threshold (0.05 to 0.95 in steps "
+        False,
+        description="multi_label: instead of decision_threshold, use the threshold (0.05 to 0.95 in steps "
         "of 0.05) with the best micro-F1 on the validation set at each evaluation; the best model's is saved in "
-        "its config.json as decision_threshold")
+        "its config.json as decision_threshold",
+    )
     anchor_column: str = Field("anchor", description="embedding: the query (anchor) texts")
     positive_column: str = Field("positive", description="embedding: the text each anchor should retrieve")
     negative_columns: list[str] | None = Field(
-        None, min_length=1, max_length=16, description="embedding: hard negatives, one text per column and row, "
-        "ranked below the row's positive along with every other positive of the micro-batch")
+        None,
+        min_length=1,
+        max_length=16,
+        description="embedding: hard negatives, one text per column and row, "
+        "ranked below the row's positive along with every other positive of the micro-batch",
+    )
     score_column: str | None = Field(
-        None, description="embedding: a similarity in [0, 1] of each anchor and positive (trained with CoSENT "
-                          "instead of MultipleNegativesRankingLoss; no negative_columns)")
+        None,
+        description="embedding: a similarity in [0, 1] of each anchor and positive (trained with CoSENT "
+        "instead of MultipleNegativesRankingLoss; no negative_columns)",
+    )
     query_column: str = Field("query", description="reranking: the queries")
     passage_column: str = Field("passage", description="reranking: the passage scored against each query")
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     allow_large_targets: bool = Field(
-        False, description="Regression: accept targets with |y| > 1e6 (refused by default: targets that large "
-                           "usually mean unscaled data or the wrong column, and overflow the loss).")
+        False,
+        description="Regression: accept targets with |y| > 1e6 (refused by default: targets that large "
+        "usually mean unscaled data or the wrong column, and overflow the loss).",
+    )
     label_all_subwords: bool = Field(
-        False, description="token_classification: train on every subword of a word (its tag, B- as I- after the "
-                           "first) instead of the first subword only; evaluation always scores the first subword.")
+        False,
+        description="token_classification: train on every subword of a word (its tag, B- as I- after the "
+        "first) instead of the first subword only; evaluation always scores the first subword.",
+    )
     metadata: Metadata = None
-    suffix: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$",
-                               description="Added to the trained model's name (``fine_tuned_model`` in /v1).")
+    suffix: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        description="Added to the trained model's name (``fine_tuned_model`` in /v1).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -132,10 +181,15 @@ class JobCreate(BaseModel):
             self.validation_split = 0.1
         hp = self.hyperparameters
         if hp.metric_for_best_model not in TASK_METRICS[self.task]:
-            raise ValueError(f"hyperparameters.metric_for_best_model {hp.metric_for_best_model!r} does not apply to "
-                             f"{self.task}; use one of {TASK_METRICS[self.task]}")
-        multi_label_only = {"label_separator": self.label_separator is not None, "tune_threshold": self.tune_threshold,
-                            "decision_threshold": self.decision_threshold != 0.5}
+            raise ValueError(
+                f"hyperparameters.metric_for_best_model {hp.metric_for_best_model!r} does not apply to "
+                f"{self.task}; use one of {TASK_METRICS[self.task]}"
+            )
+        multi_label_only = {
+            "label_separator": self.label_separator is not None,
+            "tune_threshold": self.tune_threshold,
+            "decision_threshold": self.decision_threshold != 0.5,
+        }
         if self.task != "multi_label" and (given := [name for name, set_ in multi_label_only.items() if set_]):
             raise ValueError(f"{', '.join(given)} apply to task 'multi_label' only")
         if self.tune_threshold and not (self.validation_dataset or self.validation_split):
@@ -151,34 +205,61 @@ class JobCreate(BaseModel):
 
     def _check_retrieval_columns(self) -> None:
         """embedding's and reranking's columns are distinct and apply to their task only."""
-        given = {"negative_columns": self.negative_columns is not None, "score_column": self.score_column is not None,
-                 "anchor_column": self.anchor_column != "anchor", "positive_column": self.positive_column != "positive"}
+        given = {
+            "negative_columns": self.negative_columns is not None,
+            "score_column": self.score_column is not None,
+            "anchor_column": self.anchor_column != "anchor",
+            "positive_column": self.positive_column != "positive",
+        }
         reranking = {"query_column": self.query_column != "query", "passage_column": self.passage_column != "passage"}
         for task, fields in (("embedding", given), ("reranking", reranking)):
             if self.task != task and (names := [name for name, set_ in fields.items() if set_]):
                 raise ValueError(f"{', '.join(names)} apply to task {task!r} only")
-        if self.task == "reranking" and (self.text_pair_column or self.query_column == self.passage_column or
-                                         self.label_column in (self.query_column, self.passage_column)):
-            raise ValueError("reranking reads query_column, passage_column and label_column: three distinct "
-                             "columns, and text_pair_column null")
+        if self.task == "reranking" and (
+            self.text_pair_column
+            or self.query_column == self.passage_column
+            or self.label_column in (self.query_column, self.passage_column)
+        ):
+            raise ValueError(
+                "reranking reads query_column, passage_column and label_column: three distinct "
+                "columns, and text_pair_column null"
+            )
         if self.task != "embedding":
             return
         if self.text_pair_column:
             raise ValueError("embedding reads anchor_column and positive_column: text_pair_column must be null")
         if self.score_column and self.negative_columns:
             raise ValueError("score_column (CoSENT) and negative_columns (MultipleNegativesRankingLoss) do not mix")
-        columns = [self.anchor_column, self.positive_column, *(self.negative_columns or []),
-                   *([self.score_column] if self.score_column else [])]
+        columns = [
+            self.anchor_column,
+            self.positive_column,
+            *(self.negative_columns or []),
+            *([self.score_column] if self.score_column else []),
+        ]
         if len(set(columns)) < len(columns):
-            raise ValueError(f"anchor_column, positive_column, negative_columns and score_column must differ: {columns}")
+            raise ValueError(
+                f"anchor_column, positive_column, negative_columns and score_column must differ: {columns}"
+            )
 
 
 class DatasetOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True, json_schema_extra={"examples": [{
-        "id": "ds_3f9a1c2b7d4e5f60", "filename": "bbc_news_train.csv", "format": "csv", "rows": 1780,
-        "columns": ["text", "label"], "bytes": 4021377,
-        "sha256": "9c1185a5c5e9fc54612808977ee8f548b2258d31c0f1a5e8b3e2d8e2d9bd5e1a",
-        "created_at": "2026-11-21T09:12:03.512Z"}]})
+    model_config = ConfigDict(
+        from_attributes=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "id": "ds_3f9a1c2b7d4e5f60",
+                    "filename": "bbc_news_train.csv",
+                    "format": "csv",
+                    "rows": 1780,
+                    "columns": ["text", "label"],
+                    "bytes": 4021377,
+                    "sha256": "9c1185a5c5e9fc54612808977ee8f548b2258d31c0f1a5e8b3e2d8e2d9bd5e1a",
+                    "created_at": "2026-11-21T09:12:03.512Z",
+                }
+            ]
+        },
+    )
 
     id: str
     filename: str
@@ -224,19 +305,42 @@ PHASES = tuple(name for name in Timings.model_fields if name not in ("queued", "
 
 
 class JobOut(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"examples": [{
-        "id": "job_8e2d4c1a9b7f3e05", "status": "succeeded", "base_model": "all-MiniLM-L6-v2",
-        "task": "classification", "training_dataset": "ds_3f9a1c2b7d4e5f60", "validation_dataset": None,
-        "validation_split": 0.1, "text_column": "text", "text_pair_column": None, "label_column": "label",
-        "label_names": ["business", "entertainment", "politics", "sport", "tech"],
-        "hyperparameters": {**Hyperparameters().model_dump(), **HYPERPARAMETERS_EXAMPLE},
-        "metadata": {"project": "news-topics"}, "created_at": "2026-11-21T09:12:10.118Z",
-        "started_at": "2026-11-21T09:12:11.402Z", "finished_at": "2026-11-21T09:15:02.771Z",
-        "progress": {"step": 101, "total_steps": 101, "epoch": 1.0, "fraction": 1.0, "eta_seconds": 0.0},
-        "train_metrics": {"loss": 0.412, "learning_rate": 0.0, "tokens_per_second": 1893.4,
-                          "padding_efficiency": 0.993, "skipped_steps": 0},
-        "validation_metrics": {"loss": 0.288, "accuracy": 0.955, "f1_macro": 0.953},
-        "device": "cpu (2 threads)", "attempts": 1, "error": None}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "id": "job_8e2d4c1a9b7f3e05",
+                    "status": "succeeded",
+                    "base_model": "all-MiniLM-L6-v2",
+                    "task": "classification",
+                    "training_dataset": "ds_3f9a1c2b7d4e5f60",
+                    "validation_dataset": None,
+                    "validation_split": 0.1,
+                    "text_column": "text",
+                    "text_pair_column": None,
+                    "label_column": "label",
+                    "label_names": ["business", "entertainment", "politics", "sport", "tech"],
+                    "hyperparameters": {**Hyperparameters().model_dump(), **HYPERPARAMETERS_EXAMPLE},
+                    "metadata": {"project": "news-topics"},
+                    "created_at": "2026-11-21T09:12:10.118Z",
+                    "started_at": "2026-11-21T09:12:11.402Z",
+                    "finished_at": "2026-11-21T09:15:02.771Z",
+                    "progress": {"step": 101, "total_steps": 101, "epoch": 1.0, "fraction": 1.0, "eta_seconds": 0.0},
+                    "train_metrics": {
+                        "loss": 0.412,
+                        "learning_rate": 0.0,
+                        "tokens_per_second": 1893.4,
+                        "padding_efficiency": 0.993,
+                        "skipped_steps": 0,
+                    },
+                    "validation_metrics": {"loss": 0.288, "accuracy": 0.955, "f1_macro": 0.953},
+                    "device": "cpu (2 threads)",
+                    "attempts": 1,
+                    "error": None,
+                }
+            ]
+        }
+    )
 
     id: str
     status: str
@@ -272,11 +376,13 @@ class JobOut(BaseModel):
     error: dict[str, Any] | None
     timings: Timings
     files_deleted_at: datetime | None = Field(
-        None, description="When the job's checkpoints and artifacts were removed (TUNEJOB_ARTIFACT_RETENTION_DAYS).")
+        None, description="When the job's checkpoints and artifacts were removed (TUNEJOB_ARTIFACT_RETENTION_DAYS)."
+    )
     sweep_id: str | None = Field(None, description="The sweep this job is a trial of (``POST /sweeps``), if any.")
     trial_number: int | None = Field(None, description="Its trial number in that sweep, from 0.")
-    queue: QueuePosition | None = Field(None, description="a queued job's place in the queue and estimated start; "
-                                                      "null once it runs")
+    queue: QueuePosition | None = Field(
+        None, description="a queued job's place in the queue and estimated start; null once it runs"
+    )
 
 
 class JobList(BaseModel):
@@ -285,9 +391,21 @@ class JobList(BaseModel):
 
 
 class MetricOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True, json_schema_extra={"examples": [{
-        "step": 40, "epoch": 0.4, "name": "train_loss", "value": 0.731, "time": "2026-11-21T09:13:05.004Z",
-        "nonfinite": False}]})
+    model_config = ConfigDict(
+        from_attributes=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "step": 40,
+                    "epoch": 0.4,
+                    "name": "train_loss",
+                    "value": 0.731,
+                    "time": "2026-11-21T09:13:05.004Z",
+                    "nonfinite": False,
+                }
+            ]
+        },
+    )
 
     step: int
     epoch: float
@@ -296,16 +414,27 @@ class MetricOut(BaseModel):
     time: datetime
 
     @computed_field(  # type: ignore[prop-decorator]  # pydantic's documented form, which mypy does not model
-        description="the value was NaN or Infinity (a step with a non-finite loss is skipped)")
+        description="the value was NaN or Infinity (a step with a non-finite loss is skipped)"
+    )
     @property
     def nonfinite(self) -> bool:
         return self.value is None or not math.isfinite(self.value)
 
 
 class EventOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True, json_schema_extra={"examples": [{
-        "time": "2026-11-21T09:12:11.402Z", "level": "info", "code": "started",
-        "message": "attempt 1 started on worker gpu-box-1:4242:1a2b3c4d"}]})
+    model_config = ConfigDict(
+        from_attributes=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "time": "2026-11-21T09:12:11.402Z",
+                    "level": "info",
+                    "code": "started",
+                    "message": "attempt 1 started on worker gpu-box-1:4242:1a2b3c4d",
+                }
+            ]
+        },
+    )
 
     time: datetime
     level: str
@@ -314,9 +443,18 @@ class EventOut(BaseModel):
 
 
 class CheckpointOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True, json_schema_extra={"examples": [{
-        "step": 101, "metrics": {"loss": 0.288, "accuracy": 0.955, "f1_macro": 0.953},
-        "created_at": "2026-11-21T09:14:58.310Z"}]})
+    model_config = ConfigDict(
+        from_attributes=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "step": 101,
+                    "metrics": {"loss": 0.288, "accuracy": 0.955, "f1_macro": 0.953},
+                    "created_at": "2026-11-21T09:14:58.310Z",
+                }
+            ]
+        },
+    )
 
     step: int
     metrics: dict[str, Any] | None
@@ -324,8 +462,13 @@ class CheckpointOut(BaseModel):
 
 
 class ArtifactOut(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"examples": [{
-        "name": "model.tar.gz", "bytes": 84213760, "url": "/jobs/job_8e2d4c1a9b7f3e05/artifacts/model.tar.gz"}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"name": "model.tar.gz", "bytes": 84213760, "url": "/jobs/job_8e2d4c1a9b7f3e05/artifacts/model.tar.gz"}
+            ]
+        }
+    )
 
     name: str
     bytes: int
@@ -333,8 +476,9 @@ class ArtifactOut(BaseModel):
 
 
 class BaseModelOut(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"examples": [{
-        "name": "all-MiniLM-L6-v2", "source": "builtin", "model_type": "bert"}]})
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"name": "all-MiniLM-L6-v2", "source": "builtin", "model_type": "bert"}]}
+    )
 
     name: str
     source: Literal["builtin", "models_dir"]

@@ -15,8 +15,10 @@ class TokenLengths(BaseModel):
 
 class PaddingEfficiency(BaseModel):
     unrounded: float = Field(description="real tokens / tokens padded to each micro-batch's longest example")
-    bucketed: float = Field(description="the same with each micro-batch padded up to its bucket width (what a "
-                                        "CUDA worker computes; shared.data.batching.bucket_ladder)")
+    bucketed: float = Field(
+        description="the same with each micro-batch padded up to its bucket width (what a "
+        "CUDA worker computes; shared.data.batching.bucket_ladder)"
+    )
 
 
 class BucketWidth(BaseModel):
@@ -39,36 +41,84 @@ class Plan(BaseModel):
     examples: int = Field(description="training examples, after any validation_split")
     token_lengths: TokenLengths = Field(description="histogram of real tokens per example, after truncation")
     truncated_fraction: float = Field(description="share of examples longer than max_length")
-    truncated_examples: int = Field(description="examples longer than max_length, cut there (token_classification: "
-                                                "the words past it are neither trained on nor scored)")
+    truncated_examples: int = Field(
+        description="examples longer than max_length, cut there (token_classification: "
+        "the words past it are neither trained on nor scored)"
+    )
     padding_efficiency: dict[str, PaddingEfficiency] = Field(description="per batching strategy")
     buckets: Buckets = Field(description="the chosen batching's bucket widths on a CUDA worker")
     micro_batches_per_epoch: int
     steps_per_epoch: int
     total_steps: int
-    estimated_seconds: float | None = Field(description="from the newest succeeded job on the same base model; "
-                                                        "null when there is none")
+    estimated_seconds: float | None = Field(
+        description="from the newest succeeded job on the same base model; null when there is none"
+    )
     estimate_basis: str
 
 
 class DryRunOut(BaseModel):
     """Response of ``POST /jobs?dry_run=true``: nothing is stored or queued."""
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{"dry_run": True, "plan": {
-        "examples": 1602,
-        "token_lengths": {"bin_edges": [24.0, 30.5, 37.0, 43.5, 50.0, 56.5, 63.0, 69.5, 76.0, 82.5, 89.0, 95.5,
-                                        102.0, 108.5, 115.0, 121.5, 128.0],
-                          "counts": [3, 5, 9, 14, 22, 31, 40, 51, 60, 72, 85, 97, 110, 121, 140, 742],
-                          "mean": 112.4, "max": 128},
-        "truncated_fraction": 0.463,
-        "padding_efficiency": {s: {"unrounded": e, "bucketed": b} for s, e, b in
-                               [("smart", 0.993, 0.947), ("token_budget", 0.991, 0.952), ("dynamic", 0.912, 0.874),
-                                ("fixed", 0.878, 0.878)]},
-        "buckets": {"ladder": [16, 32, 48, 64, 80, 96, 112, 128],
-                    "widths": [{"width": 128, "micro_batches": 88}, {"width": 112, "micro_batches": 9},
-                               {"width": 96, "micro_batches": 4}], "padding_efficiency": 0.947},
-        "micro_batches_per_epoch": 101, "steps_per_epoch": 101, "total_steps": 101,
-        "estimated_seconds": 171.4, "estimate_basis": "job job_8e2d4c1a9b7f3e05: 1907 padded tokens/s on cpu"}}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "dry_run": True,
+                    "plan": {
+                        "examples": 1602,
+                        "token_lengths": {
+                            "bin_edges": [
+                                24.0,
+                                30.5,
+                                37.0,
+                                43.5,
+                                50.0,
+                                56.5,
+                                63.0,
+                                69.5,
+                                76.0,
+                                82.5,
+                                89.0,
+                                95.5,
+                                102.0,
+                                108.5,
+                                115.0,
+                                121.5,
+                                128.0,
+                            ],
+                            "counts": [3, 5, 9, 14, 22, 31, 40, 51, 60, 72, 85, 97, 110, 121, 140, 742],
+                            "mean": 112.4,
+                            "max": 128,
+                        },
+                        "truncated_fraction": 0.463,
+                        "padding_efficiency": {
+                            s: {"unrounded": e, "bucketed": b}
+                            for s, e, b in [
+                                ("smart", 0.993, 0.947),
+                                ("token_budget", 0.991, 0.952),
+                                ("dynamic", 0.912, 0.874),
+                                ("fixed", 0.878, 0.878),
+                            ]
+                        },
+                        "buckets": {
+                            "ladder": [16, 32, 48, 64, 80, 96, 112, 128],
+                            "widths": [
+                                {"width": 128, "micro_batches": 88},
+                                {"width": 112, "micro_batches": 9},
+                                {"width": 96, "micro_batches": 4},
+                            ],
+                            "padding_efficiency": 0.947,
+                        },
+                        "micro_batches_per_epoch": 101,
+                        "steps_per_epoch": 101,
+                        "total_steps": 101,
+                        "estimated_seconds": 171.4,
+                        "estimate_basis": "job job_8e2d4c1a9b7f3e05: 1907 padded tokens/s on cpu",
+                    },
+                }
+            ]
+        }
+    )
 
     dry_run: Literal[True]
     plan: Plan

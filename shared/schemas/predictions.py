@@ -10,8 +10,14 @@ from pydantic.json_schema import JsonDict
 from shared.schemas.jobs import Timings
 from shared.schemas.queue import QueuePosition
 
-PREDICTION_CREATE_EXAMPLE: JsonDict = {"model": "job_8e2d4c1a9b7f3e05", "dataset": "ds_5b0e7d21c9a84f13", "text_column": "text",
-                             "id_column": "article_id", "batch_size": 64, "max_length": 128}
+PREDICTION_CREATE_EXAMPLE: JsonDict = {
+    "model": "job_8e2d4c1a9b7f3e05",
+    "dataset": "ds_5b0e7d21c9a84f13",
+    "text_column": "text",
+    "id_column": "article_id",
+    "batch_size": 64,
+    "max_length": 128,
+}
 
 
 class PredictionCreate(BaseModel):
@@ -19,29 +25,48 @@ class PredictionCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [PREDICTION_CREATE_EXAMPLE]})
 
-    model: str = Field(description="A succeeded training job of yours (``job_…``), or the name of a base model "
-                                   "(``GET /models``) that has a sequence- or token-classification head. An "
-                                   "``embedding`` job's results are vectors (column ``embedding``).")
+    model: str = Field(
+        description="A succeeded training job of yours (``job_…``), or the name of a base model "
+        "(``GET /models``) that has a sequence- or token-classification head. An "
+        "``embedding`` job's results are vectors (column ``embedding``)."
+    )
     dataset: str = Field(description="The dataset to score (``ds_…``).")
     text_column: str = "text"
     text_pair_column: str | None = None
-    id_column: str | None = Field(None, description="A column whose value (as text) names each row in the "
-                                                    "results; default: the row's 0-based index.")
-    label_column: str | None = Field(None, description="A column of gold labels (a labelled test set): the "
-                                     "prediction then writes an evaluation report, ``GET /predictions/{id}/evaluation``, "
-                                     "with the validation report's metrics. Labels read as the model's training job "
-                                     "read them; not for token_classification models.")
-    count_unknown_labels: bool = Field(False, description="With ``label_column``: score a test set whose labels "
-                                       "include some the model does not know, counting their rows as errors (as "
-                                       "``trainer.evaluate`` would); without it such a request is refused (422 "
-                                       "``unknown_labels``, naming them).")
+    id_column: str | None = Field(
+        None,
+        description="A column whose value (as text) names each row in the results; default: the row's 0-based index.",
+    )
+    label_column: str | None = Field(
+        None,
+        description="A column of gold labels (a labelled test set): the "
+        "prediction then writes an evaluation report, ``GET /predictions/{id}/evaluation``, "
+        "with the validation report's metrics. Labels read as the model's training job "
+        "read them; not for token_classification models.",
+    )
+    count_unknown_labels: bool = Field(
+        False,
+        description="With ``label_column``: score a test set whose labels "
+        "include some the model does not know, counting their rows as errors (as "
+        "``trainer.evaluate`` would); without it such a request is refused (422 "
+        "``unknown_labels``, naming them).",
+    )
     batch_size: int = Field(64, ge=1, le=4096, description="Texts per forward pass at most.")
-    max_length: int | None = Field(None, ge=8, le=8192, description="Tokens per text (pair) at most; longer "
-                                   "texts are truncated and counted. Default: the model's limit.")
-    precision: Literal["auto", "fp32", "bf16", "int8"] = Field("auto", description=(
-        "``auto``: bf16 on a GPU, fp32 on the CPU; ``int8``: CPU workers only, the model's Linear layers "
-        "dynamically quantized to int8 (compiled on CPUs with AMX, else PyTorch ``quantize_dynamic``): faster, "
-        "labels may differ slightly."))
+    max_length: int | None = Field(
+        None,
+        ge=8,
+        le=8192,
+        description="Tokens per text (pair) at most; longer "
+        "texts are truncated and counted. Default: the model's limit.",
+    )
+    precision: Literal["auto", "fp32", "bf16", "int8"] = Field(
+        "auto",
+        description=(
+            "``auto``: bf16 on a GPU, fp32 on the CPU; ``int8``: CPU workers only, the model's Linear layers "
+            "dynamically quantized to int8 (compiled on CPUs with AMX, else PyTorch ``quantize_dynamic``): faster, "
+            "labels may differ slightly."
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -49,8 +74,10 @@ class PredictionCreate(BaseModel):
         """JSON Schema counts 64.0 as an integer; pydantic's strict mode would refuse it."""
         if not isinstance(data, dict):
             return data
-        return {k: int(v) if k in ("batch_size", "max_length") and isinstance(v, float) and v.is_integer() else v
-                for k, v in data.items()}
+        return {
+            k: int(v) if k in ("batch_size", "max_length") and isinstance(v, float) and v.is_integer() else v
+            for k, v in data.items()
+        }
 
     @model_validator(mode="after")
     def _distinct_columns(self) -> "PredictionCreate":
@@ -87,25 +114,53 @@ class PredictionResult(BaseModel):
 
 
 class PredictionOut(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"examples": [{
-        "id": "job_1c7e9a40d2b35f86", "status": "succeeded", **PREDICTION_CREATE_EXAMPLE,
-        "text_pair_column": None, "task": "classification",
-        "label_names": ["business", "entertainment", "politics", "sport", "tech"],
-        "created_at": "2026-11-21T09:20:00.118Z", "started_at": "2026-11-21T09:20:01.402Z",
-        "finished_at": "2026-11-21T09:20:09.771Z",
-        "progress": {"rows_done": 445, "total_rows": 445, "fraction": 1.0, "rows_per_second": 61.3,
-                     "eta_seconds": 0.0},
-        "result": {"rows": 445, "truncated": 203, "max_length": 128, "tokens": 50874, "padded_tokens": 51622,
-                   "padding_efficiency": 0.986, "tokens_per_second": 7011.4, "rows_per_second": 61.3},
-        "results_url": "/predictions/job_1c7e9a40d2b35f86/results",
-        "device": "cpu (2 threads)", "attempts": 1, "error": None,
-        "timings": {"queued": 0.21, "load": 1.05, "total": 9.65}}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "id": "job_1c7e9a40d2b35f86",
+                    "status": "succeeded",
+                    **PREDICTION_CREATE_EXAMPLE,
+                    "text_pair_column": None,
+                    "task": "classification",
+                    "label_names": ["business", "entertainment", "politics", "sport", "tech"],
+                    "created_at": "2026-11-21T09:20:00.118Z",
+                    "started_at": "2026-11-21T09:20:01.402Z",
+                    "finished_at": "2026-11-21T09:20:09.771Z",
+                    "progress": {
+                        "rows_done": 445,
+                        "total_rows": 445,
+                        "fraction": 1.0,
+                        "rows_per_second": 61.3,
+                        "eta_seconds": 0.0,
+                    },
+                    "result": {
+                        "rows": 445,
+                        "truncated": 203,
+                        "max_length": 128,
+                        "tokens": 50874,
+                        "padded_tokens": 51622,
+                        "padding_efficiency": 0.986,
+                        "tokens_per_second": 7011.4,
+                        "rows_per_second": 61.3,
+                    },
+                    "results_url": "/predictions/job_1c7e9a40d2b35f86/results",
+                    "device": "cpu (2 threads)",
+                    "attempts": 1,
+                    "error": None,
+                    "timings": {"queued": 0.21, "load": 1.05, "total": 9.65},
+                }
+            ]
+        }
+    )
 
     id: str
     status: str
     model: str
-    model_alias: str | None = Field(None, description="the alias ``model`` was given as; ``model`` is the job "
-                                    "it named when the prediction was submitted")
+    model_alias: str | None = Field(
+        None,
+        description="the alias ``model`` was given as; ``model`` is the job it named when the prediction was submitted",
+    )
     task: str
     dataset: str
     text_column: str
@@ -122,15 +177,17 @@ class PredictionOut(BaseModel):
     progress: PredictionProgress
     result: PredictionResult | None
     results_url: str | None = Field(description="``GET`` it with ``?format=jsonl|csv|parquet`` once succeeded")
-    evaluation_url: str | None = Field(None, description="the evaluation report, once a prediction with a "
-                                       "``label_column`` has succeeded")
+    evaluation_url: str | None = Field(
+        None, description="the evaluation report, once a prediction with a ``label_column`` has succeeded"
+    )
     device: str | None
     attempts: int
     error: dict[str, Any] | None
     timings: Timings
     files_deleted_at: datetime | None = None
-    queue: QueuePosition | None = Field(None, description="a queued job's place in the queue and estimated start; "
-                                                      "null once it runs")
+    queue: QueuePosition | None = Field(
+        None, description="a queued job's place in the queue and estimated start; null once it runs"
+    )
 
 
 class PredictionList(BaseModel):
@@ -151,19 +208,36 @@ class PredictionPlan(BaseModel):
     truncated: int = Field(description="texts (pairs) longer than max_length")
     padded_tokens: int = Field(description="tokens computed with texts of similar length batched together")
     padding_efficiency: float = Field(description="tokens / padded_tokens")
-    estimated_seconds: float | None = Field(description="from the newest succeeded prediction on the same model; "
-                                                        "null when there is none")
+    estimated_seconds: float | None = Field(
+        description="from the newest succeeded prediction on the same model; null when there is none"
+    )
     estimate_basis: str
 
 
 class PredictionDryRunOut(BaseModel):
     """Response of ``POST /predictions?dry_run=true``: nothing is stored or queued."""
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{"dry_run": True, "plan": {
-        "rows": 445, "task": "classification",
-        "label_names": ["business", "entertainment", "politics", "sport", "tech"],
-        "max_length": 128, "tokens": 50874, "truncated": 203, "padded_tokens": 51622, "padding_efficiency": 0.986,
-        "estimated_seconds": 7.4, "estimate_basis": "job job_1c7e9a40d2b35f86: 6980 padded tokens/s on cpu"}}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "dry_run": True,
+                    "plan": {
+                        "rows": 445,
+                        "task": "classification",
+                        "label_names": ["business", "entertainment", "politics", "sport", "tech"],
+                        "max_length": 128,
+                        "tokens": 50874,
+                        "truncated": 203,
+                        "padded_tokens": 51622,
+                        "padding_efficiency": 0.986,
+                        "estimated_seconds": 7.4,
+                        "estimate_basis": "job job_1c7e9a40d2b35f86: 6980 padded tokens/s on cpu",
+                    },
+                }
+            ]
+        }
+    )
 
     dry_run: Literal[True]
     plan: PredictionPlan
@@ -176,22 +250,28 @@ class PredictIn(BaseModel):
 
     # min_length on each branch: on the union itself it is lost from the OpenAPI schema
     inputs: Annotated[list[str], Field(min_length=1)] | Annotated[list[tuple[str, str]], Field(min_length=1)] = Field(
-        ..., description="texts, or [text, text_pair] pairs; at most max_sync_inputs (default 64)",
-        examples=[["Shares fell sharply", "A late goal won the match"]])
-    max_length: int | None = Field(None, ge=2, description="tokens per input (default: the model's max_length); "
-                                                            "longer inputs are truncated and counted")
+        ...,
+        description="texts, or [text, text_pair] pairs; at most max_sync_inputs (default 64)",
+        examples=[["Shares fell sharply", "A late goal won the match"]],
+    )
+    max_length: int | None = Field(
+        None,
+        ge=2,
+        description="tokens per input (default: the model's max_length); longer inputs are truncated and counted",
+    )
 
 
 class PredictOut(BaseModel):
     model: str = Field(description="the job whose model answered")
-    predictions: list[dict] = Field(description='in input order: {"label", "score", "probabilities"} for '
-                                                'classification, {"value"} for regression, {"labels", '
-                                                '"probabilities"} for multi_label, {"entities": [{"entity_group", '
-                                                '"score", "word", "start", "end"}]} for token_classification '
-                                                '(start, end: character offsets into the input)')
+    predictions: list[dict] = Field(
+        description='in input order: {"label", "score", "probabilities"} for '
+        'classification, {"value"} for regression, {"labels", '
+        '"probabilities"} for multi_label, {"entities": [{"entity_group", '
+        '"score", "word", "start", "end"}]} for token_classification '
+        "(start, end: character offsets into the input)"
+    )
     truncated: int = Field(description="inputs cut at max_length")
     max_length: int = Field(description="tokens per input the model read")
-
 
 
 class EmbedIn(BaseModel):
@@ -199,8 +279,12 @@ class EmbedIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    inputs: list[str] = Field(..., min_length=1, description="texts; at most max_sync_inputs (default 64)",
-                              examples=[["How do volcanoes form?", "Shares fell sharply"]])
+    inputs: list[str] = Field(
+        ...,
+        min_length=1,
+        description="texts; at most max_sync_inputs (default 64)",
+        examples=[["How do volcanoes form?", "Shares fell sharply"]],
+    )
     normalize: bool = Field(True, description="unit-length vectors (their dot product is the cosine similarity)")
 
 

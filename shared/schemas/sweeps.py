@@ -24,9 +24,11 @@ SWEEP_CREATE_EXAMPLE: JsonDict = {
         "epochs": {"type": "int", "low": 1, "high": 3},
     },
     "objective": {"metric": "accuracy", "direction": "maximize"},
-    "algorithm": "tpe", "seed": 42,
+    "algorithm": "tpe",
+    "seed": 42,
     "early_stopping": {"type": "asha", "min_steps": 50, "reduction_factor": 3},
-    "max_trials": 12, "max_parallel_trials": 2,
+    "max_trials": 12,
+    "max_parallel_trials": 2,
 }
 
 
@@ -39,8 +41,10 @@ class Distribution(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["float", "int", "categorical"] | None = Field(
-        None, description="Left out: tunejob's range for learning_rate, batch_size, warmup_ratio, weight_decay and "
-                          "epochs (by the base model's size); required for any other hyperparameter.")
+        None,
+        description="Left out: tunejob's range for learning_rate, batch_size, warmup_ratio, weight_decay and "
+        "epochs (by the base model's size); required for any other hyperparameter.",
+    )
     low: float | None = Field(None, allow_inf_nan=False)
     high: float | None = Field(None, allow_inf_nan=False)
     log: bool = False
@@ -55,14 +59,18 @@ SERVING_PRECISIONS = ("fp32", "bf16", "int8")
 class Objective(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    metric: str = Field(description="A validation metric the task produces (hyperparameters.metric_for_best_model's "
-                                    "values): classification accuracy, f1_macro, loss; token_classification entity_f1 "
-                                    "(alias f1); regression pearson_r, mse; multi_label f1_micro, ...; embedding "
-                                    "ndcg@10, mrr@10, recall@10, ...; or, after the first of several objectives, "
-                                    "latency_ms (the saved model's median time to predict a fixed batch of validation "
-                                    "texts at serving_precision; minimize)")
+    metric: str = Field(
+        description="A validation metric the task produces (hyperparameters.metric_for_best_model's "
+        "values): classification accuracy, f1_macro, loss; token_classification entity_f1 "
+        "(alias f1); regression pearson_r, mse; multi_label f1_micro, ...; embedding "
+        "ndcg@10, mrr@10, recall@10, ...; or, after the first of several objectives, "
+        "latency_ms (the saved model's median time to predict a fixed batch of validation "
+        "texts at serving_precision; minimize)"
+    )
     direction: Literal["maximize", "minimize"] | None = Field(
-        None, description="Default: the metric's own (minimize loss and mse, maximize the rest); the opposite is refused.")
+        None,
+        description="Default: the metric's own (minimize loss and mse, maximize the rest); the opposite is refused.",
+    )
 
 
 class EarlyStopping(BaseModel):
@@ -74,11 +82,20 @@ class EarlyStopping(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["asha", "median", "none"] = "median"
-    min_steps: int = Field(0, ge=0, description="Optimizer steps before any decision (median: n_warmup_steps; "
-                                                "asha: min_resource, 0 meaning Optuna's 'auto').")
+    min_steps: int = Field(
+        0,
+        ge=0,
+        description="Optimizer steps before any decision (median: n_warmup_steps; "
+        "asha: min_resource, 0 meaning Optuna's 'auto').",
+    )
     reduction_factor: int = Field(3, ge=2, le=100, description="asha: keep the best 1/reduction_factor at each rung.")
-    min_trials: int = Field(1, ge=1, le=1000, description="median: trials that must have reported at a step before "
-                                                          "comparing there (n_startup_trials and n_min_trials).")
+    min_trials: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="median: trials that must have reported at a step before "
+        "comparing there (n_startup_trials and n_min_trials).",
+    )
 
 
 class SweepCreate(JobCreate):
@@ -86,15 +103,22 @@ class SweepCreate(JobCreate):
 
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [SWEEP_CREATE_EXAMPLE]})
 
-    search_space: dict[str, Distribution] = Field(min_length=1, description="Hyperparameters to search, by name "
-                                                  "(also base_model: categorical over base models of the task).")
+    search_space: dict[str, Distribution] = Field(
+        min_length=1,
+        description="Hyperparameters to search, by name (also base_model: categorical over base models of the task).",
+    )
     objective: Objective = Field(None, description="The one objective; or give objectives.")  # type: ignore[assignment]  # filled from objectives
     objectives: list[Objective] | None = Field(
-        None, min_length=1, max_length=4, description="Several objectives (a multi-objective study; its answer is "
+        None,
+        min_length=1,
+        max_length=4,
+        description="Several objectives (a multi-objective study; its answer is "
         "the Pareto front, pareto_trials). The first is a validation metric: it picks each trial's kept "
-        "weights, and pruning decides on it alone.")
+        "weights, and pruning decides on it alone.",
+    )
     serving_precision: Literal["fp32", "bf16", "int8"] = Field(
-        "fp32", description="The precision latency_ms is measured at (as POST /jobs/{id}/predict's precision).")
+        "fp32", description="The precision latency_ms is measured at (as POST /jobs/{id}/predict's precision)."
+    )
     algorithm: Literal["tpe", "random", "grid"] = "tpe"
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seeds the sampler: the same sweep asks the same trials.")
     early_stopping: EarlyStopping = Field(default_factory=EarlyStopping)
@@ -102,18 +126,28 @@ class SweepCreate(JobCreate):
     max_parallel_trials: int = Field(1, ge=1, le=1000, description="Trials queued or running at once.")
     max_failed_trials: int = Field(3, ge=0, description="The sweep fails once more trials than this have failed.")
     warm_start_from: list[str] = Field(
-        default_factory=list, max_length=20, description="Earlier sweeps of the same tenant, task and base model: "
+        default_factory=list,
+        max_length=20,
+        description="Earlier sweeps of the same tenant, task and base model: "
         "their finished trials (succeeded and pruned, inside this search space) join the study as history, with their "
         "values and curves (for the sampler and the pruner); they are not trials of this sweep nor count against "
-        "max_trials.")
+        "max_trials.",
+    )
     max_duration_seconds: int | None = Field(
-        None, ge=1, le=366 * 86400, description="A budget for the whole sweep, from its creation: once spent, running "
+        None,
+        ge=1,
+        le=366 * 86400,
+        description="A budget for the whole sweep, from its creation: once spent, running "
         "trials are stopped as on cancel, no trial is asked, and the sweep ends with the best so far (succeeded; "
         "failed if no trial had succeeded), its error code budget_spent saying so. At least "
-        "TUNEJOB_MIN_SWEEP_DURATION_SECONDS (default 60).")
-    include_defaults: bool = Field(True, description="Trial 0 runs the fixed hyperparameters (tunejob's defaults "
-                                   "where the spec leaves them out) for the searched fields, each taken to the "
-                                   "nearest value its range holds: the sweep's best is then never worse than that job.")
+        "TUNEJOB_MIN_SWEEP_DURATION_SECONDS (default 60).",
+    )
+    include_defaults: bool = Field(
+        True,
+        description="Trial 0 runs the fixed hyperparameters (tunejob's defaults "
+        "where the spec leaves them out) for the searched fields, each taken to the "
+        "nearest value its range holds: the sweep's best is then never worse than that job.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -164,30 +198,53 @@ class TrialOut(BaseModel):
     params: dict[str, Any]
     default: bool = Field(False, description="The default trial: trial 0 of a sweep with include_defaults.")
     value: float | None = Field(description="The objective at the trial's best evaluation so far (its kept weights').")
-    values: list[float | None] = Field(description="Each objective's value (the first is value; the others at "
-                                                   "the kept evaluation; latency_ms once the trial is saved).")
+    values: list[float | None] = Field(
+        description="Each objective's value (the first is value; the others at "
+        "the kept evaluation; latency_ms once the trial is saved)."
+    )
     steps: int = Field(description="Optimizer steps run.")
     started_at: datetime | None
     finished_at: datetime | None
 
 
 class SweepOut(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"examples": [{
-        "id": "sweep_5d0c2a9e1b7f3a64", "status": "running", "base_model": "all-MiniLM-L6-v2",
-        "task": "classification", "objective": {"metric": "accuracy", "direction": "maximize"},
-        "objectives": [{"metric": "accuracy", "direction": "maximize"}], "serving_precision": "fp32", "algorithm": "tpe",
-        "early_stopping": "asha", "max_trials": 12, "max_parallel_trials": 2,
-        "trials": {"queued": 1, "running": 2, "succeeded": 6, "pruned": 3, "failed": 0, "cancelled": 0},
-        "best_trial": {"job_id": "job_8e2d4c1a9b7f3e05", "trial_number": 4,
-                       "params": {"learning_rate": 2.1e-4, "batch_size": 16, "warmup_ratio": 0.07, "epochs": 3},
-                       "value": 0.871},
-        "pareto_trials": [],
-        "created_at": "2026-11-21T09:12:10.118Z", "started_at": "2026-11-21T09:12:11.402Z", "finished_at": None,
-        "error": None}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "id": "sweep_5d0c2a9e1b7f3a64",
+                    "status": "running",
+                    "base_model": "all-MiniLM-L6-v2",
+                    "task": "classification",
+                    "objective": {"metric": "accuracy", "direction": "maximize"},
+                    "objectives": [{"metric": "accuracy", "direction": "maximize"}],
+                    "serving_precision": "fp32",
+                    "algorithm": "tpe",
+                    "early_stopping": "asha",
+                    "max_trials": 12,
+                    "max_parallel_trials": 2,
+                    "trials": {"queued": 1, "running": 2, "succeeded": 6, "pruned": 3, "failed": 0, "cancelled": 0},
+                    "best_trial": {
+                        "job_id": "job_8e2d4c1a9b7f3e05",
+                        "trial_number": 4,
+                        "params": {"learning_rate": 2.1e-4, "batch_size": 16, "warmup_ratio": 0.07, "epochs": 3},
+                        "value": 0.871,
+                    },
+                    "pareto_trials": [],
+                    "created_at": "2026-11-21T09:12:10.118Z",
+                    "started_at": "2026-11-21T09:12:11.402Z",
+                    "finished_at": None,
+                    "error": None,
+                }
+            ]
+        }
+    )
 
     id: str
-    status: str = Field(description="queued | running | paused (its next trials wait for room in the tenant's "
-                                    "quotas: see error) | succeeded | failed | cancelled")
+    status: str = Field(
+        description="queued | running | paused (its next trials wait for room in the tenant's "
+        "quotas: see error) | succeeded | failed | cancelled"
+    )
     base_model: str
     task: str
     objective: Objective
@@ -199,17 +256,24 @@ class SweepOut(BaseModel):
     serving_precision: str
     trials: dict[str, int] = Field(description="Trials by status.")
     best_trial: BestTrial | None = Field(description="The best succeeded trial on the (first) objective.")
-    default_trial: TrialOut | None = Field(None, description="Trial 0, run with the fixed hyperparameters "
-                                             "(include_defaults); None without one, or before it was queued.")
-    pareto_trials: list[ParetoTrial] = Field(description="Several objectives: the succeeded trials no other "
-                                                         "beats on every objective (Optuna's study.best_trials), "
-                                                         "by number; one objective: [].")
+    default_trial: TrialOut | None = Field(
+        None,
+        description="Trial 0, run with the fixed hyperparameters "
+        "(include_defaults); None without one, or before it was queued.",
+    )
+    pareto_trials: list[ParetoTrial] = Field(
+        description="Several objectives: the succeeded trials no other "
+        "beats on every objective (Optuna's study.best_trials), "
+        "by number; one objective: []."
+    )
     history: History | None = Field(None, description="warm_start_from: the earlier sweeps' trials in its study.")
     created_at: datetime
     started_at: datetime | None = Field(description="When its first trial started.")
     finished_at: datetime | None
-    error: dict[str, Any] | None = Field(description="Why it failed, why it is paused (trials_paused), or that it "
-                                                    "ended on its budget (budget_spent): {code, message}.")
+    error: dict[str, Any] | None = Field(
+        description="Why it failed, why it is paused (trials_paused), or that it "
+        "ended on its budget (budget_spent): {code, message}."
+    )
 
 
 class SweepList(BaseModel):
@@ -226,5 +290,6 @@ class SweepPlan(BaseModel):
     search_space: dict[str, str] = Field(description="Each hyperparameter's Optuna distribution, as understood.")
     first_trials: list[dict[str, Any]] = Field(description="The parameters of the trials queued first.")
     objective: Objective
-    trial_plan: dict[str, Any] = Field(description="The plan of one trial with the fixed hyperparameters "
-                                                   "(as POST /jobs?dry_run=true).")
+    trial_plan: dict[str, Any] = Field(
+        description="The plan of one trial with the fixed hyperparameters (as POST /jobs?dry_run=true)."
+    )

@@ -5,22 +5,39 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-EventType = Literal["job.succeeded", "job.failed", "job.cancelled",
-                    "prediction.succeeded", "prediction.failed", "prediction.cancelled",
-                    "sweep.succeeded", "sweep.failed", "sweep.cancelled", "trial.pruned", "model.alias_updated"]
+EventType = Literal[
+    "job.succeeded",
+    "job.failed",
+    "job.cancelled",
+    "prediction.succeeded",
+    "prediction.failed",
+    "prediction.cancelled",
+    "sweep.succeeded",
+    "sweep.failed",
+    "sweep.cancelled",
+    "trial.pruned",
+    "model.alias_updated",
+]
 
 
 class WebhookCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
-        "url": "https://hooks.example.com/tunejob", "events": ["job.succeeded", "job.failed"]}]})
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [{"url": "https://hooks.example.com/tunejob", "events": ["job.succeeded", "job.failed"]}]
+        },
+    )
 
     # A string checked by shared.jobs.webhooks.resolve (422 invalid_url or private_url, naming the host),
     # not pydantic's URL type, which would re-write it (a trailing slash) and refuse other schemes as a
     # schema error the JSON Schema does not document.
-    url: str = Field(pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^\x00-\x20\x7f]+$", max_length=2048,
-                     description="http(s) URL that receives each event as a signed POST; loopback, link-local and "
-                                 "private addresses are refused unless the operator sets "
-                                 "TUNEJOB_WEBHOOKS_ALLOW_PRIVATE_URLS=true")
+    url: str = Field(
+        pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^\x00-\x20\x7f]+$",
+        max_length=2048,
+        description="http(s) URL that receives each event as a signed POST; loopback, link-local and "
+        "private addresses are refused unless the operator sets "
+        "TUNEJOB_WEBHOOKS_ALLOW_PRIVATE_URLS=true",
+    )
     events: list[EventType] = Field(min_length=1, description="event types to receive")
     description: str | None = Field(None, max_length=255, pattern=r"^[^\x00-\x1f\x7f]*$")
 
@@ -34,8 +51,10 @@ class WebhookOut(BaseModel):
 
 
 class WebhookCreated(WebhookOut):
-    secret: str = Field(description="`whsec_…`: verifies each delivery's `webhook-signature` (Standard Webhooks). "
-                                     "Shown only in this response")
+    secret: str = Field(
+        description="`whsec_…`: verifies each delivery's `webhook-signature` (Standard Webhooks). "
+        "Shown only in this response"
+    )
 
 
 class WebhookList(BaseModel):

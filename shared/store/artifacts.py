@@ -89,9 +89,11 @@ def listing(model: dict[str, Path | Remote]) -> dict[str, int]:
     if not model:
         return {}
     sizes = {name: size_of(source) for name, source in model.items()}
-    return ({"model.tar": tar_size(sizes)}
-            | ({METRICS: sizes[METRICS]} if METRICS in sizes else {})
-            | {f"model/{name}": size for name, size in sizes.items()})
+    return (
+        {"model.tar": tar_size(sizes)}
+        | ({METRICS: sizes[METRICS]} if METRICS in sizes else {})
+        | {f"model/{name}": size for name, size in sizes.items()}
+    )
 
 
 class TarStream:
@@ -230,7 +232,7 @@ def disk_bytes(*paths: Path) -> int:
     """Bytes allocated on disk to the files under ``paths``, each hard-linked file counted once."""
     seen, total = set(), 0
     for root in paths:
-        for p in (root.rglob("*") if root.is_dir() else []):
+        for p in root.rglob("*") if root.is_dir() else []:
             st = p.lstat()
             if p.is_file() and (st.st_dev, st.st_ino) not in seen:
                 seen.add((st.st_dev, st.st_ino))

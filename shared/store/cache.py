@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 class Channel:
     """What a cache holds reads of: the PostgreSQL notification channel that the triggers on
     ``tables`` notify (migration 0011), and at most how many values it keeps."""
+
     name: str
     tables: frozenset[str]
     max_entries: int
@@ -139,15 +140,22 @@ class PostgresCache(VersionedCache):
         """Something may have changed: what is cached is dropped at the next ``get``."""
         with self.lock:
             self.counter += 1
-            self.listening = self.counter if listening and self.listening is not None and not self.closed.is_set() \
-                else None
+            self.listening = (
+                self.counter if listening and self.listening is not None and not self.closed.is_set() else None
+            )
 
     def _listen(self) -> None:
         wait = LISTEN_RETRY_SECONDS[0]
         while not self.closed.is_set():
             try:
-                with psycopg.connect(self.conninfo, autocommit=True, keepalives=1, keepalives_idle=LISTEN_KEEPALIVE // 2,
-                                     keepalives_interval=1, keepalives_count=LISTEN_KEEPALIVE // 2) as conn:
+                with psycopg.connect(
+                    self.conninfo,
+                    autocommit=True,
+                    keepalives=1,
+                    keepalives_idle=LISTEN_KEEPALIVE // 2,
+                    keepalives_interval=1,
+                    keepalives_count=LISTEN_KEEPALIVE // 2,
+                ) as conn:
                     conn.execute(f"LISTEN {self.channel.name}")
                     self.listener_pid = conn.info.backend_pid
                     with self.lock:  # any change from here on is notified
@@ -159,8 +167,13 @@ class PostgresCache(VersionedCache):
             except psycopg.Error as e:
                 if self.closed.is_set():
                     return
-                log.warning("cache of %s: not listening for changes on PostgreSQL (%s); every request reads the "
-                            "store until it listens again, in %.1f s", self.channel.name, e, wait)
+                log.warning(
+                    "cache of %s: not listening for changes on PostgreSQL (%s); every request reads the "
+                    "store until it listens again, in %.1f s",
+                    self.channel.name,
+                    e,
+                    wait,
+                )
             self.changed(listening=False)
             self.closed.wait(wait)
             wait = min(2 * wait, LISTEN_RETRY_SECONDS[1])

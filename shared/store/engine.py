@@ -57,8 +57,9 @@ def engine_for(url: str, sqlite_busy_timeout: float = 5.0, pool_size: int = 20, 
         return create_engine(url, pool_pre_ping=ping, pool_size=pool_size, max_overflow=0)
     Path(make_url(url).database or ".").parent.mkdir(parents=True, exist_ok=True)
     # Enough pooled connections for the API's thread pool (40 threads) to read at once.
-    engine = create_engine(url, pool_size=20, max_overflow=30,
-                           connect_args={"timeout": sqlite_busy_timeout, "check_same_thread": False})
+    engine = create_engine(
+        url, pool_size=20, max_overflow=30, connect_args={"timeout": sqlite_busy_timeout, "check_same_thread": False}
+    )
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record):
@@ -79,8 +80,9 @@ def engine_for(url: str, sqlite_busy_timeout: float = 5.0, pool_size: int = 20, 
 
 def get_engine() -> Engine:
     settings = get_settings()
-    return engine_for(settings.sqlalchemy_url, settings.sqlite_busy_timeout_seconds, settings.database_pool_size,
-                      PING_CONNECTIONS)
+    return engine_for(
+        settings.sqlalchemy_url, settings.sqlite_busy_timeout_seconds, settings.database_pool_size, PING_CONNECTIONS
+    )
 
 
 @lru_cache
@@ -145,8 +147,16 @@ def upgrade_database() -> None:
     command.upgrade(config, "head")
 
 
-def keyset_page(s: Session, query: Select, model, after: str | int | None, limit: int | None, newest_first: bool = True,
-                param: str = "after", within: Select | None = None) -> tuple[list, bool]:
+def keyset_page(
+    s: Session,
+    query: Select,
+    model,
+    after: str | int | None,
+    limit: int | None,
+    newest_first: bool = True,
+    param: str = "after",
+    within: Select | None = None,
+) -> tuple[list, bool]:
     """One page of ``query`` (rows of ``model``, which has ``id`` and ``created_at``) in
     ``(created_at, id)`` order, starting after the row whose id is ``after`` (keyset pagination).
     ``after`` must be a row of ``within`` (default: any row of ``model``; e.g. the caller's tenant's).

@@ -34,8 +34,10 @@ TTL = timedelta(hours=24)
 STALE_CLAIM = timedelta(minutes=10)  # longer than any request takes (a 2 GiB upload is validated in under that)
 HEADER = "Idempotency-Key"
 T = TypeVar("T")
-HEADER_DESCRIPTION = ("Send the same value again (within 24 h, with the same body) to get the first response "
-                      "back instead of creating a second resource; a different body with the same key is a 422.")
+HEADER_DESCRIPTION = (
+    "Send the same value again (within 24 h, with the same body) to get the first response "
+    "back instead of creating a second resource; a different body with the same key is a 422."
+)
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,11 @@ def fingerprint(*parts: str) -> str:
 
 
 def _same_key(claim: Claim):
-    return (IdempotencyRecord.tenant == claim.tenant, IdempotencyRecord.route == claim.route,
-            IdempotencyRecord.key == claim.key)
+    return (
+        IdempotencyRecord.tenant == claim.tenant,
+        IdempotencyRecord.route == claim.route,
+        IdempotencyRecord.key == claim.key,
+    )
 
 
 def begin(tenant: str, route: str, key: str, request_fingerprint: str) -> Claim | Replay:
@@ -76,35 +81,53 @@ def begin(tenant: str, route: str, key: str, request_fingerprint: str) -> Claim 
     try:
         with session_scope() as s:
             s.execute(delete(IdempotencyRecord).where(*_same_key(claim), IdempotencyRecord.created_at < now - TTL))
-            s.add(IdempotencyRecord(tenant=tenant, route=route, key=key, fingerprint=request_fingerprint,
-                                    created_at=now))
+            s.add(
+                IdempotencyRecord(tenant=tenant, route=route, key=key, fingerprint=request_fingerprint, created_at=now)
+            )
         return claim
     except IntegrityError:  # someone used the key first
         pass
     with read_session() as s:
         record = s.scalars(select(IdempotencyRecord).where(*_same_key(claim))).first()
     if record is not None and record.fingerprint != request_fingerprint:
-        raise UserError("idempotency_key_reused", f"{HEADER} {key!r} was already used with a different request "
-                        f"body to {route}; use a new key for a new request", HEADER)
+        raise UserError(
+            "idempotency_key_reused",
+            f"{HEADER} {key!r} was already used with a different request "
+            f"body to {route}; use a new key for a new request",
+            HEADER,
+        )
     if record is not None and record.status_code is not None:
         return Replay(record.status_code, record.response or {})
     if record is not None and record.created_at < now - STALE_CLAIM and _take_over(claim, record, now):
         return claim
-    raise UserError("idempotency_key_in_use", f"a request with {HEADER} {key!r} is still in progress; retry "
-                    "shortly to get its response", HEADER, status=409, headers={"Retry-After": "1"})
+    raise UserError(
+        "idempotency_key_in_use",
+        f"a request with {HEADER} {key!r} is still in progress; retry shortly to get its response",
+        HEADER,
+        status=409,
+        headers={"Retry-After": "1"},
+    )
 
 
 def _take_over(claim: Claim, record: IdempotencyRecord, now) -> bool:
     with session_scope() as s:
-        return s.execute(update(IdempotencyRecord).where(
-            IdempotencyRecord.id == record.id, IdempotencyRecord.status_code.is_(None),
-            IdempotencyRecord.created_at == record.created_at).values(created_at=now)).rowcount == 1  # type: ignore[attr-defined]  # DML returns a CursorResult
+        return (
+            s.execute(
+                update(IdempotencyRecord)
+                .where(
+                    IdempotencyRecord.id == record.id,
+                    IdempotencyRecord.status_code.is_(None),
+                    IdempotencyRecord.created_at == record.created_at,
+                )
+                .values(created_at=now)
+            ).rowcount  # type: ignore[attr-defined]  # DML returns a CursorResult
+            == 1
+        )
 
 
 def complete(session: Session, claim: Claim, status_code: int, body: dict[str, Any]) -> None:
     """Record the response, in the transaction (``session``) that writes what the request created."""
-    session.execute(update(IdempotencyRecord).where(*_same_key(claim))
-                    .values(status_code=status_code, response=body))
+    session.execute(update(IdempotencyRecord).where(*_same_key(claim)).values(status_code=status_code, response=body))
 
 
 def abandon(claim: Claim) -> None:
@@ -113,8 +136,9 @@ def abandon(claim: Claim) -> None:
         s.execute(delete(IdempotencyRecord).where(*_same_key(claim), IdempotencyRecord.status_code.is_(None)))
 
 
-def once(tenant: str, route: str, key: str | None, request_fingerprint: str, create: Callable[[Claim | None], T]
-         ) -> T | Replay:
+def once(
+    tenant: str, route: str, key: str | None, request_fingerprint: str, create: Callable[[Claim | None], T]
+) -> T | Replay:
     """Run ``create(claim)`` once per ``key``: without a key, just run it (``claim`` None); with one,
     ``begin``, then return the recorded response (``Replay``) or run ``create`` with the claim,
     which it must ``complete`` in the transaction that writes its result; if ``create`` raises,

@@ -43,7 +43,8 @@ LOCAL_KEY_NAME = "local key (tunejob serve)"  # migration 0005 makes existing on
 
 # Built once: this runs on every request.
 ACTIVE_KEYS_WITH_PREFIX = select(ApiKey.id, ApiKey.tenant, ApiKey.admin, ApiKey.key_hash).where(
-    ApiKey.prefix == bindparam("prefix"), ApiKey.revoked_at.is_(None))
+    ApiKey.prefix == bindparam("prefix"), ApiKey.revoked_at.is_(None)
+)
 
 
 class NoKeyError(RuntimeError):
@@ -62,8 +63,11 @@ def create_key(tenant: str, admin: bool = False, name: str | None = None) -> tup
         UserError: ``invalid_tenant`` for a name that is not 1-64 of ``A-Za-z0-9_.-``.
     """
     if not TENANT_PATTERN.fullmatch(tenant):
-        raise UserError("invalid_tenant", f"tenant {tenant!r}: use 1-64 letters, digits, '_', '.' or '-', "
-                        "starting with a letter or digit", "tenant")
+        raise UserError(
+            "invalid_tenant",
+            f"tenant {tenant!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit",
+            "tenant",
+        )
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     with session_scope() as s:
         row = ApiKey(tenant=tenant, admin=admin, prefix=key[:PREFIX_CHARS], key_hash=hash_key(key), name=name)
@@ -161,7 +165,8 @@ def ensure_key_for(host: str) -> Path | None:
         raise NoKeyError(
             f"refusing to listen on {host} without an API key: anyone who reaches the port could use it. "
             "Create one first with `tunejob keys create --tenant NAME [--admin]` (same TUNEJOB_DATA_DIR / "
-            "TUNEJOB_DATABASE_URL), or listen on 127.0.0.1.")
+            "TUNEJOB_DATABASE_URL), or listen on 127.0.0.1."
+        )
     key, _ = create_key(DEFAULT_TENANT, admin=True, name=LOCAL_KEY_NAME)
     path = local_key_path()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,10 @@ def verify_manifest(directory: Path) -> list[str]:
         FileNotFoundError: ``directory`` has no ``manifest.json``.
     """
     manifest = json.loads((directory / MANIFEST).read_text())
-    return [f["name"] for f in manifest["files"]
-            if not (directory / f["name"]).is_file() or (directory / f["name"]).stat().st_size != f["bytes"]
-            or sha256_of(directory / f["name"]) != f["sha256"]]
+    return [
+        f["name"]
+        for f in manifest["files"]
+        if not (directory / f["name"]).is_file()
+        or (directory / f["name"]).stat().st_size != f["bytes"]
+        or sha256_of(directory / f["name"]) != f["sha256"]
+    ]

@@ -53,15 +53,25 @@ def snapshot(now: datetime | None = None) -> StoreSnapshot:
     lease = timedelta(seconds=get_settings().lease_seconds)
     with read_session() as s:
         counts = dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())
-        entered = (select(func.max(JobEvent.time).label("entered"))
-                   .join(Job, Job.id == JobEvent.job_id)
-                   .where(Job.status == JobStatus.QUEUED, JobEvent.code.in_(QUEUED_EVENT_CODES))
-                   .group_by(JobEvent.job_id).subquery())
+        entered = (
+            select(func.max(JobEvent.time).label("entered"))
+            .join(Job, Job.id == JobEvent.job_id)
+            .where(Job.status == JobStatus.QUEUED, JobEvent.code.in_(QUEUED_EVENT_CODES))
+            .group_by(JobEvent.job_id)
+            .subquery()
+        )
         oldest = s.scalar(select(func.min(entered.c.entered)))
         running = [
-            RunningJob(job.id, job.base_model, job.device, job.lease_owner, job.step, job.total_steps,
-                       job.train_metrics or {},
-                       (now - (job.lease_expires_at - lease)).total_seconds() if job.lease_expires_at else None)
+            RunningJob(
+                job.id,
+                job.base_model,
+                job.device,
+                job.lease_owner,
+                job.step,
+                job.total_steps,
+                job.train_metrics or {},
+                (now - (job.lease_expires_at - lease)).total_seconds() if job.lease_expires_at else None,
+            )
             for job in s.scalars(select(Job).where(Job.status == JobStatus.RUNNING).order_by(Job.id))
         ]
     return StoreSnapshot(

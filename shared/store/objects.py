@@ -183,8 +183,9 @@ class Bucket:
         from obstore.store import S3Store
 
         endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
-        self.store = S3Store.from_url(url, client_options={"allow_http": endpoint.startswith("http://")},
-                                      retry_config=RETRY)
+        self.store = S3Store.from_url(
+            url, client_options={"allow_http": endpoint.startswith("http://")}, retry_config=RETRY
+        )
         self.data_path, self.cache_bytes, self.presigned_seconds = data_path, cache_bytes, presigned_seconds
 
     # ---------------------------------------------------------------- writing
@@ -223,7 +224,7 @@ class Bucket:
             return LocalDir().remove(ref)
         keys = [ref, *(o["path"] for batch in obstore.list(self.store, prefix=ref) for o in batch)]
         for i in range(0, len(keys), DELETE_BATCH):
-            obstore.delete(self.store, keys[i:i + DELETE_BATCH])  # a missing key is no error
+            obstore.delete(self.store, keys[i : i + DELETE_BATCH])  # a missing key is no error
         _remove_local(self.data_path / ref)
         _remove_local(self._entry(ref))
 
@@ -282,8 +283,11 @@ class Bucket:
             return {"": Remote(self, ref, meta["size"], meta["last_modified"].timestamp())}
         except FileNotFoundError:
             pass
-        found = {o["path"][len(ref) + 1:]: Remote(self, o["path"], o["size"], o["last_modified"].timestamp())
-                 for batch in obstore.list(self.store, prefix=ref) for o in batch}
+        found = {
+            o["path"][len(ref) + 1 :]: Remote(self, o["path"], o["size"], o["last_modified"].timestamp())
+            for batch in obstore.list(self.store, prefix=ref)
+            for o in batch
+        }
         if MANIFEST in found:
             manifest = json.loads(b"".join(found[MANIFEST].chunks()))
             hashes = {e["name"]: e["sha256"] for e in manifest["files"]}
@@ -300,8 +304,11 @@ class Bucket:
         """Every object under ``folder``: (key, size in bytes, last modified)."""
         import obstore
 
-        return [(o["path"], o["size"], o["last_modified"]) for batch in obstore.list(self.store, prefix=folder)
-                for o in batch]
+        return [
+            (o["path"], o["size"], o["last_modified"])
+            for batch in obstore.list(self.store, prefix=folder)
+            for o in batch
+        ]
 
     def jobs_bytes(self, folder: str, job_ids: list[str]) -> int:
         """Bytes of the objects under ``<folder>/<id>/`` for these job ids (one listing of the folder)."""

@@ -14,7 +14,6 @@ naming the limit, the value and the setting:
 The request rate per API key is limited in ``api.auth``.
 """
 
-
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -38,11 +37,15 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
         if "\x00" in key + value:  # PostgreSQL's jsonb cannot keep one: refused on every store alike
             raise _metadata_error(f"the entry {key!r} holds a NUL character (0x00)")
         if len(key) > settings.max_metadata_key_chars:
-            raise _metadata_error(f"key {key[:80]!r} has {len(key)} characters; at most "
-                                  f"{settings.max_metadata_key_chars} (TUNEJOB_MAX_METADATA_KEY_CHARS)")
+            raise _metadata_error(
+                f"key {key[:80]!r} has {len(key)} characters; at most "
+                f"{settings.max_metadata_key_chars} (TUNEJOB_MAX_METADATA_KEY_CHARS)"
+            )
         if len(value) > settings.max_metadata_value_chars:
-            raise _metadata_error(f"value of {key!r} has {len(value)} characters; at most "
-                                  f"{settings.max_metadata_value_chars} (TUNEJOB_MAX_METADATA_VALUE_CHARS)")
+            raise _metadata_error(
+                f"value of {key!r} has {len(value)} characters; at most "
+                f"{settings.max_metadata_value_chars} (TUNEJOB_MAX_METADATA_VALUE_CHARS)"
+            )
 
 
 def _metadata_error(detail: str) -> UserError:
@@ -53,12 +56,23 @@ def check_active_jobs(session: Session, tenant: str) -> None:
     """Raises: UserError 429 ``too_many_active_jobs`` when ``tenant`` has its maximum of queued +
     running jobs. Call in the transaction that inserts the job, after ``shared.store.tenancy.lock_tenant``."""
     limit = get_settings().max_active_jobs_per_tenant
-    active = session.scalar(select(func.count()).select_from(Job).where(
-        Job.tenant == tenant, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))) or 0
+    active = (
+        session.scalar(
+            select(func.count())
+            .select_from(Job)
+            .where(Job.tenant == tenant, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
+        )
+        or 0
+    )
     if active >= limit:
-        raise UserError("too_many_active_jobs", f"tenant {tenant!r} has {active} queued or running jobs, its maximum "
-                        f"(TUNEJOB_MAX_ACTIVE_JOBS_PER_TENANT={limit}); submit again when one has finished, or "
-                        "cancel one", status=429, headers={"Retry-After": str(ACTIVE_JOBS_RETRY_AFTER_S)})
+        raise UserError(
+            "too_many_active_jobs",
+            f"tenant {tenant!r} has {active} queued or running jobs, its maximum "
+            f"(TUNEJOB_MAX_ACTIVE_JOBS_PER_TENANT={limit}); submit again when one has finished, or "
+            "cancel one",
+            status=429,
+            headers={"Retry-After": str(ACTIVE_JOBS_RETRY_AFTER_S)},
+        )
 
 
 def job_files_bytes(session: Session, tenant: str) -> int:
@@ -78,11 +92,21 @@ def check_storage(session: Session, tenant: str, adding: int = 0, job_files: int
     ``shared.store.tenancy.lock_tenant`` cannot both pass on the same free space.
     """
     limit = get_settings().max_storage_bytes_per_tenant
-    uploads = session.scalar(select(func.coalesce(func.sum(Dataset.bytes), 0)).where(
-        Dataset.tenant == tenant, Dataset.deleted_at.is_(None))) or 0  # a deleted dataset's file is gone
+    uploads = (
+        session.scalar(
+            select(func.coalesce(func.sum(Dataset.bytes), 0)).where(
+                Dataset.tenant == tenant, Dataset.deleted_at.is_(None)
+            )
+        )
+        or 0
+    )  # a deleted dataset's file is gone
     used = int(uploads) + (job_files if job_files is not None else job_files_bytes(session, tenant))
     if used + adding > limit:
         what = f"; this upload adds {adding:,}" if adding else ""
-        raise UserError("storage_quota_exceeded", f"tenant {tenant!r} stores {used:,} bytes of its {limit:,}-byte quota "
-                        f"(TUNEJOB_MAX_STORAGE_BYTES_PER_TENANT){what}; delete datasets or jobs to free space",
-                        "file" if adding else None, status=413)
+        raise UserError(
+            "storage_quota_exceeded",
+            f"tenant {tenant!r} stores {used:,} bytes of its {limit:,}-byte quota "
+            f"(TUNEJOB_MAX_STORAGE_BYTES_PER_TENANT){what}; delete datasets or jobs to free space",
+            "file" if adding else None,
+            status=413,
+        )

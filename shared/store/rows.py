@@ -86,11 +86,13 @@ class Job(Base):
     (``shared.schemas.predictions.PredictionResult``) in ``train_metrics``."""
 
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_created", "created_at"),  # an admin's lists (all tenants), newest first
-                      Index("ix_jobs_status_created", "status", "created_at"),
-                      Index("ix_jobs_tenant_created", "tenant", "created_at"),
-                      Index("ix_jobs_tenant_status", "tenant", "status"),
-                      UniqueConstraint("sweep_id", "trial_number", name="uq_jobs_sweep_trial"))
+    __table_args__ = (
+        Index("ix_jobs_created", "created_at"),  # an admin's lists (all tenants), newest first
+        Index("ix_jobs_status_created", "status", "created_at"),
+        Index("ix_jobs_tenant_created", "tenant", "created_at"),
+        Index("ix_jobs_tenant_status", "tenant", "status"),
+        UniqueConstraint("sweep_id", "trial_number", name="uq_jobs_sweep_trial"),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("job"))
     tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, server_default=DEFAULT_TENANT)
@@ -140,12 +142,13 @@ class Sweep(Base):
     state. Its trials are ``Job`` rows with its ``sweep_id``; Optuna's study is rebuilt from them."""
 
     __tablename__ = "sweeps"
-    __table_args__ = (Index("ix_sweeps_tenant_created", "tenant", "created_at"),
-                      Index("ix_sweeps_status", "status"))
+    __table_args__ = (Index("ix_sweeps_tenant_created", "tenant", "created_at"), Index("ix_sweeps_status", "status"))
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("sweep"))
     tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, server_default=DEFAULT_TENANT)
-    status: Mapped[str] = mapped_column(String(16), default="queued")  # queued | running | succeeded | failed | cancelled
+    status: Mapped[str] = mapped_column(
+        String(16), default="queued"
+    )  # queued | running | succeeded | failed | cancelled
     spec: Mapped[dict[str, Any]]
     label_names: Mapped[list[Any] | None]  # classification: index -> label name, as its trials get them
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -63,10 +63,14 @@ def fernet() -> MultiFernet:
     """
     settings = get_settings()
     if not settings.secret_key and not settings.sqlalchemy_url.startswith("sqlite"):
-        raise UserError("secret_key_missing", "webhook secrets are stored encrypted, and on a PostgreSQL job store "
-                        "the key must be set: TUNEJOB_SECRET_KEY (python -c 'from cryptography.fernet import Fernet; "
-                        "print(Fernet.generate_key().decode())'), the same for every API process",
-                        "TUNEJOB_SECRET_KEY", status=503)
+        raise UserError(
+            "secret_key_missing",
+            "webhook secrets are stored encrypted, and on a PostgreSQL job store "
+            "the key must be set: TUNEJOB_SECRET_KEY (python -c 'from cryptography.fernet import Fernet; "
+            "print(Fernet.generate_key().decode())'), the same for every API process",
+            "TUNEJOB_SECRET_KEY",
+            status=503,
+        )
     return _fernet(settings.secret_key, str(settings.data_path))
 
 
@@ -84,8 +88,10 @@ def unseal(token: str) -> str:
     try:
         return fernet().decrypt(token.encode()).decode()
     except InvalidToken:
-        raise ValueError("a stored secret cannot be decrypted with TUNEJOB_SECRET_KEY (or the data directory's "
-                         "secret_key): was the key changed without keeping the old one after it?") from None
+        raise ValueError(
+            "a stored secret cannot be decrypted with TUNEJOB_SECRET_KEY (or the data directory's "
+            "secret_key): was the key changed without keeping the old one after it?"
+        ) from None
 
 
 class Sealed(TypeDecorator):

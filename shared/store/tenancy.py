@@ -78,8 +78,9 @@ def visible(row: Row | None, model: type[Row], id_: str, caller: Caller, param: 
     return row
 
 
-def owned(session: Session, model: type[Row], id_: str, caller: Caller, param: str | None = None,
-          for_update: bool = False) -> Row:
+def owned(
+    session: Session, model: type[Row], id_: str, caller: Caller, param: str | None = None, for_update: bool = False
+) -> Row:
     """The ``model`` row ``id_`` if ``caller`` may see it: ``visible(find(...))``.
 
     Raises:
@@ -128,4 +129,6 @@ def try_lock_tenant(session: Session, tenant: str) -> bool:
     first, then the sweep's, and waiting the other way round could deadlock."""
     if session.get_bind().dialect.name != "postgresql":
         return True
-    return bool(session.execute(text("SELECT pg_try_advisory_xact_lock(hashtext(:tenant))"), {"tenant": tenant}).scalar())
+    return bool(
+        session.execute(text("SELECT pg_try_advisory_xact_lock(hashtext(:tenant))"), {"tenant": tenant}).scalar()
+    )

@@ -57,8 +57,16 @@ def _insert(key_id: str, kind: str, lifetime: timedelta) -> str:
     with session_scope() as s:
         now = utcnow()
         s.execute(delete(UiSession).where(UiSession.expires_at < now))  # expired rows go as new ones come
-        s.add(UiSession(token_hash=_hash(token), key_id=key_id, kind=kind, csrf_token=secrets.token_urlsafe(32),
-                        created_at=now, expires_at=now + lifetime))
+        s.add(
+            UiSession(
+                token_hash=_hash(token),
+                key_id=key_id,
+                kind=kind,
+                csrf_token=secrets.token_urlsafe(32),
+                created_at=now,
+                expires_at=now + lifetime,
+            )
+        )
     return token
 
 
@@ -80,8 +88,11 @@ def redeem(link_token: str) -> str | None:
     with session_scope() as s:
         # One DELETE ... RETURNING: of two redeems at once, only the one whose DELETE took the row gets it
         # (a read then a delete let both through on PostgreSQL).
-        row = s.execute(delete(UiSession).where(UiSession.token_hash == _hash(link_token), UiSession.kind == LINK)
-                        .returning(UiSession.key_id, UiSession.expires_at)).first()
+        row = s.execute(
+            delete(UiSession)
+            .where(UiSession.token_hash == _hash(link_token), UiSession.kind == LINK)
+            .returning(UiSession.key_id, UiSession.expires_at)
+        ).first()
         if row is None:
             return None
         key = s.get(ApiKey, row.key_id)
@@ -97,10 +108,16 @@ def resolve(token: str) -> tuple[Caller, str] | None:
     if not token or len(token) > 128:
         return None
     with read_session() as s:
-        row = s.execute(select(UiSession.csrf_token, ApiKey.id, ApiKey.tenant, ApiKey.admin)
-                        .join(ApiKey, ApiKey.id == UiSession.key_id)
-                        .where(UiSession.token_hash == _hash(token), UiSession.kind == SESSION,
-                               UiSession.expires_at > utcnow(), ApiKey.revoked_at.is_(None))).first()
+        row = s.execute(
+            select(UiSession.csrf_token, ApiKey.id, ApiKey.tenant, ApiKey.admin)
+            .join(ApiKey, ApiKey.id == UiSession.key_id)
+            .where(
+                UiSession.token_hash == _hash(token),
+                UiSession.kind == SESSION,
+                UiSession.expires_at > utcnow(),
+                ApiKey.revoked_at.is_(None),
+            )
+        ).first()
     return None if row is None else (Caller(row.tenant, row.admin, row.id), row.csrf_token)
 
 

@@ -34,9 +34,11 @@ class WebhookDelivery(Base):
     ``(webhook_id, event_id)`` is unique: one event is stored, so sent, once per endpoint."""
 
     __tablename__ = "webhook_deliveries"
-    __table_args__ = (UniqueConstraint("webhook_id", "event_id", name="uq_webhook_deliveries_event"),
-                      Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
-                      Index("ix_webhook_deliveries_webhook", "webhook_id", "id"))
+    __table_args__ = (
+        UniqueConstraint("webhook_id", "event_id", name="uq_webhook_deliveries_event"),
+        Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+        Index("ix_webhook_deliveries_webhook", "webhook_id", "id"),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
     webhook_id: Mapped[str] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"))

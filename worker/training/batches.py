@@ -21,19 +21,30 @@ from worker.training.state import TrainState
 from worker.training.steps import StepInputs, loss_terms
 
 
-def make_loader(job_setup: JobSetup, dataset: TokenizedDataset, plan: BatchPlan, epoch: int,
-                collator: Callable[[list[dict]], dict] | None = None) -> DataLoader:
+def make_loader(
+    job_setup: JobSetup,
+    dataset: TokenizedDataset,
+    plan: BatchPlan,
+    epoch: int,
+    collator: Callable[[list[dict]], dict] | None = None,
+) -> DataLoader:
     """A DataLoader over ``plan``, collating with ``collator`` (default: the job's); it draws
     worker seeds from its own generator so that the global RNG (dropout) advances the same whether
     or not a run was resumed."""
     hp, device = job_setup.hp, job_setup.device
-    return DataLoader(dataset, batch_sampler=plan, collate_fn=collator or job_setup.collator,
-                      num_workers=hp.dataloader_num_workers,
-                      pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(hp.seed + epoch))
+    return DataLoader(
+        dataset,
+        batch_sampler=plan,
+        collate_fn=collator or job_setup.collator,
+        num_workers=hp.dataloader_num_workers,
+        pin_memory=device.type == "cuda",
+        generator=torch.Generator().manual_seed(hp.seed + epoch),
+    )
 
 
-def step_groups(job_setup: JobSetup, state: TrainState,
-                collator: Callable[[list[dict]], dict] | None = None) -> Iterator[list[dict]]:
+def step_groups(
+    job_setup: JobSetup, state: TrainState, collator: Callable[[list[dict]], dict] | None = None
+) -> Iterator[list[dict]]:
     """The rest of the current epoch (``state.epoch`` from ``state.batch_in_epoch``) as groups of
     ``gradient_accumulation_steps`` padded micro-batches, collated by ``collator`` (default: the
     job's; the steps' own, ``Steps.collator``, for packed ones)."""
@@ -66,8 +77,9 @@ def micro_batch_size(hp: Hyperparameters, micro_split: int) -> int:
     return math.ceil(hp.batch_size / micro_split)
 
 
-def halved_split(hp: Hyperparameters, state: TrainState, largest: int, reporter: Reporter,
-                 error: torch.OutOfMemoryError) -> int:
+def halved_split(
+    hp: Hyperparameters, state: TrainState, largest: int, reporter: Reporter, error: torch.OutOfMemoryError
+) -> int:
     """The micro-batch split after an out-of-memory ``error`` at the next step: twice
     ``state.micro_split`` (each micro-batch halved, the accumulation doubled, the step's examples
     unchanged), with an ``out_of_memory`` event. ``largest``: the step's largest micro-batch (rows).
@@ -77,12 +89,20 @@ def halved_split(hp: Hyperparameters, state: TrainState, largest: int, reporter:
     """
     step = state.step + 1
     if math.ceil(largest / state.micro_split) <= 1:
-        raise UserError("out_of_memory", f"out of memory at step {step} with a micro-batch of one example; lower "
-                        "max_length or turn on gradient_checkpointing", "hyperparameters.max_length") from error
+        raise UserError(
+            "out_of_memory",
+            f"out of memory at step {step} with a micro-batch of one example; lower "
+            "max_length or turn on gradient_checkpointing",
+            "hyperparameters.max_length",
+        ) from error
     split = state.micro_split * 2
-    reporter.event("out_of_memory", f"out of memory at step {step}: micro-batch cut to "
-                   f"{micro_batch_size(hp, split)}, gradient_accumulation_steps raised to "
-                   f"{hp.gradient_accumulation_steps * split}; the effective batch is unchanged", level="warning")
+    reporter.event(
+        "out_of_memory",
+        f"out of memory at step {step}: micro-batch cut to "
+        f"{micro_batch_size(hp, split)}, gradient_accumulation_steps raised to "
+        f"{hp.gradient_accumulation_steps * split}; the effective batch is unchanged",
+        level="warning",
+    )
     return split
 
 
@@ -93,12 +113,15 @@ def first_steps(job_setup: JobSetup, state: TrainState, n: int) -> list[StepInpu
     batches = job_setup.plan.epoch_batches(state.epoch)
     start = state.batch_in_epoch if state.batch_in_epoch < len(batches) else 0
     accumulation = job_setup.hp.gradient_accumulation_steps
-    return [step_inputs(job_setup, state.micro_split, batches[s:s + accumulation])
-            for s in range(start, min(len(batches), start + n * accumulation), accumulation)]
+    return [
+        step_inputs(job_setup, state.micro_split, batches[s : s + accumulation])
+        for s in range(start, min(len(batches), start + n * accumulation), accumulation)
+    ]
 
 
-def width_sample(job_setup: JobSetup, micro_split: int, width: int,
-                 shape_of: Callable[[np.ndarray], int] | None = None) -> StepInputs:
+def width_sample(
+    job_setup: JobSetup, micro_split: int, width: int, shape_of: Callable[[np.ndarray], int] | None = None
+) -> StepInputs:
     """One micro-batch the job will train on at bucket ``width`` (the first in plan order over its
     epochs), collated and split as ``train_step`` will have it, with its loss terms. ``shape_of``:
     the shape of a planned batch (its example indices) if not its bucket width (a packed job's

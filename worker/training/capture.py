@@ -112,11 +112,33 @@ class CapturedSteps(Steps):
 
     copy_first_grads = False  # one captured body serves every micro-batch of a step: it adds
 
-    def __init__(self, model: torch.nn.Module, forward_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, *, dtype: torch.dtype | None, device: torch.device, task: str,
-                 rows: int, input_names: list[str], pad_id: int, packing: bool = False, max_length: int = 0):
-        super().__init__(model, forward_model, optimizer, scaler, dtype=dtype, device=device, task=task,
-                         static_grads=True, packing=packing)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        forward_model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler,
+        *,
+        dtype: torch.dtype | None,
+        device: torch.device,
+        task: str,
+        rows: int,
+        input_names: list[str],
+        pad_id: int,
+        packing: bool = False,
+        max_length: int = 0,
+    ):
+        super().__init__(
+            model,
+            forward_model,
+            optimizer,
+            scaler,
+            dtype=dtype,
+            device=device,
+            task=task,
+            static_grads=True,
+            packing=packing,
+        )
         self.rows, self.input_names, self.pad_id, self.max_length = rows, input_names, pad_id, max_length
         self.label_dtype = torch.float32 if task in ("regression", "multi_label", "reranking") else torch.long
         self.label_shape = (model.config.num_labels,) if task == "multi_label" else ()
@@ -152,8 +174,7 @@ class CapturedSteps(Steps):
         """The captured shape a padded micro-batch (on the host) replays: its width, or with
         ``packing`` its token bucket."""
         if self.packing:
-            return token_bucket(int(batch["attention_mask"].sum()), len(batch["input_ids"]), self.rows,
-                                self.max_length)
+            return token_bucket(int(batch["attention_mask"].sum()), len(batch["input_ids"]), self.rows, self.max_length)
         return batch["input_ids"].shape[1]
 
     def micro_step(self, batch: dict[str, torch.Tensor]) -> int:
@@ -173,8 +194,15 @@ class CapturedSteps(Steps):
         """``batch`` laid out as the graph of shape ``key`` reads it (static input buffers' names and shapes)."""
         if self.packing:
             token_labels = self.task == "token_classification"
-            filled = pack_fixed(packed_of(batch, self.position_offset, token_labels), self.rows, key,
-                                self.max_length, self.position_offset, self.pad_id, token_labels)
+            filled = pack_fixed(
+                packed_of(batch, self.position_offset, token_labels),
+                self.rows,
+                key,
+                self.max_length,
+                self.position_offset,
+                self.pad_id,
+                token_labels,
+            )
             filled.pop("max_length_q")
             return filled
         return with_filler_rows(batch, self.rows, self.pad_id)
@@ -200,8 +228,13 @@ class CapturedSteps(Steps):
         """Address of every tensor the graphs share with each other or with the host: weights and
         gradients (master and bf16 copy), AdamW state and learning rates, the step's sums and values,
         the static inputs. All must be allocated outside the captures (``SharedPoolError``)."""
-        named = {"n_examples": self.n_examples, "step_loss": self.step_loss, "found_inf": self.found_inf,
-                 "clip": self.clip, "values": self.values}
+        named = {
+            "n_examples": self.n_examples,
+            "step_loss": self.step_loss,
+            "found_inf": self.found_inf,
+            "clip": self.clip,
+            "values": self.values,
+        }
         for i, p in enumerate({id(p): p for p in [*self.master, *self.compute]}.values()):
             named[f"param.{i}"], named[f"grad.{i}"] = p, p.grad
         for i, p in enumerate(self.master):
@@ -232,6 +265,7 @@ class CapturedSteps(Steps):
                 if self.mask_4d and "attention_mask" in inputs:
                     inputs["attention_mask"] = attention_4d(inputs["attention_mask"])
             self.forward_backward(inputs, buffers["labels"], buffers["weights"])
+
         return body
 
     def _skipped_update(self) -> None:
@@ -250,8 +284,9 @@ class CapturedSteps(Steps):
             replay = self._warm_up_and_capture(body, warm_up)
         moved = sorted(name for name, address in self.shared_tensors().items() if before.get(name) != address)
         if moved:
-            raise SharedPoolError(f"capture rebound or created shared tensors {moved[:5]}: they would live in "
-                                  "the graphs' shared pool")
+            raise SharedPoolError(
+                f"capture rebound or created shared tensors {moved[:5]}: they would live in the graphs' shared pool"
+            )
         return replay
 
     def _warm_up_and_capture(self, body: Callable[[], None], warm_up: Callable[[], None]) -> Callable[[], None]:
@@ -262,6 +297,7 @@ class CapturedSteps(Steps):
             def replay() -> None:
                 with capture_attention():
                     body()
+
             return replay
         stream = side_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream())
@@ -281,5 +317,3 @@ class CapturedSteps(Steps):
         self.graphs.clear()
         self.replays.clear()
         self.replay_update = None
-
-

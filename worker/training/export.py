@@ -49,8 +49,13 @@ def save_final_weights(model: torch.nn.Module, directory: Path) -> dict[str, dic
     return entries
 
 
-def save_model(job_setup: JobSetup, state: TrainState, weights: Path, timings: Callable[[], dict],
-               hashed: dict[str, dict] | None = None) -> Path:
+def save_model(
+    job_setup: JobSetup,
+    state: TrainState,
+    weights: Path,
+    timings: Callable[[], dict],
+    hashed: dict[str, dict] | None = None,
+) -> Path:
     """Write the job's model to ``artifacts/<job>/model`` in Hugging Face format: the files of
     ``weights`` (safetensors and config with id2label, hard-linked: written once), tokenizer files
     (``model_max_length`` = the job's ``max_length``), ``training_args.json``,
@@ -71,9 +76,15 @@ def save_model(job_setup: JobSetup, state: TrainState, weights: Path, timings: C
     """
     job, st = job_setup.job, state
     best = st.best or {"step": st.step, "value": None, "metrics": st.last_eval or {}}
-    metrics = {"best_step": best["step"], "final_step": st.step,
-               "metric_for_best_model": job_setup.hp.metric_for_best_model, "best_value": best["value"],
-               "validation": best["metrics"], "final_validation": st.last_eval, "train": st.throughput()}
+    metrics = {
+        "best_step": best["step"],
+        "final_step": st.step,
+        "metric_for_best_model": job_setup.hp.metric_for_best_model,
+        "best_value": best["value"],
+        "validation": best["metrics"],
+        "final_validation": st.last_eval,
+        "train": st.throughput(),
+    }
 
     threshold = None
     if job.task == "multi_label":

@@ -72,8 +72,10 @@ def eager_reason(job_setup: JobSetup, packing: bool = False) -> str | None:
         return "embedding (its loss compares the rows of a micro-batch: filler rows would be negatives)"
     tokens, most = mean_padded_tokens(job_setup), get_settings().cuda_graphs_max_tokens
     if tokens >= most and not packing:
-        return (f"micro-batches of {tokens:,.0f} padded tokens on average keep the GPU busy, where eager steps "
-                f"are as fast and need no capture (TUNEJOB_CUDA_GRAPHS_MAX_TOKENS={most})")
+        return (
+            f"micro-batches of {tokens:,.0f} padded tokens on average keep the GPU busy, where eager steps "
+            f"are as fast and need no capture (TUNEJOB_CUDA_GRAPHS_MAX_TOKENS={most})"
+        )
     return None
 
 
@@ -95,8 +97,9 @@ def input_names(job_setup: JobSetup) -> list[str]:
     return [name for name in job_setup.collator([job_setup.train_set[0]]) if name != "labels"]
 
 
-def graph_key(job_setup: JobSetup, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: int,
-              packing: bool = False) -> tuple:
+def graph_key(
+    job_setup: JobSetup, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: int, packing: bool = False
+) -> tuple:
     """What captured graphs bake in: a later job with an equal key can replay them (packed graphs
     also bake in ``max_length``, the longest sequence their attention kernel takes)."""
     config = model.config.to_dict()
@@ -104,16 +107,34 @@ def graph_key(job_setup: JobSetup, model: torch.nn.Module, optimizer: torch.opti
         config.pop(name, None)
     trainable = tuple(p.requires_grad for p in model.parameters())
     decay = tuple(g["weight_decay"] for g in optimizer.param_groups)
-    return (type(model).__name__, json.dumps(config, sort_keys=True, default=str), model.config.num_labels,
-            trainable, job_setup.job.task, rows, str(job_setup.dtype), decay, tuple(input_names(job_setup)),
-            str(job_setup.device), job_setup.hp.max_length if packing else None)
+    return (
+        type(model).__name__,
+        json.dumps(config, sort_keys=True, default=str),
+        model.config.num_labels,
+        trainable,
+        job_setup.job.task,
+        rows,
+        str(job_setup.dtype),
+        decay,
+        tuple(input_names(job_setup)),
+        str(job_setup.device),
+        job_setup.hp.max_length if packing else None,
+    )
 
 
-def capture_steps(job_setup: JobSetup, model: torch.nn.Module, forward_model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                  scaler: torch.amp.GradScaler, rows: int, widths: list[int],
-                  first_steps: Callable[[], list[StepInputs]],
-                  width_sample: Callable[[int], StepInputs], packing: bool = False) -> tuple[CapturedParts, str]:
+def capture_steps(
+    job_setup: JobSetup,
+    model: torch.nn.Module,
+    forward_model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
+    rows: int,
+    widths: list[int],
+    first_steps: Callable[[], list[StepInputs]],
+    width_sample: Callable[[int], StepInputs],
+    packing: bool = False,
+) -> tuple[CapturedParts, str]:
     """The job's steps as CUDA graphs for micro-batches of ``rows`` rows and these ``widths`` (with
     ``packing``: token buckets, ``CapturedSteps.key_of``):
     from the cache when an earlier job captured them (the job's weights and optimizer state copied
@@ -153,15 +174,25 @@ def capture_steps(job_setup: JobSetup, model: torch.nn.Module, forward_model: to
     _cache[key] = steps
     old = sorted(set(widths) - set(new))
     shapes = "token buckets" if packing else "widths"
-    return parts, (f"CUDA graphs for {'packed ' if packing else ''}micro-batches of {rows} rows: captured {shapes} "
-                   f"{new or 'none'}"
-                   + (f", reused {old} from an earlier job" if old else "") + f" (cache of {len(_cache)})"
-                   + (f"; checked against eager steps: {'; '.join(checks)}" if checks else ""))
+    return parts, (
+        f"CUDA graphs for {'packed ' if packing else ''}micro-batches of {rows} rows: captured {shapes} "
+        f"{new or 'none'}"
+        + (f", reused {old} from an earlier job" if old else "")
+        + f" (cache of {len(_cache)})"
+        + (f"; checked against eager steps: {'; '.join(checks)}" if checks else "")
+    )
 
 
-def uncaptured_parts(job_setup: JobSetup, model: torch.nn.Module, forward_model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                     scaler: torch.amp.GradScaler, rows: int, packing: bool = False) -> CapturedParts:
+def uncaptured_parts(
+    job_setup: JobSetup,
+    model: torch.nn.Module,
+    forward_model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
+    rows: int,
+    packing: bool = False,
+) -> CapturedParts:
     """New ``CapturedSteps`` over ``model`` for micro-batches of ``rows`` rows, nothing captured
     yet (``CapturedSteps.capture``), with a capturable copy of ``optimizer`` (its state and
     schedule carried over: ``move_optimizer_state``) and, under bf16, a bf16 copy of the model to
@@ -170,15 +201,31 @@ def uncaptured_parts(job_setup: JobSetup, model: torch.nn.Module, forward_model:
     captured_scheduler = move_optimizer_state(job_setup, optimizer, scheduler, captured)
     if uses_bf16_copy(job_setup.dtype):
         forward_model = bf16_copy(model)
-    steps = CapturedSteps(model, forward_model, captured, scaler, dtype=job_setup.dtype, device=job_setup.device,
-                          task=job_setup.job.task, rows=rows, input_names=input_names(job_setup),
-                          pad_id=job_setup.tokenizer.pad_token_id or 0, packing=packing,
-                          max_length=job_setup.hp.max_length)
+    steps = CapturedSteps(
+        model,
+        forward_model,
+        captured,
+        scaler,
+        dtype=job_setup.dtype,
+        device=job_setup.device,
+        task=job_setup.job.task,
+        rows=rows,
+        input_names=input_names(job_setup),
+        pad_id=job_setup.tokenizer.pad_token_id or 0,
+        packing=packing,
+        max_length=job_setup.hp.max_length,
+    )
     return CapturedParts(model, forward_model, captured, captured_scheduler, steps)
 
 
-def adopt(steps: CapturedSteps, job_setup: JobSetup, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-          scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler) -> CapturedParts:
+def adopt(
+    steps: CapturedSteps,
+    job_setup: JobSetup,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
+) -> CapturedParts:
     """Point ``steps`` (captured by an earlier job) at this job: copy the job's initial weights
     (``model``) and optimizer state into the captured model and AdamW, in place, and give the
     captured model the job's configuration (its label names). Returns the captured parts, with a
@@ -194,9 +241,12 @@ def adopt(steps: CapturedSteps, job_setup: JobSetup, model: torch.nn.Module, opt
     return CapturedParts(steps.model, steps.forward_model, steps.optimizer, captured_scheduler, steps)
 
 
-def move_optimizer_state(job_setup: JobSetup, source: torch.optim.Optimizer,
-                         source_scheduler: torch.optim.lr_scheduler.LRScheduler,
-                         optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+def move_optimizer_state(
+    job_setup: JobSetup,
+    source: torch.optim.Optimizer,
+    source_scheduler: torch.optim.lr_scheduler.LRScheduler,
+    optimizer: torch.optim.Optimizer,
+) -> torch.optim.lr_scheduler.LRScheduler:
     """Copy ``source``'s moments, step counts and learning rate into ``optimizer`` (same parameter
     order; a capturable AdamW, its learning rate a device tensor) in place. Returns a scheduler over
     ``optimizer`` at ``source_scheduler``'s point of the schedule."""
@@ -211,8 +261,11 @@ def move_optimizer_state(job_setup: JobSetup, source: torch.optim.Optimizer,
             for src, dst in zip(src_group["params"], dst_group["params"], strict=True):
                 state, dst_state = source.state.get(src, {}), optimizer.state[dst]
                 if not dst_state:
-                    dst_state.update(step=torch.zeros((), dtype=torch.float32, device=dst.device),
-                                     exp_avg=torch.zeros_like(dst), exp_avg_sq=torch.zeros_like(dst))
+                    dst_state.update(
+                        step=torch.zeros((), dtype=torch.float32, device=dst.device),
+                        exp_avg=torch.zeros_like(dst),
+                        exp_avg_sq=torch.zeros_like(dst),
+                    )
                 for name, tensor in dst_state.items():
                     if name in state:
                         tensor.copy_(state[name])

@@ -47,15 +47,22 @@ def evaluate(model: torch.nn.Module, job_setup: JobSetup, reporter: Reporter | N
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             logits = model(**batch).logits.float()
         loss_total += loss_sum_of(logits, labels, task)
-        predictions.append(logits.squeeze(-1) if task == "regression" else torch.sigmoid(logits)
-                           if task == "multi_label" else logits.argmax(-1))
+        predictions.append(
+            logits.squeeze(-1)
+            if task == "regression"
+            else torch.sigmoid(logits)
+            if task == "multi_label"
+            else logits.argmax(-1)
+        )
         targets.append(labels)
         if reporter is not None:
             reporter.heartbeat()
     if task == "token_classification":
         names = job.label_names
-        return {"loss": loss_total.item() / max(1, sum(loss_terms(t, task) for t in targets)),
-                **tagging_metrics(*word_sequences(predictions, targets, names), names)}
+        return {
+            "loss": loss_total.item() / max(1, sum(loss_terms(t, task) for t in targets)),
+            **tagging_metrics(*word_sequences(predictions, targets, names), names),
+        }
     y_pred, y_true = torch.cat(predictions).cpu().numpy(), torch.cat(targets).cpu().numpy()
     metrics = {"loss": loss_total.item() / len(y_true)}
     if task == "regression":
@@ -70,8 +77,9 @@ def evaluate(model: torch.nn.Module, job_setup: JobSetup, reporter: Reporter | N
     return metrics
 
 
-def multi_label_metrics(y_true: np.ndarray, scores: np.ndarray, label_names: list[str],
-                        threshold: float | None) -> dict:
+def multi_label_metrics(
+    y_true: np.ndarray, scores: np.ndarray, label_names: list[str], threshold: float | None
+) -> dict:
     """Multi-label metrics (scikit-learn) of sigmoid ``scores`` ``[n, labels]`` against multi-hot
     ``y_true`` ``[n, labels]``, a label predicted where its score >= ``threshold``: ``f1_micro``,
     ``f1_macro``, ``subset_accuracy`` (every label of a row right), ``f1_per_label`` ({name: F1}),
@@ -82,11 +90,13 @@ def multi_label_metrics(y_true: np.ndarray, scores: np.ndarray, label_names: lis
         threshold = max(THRESHOLDS, key=lambda t: f1_score(y_true, scores >= t, average="micro", zero_division=0))
     y_pred = (scores >= threshold).astype(np.int8)
     per_label = f1_score(y_true, y_pred, average=None, zero_division=0)
-    return {"f1_micro": float(f1_score(y_true, y_pred, average="micro", zero_division=0)),
-            "f1_macro": float(per_label.mean()),
-            "subset_accuracy": float(accuracy_score(y_true, y_pred)),
-            "threshold": float(threshold),
-            "f1_per_label": dict(zip(label_names, per_label.tolist()))}
+    return {
+        "f1_micro": float(f1_score(y_true, y_pred, average="micro", zero_division=0)),
+        "f1_macro": float(per_label.mean()),
+        "subset_accuracy": float(accuracy_score(y_true, y_pred)),
+        "threshold": float(threshold),
+        "f1_per_label": dict(zip(label_names, per_label.tolist())),
+    }
 
 
 def loss_sum_of(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:

@@ -39,10 +39,18 @@ HEADS = {"bert": "pooler", "roberta": "features", "xlm-roberta": "features", "ca
 POSITION_OFFSET_FAMILIES = {"roberta", "xlm-roberta", "camembert"}
 
 
-def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None,
-                     **kwargs) -> tuple[torch.Tensor, None]:
+def packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Attention within each packed example, for transformers' ``AttentionInterface``.
 
     Args:
@@ -66,8 +74,9 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError("packed attention needs cu_seq_lens_q and no attention mask")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, head_dim]
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q,
-                                                      max_length_q, dropout, False, False, scale=scaling)[0]
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, dropout, False, False, scale=scaling
+        )[0]
     else:
         nested = [torch.nested.nested_tensor_from_jagged(t, cu_seq_lens_q.long()).transpose(1, 2) for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*nested, dropout_p=dropout, scale=scaling).transpose(1, 2).values()
@@ -143,8 +152,12 @@ def pack(batch: dict[str, torch.Tensor], position_offset: int = 0, token_labels:
     np.cumsum(lengths, out=cu[1:])
     starts = cu[:-1].astype(np.int64)
     positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(starts, lengths) + position_offset
-    out = {"input_ids": batch["input_ids"].numpy()[mask][None], "position_ids": positions[None],
-           "cu_seq_lens_q": cu, "cls_index": starts}
+    out = {
+        "input_ids": batch["input_ids"].numpy()[mask][None],
+        "position_ids": positions[None],
+        "cu_seq_lens_q": cu,
+        "cls_index": starts,
+    }
     if "token_type_ids" in batch:
         out["token_type_ids"] = batch["token_type_ids"].numpy()[mask][None]
     if token_labels:
@@ -203,8 +216,9 @@ def token_bucket(real: int, examples: int, rows: int, max_length: int) -> int:
     return tokens
 
 
-def pack_fixed(packed: dict, rows: int, tokens: int, max_length: int, position_offset: int, pad_id: int,
-               token_labels: bool = False) -> dict:
+def pack_fixed(
+    packed: dict, rows: int, tokens: int, max_length: int, position_offset: int, pad_id: int, token_labels: bool = False
+) -> dict:
     """A packed micro-batch (``pack``'s layout) in the fixed layout a captured graph reads: exactly
     ``tokens`` tokens, ``rows`` sequences read by the classifier and ``ceil(tokens / max_length)``
     filler sequences after them.
@@ -235,10 +249,13 @@ def pack_fixed(packed: dict, rows: int, tokens: int, max_length: int, position_o
     starts = cu[:-1].astype(np.int64)
     positions = np.arange(tokens, dtype=np.int64) - np.repeat(starts, lengths) + position_offset
     filler = tokens - real
-    out = {"input_ids": torch.cat([packed["input_ids"], torch.full((1, filler), pad_id)], 1),
-           "position_ids": torch.from_numpy(positions[None]), "cu_seq_lens_q": torch.from_numpy(cu),
-           "cls_index": torch.from_numpy(starts[:rows]),
-           "weights": torch.cat([torch.ones(n), torch.zeros(rows - n)])}
+    out = {
+        "input_ids": torch.cat([packed["input_ids"], torch.full((1, filler), pad_id)], 1),
+        "position_ids": torch.from_numpy(positions[None]),
+        "cu_seq_lens_q": torch.from_numpy(cu),
+        "cls_index": torch.from_numpy(starts[:rows]),
+        "weights": torch.cat([torch.ones(n), torch.zeros(rows - n)]),
+    }
     if "token_type_ids" in packed:
         out["token_type_ids"] = torch.cat([packed["token_type_ids"], torch.zeros(1, filler, dtype=torch.long)], 1)
     labels = packed["labels"]
@@ -285,8 +302,9 @@ def packed_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], task:
     encoder = model.base_model
     kwargs = {k: inputs[k] for k in ("input_ids", "position_ids", "token_type_ids") if k in inputs}
     with packed_mode(model):
-        hidden = encoder(**kwargs, cu_seq_lens_q=inputs["cu_seq_lens_q"], max_length_q=inputs["max_length_q"],
-                         return_dict=True).last_hidden_state  # [1, tokens, hidden]
+        hidden = encoder(
+            **kwargs, cu_seq_lens_q=inputs["cu_seq_lens_q"], max_length_q=inputs["max_length_q"], return_dict=True
+        ).last_hidden_state  # [1, tokens, hidden]
     if task == "token_classification":
         return model.classifier(model.dropout(hidden))
     first = hidden[0, inputs["cls_index"]][:, None]  # [n, 1, hidden]: a one-token sequence per example

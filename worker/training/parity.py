@@ -40,8 +40,10 @@ class Tolerance:
 # bf16 ulps (2**-8) with the bf16 copy; reasoned, not yet measured on a GPU (``tunejob doctor``
 # prints the figures). A wrong graph (stale input, a learning rate baked in, a missed update) is
 # off by far more: a loss of another batch, a zero or doubled update.
-TOLERANCES = {torch.float32: Tolerance(loss=1e-4, grad_norm=1e-3, update=1e-2),
-              torch.bfloat16: Tolerance(loss=2e-2, grad_norm=5e-2, update=0.1)}
+TOLERANCES = {
+    torch.float32: Tolerance(loss=1e-4, grad_norm=1e-3, update=1e-2),
+    torch.bfloat16: Tolerance(loss=2e-2, grad_norm=5e-2, update=0.1),
+}
 
 
 @dataclass(frozen=True)
@@ -71,24 +73,29 @@ class Parity:
             for step, (graph, eager) in enumerate(getattr(self, name), start=1):
                 diff = abs(graph - eager) / max(abs(eager), 1e-12)
                 if not diff <= limit:  # NaN fails too
-                    out.append(f"step {step}: {name} {graph:.6g} replayed vs {eager:.6g} eager "
-                               f"(relative difference {diff:.2g} > {limit:g})")
+                    out.append(
+                        f"step {step}: {name} {graph:.6g} replayed vs {eager:.6g} eager "
+                        f"(relative difference {diff:.2g} > {limit:g})"
+                    )
         return out
 
     def describe(self) -> str:
         pairs = ", ".join(f"{g:.6g} vs {e:.6g}" for g, e in self.loss)
         norms = ", ".join(f"{g:.6g} vs {e:.6g}" for g, e in self.grad_norm)
         dropout = {None: "", True: "; replays draw new dropout masks", False: "; replays repeat dropout masks"}
-        return (f"{len(self.loss)} step(s): loss {pairs}, gradient norm {norms}, updated weights differ by "
-                f"{self.update:.2g} of the update{dropout[self.fresh_dropout]}")
+        return (
+            f"{len(self.loss)} step(s): loss {pairs}, gradient norm {norms}, updated weights differ by "
+            f"{self.update:.2g} of the update{dropout[self.fresh_dropout]}"
+        )
 
 
 class CaptureMismatch(RuntimeError):
     """The replayed steps do not match the eager steps (``Parity.failures``)."""
 
 
-def check_against_eager(steps: CapturedSteps, step_inputs: list[StepInputs], learning_rates: list[float],
-                        dropout_probe: bool = False) -> Parity:
+def check_against_eager(
+    steps: CapturedSteps, step_inputs: list[StepInputs], learning_rates: list[float], dropout_probe: bool = False
+) -> Parity:
     """Consecutive optimizer steps over ``step_inputs`` (micro-batches padded as training pads them)
     run eagerly (``CapturedSteps.eagerly``) and replayed, each side from the same weights, AdamW state
     and RNG state, step ``i`` at ``learning_rates[i]`` (filled into the learning-rate tensor in place,
@@ -118,13 +125,18 @@ def check_against_eager(steps: CapturedSteps, step_inputs: list[StepInputs], lea
     finally:
         _restore(steps, saved)
     relative = diff_norm / update_norm if update_norm > 0 else (0.0 if diff_norm == 0 else math.inf)
-    return Parity([(g[0], e[0]) for g, e in zip(graph_rows, eager_rows)],
-                  [(g[1], e[1]) for g, e in zip(graph_rows, eager_rows)], relative,
-                  TOLERANCES.get(steps.compute[0].dtype, TOLERANCES[torch.float32]), graph_fresh)
+    return Parity(
+        [(g[0], e[0]) for g, e in zip(graph_rows, eager_rows)],
+        [(g[1], e[1]) for g, e in zip(graph_rows, eager_rows)],
+        relative,
+        TOLERANCES.get(steps.compute[0].dtype, TOLERANCES[torch.float32]),
+        graph_fresh,
+    )
 
 
-def _run_steps(steps: CapturedSteps, step_inputs: list[StepInputs], learning_rates: list[float],
-               saved: dict) -> torch.Tensor:
+def _run_steps(
+    steps: CapturedSteps, step_inputs: list[StepInputs], learning_rates: list[float], saved: dict
+) -> torch.Tensor:
     """The steps from the saved RNG state; ``[steps, 3]`` values (loss, gradient norm, skipped)."""
     _restore_rng(saved)
     values = []
@@ -185,9 +197,14 @@ def _restore(steps: CapturedSteps, saved: dict) -> None:
     steps.discard_step()
 
 
-def check_new_capture(steps: CapturedSteps, new_widths: list[int], new_update: bool,
-                      first_steps: Callable[[], list[StepInputs]], width_sample: Callable[[int], StepInputs],
-                      learning_rate: float) -> list[str]:
+def check_new_capture(
+    steps: CapturedSteps,
+    new_widths: list[int],
+    new_update: bool,
+    first_steps: Callable[[], list[StepInputs]],
+    width_sample: Callable[[int], StepInputs],
+    learning_rate: float,
+) -> list[str]:
     """The checks ``capture_steps`` makes before graphs are used: with a new update graph, the first
     ``CHECK_STEPS`` steps at rates rising to ``learning_rate`` (a warm-up) with the dropout probe;
     each of ``new_widths`` over one micro-batch of that width. Returns what each check saw.
@@ -215,7 +232,6 @@ def check_new_capture(steps: CapturedSteps, new_widths: list[int], new_update: b
 
 def _raise_on_failures(parity: Parity, what: str) -> None:
     if parity.failures():
-        raise CaptureMismatch(f"the replayed step does not match the eager step ({what}): "
-                              + "; ".join(parity.failures()))
-
-
+        raise CaptureMismatch(
+            f"the replayed step does not match the eager step ({what}): " + "; ".join(parity.failures())
+        )

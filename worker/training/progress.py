@@ -88,9 +88,13 @@ def check_finite(state: TrainState, limit: int, step: int) -> None:
         UserError: ``nonfinite_loss``.
     """
     if state.nonfinite_run >= limit:
-        raise UserError("nonfinite_loss", f"{limit} consecutive optimizer steps (up to step {step}) had a "
-                        "non-finite loss or gradient; lower the learning_rate or use bf16/fp32 precision; "
-                        "the last good checkpoint is kept", "hyperparameters.learning_rate")
+        raise UserError(
+            "nonfinite_loss",
+            f"{limit} consecutive optimizer steps (up to step {step}) had a "
+            "non-finite loss or gradient; lower the learning_rate or use bf16/fp32 precision; "
+            "the last good checkpoint is kept",
+            "hyperparameters.learning_rate",
+        )
 
 
 def should_stop_early(hp: Hyperparameters, state: TrainState, reporter: Reporter) -> bool:
@@ -98,14 +102,22 @@ def should_stop_early(hp: Hyperparameters, state: TrainState, reporter: Reporter
     ``early_stopping_patience`` evaluations in a row without a new best; an event says so."""
     patience, st = hp.early_stopping_patience, state
     if patience and st.evals_since_best >= patience:
-        reporter.event("early_stopping", f"stopped at step {st.step}: {patience} evaluations without improving "
-                       f"{hp.metric_for_best_model} (best {st.best['value']:.4f} at step {st.best['step']})")
+        reporter.event(
+            "early_stopping",
+            f"stopped at step {st.step}: {patience} evaluations without improving "
+            f"{hp.metric_for_best_model} (best {st.best['value']:.4f} at step {st.best['step']})",
+        )
         return True
     return False
 
 
-def log_steps(job_setup: JobSetup, state: TrainState, reporter: Reporter,
-              landed: list[tuple[StepRecord, list[float]]], timer: StepTimer) -> None:
+def log_steps(
+    job_setup: JobSetup,
+    state: TrainState,
+    reporter: Reporter,
+    landed: list[tuple[StepRecord, list[float]]],
+    timer: StepTimer,
+) -> None:
     """Account for (in ``state``) and log the steps whose values reached the host (oldest first):
     each step's metrics, then the job's progress, ETA and running totals. Their time is the wall
     time since the previous read (evaluation and checkpoints left out), shared by their real tokens.
@@ -122,20 +134,33 @@ def log_steps(job_setup: JobSetup, state: TrainState, reporter: Reporter,
     peak = peak_memory_mb(device)
     for record, (loss, grad_norm, skipped) in landed:
         st.count_skip(skipped > 0)
-        reporter.log(record.step, record.epoch, {
-            "train_loss": loss,
-            "learning_rate": record.learning_rate,
-            "grad_norm": grad_norm,
-            "tokens_per_second": tokens_per_second,
-            "padding_efficiency": record.stats.real / record.stats.padded,
-            "padding_efficiency_unrounded": record.stats.real / record.stats.unrounded,
-            "peak_memory_mb": peak,
-            "skipped_steps": st.skipped_steps,
-        })
+        reporter.log(
+            record.step,
+            record.epoch,
+            {
+                "train_loss": loss,
+                "learning_rate": record.learning_rate,
+                "grad_norm": grad_norm,
+                "tokens_per_second": tokens_per_second,
+                "padding_efficiency": record.stats.real / record.stats.padded,
+                "padding_efficiency_unrounded": record.stats.real / record.stats.unrounded,
+                "peak_memory_mb": peak,
+                "skipped_steps": st.skipped_steps,
+            },
+        )
         check_finite(st, hp.max_nonfinite_steps, record.step)
-    totals = {"loss": loss, "learning_rate": record.learning_rate, "peak_memory_mb": peak,
-              "memory_mb": memory_in_use_mb(device),
-              "micro_batch_size": micro_batch_size(hp, st.micro_split),
-              "gradient_accumulation_steps": hp.gradient_accumulation_steps * st.micro_split, **st.throughput()}
-    reporter.progress(step=record.step, epoch=record.epoch, eta_seconds=timer.eta(record.step, job_setup.total_steps),
-                      train_metrics=totals)
+    totals = {
+        "loss": loss,
+        "learning_rate": record.learning_rate,
+        "peak_memory_mb": peak,
+        "memory_mb": memory_in_use_mb(device),
+        "micro_batch_size": micro_batch_size(hp, st.micro_split),
+        "gradient_accumulation_steps": hp.gradient_accumulation_steps * st.micro_split,
+        **st.throughput(),
+    }
+    reporter.progress(
+        step=record.step,
+        epoch=record.epoch,
+        eta_seconds=timer.eta(record.step, job_setup.total_steps),
+        train_metrics=totals,
+    )

@@ -54,8 +54,14 @@ from worker.training.steps import (
 log = logging.getLogger(__name__)
 
 
-def fine_tune(job: Job, data: JobData, device: torch.device, reporter: Reporter, checkpoint: Path | None = None,
-              timer: PhaseTimer | None = None) -> str:
+def fine_tune(
+    job: Job,
+    data: JobData,
+    device: torch.device,
+    reporter: Reporter,
+    checkpoint: Path | None = None,
+    timer: PhaseTimer | None = None,
+) -> str:
     """Run one job to its end (``Recipe``: setup, warm_up, train, finish), resuming from
     ``checkpoint`` if given. ``timer`` times the phases and reports them as the job's ``timings``
     (default: a new one reporting to ``reporter``; the worker passes its own, which has already timed
@@ -141,8 +147,11 @@ class Recipe:
         reason = eager_reason(js, packing)
         if reason is None:
             rows = batches.micro_batch_size(hp, self.state.micro_split)
-            shapes = (bucket_counts(js.plan, rows, hp.max_length, hp.epochs) if packing
-                      else js.plan.width_counts(js.collator.ladder, hp.epochs))
+            shapes = (
+                bucket_counts(js.plan, rows, hp.max_length, hp.epochs)
+                if packing
+                else js.plan.width_counts(js.collator.ladder, hp.epochs)
+            )
             try:
                 notify(reporter, "cuda_graphs", self.capture(rows, list(shapes), packing))
                 return
@@ -169,9 +178,18 @@ class Recipe:
         js = self.job_setup
         shape_of = partial(batch_bucket, js.plan.lengths, rows=rows, max_length=js.hp.max_length) if packing else None
         parts, message = capture_steps(
-            js, self.model, self.forward_model, self.optimizer, self.scheduler, self.scaler, rows, widths,
+            js,
+            self.model,
+            self.forward_model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            rows,
+            widths,
             lambda: batches.first_steps(js, self.state, CHECK_STEPS),
-            lambda width: batches.width_sample(js, self.state.micro_split, width, shape_of), packing)
+            lambda width: batches.width_sample(js, self.state.micro_split, width, shape_of),
+            packing,
+        )
         self.model, self.forward_model, self.steps = parts.model, parts.forward_model, parts.steps
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         return message
@@ -183,11 +201,21 @@ class Recipe:
         js, hp = self.job_setup, self.job_setup.hp
         reason = padded_reason(self.model, hp.torch_compile, hp.gradient_checkpointing) if hp.packing else None
         if hp.packing and reason is None:
-            notify(reporter, "packing", "packed micro-batches: no padding, attention per example (variable-length kernel)")
+            notify(
+                reporter, "packing", "packed micro-batches: no padding, attention per example (variable-length kernel)"
+            )
         elif hp.packing:
             notify(reporter, "packing", f"padded micro-batches: {reason}", "warning")
-        return Steps(self.model, self.forward_model, self.optimizer, self.scaler, dtype=js.dtype, device=js.device,
-                     task=js.job.task, packing=hp.packing and reason is None)
+        return Steps(
+            self.model,
+            self.forward_model,
+            self.optimizer,
+            self.scaler,
+            dtype=js.dtype,
+            device=js.device,
+            task=js.job.task,
+            packing=hp.packing and reason is None,
+        )
 
     # ------------------------------------------------------------------------- train
 
@@ -267,8 +295,9 @@ class Recipe:
                 if isinstance(self.steps, CapturedSteps):
                     clear_cache()
                     self.steps = self._setup_eager_steps(reporter)
-                    reporter.event("cuda_graphs_off", "out of memory: dropped the CUDA graphs, training eagerly",
-                                   level="warning")
+                    reporter.event(
+                        "cuda_graphs_off", "out of memory: dropped the CUDA graphs, training eagerly", level="warning"
+                    )
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
                 st.micro_split = batches.halved_split(hp, st, max(len(b["labels"]) for b in group), reporter, e)
@@ -303,8 +332,9 @@ class Recipe:
         one is the new best; saving its weights is the caller's (``save_best``, or ``finish``)."""
         st, name = self.state, self.job_setup.hp.metric_for_best_model
         scores = self.evaluate(reporter)
-        reporter.log(st.step, st.epoch, {f"eval_{k}": v for k, v in scores.items()
-                                         if isinstance(v, float) and math.isfinite(v)})  # not f1_per_label, per_entity
+        reporter.log(
+            st.step, st.epoch, {f"eval_{k}": v for k, v in scores.items() if isinstance(v, float) and math.isfinite(v)}
+        )  # not f1_per_label, per_entity
         reporter.progress(validation_metrics=scores)
         return st.record_evaluation(scores, name, GREATER_IS_BETTER[name])
 
@@ -343,8 +373,11 @@ class Recipe:
         js, st = self.job_setup, self.state
         evaluate_now = js.val_set is not None and st.last_eval_step != st.step
         with ThreadPoolExecutor(1, thread_name_prefix="final-weights") as pool:
-            final = (pool.submit(export.save_final_weights, self.model, js.out_dir / "final")
-                     if evaluate_now or st.best is None else None)
+            final = (
+                pool.submit(export.save_final_weights, self.model, js.out_dir / "final")
+                if evaluate_now or st.best is None
+                else None
+            )
             if evaluate_now:
                 self.run_evaluation(reporter)
             with self.timer.phase("save"):
@@ -361,5 +394,6 @@ class Recipe:
     def save_model(self, weights: Path, hashed: dict[str, dict] | None = None) -> Path:
         """The job's model directory from the weights in ``weights`` (``export.save_model``), with
         the phase timings so far."""
-        return export.save_model(self.job_setup, self.state, weights,
-                                 lambda: export.timings_so_far(self.timer, self.job.created_at), hashed)
+        return export.save_model(
+            self.job_setup, self.state, weights, lambda: export.timings_so_far(self.timer, self.job.created_at), hashed
+        )

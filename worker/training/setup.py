@@ -73,8 +73,15 @@ def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporte
         if job.task == "embedding":
             return embedding.tokenize_pairs(tokenizer, df, spec, hp.max_length, sha256)
         if job.task == "token_classification":  # validation scores words: first subwords only
-            return tokenize_words(tokenizer, df, spec["text_column"], spec["label_column"], job.label_names,
-                                  hp.max_length, training and spec.get("label_all_subwords", False))
+            return tokenize_words(
+                tokenizer,
+                df,
+                spec["text_column"],
+                spec["label_column"],
+                job.label_names,
+                hp.max_length,
+                training and spec.get("label_all_subwords", False),
+            )
         cols = JobColumns.of(spec)  # reranking: its query and passage columns as text and text pair
         encoded = tokenize(tokenizer, df, cols.text, cols.text_pair, cols.label, job.label_names, hp.max_length, sha256)
         encoded.queries = df[cols.text].tolist() if job.task == "reranking" else None  # reranking.evaluate groups
@@ -83,21 +90,49 @@ def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporte
     with timer.phase("tokenize"):
         tokenizer = load_tokenizer(model_dir, job.base_model, hp.max_length)
         train_set = encode(data.train, data.train_sha256)
-        val_set = (encode(data.validation, data.validation_sha256, training=False)
-                   if data.validation is not None else None)
+        val_set = (
+            encode(data.validation, data.validation_sha256, training=False) if data.validation is not None else None
+        )
     cached = [part.from_cache for part in (train_set, val_set) if part is not None]
-    reporter.event("tokenized", f"{len(train_set)} training and {len(val_set) if val_set else 0} validation texts at "
-                   f"max_length {hp.max_length}: " + ("read from the tokenization cache" if all(cached) else
-                                                      "tokenized" + (" and cached" if data.train_sha256 else "")))
-    plan = (embedding.make_plan(train_set, hp) if job.task == "embedding" else
-            BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch))
-    collator = make_collator(tokenizer, hp.batching, hp.max_length, padding_ladder(hp, device),
-                             labels_per_token=job.task == "token_classification")
+    reporter.event(
+        "tokenized",
+        f"{len(train_set)} training and {len(val_set) if val_set else 0} validation texts at "
+        f"max_length {hp.max_length}: "
+        + (
+            "read from the tokenization cache"
+            if all(cached)
+            else "tokenized" + (" and cached" if data.train_sha256 else "")
+        ),
+    )
+    plan = (
+        embedding.make_plan(train_set, hp)
+        if job.task == "embedding"
+        else BatchPlan(train_set.lengths, hp.batch_size, hp.batching, hp.seed, hp.max_tokens_per_batch)
+    )
+    collator = make_collator(
+        tokenizer,
+        hp.batching,
+        hp.max_length,
+        padding_ladder(hp, device),
+        labels_per_token=job.task == "token_classification",
+    )
     if job.task == "embedding":  # each text column padded on its own, the columns side by side
         collator = embedding.PairsCollator(tokenizer, collator.ladder)
-    return JobSetup(job, hp, model_dir, device, autocast_dtype(hp.precision, device), tokenizer, train_set, val_set,
-                    plan, collator, plan.count_steps(hp.epochs, hp.gradient_accumulation_steps),
-                    artifacts.checkpoints_dir(job.id), data)
+    return JobSetup(
+        job,
+        hp,
+        model_dir,
+        device,
+        autocast_dtype(hp.precision, device),
+        tokenizer,
+        train_set,
+        val_set,
+        plan,
+        collator,
+        plan.count_steps(hp.epochs, hp.gradient_accumulation_steps),
+        artifacts.checkpoints_dir(job.id),
+        data,
+    )
 
 
 def load_tokenizer(model_dir: Path, name: str, max_length: int):
@@ -132,14 +167,23 @@ def load_model(path: Path, job: Job, device: torch.device | None = None) -> torc
         labels = {"num_labels": 1, "problem_type": "regression"} if job.task == "regression" else {"num_labels": 1}
     else:
         names = job.label_names
-        labels = {"num_labels": len(names), "id2label": dict(enumerate(names)),
-                  "label2id": {n: i for i, n in enumerate(names)}}
+        labels = {
+            "num_labels": len(names),
+            "id2label": dict(enumerate(names)),
+            "label2id": {n: i for i, n in enumerate(names)},
+        }
         if problem := PROBLEM_TYPES.get(job.task):  # token_classification has none
             labels["problem_type"] = problem
-    model_class = (AutoModelForTokenClassification if job.task == "token_classification"
-                   else AutoModelForSequenceClassification)
-    kwargs = dict(use_safetensors=True, ignore_mismatched_sizes=True, trust_remote_code=False,
-                  device_map=device or "cpu", **labels)
+    model_class = (
+        AutoModelForTokenClassification if job.task == "token_classification" else AutoModelForSequenceClassification
+    )
+    kwargs = dict(
+        use_safetensors=True,
+        ignore_mismatched_sizes=True,
+        trust_remote_code=False,
+        device_map=device or "cpu",
+        **labels,
+    )
     try:
         try:
             return model_class.from_pretrained(path, attn_implementation="sdpa", **kwargs)

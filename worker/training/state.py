@@ -56,8 +56,9 @@ class TrainState:
         best so far (``best``; a non-finite value never is). Returns whether it is."""
         self.last_eval, self.last_eval_step = scores, self.step
         value = scores.get(metric, float("nan"))
-        improved = math.isfinite(value) and (self.best is None or (value > self.best["value"] if greater_is_better
-                                                                    else value < self.best["value"]))
+        improved = math.isfinite(value) and (
+            self.best is None or (value > self.best["value"] if greater_is_better else value < self.best["value"])
+        )
         if improved:
             self.best, self.evals_since_best = {"step": self.step, "value": value, "metrics": scores}, 0
         else:
@@ -76,8 +77,12 @@ class TrainState:
         }
 
 
-def training_state(state: TrainState, optimizer: torch.optim.Optimizer,
-                   scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler) -> dict:
+def training_state(
+    state: TrainState,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
+) -> dict:
     """Optimizer, schedule, scaler, RNG states and loop position: all ``torch.load(weights_only=True)`` safe."""
     np_state = np.random.get_state()
     return {
@@ -103,8 +108,12 @@ def portable_state_dict(optimizer: torch.optim.Optimizer) -> dict:
     return state
 
 
-def load_training_state(checkpoint: Path, optimizer: torch.optim.Optimizer,
-                        scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler) -> TrainState:
+def load_training_state(
+    checkpoint: Path,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
+) -> TrainState:
     """Restore what ``training_state`` saved into ``optimizer``, ``scheduler``, ``scaler`` (in
     place) and the RNGs; returns the loop position (the weights are loaded with the model)."""
     state = torch.load(checkpoint / artifacts.TRAINING_STATE, weights_only=True, map_location="cpu")
@@ -129,6 +138,7 @@ def write_checkpoint(path: Path, model: torch.nn.Module, tokenizer, state: dict,
     Raises:
         OSError: the files cannot be written.
     """
+
     def write(tmp: Path) -> None:
         if best_dir is not None:
             artifacts.link_or_copy_files(best_dir, tmp)

@@ -42,8 +42,7 @@ from worker.training.packing import PackingCollator, packed_logits, packed_of, p
 StepInputs = tuple[list[dict[str, torch.Tensor]], int]  # a step's padded micro-batches and its loss terms
 
 
-def make_optimizer(model: torch.nn.Module, hp, device: torch.device,
-                   capturable: bool = False) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, hp, device: torch.device, capturable: bool = False) -> torch.optim.AdamW:
     """AdamW over trainable parameters, no weight decay on biases and LayerNorm weights (BERT recipe),
     with the fused kernel (CUDA and CPU; several times faster than the default for-each kernel on
     the CPU, ``docs/benchmarks.md``; ``Steps`` needs it to skip non-finite steps). ``capturable``:
@@ -127,9 +126,19 @@ class Steps:
         ValueError: the optimizer is not fused (only fused AdamW honours ``found_inf``).
     """
 
-    def __init__(self, model: torch.nn.Module, forward_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scaler: torch.amp.GradScaler, *, dtype: torch.dtype | None, device: torch.device, task: str,
-                 static_grads: bool = False, packing: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        forward_model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler,
+        *,
+        dtype: torch.dtype | None,
+        device: torch.device,
+        task: str,
+        static_grads: bool = False,
+        packing: bool = False,
+    ):
         if not optimizer.defaults.get("fused"):
             raise ValueError("the training step needs a fused AdamW: it skips non-finite steps through found_inf")
         self.model, self.forward_model, self.optimizer, self.scaler = model, forward_model, optimizer, scaler
@@ -139,8 +148,11 @@ class Steps:
         self.autocast = dtype if self.compute_model is None else None  # bf16 copies need no autocast
         self.static_grads = static_grads or self.compute_model is not None
         self.master = [p for p in model.parameters() if p.requires_grad]
-        self.compute = ([p for p in self.compute_model.parameters() if p.requires_grad]
-                        if self.compute_model is not None else self.master)
+        self.compute = (
+            [p for p in self.compute_model.parameters() if p.requires_grad]
+            if self.compute_model is not None
+            else self.master
+        )
         self.n_examples = torch.ones((), device=device)  # real examples in the whole optimizer step
         self.step_loss = torch.zeros((), device=device)  # sum over its micro-batches
         self.found_inf = torch.zeros((), device=device)  # 1.0: skip this step's update
@@ -187,8 +199,7 @@ class Steps:
             batch = packed_of(batch, self.position_offset, token_labels=self.task == "token_classification")
             computed = batch["input_ids"].numel() - padded
             if self.device.type == "cuda":  # a copy from pageable memory would wait for the GPU
-                batch = {k: v.pin_memory() if torch.is_tensor(v) and not v.is_pinned() else v
-                         for k, v in batch.items()}
+                batch = {k: v.pin_memory() if torch.is_tensor(v) and not v.is_pinned() else v for k, v in batch.items()}
         batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         labels = batch.pop("labels")
         self.forward_backward(batch, labels, None)
@@ -198,8 +209,9 @@ class Steps:
         """The optimizer step after the micro-batches (``update``)."""
         self.update()
 
-    def forward_backward(self, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
-                         weights: torch.Tensor | None) -> None:
+    def forward_backward(
+        self, inputs: dict[str, torch.Tensor], labels: torch.Tensor, weights: torch.Tensor | None
+    ) -> None:
         """Forward and backward of one micro-batch: its loss (per-example losses times ``weights``,
         0 for filler rows, summed) divided by the real examples of the whole step, accumulated
         into the gradients and ``step_loss``."""
@@ -335,13 +347,14 @@ class StepValues:
     def _take(self) -> list[tuple[object, list[float]]]:
         if self.event is not None:
             self.event.synchronize()
-        rows = self.host[:len(self.in_flight)].tolist()
+        rows = self.host[: len(self.in_flight)].tolist()
         landed, self.in_flight = list(zip(self.in_flight, rows)), []
         return landed
 
 
-def eager_forward_model(model: torch.nn.Module, forward_model: torch.nn.Module, dtype: torch.dtype,
-                        compile_model: bool) -> torch.nn.Module:
+def eager_forward_model(
+    model: torch.nn.Module, forward_model: torch.nn.Module, dtype: torch.dtype, compile_model: bool
+) -> torch.nn.Module:
     """What eager steps compute with: under bf16 (``uses_bf16_copy``) a bf16 copy of ``model``
     (``torch.compile``d with ``compile_model``), unless ``forward_model`` is one already; else
     ``forward_model`` as it is."""

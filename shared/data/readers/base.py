@@ -49,7 +49,9 @@ def _raise_encoding_error(path: Path, filename: str, position: int) -> None:
     with open(path, "rb") as f:
         head = f.read(max(position + 1, 2))
     line = head[:position].count(b"\n") + 1
-    hint = " (it starts with a UTF-16 byte order mark: save it as UTF-8)" if head[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+    hint = (
+        " (it starts with a UTF-16 byte order mark: save it as UTF-8)" if head[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+    )
     raise UserError(
         "invalid_encoding",
         f"{filename!r} is not valid UTF-8: byte 0x{head[position]:02x} at offset {position} (line {line}){hint}",
@@ -78,5 +80,3 @@ def check_names(names: list[str], filename: str) -> None:
             problems.add(None, name, None, f"is a duplicate column name (columns {seen[name] + 1} and {i + 1})")
         seen.setdefault(name, i)
     problems.raise_if_any()
-
-

@@ -11,8 +11,9 @@ from shared.data.readers.base import Batch
 # -- CoNLL
 
 
-def conll_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
-                   problems: Problems) -> Iterator[Batch]:
+def conll_batches(
+    path: Path, fmt: str, filename: str, columns: list[str] | None, problems: Problems
+) -> Iterator[Batch]:
     """CoNLL-style text (CoNLL-2003, WNUT): one token per line with its tag in the last
     whitespace-separated field (fields between, such as POS and chunk tags, are ignored), a blank
     line between sentences, ``-DOCSTART-`` lines skipped; tags as written (IOB/BIO). Each sentence
@@ -48,8 +49,14 @@ def _conll_sentences(path: Path, problems: Problems, row) -> Iterator[tuple[list
                 return
             if fields and fields[0] != "-DOCSTART-":
                 if len(fields) < 2:
-                    problems.add(row(), CONLL_COLUMNS[1], line.strip(), f"(line {line_number}) has a token but no "
-                                 "tag: each line is a token and its tag, separated by whitespace", "missing_value")
+                    problems.add(
+                        row(),
+                        CONLL_COLUMNS[1],
+                        line.strip(),
+                        f"(line {line_number}) has a token but no "
+                        "tag: each line is a token and its tag, separated by whitespace",
+                        "missing_value",
+                    )
                 tokens.append(fields[0])
                 tags.append(fields[-1])
             elif tokens:  # a blank or -DOCSTART- line ends the sentence
@@ -57,5 +64,3 @@ def _conll_sentences(path: Path, problems: Problems, row) -> Iterator[tuple[list
                 tokens, tags = [], []
     if tokens:
         yield tokens, tags
-
-

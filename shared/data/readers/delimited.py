@@ -18,8 +18,14 @@ csv.field_size_limit(BATCH_BYTES)  # a longer field is a problem of its row, not
 def _csv_reader(f, fmt: str, quoted: bool):
     """Python's ``csv`` reader: RFC 4180 quoting, strict (a quote inside an unquoted field, or text
     after a closing quote, is an error, never silently dropped), or no quoting at all."""
-    return csv.reader(f, delimiter="\t" if fmt == "tsv" else ",", quotechar='"', doublequote=True,
-                      quoting=csv.QUOTE_MINIMAL if quoted else csv.QUOTE_NONE, strict=quoted)
+    return csv.reader(
+        f,
+        delimiter="\t" if fmt == "tsv" else ",",
+        quotechar='"',
+        doublequote=True,
+        quoting=csv.QUOTE_MINIMAL if quoted else csv.QUOTE_NONE,
+        strict=quoted,
+    )
 
 
 def _csv_rows(path: Path, fmt: str, quoted: bool) -> Iterator[tuple[int, list[str] | csv.Error]]:
@@ -71,8 +77,7 @@ def tsv_is_quoted(path: Path) -> bool:
     return _parses_cleanly(path, "tsv", True) or not _parses_cleanly(path, "tsv", False)
 
 
-def csv_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
-                 problems: Problems) -> Iterator[Batch]:
+def csv_batches(path: Path, fmt: str, filename: str, columns: list[str] | None, problems: Problems) -> Iterator[Batch]:
     quoted = fmt == "csv" or tsv_is_quoted(path)
     header = _csv_header(path, fmt, quoted, filename)
     picks = [(name, header.index(name)) for name in columns or []]
@@ -84,14 +89,21 @@ def csv_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
     for line, fields in rows:
         row = start + size + 1
         if isinstance(fields, csv.Error):
-            hint = {"expected after": " (a quote inside a field must be doubled, and the field quoted)",
-                    "end of data": " (a quoted field that never ends?)"}
-            problems.add(row, None, None, f"(line {line}) does not parse: {fields}"
-                         + "".join(h for key, h in hint.items() if key in str(fields)))
+            hint = {
+                "expected after": " (a quote inside a field must be doubled, and the field quoted)",
+                "end of data": " (a quoted field that never ends?)",
+            }
+            problems.add(
+                row,
+                None,
+                None,
+                f"(line {line}) does not parse: {fields}" + "".join(h for key, h in hint.items() if key in str(fields)),
+            )
         elif len(fields) != len(header):
             delimiter = "\t" if fmt == "tsv" else ","
-            problems.add(row, None, delimiter.join(fields), f"has {len(fields)} field(s) where the header has "
-                         f"{len(header)}")
+            problems.add(
+                row, None, delimiter.join(fields), f"has {len(fields)} field(s) where the header has {len(header)}"
+            )
         for name, i in picks:
             cell = fields[i] if isinstance(fields, list) and len(fields) == len(header) else None
             values[name].append(cell)
@@ -105,5 +117,3 @@ def csv_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
             start, size, nbytes = start + size, 0, 0
     if size or keys:
         yield Batch(start, size, values, keys)
-
-

@@ -13,6 +13,7 @@ from shared.settings import get_settings
 
 # -- JSONL
 
+
 class _JsonRowError(ValueError):
     pass
 
@@ -32,8 +33,9 @@ def _no_constant(name: str) -> None:
 _JSON = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_no_constant)
 
 
-def jsonl_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
-                   problems: Problems) -> Iterator[Batch]:
+def jsonl_batches(
+    path: Path, fmt: str, filename: str, columns: list[str] | None, problems: Problems
+) -> Iterator[Batch]:
     """One JSON object per line; blank lines are skipped. Each batch names the keys it saw first."""
     keys: dict[str, None] = {}
     known = 0  # keys already handed out
@@ -44,8 +46,12 @@ def jsonl_batches(path: Path, fmt: str, filename: str, columns: list[str] | None
         while line := f.readline(BATCH_BYTES + 1):
             line_number += 1
             if len(line) > BATCH_BYTES and not line.endswith(b"\n"):
-                problems.add(start + size + 1, None, None, f"(line {line_number}) is longer than "
-                             f"{BATCH_BYTES >> 20} MiB, the longest row accepted")
+                problems.add(
+                    start + size + 1,
+                    None,
+                    None,
+                    f"(line {line_number}) is longer than {BATCH_BYTES >> 20} MiB, the longest row accepted",
+                )
                 while (rest := f.readline(BATCH_BYTES)) and not rest.endswith(b"\n"):
                     pass
                 size += 1
@@ -56,14 +62,20 @@ def jsonl_batches(path: Path, fmt: str, filename: str, columns: list[str] | None
             try:
                 row = _JSON.decode(text)
                 if not isinstance(row, dict):
-                    raise _JsonRowError(f"is a JSON {type(row).__name__}, not an object "
-                                        '(each line must be one {"column": value, ...} object)')
+                    raise _JsonRowError(
+                        f"is a JSON {type(row).__name__}, not an object "
+                        '(each line must be one {"column": value, ...} object)'
+                    )
             except _JsonRowError as e:
                 problems.add(start + size + 1, None, text, f"(line {line_number}) {e}")
                 row = {}
             except json.JSONDecodeError as e:
-                problems.add(start + size + 1, None, text, f"(line {line_number}) is not valid JSON: {e.msg} "
-                             f"at character {e.pos + 1}")
+                problems.add(
+                    start + size + 1,
+                    None,
+                    text,
+                    f"(line {line_number}) is not valid JSON: {e.msg} at character {e.pos + 1}",
+                )
                 row = {}
             for key in row:
                 keys.setdefault(key, None)
@@ -81,5 +93,3 @@ def jsonl_batches(path: Path, fmt: str, filename: str, columns: list[str] | None
                 start, size, nbytes, known = start + size, 0, 0, len(keys)
     if size:
         yield Batch(start, size, values, tuple(keys)[known:])
-
-

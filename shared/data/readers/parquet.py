@@ -17,6 +17,7 @@ from shared.settings import get_settings
 
 # -- Parquet
 
+
 def _is_nested(t: pa.DataType) -> bool:
     return pa.types.is_nested(t) or pa.types.is_dictionary(t) and pa.types.is_nested(t.value_type)
 
@@ -28,40 +29,69 @@ def _is_scalar_list(t: pa.DataType) -> bool:
 
 
 def _is_variable_width(t: pa.DataType) -> bool:
-    return (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
-            or pa.types.is_large_binary(t) or pa.types.is_string_view(t) or pa.types.is_binary_view(t))
+    return (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_string_view(t)
+        or pa.types.is_binary_view(t)
+    )
 
 
 def _check_expansion(pf: pq.ParquetFile, path: Path, filename: str) -> None:
     """Refuse a file whose pages declare more decompressed bytes than the dataset limit, or more
     than 100x the file (and over 64 MiB): a compression bomb, refused before reading any page."""
     meta, limit = pf.metadata, get_settings().max_dataset_bytes
-    declared = sum(meta.row_group(i).column(j).total_uncompressed_size
-                   for i in range(meta.num_row_groups) for j in range(meta.num_columns))
+    declared = sum(
+        meta.row_group(i).column(j).total_uncompressed_size
+        for i in range(meta.num_row_groups)
+        for j in range(meta.num_columns)
+    )
     if declared > limit or declared > max(64 << 20, 100 * path.stat().st_size):
         raise _too_large(filename, f"its pages decompress to {declared:,} bytes")
 
 
 def _too_large(filename: str, detail: str) -> UserError:
     limit = get_settings().max_dataset_bytes
-    return UserError("dataset_too_large", f"{filename!r} expands to more data than this service accepts ({detail}; "
-                     f"the limit is {limit:,} bytes, TUNEJOB_MAX_DATASET_BYTES)", "file", 413)
+    return UserError(
+        "dataset_too_large",
+        f"{filename!r} expands to more data than this service accepts ({detail}; "
+        f"the limit is {limit:,} bytes, TUNEJOB_MAX_DATASET_BYTES)",
+        "file",
+        413,
+    )
 
 
-def parquet_batches(path: Path, fmt: str, filename: str, columns: list[str] | None,
-                     problems: Problems, list_columns: tuple[str, ...] = ()) -> Iterator[Batch]:
+def parquet_batches(
+    path: Path,
+    fmt: str,
+    filename: str,
+    columns: list[str] | None,
+    problems: Problems,
+    list_columns: tuple[str, ...] = (),
+) -> Iterator[Batch]:
     """Column chunks are read as dictionaries where they are text, so each batch's expanded size
     is known before it is expanded: the running total must stay within ``max_dataset_bytes``, a
     row within ``BATCH_BYTES``, and each batch is expanded ``BATCH_BYTES`` at a time."""
     schema = pq.ParquetFile(path).schema_arrow
     check_names(schema.names, filename)
     wanted = schema.names if columns is None else columns
-    nested = [n for n in wanted if _is_nested(schema.field(n).type)
-              and not (n in list_columns and _is_scalar_list(schema.field(n).type))]
+    nested = [
+        n
+        for n in wanted
+        if _is_nested(schema.field(n).type) and not (n in list_columns and _is_scalar_list(schema.field(n).type))
+    ]
     for name in nested:
         if columns is not None:  # a job uses it: it must hold scalars
-            problems.add(None, name, None, f"holds nested values ({schema.field(name).type}), not single values",
-                         "invalid_column", "file")
+            problems.add(
+                None,
+                name,
+                None,
+                f"holds nested values ({schema.field(name).type}), not single values",
+                "invalid_column",
+                "file",
+            )
     read = [n for n in wanted if n not in nested]
     pf = pq.ParquetFile(path, read_dictionary=[n for n in read if _is_variable_width(schema.field(n).type)] or None)
     _check_expansion(pf, path, filename)
@@ -74,10 +104,16 @@ def parquet_batches(path: Path, fmt: str, filename: str, columns: list[str] | No
             row_bytes += _cell_bytes(column)
         total += int(row_bytes.sum())
         if total > limit:
-            raise _too_large(filename, f"more than {limit:,} bytes once decompressed, at row {start + batch.num_rows:,}")
+            raise _too_large(
+                filename, f"more than {limit:,} bytes once decompressed, at row {start + batch.num_rows:,}"
+            )
         for i in np.flatnonzero(row_bytes > BATCH_BYTES)[:MAX_PROBLEMS]:
-            problems.add(start + int(i) + 1, None, None, f"holds {int(row_bytes[i]):,} bytes; the longest row "
-                         f"accepted is {BATCH_BYTES >> 20} MiB")
+            problems.add(
+                start + int(i) + 1,
+                None,
+                None,
+                f"holds {int(row_bytes[i]):,} bytes; the longest row accepted is {BATCH_BYTES >> 20} MiB",
+            )
         if problems.full:
             return
         for a, b in _slices(row_bytes):
@@ -96,8 +132,9 @@ def _cell_bytes(column: pa.Array) -> np.ndarray:
     its values' bytes)."""
     if _is_scalar_list(column.type):
         values = _cell_bytes(pc.list_flatten(column))
-        return np.bincount(pc.list_parent_indices(column).to_numpy(), weights=values,
-                           minlength=len(column)).astype(np.int64)
+        return np.bincount(pc.list_parent_indices(column).to_numpy(), weights=values, minlength=len(column)).astype(
+            np.int64
+        )
     if pa.types.is_dictionary(column.type):
         lengths = pc.binary_length(column.dictionary) if _is_variable_width(column.type.value_type) else None
         if lengths is None:
@@ -121,5 +158,3 @@ def _slices(row_bytes: np.ndarray) -> Iterator[tuple[int, int]]:
         b = max(a + 1, int(np.searchsorted(ends, base + BATCH_BYTES, side="right")))
         yield a, b
         a = b
-
-
