@@ -11,7 +11,7 @@ after ``--warmup`` requests each (the first loads the model). It reports each re
 mean in milliseconds, and the difference of the medians with a bootstrap 95% interval
 (``scipy.stats.bootstrap``).
 
-    python -m bench.alias_latency [--model tiny-rand] [--requests 400] [--markdown docs/benchmarks.md]
+    python -m bench.alias_latency [--model tiny-rand] [--requests 400] [--markdown docs/benchmarks-archive.md]
 """
 
 import argparse
