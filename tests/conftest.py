@@ -139,6 +139,15 @@ def auth_header(tenant: str, admin: bool = False) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+@pytest.fixture
+def no_tunejob_env(monkeypatch):
+    """No TUNEJOB_* variable but TUNEJOB_REQUIRE_SERVICES, for a test that builds ``Settings`` itself:
+    an earlier test file in the same process (an xdist worker runs several) leaves its stack's
+    variables in the environment (``configure``)."""
+    for key in [k for k in os.environ if k.startswith("TUNEJOB_") and k != "TUNEJOB_REQUIRE_SERVICES"]:
+        monkeypatch.delenv(key)
+
+
 def configure(env: dict[str, str]) -> None:
     """Point settings, the job store and the Celery app at ``env`` (TUNEJOB_* variables)."""
     for key in [k for k in os.environ if k.startswith("TUNEJOB_") and k != "TUNEJOB_REQUIRE_SERVICES"]:

@@ -40,6 +40,7 @@ PATH_VALUES: dict[str, Callable[[dict], str]] = {
     "dataset_id": lambda ids: ids["dataset"],
     "file_id": lambda ids: ids["dataset"],  # /v1/files: a file is a dataset
     "name": lambda ids: "metrics.json",  # an artifact every succeeded job has
+    "figure": lambda ids: "confusion_matrix.png",  # a picture of an evaluation report
     "filename": lambda ids: "config.json",  # a file of the model directory
     "step": lambda ids: "1",  # a checkpoint step
     "sweep_id": lambda ids: ids["sweep"],
@@ -93,6 +94,16 @@ OWNER_ERRORS = {
         422,
         "job ",
         "the owner's job is a classifier; tests/test_reranking.py covers reranking jobs",
+    ),
+    ("GET", "/predictions/{prediction_id}/evaluation"): (
+        404,
+        "prediction ",
+        "the owner's prediction has no label_column; tests/test_evaluation.py covers labelled test sets",
+    ),
+    ("GET", "/predictions/{prediction_id}/evaluation/{figure}"): (
+        404,
+        "prediction ",
+        "the owner's prediction has no label_column; tests/test_evaluation.py covers labelled test sets",
     ),
 }
 

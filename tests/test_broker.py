@@ -11,7 +11,7 @@ import shared.queue
 from shared.settings import Settings
 
 
-def test_a_message_is_not_seen_before_it_is_written_whole(tmp_path, monkeypatch):
+def test_a_message_is_not_seen_before_it_is_written_whole(tmp_path, monkeypatch, no_tunejob_env):
     """Issue 34: kombu wrote a message under its final name and then its body, so a worker polling
     meanwhile moved and read an empty file and failed on the JSON (``JSONDecodeError``). The poll
     here runs at that moment (while the body is being encoded, the file already open)."""

@@ -11,7 +11,7 @@ from shared.settings import Settings
 from tests.conftest import REDIS_RUN_PREFIX, REDIS_URL, require_services
 
 
-def test_a_job_sent_with_a_key_prefix_is_queued_under_that_prefix_only():
+def test_a_job_sent_with_a_key_prefix_is_queued_under_that_prefix_only(no_tunejob_env):
     require_services()
     client = redis.Redis.from_url(REDIS_URL)
     mine, theirs = (f"{REDIS_RUN_PREFIX}{uuid.uuid4().hex[:8]}:" for _ in range(2))

@@ -133,7 +133,7 @@ def prediction_evaluation(prediction_id: str, caller: CallerDep) -> dict:
 
 
 @router.get(
-    "/{prediction_id}/evaluation/{name}",
+    "/{prediction_id}/evaluation/{figure}",
     response_class=FileResponse,
     responses={
         200: {"content": {"image/png": {}}, "description": "a picture the report names in its ``figures``"},
@@ -141,11 +141,11 @@ def prediction_evaluation(prediction_id: str, caller: CallerDep) -> dict:
     },
 )
 def prediction_evaluation_figure(
-    prediction_id: str, caller: CallerDep, name: Annotated[str, Path(pattern=r"^[a-z_]{1,40}\.png$")]
+    prediction_id: str, caller: CallerDep, figure: Annotated[str, Path(pattern=r"^[a-z_]{1,40}\.png$")]
 ) -> FileResponse:
     """A picture of the prediction's evaluation report (``confusion_matrix.png``,
     ``reliability_diagram.png``, ``residuals.png``: as the report's ``figures`` lists them)."""
-    return FileResponse(evaluation.prediction_report_file(prediction_id, caller, name), media_type="image/png")
+    return FileResponse(evaluation.prediction_report_file(prediction_id, caller, figure), media_type="image/png")
 
 
 @router.get(
