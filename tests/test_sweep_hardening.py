@@ -8,6 +8,8 @@ The app runs without a worker: nothing here needs a trial to train.
 """
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import hypothesis
@@ -396,8 +398,6 @@ def test_any_sweep_body_gets_a_2xx_or_a_4xx_from_a_dry_run(
 def test_report_pictures_are_drawn_in_threads_without_pyplot():
     """The API draws a sweep's pictures in its threads: each drawn on its own ``Figure``, never
     through pyplot's global state (issue 34); 16 at once all come out whole."""
-    import subprocess
-    import sys
     from concurrent.futures import ThreadPoolExecutor
 
     from optuna.distributions import FloatDistribution, IntDistribution
@@ -419,18 +419,22 @@ def test_report_pictures_are_drawn_in_threads_without_pyplot():
         pngs = list(pool.map(lambda name: picture(study, name), names))
     assert all(p.startswith(b"\x89PNG\r\n\x1a\n") and len(p) > 5000 for p in pngs)
     assert len(set(pngs[::2])) == 1  # the same history each time, whatever was drawn beside it
+    assert not pyplot_imported_by(
+        "s = optuna.create_study(); s.enqueue_trial({'x': 1.0}); s.optimize(lambda t: t.suggest_float('x', 0, 2), 3)\n"
+        "picture(s, 'optimization_history.png')"
+    )
+
+
+def pyplot_imported_by(drawing: str) -> bool:
+    """Whether ``drawing`` (lines that build an Optuna study and call ``sweep_report.picture``),
+    run in a fresh interpreter, imports ``matplotlib.pyplot`` (whose global state is not thread-safe)."""
     code = (
         "import sys, optuna; from shared.jobs.sweep_report import picture\n"
-        "s = optuna.create_study(); s.enqueue_trial({'x': 1.0}); s.optimize(lambda t: t.suggest_float('x', 0, 2), 3)\n"
-        "picture(s, 'optimization_history.png'); print('matplotlib.pyplot' in sys.modules)"
+        f"{drawing}\nprint('matplotlib.pyplot' in sys.modules)"
     )
     root = Path(__file__).resolve().parent.parent
-    assert (
-        subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
-        ).stdout.strip()
-        == "False"
-    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    return run.stdout.strip() == "True"
 
 
 # ----------------------------------------------------------------------------- Medium 7: trials pass admission

@@ -102,7 +102,6 @@ def classification_report(label_names: list[str], gold: list[str], rows: list[di
     scores = np.array([[r["probabilities"][n] for n in label_names] for r in rows])
     unknown = sorted(set(gold) - set(label_names))
     names = label_names + unknown
-    precision, recall, f1, support = precision_recall_fscore_support(gold, predicted, labels=names, zero_division=0)
     counts = confusion_matrix(gold, predicted, labels=names)
     confidence = scores.max(axis=1)
     correct = np.array(gold) == np.array(predicted)
@@ -110,24 +109,7 @@ def classification_report(label_names: list[str], gold: list[str], rows: list[di
         "task": "classification",
         "rows": len(gold),
         "accuracy": float(accuracy_score(gold, predicted)),
-        "per_class": {
-            n: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(s)}
-            for n, p, r, f, s in zip(names, precision, recall, f1, support)
-        },
-        "averages": {
-            average: dict(
-                zip(
-                    ("precision", "recall", "f1"),
-                    map(
-                        float,
-                        precision_recall_fscore_support(
-                            gold, predicted, labels=names, average=average, zero_division=0
-                        )[:3],
-                    ),
-                )
-            )
-            for average in ("macro", "micro", "weighted")
-        },
+        **per_label_figures("per_class", gold, predicted, names, ("macro", "micro", "weighted")),
         "confusion_matrix": {
             "labels": names,
             "counts": counts.tolist(),
@@ -185,26 +167,41 @@ def multi_label_report(label_names: list[str], gold: list[list[str]], rows: list
     for i, (labels, row) in enumerate(zip(gold, rows)):
         y_true[i, [index[n] for n in labels if n in index]] = 1
         y_pred[i, [index[n] for n in row["labels"]]] = 1
-    precision, recall, f1, support = precision_recall_fscore_support(y_true, y_pred, zero_division=0)
     return {
         "task": "multi_label",
         "rows": len(gold),
         "threshold": threshold,
         "subset_accuracy": float(accuracy_score(y_true, y_pred)),
-        "per_label": {
+        **per_label_figures("per_label", y_true, y_pred, label_names, ("macro", "micro")),
+        "unknown_labels": sorted({n for labels in gold for n in labels} - set(label_names)),
+    }
+
+
+def per_label_figures(key: str, gold, predicted, names: list[str], averages: tuple[str, ...]) -> dict:
+    """``{key: {name: {precision, recall, f1, support}}, "averages": {average: {precision, recall,
+    f1}}}`` from scikit-learn's ``precision_recall_fscore_support``: ``gold`` and ``predicted`` are
+    label lists (``names`` their order) or 0/1 indicator arrays ``[rows, len(names)]``."""
+    labels = None if isinstance(gold, np.ndarray) and gold.ndim == 2 else names
+    precision, recall, f1, support = precision_recall_fscore_support(gold, predicted, labels=labels, zero_division=0)
+    return {
+        key: {
             n: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(s)}
-            for n, p, r, f, s in zip(label_names, precision, recall, f1, support)
+            for n, p, r, f, s in zip(names, precision, recall, f1, support)
         },
         "averages": {
             average: dict(
                 zip(
                     ("precision", "recall", "f1"),
-                    map(float, precision_recall_fscore_support(y_true, y_pred, average=average, zero_division=0)[:3]),
+                    map(
+                        float,
+                        precision_recall_fscore_support(
+                            gold, predicted, labels=labels, average=average, zero_division=0
+                        )[:3],
+                    ),
                 )
             )
-            for average in ("macro", "micro")
+            for average in averages
         },
-        "unknown_labels": sorted({n for labels in gold for n in labels} - set(label_names)),
     }
 
 
