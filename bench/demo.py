@@ -27,9 +27,12 @@ from sklearn.metrics import accuracy_score
 from bench.corpora import bbc_news, stratified_split
 from client.api import Client
 from client.watch import watch
+from shared.logs import drop_known_noise
 
 SEED = 42
 WORK_DIR = Path(".demo")
+
+drop_known_noise()  # before transformers imports torchao in score (shared.logs.KNOWN_NOISE)
 
 
 def start_service(port: int, data_dir: Path) -> subprocess.Popen:
