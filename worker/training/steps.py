@@ -268,7 +268,8 @@ class Steps:
         ``clip_grad_norm_``'s factor without its multiply pass over the gradients."""
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.master])
+        # as clip_grad_norm_: a parameter the loss never reached (an embedding model's pooler) has no gradient
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.master if p.grad is not None])
         torch.clamp(grad_norm + 1e-6, min=1.0, out=self.clip)
         self.found_inf.copy_(~(torch.isfinite(self.step_loss) & torch.isfinite(grad_norm)))
         self.optimizer.step()
