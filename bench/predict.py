@@ -250,9 +250,9 @@ def run(args: argparse.Namespace, command: str) -> None:
         print(f"\nupdated {args.markdown}: section predict-{args.dataset}")
 
 
-def register_model(model_dir: Path, tenant: str, label_names: list[str]) -> str:
-    """A succeeded training job of ``tenant`` in the configured store whose model is a copy of
-    ``model_dir`` (no training: the benchmark measures prediction). Returns its id."""
+def register_model(model_dir: Path, tenant: str, label_names: list[str] | None, task: str = "classification") -> str:
+    """A succeeded training job of ``tenant`` and ``task`` in the configured store whose model is a
+    copy of ``model_dir`` (no training: the benchmark measures prediction). Returns its id."""
     import shutil
 
     from shared.store import artifacts
@@ -269,7 +269,7 @@ def register_model(model_dir: Path, tenant: str, label_names: list[str]) -> str:
             tenant=tenant,
             status=JobStatus.SUCCEEDED,
             base_model="all-MiniLM-L6-v2",
-            task="classification",
+            task=task,
             training_dataset_id=dataset.id,
             spec={},
             label_names=label_names,
@@ -465,17 +465,22 @@ def measure_job(args: argparse.Namespace) -> dict:
         get_settings.cache_clear()
         upgrade_database()
         key, _ = create_key("bench")
-        if args.model == "tiny":
-            from worker.doctor import build_tiny_bert
+        if args.model == "embedding":  # the base sentence-transformers model as an embedding job's artifact
+            from shared.jobs.base_models import resolve_model
 
-            model_dir = build_tiny_bert(work_dir / "tiny-bert")
+            model_dir = resolve_model("all-MiniLM-L6-v2")
+            job_id = register_model(model_dir, "bench", None, task="embedding")
         else:
-            model_dir = model_path(args.model)
-        from transformers import AutoConfig
+            if args.model == "tiny":
+                from worker.doctor import build_tiny_bert
 
-        config = AutoConfig.from_pretrained(model_dir)
-        names = [config.id2label[i] for i in range(config.num_labels)]
-        job_id = register_model(model_dir, "bench", names)
+                model_dir = build_tiny_bert(work_dir / "tiny-bert")
+            else:
+                model_dir = model_path(args.model)
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_dir)
+            job_id = register_model(model_dir, "bench", [config.id2label[i] for i in range(config.num_labels)])
         port = free_port()
         env["TUNEJOB_URL"] = f"http://127.0.0.1:{port}"
         server = Process(
@@ -593,11 +598,10 @@ def job(args: argparse.Namespace, command: str) -> None:
 
     machine = host()
     result = measure_job(args)
-    model = (
-        "a 2-layer, 32-wide BERT with random weights (`worker.doctor.build_tiny_bert`)"
-        if args.model == "tiny"
-        else f"the all-MiniLM-L6-v2 fine-tuned on {args.model} (`bench.predict prepare`)"
-    )
+    model = {
+        "tiny": "a 2-layer, 32-wide BERT with random weights (`worker.doctor.build_tiny_bert`)",
+        "embedding": "all-MiniLM-L6-v2 as an embedding model (384-dimensional vectors)",
+    }.get(args.model, f"the all-MiniLM-L6-v2 fine-tuned on {args.model} (`bench.predict prepare`)")
     texts = "short synthetic texts (3-12 words)" if args.texts == "short" else f"{args.texts} texts in order"
     loop_note = (
         " Loop: `predict_texts` on the same texts and model with the job's budget (batch_size 64 x "
@@ -668,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
     whole.add_argument(
         "--model",
         default="rotten_tomatoes",
-        help="rotten_tomatoes or bbc (`prepare`'s model), or tiny (a random 2-layer BERT)",
+        help="rotten_tomatoes or bbc (`prepare`'s model), tiny (a random 2-layer BERT), or embedding "
+        "(all-MiniLM-L6-v2 as an embedding model: the job writes vectors; needs --no-loop)",
     )
     whole.add_argument("--texts", default="rotten_tomatoes", help="rotten_tomatoes, bbc, or short (synthetic)")
     whole.add_argument(
@@ -693,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("dataset")
     one.add_argument("out", type=Path)
     args = p.parse_args(argv)
+    if args.command == "job" and args.model == "embedding" and args.loop:
+        p.error("--model embedding: add --no-loop (the loop timing is the classification head's)")
     os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
     command = "python -m bench.predict " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.command == "prepare":
