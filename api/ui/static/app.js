@@ -41,12 +41,16 @@ function themeColors() {
   return {text: style.getPropertyValue("--text").trim() || "#111", grid: style.getPropertyValue("--grid").trim() || "#ddd"};
 }
 
+// Tick steps of an axis of whole numbers (a trial's number): uPlot's defaults include 0.1 and 0.5.
+const INTEGER_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000];
+
 // A live line chart: series by name, points (step, value) added at any time, redrawn once per frame.
 class LiveChart {
-  constructor(el, {points = false, marks = null, scatter = false, xLabel = "step"} = {}) {
+  constructor(el, {points = false, marks = null, scatter = false, xLabel = "step", integerX = false} = {}) {
     this.el = el;
     this.scatter = scatter;    // points only, no lines (a sweep's trials)
     this.xLabel = xLabel;
+    this.integerX = integerX;  // x ticks at whole numbers only
     this.points = points;      // evaluation series: points joined by lines
     this.marks = marks;        // () => {lines: [steps], stars: [[step, value]]}
     this.names = [];
@@ -84,7 +88,8 @@ class LiveChart {
       width: Math.max(280, this.el.clientWidth), height: 220,
       scales: {x: {time: false}},
       legend: {show: true},
-      axes: [{stroke: c.text, grid: {stroke: c.grid}, label: this.xLabel, values: (u, splits) => splits.map(tick)},
+      axes: [{stroke: c.text, grid: {stroke: c.grid}, label: this.xLabel, values: (u, splits) => splits.map(tick),
+              ...(this.integerX ? {incrs: INTEGER_INCRS} : {})},
              {stroke: c.text, grid: {stroke: c.grid}, size: 64, values: (u, splits) => splits.map(tick)}],
       series: [{label: this.xLabel}, ...this.names.map((n, i) => ({
         label: n, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true,
@@ -506,7 +511,7 @@ pages.sweep = () => {
       chart.add(front.includes(t.number) ? "front" : "trials", t.values[1], t.values[0]);
     }
   }
-  const byTrial = new LiveChart($("#chart-trials"), {scatter: true, xLabel: "trial"});
+  const byTrial = new LiveChart($("#chart-trials"), {scatter: true, xLabel: "trial", integerX: true});
   for (const t of scored) byTrial.add(series(t), t.number, t.value);
   const box = $("#sweep-charts");
   for (const name of params) {  // each numeric parameter against the objective
