@@ -33,10 +33,11 @@ def metric_rows(job_id: str) -> list[Row]:
 
 
 def series_of(rows: list[Row]) -> Series:
-    """One (steps, values) series per metric name; non-finite values (a diverged loss) are left out."""
+    """One (steps, values) series per metric name; non-finite values (a diverged loss: null in the
+    store, ``shared.jobs.lifecycle.record_progress``) are left out."""
     series: Series = {}
     for step, name, value, _ in rows:
-        if math.isfinite(value):
+        if value is not None and math.isfinite(value):
             steps, values = series.setdefault(name, ([], []))
             steps.append(step)
             values.append(value)
