@@ -75,3 +75,16 @@ def test_a_diverged_value_stored_as_null_is_left_out_of_the_curves():
     rows = [(1, "train_loss", 0.7, now), (2, "train_loss", None, now), (3, "train_loss", math.inf, now)]
     rows.append((3, "eval_loss", 0.6, now))
     assert curves.series_of(rows) == {"train_loss": ([1], [0.7]), "eval_loss": ([3], [0.6])}
+
+
+def test_the_artifacts_pictures_leave_a_null_value_out(tmp_path, caplog):
+    """``worker.run_logs`` draws both pictures from rows with a null (a diverged loss in the store)."""
+    from shared.store.rows import Job
+    from worker.run_logs import write_run_logs
+
+    now = datetime.now(UTC)
+    rows = [(1, "train_loss", 0.7, now), (2, "train_loss", None, now), (2, "eval_loss", 0.6, now)]
+    write_run_logs(tmp_path, Job(id="j", base_model="tiny-bert", spec={}), rows)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert (tmp_path / "training_curves.png").read_bytes().startswith(b"\x89PNG")
+    assert len(list((tmp_path / "runs").glob("events.out.tfevents.*"))) == 1

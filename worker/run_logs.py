@@ -32,15 +32,16 @@ def write_run_logs(model_dir: Path, job: Job, rows: list[MetricRow]) -> None:
 
 
 def write_tensorboard(logdir: Path, job: Job, rows: list[MetricRow]) -> None:
-    """One TensorBoard event file in ``logdir``: each metric row as a scalar at its optimizer step
-    and wall time, tagged ``train/<name>`` or ``eval/<name>`` (``tensorboard_tag``), and the job
-    spec as the text ``job/spec``."""
+    """One TensorBoard event file in ``logdir``: each metric row with a value (not null) as a scalar
+    at its optimizer step and wall time, tagged ``train/<name>`` or ``eval/<name>``
+    (``tensorboard_tag``), and the job spec as the text ``job/spec``."""
     from tensorboardX import SummaryWriter
 
     with SummaryWriter(logdir=str(logdir)) as writer:
         writer.add_text("job/spec", f"```\n{json.dumps(job.spec, indent=2)}\n```", 0)
         for step, name, value, time in rows:
-            writer.add_scalar(tensorboard_tag(name), value, step, walltime=time.timestamp())
+            if value is not None:  # null: not finite (left out, as from training_curves.png)
+                writer.add_scalar(tensorboard_tag(name), value, step, walltime=time.timestamp())
 
 
 def tensorboard_tag(name: str) -> str:
