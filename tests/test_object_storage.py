@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests import s3_support
-from tests.conftest import BASE_URL, auth_header, configure_stack
+from tests.conftest import BASE_URL, auth_header, configure_stack, service_variables
 from tests.test_api_jobs import labelled_csv, submit, upload
 from tests.test_predictions import body_for, scoring_csv
 
@@ -35,12 +35,12 @@ def bucket_env(s3_server, tmp_path, monkeypatch):
     from shared.settings import get_settings
 
     for key in {
-        *(k for k in os.environ if k.startswith("TUNEJOB_")),
+        *service_variables(),
         "TUNEJOB_DATA_DIR",
         "TUNEJOB_DATABASE_URL",
         "TUNEJOB_BROKER_URL",
         "TUNEJOB_STORAGE_CACHE_BYTES",
-    } - {"TUNEJOB_REQUIRE_SERVICES"}:
+    }:
         monkeypatch.setenv(key, "")  # recorded, so that teardown restores (or removes) it
         monkeypatch.delenv(key)
     for key, value in s3_server.env().items():
