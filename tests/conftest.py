@@ -39,6 +39,17 @@ REQUIRE_SERVICES = os.environ.get("TUNEJOB_REQUIRE_SERVICES") == "1"
 # the process, not a random id: pytest imports this file twice (as ``conftest`` and, for the test
 # modules, ``tests.conftest``), and both copies must clean up the same keys.
 REDIS_RUN_PREFIX = f"tunejob-test:{socket.gethostname()}:{os.getpid()}:"
+# The tests' own TUNEJOB_* variables: what they run against and where they write, not the service's
+# settings, so no stack's set-up (``configure``) drops them.
+TEST_VARIABLES = frozenset(
+    {
+        "TUNEJOB_REQUIRE_SERVICES",
+        "TUNEJOB_UI_SCREENSHOTS",
+        "TUNEJOB_CHROMIUM",
+        "TUNEJOB_TEST_POSTGRES_URL",
+        "TUNEJOB_TEST_REDIS_URL",
+    }
+)
 TINY_MODEL = "tiny-bert"
 BASE_URL = "http://localhost"  # a Host the API answers (TestClient's default, "testserver", is refused)
 
@@ -139,18 +150,24 @@ def auth_header(tenant: str, admin: bool = False) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def service_variables() -> list[str]:
+    """The TUNEJOB_* variables set now that configure the service (all but ``TEST_VARIABLES``)."""
+    return [k for k in os.environ if k.startswith("TUNEJOB_") and k not in TEST_VARIABLES]
+
+
 @pytest.fixture
 def no_tunejob_env(monkeypatch):
-    """No TUNEJOB_* variable but TUNEJOB_REQUIRE_SERVICES, for a test that builds ``Settings`` itself:
+    """No TUNEJOB_* variable but ``TEST_VARIABLES``, for a test that builds ``Settings`` itself:
     an earlier test file in the same process (an xdist worker runs several) leaves its stack's
     variables in the environment (``configure``)."""
-    for key in [k for k in os.environ if k.startswith("TUNEJOB_") and k != "TUNEJOB_REQUIRE_SERVICES"]:
+    for key in service_variables():
         monkeypatch.delenv(key)
 
 
 def configure(env: dict[str, str]) -> None:
-    """Point settings, the job store and the Celery app at ``env`` (TUNEJOB_* variables)."""
-    for key in [k for k in os.environ if k.startswith("TUNEJOB_") and k != "TUNEJOB_REQUIRE_SERVICES"]:
+    """Point settings, the job store and the Celery app at ``env`` (TUNEJOB_* variables): every
+    other service variable is dropped, ``TEST_VARIABLES`` are kept."""
+    for key in service_variables():
         del os.environ[key]
     os.environ.update(env)
     from shared.queue import app, celery_config
@@ -236,7 +253,7 @@ def engine_env(models_dir, tmp_path, monkeypatch) -> Path:
     directory, the CPU. Returns the data directory."""
     from shared.settings import get_settings
 
-    for key in [k for k in os.environ if k.startswith("TUNEJOB_") and k != "TUNEJOB_REQUIRE_SERVICES"]:
+    for key in service_variables():
         monkeypatch.delenv(key)
     monkeypatch.setenv("TUNEJOB_MODELS_DIR", str(models_dir))
     monkeypatch.setenv("TUNEJOB_DATA_DIR", str(tmp_path / "data"))

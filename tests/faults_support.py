@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from tests.conftest import service_variables
+
 ROOT = Path(__file__).resolve().parent.parent
 FINISHED = {"succeeded", "failed", "cancelled"}
 
@@ -158,7 +160,7 @@ class Cluster:
     def __init__(self, name: str, workdir: Path, env: dict[str, str]):
         self.name, self.workdir = name, workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
-        base = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_") or k == "TUNEJOB_REQUIRE_SERVICES"}
+        base = {k: v for k, v in os.environ.items() if k not in service_variables()}
         # One thread per process: two workers and the API share two cores, and the model is tiny.
         # The tests poll every few milliseconds, faster than the default rate limit per API key.
         self.env = {

@@ -163,6 +163,30 @@ def test_weights_are_written_once_per_step_and_the_artifact_links_the_best(engin
     assert json.loads((model_dir / "metrics.json").read_text())["best_step"] == 4
 
 
+def test_a_transient_jobs_artifact_has_its_curves_without_a_database(engine_env, monkeypatch):
+    """A job outside the store, as the benchmarks run one (``MemoryReporter``): the training curves
+    and TensorBoard files are drawn from the metrics its reporter logged, and no database is opened
+    (the store's ``job_metrics`` was read, and failed with no such table, where there was none)."""
+    import torch
+
+    from shared.store import engine
+
+    def no_database():
+        raise AssertionError("a transient job reached the job store")
+
+    monkeypatch.setattr(engine, "get_engine", no_database)
+    job, data = make_job("transient", epochs=1)
+    reporter = RecordingReporter()
+    run = Recipe(job, torch.device("cpu")).setup(data, reporter)
+    run.warm_up(reporter)
+    assert run.train(reporter) == "completed"
+    model_dir = run.finish(reporter)
+
+    assert (model_dir / "training_curves.png").read_bytes().startswith(b"\x89PNG")
+    assert [p.name for p in (model_dir / "runs").iterdir()][0].startswith("events.out.tfevents.")
+    assert not list(engine_env.glob("*.db"))
+
+
 def inode(path) -> int:
     return path.stat().st_ino
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests import s3_support
-from tests.conftest import BASE_URL, auth_header, configure_stack
+from tests.conftest import BASE_URL, auth_header, configure_stack, service_variables
 from tests.test_api_jobs import labelled_csv, submit, upload
 from tests.test_predictions import body_for, scoring_csv
 
@@ -35,12 +35,12 @@ def bucket_env(s3_server, tmp_path, monkeypatch):
     from shared.settings import get_settings
 
     for key in {
-        *(k for k in os.environ if k.startswith("TUNEJOB_")),
+        *service_variables(),
         "TUNEJOB_DATA_DIR",
         "TUNEJOB_DATABASE_URL",
         "TUNEJOB_BROKER_URL",
         "TUNEJOB_STORAGE_CACHE_BYTES",
-    } - {"TUNEJOB_REQUIRE_SERVICES"}:
+    }:
         monkeypatch.setenv(key, "")  # recorded, so that teardown restores (or removes) it
         monkeypatch.delenv(key)
     for key, value in s3_server.env().items():
@@ -291,6 +291,64 @@ def test_the_recovery_loop_collects_orphans_but_nothing_a_row_points_at(bucket_e
     )
     assert [key for key, _, _ in store.listing("uploads")] == [kept]
     assert store.listing("checkpoints") == store.listing("artifacts") == []
+
+
+def test_a_deleted_datasets_leftover_files_are_removed_once(bucket_env, tmp_path, monkeypatch):
+    """A deleted dataset's row stays for good (a tombstone). What a process that died between the
+    row and the files left behind (the upload, this host's tokenization cache) the recovery loop's
+    ``clean_up_files`` removes once; at its later turns it finds nothing more to remove, where it
+    deleted every deleted dataset's objects again at every turn. A cache whose content a live
+    dataset also has stays."""
+    from shared.jobs import retention
+    from shared.store import artifacts, objects
+    from shared.store.engine import session_scope, upgrade_database
+    from shared.store.rows import Dataset, utcnow
+
+    store = on_host(tmp_path / "a")
+    upgrade_database()
+    removed: list[str] = []
+    remove = objects.Bucket.remove
+    monkeypatch.setattr(objects.Bucket, "remove", lambda self, ref: removed.append(ref) or remove(self, ref))
+
+    def dataset(dataset_id: str, sha256: str, deleted: bool, files: bool = True) -> str:
+        path = tmp_path / "a" / "uploads" / f"{dataset_id}.csv"
+        ref = store.ref(path)
+        if files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"text\nx\n")
+            store.publish(path)
+            artifacts.tokenized_cache_dir(sha256).mkdir(parents=True, exist_ok=True)
+        with session_scope() as s:
+            s.add(
+                Dataset(
+                    id=dataset_id,
+                    filename="a.csv",
+                    format="csv",
+                    path=ref,
+                    rows=1,
+                    columns=["text"],
+                    bytes=7,
+                    sha256=sha256,
+                    deleted_at=utcnow() if deleted else None,
+                )
+            )
+        return ref
+
+    left = dataset("ds_left", "1" * 64, deleted=True)
+    kept = dataset("ds_kept", "2" * 64, deleted=False)
+    same = dataset("ds_same", "2" * 64, deleted=True)  # the same content as ds_kept
+    dataset("ds_gone", "3" * 64, deleted=True, files=False)  # deleted in full at the time
+
+    retention.clean_up_files()
+    assert sorted(removed) == sorted([left, same])
+    assert [key for key, _, _ in store.listing("uploads")] == [kept]
+    assert not artifacts.tokenized_cache_dir("1" * 64).exists()
+    assert artifacts.tokenized_cache_dir("2" * 64).is_dir()  # ds_kept's
+
+    removed.clear()
+    retention.clean_up_files()
+    assert removed == []
+    assert [key for key, _, _ in store.listing("uploads")] == [kept]
 
 
 def test_an_unreachable_bucket_is_a_503_and_leaves_no_row(bucket_env, models_dir, tmp_path, monkeypatch):

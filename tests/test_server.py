@@ -18,7 +18,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REDIS_URL, configure_stack, require_services
+from tests.conftest import REDIS_URL, configure_stack, require_services, service_variables
 from tests.faults_support import ROOT, Process, free_port, wait_for
 from tests.test_metrics import requests_counted
 
@@ -26,7 +26,7 @@ KEY_PATTERN = re.compile(r"tj_[A-Za-z0-9_-]{43}")
 
 
 def tunejob_env(data_dir: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEJOB_") or k == "TUNEJOB_REQUIRE_SERVICES"}
+    env = {k: v for k, v in os.environ.items() if k not in service_variables()}
     return {**env, "TUNEJOB_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}
 
 

@@ -28,7 +28,6 @@ from tests.test_api_jobs import labelled_csv
 from tests.test_embedding import tiny_st  # noqa: F401  (the fixture: the tiny BERT as a sentence-transformers model)
 
 CHROMIUM = os.environ.get("TUNEJOB_CHROMIUM", "/usr/bin/chromium")
-SCREENSHOTS = os.environ.get("TUNEJOB_UI_SCREENSHOTS")  # read before a stack's set-up drops the TUNEJOB_* variables
 TIMEOUT_MS = 60_000
 
 
@@ -40,6 +39,23 @@ def browser_unavailable() -> str | None:
     if not (Path(CHROMIUM).is_file() or shutil.which(CHROMIUM)):
         return f"no chromium at {CHROMIUM} (apt-get install chromium, or set TUNEJOB_CHROMIUM)"
     return None
+
+
+def test_a_stacks_set_up_keeps_the_screenshots_directory(monkeypatch, tmp_path):
+    """``TUNEJOB_UI_SCREENSHOTS`` outlives ``configure`` (which drops the service's TUNEJOB_*
+    variables), so the screenshots asked for are written there, not to a tmp_path."""
+    from shared.settings import get_settings
+    from tests.conftest import configure
+
+    monkeypatch.setenv("TUNEJOB_UI_SCREENSHOTS", str(tmp_path / "shots"))
+    monkeypatch.setenv("TUNEJOB_MAX_JOB_SECONDS", "5")  # a service setting of an earlier stack
+    monkeypatch.setenv("TUNEJOB_DATA_DIR", str(tmp_path / "data"))  # recorded: teardown restores it
+    try:
+        configure({"TUNEJOB_DATA_DIR": str(tmp_path / "data")})
+        assert os.environ["TUNEJOB_UI_SCREENSHOTS"] == str(tmp_path / "shots")
+        assert "TUNEJOB_MAX_JOB_SECONDS" not in os.environ
+    finally:
+        get_settings.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +275,7 @@ def test_an_embedding_job_s_chart_draws_its_zero_shot_line(stack, server, watche
     (``TUNEJOB_UI_SCREENSHOTS``, default the test's tmp_path)."""
     from tests.test_embedding import TINY_ST, pairs
 
-    shots = Path(SCREENSHOTS or tmp_path)
+    shots = Path(os.environ.get("TUNEJOB_UI_SCREENSHOTS", tmp_path))
     shots.mkdir(parents=True, exist_ok=True)
     with watched("zero-shot") as w:
         key = sign_in(w.page, "ui-embedding")

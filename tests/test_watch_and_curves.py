@@ -2,6 +2,8 @@
 start and the end, and the training curves give validation panels a sensible range."""
 
 import io
+import math
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 from rich.console import Console
@@ -64,3 +66,25 @@ def test_score_panels_span_zero_to_one_and_others_a_tenth_of_their_values():
     lo, hi = curves.panel_range(["eval_mse"], {"eval_mse": ([5, 10], [1.0, 9.0])})
     assert lo < 1.0 and hi > 9.0 and hi - lo < 9.0
     assert curves.render_png({"eval_accuracy": ([10], [0.5])}, "a job").startswith(b"\x89PNG")
+
+
+def test_a_diverged_value_stored_as_null_is_left_out_of_the_curves():
+    """The store keeps a NaN or Infinity metric as null (``record_progress``): the plot and the
+    artifact's curves leave it out, as they do a non-finite float, instead of failing."""
+    now = datetime.now(UTC)
+    rows = [(1, "train_loss", 0.7, now), (2, "train_loss", None, now), (3, "train_loss", math.inf, now)]
+    rows.append((3, "eval_loss", 0.6, now))
+    assert curves.series_of(rows) == {"train_loss": ([1], [0.7]), "eval_loss": ([3], [0.6])}
+
+
+def test_the_artifacts_pictures_leave_a_null_value_out(tmp_path, caplog):
+    """``worker.run_logs`` draws both pictures from rows with a null (a diverged loss in the store)."""
+    from shared.store.rows import Job
+    from worker.run_logs import write_run_logs
+
+    now = datetime.now(UTC)
+    rows = [(1, "train_loss", 0.7, now), (2, "train_loss", None, now), (2, "eval_loss", 0.6, now)]
+    write_run_logs(tmp_path, Job(id="j", base_model="tiny-bert", spec={}), rows)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert (tmp_path / "training_curves.png").read_bytes().startswith(b"\x89PNG")
+    assert len(list((tmp_path / "runs").glob("events.out.tfevents.*"))) == 1

@@ -10,6 +10,7 @@ from datetime import datetime
 from pathlib import Path
 
 from shared.jobs import lifecycle, sweeps
+from shared.jobs.curves import MetricRow, metric_rows
 from shared.schemas.jobs import PHASES
 from shared.settings import get_settings
 from shared.store.rows import utcnow
@@ -65,6 +66,11 @@ class Reporter:
         self._wrote_metrics = self._wrote_metrics or bool(self._metrics)
         self._metrics, self._progress, self._last_flush = [], {}, time.monotonic()
         self.lease_lost = self.lease_lost or not held
+
+    def metric_rows(self) -> list[MetricRow]:
+        """Every metric row of the job in the store, ordered by step: the whole run, across restarts
+        (what is buffered here is not among them: ``flush`` first)."""
+        return metric_rows(self.job_id)
 
     def should_prune(self, step: int, metrics: dict) -> bool:
         """After an evaluation at optimizer ``step`` (``metrics``): whether the sweep's pruner stops
@@ -168,6 +174,7 @@ class MemoryReporter:
 
     def __init__(self, stop_after_step: int | None = None, stop_reason: str = "shutdown"):
         self.logged: list[tuple[int, float, dict]] = []  # (step, epoch, {name: value})
+        self._logged_at: list[datetime] = []  # when each of ``logged`` was
         self.fields: dict = {}
         self.events: list[str] = []  # event codes
         self.messages: list[str] = []  # their messages
@@ -177,6 +184,7 @@ class MemoryReporter:
 
     def log(self, step: int, epoch: float, values: dict[str, float]) -> None:
         self.logged.append((step, epoch, dict(values)))
+        self._logged_at.append(utcnow())
 
     def progress(self, **fields) -> None:
         self.fields.update(fields)
@@ -194,6 +202,16 @@ class MemoryReporter:
     def checkpoint(self, step: int, path: Path | str, metrics: dict | None, keep: int = 2) -> list[str]:
         self.checkpoints.append((step, Path(path)))
         return []
+
+    def metric_rows(self) -> list[MetricRow]:
+        """Every metric row logged, ordered by step (as the store gives them): a transient job's
+        training curves, drawn without a database."""
+        rows = [
+            (step, name, float(v), at)
+            for (step, _, values), at in zip(self.logged, self._logged_at)
+            for name, v in values.items()
+        ]
+        return sorted(rows, key=lambda row: row[0])
 
     def should_prune(self, step: int, metrics: dict) -> bool:
         return False

@@ -1,33 +1,29 @@
 """The pictures of a run inside its model artifact: ``training_curves.png`` (``shared.jobs.curves``) and
 TensorBoard event files under ``runs/`` (tensorboardX), so that ``tensorboard --logdir <model>``
-on a downloaded model shows the run. Both are drawn from the job's metric rows in the store: the
-whole run, across restarts (the store keeps one continuous step series, see
-``shared.jobs.lifecycle.discard_metrics_after``).
+on a downloaded model shows the run. Both are drawn from the metric rows the run's reporter gives
+(``Reporter.metric_rows``): a stored job's rows in the store, the whole run across restarts (the store
+keeps one continuous step series, see ``shared.jobs.lifecycle.discard_metrics_after``); a transient
+job's (``MemoryReporter``) the rows it logged, without a database.
 """
 
 import json
 import logging
 from pathlib import Path
 
-from sqlalchemy import Row
-
-from shared.jobs.curves import metric_rows, render_png, series_of
+from shared.jobs.curves import MetricRow, render_png, series_of
 from shared.store.rows import Job
 
 log = logging.getLogger(__name__)
 
 
-def write_run_logs(model_dir: Path, job: Job) -> None:
-    """Write ``training_curves.png`` and ``runs/events.out.tfevents.*`` into ``model_dir``.
-
-    Call it once every metric row of the job is in the store. A job that is not in the store (the
-    engine driven directly, as in the engine tests) gets no pictures; its model is saved all the
-    same, with a warning in the log.
+def write_run_logs(model_dir: Path, job: Job, rows: list[MetricRow]) -> None:
+    """Write ``training_curves.png`` and ``runs/events.out.tfevents.*`` into ``model_dir`` from the
+    job's metric ``rows`` (all of them, ordered by step). Without rows there are no pictures; the
+    model is saved all the same, with a warning in the log.
     """
     try:
-        rows = metric_rows(job.id)
         if not rows:
-            log.warning("job %s has no metric rows in the store: no training curves in its artifact", job.id)
+            log.warning("job %s has no metric rows: no training curves in its artifact", job.id)
             return
         (model_dir / "training_curves.png").write_bytes(render_png(series_of(rows), f"{job.id} · {job.base_model}"))
         write_tensorboard(model_dir / "runs", job, rows)
@@ -35,16 +31,17 @@ def write_run_logs(model_dir: Path, job: Job) -> None:
         log.exception("training curves of job %s could not be written; the model is saved without them", job.id)
 
 
-def write_tensorboard(logdir: Path, job: Job, rows: list[Row]) -> None:
-    """One TensorBoard event file in ``logdir``: each metric row as a scalar at its optimizer step
-    and wall time, tagged ``train/<name>`` or ``eval/<name>`` (``tensorboard_tag``), and the job
-    spec as the text ``job/spec``."""
+def write_tensorboard(logdir: Path, job: Job, rows: list[MetricRow]) -> None:
+    """One TensorBoard event file in ``logdir``: each metric row with a value (not null) as a scalar
+    at its optimizer step and wall time, tagged ``train/<name>`` or ``eval/<name>``
+    (``tensorboard_tag``), and the job spec as the text ``job/spec``."""
     from tensorboardX import SummaryWriter
 
     with SummaryWriter(logdir=str(logdir)) as writer:
         writer.add_text("job/spec", f"```\n{json.dumps(job.spec, indent=2)}\n```", 0)
         for step, name, value, time in rows:
-            writer.add_scalar(tensorboard_tag(name), value, step, walltime=time.timestamp())
+            if value is not None:  # null: not finite (left out, as from training_curves.png)
+                writer.add_scalar(tensorboard_tag(name), value, step, walltime=time.timestamp())
 
 
 def tensorboard_tag(name: str) -> str:

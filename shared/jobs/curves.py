@@ -9,34 +9,37 @@ imported only when a picture is drawn, so that it costs the API's start-up nothi
 
 import io
 import math
+from datetime import datetime
 
-from sqlalchemy import Row, select
+from sqlalchemy import select
 
 from shared.store.engine import read_session
 from shared.store.rows import JobMetric
 
 Series = dict[str, tuple[list[int], list[float]]]  # metric name -> (steps, values)
+MetricRow = tuple[int, str, float | None, datetime]  # (step, name, value: null if not finite, time)
 SCORES = ("accuracy", "f1", "precision", "recall")  # validation metrics in [0, 1] (any averaging: f1_macro, …)
 MIN_SPAN = 0.1  # a panel of other metrics spans at least this share of its values' magnitude
 
 
-def metric_rows(job_id: str) -> list[Row]:
-    """The job's metric rows ``(step, name, value, time)``, ordered by step."""
+def metric_rows(job_id: str) -> list[MetricRow]:
+    """The job's metric rows in the store, ordered by step."""
     with read_session() as s:
         return list(
             s.execute(
                 select(JobMetric.step, JobMetric.name, JobMetric.value, JobMetric.time)
                 .where(JobMetric.job_id == job_id)
                 .order_by(JobMetric.step, JobMetric.id)
-            )
+            ).tuples()
         )
 
 
-def series_of(rows: list[Row]) -> Series:
-    """One (steps, values) series per metric name; non-finite values (a diverged loss) are left out."""
+def series_of(rows: list[MetricRow]) -> Series:
+    """One (steps, values) series per metric name; non-finite values (a diverged loss: null in the
+    store, ``shared.jobs.lifecycle.record_progress``) are left out."""
     series: Series = {}
     for step, name, value, _ in rows:
-        if math.isfinite(value):
+        if value is not None and math.isfinite(value):
             steps, values = series.setdefault(name, ([], []))
             steps.append(step)
             values.append(value)

@@ -9,7 +9,7 @@ from sqlalchemy import delete, or_, select
 from shared.jobs import trials
 from shared.settings import get_settings
 from shared.store import artifacts, objects
-from shared.store.engine import session_scope
+from shared.store.engine import read_session, session_scope
 from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobStatus, utcnow
 
 
@@ -20,7 +20,9 @@ def clean_up_files() -> None:
     (with a ``files_deleted`` event; the job itself stays listed), then removes every file the
     store says should be gone: checkpoints and artifacts of jobs whose files were deleted, step
     checkpoints of succeeded jobs, uploads and tokenization caches of deleted datasets. Those are
-    normally removed at once; this catches what a process that died in between left behind.
+    normally removed at once; this catches what a process that died in between left behind. What
+    is removed is looked for among the files there are (a listing of the store, and of this host's
+    caches), so each is removed once, not again at every turn.
     """
     settings, now = get_settings(), utcnow()
     if settings.artifact_retention_days is not None:
@@ -49,13 +51,28 @@ def clean_up_files() -> None:
     ]:
         for job_id in _jobs_on_disk(folder, gone):
             objects.remove_job_files(job_id, folder)
-    with session_scope() as s:
-        deleted = s.execute(select(Dataset.path, Dataset.sha256).where(Dataset.deleted_at.isnot(None))).all()
-        live = set(s.scalars(select(Dataset.sha256).where(Dataset.deleted_at.is_(None))))
-    for ref, _ in deleted:
-        objects.store().remove(ref)
-    for sha256 in {sha for _, sha in deleted} - live:
+    store = objects.store()
+    for ref in _deleted_datasets(Dataset.path, store.upload_refs()):
+        store.remove(ref)
+    cached = artifacts.tokenized_cache_root()
+    shas = [p.name for p in cached.iterdir() if not p.name.startswith(".")] if cached.is_dir() else []
+    for sha256 in _deleted_datasets(Dataset.sha256, shas):
         artifacts.remove_tree(artifacts.tokenized_cache_dir(sha256))
+
+
+def _deleted_datasets(column, present: list[str]) -> set[str]:
+    """Of the ``present`` values of ``column`` (``Dataset.path``: the uploads there are;
+    ``Dataset.sha256``: the tokenization caches on this host), those of deleted datasets and of no
+    live one: files to remove. Only what is there is asked for, so a dataset whose files are gone is
+    not found again (a tombstone stays for good)."""
+    deleted: set[str] = set()
+    live: set[str] = set()
+    with read_session() as s:
+        for i in range(0, len(present), 500):
+            rows = s.execute(select(column, Dataset.deleted_at).where(column.in_(present[i : i + 500])))
+            for value, deleted_at in rows:
+                (live if deleted_at is None else deleted).add(value)
+    return deleted - live
 
 
 def _jobs_on_disk(folder: str, condition) -> list[str]:

@@ -61,19 +61,6 @@ from shared.store.webhook_rows import Webhook, WebhookDelivery
 
 log = logging.getLogger(__name__)
 
-EVENT_TYPES = (
-    "job.succeeded",
-    "job.failed",
-    "job.cancelled",
-    "prediction.succeeded",
-    "prediction.failed",
-    "prediction.cancelled",
-    "sweep.succeeded",
-    "sweep.failed",
-    "sweep.cancelled",
-    "trial.pruned",
-    "model.alias_updated",
-)
 PING = "webhook.ping"  # POST /webhooks/{id}/ping: sent whatever the endpoint subscribed to
 SECRET_PREFIX = "whsec_"
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"

@@ -46,10 +46,15 @@ def artifacts_dir(job_id: str) -> Path:
     return get_settings().data_path / "artifacts" / job_id
 
 
+def tokenized_cache_root() -> Path:
+    """This host's tokenization caches: one folder per dataset content (``tokenized_cache_dir``)."""
+    return get_settings().data_path / "cache" / "tokenized"
+
+
 def tokenized_cache_dir(dataset_sha256: str) -> Path:
     """Cached tokenizations of a dataset's texts (``worker.data``), filed by the uploaded file's
     sha256 so that deleting the dataset deletes them."""
-    return get_settings().data_path / "cache" / "tokenized" / dataset_sha256
+    return tokenized_cache_root() / dataset_sha256
 
 
 def model_dir(job_id: str) -> Path:

@@ -153,6 +153,14 @@ class LocalDir:
         except FileNotFoundError:
             return []
 
+    def upload_refs(self) -> list[str]:
+        """The refs of the uploaded files there are (``<data>/uploads``), as the dataset rows hold them."""
+        folder = get_settings().data_path / "uploads"
+        try:
+            return [str(folder / n) for n in os.listdir(folder) if not n.startswith(".")]
+        except FileNotFoundError:
+            return []
+
     def jobs_bytes(self, folder: str, job_ids: list[str]) -> int:
         """Bytes of the files under ``<data>/<folder>/<id>`` for these job ids."""
         data = get_settings().data_path
@@ -309,6 +317,11 @@ class Bucket:
             for batch in obstore.list(self.store, prefix=folder)
             for o in batch
         ]
+
+    def upload_refs(self) -> list[str]:
+        """The refs of the uploaded files there are: the bucket's ``uploads/`` objects (one listing),
+        and the files of rows written before the bucket, on the shared disk (``LocalDir``)."""
+        return [key for key, _, _ in self.listing("uploads/")] + LocalDir().upload_refs()
 
     def jobs_bytes(self, folder: str, job_ids: list[str]) -> int:
         """Bytes of the objects under ``<folder>/<id>/`` for these job ids (one listing of the folder)."""

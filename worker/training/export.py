@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from shared.jobs.curves import MetricRow
 from shared.schemas.jobs import json_safe
 from shared.store import artifacts, objects
 from shared.store.manifest import manifest_entries
@@ -54,12 +55,14 @@ def save_model(
     state: TrainState,
     weights: Path,
     timings: Callable[[], dict],
+    metric_rows: list[MetricRow],
     hashed: dict[str, dict] | None = None,
 ) -> Path:
     """Write the job's model to ``artifacts/<job>/model`` in Hugging Face format: the files of
     ``weights`` (safetensors and config with id2label, hard-linked: written once), tokenizer files
     (``model_max_length`` = the job's ``max_length``), ``training_args.json``,
-    ``training_curves.png`` and TensorBoard event files under ``runs/`` (``worker.run_logs``),
+    ``training_curves.png`` and TensorBoard event files under ``runs/`` (``worker.run_logs``, from
+    ``metric_rows``: the run's, ``Reporter.metric_rows``),
     ``evaluation.json`` and its pictures (``worker.evaluation``: the saved model on the validation rows),
     the model card ``README.md`` (``worker.model_card``),
     ``metrics.json`` (the best and final evaluations of ``state``, training totals and
@@ -97,7 +100,7 @@ def save_model(
             write_decision_threshold(tmp, threshold)
         job_setup.tokenizer.save_pretrained(tmp)
         (tmp / "training_args.json").write_text(json.dumps(job.spec, indent=2))
-        write_run_logs(tmp, job)  # training_curves.png and runs/ (TensorBoard)
+        write_run_logs(tmp, job, metric_rows)  # training_curves.png and runs/ (TensorBoard)
         data = job_setup.data
         report = write_evaluation(tmp, job.task, data and data.validation, job.spec, job_setup.device)
         write_model_card(tmp, job, data, report, describe(job_setup.device), timings())  # README.md

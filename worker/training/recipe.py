@@ -384,16 +384,15 @@ class Recipe:
                 final_entries = final.result() if final else None
         reporter.flush()  # every metric row in the store: save_model draws the training curves from them
         if final_entries is not None and (st.best is None or st.best["step"] == st.step):
-            model_dir = self.save_model(js.out_dir / "final", final_entries)
+            model_dir = self.save_model(reporter, js.out_dir / "final", final_entries)
         else:
-            model_dir = self.save_model(js.out_dir / "best")
+            model_dir = self.save_model(reporter, js.out_dir / "best")
         reporter.flush()  # the save phase's timings: the job's end keeps what the store has
         return model_dir
 
     @timed("save")
-    def save_model(self, weights: Path, hashed: dict[str, dict] | None = None) -> Path:
+    def save_model(self, reporter: Reporter, weights: Path, hashed: dict[str, dict] | None = None) -> Path:
         """The job's model directory from the weights in ``weights`` (``export.save_model``), with
-        the phase timings so far."""
-        return export.save_model(
-            self.job_setup, self.state, weights, lambda: export.timings_so_far(self.timer, self.job.created_at), hashed
-        )
+        the phase timings so far and the training curves of ``reporter``'s metric rows."""
+        timings = partial(export.timings_so_far, self.timer, self.job.created_at)  # as of each call
+        return export.save_model(self.job_setup, self.state, weights, timings, reporter.metric_rows(), hashed)
