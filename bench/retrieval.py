@@ -234,6 +234,7 @@ def cold(side: str, argv: list[str], *extra: str) -> dict:
         capture_output=True,
         text=True,
     ).stdout
+    out = "\n" + out  # the JSON may be all it printed
     return json.loads(out[out.rindex("\n{\n") + 1 :])  # the last thing printed (the Trainer prints dicts too)
 
 
