@@ -646,7 +646,8 @@ def job(args: argparse.Namespace, command: str) -> None:
         ]
     section = head + "\n".join(lines)
     print("\n" + section)
-    Path(f".bench-predict/job-{args.section}.json").write_text(json.dumps(result, indent=1))
+    BENCH_DIR.mkdir(exist_ok=True)
+    (BENCH_DIR / f"job-{args.section}.json").write_text(json.dumps(result, indent=1))
     if args.markdown:
         update_markdown(args.markdown, {f"predict-{args.section}": section})
         print(f"\nupdated {args.markdown}: section predict-{args.section}")
