@@ -246,14 +246,34 @@ def dataset_ref(dataset_id: str) -> str:
         return s.get(Dataset, dataset_id).path
 
 
+def add_dataset_row(dataset_id: str, path: str, sha256: str = "0" * 64, deleted: bool = False) -> None:
+    """A one-row CSV dataset's row pointing at ``path`` (a store reference), deleted or not."""
+    from shared.store.engine import session_scope
+    from shared.store.rows import Dataset, utcnow
+
+    with session_scope() as s:
+        s.add(
+            Dataset(
+                id=dataset_id,
+                filename="a.csv",
+                format="csv",
+                path=path,
+                rows=1,
+                columns=["text"],
+                bytes=7,
+                sha256=sha256,
+                deleted_at=utcnow() if deleted else None,
+            )
+        )
+
+
 def test_the_recovery_loop_collects_orphans_but_nothing_a_row_points_at(bucket_env, tmp_path):
     """An object whose row was never written (the process died in between) is deleted once it is
     older than the grace period; an object with its row stays."""
     from datetime import timedelta
 
     from shared.jobs import orphans
-    from shared.store.engine import session_scope, upgrade_database
-    from shared.store.rows import Dataset
+    from shared.store.engine import upgrade_database
 
     store = on_host(tmp_path / "a")
     upgrade_database()
@@ -265,19 +285,7 @@ def test_the_recovery_loop_collects_orphans_but_nothing_a_row_points_at(bucket_e
         return store.publish(path.parent if "/step-" in name or "/model/" in name else path)
 
     kept = publish("uploads/ds_kept.csv")
-    with session_scope() as s:
-        s.add(
-            Dataset(
-                id="ds_kept",
-                filename="a.csv",
-                format="csv",
-                path=kept,
-                rows=1,
-                columns=["text"],
-                bytes=7,
-                sha256="0" * 64,
-            )
-        )
+    add_dataset_row("ds_kept", kept)
     for name in (
         "uploads/ds_lost.csv",
         "checkpoints/job_gone/step-00000001/training_state.pt",
@@ -301,8 +309,7 @@ def test_a_deleted_datasets_leftover_files_are_removed_once(bucket_env, tmp_path
     dataset also has stays."""
     from shared.jobs import retention
     from shared.store import artifacts, objects
-    from shared.store.engine import session_scope, upgrade_database
-    from shared.store.rows import Dataset, utcnow
+    from shared.store.engine import upgrade_database
 
     store = on_host(tmp_path / "a")
     upgrade_database()
@@ -318,20 +325,7 @@ def test_a_deleted_datasets_leftover_files_are_removed_once(bucket_env, tmp_path
             path.write_bytes(b"text\nx\n")
             store.publish(path)
             artifacts.tokenized_cache_dir(sha256).mkdir(parents=True, exist_ok=True)
-        with session_scope() as s:
-            s.add(
-                Dataset(
-                    id=dataset_id,
-                    filename="a.csv",
-                    format="csv",
-                    path=ref,
-                    rows=1,
-                    columns=["text"],
-                    bytes=7,
-                    sha256=sha256,
-                    deleted_at=utcnow() if deleted else None,
-                )
-            )
+        add_dataset_row(dataset_id, ref, sha256, deleted)
         return ref
 
     left = dataset("ds_left", "1" * 64, deleted=True)
