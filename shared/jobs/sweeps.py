@@ -246,20 +246,13 @@ def trials_of(s: Session, sweep: Sweep) -> tuple[SweepCreate, list[Job], dict[st
 
 def to_out(s: Session, sweep: Sweep) -> SweepOut:
     """The API view of a sweep: counts by trial status, the best trial (the best value among
-    succeeded trials: their kept weights are their best evaluation's), timings."""
+    succeeded trials: their kept weights are their best evaluation's; with several objectives, the
+    front's, ``front_best``), timings."""
     spec, trials, trial_curves = trials_of(s, sweep)
     counts = Counter(t.status for t in trials)
-    best = None
-    for t in trials:
-        value = best_value(trial_curves[t.id], spec)
-        if (
-            t.status == JobStatus.SUCCEEDED
-            and value is not None
-            and (best is None or (value > best.value if spec.objective.direction == "maximize" else value < best.value))
-        ):
-            best = BestTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=value)
     more = more_curves(s, spec, [t.id for t in trials])
     pareto = pareto_trials(spec, trials, trial_curves, more) if multi_objective(spec) else []
+    best = front_best(pareto, spec.objective.direction) if pareto else best_succeeded(spec, trials, trial_curves)
     default = next(
         (trial_out(t, spec, trial_curves, more) for t in trials if t.trial_number == 0 and spec.include_defaults), None
     )
@@ -314,6 +307,30 @@ def pareto_trials(
         ParetoTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=values[0], values=values)
         for t, values in front
     ]
+
+
+def best_succeeded(spec: SweepCreate, trials: list[Job], trial_curves: dict[str, dict[int, float]]) -> BestTrial | None:
+    """The succeeded trial with the best value of the (first) objective (the earliest of equals)."""
+    best = None
+    for t in trials:
+        value = best_value(trial_curves[t.id], spec)
+        if (
+            t.status == JobStatus.SUCCEEDED
+            and value is not None
+            and (best is None or (value > best.value if spec.objective.direction == "maximize" else value < best.value))
+        ):
+            best = BestTrial(job_id=t.id, trial_number=t.trial_number, params=params_of(t, spec), value=value)
+    return best
+
+
+def front_best(front: list[ParetoTrial], direction: str) -> BestTrial | None:
+    """The trial of the Pareto ``front`` (by number) best on the first objective, going in
+    ``direction``; None for an empty front (a sweep of one objective). Among the trials that tie on
+    the first objective only the cheapest on the others is on the front, so a sweep never names as
+    its best a trial that another beats at no loss (trial 0's defaults tied at twice the latency)."""
+    pick = max if direction == "maximize" else min
+    best = pick(front, key=lambda trial: trial.value, default=None)  # the earliest of equals
+    return best and BestTrial(job_id=best.job_id, trial_number=best.trial_number, params=best.params, value=best.value)
 
 
 def history_out(s: Session, spec: SweepCreate) -> History | None:

@@ -255,7 +255,11 @@ class SweepOut(BaseModel):
     objectives: list[Objective] = Field(description="Every objective (one, unless the sweep has several).")
     serving_precision: str
     trials: dict[str, int] = Field(description="Trials by status.")
-    best_trial: BestTrial | None = Field(description="The best succeeded trial on the (first) objective.")
+    best_trial: BestTrial | None = Field(
+        description="The best succeeded trial on the (first) objective; with several objectives, "
+        "the Pareto front's trial best on the first (of trials that tie on it, the one the others "
+        "do not beat)."
+    )
     default_trial: TrialOut | None = Field(
         None,
         description="Trial 0, run with the fixed hyperparameters "
