@@ -323,7 +323,7 @@ def best_succeeded(spec: SweepCreate, trials: list[Job], trial_curves: dict[str,
     return best
 
 
-def front_best(front: list[ParetoTrial], direction: str) -> BestTrial | None:
+def front_best(front: list[ParetoTrial], direction: str | None) -> BestTrial | None:
     """The trial of the Pareto ``front`` (by number) best on the first objective, going in
     ``direction``; None for an empty front (a sweep of one objective). Among the trials that tie on
     the first objective only the cheapest on the others is on the front, so a sweep never names as
