@@ -36,10 +36,10 @@ def model_path(dataset: str) -> Path:
     return BENCH_DIR / f"{dataset}-minilm"
 
 
-def prepare(dataset: str, max_length: int, learning_rate: float) -> Path:
+def prepare(dataset: str, max_length: int, learning_rate: float, precision: str = "auto") -> Path:
     """Fine-tune all-MiniLM-L6-v2 on the training part of ``dataset`` (the issue's set: Rotten
     Tomatoes 4,000 texts, BBC News the whole 80% split) for one epoch with the engine's own recipe
-    (``bench.engine``) and save it as a tunejob model folder (safetensors, config with id2label,
+    (``bench.engine``) at ``precision`` (the engine's: ``bf16`` trains faster on a CPU with AMX) and save it as a tunejob model folder (safetensors, config with id2label,
     tokenizer with ``model_max_length`` = ``max_length``). Returns the folder."""
     from bench.cold import RunSpec
     from bench.corpora import CORPORA, load_split
@@ -55,7 +55,7 @@ def prepare(dataset: str, max_length: int, learning_rate: float) -> Path:
         config="smart",
         model="all-MiniLM-L6-v2",
         device="auto",
-        precision="auto",
+        precision=precision,
         batch_size=32,
         max_length=max_length,
         train_size=corpus.train_size,
@@ -509,11 +509,17 @@ def measure_job(args: argparse.Namespace) -> dict:
             path.unlink()
             return r.json()["id"]
 
-        def predict(dataset: str) -> tuple[float, dict, int]:
+        def predict(dataset: str, precision: str = "auto") -> tuple[float, dict, int]:
             began = time.perf_counter()
             r = client.post(
                 "/predictions",
-                json={"model": job_id, "dataset": dataset, "text_column": "text", "max_length": args.max_length},
+                json={
+                    "model": job_id,
+                    "dataset": dataset,
+                    "text_column": "text",
+                    "max_length": args.max_length,
+                    "precision": precision,
+                },
             )
             r.raise_for_status()
             pid = r.json()["id"]
@@ -547,16 +553,18 @@ def measure_job(args: argparse.Namespace) -> dict:
                 budget = max_tokens(64, args.max_length)
                 predict_texts(loaded, job_texts(args.texts, 64), None, args.max_length, budget)
                 out["threads"] = torch.get_num_threads()
-            for rows in [r for r in args.rows for _ in range(args.repeats)]:
+            runs = [(r, precision) for precision in args.precisions for r in args.rows for _ in range(args.repeats)]
+            for rows, precision in runs:
                 texts = job_texts(args.texts, rows)
                 dataset = upload(texts)
                 time.sleep(1)
                 load, start_rss = os.getloadavg()[0], sampler.mark()
-                seconds, p, lines = predict(dataset)
+                seconds, p, lines = predict(dataset, precision)
                 if lines != rows:
                     raise RuntimeError(f"{lines} result rows for {rows} input rows")
                 size = {
                     "rows": rows,
+                    "precision": precision,
                     "job_seconds": seconds,
                     "rows_per_second": rows / seconds,
                     "start_rss": start_rss,
@@ -569,7 +577,7 @@ def measure_job(args: argparse.Namespace) -> dict:
                 }
                 out["sizes"].append(size)
                 print(
-                    f"{rows:,} rows: job {seconds:.1f} s ({rows / seconds:,.0f} rows/s), worker RSS "
+                    f"{rows:,} rows, {precision}: job {seconds:.1f} s ({rows / seconds:,.0f} rows/s), worker RSS "
                     f"{start_rss / 2**20:,.0f} -> peak {sampler.peak / 2**20:,.0f} MiB, load {load:.1f}",
                     flush=True,
                 )
@@ -634,11 +642,11 @@ def job(args: argparse.Namespace, command: str) -> None:
         ]
     else:
         head += (
-            "| rows | job s | rows/s | worker rows/s | worker RSS at start MiB | peak MiB | peak - start MiB "
-            "| RSS samples | load average |\n|---|---|---|---|---|---|---|---|---|\n"
+            "| rows | precision | job s | rows/s | worker rows/s | worker RSS at start MiB | peak MiB "
+            "| peak - start MiB | RSS samples | load average |\n|---|---|---|---|---|---|---|---|---|---|\n"
         )
         lines = [
-            f"| {r['rows']:,} | {r['job_seconds']:.1f} | {r['rows_per_second']:,.0f} "
+            f"| {r['rows']:,} | {r['precision']} | {r['job_seconds']:.1f} | {r['rows_per_second']:,.0f} "
             f"| {r['worker_rows_per_second'] or 0:,.0f} | {r['start_rss'] / 2**20:,.0f} "
             f"| {r['peak_rss'] / 2**20:,.0f} | {(r['peak_rss'] - r['start_rss']) / 2**20:,.0f} | {r['samples']} "
             f"| {r['load_average']:.1f} |"
@@ -660,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--dataset", choices=["rotten_tomatoes", "bbc"], required=True)
     prep.add_argument("--max-length", type=int, default=None, help="default: the corpus's (128 / 512)")
     prep.add_argument("--learning-rate", type=float, default=1e-4)
+    prep.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     bench = sub.add_parser("run", help="measure every configuration, each in a fresh process")
     bench.add_argument("--dataset", choices=["rotten_tomatoes", "bbc"], required=True)
     bench.add_argument("--configs", default="pipeline,tunejob,tunejob:precision=bf16")
@@ -685,6 +694,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     whole.add_argument("--max-length", type=int, default=128)
     whole.add_argument("--repeats", type=int, default=1, help="jobs per row count (each a fresh dataset)")
+    whole.add_argument(
+        "--precisions",
+        type=lambda v: v.split(","),
+        default=["auto"],
+        help="comma-separated prediction precisions (auto, fp32, bf16, int8): every row count and repeat "
+        "at each, in this order, in the same worker (a model's second job at a precision reuses its compile)",
+    )
     whole.add_argument("--poll", type=float, default=0.2, help="seconds between GET /predictions/{id}")
     whole.add_argument(
         "--loop",
@@ -699,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("dataset")
     one.add_argument("out", type=Path)
     args = p.parse_args(argv)
+    if args.command == "job" and args.loop and args.precisions != ["auto"]:
+        p.error("--precisions: add --no-loop (the loop timing is at the default precision)")
     if args.command == "job" and args.model == "embedding" and args.loop:
         p.error("--model embedding: add --no-loop (the loop timing is the classification head's)")
     os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -706,7 +724,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare":
         from bench.corpora import CORPORA
 
-        print(prepare(args.dataset, args.max_length or CORPORA[args.dataset].max_length, args.learning_rate))
+        print(
+            prepare(
+                args.dataset, args.max_length or CORPORA[args.dataset].max_length, args.learning_rate, args.precision
+            )
+        )
     elif args.command == "run":
         run(args, command)
     elif args.command == "latency":
