@@ -14,6 +14,8 @@ titles, their articles (label 1) and the article the embedding model ``DIR`` ran
 other training articles (a hard negative, label 0), then reranks that embedding model's top
 ``--top-k`` articles of each validation title. ``--side compare`` runs the three, each cold in its
 own process (tunejob, the peer, then the reranker on tunejob's model), and prints them together.
+``--precision bf16`` trains both embedding sides under bf16 autocast (tunejob's ``precision``, the
+peer's ``bf16=True``): the precision that pays on a CPU with AMX.
 Both embedding sides are scored by the same function (``worker.embedding.retrieval_metrics``:
 sentence-transformers' ``InformationRetrievalEvaluator``); the epoch time is the training loop's own
 (tunejob's ``train_seconds``, the Trainer's ``train_runtime``), evaluation excluded.
@@ -85,6 +87,7 @@ def fine_tune_job(args, task: str, train: pd.DataFrame, validation: pd.DataFrame
             "max_length": args.max_length,
             "learning_rate": args.learning_rate,
             "seed": args.seed,
+            "precision": args.precision,
             **hyperparameters,
         },
     )
@@ -149,6 +152,7 @@ def peer_side(args) -> dict:
         eval_strategy="no",
         report_to="none",
         use_cpu=True,
+        bf16=args.precision == "bf16",
         logging_steps=1_000_000,
         disable_tqdm=True,
     )
@@ -178,8 +182,9 @@ def top_k(model, queries: list[str], corpus: list[str], k: int) -> tuple[torch.T
 
 
 def rerank_side(args) -> dict:
-    """A ``reranking`` job on the training titles with their articles and one hard negative each,
-    then the validation titles' top ``--top-k`` from the embedding model, reranked by it."""
+    """A ``reranking`` job on the training titles with their articles and ``--negatives`` hard
+    negatives each (the other articles the embedding model ranks highest), then the validation
+    titles' top ``--top-k`` from the embedding model, reranked by it."""
     from sentence_transformers import CrossEncoder, SentenceTransformer
 
     from worker.reranking import ranking_metrics
@@ -188,13 +193,20 @@ def rerank_side(args) -> dict:
     embedder = SentenceTransformer(args.embedder, device="cpu", local_files_only=True)
 
     def with_negatives(frame: pd.DataFrame) -> pd.DataFrame:
-        _, found = top_k(embedder, frame["anchor"].tolist(), frame["positive"].tolist(), 2)
-        negative = [int(row[1] if row[0] == i else row[0]) for i, row in enumerate(found.tolist())]
+        _, found = top_k(embedder, frame["anchor"].tolist(), frame["positive"].tolist(), args.negatives + 1)
+        negatives = [[d for d in row if d != i][: args.negatives] for i, row in enumerate(found.tolist())]
         return pd.concat(
             [
                 pd.DataFrame({"query": frame["anchor"], "passage": frame["positive"], "label": 1.0}),
-                pd.DataFrame(
-                    {"query": frame["anchor"], "passage": frame["positive"].iloc[negative].values, "label": 0.0}
+                *(
+                    pd.DataFrame(
+                        {
+                            "query": frame["anchor"],
+                            "passage": frame["positive"].iloc[[row[n] for row in negatives]].values,
+                            "label": 0.0,
+                        }
+                    )
+                    for n in range(args.negatives)
                 ),
             ],
             ignore_index=True,
@@ -216,7 +228,7 @@ def rerank_side(args) -> dict:
     return {
         "side": "rerank",
         "top_k": args.top_k,
-        "reranker_train_rows": 2 * len(train),
+        "reranker_train_rows": (1 + args.negatives) * len(train),
         "embedding_top_k": {k: round(v, 4) for k, v in before.items()},
         "reranked": {k: round(v, 4) for k, v in after.items()},
         "train_seconds": round(reporter.fields["train_metrics"]["train_seconds"], 1),
@@ -251,6 +263,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--embedder", help="--side rerank: the embedding model directory whose top-k is reranked")
     p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--negatives", type=int, default=1, help="--side rerank: hard negatives per training title")
+    p.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default="auto",
+        help="tunejob's precision; the peer trains with bf16=True when bf16",
+    )
     p.add_argument("--rerank-epochs", type=float, default=1)
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
