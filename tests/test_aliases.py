@@ -119,3 +119,22 @@ def test_the_cli_sets_lists_and_shows_aliases_and_the_evaluation(stack, two_jobs
         args = parser.parse_args(["models", "--json"])
         assert args.handler is cli.list_models  # `tunejob models` still lists the base models
         client.delete_alias("canary")
+
+
+def test_predicting_by_alias_reads_the_store_as_often_as_by_job_id(stack, two_jobs):
+    """Sync predict reads an alias with its job in one statement: as many reads of the job store
+    (SELECTs naming the job or the alias; the key's and other threads' reads aside) as by job id."""
+    from tests.test_feeds import selects
+
+    client, first = stack.client, two_jobs[0]
+    assert client.put("/models/aliases/counted", json={"job_id": first}).status_code == 200
+    reads = {}
+    try:
+        for ref in (first, "counted"):
+            with selects() as seen:
+                r = client.post(f"/models/{ref}/predict", json={"inputs": ["goal match team"]})
+            assert r.status_code == 200 and r.json()["model"] == first, r.text
+            reads[ref] = [statement for statement, params in seen if params & {first, "counted"}]
+    finally:
+        client.delete("/models/aliases/counted")
+    assert len(reads["counted"]) == len(reads[first]) == 1, reads

@@ -244,6 +244,55 @@ def test_a_warm_start_brings_finished_trials_as_history_for_the_pruner(client, d
     assert r.status_code == 201 and r.json()["history"]["trials"] == 2 - outside, r.text
 
 
+def test_the_report_draws_a_warm_starts_history_grey_and_off_the_best_line(client, dataset, monkeypatch):  # noqa: F811
+    """``optimization_history.png`` draws the history's completed trials grey as "earlier sweeps",
+    before trial 0; the best-so-far line is this sweep's own, as ``GET /sweeps/{id}``'s
+    ``best_trial`` is, though the history holds a better value."""
+    from shared.jobs import sweep_report
+
+    source = created(client, body(dataset["id"], max_trials=2, max_parallel_trials=2))
+    done, pruned = trials(client, source["id"])
+    finish(done["job_id"], "succeeded", {2: 0.9})
+    finish(pruned["job_id"], "pruned", {2: 0.3})  # no value: not drawn, as this sweep's pruned trials are not
+    sweep = created(client, body(dataset["id"], warm_start_from=[source["id"]], max_trials=1))
+    (own,) = trials(client, sweep["id"])
+    finish(own["job_id"], "succeeded", {2: 0.6})
+    drawn, real = [], sweep_report.drawing
+    monkeypatch.setattr(sweep_report, "drawing", lambda *a: drawn.append(real(*a)) or drawn[-1])
+
+    r = client.get(f"/sweeps/{sweep['id']}/report/optimization_history.png")
+    assert r.status_code == 200 and r.content.startswith(b"\x89PNG"), r.text
+    (axes,) = drawn[0].axes
+    assert [t.get_text() for t in axes.get_legend().get_texts()] == ["earlier sweeps", "objective value", "best value"]
+    grey, mine = axes.collections
+    assert grey.get_offsets().tolist() == [[-1, 0.9]] and mine.get_offsets().tolist() == [[0, 0.6]]
+    (best,) = axes.get_lines()
+    assert list(best.get_ydata()) == [client.get(f"/sweeps/{sweep['id']}").json()["best_trial"]["value"]] == [0.6]
+
+
+def test_the_pareto_picture_draws_a_warm_starts_history_grey_and_off_the_front():
+    """The front (``Study.best_trials`` of this sweep's trials) stays this sweep's when an earlier
+    sweep's trial beats them all; that trial is drawn grey as "earlier sweeps"."""
+    from optuna.distributions import FloatDistribution
+
+    from shared.jobs.sweep_report import drawing
+
+    space = {"learning_rate": FloatDistribution(1e-5, 1e-2, log=True)}
+
+    def trial(accuracy: float, latency: float) -> optuna.trial.FrozenTrial:
+        return optuna.trial.create_trial(
+            params={"learning_rate": 1e-3}, distributions=space, values=[accuracy, latency]
+        )
+
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    study.add_trials([trial(0.7, 10.0), trial(0.8, 20.0), trial(0.6, 30.0)])
+    (axes,) = drawing(study, "pareto_front.png", ("accuracy", "latency_ms"), [trial(0.9, 5.0)]).axes
+    legend = [t.get_text() for t in axes.get_legend().get_texts()]
+    assert legend == ["earlier sweeps", "trial", "best trial (the front)"]
+    grey, others, front = (c.get_offsets().tolist() for c in axes.collections)
+    assert (grey, others, front) == ([[0.9, 5.0]], [[0.6, 30.0]], [[0.7, 10.0], [0.8, 20.0]])
+
+
 @pytest.mark.parametrize("mismatch", ["tenant", "task", "base_model", "missing"])
 def test_a_warm_start_from_another_tenant_task_or_model_is_refused(client, dataset, mismatch):  # noqa: F811
     source = created(client, body(dataset["id"], max_trials=1))["id"]

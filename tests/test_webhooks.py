@@ -502,6 +502,25 @@ def test_ipv6_addresses_that_embed_a_private_one_are_refused(address):
     assert refused_address("2002:808:808::1") is None  # 6to4 of a public address (8.8.8.8)
 
 
+def test_the_guide_lists_every_event_type_and_no_other():
+    """docs/guide/webhooks.md's ``events`` list (the ``POST /webhooks`` row) is ``EventType``, both
+    ways: a type added to the schema and not to the guide fails, and so does one the guide keeps
+    after the schema dropped it."""
+    import re
+    import typing
+    from pathlib import Path
+
+    from shared.schemas.webhooks import EventType
+
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "guide" / "webhooks.md").read_text()
+    (row,) = [line for line in guide.splitlines() if line.startswith("| `POST /webhooks` |")]
+    listed = re.findall(r"`([a-z_]+\.[a-z_]+)`", row.partition("`events` from ")[2])
+    schema = typing.get_args(EventType)
+    assert len(listed) == len(set(listed)), listed
+    assert set(schema) - set(listed) == set(), "in EventType, not in the guide"
+    assert set(listed) - set(schema) == set(), "in the guide, not in EventType"
+
+
 def test_a_url_with_a_user_and_password_is_refused(stack):
     r = stack.client.post("/webhooks", json={"url": "https://user:secret@93.184.216.34/hook", "events": ["job.failed"]})
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_url", r.text

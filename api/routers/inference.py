@@ -14,11 +14,12 @@ from fastapi import APIRouter
 from api.auth import CallerDep
 from api.errors import error_responses
 from shared.errors import Conflict, NotFound, UserError
-from shared.jobs import aliases, lifecycle
+from shared.jobs import aliases
 from shared.jobs.models import embedding_model, trained_model
 from shared.schemas.predictions import EmbedIn, EmbedOut, PredictIn, PredictOut, RerankIn, RerankOut, RerankResult
 from shared.settings import get_settings
 from shared.store import artifacts
+from shared.store.engine import read_session
 from shared.store.rows import JobStatus
 from shared.store.tenancy import Caller
 
@@ -42,8 +43,8 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
             f"inputs has {len(body.inputs)} items; at most {limit} are answered at once (max_sync_inputs)",
             "inputs",
         )
-    job_id = aliases.resolve(job_id, caller)
-    cached = model_cache().get(job_id, trained_model_dir(job_id, caller))
+    job_id, model_dir = trained_model_dir(job_id, caller)
+    cached = model_cache().get(job_id, model_dir)
     texts, pairs = split_inputs(body.inputs)
     if pairs is not None and cached.loaded.task == "token_classification":
         raise UserError(
@@ -91,8 +92,8 @@ def rerank(job_id: str, body: RerankIn, caller: CallerDep) -> RerankOut:
             f"documents has {len(body.documents)} items; at most {limit} are answered at once (max_sync_inputs)",
             "documents",
         )
-    job_id = aliases.resolve(job_id, caller)
     job, model_dir = trained_model(job_id, caller)
+    job_id = job.id  # an alias's job
     if job.task != "reranking":
         raise UserError(
             "unsupported_task", f"job {job_id!r} was trained for {job.task}; reranking needs a reranking job", "job_id"
@@ -130,21 +131,23 @@ def embed_texts_with(ref: str, texts: list[str], normalize: bool, caller: Caller
         return embed_texts(cached.loaded, texts, normalize), cached.loaded
 
 
-def trained_model_dir(job_id: str, caller: Caller) -> Path:
-    """The model folder of ``caller``'s succeeded training job ``job_id``.
+def trained_model_dir(ref: str, caller: Caller) -> tuple[str, Path]:
+    """The id and model folder of ``caller``'s succeeded training job ``ref`` (its id, or one of the
+    tenant's aliases: ``shared.jobs.aliases.owned_model_job``, one read).
 
     Raises:
-        NotFound, Deleted: (404) no such job for this caller, or it was deleted; or its model files
-            are gone (``artifact_retention_days``); a prediction job's id (``get_job`` looks up
-            training jobs only). Conflict: (409) the job has not succeeded.
+        NotFound, Deleted: (404) no such job or alias for this caller (naming ``ref``), or the job
+            was deleted; or its model files are gone (``artifact_retention_days``); a prediction
+            job's id (training jobs only). Conflict: (409) the job has not succeeded.
     """
-    job = lifecycle.get_job(job_id, caller)
+    with read_session() as s:
+        job = aliases.owned_model_job(s, ref, caller)
     if job.status != JobStatus.SUCCEEDED:
-        raise Conflict("job_not_succeeded", f"job {job_id!r} is {job.status}: only a succeeded job has a model")
-    model_dir = artifacts.local_model(job_id)
+        raise Conflict("job_not_succeeded", f"job {job.id!r} is {job.status}: only a succeeded job has a model")
+    model_dir = artifacts.local_model(job.id)
     if model_dir is None:
-        raise NotFound("model of job", job_id)
-    return model_dir
+        raise NotFound("model of job", job.id)
+    return job.id, model_dir
 
 
 def split_inputs(inputs: list[str] | list[tuple[str, str]]) -> tuple[list[str], list[str] | None]:

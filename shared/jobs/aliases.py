@@ -1,6 +1,7 @@
 """Model aliases (issue 37, after MLflow's registered model aliases): a tenant's stable names for
 its fine-tuned models, e.g. ``production`` -> ``job_…``. Every route that takes a fine-tuned model's
-job id takes an alias too (``resolve``, once per request), so promoting a model is one
+job id takes an alias too (``resolve``, once per request; sync predict and rerank read the alias
+with its job in one statement, ``owned_model_job``), so promoting a model is one
 ``PUT /models/aliases/{alias}`` and no client changes. A move is recorded (who, when, from, to) and
 sends a ``model.alias_updated`` webhook in the same transaction (``shared.jobs.webhooks.emit``).
 The sync predict cache is keyed by the job id an alias resolves to, so the next request after a
@@ -9,14 +10,15 @@ move loads the new model."""
 import re
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from shared.errors import Conflict, NotFound, UserError
 from shared.jobs.base_models import available_models
 from shared.jobs.webhooks import emit
 from shared.store.alias_rows import ModelAlias, ModelAliasChange
 from shared.store.engine import read_session, session_scope
-from shared.store.rows import JobStatus, utcnow
-from shared.store.tenancy import Caller, owned_job
+from shared.store.rows import Job, JobStatus, utcnow
+from shared.store.tenancy import Caller, of_kind, owned_job, visible
 
 ALIAS = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")  # a slug: never a job id (job_…), which has an underscore
 EVENT = "model.alias_updated"
@@ -130,3 +132,22 @@ def resolve(ref: str, caller: Caller) -> str:
     with read_session() as s:
         job_id = s.scalar(select(ModelAlias.job_id).where(ModelAlias.tenant == caller.tenant, ModelAlias.alias == ref))
     return job_id or ref
+
+
+def owned_model_job(s: Session, ref: str, caller: Caller) -> Job:
+    """``owned_job`` of the training job ``ref`` names: a job id, or one of the caller's tenant's
+    aliases, read with the job it names in one statement (``resolve`` and then ``owned_job`` would
+    read twice).
+
+    Raises:
+        NotFound: (404) no such job, or alias, naming ``ref``; another tenant's job, or one of
+            another kind. Deleted: (404) the job (by its id) was deleted.
+    """
+    if not ALIAS.match(ref):
+        return owned_job(s, ref, caller)
+    job = s.scalar(
+        select(Job)
+        .join(ModelAlias, ModelAlias.job_id == Job.id)
+        .where(ModelAlias.tenant == caller.tenant, ModelAlias.alias == ref)
+    )
+    return of_kind(visible(job, Job, job.id if job else ref, caller), "train")

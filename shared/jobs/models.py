@@ -3,15 +3,18 @@
 from pathlib import Path
 
 from shared.errors import Deleted, NotFound, UserError
+from shared.jobs.aliases import owned_model_job
 from shared.jobs.base_models import resolve_model
 from shared.store import artifacts
 from shared.store.engine import read_session
 from shared.store.rows import Job, JobStatus
-from shared.store.tenancy import Caller, owned_job
+from shared.store.tenancy import Caller
 
 
 def trained_model(ref: str, caller: Caller) -> tuple[Job, Path]:
-    """The succeeded training job ``ref`` of ``caller``'s tenant and its model directory.
+    """The succeeded training job ``ref`` (its id, or one of the tenant's aliases:
+    ``shared.jobs.aliases.owned_model_job``, one read) of ``caller``'s tenant and its model
+    directory. The errors name the job by its id once found, and by ``ref`` before.
 
     Raises:
         UserError (naming ``model``): ``unknown_model`` (404), ``model_deleted`` (404),
@@ -19,7 +22,7 @@ def trained_model(ref: str, caller: Caller) -> tuple[Job, Path]:
     """
     try:
         with read_session() as s:
-            job = owned_job(s, ref, caller)
+            job = owned_model_job(s, ref, caller)
     except Deleted as e:
         raise UserError("model_deleted", f"model {e.message}", "model", 404) from None
     except NotFound:
@@ -27,15 +30,15 @@ def trained_model(ref: str, caller: Caller) -> tuple[Job, Path]:
     if job.status != JobStatus.SUCCEEDED:
         raise UserError(
             "model_not_ready",
-            f"model {ref!r} is a training job that is {job.status}; only a succeeded job has a model",
+            f"model {job.id!r} is a training job that is {job.status}; only a succeeded job has a model",
             "model",
             409,
         )
-    directory = artifacts.local_model(ref) if job.files_deleted_at is None else None  # from the bucket if set
+    directory = artifacts.local_model(job.id) if job.files_deleted_at is None else None  # from the bucket if set
     if directory is None:
         raise UserError(
             "model_files_deleted",
-            f"model {ref!r}: the job's files were deleted (TUNEJOB_ARTIFACT_RETENTION_DAYS)",
+            f"model {job.id!r}: the job's files were deleted (TUNEJOB_ARTIFACT_RETENTION_DAYS)",
             "model",
             409,
         )

@@ -88,9 +88,9 @@ class LiveChart {
       width: Math.max(280, this.el.clientWidth), height: 220,
       scales: {x: {time: false}},
       legend: {show: true},
-      axes: [{stroke: c.text, grid: {stroke: c.grid}, label: this.xLabel, values: (u, splits) => splits.map(tick),
+      axes: [{stroke: c.text, grid: {stroke: c.grid}, label: this.xLabel, values: tickLabels,
               ...(this.integerX ? {incrs: INTEGER_INCRS} : {})},
-             {stroke: c.text, grid: {stroke: c.grid}, size: 64, values: (u, splits) => splits.map(tick)}],
+             {stroke: c.text, grid: {stroke: c.grid}, size: 64, values: tickLabels}],
       series: [{label: this.xLabel}, ...this.names.map((n, i) => ({
         label: n, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true,
         points: {show: this.points || this.scatter, size: 7}, ...(this.scatter ? {paths: () => null} : {})}))],
@@ -115,10 +115,27 @@ class LiveChart {
   resize() { if (this.plot) this.plot.setSize({width: Math.max(280, this.el.clientWidth), height: 220}); }
 }
 
-// An axis tick: 3 significant digits, small values (a learning rate) in exponent form.
+// A value on its own (a reference line's label): 3 significant digits, small values (a learning
+// rate) in exponent form.
 function tick(v) {
   if (v === null || v === undefined) return "";
   return v !== 0 && Math.abs(v) < 1e-2 ? v.toExponential(1) : String(+v.toPrecision(3));
+}
+
+// An axis's tick labels (uPlot's axis `values`: the ticks, and `step`, the increment between them):
+// as many decimals as the step needs, so that adjacent ticks read differently (latencies 0.001 ms
+// apart: 1.508, 1.509, never 1.51 twice), trailing zeros dropped (whole numbers read 2, not 2.00);
+// small values (a learning rate) in exponent form, with as many mantissa digits.
+function tickLabels(u, splits, axisIdx, space, step) {
+  if (!(step > 0)) return splits.map(tick);  // no step found: as values on their own
+  let decimals = 0;  // the step's decimals (0.25: 2; 5: 0), float noise (0.1 + 0.2) aside
+  while (decimals < 20 && Math.abs(step * 10 ** decimals - Math.round(step * 10 ** decimals)) > 1e-6 * step * 10 ** decimals) decimals++;
+  return splits.map(v => {
+    if (v === null || v === undefined) return "";
+    if (v === 0 || Math.abs(v) >= 1e-2) return String(+v.toFixed(decimals));
+    const digits = Math.min(20, Math.max(0, decimals + Math.floor(Math.log10(Math.abs(v)))));
+    return (+v.toExponential(digits)).toExponential();
+  });
 }
 
 // Checkpoints as dashed vertical lines, the best evaluation as a star, reference values (the
