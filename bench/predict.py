@@ -8,6 +8,8 @@ round-robin over repeats.
     python -m bench.predict run --dataset rotten_tomatoes --repeats 2 --markdown docs/benchmarks.md
     python -m bench.predict latency --requests 50 --markdown docs/benchmarks.md   # POST /models/{id}/predict
     python -m bench.predict job --rows 2000 --repeats 3 --markdown docs/benchmarks.md   # whole jobs, tunejob serve
+    python -m bench.predict job --model bbc --texts bbc --rows 2225 --max-length 512 --precisions fp32,int8 \
+        --repeats 2 --restart --no-loop   # issue 40: a model's second job, and a restarted worker's first
     python -m bench.predict job --model tiny --texts short --rows 100000,1000000 --no-loop --section job-memory
 
 Configurations (``--configs``): ``pipeline``, and ``tunejob[:<name>=<value>...]`` with
@@ -46,7 +48,7 @@ def prepare(dataset: str, max_length: int, learning_rate: float, precision: str 
     from bench.engine import BenchReporter, make_job
     from bench.measure import Clock
     from worker.data import JobData
-    from worker.device import resolve_device
+    from worker.device import resolve_device, reuse_freed_cpu_memory
     from worker.training.recipe import Recipe
 
     corpus = CORPORA[dataset]
@@ -65,6 +67,8 @@ def prepare(dataset: str, max_length: int, learning_rate: float, precision: str 
     train_df, _ = load_split(dataset, corpus.train_size, corpus.val_size)
     labels = sorted(str(v) for v in train_df["label"].unique())
     device, _ = resolve_device("auto")
+    if device.type == "cpu":
+        reuse_freed_cpu_memory()  # the CPU worker's allocator setting
     reporter = BenchReporter(Clock(device), epochs=1)
     with tempfile.TemporaryDirectory(prefix="tunejob-bench-") as data_dir:
         os.environ["TUNEJOB_DATA_DIR"] = data_dir
@@ -483,13 +487,11 @@ def measure_job(args: argparse.Namespace) -> dict:
             job_id = register_model(model_dir, "bench", [config.id2label[i] for i in range(config.num_labels)])
         port = free_port()
         env["TUNEJOB_URL"] = f"http://127.0.0.1:{port}"
-        server = Process(
-            "serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env, work_dir / "serve.log"
-        )
         client = httpx.Client(
             base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}, timeout=600
         )
-        sampler = None
+        server: Process | None = None
+        sampler: RssSampler | None = None
 
         def up() -> bool:
             try:
@@ -526,7 +528,7 @@ def measure_job(args: argparse.Namespace) -> dict:
             while (p := client.get(f"/predictions/{pid}").json())["status"] not in ("succeeded", "failed", "cancelled"):
                 time.sleep(args.poll)
             if p["status"] != "succeeded":
-                raise RuntimeError(f"prediction {pid}: {p['status']}: {p.get('error')}\n{server.tail()}")
+                raise RuntimeError(f"prediction {pid}: {p['status']}: {p.get('error')}\n{server and server.tail()}")
             lines = 0
             with client.stream("GET", f"/predictions/{pid}/results", params={"format": "jsonl"}) as r:
                 r.raise_for_status()
@@ -534,11 +536,16 @@ def measure_job(args: argparse.Namespace) -> dict:
                     lines += 1
             return time.perf_counter() - began, p, lines
 
+        def start() -> tuple[Process, RssSampler, float]:
+            """``tunejob serve`` on the data directory, up; its RSS sampler; a 64-row warm-up's seconds."""
+            process = Process(
+                "serve", [sys.executable, "-m", "tunejob", "serve", "--port", str(port)], env, work_dir / "serve.log"
+            )
+            wait_for("tunejob serve", up, timeout=180, diagnostics=process.tail)
+            return process, RssSampler(process.popen.pid), predict(upload(job_texts(args.texts, 64)))[0]
+
         try:
-            wait_for("tunejob serve", up, timeout=180, diagnostics=server.tail)
-            sampler = RssSampler(server.popen.pid)
-            warm_seconds, _, _ = predict(upload(job_texts(args.texts, 64)))
-            out["warm_seconds"] = warm_seconds
+            server, sampler, out["warm_seconds"] = start()
             if args.loop:
                 import torch
 
@@ -553,8 +560,16 @@ def measure_job(args: argparse.Namespace) -> dict:
                 budget = max_tokens(64, args.max_length)
                 predict_texts(loaded, job_texts(args.texts, 64), None, args.max_length, budget)
                 out["threads"] = torch.get_num_threads()
-            runs = [(r, precision) for precision in args.precisions for r in args.rows for _ in range(args.repeats)]
-            for rows, precision in runs:
+            runs = [
+                (r, precision, False) for precision in args.precisions for r in args.rows for _ in range(args.repeats)
+            ]
+            if args.restart:  # a new worker process on the same data directory (Inductor's disk cache)
+                runs += [(args.rows[0], precision, True) for precision in args.precisions]
+            for rows, precision, restarted in runs:
+                if restarted and not any(size["restarted"] for size in out["sizes"]):
+                    sampler.close()
+                    server.stop(timeout=60)
+                    server, sampler, out["restart_warm_seconds"] = start()
                 texts = job_texts(args.texts, rows)
                 dataset = upload(texts)
                 time.sleep(1)
@@ -565,6 +580,7 @@ def measure_job(args: argparse.Namespace) -> dict:
                 size = {
                     "rows": rows,
                     "precision": precision,
+                    "restarted": restarted,
                     "job_seconds": seconds,
                     "rows_per_second": rows / seconds,
                     "start_rss": start_rss,
@@ -577,7 +593,7 @@ def measure_job(args: argparse.Namespace) -> dict:
                 }
                 out["sizes"].append(size)
                 print(
-                    f"{rows:,} rows, {precision}: job {seconds:.1f} s ({rows / seconds:,.0f} rows/s), worker RSS "
+                    f"{rows:,} rows, {precision}{' (restarted)' if restarted else ''}: job {seconds:.1f} s ({rows / seconds:,.0f} rows/s), worker RSS "
                     f"{start_rss / 2**20:,.0f} -> peak {sampler.peak / 2**20:,.0f} MiB, load {load:.1f}",
                     flush=True,
                 )
@@ -595,7 +611,8 @@ def measure_job(args: argparse.Namespace) -> dict:
             if sampler:
                 sampler.close()
             client.close()
-            server.stop(timeout=60)
+            if server:
+                server.stop(timeout=60)
     return out
 
 
@@ -618,6 +635,13 @@ def job(args: argparse.Namespace, command: str) -> None:
         if args.loop
         else ""
     )
+    restart_note = (
+        f" A restarted worker: `tunejob serve` stopped and started again on the same data directory "
+        f"(Inductor's on-disk cache kept, the worker's model cache empty), warmed by a 64-row prediction "
+        f"({result['restart_warm_seconds']:.1f} s), then one job per precision."
+        if args.restart
+        else ""
+    )
     head = (
         f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}, `{command}`: a real `tunejob serve` (embedded SQLite store, "
         f"filesystem broker, temporary data dir), the model registered as a succeeded training job of the "
@@ -625,7 +649,7 @@ def job(args: argparse.Namespace, command: str) -> None:
         f"`GET /predictions/{{id}}` (every {args.poll:g} s) until succeeded -> every row of `GET .../results?format=jsonl` read; "
         f"the worker warmed by one 64-row prediction ({result['warm_seconds']:.1f} s, cold). Worker RSS: the "
         f"summed RSS of `tunejob serve`'s child processes (psutil, every 0.2 s), at the POST and its peak "
-        f"until the results were read.{loop_note} {machine}; load average: 1-minute, before each timing; "
+        f"until the results were read.{loop_note}{restart_note} {machine}; load average: 1-minute, before each timing; "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end.\n\n"
     )
     if args.loop:
@@ -646,7 +670,8 @@ def job(args: argparse.Namespace, command: str) -> None:
             "| peak - start MiB | RSS samples | load average |\n|---|---|---|---|---|---|---|---|---|---|\n"
         )
         lines = [
-            f"| {r['rows']:,} | {r['precision']} | {r['job_seconds']:.1f} | {r['rows_per_second']:,.0f} "
+            f"| {r['rows']:,} | {r['precision']}{' (a restarted worker)' if r['restarted'] else ''} "
+            f"| {r['job_seconds']:.1f} | {r['rows_per_second']:,.0f} "
             f"| {r['worker_rows_per_second'] or 0:,.0f} | {r['start_rss'] / 2**20:,.0f} "
             f"| {r['peak_rss'] / 2**20:,.0f} | {(r['peak_rss'] - r['start_rss']) / 2**20:,.0f} | {r['samples']} "
             f"| {r['load_average']:.1f} |"
@@ -707,6 +732,12 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also time predict_texts on the same texts (the loop's own time)",
+    )
+    whole.add_argument(
+        "--restart",
+        action="store_true",
+        help="then restart `tunejob serve` on the same data directory and run one job per precision "
+        "(the first row count): what a new worker pays with Inductor's cache on disk",
     )
     whole.add_argument("--section", default="job", help="the Markdown section: predict-<section>")
     whole.add_argument("--markdown", type=Path, default=None, help="write the table into this file's section")

@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> dict:
         }
         result["epoch_time_ratio"] = round(result["peer"]["train_seconds"] / ours["train_seconds"], 2)
     else:
+        from worker.device import reuse_freed_cpu_memory
+
+        reuse_freed_cpu_memory()  # the CPU worker's allocator setting, for every side alike (as bench.train)
         result = {"tunejob": tunejob_side, "peer": peer_side, "rerank": rerank_side}[args.side](args)
     print(json.dumps(result, indent=2))
     return result
