@@ -80,8 +80,8 @@ def encode_words(tokenizer, df: pd.DataFrame, labels: list[str], max_length: int
 class CountingCollator:
     """``DataCollatorWithPadding`` (``labels_per_token``: ``DataCollatorForTokenClassification``)
     that records each training batch's token counts in order (real, padded to its longest member,
-    computed), so the counts of the first k optimizer steps are the first k records (one batch per
-    step; the DataLoader may already have collated the next)."""
+    computed), so the counts of the first k optimizer steps are the first k x
+    ``gradient_accumulation_steps`` records (the DataLoader may already have collated the next)."""
 
     def __init__(self, tokenizer, labels_per_token: bool = False):
         from transformers import (
@@ -100,8 +100,8 @@ class CountingCollator:
         self.batches.append((int(lengths.sum()), n * int(lengths.max()), n * width))
         return batch
 
-    def counts(self, steps: int) -> tuple[int, int, int]:
-        done = self.batches[:steps]
+    def counts(self, micro_batches: int) -> tuple[int, int, int]:
+        done = self.batches[:micro_batches]
         return tuple(sum(batch[i] for batch in done) for i in range(3))
 
 
@@ -115,16 +115,17 @@ def epoch_marks(clock: Clock, collator: CountingCollator, epochs: int):
             self.epoch_ends: list[Mark] = []
             self.steady_start: Mark | None = None
 
-        def mark(self, step: int) -> Mark:
-            return clock.mark(step, *collator.counts(step))
+        def mark(self, step: int, accumulation: int) -> Mark:
+            # an epoch's last step may take fewer micro-batches: the slice then ends at the last
+            return clock.mark(step, *collator.counts(step * accumulation))
 
         def on_step_end(self, args, state, control, **kwargs):
             steps_per_epoch = state.max_steps // epochs
             if epochs == 1 and state.global_step == steady_from(steps_per_epoch):
-                self.steady_start = self.mark(state.global_step)
+                self.steady_start = self.mark(state.global_step, args.gradient_accumulation_steps)
 
         def on_epoch_end(self, args, state, control, **kwargs):
-            self.epoch_ends.append(self.mark(state.global_step))
+            self.epoch_ends.append(self.mark(state.global_step, args.gradient_accumulation_steps))
 
     return EpochMarks()
 
