@@ -222,6 +222,33 @@ def test_one_epoch_engine_and_trainer_in_process(tiny_models):
     assert engine["epoch_real_tokens"] == peer["epoch_real_tokens"] == [real_tokens_per_epoch()]
 
 
+def test_the_trainer_with_gradient_accumulation_counts_every_micro_batch(tiny_models):
+    """trainer_accumulate_4 takes four micro-batches a step: its epoch counts every training token
+    (it counted one micro-batch in four)."""
+    spec = RunSpec(
+        dataset="rotten_tomatoes",
+        config="trainer_accumulate_4",
+        model="tiny-bert",
+        device="cpu",
+        precision="auto",
+        batch_size=BATCH,
+        max_length=MAX_LENGTH,
+        train_size=TEXTS,
+        val_size=HELD_OUT,
+    )
+    train, _ = load_split("rotten_tomatoes", TEXTS, HELD_OUT)
+    peer = run_peer(
+        "trainer_accumulate_4",
+        spec,
+        train,
+        None,
+        sorted(train["label"].unique()),
+        torch.device("cpu"),
+        str(tiny_models / "trainer-out"),
+    )
+    assert peer["epoch_real_tokens"] == [real_tokens_per_epoch()]
+
+
 def test_harness_runs_every_configuration_cold(tiny_models, tmp_path):
     out, md = tmp_path / "results.json", tmp_path / "bench.md"
     rc = bench.main(
