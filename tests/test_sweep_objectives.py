@@ -194,10 +194,17 @@ def test_the_pareto_picture_is_drawn_in_threads_without_pyplot():
 
 
 @pytest.mark.parametrize("stack", ["embedded"], indirect=True)
-def test_the_sweep_page_draws_the_front_narrow_and_wide(stack, server, watched, tmp_path):  # noqa: F811
+def test_the_sweep_page_draws_the_front_and_a_warm_starts_history_narrow_and_wide(
+    stack,
+    server,  # noqa: F811
+    watched,  # noqa: F811
+    tmp_path,
+):
     """The dashboard's sweep page in chromium: the front chart has a point per succeeded trial, the
-    table marks the front's trials and the default trial, nothing is requested off-host; screenshots at 390 and 1280 pixels
-    (``TUNEJOB_UI_SCREENSHOTS``, default tmp_path)."""
+    table marks the front's trials and the default trial, nothing is requested off-host. A sweep
+    warm-started from it draws the earlier sweep's succeeded trials too, in both charts, as a grey
+    series "earlier sweeps" listed first, while its front stays its own trials'. Screenshots at 390
+    and 1280 pixels (``TUNEJOB_UI_SCREENSHOTS``, default tmp_path)."""
     from tests.test_api_jobs import labelled_csv, upload
     from tests.test_ui_browser import sign_in, wait_for_points
 
@@ -205,18 +212,44 @@ def test_the_sweep_page_draws_the_front_narrow_and_wide(stack, server, watched, 
     data = upload(client, labelled_csv(rows=48, seed=5))
     sweep = wait_for_sweep(client, create(client, multi_body(data["id"], max_trials=2))["id"], timeout=400)
     assert sweep["status"] == "succeeded", sweep
+    warm = create(client, multi_body(data["id"], max_trials=1, warm_start_from=[sweep["id"]]))
+    warm = wait_for_sweep(client, warm["id"], timeout=400)
+    assert warm["status"] == "succeeded" and warm["history"]["trials"] == 2, warm
+    earlier = [t for t in trials_of(client, sweep["id"]) if t["status"] == "succeeded"]
+    own = trials_of(client, warm["id"])
     shots = Path(os.environ.get("TUNEJOB_UI_SCREENSHOTS", tmp_path))
     with watched("sweep-front") as w:
         sign_in(w.page, "ui-sweeps")
         for width, height in ((1280, 900), (390, 844)):
             w.page.set_viewport_size({"width": width, "height": height})
+            size = "wide" if width > 800 else "narrow"
             w.page.goto(f"/ui/sweeps/{sweep['id']}")
             assert wait_for_points(w.page, "#chart-front", 0) == sweep["trials"]["succeeded"]
             assert w.page.locator("span.tag.front").count() == len(sweep["pareto_trials"]) >= 1
             assert w.page.locator("span.tag", has_text="default").count() == 1  # item 6: the default trial marked
-            w.page.screenshot(
-                path=str(shots / f"sweep-front-{'wide' if width > 800 else 'narrow'}.png"), full_page=True
-            )
+            assert "earlier sweeps" not in [label for label, _ in legend(w.page, "#chart-front")]
+            w.page.screenshot(path=str(shots / f"sweep-front-{size}.png"), full_page=True)
+
+            w.page.goto(f"/ui/sweeps/{warm['id']}")
+            points = wait_for_points(w.page, "#chart-front", 0)
+            assert points == len(earlier) + sum(t["status"] == "succeeded" for t in own), (points, earlier, own)
+            points = wait_for_points(w.page, "#chart-trials", 0)
+            assert points == len(earlier) + sum(t["value"] is not None for t in own), (points, earlier, own)
+            grey = w.page.locator(".legend-note").evaluate("e => getComputedStyle(e).color")  # --muted
+            for chart in ("#chart-front", "#chart-trials"):
+                assert legend(w.page, chart)[0] == ("earlier sweeps", grey), legend(w.page, chart)
+            assert w.page.locator("span.tag.front").count() == len(warm["pareto_trials"]) == 1  # its own trial
+            assert "not trials of this sweep" in w.page.locator(".legend-note").inner_text()
+            w.page.screenshot(path=str(shots / f"sweep-warm-{size}.png"), full_page=True)
+
+
+def legend(page, chart: str) -> list[tuple[str, str]]:
+    """The series of ``chart``'s legend after its x: (label, the marker's colour as CSS writes it, ``rgb(...)``)."""
+    labels = page.locator(f"{chart} .u-legend .u-series").evaluate_all(
+        "rows => rows.slice(1).map(r => [r.querySelector('.u-label').textContent,"
+        " getComputedStyle(r.querySelector('.u-marker')).borderColor])"
+    )
+    return [(label, color) for label, color in labels]
 
 
 def test_the_cli_prints_the_front_and_marks_its_trials():

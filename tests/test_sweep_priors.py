@@ -2,6 +2,9 @@
 the default trial (``include_defaults``), the search space's priors per model size, warm starts
 from earlier sweeps, and the sweep's time budget, with their bad input (a 4xx, nothing queued)."""
 
+import json
+import re
+
 import optuna
 import pytest
 from rich.console import Console
@@ -179,17 +182,19 @@ def test_tpe_start_up_trials_scale_with_max_trials():
 # ----------------------------------------------------------------------------- 3: warm starts
 
 
-def finish(job_id: str, status: str, curve: dict[int, float]) -> None:
-    """End trial ``job_id`` with ``status`` and ``eval_accuracy`` ``curve`` (step -> value), as a worker would."""
+def finish(job_id: str, status: str, curve: dict[int, float], latency: float | None = None) -> None:
+    """End trial ``job_id`` with ``status`` and ``eval_accuracy`` ``curve`` (step -> value), as a
+    worker would; with ``latency``, its ``eval_latency_ms`` at the last step (``worker.latency``)."""
     from shared.store.engine import session_scope
     from shared.store.rows import Job, JobMetric, utcnow
 
+    points = [("eval_accuracy", step, value) for step, value in curve.items()]
+    points += [("eval_latency_ms", max(curve), latency)] if latency is not None else []
     with session_scope() as s:
         job = s.get(Job, job_id)
         job.status, job.finished_at = status, utcnow()
         s.add_all(
-            JobMetric(job_id=job_id, step=step, epoch=0.0, name="eval_accuracy", value=value)
-            for step, value in curve.items()
+            JobMetric(job_id=job_id, step=step, epoch=0.0, name=name, value=value) for name, step, value in points
         )
 
 
@@ -291,6 +296,44 @@ def test_the_pareto_picture_draws_a_warm_starts_history_grey_and_off_the_front()
     assert legend == ["earlier sweeps", "trial", "best trial (the front)"]
     grey, others, front = (c.get_offsets().tolist() for c in axes.collections)
     assert (grey, others, front) == ([[0.9, 5.0]], [[0.6, 30.0]], [[0.7, 10.0], [0.8, 20.0]])
+
+
+def test_the_sweep_page_draws_a_warm_starts_succeeded_trials_apart(client, dataset, monkeypatch):  # noqa: F811
+    """The sweep page's chart data holds the warm start's succeeded trials (``history``: each one's
+    sweep, number there, value and, where it has them all, every objective's values), in the
+    history's order, at most TUNEJOB_MAX_TRIALS_PER_SWEEP of them; the front stays the sweep's own,
+    though a history trial beats it on both objectives."""
+    from fastapi.testclient import TestClient
+
+    from shared.settings import get_settings
+    from shared.store.keys import create_key
+    from tests.conftest import BASE_URL
+    from tests.test_ui import csrf_of
+
+    both = {"objectives": [{"metric": "accuracy"}, {"metric": "latency_ms"}]}
+    source = created(client, body(dataset["id"], max_trials=3, max_parallel_trials=3, **both))
+    fast, pruned, unmeasured = trials(client, source["id"])
+    finish(fast["job_id"], "succeeded", {2: 0.9}, latency=5.0)
+    finish(pruned["job_id"], "pruned", {2: 0.3})  # no value: not drawn, as the report leaves it
+    finish(unmeasured["job_id"], "succeeded", {2: 0.7})  # no latency: off the front chart only
+    sweep = created(client, body(dataset["id"], warm_start_from=[source["id"]], max_trials=1, **both))
+    (own,) = trials(client, sweep["id"])
+    finish(own["job_id"], "succeeded", {2: 0.6}, latency=10.0)
+    browser = TestClient(client.app, base_url=BASE_URL)
+    key, _ = create_key("tenant-a")
+    assert csrf_of(browser.post("/ui/login", data={"key": key}).text)  # signed in: the jobs page
+
+    def chart() -> dict:
+        page = browser.get(f"/ui/sweeps/{sweep['id']}").text
+        return json.loads(re.search(r'<script type="application/json" id="chart-data">(.*?)</script>', page)[1])
+
+    assert chart()["history"] == [
+        {"sweep": source["id"], "number": 0, "value": 0.9, "values": [0.9, 5.0]},
+        {"sweep": source["id"], "number": 2, "value": 0.7, "values": None},
+    ]
+    assert chart()["front"] == [0]
+    monkeypatch.setattr(get_settings(), "max_trials_per_sweep", 1)
+    assert [h["number"] for h in chart()["history"]] == [0]
 
 
 @pytest.mark.parametrize("mismatch", ["tenant", "task", "base_model", "missing"])

@@ -371,9 +371,11 @@ def sweeps_page(request: Request, s: SessionDep, cursor: str | None = None):
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
 def sweep_page(request: Request, sweep_id: str, s: SessionDep):
     """A sweep's trials: a table, the objective by trial, each parameter against the objective;
-    with several objectives, the Pareto front among every trial's point."""
+    with several objectives, the Pareto front among every trial's point. A warm start's history is
+    drawn grey beside them (``history``), on neither the front nor the best."""
     sweep = sweeps.get_sweep(sweep_id, s.caller)
     trials = sweeps.list_trials(sweep_id, s.caller)
+    history = sweeps.history_points(sweep_id, s.caller) if sweep.history else []
     params = list(dict.fromkeys(k for t in trials for k in t.params))
     front = [p.trial_number for p in sweep.pareto_trials]
     return render(
@@ -393,6 +395,7 @@ def sweep_page(request: Request, sweep_id: str, s: SessionDep):
                 {"number": t.number, "status": t.status, "value": t.value, "values": t.values, "params": t.params}
                 for t in trials
             ],
+            "history": history,
         },
     )
 

@@ -38,7 +38,8 @@ const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2
 
 function themeColors() {
   const style = getComputedStyle(document.body);
-  return {text: style.getPropertyValue("--text").trim() || "#111", grid: style.getPropertyValue("--grid").trim() || "#ddd"};
+  return {text: style.getPropertyValue("--text").trim() || "#111", grid: style.getPropertyValue("--grid").trim() || "#ddd",
+          muted: style.getPropertyValue("--muted").trim() || "#5b6470"};
 }
 
 // Tick steps of an axis of whole numbers (a trial's number): uPlot's defaults include 0.1 and 0.5.
@@ -46,8 +47,9 @@ const INTEGER_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 100
 
 // A live line chart: series by name, points (step, value) added at any time, redrawn once per frame.
 class LiveChart {
-  constructor(el, {points = false, marks = null, scatter = false, xLabel = "step", integerX = false} = {}) {
+  constructor(el, {points = false, marks = null, scatter = false, xLabel = "step", integerX = false, colors = {}} = {}) {
     this.el = el;
+    this.colors = colors;      // series name -> its colour, its points filled (told apart by shape too); the others take PALETTE's in turn
     this.scatter = scatter;    // points only, no lines (a sweep's trials)
     this.xLabel = xLabel;
     this.integerX = integerX;  // x ticks at whole numbers only
@@ -84,6 +86,7 @@ class LiveChart {
   options() {
     const c = themeColors();
     const marks = this.marks;
+    const free = this.names.filter(n => !(n in this.colors));
     return {
       width: Math.max(280, this.el.clientWidth), height: 220,
       scales: {x: {time: false}},
@@ -91,9 +94,11 @@ class LiveChart {
       axes: [{stroke: c.text, grid: {stroke: c.grid}, label: this.xLabel, values: tickLabels,
               ...(this.integerX ? {incrs: INTEGER_INCRS} : {})},
              {stroke: c.text, grid: {stroke: c.grid}, size: 64, values: tickLabels}],
-      series: [{label: this.xLabel}, ...this.names.map((n, i) => ({
-        label: n, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true,
-        points: {show: this.points || this.scatter, size: 7}, ...(this.scatter ? {paths: () => null} : {})}))],
+      series: [{label: this.xLabel}, ...this.names.map(n => {
+        const fill = n in this.colors ? {fill: this.colors[n]} : {};  // its points and legend marker
+        return {label: n, stroke: this.colors[n] || PALETTE[free.indexOf(n) % PALETTE.length], width: 1.5, spanGaps: true, ...fill,
+                points: {show: this.points || this.scatter, size: 7, ...fill}, ...(this.scatter ? {paths: () => null} : {})};
+      })],
       hooks: marks ? {draw: [u => drawMarks(u, marks(), c.text)]} : {},
     };
   }
@@ -518,17 +523,25 @@ pages.prediction = () => {
   stream.addEventListener("error", e => { if (e.data) { stream.close(); say("action-message", JSON.parse(e.data).error.message, true); } });
 };
 
+// A warm start's history (earlier sweeps' trials, not this sweep's): grey, added first so that it
+// is drawn beneath the sweep's own points and listed first, as the report's pictures do.
+const EARLIER = "earlier sweeps";
+
 pages.sweep = () => {
-  const {metric, params, trials, objectives, front} = readJSON("chart-data");
+  const {metric, params, trials, objectives, front, history} = readJSON("chart-data");
   const scored = trials.filter(t => t.value !== null);
   const series = t => (t.status === "pruned" ? "pruned" : "trials");
+  const colors = {[EARLIER]: themeColors().muted};
   if (objectives.length > 1) {  // the Pareto front: the second objective across, the first up
-    const chart = new LiveChart($("#chart-front"), {scatter: true, xLabel: objectives[1]});
+    const chart = new LiveChart($("#chart-front"), {scatter: true, xLabel: objectives[1], colors});
+    for (const h of history.filter(h => h.values)) chart.add(EARLIER, h.values[1], h.values[0]);
     for (const t of trials.filter(t => t.status === "succeeded" && !t.values.includes(null))) {
       chart.add(front.includes(t.number) ? "front" : "trials", t.values[1], t.values[0]);
     }
   }
-  const byTrial = new LiveChart($("#chart-trials"), {scatter: true, xLabel: "trial", integerX: true});
+  const xLabel = history.length ? "trial (earlier sweeps' before 0)" : "trial";
+  const byTrial = new LiveChart($("#chart-trials"), {scatter: true, xLabel, integerX: true, colors});
+  history.forEach((h, i) => byTrial.add(EARLIER, i - history.length, h.value));  // at -n to -1
   for (const t of scored) byTrial.add(series(t), t.number, t.value);
   const box = $("#sweep-charts");
   for (const name of params) {  // each numeric parameter against the objective
