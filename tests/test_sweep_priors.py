@@ -299,10 +299,11 @@ def test_the_pareto_picture_draws_a_warm_starts_history_grey_and_off_the_front()
 
 
 def test_the_sweep_page_draws_a_warm_starts_succeeded_trials_apart(client, dataset, monkeypatch):  # noqa: F811
-    """The sweep page's chart data holds the warm start's succeeded trials (``history``: each one's
-    sweep, number there, value and, where it has them all, every objective's values), in the
-    history's order, at most TUNEJOB_MAX_TRIALS_PER_SWEEP of them; the front stays the sweep's own,
-    though a history trial beats it on both objectives."""
+    """The sweep page's chart data holds the warm start's succeeded trials that its study holds
+    (``history``: each one's sweep, number there, value and every objective's values; not one
+    without a latency, which the multi-objective study leaves out), in the history's order, at
+    most TUNEJOB_MAX_TRIALS_PER_SWEEP of them; the front stays the sweep's own, though a history
+    trial beats it on both objectives."""
     from fastapi.testclient import TestClient
 
     from shared.settings import get_settings
@@ -311,11 +312,12 @@ def test_the_sweep_page_draws_a_warm_starts_succeeded_trials_apart(client, datas
     from tests.test_ui import csrf_of
 
     both = {"objectives": [{"metric": "accuracy"}, {"metric": "latency_ms"}]}
-    source = created(client, body(dataset["id"], max_trials=3, max_parallel_trials=3, **both))
-    fast, pruned, unmeasured = trials(client, source["id"])
+    source = created(client, body(dataset["id"], max_trials=4, max_parallel_trials=4, **both))
+    fast, pruned, unmeasured, slow = trials(client, source["id"])
     finish(fast["job_id"], "succeeded", {2: 0.9}, latency=5.0)
     finish(pruned["job_id"], "pruned", {2: 0.3})  # no value: not drawn, as the report leaves it
-    finish(unmeasured["job_id"], "succeeded", {2: 0.7})  # no latency: off the front chart only
+    finish(unmeasured["job_id"], "succeeded", {2: 0.7})  # no latency: not in the study's history
+    finish(slow["job_id"], "succeeded", {2: 0.8}, latency=50.0)
     sweep = created(client, body(dataset["id"], warm_start_from=[source["id"]], max_trials=1, **both))
     (own,) = trials(client, sweep["id"])
     finish(own["job_id"], "succeeded", {2: 0.6}, latency=10.0)
@@ -329,7 +331,7 @@ def test_the_sweep_page_draws_a_warm_starts_succeeded_trials_apart(client, datas
 
     assert chart()["history"] == [
         {"sweep": source["id"], "number": 0, "value": 0.9, "values": [0.9, 5.0]},
-        {"sweep": source["id"], "number": 2, "value": 0.7, "values": None},
+        {"sweep": source["id"], "number": 3, "value": 0.8, "values": [0.8, 50.0]},
     ]
     assert chart()["front"] == [0]
     monkeypatch.setattr(get_settings(), "max_trials_per_sweep", 1)

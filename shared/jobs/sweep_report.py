@@ -45,7 +45,7 @@ def report_file(sweep_id: str, name: str, caller: Caller) -> tuple[bytes, str]:
         spec, trials, trial_curves = sweeps.trials_of(s, sweeps.owned_sweep(s, sweep_id, caller))
         more = search.more_curves(s, spec, [t.id for t in trials])
         past = (
-            search.history(s, spec, distributions(spec), multi=name == "pareto_front.png")
+            search.history(s, spec, distributions(spec), multi=search.multi_objective(spec))
             if name in WITH_HISTORY
             else []
         )
@@ -95,8 +95,8 @@ def drawing(
     far), ``pareto_front.png`` (each completed trial by its first two objectives, ``labels``; the
     front, ``Study.best_trials``, in red) or ``param_importances.png``
     (``optuna.importance.get_param_importances``: fANOVA) of ``study``, on a
-    ``matplotlib.figure.Figure`` of one axes. ``past``: a warm start's trials (``search.history``;
-    for the front, built with ``multi``), drawn in grey as "earlier sweeps" and counted in neither
+    ``matplotlib.figure.Figure`` of one axes. ``past``: a warm start's trials (``search.history``,
+    built with ``multi`` for a sweep of several objectives: the trials its study holds), drawn in grey as "earlier sweeps" and counted in neither
     the best so far nor the front; on the history, the completed ones at trial numbers -n to -1 in
     their order (before this sweep's trial 0)."""
     from matplotlib.figure import Figure

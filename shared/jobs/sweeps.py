@@ -357,23 +357,22 @@ def history_points(sweep_id: str, caller: Caller) -> list[dict[str, Any]]:
     """The warm start's succeeded trials as the sweep page draws them, grey, beside the sweep's own
     (as the report's pictures do, ``shared.jobs.sweep_report``): each one's ``sweep``, its
     ``number`` there, ``value`` (the first objective's) and, with several objectives, ``values``
-    (every objective's; None for one without them all, off the front chart), in the history's
-    order (``shared.jobs.search.history``); at most TUNEJOB_MAX_TRIALS_PER_SWEEP, as many as the
+    (every objective's), in the history's order: the trials the sweep's study holds
+    (``shared.jobs.search.history``, with every objective's value when there are several, as the
+    sampler asks from them; one read); at most TUNEJOB_MAX_TRIALS_PER_SWEEP, as many as the
     sweep's own trials may be. Raises: NotFound, Deleted."""
     with read_session() as s:
         spec = spec_of(owned_sweep(s, sweep_id, caller))
-        space = distributions(spec)
-        past = [t for t in history(s, spec, space) if t.values is not None][: get_settings().max_trials_per_sweep]
-        multi = history(s, spec, space, multi=True) if multi_objective(spec) else []
-        full = {t.user_attrs["job_id"]: t.values for t in multi if t.values is not None}
+        multi = multi_objective(spec)
+        past = [t for t in history(s, spec, distributions(spec), multi) if t.values is not None]
     return [
         {
             "sweep": t.user_attrs["sweep_id"],
             "number": t.user_attrs["trial_number"],
             "value": t.values[0],
-            "values": full.get(t.user_attrs["job_id"]),
+            "values": t.values if multi else None,
         }
-        for t in past
+        for t in past[: get_settings().max_trials_per_sweep]
     ]
 
 
