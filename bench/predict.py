@@ -41,8 +41,9 @@ def model_path(dataset: str) -> Path:
 def prepare(dataset: str, max_length: int, learning_rate: float, precision: str = "auto") -> Path:
     """Fine-tune all-MiniLM-L6-v2 on the training part of ``dataset`` (the issue's set: Rotten
     Tomatoes 4,000 texts, BBC News the whole 80% split) for one epoch with the engine's own recipe
-    (``bench.engine``) at ``precision`` (the engine's: ``bf16`` trains faster on a CPU with AMX) and save it as a tunejob model folder (safetensors, config with id2label,
-    tokenizer with ``model_max_length`` = ``max_length``). Returns the folder."""
+    (``bench.engine``) at ``precision`` (``bf16`` trains faster on a CPU with AMX), under the CPU
+    worker's allocator setting, and save it as a tunejob model folder (safetensors, config with
+    id2label, tokenizer with ``model_max_length`` = ``max_length``). Returns the folder."""
     from bench.cold import RunSpec
     from bench.corpora import CORPORA, load_split
     from bench.engine import BenchReporter, make_job

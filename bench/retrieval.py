@@ -10,12 +10,12 @@ base model (zero-shot, before the first step) and after each epoch.
 MultipleNegativesRankingLoss; the same batch size, learning rate, warm-up ratio, weight decay,
 epochs, max_length and seed; ``BatchSamplers.NO_DUPLICATES``, as tunejob's duplicate-free batches);
 ``--side rerank --embedder DIR`` trains a ``reranking`` job (tunejob's recipe) on the training
-titles, their articles (label 1) and the article the embedding model ``DIR`` ranks first among the
-other training articles (a hard negative, label 0), then reranks that embedding model's top
+titles, their articles (label 1) and the ``--negatives`` articles the embedding model ``DIR`` ranks
+first among the other training articles (hard negatives, label 0; default 1), then reranks that embedding model's top
 ``--top-k`` articles of each validation title. ``--side compare`` runs the three, each cold in its
 own process (tunejob, the peer, then the reranker on tunejob's model), and prints them together.
-``--precision bf16`` trains both embedding sides under bf16 autocast (tunejob's ``precision``, the
-peer's ``bf16=True``): the precision that pays on a CPU with AMX.
+``--precision bf16`` trains in bf16: tunejob's jobs with ``precision: bf16`` (a bf16 copy of the
+model, fp32 master weights), the peer with ``bf16=True`` (autocast); it pays on a CPU with AMX.
 Both embedding sides are scored by the same function (``worker.embedding.retrieval_metrics``:
 sentence-transformers' ``InformationRetrievalEvaluator``); the epoch time is the training loop's own
 (tunejob's ``train_seconds``, the Trainer's ``train_runtime``), evaluation excluded.

@@ -96,7 +96,7 @@ def environment(device: torch.device) -> Check:
         figures.update(
             cpu=platform.processor() or platform.machine(),
             threads=torch.get_num_threads(),
-            amx=torch.cpu._is_amx_tile_supported(),  # private: bf16 and int8 run on AMX tiles (see docs/guide)
+            amx=torch.cpu._is_amx_tile_supported(),  # private: bf16 and int8 run on AMX tiles (docs/guide/jobs.md, precision)
             free_memory_mib=psutil.virtual_memory().available // 2**20,
         )
     return Check("environment", True, figures["device"], figures)
