@@ -181,41 +181,103 @@ def top_k(model, queries: list[str], corpus: list[str], k: int) -> tuple[torch.T
     return torch.topk(util.cos_sim(q, c), min(k, len(corpus)), dim=1)
 
 
+def reranker_pairs(embedder, frame: pd.DataFrame, negatives: int) -> pd.DataFrame:
+    """Columns ``query``, ``passage``, ``label``: each title with its article (1.0) and the
+    ``negatives`` other articles of ``frame`` that ``embedder`` ranks highest for it (0.0)."""
+    _, found = top_k(embedder, frame["anchor"].tolist(), frame["positive"].tolist(), negatives + 1)
+    hard = [[d for d in row if d != i][:negatives] for i, row in enumerate(found.tolist())]
+    return pd.concat(
+        [
+            pd.DataFrame({"query": frame["anchor"], "passage": frame["positive"], "label": 1.0}),
+            *(
+                pd.DataFrame(
+                    {
+                        "query": frame["anchor"],
+                        "passage": frame["positive"].iloc[[row[n] for row in hard]].values,
+                        "label": 0.0,
+                    }
+                )
+                for n in range(negatives)
+            ),
+        ],
+        ignore_index=True,
+    )
+
+
+def peer_reranker(args, train: pd.DataFrame) -> tuple[str, float]:
+    """``CrossEncoderTrainer`` with ``BinaryCrossEntropyLoss`` on the same pairs and settings as
+    tunejob's ``reranking`` job (``pos_weight`` when ``--pos-weight`` is given); (its model
+    directory, its ``train_runtime``)."""
+    from datasets import Dataset
+    from sentence_transformers import CrossEncoder
+    from sentence_transformers.cross_encoder import CrossEncoderTrainer, CrossEncoderTrainingArguments
+    from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
+
+    from shared.jobs.base_models import resolve_model
+    from shared.schemas.hyperparameters import Hyperparameters
+
+    defaults, out = Hyperparameters(), tempfile.mkdtemp(prefix="bench-peer-reranker-")
+    model = CrossEncoder(
+        str(resolve_model(args.model)), num_labels=1, max_length=args.max_length, device="cpu", local_files_only=True
+    )
+    training = CrossEncoderTrainingArguments(
+        output_dir=out,
+        num_train_epochs=args.rerank_epochs,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        warmup_steps=defaults.warmup_ratio,
+        weight_decay=defaults.weight_decay,
+        seed=args.seed,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=args.precision == "bf16",
+        logging_steps=1_000_000,
+        disable_tqdm=True,
+    )
+    pos_weight = None if args.pos_weight is None else torch.tensor(args.pos_weight)
+    trainer = CrossEncoderTrainer(
+        model=model,
+        args=training,
+        loss=BinaryCrossEntropyLoss(model, pos_weight=pos_weight),
+        train_dataset=Dataset.from_pandas(train),
+    )
+    runtime = trainer.train().metrics["train_runtime"]
+    model.save_pretrained(out)
+    return out, runtime
+
+
 def rerank_side(args) -> dict:
-    """A ``reranking`` job on the training titles with their articles and ``--negatives`` hard
-    negatives each (the other articles the embedding model ranks highest), then the validation
-    titles' top ``--top-k`` from the embedding model, reranked by it."""
+    """A reranker trained on the training titles with their articles and ``--negatives`` hard
+    negatives each (the other articles the embedding model ranks highest): a ``reranking`` job, or
+    with ``--reranker peer`` ``CrossEncoderTrainer``; then the validation titles' top ``--top-k``
+    from the embedding model, reranked by it."""
     from sentence_transformers import CrossEncoder, SentenceTransformer
 
     from worker.reranking import ranking_metrics
 
     train, validation = splits(args)
     embedder = SentenceTransformer(args.embedder, device="cpu", local_files_only=True)
-
-    def with_negatives(frame: pd.DataFrame) -> pd.DataFrame:
-        _, found = top_k(embedder, frame["anchor"].tolist(), frame["positive"].tolist(), args.negatives + 1)
-        negatives = [[d for d in row if d != i][: args.negatives] for i, row in enumerate(found.tolist())]
-        return pd.concat(
-            [
-                pd.DataFrame({"query": frame["anchor"], "passage": frame["positive"], "label": 1.0}),
-                *(
-                    pd.DataFrame(
-                        {
-                            "query": frame["anchor"],
-                            "passage": frame["positive"].iloc[[row[n] for row in negatives]].values,
-                            "label": 0.0,
-                        }
-                    )
-                    for n in range(args.negatives)
-                ),
-            ],
-            ignore_index=True,
+    start, pairs = time.perf_counter(), reranker_pairs(embedder, train, args.negatives)
+    job_validation = None
+    if args.reranker == "peer":
+        model_dir, train_seconds = peer_reranker(args, pairs)
+    else:
+        extra = {} if args.pos_weight is None else {"pos_weight": args.pos_weight}
+        reporter, model_dir = fine_tune_job(
+            args,
+            "reranking",
+            pairs,
+            reranker_pairs(embedder, validation, args.negatives),
+            epochs=args.rerank_epochs,
+            **extra,
         )
-
-    start = time.perf_counter()
-    reporter, model_dir = fine_tune_job(
-        args, "reranking", with_negatives(train), with_negatives(validation), epochs=args.rerank_epochs
-    )
+        train_seconds = reporter.fields["train_metrics"]["train_seconds"]
+        job_validation = {
+            name: {step: round(v, 4) for step, v in reporter.series(f"eval_{name}").items()}
+            for name in ("loss", "ndcg@10", "mrr@10")
+        }
     anchors, bodies = validation["anchor"].tolist(), validation["positive"].tolist()
     cosine, found = top_k(embedder, anchors, bodies, args.top_k)
     queries = [anchors[q] for q, row in enumerate(found.tolist()) for _ in row]
@@ -227,11 +289,13 @@ def rerank_side(args) -> dict:
     after = ranking_metrics(queries, torch.as_tensor(reranked).reshape(-1).numpy(), labels.numpy())
     return {
         "side": "rerank",
+        "reranker": args.reranker,
         "top_k": args.top_k,
-        "reranker_train_rows": (1 + args.negatives) * len(train),
+        "reranker_train_rows": len(pairs),
         "embedding_top_k": {k: round(v, 4) for k, v in before.items()},
         "reranked": {k: round(v, 4) for k, v in after.items()},
-        "train_seconds": round(reporter.fields["train_metrics"]["train_seconds"], 1),
+        "job_validation": job_validation,
+        "train_seconds": round(train_seconds, 1),
         "seconds": round(time.perf_counter() - start, 1),
     }
 
@@ -271,6 +335,10 @@ def main(argv: list[str] | None = None) -> dict:
         help="tunejob's precision; the peer trains with bf16=True when bf16",
     )
     p.add_argument("--rerank-epochs", type=float, default=1)
+    p.add_argument(
+        "--reranker", choices=["tunejob", "peer"], default="tunejob", help="--side rerank: who trains the reranker"
+    )
+    p.add_argument("--pos-weight", type=float, help="--side rerank: the positives' weight in binary cross-entropy")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     os.environ.setdefault("TUNEJOB_DATA_DIR", tempfile.mkdtemp(prefix="bench-retrieval-"))

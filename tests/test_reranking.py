@@ -55,9 +55,20 @@ def test_spec_fields_and_refusals():
         {"task": "classification", "query_column": "q"},
         {"task": "reranking", "passage_column": "query"},
         {"task": "reranking", "text_pair_column": "x"},
+        {"task": "classification", "hyperparameters": {"pos_weight": 4.0}},
+        {"task": "reranking", "hyperparameters": {"pos_weight": 0.0}},
     ]:
         with pytest.raises(ValidationError):
             JobCreate(base_model="m", training_dataset="ds", **bad)
+
+
+def test_positive_weight_is_the_negatives_per_positive_unless_given():
+    from worker.reranking import positive_weight
+
+    assert positive_weight(None, [1.0, 0.0, 0.0, 0.0, 0.0]) == pytest.approx(4.0)
+    assert positive_weight(None, [0.8, 0.2]) == pytest.approx(1.0)  # scores: sum(1 - y) / sum(y)
+    assert positive_weight(None, [1.0, 1.0]) == 1.0 and positive_weight(None, [0.0, 0.0]) == 1.0
+    assert positive_weight(2.5, [1.0, 0.0, 0.0, 0.0, 0.0]) == 2.5
 
 
 def reranking_job(job_id: str, **hyperparameters):
@@ -100,6 +111,60 @@ def test_training_raises_ndcg_and_the_artifact_loads_in_a_cross_encoder(engine_e
         ]
     )
     assert 0 <= scores.min() and scores.max() <= 1 and scores[0] > scores[1]
+
+
+@pytest.mark.parametrize("pos_weight", [None, 1.0])  # the default (2 negatives per positive), unweighted
+def test_loss_and_gradients_equal_sentence_transformers_own(engine_env, pos_weight):
+    """One optimizer step of the loop on a micro-batch of 1:2 labels gives sentence-transformers'
+    ``BinaryCrossEntropyLoss`` on the same pairs and weights, with ``pos_weight`` the negatives per
+    positive (2) by default, and the same gradients, in fp32."""
+    from sentence_transformers import CrossEncoder
+    from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
+
+    from shared.jobs.base_models import resolve_model
+    from tests.conftest import no_dropout
+    from worker.data import JobData
+    from worker.training.recipe import Recipe
+
+    frame = rows(2).iloc[[0, 2, 3, 4, 6, 7]].reset_index(drop=True)  # each query: one positive, two negatives
+    extra = {} if pos_weight is None else {"pos_weight": pos_weight}
+    reporter = RecordingReporter()
+    run = Recipe(reranking_job("parity", **extra), torch.device("cpu")).setup(JobData(frame, None), reporter)
+    run.warm_up()
+    no_dropout(run.model)
+    grads = []
+    run.optimizer.register_step_pre_hook(
+        lambda *_: grads.append(
+            {n: p.grad.detach().clone() for n, p in run.model.named_parameters() if p.grad is not None}
+        )
+    )
+    js = run.job_setup
+    weight = 2.0 if pos_weight is None else pos_weight
+    assert js.pos_weight == weight
+    message = reporter.messages[reporter.events.index("pos_weight")]
+    assert message.startswith(f"positive pairs weighted {weight:g} ")
+    reference = CrossEncoder(  # the tiny model's checkpoint has a 2-label head: the loop's replaces it too
+        str(resolve_model(TINY_MODEL)),
+        num_labels=1,
+        max_length=32,
+        device="cpu",
+        local_files_only=True,
+        model_kwargs={"ignore_mismatched_sizes": True},
+    )
+    transformer = reference[0].auto_model
+    transformer.load_state_dict(run.model.state_dict())  # the loop's initial weights, its head included
+    values, _ = run.train_step([js.collator([js.train_set[i] for i in range(len(frame))])])
+
+    no_dropout(reference)
+    loss = BinaryCrossEntropyLoss(reference, pos_weight=torch.tensor(weight))(
+        [frame["query"].tolist(), frame["passage"].tolist()], torch.tensor(frame["label"].values)
+    )
+    loss.backward()
+    assert values[0].item() == pytest.approx(loss.item(), rel=1e-5)
+    theirs = {n: p.grad for n, p in transformer.named_parameters() if p.grad is not None}
+    assert grads[0].keys() == theirs.keys()
+    for name, grad in theirs.items():
+        torch.testing.assert_close(grads[0][name], grad, rtol=1e-4, atol=1e-6)
 
 
 def upload(client, frame: pd.DataFrame, filename: str = "rerank.csv") -> str:

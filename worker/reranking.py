@@ -1,8 +1,9 @@
 """Task ``reranking``: a cross-encoder (``AutoModelForSequenceClassification`` with one logit, the
 query and the passage as the tokenizer's pair input) trained with binary cross-entropy on labels
-of 0/1 or scores in [0, 1] (``worker.training.steps.example_losses``), as sentence-transformers'
-``CrossEncoder`` with ``BinaryCrossEntropyLoss``; ``CrossEncoder(path)`` loads the artifact (one
-label: a sigmoid score).
+of 0/1 or scores in [0, 1] (``worker.training.steps.example_losses``), its positive pairs weighted
+(``positive_weight``), as sentence-transformers' ``CrossEncoder`` with
+``BinaryCrossEntropyLoss(pos_weight=...)``; ``CrossEncoder(path)`` loads the artifact (one label:
+a sigmoid score).
 
 Validation reranks each query's passages of the validation split by the model's score
 (``ranking_metrics``): ``ndcg@10`` (scikit-learn's ``ndcg_score``, graded by the labels) and
@@ -14,11 +15,25 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from sklearn.metrics import ndcg_score
 
 from shared.data.batching import BatchPlan
 from worker.reporter import Reporter
+from worker.training.steps import example_losses
+
+
+def positive_weight(pos_weight: float | None, labels) -> float:
+    """The weight of positive pairs in the job's binary cross-entropy: ``pos_weight`` (the job's
+    hyperparameter) or by default the training ``labels``' (``[n]`` in [0, 1]) negatives per
+    positive, ``sum(1 - label) / sum(label)`` (at most 1000; 1 when every label is on one side).
+    sentence-transformers' reranker recipes weigh the positives by the hard negatives mined per
+    query (``BinaryCrossEntropyLoss(pos_weight=torch.tensor(num_hard_negatives))``); unweighted,
+    one positive in five pulls the scores towards the labels' prior."""
+    if pos_weight is not None:
+        return pos_weight
+    labels = np.asarray(labels, dtype=np.float64)
+    positive, negative = labels.sum(), (1.0 - labels).sum()
+    return float(min(negative / positive, 1000.0)) if positive > 0 and negative > 0 else 1.0
 
 
 def ranking_metrics(queries: list[str], scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
@@ -43,7 +58,7 @@ def ranking_metrics(queries: list[str], scores: np.ndarray, labels: np.ndarray) 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, job_setup, reporter: Reporter | None = None) -> dict[str, float]:
-    """Validation ``loss`` (binary cross-entropy per pair) and ``ranking_metrics`` of ``model``
+    """Validation ``loss`` (the training loss's weighted binary cross-entropy per pair, ``job_setup.pos_weight``) and ``ranking_metrics`` of ``model``
     (the fp32 master weights, under the job's autocast dtype) on ``job_setup.val_set`` (the
     recipe's ``worker.training.setup.JobSetup``), whose ``queries`` hold each pair's query text
     (set by ``worker.training.setup.prepare_job``). Leaves ``model`` in eval mode."""
@@ -59,5 +74,6 @@ def evaluate(model: torch.nn.Module, job_setup, reporter: Reporter | None = None
         if reporter is not None:
             reporter.heartbeat()
     labels = np.asarray(data.labels, dtype=np.float32)
-    loss = F.binary_cross_entropy_with_logits(torch.from_numpy(scores), torch.from_numpy(labels)).item()
-    return {"loss": loss, **ranking_metrics(data.queries, scores, labels)}
+    pos_weight = None if job_setup.pos_weight is None else torch.tensor(job_setup.pos_weight)
+    loss = example_losses(torch.from_numpy(scores)[:, None], torch.from_numpy(labels), "reranking", pos_weight)
+    return {"loss": loss.mean().item(), **ranking_metrics(data.queries, scores, labels)}

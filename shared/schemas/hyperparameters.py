@@ -94,6 +94,14 @@ class Hyperparameters(BaseModel):
         "variable-length kernel (flash on CUDA in bf16/fp16). Eager steps only: CUDA graphs capture padded widths. "
         "BERT and RoBERTa families; others train padded, with an event.",
     )
+    pos_weight: float | None = Field(
+        None,
+        gt=0,
+        le=1000,
+        description="reranking: the weight of positive pairs in binary cross-entropy (BCEWithLogitsLoss's "
+        "pos_weight). Default: the training labels' negatives per positive, sum(1 - label) / sum(label), so that "
+        "four hard negatives per query weigh its positive 4 to 1; 1 trains unweighted.",
+    )
     eval_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
     save_every_steps: int | None = Field(None, ge=1, description="Default: once per epoch.")
     save_total_limit: int = Field(2, ge=1, le=1000, description="Checkpoints kept on disk (the newest).")

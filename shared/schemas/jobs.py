@@ -196,6 +196,8 @@ class JobCreate(BaseModel):
             raise ValueError("tune_threshold needs a validation set")
         if self.task == "token_classification" and self.text_pair_column:
             raise ValueError("token_classification takes one column of words: text_pair_column must be null")
+        if hp.pos_weight is not None and self.task != "reranking":
+            raise ValueError("hyperparameters.pos_weight applies to task 'reranking' only")
         if self.label_all_subwords and self.task != "token_classification":
             raise ValueError("label_all_subwords applies to token_classification only")
         self._check_retrieval_columns()

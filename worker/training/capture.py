@@ -127,6 +127,7 @@ class CapturedSteps(Steps):
         pad_id: int,
         packing: bool = False,
         max_length: int = 0,
+        pos_weight: float | None = None,
     ):
         super().__init__(
             model,
@@ -138,6 +139,7 @@ class CapturedSteps(Steps):
             task=task,
             static_grads=True,
             packing=packing,
+            pos_weight=pos_weight,
         )
         self.rows, self.input_names, self.pad_id, self.max_length = rows, input_names, pad_id, max_length
         self.label_dtype = torch.float32 if task in ("regression", "multi_label", "reranking") else torch.long

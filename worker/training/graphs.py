@@ -214,6 +214,7 @@ def uncaptured_parts(
         pad_id=job_setup.tokenizer.pad_token_id or 0,
         packing=packing,
         max_length=job_setup.hp.max_length,
+        pos_weight=job_setup.pos_weight,
     )
     return CapturedParts(model, forward_model, captured, captured_scheduler, steps)
 

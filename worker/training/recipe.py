@@ -215,6 +215,7 @@ class Recipe:
             device=js.device,
             task=js.job.task,
             packing=hp.packing and reason is None,
+            pos_weight=js.pos_weight,
         )
 
     # ------------------------------------------------------------------------- train

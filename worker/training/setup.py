@@ -22,7 +22,7 @@ from shared.jobs.base_models import resolve_model
 from shared.schemas.hyperparameters import Hyperparameters, contrastive_hyperparameters
 from shared.store import artifacts
 from shared.store.rows import Job
-from worker import embedding
+from worker import embedding, reranking
 from worker.data import BucketCollator, JobData, TokenizedDataset, make_collator, tokenize
 from worker.device import padding_ladder
 from worker.reporter import PhaseTimer, Reporter
@@ -52,6 +52,7 @@ class JobSetup:
     total_steps: int
     out_dir: Path  # this job's checkpoint directory
     data: JobData | None = None  # its tables: the validation rows are the evaluation report's (worker.evaluation)
+    pos_weight: float | None = None  # reranking: its positive pairs' weight in the loss (reranking.positive_weight)
 
 
 def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporter, timer: PhaseTimer) -> JobSetup:
@@ -118,6 +119,13 @@ def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporte
     )
     if job.task == "embedding":  # each text column padded on its own, the columns side by side
         collator = embedding.PairsCollator(tokenizer, collator.ladder)
+    pos_weight = None
+    if job.task == "reranking":
+        pos_weight = reranking.positive_weight(hp.pos_weight, train_set.labels)
+        source = (
+            "hyperparameters.pos_weight" if hp.pos_weight is not None else "the training labels' negatives per positive"
+        )
+        reporter.event("pos_weight", f"positive pairs weighted {pos_weight:.3g} in binary cross-entropy ({source})")
     return JobSetup(
         job,
         hp,
@@ -132,6 +140,7 @@ def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporte
         plan.count_steps(hp.epochs, hp.gradient_accumulation_steps),
         artifacts.checkpoints_dir(job.id),
         data,
+        pos_weight,
     )
 
 

@@ -68,22 +68,29 @@ def next_learning_rate(scheduler: torch.optim.lr_scheduler.LambdaLR) -> float:
     return scheduler.base_lrs[0] * scheduler.lr_lambdas[0](scheduler.last_epoch)
 
 
-def example_losses(logits: torch.Tensor, labels: torch.Tensor, task: str) -> torch.Tensor:
+def example_losses(
+    logits: torch.Tensor, labels: torch.Tensor, task: str, pos_weight: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-example loss ``[n]`` in fp32: cross-entropy (logits ``[n, classes]``, labels ``[n]`` int64),
     squared error (logits ``[n, 1]``, labels ``[n]`` float); for multi_label, binary cross-entropy
     on the sigmoid of each logit averaged over the labels (logits and multi-hot labels ``[n, labels]``;
     the mean over a batch is ``torch.nn.BCEWithLogitsLoss``, as the Trainer's
     ``problem_type="multi_label_classification"`` computes it); token_classification: the
     cross-entropy summed over each example's labelled tokens (logits ``[n, width, tags]``, labels
-    ``[n, width]`` int64, -100 where there is no label)."""
+    ``[n, width]`` int64, -100 where there is no label); reranking: binary cross-entropy of one logit
+    per (query, passage) pair (logits ``[n, 1]``, labels ``[n]`` in [0, 1]), the positive term
+    weighted by ``pos_weight`` (a 0-d tensor; ``torch.nn.BCEWithLogitsLoss``'s, as
+    sentence-transformers' ``BinaryCrossEntropyLoss(pos_weight=...)``)."""
     if task == "token_classification":
         return F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none").sum(-1)
     if task == "regression":
         return F.mse_loss(logits.float().squeeze(-1), labels.float(), reduction="none")
     if task == "multi_label":
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(-1)
-    if task == "reranking":  # one logit per (query, passage) pair, a label in [0, 1]
-        return F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), labels.float(), reduction="none")
+    if task == "reranking":
+        return F.binary_cross_entropy_with_logits(
+            logits.float().squeeze(-1), labels.float(), pos_weight=pos_weight, reduction="none"
+        )
     return F.cross_entropy(logits.float(), labels, reduction="none")
 
 
@@ -116,7 +123,7 @@ class Steps:
     ``model``: the fp32 (master) weights the optimizer updates; ``forward_model``: what computes
     (the model, its ``torch.compile`` wrapper, or its bf16 copy, ``uses_bf16_copy(dtype)``);
     ``dtype``: the autocast dtype (None: fp32); ``task``: the job's, which picks the loss
-    (``example_losses``). With ``packing`` each micro-batch runs laid out without padding
+    (``example_losses``; reranking's weighs its positive pairs by ``pos_weight``). With ``packing`` each micro-batch runs laid out without padding
     (``worker.training.packing``), as the DataLoader collated it (``collator``). With ``static_grads``
     every gradient tensor is allocated once and zeroed in place (CUDA graphs need fixed addresses;
     so does the bf16 copy); otherwise gradients are freed after each step, as
@@ -138,11 +145,13 @@ class Steps:
         task: str,
         static_grads: bool = False,
         packing: bool = False,
+        pos_weight: float | None = None,
     ):
         if not optimizer.defaults.get("fused"):
             raise ValueError("the training step needs a fused AdamW: it skips non-finite steps through found_inf")
         self.model, self.forward_model, self.optimizer, self.scaler = model, forward_model, optimizer, scaler
         self.device, self.task = device, task
+        self.pos_weight = None if pos_weight is None else torch.tensor(pos_weight, device=device)
         self.packing, self.position_offset = packing, position_offset(model) if packing else 0
         self.compute_model = forward_model if uses_bf16_copy(dtype) else None
         self.autocast = dtype if self.compute_model is None else None  # bf16 copies need no autocast
@@ -237,7 +246,7 @@ class Steps:
                 logits = packed_logits(self.forward_model, inputs, self.task)
             else:
                 logits = self.forward_model(**inputs).logits
-        return example_losses(logits, labels, self.task)
+        return example_losses(logits, labels, self.task, self.pos_weight)
 
     # Whether the step's first micro-batch copies its bf16 gradients into the master gradients
     # (then never zeroed) instead of adding them to zeroed ones: 26 fewer bytes per parameter in a
