@@ -161,6 +161,14 @@ def test_ranges_too_large_to_search_are_a_422_naming_the_bound(
     )
 
 
+def test_a_hyperparameter_of_another_task_is_a_422(client, dataset):
+    space = {"pos_weight": {"type": "float", "low": 1.0, "high": 4.0}}  # reranking's only
+    error = refused(
+        client, body(dataset["id"], search_space=space), 422, "invalid_search_space", "search_space.pos_weight"
+    )
+    assert "applies to task 'reranking' only" in error["message"], error
+
+
 def test_non_finite_bounds_are_a_422(client, dataset):
     r = client.post(
         "/sweeps",

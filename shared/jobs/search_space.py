@@ -23,7 +23,7 @@ from shared.errors import UserError
 from shared.jobs.base_models import available_models
 from shared.jobs.planning import max_input_length
 from shared.jobs.priors import PRIORS
-from shared.schemas.hyperparameters import Hyperparameters, int_fields
+from shared.schemas.hyperparameters import TASK_ONLY, Hyperparameters, int_fields
 from shared.schemas.sweeps import Distribution, SweepCreate
 from shared.settings import get_settings
 
@@ -51,6 +51,8 @@ def distributions(spec: SweepCreate) -> dict[str, BaseDistribution]:
         field = f"search_space.{name}"
         if name not in SEARCHABLE:
             raise refuse(f"{name!r} is not a hyperparameter; use one of {', '.join(SEARCHABLE)}", field)
+        if TASK_ONLY.get(name, spec.task) != spec.task:
+            raise refuse(f"{name!r} applies to task {TASK_ONLY[name]!r} only, not {spec.task!r}", field)
         if d.type is None:
             raise refuse(
                 f"a range needs its type (float, int or categorical) and bounds; tunejob fills them only "

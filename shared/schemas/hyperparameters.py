@@ -19,6 +19,9 @@ TASK_METRICS = {
 }
 # embedding: information-retrieval metrics of the validation split (worker.embedding.retrieval_metrics)
 IR_METRICS = TASK_METRICS["embedding"]
+# Hyperparameters that apply to one task only: a job or a sweep's search space of another task is a 422.
+TASK_ONLY = {"pos_weight": "reranking"}
+
 # Whether a larger value of each metric is better (the best evaluation; a sweep's objective direction).
 GREATER_IS_BETTER = {
     "loss": False,

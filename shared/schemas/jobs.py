@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 from pydantic.json_schema import JsonDict
 
-from shared.schemas.hyperparameters import HYPERPARAMETERS_EXAMPLE, TASK_METRICS, Hyperparameters
+from shared.schemas.hyperparameters import HYPERPARAMETERS_EXAMPLE, TASK_METRICS, TASK_ONLY, Hyperparameters
 from shared.schemas.queue import QueuePosition
 
 
@@ -196,8 +196,9 @@ class JobCreate(BaseModel):
             raise ValueError("tune_threshold needs a validation set")
         if self.task == "token_classification" and self.text_pair_column:
             raise ValueError("token_classification takes one column of words: text_pair_column must be null")
-        if hp.pos_weight is not None and self.task != "reranking":
-            raise ValueError("hyperparameters.pos_weight applies to task 'reranking' only")
+        for name, task in TASK_ONLY.items():
+            if getattr(hp, name) is not None and self.task != task:
+                raise ValueError(f"hyperparameters.{name} applies to task {task!r} only")
         if self.label_all_subwords and self.task != "token_classification":
             raise ValueError("label_all_subwords applies to token_classification only")
         self._check_retrieval_columns()
