@@ -121,6 +121,32 @@ def tunejob_side(args) -> dict:
     }
 
 
+def peer_arguments(args, arguments_class, epochs: float, **extra):
+    """sentence-transformers' training arguments (``arguments_class``) with tunejob's settings for
+    the same job: ``epochs``, the batch size, learning rate, seed and precision of ``args``, the
+    default warm-up ratio and weight decay; no saving, evaluation or logging along the way."""
+    from shared.schemas.hyperparameters import Hyperparameters
+
+    defaults = Hyperparameters()
+    return arguments_class(
+        output_dir=tempfile.mkdtemp(prefix="bench-peer-"),
+        num_train_epochs=epochs,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        warmup_steps=defaults.warmup_ratio,
+        weight_decay=defaults.weight_decay,
+        seed=args.seed,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=args.precision == "bf16",
+        logging_steps=1_000_000,
+        disable_tqdm=True,
+        **extra,
+    )
+
+
 def peer_side(args) -> dict:
     """``SentenceTransformerTrainer`` with MultipleNegativesRankingLoss on the same pairs and settings."""
     from datasets import Dataset
@@ -133,32 +159,16 @@ def peer_side(args) -> dict:
     from sentence_transformers.sentence_transformer.training_args import BatchSamplers
 
     from shared.jobs.base_models import resolve_model
-    from shared.schemas.hyperparameters import Hyperparameters
 
     train, validation = splits(args)
-    defaults, start = Hyperparameters(), time.perf_counter()
+    start = time.perf_counter()
     model = SentenceTransformer(str(resolve_model(args.model)), device="cpu", local_files_only=True)
     model.max_seq_length = args.max_length
-    training = SentenceTransformerTrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="bench-peer-"),
-        num_train_epochs=args.epochs,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        warmup_steps=defaults.warmup_ratio,
-        weight_decay=defaults.weight_decay,
-        seed=args.seed,
-        batch_sampler=BatchSamplers.NO_DUPLICATES,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=args.precision == "bf16",
-        logging_steps=1_000_000,
-        disable_tqdm=True,
-    )
     trainer = SentenceTransformerTrainer(
         model=model,
-        args=training,
+        args=peer_arguments(
+            args, SentenceTransformerTrainingArguments, args.epochs, batch_sampler=BatchSamplers.NO_DUPLICATES
+        ),
         loss=MultipleNegativesRankingLoss(model),
         train_dataset=Dataset.from_pandas(train[["anchor", "positive"]]),
     )
@@ -214,28 +224,16 @@ def peer_reranker(args, train: pd.DataFrame) -> tuple[str, float]:
     from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
 
     from shared.jobs.base_models import resolve_model
-    from shared.schemas.hyperparameters import Hyperparameters
 
-    defaults, out = Hyperparameters(), tempfile.mkdtemp(prefix="bench-peer-reranker-")
-    model = CrossEncoder(
-        str(resolve_model(args.model)), num_labels=1, max_length=args.max_length, device="cpu", local_files_only=True
+    model = CrossEncoder(  # a new one-logit head over any head the checkpoint has, as tunejob's loader
+        str(resolve_model(args.model)),
+        num_labels=1,
+        max_length=args.max_length,
+        device="cpu",
+        local_files_only=True,
+        model_kwargs={"ignore_mismatched_sizes": True},
     )
-    training = CrossEncoderTrainingArguments(
-        output_dir=out,
-        num_train_epochs=args.rerank_epochs,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        warmup_steps=defaults.warmup_ratio,
-        weight_decay=defaults.weight_decay,
-        seed=args.seed,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=args.precision == "bf16",
-        logging_steps=1_000_000,
-        disable_tqdm=True,
-    )
+    training = peer_arguments(args, CrossEncoderTrainingArguments, args.rerank_epochs)
     pos_weight = None if args.pos_weight is None else torch.tensor(args.pos_weight)
     trainer = CrossEncoderTrainer(
         model=model,
@@ -244,8 +242,8 @@ def peer_reranker(args, train: pd.DataFrame) -> tuple[str, float]:
         train_dataset=Dataset.from_pandas(train),
     )
     runtime = trainer.train().metrics["train_runtime"]
-    model.save_pretrained(out)
-    return out, runtime
+    model.save_pretrained(training.output_dir)
+    return training.output_dir, runtime
 
 
 def rerank_side(args) -> dict:
@@ -314,7 +312,8 @@ def cold(side: str, argv: list[str], *extra: str) -> dict:
     return json.loads(out[out.rindex("\n{\n") + 1 :])  # the last thing printed (the Trainer prints dicts too)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line's settings (``--help``)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--side", choices=["tunejob", "peer", "rerank", "compare"], default="tunejob")
     p.add_argument("--model", default="all-MiniLM-L6-v2")
@@ -339,8 +338,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--reranker", choices=["tunejob", "peer"], default="tunejob", help="--side rerank: who trains the reranker"
     )
     p.add_argument("--pos-weight", type=float, help="--side rerank: the positives' weight in binary cross-entropy")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    args = p.parse_args(argv)
+    args = parse(argv)
     os.environ.setdefault("TUNEJOB_DATA_DIR", tempfile.mkdtemp(prefix="bench-retrieval-"))
     if args.side == "compare":
         common = [a for i, a in enumerate(argv) if a != "--side" and (i == 0 or argv[i - 1] != "--side")]
