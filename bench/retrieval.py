@@ -10,10 +10,14 @@ base model (zero-shot, before the first step) and after each epoch.
 MultipleNegativesRankingLoss; the same batch size, learning rate, warm-up ratio, weight decay,
 epochs, max_length and seed; ``BatchSamplers.NO_DUPLICATES``, as tunejob's duplicate-free batches);
 ``--side rerank --embedder DIR`` trains a ``reranking`` job (tunejob's recipe) on the training
-titles, their articles (label 1) and the ``--negatives`` articles the embedding model ``DIR`` ranks
-first among the other training articles (hard negatives, label 0; default 1), then reranks that embedding model's top
-``--top-k`` articles of each validation title. ``--side compare`` runs the three, each cold in its
-own process (tunejob, the peer, then the reranker on tunejob's model), and prints them together.
+titles, their articles (label 1) and the ``--negatives`` articles the embedding model ``DIR``
+ranks first among the other training articles (hard negatives, label 0; default 1), then reranks
+that embedding model's top ``--top-k`` articles of each validation title; ``--reranker peer``
+trains the reranker with ``CrossEncoderTrainer`` (``BinaryCrossEntropyLoss``) on the same rows and
+settings instead, and ``--pos-weight`` sets the positives' weight on either side (tunejob's
+default: the labels' negatives per positive; the peer's: none). ``--side compare`` runs the
+three, each cold in its own process (tunejob, the peer, then the reranker on tunejob's model),
+and prints them together.
 ``--precision bf16`` trains in bf16: tunejob's jobs with ``precision: bf16`` (a bf16 copy of the
 model, fp32 master weights), the peer with ``bf16=True`` (autocast); it pays on a CPU with AMX.
 Both embedding sides are scored by the same function (``worker.embedding.retrieval_metrics``:

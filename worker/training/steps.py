@@ -123,8 +123,9 @@ class Steps:
     ``model``: the fp32 (master) weights the optimizer updates; ``forward_model``: what computes
     (the model, its ``torch.compile`` wrapper, or its bf16 copy, ``uses_bf16_copy(dtype)``);
     ``dtype``: the autocast dtype (None: fp32); ``task``: the job's, which picks the loss
-    (``example_losses``; reranking's weighs its positive pairs by ``pos_weight``). With ``packing`` each micro-batch runs laid out without padding
-    (``worker.training.packing``), as the DataLoader collated it (``collator``). With ``static_grads``
+    (``example_losses``; reranking's weighs its positive pairs by ``pos_weight``). With ``packing``
+    each micro-batch runs laid out without padding (``worker.training.packing``), as the
+    DataLoader collated it (``collator``). With ``static_grads``
     every gradient tensor is allocated once and zeroed in place (CUDA graphs need fixed addresses;
     so does the bf16 copy); otherwise gradients are freed after each step, as
     ``zero_grad(set_to_none=True)`` does (less memory traffic on the CPU).
