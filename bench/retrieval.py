@@ -125,17 +125,18 @@ def tunejob_side(args) -> dict:
     }
 
 
-def peer_arguments(args, arguments_class, epochs: float, **extra):
+def peer_arguments(args, arguments_class, epochs: float, batch_size: int | None = None, **extra):
     """sentence-transformers' training arguments (``arguments_class``) with tunejob's settings for
-    the same job: ``epochs``, the batch size, learning rate, seed and precision of ``args``, the
-    default warm-up ratio and weight decay; no saving, evaluation or logging along the way."""
+    the same job: ``epochs``, ``batch_size`` (rows a step; default ``args``'), the learning rate,
+    seed and precision of ``args``, the default warm-up ratio and weight decay; no saving,
+    evaluation or logging along the way."""
     from shared.schemas.hyperparameters import Hyperparameters
 
     defaults = Hyperparameters()
     return arguments_class(
         output_dir=tempfile.mkdtemp(prefix="bench-peer-"),
         num_train_epochs=epochs,
-        per_device_train_batch_size=args.batch_size,
+        per_device_train_batch_size=batch_size or args.batch_size,
         learning_rate=args.learning_rate,
         warmup_steps=defaults.warmup_ratio,
         weight_decay=defaults.weight_decay,
@@ -219,13 +220,17 @@ def reranker_pairs(embedder, frame: pd.DataFrame, negatives: int) -> pd.DataFram
 
 
 def peer_reranker(args, train: pd.DataFrame) -> tuple[str, float]:
-    """``CrossEncoderTrainer`` with ``BinaryCrossEntropyLoss`` on the same pairs and settings as
-    tunejob's ``reranking`` job (``pos_weight`` when ``--pos-weight`` is given); (its model
-    directory, its ``train_runtime``)."""
+    """``CrossEncoderTrainer`` on the same pairs and settings as tunejob's ``reranking`` job, with
+    ``BinaryCrossEntropyLoss`` (``pos_weight`` when ``--pos-weight`` is given), or with
+    ``--reranker peer-listnet`` ``ListNetLoss`` over each title's passages (Cao et al. 2007: the
+    cross-entropy of the softmax of the scores against the labels', here softmax cross-entropy of
+    the positive among its hard negatives, as Gao et al. 2021's localized contrastive estimation),
+    ``--batch-size`` pairs a step as nearly as whole titles allow; (its model directory, its
+    ``train_runtime``)."""
     from datasets import Dataset
     from sentence_transformers import CrossEncoder
     from sentence_transformers.cross_encoder import CrossEncoderTrainer, CrossEncoderTrainingArguments
-    from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
+    from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss, ListNetLoss
 
     from shared.jobs.base_models import resolve_model
 
@@ -237,14 +242,24 @@ def peer_reranker(args, train: pd.DataFrame) -> tuple[str, float]:
         local_files_only=True,
         model_kwargs={"ignore_mismatched_sizes": True},
     )
-    training = peer_arguments(args, CrossEncoderTrainingArguments, args.rerank_epochs)
-    pos_weight = None if args.pos_weight is None else torch.tensor(args.pos_weight)
-    trainer = CrossEncoderTrainer(
-        model=model,
-        args=training,
-        loss=BinaryCrossEntropyLoss(model, pos_weight=pos_weight),
-        train_dataset=Dataset.from_pandas(train),
-    )
+    if args.reranker == "peer-listnet":
+        groups = train.groupby("query", sort=False)
+        dataset = Dataset.from_dict(
+            {
+                "query": list(groups.groups),
+                "docs": groups["passage"].agg(list).tolist(),
+                "labels": groups["label"].agg(list).tolist(),
+            }
+        )
+        titles = max(1, round(args.batch_size * len(dataset) / len(train)))
+        training = peer_arguments(args, CrossEncoderTrainingArguments, args.rerank_epochs, titles)
+        loss = ListNetLoss(model)
+    else:
+        dataset = Dataset.from_pandas(train)
+        training = peer_arguments(args, CrossEncoderTrainingArguments, args.rerank_epochs)
+        pos_weight = None if args.pos_weight is None else torch.tensor(args.pos_weight)
+        loss = BinaryCrossEntropyLoss(model, pos_weight=pos_weight)
+    trainer = CrossEncoderTrainer(model=model, args=training, loss=loss, train_dataset=dataset)
     runtime = trainer.train().metrics["train_runtime"]
     model.save_pretrained(training.output_dir)
     return training.output_dir, runtime
@@ -263,7 +278,7 @@ def rerank_side(args) -> dict:
     embedder = SentenceTransformer(args.embedder, device="cpu", local_files_only=True)
     start, pairs = time.perf_counter(), reranker_pairs(embedder, train, args.negatives)
     job_validation = None
-    if args.reranker == "peer":
+    if args.reranker.startswith("peer"):
         model_dir, train_seconds = peer_reranker(args, pairs)
     else:
         extra = {} if args.pos_weight is None else {"pos_weight": args.pos_weight}
@@ -339,7 +354,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--rerank-epochs", type=float, default=1)
     p.add_argument(
-        "--reranker", choices=["tunejob", "peer"], default="tunejob", help="--side rerank: who trains the reranker"
+        "--reranker",
+        choices=["tunejob", "peer", "peer-listnet"],
+        default="tunejob",
+        help="--side rerank: who trains the reranker, with which loss",
     )
     p.add_argument("--pos-weight", type=float, help="--side rerank: the positives' weight in binary cross-entropy")
     return p.parse_args(argv)

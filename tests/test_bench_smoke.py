@@ -389,8 +389,8 @@ def test_mnli_size_pairs_train_as_pairs_on_both_sides(tiny_models):
 def test_retrieval_bench_sides_train_on_the_same_pairs(engine_env, models_dir):
     """bench.retrieval's sides on a few BBC News titles and articles with the tiny model: the
     embedding job and ``SentenceTransformerTrainer``, then a reranker of each kind (tunejob's job,
-    weighted by default; ``CrossEncoderTrainer`` with the same weight) on the job's model's hard
-    negatives; each reranks the embedding model's top k of the same validation titles."""
+    weighted by default; ``CrossEncoderTrainer`` with the same weight, and with ``ListNetLoss`` over
+    each title's passages) on the job's model's hard negatives; each reranks the embedding model's top k of the same validation titles."""
     from bench import retrieval
 
     common = ["--model", "tiny-bert", "--train", "12", "--validation", "6", "--max-length", "32", "--batch-size", "4"]
@@ -400,7 +400,8 @@ def test_retrieval_bench_sides_train_on_the_same_pairs(engine_env, models_dir):
     rerank = [*common, "--side", "rerank", "--embedder", ours["model"], "--negatives", "2", "--top-k", "4"]
     job = retrieval.rerank_side(retrieval.parse(rerank))
     peer = retrieval.rerank_side(retrieval.parse([*rerank, "--reranker", "peer", "--pos-weight", "2"]))
-    for side in job, peer:
+    listnet = retrieval.rerank_side(retrieval.parse([*rerank, "--reranker", "peer-listnet"]))
+    for side in job, peer, listnet:
         assert side["reranker_train_rows"] == 36 and set(side["reranked"]) == {"ndcg@10", "mrr@10"}
         assert side["embedding_top_k"] == job["embedding_top_k"]  # the same candidates
     assert set(job["job_validation"]["ndcg@10"]) and peer["job_validation"] is None
