@@ -13,8 +13,8 @@ epochs, max_length and seed; ``BatchSamplers.NO_DUPLICATES``, as tunejob's dupli
 titles, their articles (label 1) and the ``--negatives`` articles the embedding model ``DIR``
 ranks first among the other training articles (hard negatives, label 0; default 1), then reranks
 that embedding model's top ``--top-k`` articles of each validation title; ``--reranker peer``
-trains the reranker with ``CrossEncoderTrainer`` (``BinaryCrossEntropyLoss``) on the same rows and
-settings instead, and ``--pos-weight`` sets the positives' weight on either side (tunejob's
+trains the reranker with ``CrossEncoderTrainer`` (``BinaryCrossEntropyLoss``; ``peer-listnet``:
+``ListNetLoss``) on the same rows and settings instead, and ``--pos-weight`` sets the positives' weight on either side (tunejob's
 default: the labels' negatives per positive; the peer's: none). ``--side compare`` runs the
 three, each cold in its own process (tunejob, the peer, then the reranker on tunejob's model),
 and prints them together.
@@ -223,10 +223,10 @@ def peer_reranker(args, train: pd.DataFrame) -> tuple[str, float]:
     """``CrossEncoderTrainer`` on the same pairs and settings as tunejob's ``reranking`` job, with
     ``BinaryCrossEntropyLoss`` (``pos_weight`` when ``--pos-weight`` is given), or with
     ``--reranker peer-listnet`` ``ListNetLoss`` over each title's passages (Cao et al. 2007: the
-    cross-entropy of the softmax of the scores against the labels', here softmax cross-entropy of
-    the positive among its hard negatives, as Gao et al. 2021's localized contrastive estimation),
-    ``--batch-size`` pairs a step as nearly as whole titles allow; (its model directory, its
-    ``train_runtime``)."""
+    cross-entropy of the softmax of the scores against the softmax of the labels, a soft target:
+    0.41 for the positive among 4 negatives, not the one-hot target of Gao et al. 2021's
+    localized contrastive estimation), ``--batch-size`` pairs a step as nearly as whole titles
+    allow; (its model directory, its ``train_runtime``)."""
     from datasets import Dataset
     from sentence_transformers import CrossEncoder
     from sentence_transformers.cross_encoder import CrossEncoderTrainer, CrossEncoderTrainingArguments
