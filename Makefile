@@ -29,9 +29,11 @@ demo: $(STAMP)
 	$(PY) -m bench.demo
 
 # Two pytest-xdist workers (each test file whole on one of them: pyproject.toml's --dist loadfile), each
-# with its own data dirs, ports, PostgreSQL databases and Redis key prefix (tests/conftest.py).
+# with its own data dirs, ports, PostgreSQL databases and Redis key prefix (tests/conftest.py); then the
+# tests marked `alone` (pyproject.toml's markers), in one process with the machine to themselves.
 test: $(STAMP)
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 2 -m "not alone"
+	$(PY) -m pytest -m alone
 
 # Lint, formatting and types (pyproject.toml: [tool.ruff], [tool.mypy]): what CI checks, before the tests.
 lint: $(STAMP)

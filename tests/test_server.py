@@ -243,9 +243,14 @@ def test_worker_nice_lowers_its_cpu_priority(tmp_path):
         worker.stop()
 
 
+@pytest.mark.alone
 def test_workers_stop_when_serve_is_killed(tmp_path):
     """A SIGKILL of `tunejob serve` (which cannot stop its workers) does not leave them running
-    beside the workers of the next serve: each stops as on SIGTERM (issue 25: kill -9 mid-sweep)."""
+    beside the workers of the next serve: each stops as on SIGTERM (issue 25: kill -9 mid-sweep).
+
+    Marked ``alone``: serve's workers run at nice 10 and load the training stack before they
+    consume (about 10 s of CPU each); beside a parallel worker's training they got about a tenth
+    of a core, and their start outlasted the wait (reproduced with two busy processes at nice 0)."""
     serve = Process(
         "serve",
         [sys.executable, "-m", "tunejob", "serve", "--port", str(free_port()), "--workers", "2"],
