@@ -17,7 +17,7 @@ from collections.abc import Callable
 from celery import Celery
 from kombu.exceptions import ChannelError
 from kombu.transport import filesystem
-from kombu.utils.json import dumps
+from kombu.utils.json import dumps, loads
 from pydantic import BaseModel
 
 from shared.jobs import lifecycle, orphans, predictions, retention, sweeps, webhooks
@@ -35,13 +35,25 @@ QUEUE = "tunejob"
 
 
 class FilesystemChannel(filesystem.Channel):
-    """kombu's filesystem channel, with each message file written whole before it appears.
+    """kombu's filesystem channel, with each message file and each exchange's table of bindings
+    written whole before it appears.
 
     kombu writes a message straight into the queue folder under its final name (``*.<queue>.msg``),
     and its ``flock`` is advisory: a consumer polling the folder meanwhile (``_get`` takes no lock)
     moved and read an empty or half-written file, and the worker failed on the JSON (seen twice
     under load, issue 34). Here the message is written under a name no consumer looks at (a dot
-    file) and renamed into place (``os.replace``: atomic in one folder, POSIX)."""
+    file) and renamed into place (``os.replace``: atomic in one folder, POSIX).
+
+    An exchange's table (``<control folder>/<exchange>.exchange``, JSON: the queues bound to it) is
+    read, changed and written back by every process that binds or deletes a queue: the API and each
+    worker at its start (the task queue, the worker's pidbox and event queues). kombu creates the
+    file empty and takes its lock only after opening it (``wb``, which truncates), so two processes
+    starting together read an empty table (a ``JSONDecodeError``), lost each other's bindings, or
+    left a table that is no longer JSON, which fails every later publish to that exchange
+    (kombu 5.7; ``tests/test_broker.py`` runs one bind inside another's window). Here each change holds an exclusive lock on a
+    lock file of its own (``.<exchange>.exchange.lock``, never replaced) from its read to its write,
+    and the table is written under another name and renamed into place, so a reader (``get_table``)
+    sees the old table or the new one, whole."""
 
     def _put(self, queue, payload, **kwargs):
         name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"  # kombu's own name
@@ -52,6 +64,44 @@ class FilesystemChannel(filesystem.Channel):
             os.replace(partial, os.path.join(self.data_folder_out, name))
         except OSError as e:
             raise ChannelError(f"Cannot add file {name!r} to directory") from e
+
+    def _queue_bind(self, exchange, routing_key, pattern, queue):
+        binding = filesystem.exchange_queue_t(routing_key or "", pattern or "", queue or "")
+        self._change_table(exchange, lambda table: table if binding in table else [binding, *table])
+
+    def _delete(self, queue, exchange, routing_key, pattern, *args, **kwargs):
+        # kombu's virtual channel purges the queue; filesystem.Channel's own table rewrite is replaced
+        super(filesystem.Channel, self)._delete(queue, exchange, routing_key, pattern, *args, **kwargs)
+        binding = filesystem.exchange_queue_t(routing_key or "", pattern or "", queue or "")
+        self._change_table(exchange, lambda table: [b for b in table if b != binding])
+
+    def _change_table(self, exchange: str, change: Callable[[list], list]) -> None:
+        """Replace ``exchange``'s table of bindings with ``change(table)``, under its lock file.
+        A table that is not JSON (left by kombu's own write) counts as empty: every process binds
+        its queues again when it starts.
+
+        Raises:
+            ChannelError: the control folder cannot be written (kombu's error for this).
+        """
+        file = self._exchange_file(exchange)
+        try:
+            self.control_folder.mkdir(parents=True, exist_ok=True)
+            with open(file.with_name(f".{file.name}.lock"), "ab") as guard:
+                filesystem.lock(guard, filesystem.LOCK_EX)  # released when the file closes
+                try:
+                    table = [filesystem.exchange_queue_t(*b) for b in loads(file.read_bytes())]
+                except FileNotFoundError:
+                    table = []
+                except ValueError:
+                    log.warning("broker: %s was not a table of bindings; written anew", file)
+                    table = []
+                changed = change(table)
+                if changed != table or not file.exists():
+                    partial = file.with_name(f".{file.name}.{uuid.uuid4()}.part")
+                    partial.write_bytes(dumps(changed).encode())
+                    os.replace(partial, file)
+        except OSError as e:
+            raise ChannelError(f"Cannot change the bindings in {file}") from e
 
 
 class FilesystemTransport(filesystem.Transport):
