@@ -98,10 +98,10 @@ def test_unfinished_jobs_are_409(stack):
     dataset = upload(stack.client, labelled_csv(rows=48, seed=6))
     job_id = submit(stack.client, dataset["id"], **LONG)["id"]
     wait_until_training(stack.client, job_id)
-    assert_error(predict(stack.client, job_id, ["a"]), 409, "job_not_succeeded", None, "running")
+    assert_error(predict(stack.client, job_id, ["a"]), 409, "model_not_ready", "model", "running")
     cancel(stack.client, job_id)
     assert wait_for_status(stack.client, job_id, {"cancelled"}, timeout=120)
-    assert_error(predict(stack.client, job_id, ["a"]), 409, "job_not_succeeded", None, "cancelled")
+    assert_error(predict(stack.client, job_id, ["a"]), 409, "model_not_ready", "model", "cancelled")
 
 
 def test_the_least_recently_used_model_is_evicted(stack, trained, monkeypatch):
@@ -123,8 +123,8 @@ def test_the_least_recently_used_model_is_evicted(stack, trained, monkeypatch):
 
 def test_foreign_unknown_and_deleted_jobs_are_404(stack, trained):
     stranger = stack.client_for("tenant-b")
-    assert_error(predict(stranger, trained[1], ["a"]), 404, "not_found")
-    assert_error(predict(stack.client, "job_nope", ["a"]), 404, "not_found")
+    assert_error(predict(stranger, trained[1], ["a"]), 404, "unknown_model", "model")
+    assert_error(predict(stack.client, "job_nope", ["a"]), 404, "unknown_model", "model", "job_nope")
     assert predict(stack.client, trained[1], ["a"]).status_code == 200  # now cached: deletion must still win
     assert stack.client.delete(f"/jobs/{trained[1]}").status_code == 204
-    assert_error(predict(stack.client, trained[1], ["a"]), 404, "deleted")
+    assert_error(predict(stack.client, trained[1], ["a"]), 404, "model_deleted", "model")

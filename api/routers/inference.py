@@ -7,20 +7,16 @@ torch and transformers load on the first prediction, not when the API starts.
 import math
 import os
 from functools import cache
-from pathlib import Path
 
 from fastapi import APIRouter
 
 from api.auth import CallerDep
 from api.errors import error_responses
-from shared.errors import Conflict, NotFound, UserError
+from shared.errors import UserError
 from shared.jobs import aliases
 from shared.jobs.models import embedding_model, trained_model
 from shared.schemas.predictions import EmbedIn, EmbedOut, PredictIn, PredictOut, RerankIn, RerankOut, RerankResult
 from shared.settings import get_settings
-from shared.store import artifacts
-from shared.store.engine import read_session
-from shared.store.rows import JobStatus
 from shared.store.tenancy import Caller
 
 router = APIRouter(tags=["models"])
@@ -35,7 +31,8 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
     all-MiniLM-L6-v2); later ones reuse it while it stays among the ``sync_model_cache`` most
     recently used. For many texts, use a batch prediction job. ``job_id`` may be one of your
     model aliases (``PUT /models/aliases/{alias}``), resolved on each request: ``model`` in the
-    answer is the job id it named."""
+    answer is the job id it named. A job that is not a succeeded training job of the caller's
+    tenant gets the errors of every model endpoint (``shared.jobs.models.trained_model``)."""
     limit = get_settings().max_sync_inputs
     if len(body.inputs) > limit:
         raise UserError(
@@ -43,7 +40,8 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
             f"inputs has {len(body.inputs)} items; at most {limit} are answered at once (max_sync_inputs)",
             "inputs",
         )
-    job_id, model_dir = trained_model_dir(job_id, caller)
+    job, model_dir = trained_model(job_id, caller)
+    job_id = job.id  # an alias's job
     cached = model_cache().get(job_id, model_dir)
     texts, pairs = split_inputs(body.inputs)
     if pairs is not None and cached.loaded.task == "token_classification":
@@ -129,25 +127,6 @@ def embed_texts_with(ref: str, texts: list[str], normalize: bool, caller: Caller
 
     with cached.lock:
         return embed_texts(cached.loaded, texts, normalize), cached.loaded
-
-
-def trained_model_dir(ref: str, caller: Caller) -> tuple[str, Path]:
-    """The id and model folder of ``caller``'s succeeded training job ``ref`` (its id, or one of the
-    tenant's aliases: ``shared.jobs.aliases.owned_model_job``, one read).
-
-    Raises:
-        NotFound, Deleted: (404) no such job or alias for this caller (naming ``ref``), or the job
-            was deleted; or its model files are gone (``artifact_retention_days``); a prediction
-            job's id (training jobs only). Conflict: (409) the job has not succeeded.
-    """
-    with read_session() as s:
-        job = aliases.owned_model_job(s, ref, caller)
-    if job.status != JobStatus.SUCCEEDED:
-        raise Conflict("job_not_succeeded", f"job {job.id!r} is {job.status}: only a succeeded job has a model")
-    model_dir = artifacts.local_model(job.id)
-    if model_dir is None:
-        raise NotFound("model of job", job.id)
-    return job.id, model_dir
 
 
 def split_inputs(inputs: list[str] | list[tuple[str, str]]) -> tuple[list[str], list[str] | None]:

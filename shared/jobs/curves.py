@@ -25,13 +25,12 @@ MIN_SPAN = 0.1  # a panel of other metrics spans at least this share of its valu
 def metric_rows(job_id: str) -> list[MetricRow]:
     """The job's metric rows in the store, ordered by step."""
     with read_session() as s:
-        return list(
-            s.execute(
-                select(JobMetric.step, JobMetric.name, JobMetric.value, JobMetric.time)
-                .where(JobMetric.job_id == job_id)
-                .order_by(JobMetric.step, JobMetric.id)
-            ).tuples()
+        rows = s.execute(
+            select(JobMetric.step, JobMetric.name, JobMetric.value, JobMetric.time)
+            .where(JobMetric.job_id == job_id)
+            .order_by(JobMetric.step, JobMetric.id)
         )
+        return [(step, name, value, time) for step, name, value, time in rows]
 
 
 def series_of(rows: list[MetricRow]) -> Series:
