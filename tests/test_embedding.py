@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_MODEL, RecordingReporter, wait_for_status
+from tests.test_api_errors import assert_error
 from tests.test_predictions import PART_ROWS, small_parts  # noqa: F401  (the fixture: parts of PART_ROWS rows)
 
 TINY_ST = "tiny-st"  # the tiny BERT saved as a sentence-transformers directory
@@ -409,6 +410,8 @@ def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, api_job):
     ).encode(texts)
     cosine = (served * local).sum(1) / np.linalg.norm(served, axis=1) / np.linalg.norm(local, axis=1)
     assert cosine.min() >= 0.9999
+    too_many = client.post(f"/models/{job['id']}/embed", json={"inputs": ["x"] * 65})  # max_sync_inputs: 64
+    assert_error(too_many, 422, "too_many_inputs", "inputs", "65")
 
     key = client.headers["Authorization"].removeprefix("Bearer ")
     sdk = OpenAI(base_url="http://localhost/v1", api_key=key, http_client=client, max_retries=0)

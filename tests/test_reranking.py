@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_MODEL, RecordingReporter, wait_for_status
+from tests.test_api_errors import assert_error
 from tests.test_embedding import TOPICS
 
 
@@ -221,3 +222,5 @@ def test_rerank_endpoint_orders_documents_best_first(stack):
     assert len(results) == 2 and results[0]["index"] == 1
     assert results[0]["relevance_score"] >= results[1]["relevance_score"]
     assert client.post(f"/models/{job['id']}/embed", json={"inputs": ["x"]}).status_code == 422
+    too_many = {"query": "chess", "documents": ["a text"] * 65}  # max_sync_inputs: 64
+    assert_error(client.post(f"/models/{job['id']}/rerank", json=too_many), 422, "too_many_inputs", "documents", "65")

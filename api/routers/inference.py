@@ -33,13 +33,7 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
     model aliases (``PUT /models/aliases/{alias}``), resolved on each request: ``model`` in the
     answer is the job id it named. A job that is not a succeeded training job of the caller's
     tenant gets the errors of every model endpoint (``shared.jobs.models.trained_model``)."""
-    limit = get_settings().max_sync_inputs
-    if len(body.inputs) > limit:
-        raise UserError(
-            "too_many_inputs",
-            f"inputs has {len(body.inputs)} items; at most {limit} are answered at once (max_sync_inputs)",
-            "inputs",
-        )
+    check_count(body.inputs, "inputs")
     job, model_dir = trained_model(job_id, caller)
     job_id = job.id  # an alias's job
     cached = model_cache().get(job_id, model_dir)
@@ -83,13 +77,7 @@ def rerank(job_id: str, body: RerankIn, caller: CallerDep) -> RerankOut:
     """Order up to ``max_sync_inputs`` documents by a succeeded ``reranking`` job's score of each
     (query, document) pair (the sigmoid of its one logit, as ``CrossEncoder(path).predict``), best
     first; ``top_n`` keeps the best few."""
-    limit = get_settings().max_sync_inputs
-    if len(body.documents) > limit:
-        raise UserError(
-            "too_many_inputs",
-            f"documents has {len(body.documents)} items; at most {limit} are answered at once (max_sync_inputs)",
-            "documents",
-        )
+    check_count(body.documents, "documents")
     job, model_dir = trained_model(job_id, caller)
     job_id = job.id  # an alias's job
     if job.task != "reranking":
@@ -114,19 +102,28 @@ def embed_texts_with(ref: str, texts: list[str], normalize: bool, caller: Caller
     Raises:
         UserError: ``too_many_inputs`` (naming ``param``), and those of ``embedding_model`` and ``load_embedder``.
     """
-    limit = get_settings().max_sync_inputs
-    if len(texts) > limit:
-        raise UserError(
-            "too_many_inputs",
-            f"{param} has {len(texts)} items; at most {limit} are answered at once (max_sync_inputs)",
-            param,
-        )
+    check_count(texts, param)
     model_dir = embedding_model(aliases.resolve(ref, caller), caller)
     cached = embedder_cache().get(str(model_dir), model_dir)
     from shared.inference.embed import embed_texts
 
     with cached.lock:
         return embed_texts(cached.loaded, texts, normalize), cached.loaded
+
+
+def check_count(items: list, param: str) -> None:
+    """A request answers at most ``max_sync_inputs`` items at once.
+
+    Raises:
+        UserError: 422 ``too_many_inputs`` naming ``param`` and the count.
+    """
+    limit = get_settings().max_sync_inputs
+    if len(items) > limit:
+        raise UserError(
+            "too_many_inputs",
+            f"{param} has {len(items)} items; at most {limit} are answered at once (max_sync_inputs)",
+            param,
+        )
 
 
 def split_inputs(inputs: list[str] | list[tuple[str, str]]) -> tuple[list[str], list[str] | None]:
