@@ -38,7 +38,8 @@ ERROR_STATUSES = {
     404: "The id in the path names nothing that exists.",
     405: "The method is not allowed on this path.",
     409: "The request conflicts with the resource's state.",
-    413: "The upload, or the dataset once decompressed, is larger than the service accepts.",
+    413: "The upload, or the dataset once decompressed, is larger than the service accepts, or a request "
+    "body other than an upload is larger than TUNEJOB_MAX_REQUEST_BYTES.",
     415: "The body is not in a media type this operation accepts.",
     422: "The request or its data is invalid: `error.param` names the field, `error.problems` lists up to 20 "
     "problems in the data (row, column, value, message).",
@@ -170,7 +171,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException):
-        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            e.status_code, "http_error"
+        )  # 413: api.body_limit's (tunejob's other 413s are UserErrors)
         headers = {"Allow": ", ".join(allowed_methods(request))} if e.status_code == 405 else e.headers
         return error_response(e.status_code, code, str(e.detail), headers=headers)
 

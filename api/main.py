@@ -16,6 +16,7 @@ from fastapi import Depends, FastAPI
 from fastapi_offline import FastAPIOffline
 
 from api.auth import authenticate
+from api.body_limit import BodyLimit
 from api.errors import install_error_handlers
 from api.feeds import Feeds
 from api.metrics import install_metrics, process_exiting
@@ -65,6 +66,7 @@ def create_app(bound_host: str | None = None) -> FastAPI:
     )
     install_error_handlers(app)
     install_openapi(app)
+    app.add_middleware(BodyLimit)
     app.add_middleware(HostAndOriginCheck, allowed_hosts=allowed_hosts(bound_host or get_settings().host))
     app.add_middleware(RequestId)  # added last: the outermost, so even a refused Host gets an id
     app.state.feeds = Feeds()  # one store reader for every streamed job (GET /jobs/{id}/stream, /ui)

@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     max_upload_bytes: int = 2 * 1024**3  # largest upload, checked while it streams in
+    # largest request body other than an upload (JSON: specs, texts to predict or embed), refused with 413
+    # before it is read whole, and before authentication (api.body_limit)
+    max_request_bytes: int = 16 * 1024**2
     max_dataset_bytes: int = 2 * 1024**3  # largest dataset once decompressed (Parquet), checked in batches
     max_job_seconds: int = 7 * 24 * 3600  # time limit of one training attempt
     predict_part_rows: int = 4096  # rows per results part of a prediction job (each written once, atomically)

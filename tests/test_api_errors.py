@@ -233,6 +233,41 @@ def test_too_large_upload_is_refused_and_its_partial_file_removed(stack, monkeyp
     before.assert_unchanged()
 
 
+def test_a_body_past_max_request_bytes_is_413_before_it_is_read_or_the_key_checked(stack, train_ds, monkeypatch):
+    """Every body but an upload's is read whole into memory (FastAPI parses JSON before it checks
+    the key), so past TUNEJOB_MAX_REQUEST_BYTES it is refused (``api.body_limit``): at once from
+    ``Content-Length``, or as the bytes of a chunked body arrive; without a key too, so that no
+    caller can make the API hold a body of any size. Nothing is stored. An upload streams to disk
+    under its own limit (TUNEJOB_MAX_UPLOAD_BYTES) and passes."""
+    from fastapi.testclient import TestClient
+
+    from shared.settings import get_settings
+    from tests.conftest import BASE_URL
+
+    monkeypatch.setattr(get_settings(), "max_request_bytes", 1000)
+    client, anonymous = stack.client, TestClient(stack.app, base_url=BASE_URL)
+    before = Snapshot(stack)
+    big = job_body(train_ds["id"], metadata={"note": "x" * 1000})
+    for caller in (client, anonymous):
+        assert_error(
+            caller.post("/jobs", json=big), 413, "request_too_large", None, "1,000 bytes", "TUNEJOB_MAX_REQUEST_BYTES"
+        )
+
+    def chunked():  # no Content-Length: counted as it arrives
+        yield json.dumps(big).encode()[:600]
+        yield json.dumps(big).encode()[600:]
+
+    r = client.post("/jobs", content=chunked(), headers={"Content-Type": "application/json"})
+    assert_error(r, 413, "request_too_large", None, "1,000 bytes")
+    too_many = {"model": TINY_MODEL, "input": ["a text"] * 200}
+    assert_error(client.post("/v1/embeddings", json=too_many), 413, "request_too_large")
+    before.assert_unchanged()
+
+    assert_error(client.post("/jobs", json=job_body(train_ds["id"], hyperparameters={"epochs": 0})), 422)  # read
+    assert len(labelled_csv(rows=200)) > 1000
+    assert post_file(client, labelled_csv(rows=200), "large.csv").status_code == 201
+
+
 def test_missing_file_field_is_refused(stack):
     before = Snapshot(stack)
     r = stack.client.post("/datasets", files={"other": ("a.csv", io.BytesIO(b"text,label\na,b\n"), "text/csv")})
