@@ -37,6 +37,7 @@ from client.display import (
     progress,
     queue_line,
     show,
+    show_plan,
     styled_status,
     texts_table,
     vectors_table,
@@ -121,17 +122,10 @@ def delete_alias(client: Client, args, out: Console) -> None:
 def create_job(client: Client, args, out: Console) -> int | None:
     spec = job_spec(args)
     if args.dry_run:
-        plan = client.plan_job(spec)
-        if args.json:
-            print_json(plan)
-        else:
-            out.print_json(data=plan)
+        show_plan(out, args, client.plan_job(spec))
         return None
     job = client.create_job(spec)
-    if args.quiet or args.json:
-        print(job.model_dump_json(indent=2) if args.json else job.id, flush=True)
-    else:
-        out.print(f"job [bold]{job.id}[/] {job.status}: {job.base_model} on {job.training_dataset}")
+    show(out, args, job, lambda: f"job [bold]{job.id}[/] {job.status}: {job.base_model} on {job.training_dataset}")
     return watch(client, job.id, out) if args.watch else None
 
 
@@ -249,19 +243,15 @@ def plot_job(client: Client, args, out: Console) -> None:
 def create_prediction(client: Client, args, out: Console) -> int | None:
     spec = prediction_spec(args)
     if args.dry_run:
-        plan = client.plan_prediction(spec)
-        if args.json:
-            print_json(plan)
-        else:
-            out.print_json(data=plan)
+        show_plan(out, args, client.plan_prediction(spec))
         return None
     prediction = client.create_prediction(spec)
-    if args.quiet or args.json:
-        print(prediction.model_dump_json(indent=2) if args.json else prediction.id, flush=True)
-    else:
-        out.print(
-            f"prediction [bold]{prediction.id}[/] {prediction.status}: {prediction.model} on {prediction.dataset}"
-        )
+    show(
+        out,
+        args,
+        prediction,
+        lambda: f"prediction [bold]{prediction.id}[/] {prediction.status}: {prediction.model} on {prediction.dataset}",
+    )
     return watch(client, prediction.id, out, PREDICTION) if args.watch else None
 
 

@@ -25,6 +25,14 @@ STATUS_STYLE = {
 }
 
 
+def show_plan(out: Console, args, plan: dict) -> None:
+    """A dry run's plan: JSON on stdout with ``--json`` (for scripts), else highlighted JSON on ``out``."""
+    if getattr(args, "json", False):
+        print_json(plan)
+    else:
+        out.print_json(data=plan)
+
+
 def show(out: Console, args, value: Any, table: Callable[[], Any]) -> None:
     """``value`` as JSON with ``--json``, only its id with ``-q``, else ``table()`` drawn by rich."""
     if getattr(args, "json", False):

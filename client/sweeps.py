@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from client.api import Client
-from client.display import age, id_column, print_json, show, styled_status
+from client.display import age, id_column, print_json, show, show_plan, styled_status
 from client.options import UsageError, add_create_arguments, job_spec
 
 EXIT_FOR = {"succeeded": 0, "failed": 3, "cancelled": 4}
@@ -53,20 +53,18 @@ def create_sweep(client: Client, args, out: Console) -> int | None:
     if args.early_stopping:
         spec["early_stopping"] = {**spec.get("early_stopping", {}), "type": args.early_stopping}
     if args.dry_run:
-        plan = client.plan_sweep(spec)
-        if args.json:
-            print_json(plan)
-        else:
-            out.print_json(data=plan)
+        show_plan(out, args, client.plan_sweep(spec))
         return None
     sweep = client.create_sweep(spec)
-    if args.quiet or args.json:
-        print(sweep.model_dump_json(indent=2) if args.json else sweep.id, flush=True)
-    else:
-        out.print(
+    show(
+        out,
+        args,
+        sweep,
+        lambda: (
             f"sweep [bold]{sweep.id}[/] {sweep.status}: {sweep.max_trials} trials of {escape(sweep.base_model)}, "
             f"{sweep.max_parallel_trials} at a time, {_objectives(sweep)}"
-        )
+        ),
+    )
     return watch(client, sweep.id, out) if args.watch else None
 
 
