@@ -20,6 +20,7 @@ UPLOADS = frozenset({("POST", "/datasets"), ("POST", "/v1/files")})  # (method, 
 
 
 def too_large(limit: int) -> str:
+    """The 413's message for a body past ``limit`` bytes."""
     return f"the request body is larger than {limit:,} bytes (TUNEJOB_MAX_REQUEST_BYTES); upload datasets with POST /datasets"
 
 

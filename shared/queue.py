@@ -49,11 +49,11 @@ class FilesystemChannel(filesystem.Channel):
     worker at its start (the task queue, the worker's pidbox and event queues). kombu creates the
     file empty and takes its lock only after opening it (``wb``, which truncates), so two processes
     starting together read an empty table (a ``JSONDecodeError``), lost each other's bindings, or
-    left a table that is no longer JSON, which fails every later publish to that exchange
-    (kombu 5.7; ``tests/test_broker.py`` runs one bind inside another's window). Here each change holds an exclusive lock on a
-    lock file of its own (``.<exchange>.exchange.lock``, never replaced) from its read to its write,
-    and the table is written under another name and renamed into place, so a reader (``get_table``)
-    sees the old table or the new one, whole."""
+    left a table that is no longer JSON, which fails every later publish to that exchange (kombu
+    5.7; ``tests/test_broker.py`` runs one bind inside another's window). Here each change holds an
+    exclusive lock on a lock file of its own (``.<exchange>.exchange.lock``, never replaced) from
+    its read to its write, and the table is written under another name and renamed into place, so
+    a reader (``get_table``) sees the old table or the new one, whole."""
 
     def _put(self, queue, payload, **kwargs):
         name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"  # kombu's own name

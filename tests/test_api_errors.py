@@ -263,7 +263,8 @@ def test_a_body_past_max_request_bytes_is_413_before_it_is_read_or_the_key_check
     assert_error(client.post("/v1/embeddings", json=too_many), 413, "request_too_large")
     before.assert_unchanged()
 
-    assert_error(client.post("/jobs", json=job_body(train_ds["id"], hyperparameters={"epochs": 0})), 422)  # read
+    small = job_body(train_ds["id"], hyperparameters={"epochs": 0})
+    assert_error(client.post("/jobs", json=small), 422, "invalid_request")  # under the limit: read and checked
     assert len(labelled_csv(rows=200)) > 1000
     assert post_file(client, labelled_csv(rows=200), "large.csv").status_code == 201
 
