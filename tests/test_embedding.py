@@ -195,11 +195,16 @@ def test_loss_and_gradients_equal_sentence_transformers_own(engine_env, tiny_st,
     columns = ["anchor", "positive"] + (["negative"] if kind == "negatives" else [])
     loss_fn = CoSENTLoss(reference) if kind == "score" else MultipleNegativesRankingLoss(reference)
     labels = torch.tensor(frame["score"].values) if kind == "score" else torch.zeros(8)
-    loss = loss_fn(st_batch(reference, frame, columns), labels)
+    assert_same_loss_and_gradients(values, grads, loss_fn(st_batch(reference, frame, columns), labels), reference)
+
+
+def assert_same_loss_and_gradients(values, grads, loss: torch.Tensor, model: torch.nn.Module) -> None:
+    """The loop's first step (its loss ``values[0]`` and gradients ``grads[0]``, unclipped: the loop
+    clips inside the fused AdamW, ``worker.training.steps.Steps.update``) against sentence-transformers'
+    ``loss`` of the same batch on ``model``: the same value (1e-5 relative) and gradients."""
     loss.backward()
     assert values[0].item() == pytest.approx(loss.item(), rel=1e-5)
-    # unclipped: the loop clips inside the fused AdamW (worker.training.steps.Steps.update, its grad_scale)
-    theirs = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    theirs = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert grads[0].keys() == theirs.keys()
     for name, grad in theirs.items():
         torch.testing.assert_close(grads[0][name], grad, rtol=1e-4, atol=1e-6)

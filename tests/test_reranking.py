@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import TINY_MODEL, RecordingReporter, wait_for_status
 from tests.test_api_errors import assert_error
-from tests.test_embedding import TOPICS
+from tests.test_embedding import TOPICS, assert_same_loss_and_gradients
 
 
 def rows(queries: int, seed: int = 0) -> pd.DataFrame:
@@ -160,12 +160,7 @@ def test_loss_and_gradients_equal_sentence_transformers_own(engine_env, pos_weig
     loss = BinaryCrossEntropyLoss(reference, pos_weight=torch.tensor(weight))(
         [frame["query"].tolist(), frame["passage"].tolist()], torch.tensor(frame["label"].values)
     )
-    loss.backward()
-    assert values[0].item() == pytest.approx(loss.item(), rel=1e-5)
-    theirs = {n: p.grad for n, p in transformer.named_parameters() if p.grad is not None}
-    assert grads[0].keys() == theirs.keys()
-    for name, grad in theirs.items():
-        torch.testing.assert_close(grads[0][name], grad, rtol=1e-4, atol=1e-6)
+    assert_same_loss_and_gradients(values, grads, loss, transformer)
 
 
 def upload(client, frame: pd.DataFrame, filename: str = "rerank.csv") -> str:
