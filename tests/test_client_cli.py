@@ -25,6 +25,10 @@ from client import Client, TunejobError
 from tests.conftest import TINY_MODEL
 from tests.faults_support import ROOT, Process, free_port, wait_for
 
+# Marked alone (pyproject.toml): the jobs here train on `tunejob serve`'s workers, which run at nice 10;
+# beside a parallel test process's training they get a tenth of a core (tests/test_server.py).
+pytestmark = pytest.mark.alone
+
 WORDS = {"sports": ["match", "goal", "team", "coach", "league"], "business": ["shares", "market", "profit", "bank"]}
 
 

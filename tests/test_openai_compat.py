@@ -20,6 +20,10 @@ from tests.conftest import TINY_MODEL
 from tests.faults_support import Process, free_port, wait_for
 from tests.test_api_jobs import WORDS
 
+# Marked alone (pyproject.toml): the jobs here train on `tunejob serve`'s workers, which run at nice 10;
+# beside a parallel test process's training they get a tenth of a core (tests/test_server.py).
+pytestmark = pytest.mark.alone
+
 FINISHED = {"succeeded", "failed", "cancelled"}
 
 
