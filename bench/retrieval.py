@@ -14,7 +14,8 @@ titles, their articles (label 1) and the ``--negatives`` articles the embedding 
 ranks first among the other training articles (hard negatives, label 0; default 1), then reranks
 that embedding model's top ``--top-k`` articles of each validation title; ``--reranker peer``
 trains the reranker with ``CrossEncoderTrainer`` (``BinaryCrossEntropyLoss``; ``peer-listnet``:
-``ListNetLoss``) on the same rows and settings instead, and ``--pos-weight`` sets the positives' weight on either side (tunejob's
+``ListNetLoss``; ``peer-lce``: its ``MultipleNegativesRankingLoss``) on the same rows and
+settings instead, and ``--pos-weight`` sets the positives' weight on either side (tunejob's
 default: the labels' negatives per positive; the peer's: none). ``--side compare`` runs the
 three, each cold in its own process (tunejob, the peer, then the reranker on tunejob's model),
 and prints them together.
@@ -225,12 +226,20 @@ def peer_reranker(args, train: pd.DataFrame) -> tuple[str, float]:
     ``--reranker peer-listnet`` ``ListNetLoss`` over each title's passages (Cao et al. 2007: the
     cross-entropy of the softmax of the scores against the softmax of the labels, a soft target:
     0.41 for the positive among 4 negatives, not the one-hot target of Gao et al. 2021's
-    localized contrastive estimation), ``--batch-size`` pairs a step as nearly as whole titles
-    allow; (its model directory, its ``train_runtime``)."""
+    localized contrastive estimation), or with ``--reranker peer-lce`` its
+    ``MultipleNegativesRankingLoss`` over each title's article and hard negatives (Gao et al. 2021's
+    localized contrastive estimation: the cross-entropy of the softmax over the group, the
+    article the target) and ``--in-batch-negatives`` other titles' passages (0: none);
+    ``--batch-size`` pairs a step as nearly as whole titles allow; (its model directory, its
+    ``train_runtime``)."""
     from datasets import Dataset
     from sentence_transformers import CrossEncoder
     from sentence_transformers.cross_encoder import CrossEncoderTrainer, CrossEncoderTrainingArguments
-    from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss, ListNetLoss
+    from sentence_transformers.cross_encoder.losses import (
+        BinaryCrossEntropyLoss,
+        ListNetLoss,
+        MultipleNegativesRankingLoss,
+    )
 
     from shared.jobs.base_models import resolve_model
 
@@ -242,7 +251,18 @@ def peer_reranker(args, train: pd.DataFrame) -> tuple[str, float]:
         local_files_only=True,
         model_kwargs={"ignore_mismatched_sizes": True},
     )
-    if args.reranker == "peer-listnet":
+    if args.reranker == "peer-lce":  # reranker_pairs' rows: the articles, then each rank of negatives
+        n = len(train) // (args.negatives + 1)
+        columns = {"query": train["query"][:n].tolist()}
+        for k in range(args.negatives + 1):
+            columns[f"passage_{k}"] = train["passage"][k * n : (k + 1) * n].tolist()
+        dataset = Dataset.from_dict(columns)
+        titles = max(1, args.batch_size // (args.negatives + 1))
+        training = peer_arguments(args, CrossEncoderTrainingArguments, args.rerank_epochs, titles)
+        loss = MultipleNegativesRankingLoss(model, num_negatives=args.in_batch_negatives or None)
+        if not args.in_batch_negatives:  # the hard negatives only (sentence-transformers samples at least one)
+            loss.get_in_batch_negatives = lambda anchors, candidates: iter(())
+    elif args.reranker == "peer-listnet":
         groups = train.groupby("query", sort=False)
         dataset = Dataset.from_dict(
             {
@@ -355,9 +375,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rerank-epochs", type=float, default=1)
     p.add_argument(
         "--reranker",
-        choices=["tunejob", "peer", "peer-listnet"],
+        choices=["tunejob", "peer", "peer-listnet", "peer-lce"],
         default="tunejob",
         help="--side rerank: who trains the reranker, with which loss",
+    )
+    p.add_argument(
+        "--in-batch-negatives", type=int, default=4, help="--reranker peer-lce: other titles' passages per title"
     )
     p.add_argument("--pos-weight", type=float, help="--side rerank: the positives' weight in binary cross-entropy")
     return p.parse_args(argv)
