@@ -182,9 +182,23 @@ def test_tpe_start_up_trials_scale_with_max_trials():
 # ----------------------------------------------------------------------------- 3: warm starts
 
 
-def finish(job_id: str, status: str, curve: dict[int, float], latency: float | None = None) -> None:
+def start(job_id: str, total_steps: int) -> None:
+    """Trial ``job_id`` running, its schedule ``total_steps`` optimizer steps (as the worker reports
+    before its first step)."""
+    from shared.store.engine import session_scope
+    from shared.store.rows import Job
+
+    with session_scope() as s:
+        job = s.get(Job, job_id)
+        job.status, job.total_steps = "running", total_steps
+
+
+def finish(
+    job_id: str, status: str, curve: dict[int, float], latency: float | None = None, total_steps: int | None = None
+) -> None:
     """End trial ``job_id`` with ``status`` and ``eval_accuracy`` ``curve`` (step -> value), as a
-    worker would; with ``latency``, its ``eval_latency_ms`` at the last step (``worker.latency``)."""
+    worker would; with ``latency``, its ``eval_latency_ms`` at the last step (``worker.latency``).
+    Its schedule: ``total_steps`` (default: the curve's last step)."""
     from shared.store.engine import session_scope
     from shared.store.rows import Job, JobMetric, utcnow
 
@@ -192,7 +206,7 @@ def finish(job_id: str, status: str, curve: dict[int, float], latency: float | N
     points += [("eval_latency_ms", max(curve), latency)] if latency is not None else []
     with session_scope() as s:
         job = s.get(Job, job_id)
-        job.status, job.finished_at = status, utcnow()
+        job.status, job.finished_at, job.total_steps = status, utcnow(), total_steps or max(curve)
         s.add_all(
             JobMetric(job_id=job_id, step=step, epoch=0.0, name=name, value=value) for name, step, value in points
         )
@@ -214,7 +228,7 @@ def test_a_warm_start_brings_finished_trials_as_history_for_the_pruner(client, d
     source = created(client, body(dataset["id"], max_trials=3, max_parallel_trials=3))
     done, pruned, cancelled = trials(client, source["id"])
     finish(done["job_id"], "succeeded", {2: 0.6, 4: 0.8})
-    finish(pruned["job_id"], "pruned", {2: 0.3})
+    finish(pruned["job_id"], "pruned", {2: 0.3}, total_steps=4)
     finish(cancelled["job_id"], "cancelled", {2: 0.9})  # not finished well: no history
     median = {"early_stopping": {"type": "median", "min_trials": 1}}
 
@@ -227,12 +241,16 @@ def test_a_warm_start_brings_finished_trials_as_history_for_the_pruner(client, d
     assert sweep["trials"]["queued"] == 1 and sweep["max_trials"] == 1  # history is no trial of this sweep
     (first,) = trials(client, sweep["id"])
     assert first["number"] == 0 and first["default"] is True
-    # The pruner compares with the history's curves: 0.1 at step 2 is below the median there (0.6);
-    # the default trial is never pruned.
+    # The pruner compares with the history's curves: 0.1 at step 2 of 4 is below the median there
+    # (0.6); the default trial is never pruned.
+    start(first["job_id"], 4)
     assert should_prune(first["job_id"], 2, {"accuracy": 0.1}) is False
     searched = created(client, body(dataset["id"], warm_start_from=[source["id"]], include_defaults=False, **median))
-    assert should_prune(trials(client, searched["id"])[0]["job_id"], 2, {"accuracy": 0.1}) is True
+    (asked,) = trials(client, searched["id"])
+    start(asked["job_id"], 4)
+    assert should_prune(asked["job_id"], 2, {"accuracy": 0.1}) is True
     alone = created(client, body(dataset["id"], max_trials=1, include_defaults=False, **median))
+    start(trials(client, alone["id"])[0]["job_id"], 4)
     assert should_prune(trials(client, alone["id"])[0]["job_id"], 2, {"accuracy": 0.1}) is False
 
     # The CLI shows the history, greyed.
@@ -247,6 +265,31 @@ def test_a_warm_start_brings_finished_trials_as_history_for_the_pruner(client, d
     outside = done["params"]["learning_rate"] < 1e-3
     r = client.post("/sweeps", json=body(dataset["id"], warm_start_from=[source["id"]], search_space=narrow))
     assert r.status_code == 201 and r.json()["history"]["trials"] == 2 - outside, r.text
+
+
+def test_trials_are_compared_at_the_same_point_of_their_schedules(client, dataset):  # noqa: F811
+    """Each trial's learning rate decays over its own schedule, so the pruner compares trials at the
+    same fraction of their ``total_steps``, not at the same optimizer step (issue 38's sweep, step
+    251: a 3-epoch trial's first epoch 0.764, a 1-epoch trial's last 0.8085; the 3-epoch defaults
+    ended best). A trial of 18 steps at step 6 meets the other 18-step trial's first third (0.6),
+    not the 6-step trial's end (0.8, which made the median at step 6 0.7). Its last evaluation is
+    never pruned; ``min_steps`` counts its own optimizer steps."""
+    from shared.jobs.sweeps import should_prune
+
+    median = {"early_stopping": {"type": "median", "min_trials": 1}}
+    sweep = created(client, body(dataset["id"], max_trials=3, max_parallel_trials=3, include_defaults=False, **median))
+    short, long, new = trials(client, sweep["id"])
+    finish(short["job_id"], "succeeded", {6: 0.8})
+    finish(long["job_id"], "succeeded", {6: 0.6, 12: 0.75, 18: 0.85})
+    start(new["job_id"], 18)
+    assert should_prune(new["job_id"], 6, {"accuracy": 0.65}) is False
+    assert should_prune(new["job_id"], 6, {"accuracy": 0.55}) is True
+    assert should_prune(new["job_id"], 12, {"accuracy": 0.7}) is True  # below 0.75 at two thirds
+    assert should_prune(new["job_id"], 18, {"accuracy": 0.1}) is False  # the end: stopping saves nothing
+
+    edit_sweep(sweep["id"], early_stopping={**median["early_stopping"], "min_steps": 7})
+    assert should_prune(new["job_id"], 6, {"accuracy": 0.55}) is False
+    assert should_prune(new["job_id"], 12, {"accuracy": 0.7}) is True
 
 
 def test_the_report_draws_a_warm_starts_history_grey_and_off_the_best_line(client, dataset, monkeypatch):  # noqa: F811

@@ -10,6 +10,15 @@ rows of ``job_metrics``, which the worker streams anyway), their status, and the
 attributes their sampler and pruner keep (``Job.trial_attrs``: ``grid_id``, ASHA's rungs). So the
 one job lease covers trials (Optuna's heartbeat does not cover ask/tell; Optuna's FAQ advises
 against SQLite with concurrent writers), and the same code runs on SQLite and PostgreSQL.
+
+**Where a trial is in its schedule.** Optuna's pruners compare trials at the same step. An
+optimizer step is no common point when the batch size or the epochs are searched: the learning
+rate decays linearly to 0 over each trial's own ``total_steps``, so a 3-epoch trial's first epoch
+(its learning rate still high) scores below a 1-epoch trial's last at the same step, and pruning
+there stopped the longer schedules, the defaults' among them (issue 38; docs/guide/sweeps.md).
+The study's intermediate values are keyed instead by the fraction of its ``total_steps`` each
+trial had run (``schedule_curve``), so that trials meet at the same point of their schedules: the
+end of epoch 1 of 3 for every 3-epoch trial.
 """
 
 from typing import Any
@@ -44,6 +53,7 @@ STATES = {
     JobStatus.QUEUED: TrialState.RUNNING,
     JobStatus.RUNNING: TrialState.RUNNING,
 }
+SCHEDULE = 1_000_000  # a trial's whole schedule in the study's steps (``schedule_curve``)
 TRIAL_STATUSES = (
     JobStatus.QUEUED,
     JobStatus.RUNNING,
@@ -204,16 +214,18 @@ def startup_trials(max_trials: int) -> int:
 
 
 def pruner(spec: SweepCreate) -> optuna.pruners.BasePruner:
-    """The sweep's ``early_stopping`` as an Optuna pruner."""
+    """The sweep's ``early_stopping`` as an Optuna pruner, on the study's steps (``schedule_curve``:
+    fractions of a trial's schedule). ASHA's rungs are at 1/100 of a schedule times powers of
+    ``reduction_factor`` (what Optuna's "auto" estimates from a finished trial, here from the
+    first trial on: the pruner is rebuilt for every decision); ``min_steps``, a trial's own
+    optimizer steps, is ``shared.jobs.sweeps.should_prune``'s to hold."""
     es = spec.early_stopping
     if es.type == "asha":
         return optuna.pruners.SuccessiveHalvingPruner(
-            min_resource=es.min_steps or "auto", reduction_factor=es.reduction_factor
+            min_resource=SCHEDULE // 100, reduction_factor=es.reduction_factor
         )
     if es.type == "median":
-        return optuna.pruners.MedianPruner(
-            n_startup_trials=es.min_trials, n_warmup_steps=es.min_steps, n_min_trials=es.min_trials
-        )
+        return optuna.pruners.MedianPruner(n_startup_trials=es.min_trials, n_min_trials=es.min_trials)
     return optuna.pruners.NopPruner()
 
 
@@ -240,6 +252,19 @@ def best_value(curve: dict[int, float], spec: SweepCreate) -> float | None:
     if not curve:
         return None
     return (max if spec.objective.direction == "maximize" else min)(curve.values())
+
+
+def schedule_curve(curve: dict[int, float], total_steps: int | None) -> dict[int, float]:
+    """A trial's ``curve`` (optimizer step -> value) as the study's intermediate values: each step
+    as the fraction of the trial's ``total_steps`` it had run, in millionths (``SCHEDULE``; see the
+    module), the first value of a fraction kept as ``Trial.report`` keeps the first of a step. Empty
+    for a trial whose ``total_steps`` is not known (one that has not started training)."""
+    if not total_steps:
+        return {}
+    out: dict[int, float] = {}
+    for step, value in sorted(curve.items()):
+        out.setdefault(round(SCHEDULE * step / total_steps), value)
+    return out
 
 
 def params_of(job: Job, spec: SweepCreate) -> dict[str, Any]:
@@ -276,8 +301,8 @@ def frozen(
     more: list[dict[int, float]] | None = None,
 ) -> FrozenTrial:
     """Trial ``job`` as Optuna sees it: with ``more`` (the other objectives' curves, ``more_curves``)
-    a trial of a multi-objective study, else of a study of the first objective. Its job id is its
-    user attribute ``job_id``."""
+    a trial of a multi-objective study, else of a study of the first objective; its intermediate
+    values ``schedule_curve``'s. Its job id is its user attribute ``job_id``."""
     state = state or STATES[job.status]
     found = values_of(curve, more or [], spec) if state == TrialState.COMPLETE else []
     values = [v for v in found if v is not None] if None not in found else []
@@ -288,7 +313,7 @@ def frozen(
         values=values or None,
         params=params_of(job, spec),
         distributions=space,
-        intermediate_values=curve,
+        intermediate_values=schedule_curve(curve, job.total_steps),
         system_attrs=job.trial_attrs or {},
         user_attrs={"job_id": job.id},
     )
@@ -297,8 +322,8 @@ def frozen(
 def history(s: Session, spec: SweepCreate, space: dict, multi: bool = False) -> list[FrozenTrial]:
     """The warm start (``warm_start_from``): the earlier sweeps' succeeded and pruned trials, in
     their order and then by number, as Optuna trials of this space, with their values and curves
-    (``curves``, of this sweep's objective) and their ``job_id``, ``sweep_id`` and ``trial_number``
-    as user attributes. ``multi``: trials of the multi-objective study, with every objective's value
+    (``curves``, of this sweep's objective, as ``schedule_curve``) and their ``job_id``,
+    ``sweep_id`` and ``trial_number`` as user attributes. ``multi``: trials of the multi-objective study, with every objective's value
     (``values_of``). A trial whose parameters lie outside this space, or that succeeded without a
     value of every objective, is left out (an Optuna study holds no such trial)."""
     if not spec.warm_start_from:
@@ -328,7 +353,7 @@ def history(s: Session, spec: SweepCreate, space: dict, multi: bool = False) -> 
                     state=state,
                     values=values or None,
                     distributions=space,
-                    intermediate_values=curve,
+                    intermediate_values=schedule_curve(curve, job.total_steps),
                     params={
                         name: job.base_model
                         if name == search_space.BASE_MODEL

@@ -20,7 +20,8 @@ tenant's admission as jobs do (``shared.jobs.trials.admitted``): without room th
 until room freed, goes on).
 
 **Pruning**: at each evaluation the worker asks ``should_prune`` with the objective; the pruner
-(``MedianPruner`` or ``SuccessiveHalvingPruner``) sees the other trials' stored curves. A trial's
+(``MedianPruner`` or ``SuccessiveHalvingPruner``) sees the other trials' stored curves, each at the
+fractions of its own schedule (``shared.jobs.search.schedule_curve``). A trial's
 value is its objective at its best evaluation, the one whose weights it keeps
 (``metric_for_best_model`` is set to the objective).
 """
@@ -183,9 +184,11 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
     now: its sweep's pruner asked with the other trials' stored curves and this trial's (its
     earlier evaluations from the store, this one from ``metrics``), the warm start's history's
     among them (``shared.jobs.search.history``). The pruner's trial attributes
-    (ASHA's rungs) are stored on the job. Not a trial, or no finite objective: False. The default
-    trial (``include_defaults``) is asked too, for its pruner attributes, but never pruned: the
-    sweep's best is then never worse than the default job."""
+    (ASHA's rungs) are stored on the job. Not a trial, no finite objective, or a ``step`` before
+    the sweep's ``min_steps``: False. The default trial (``include_defaults``) and a trial at its
+    last step are asked too, for their pruner attributes, but never pruned: the sweep's best is
+    then never worse than the default job, and stopping at the end saves nothing (and would throw
+    the trial's model away)."""
     with read_session() as s:
         job = s.get(Job, job_id)
         sweep = s.get(Sweep, job.sweep_id) if job is not None and job.sweep_id else None
@@ -194,6 +197,8 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
         spec = spec_of(sweep)
         value = metrics.get(spec.objective.metric)
         if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        if step < spec.early_stopping.min_steps or not job.total_steps:
             return False
         others = [t for t in s.scalars(select(Job).where(Job.sweep_id == sweep.id, Job.id != job_id))]
         trial_curves = curves(s, [t.id for t in others] + [job_id], spec.objective.metric)
@@ -210,7 +215,8 @@ def should_prune(job_id: str, step: int, metrics: dict[str, Any]) -> bool:
         with session_scope() as s:
             if (row := s.get(Job, job_id)) is not None:
                 row.trial_attrs = attrs
-    return bool(prune) and not (spec.include_defaults and job.trial_number == 0)  # a numpy bool from MedianPruner
+    kept = (spec.include_defaults and job.trial_number == 0) or step >= job.total_steps
+    return bool(prune) and not kept  # a numpy bool from MedianPruner
 
 
 def serving_precision(sweep_id: str) -> str | None:

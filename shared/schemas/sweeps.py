@@ -76,8 +76,11 @@ class Objective(BaseModel):
 class EarlyStopping(BaseModel):
     """Which trials to stop early, from the objective at each evaluation: ``asha`` (Optuna's
     ``SuccessiveHalvingPruner``, asynchronous successive halving, Li et al. 2018), ``median``
-    (``MedianPruner``: stop a trial whose value is worse than the median of the others' at the same
-    step), or ``none``."""
+    (``MedianPruner``: stop a trial whose best value so far is worse than the median of the
+    finished trials' at the same point), or ``none``. A point is a fraction of a trial's own
+    schedule (``total_steps``), not an optimizer step: with epochs or batch sizes searched, an
+    equal step is an earlier point of a longer schedule (``shared.jobs.search.schedule_curve``).
+    A trial's last evaluation is never pruned."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -85,8 +88,8 @@ class EarlyStopping(BaseModel):
     min_steps: int = Field(
         0,
         ge=0,
-        description="Optimizer steps before any decision (median: n_warmup_steps; "
-        "asha: min_resource, 0 meaning Optuna's 'auto').",
+        description="A trial's optimizer steps before any decision on it "
+        "(ASHA's rungs: 1/100 of a trial's schedule times powers of reduction_factor).",
     )
     reduction_factor: int = Field(3, ge=2, le=100, description="asha: keep the best 1/reduction_factor at each rung.")
     min_trials: int = Field(
