@@ -17,6 +17,7 @@ from api.errors import error_response
 from shared.settings import get_settings
 
 UPLOADS = frozenset({("POST", "/datasets"), ("POST", "/v1/files")})  # (method, path) of the streamed uploads
+OPENAI = "/v1/"  # the OpenAI facade's paths: its errors carry OpenAI's ``type`` (``api.openai_compat``)
 
 
 def too_large(limit: int) -> str:
@@ -43,7 +44,10 @@ class BodyLimit:
         limit = get_settings().max_request_bytes
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await error_response(413, "request_too_large", too_large(limit))(scope, receive, send)
+            error_type = "invalid_request_error" if path.startswith(OPENAI) else None
+            await error_response(413, "request_too_large", too_large(limit), error_type=error_type)(
+                scope, receive, send
+            )
             return
         received = 0
 

@@ -115,8 +115,12 @@ def error_response(
     param: str | None = None,
     problems: list[dict] | None = None,
     headers: Mapping[str, str] | None = None,
+    error_type: str | None = None,
 ) -> JSONResponse:
+    """The API's error body, ``{"error": {"code", "message", "param"[, "problems"][, "type"]}}``;
+    ``error_type``: OpenAI's ``type`` (the ``/v1`` facade's errors, ``api.openai_compat``)."""
     error = {"code": code, "message": message, "param": param, **({"problems": problems} if problems else {})}
+    error |= {"type": error_type} if error_type else {}
     return SafeJSONResponse({"error": error}, status_code=status, headers=headers)
 
 

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
+from starlette.exceptions import HTTPException
 
 from shared.errors import NotFound, UserError
 from shared.jobs import uploads
@@ -91,7 +92,7 @@ class OpenAIRoute(APIRoute):
         async def route_handler(request: Request):
             try:
                 return await handler(request)
-            except (UserError, RequestValidationError) as e:
+            except (UserError, RequestValidationError, HTTPException) as e:  # HTTPException: api.body_limit's 413
                 return await openai_error(request, e)
 
         return route_handler

@@ -260,7 +260,16 @@ def test_a_body_past_max_request_bytes_is_413_before_it_is_read_or_the_key_check
     r = client.post("/jobs", content=chunked(), headers={"Content-Type": "application/json"})
     assert_error(r, 413, "request_too_large", None, "1,000 bytes")
     too_many = {"model": TINY_MODEL, "input": ["a text"] * 200}
-    assert_error(client.post("/v1/embeddings", json=too_many), 413, "request_too_large")
+    r = client.post("/v1/embeddings", json=too_many)
+    assert_error(r, 413, "request_too_large")
+    assert r.json()["error"]["type"] == "invalid_request_error"  # the /v1 facade's errors are OpenAI's shape
+    r = client.post(
+        "/v1/embeddings", content=iter([json.dumps(too_many).encode()]), headers={"Content-Type": "application/json"}
+    )
+    assert "content-length" not in r.request.headers  # counted as it arrives
+    assert_error(r, 413, "request_too_large")
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert "type" not in client.post("/jobs", json=big).json()["error"]
     before.assert_unchanged()
 
     small = job_body(train_ds["id"], hyperparameters={"epochs": 0})
