@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     secret_key: str | None = Field(None, repr=False)
     models_dir: Path | None = None  # extra Hugging Face model directories, one per model
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    # What precision "auto" means on a CPU: bf16 (true) or fp32 (false); unset: bf16 where the CPU has AMX
+    # tiles, where bf16 runs faster than fp32 (shared.inference.precision). false: the same arithmetic on
+    # every CPU of a mixed fleet.
+    cpu_bf16: bool | None = None
     cpu_reuse_freed_memory: bool = True  # CPU workers: keep freed memory in the heap (worker.device)
     cuda_graphs: bool = True  # CUDA workers replay captured training steps (worker.training.graphs); off: eager
     # ... for jobs whose micro-batches average fewer padded tokens than this (above it the GPU is busy)

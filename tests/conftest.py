@@ -40,7 +40,10 @@ REQUIRE_SERVICES = os.environ.get("TUNEJOB_REQUIRE_SERVICES") == "1"
 # modules, ``tests.conftest``), and both copies must clean up the same keys.
 REDIS_RUN_PREFIX = f"tunejob-test:{socket.gethostname()}:{os.getpid()}:"
 # The tests' own TUNEJOB_* variables: what they run against and where they write, not the service's
-# settings, so no stack's set-up (``configure``) drops them.
+# settings, so no stack's set-up (``configure``) drops them. And one service setting the whole suite
+# pins, subprocesses included: precision auto is fp32 on every CPU (TUNEJOB_CPU_BF16=false), so that
+# no figure a test checks depends on whether the machine has AMX (where auto is bf16); the tests of
+# that choice set it themselves.
 TEST_VARIABLES = frozenset(
     {
         "TUNEJOB_REQUIRE_SERVICES",
@@ -48,8 +51,10 @@ TEST_VARIABLES = frozenset(
         "TUNEJOB_CHROMIUM",
         "TUNEJOB_TEST_POSTGRES_URL",
         "TUNEJOB_TEST_REDIS_URL",
+        "TUNEJOB_CPU_BF16",
     }
 )
+os.environ["TUNEJOB_CPU_BF16"] = "false"
 TINY_MODEL = "tiny-bert"
 BASE_URL = "http://localhost"  # a Host the API answers (TestClient's default, "testserver", is refused)
 

@@ -171,7 +171,7 @@ def assert_ran_once(cluster: Cluster, job: dict) -> None:
     assert job["status"] == "succeeded", (job, codes)
     assert job["attempts"] == 1, (job["attempts"], codes)
     assert codes.count("started") == 1, codes
-    assert codes == ["created", "started", "tokenized", "timings", "succeeded"], codes
+    assert codes == ["created", "started", "precision", "tokenized", "timings", "succeeded"], codes
 
 
 def assert_never_twice_at_once(codes: list[str]) -> None:
@@ -246,9 +246,11 @@ def test_kill_9_mid_training_resumes_once_from_checkpoint(stacks, kind):
     assert codes == [
         "created",
         "started",
+        "precision",
         "tokenized",
         "job_restarted",
         "started",
+        "precision",
         "tokenized",
         "resumed",
         "timings",
@@ -392,7 +394,10 @@ def test_sigterm_checkpoints_requeues_and_resumes(stacks, kind):
     assert wait_exit(c, first, 60) == 0
     job = c.job(job_id)
     codes = c.codes(job_id)
-    assert job["status"] == "queued" and codes == ["created", "started", "tokenized", "requeued"], (job, codes)
+    assert job["status"] == "queued" and codes == ["created", "started", "precision", "tokenized", "requeued"], (
+        job,
+        codes,
+    )
     checkpoints = [cp["step"] for cp in c.checkpoints(job_id)]
     assert len(checkpoints) == 1 and 30 <= checkpoints[0] < job["progress"]["total_steps"], checkpoints
     stopped_at = checkpoints[0]
@@ -405,9 +410,11 @@ def test_sigterm_checkpoints_requeues_and_resumes(stacks, kind):
     assert codes == [
         "created",
         "started",
+        "precision",
         "tokenized",
         "requeued",
         "started",
+        "precision",
         "tokenized",
         "resumed",
         "timings",
@@ -446,7 +453,7 @@ def test_cancel_queued_and_running_jobs(stacks, kind):
     assert job["status"] == "cancelled", job
     assert 1 <= job["progress"]["step"] < job["progress"]["total_steps"]
     codes = c.codes(running_id)
-    assert codes == ["created", "started", "tokenized", "cancel_requested", "timings", "cancelled"], codes
+    assert codes == ["created", "started", "precision", "tokenized", "cancel_requested", "timings", "cancelled"], codes
 
     # The worker lives on and takes the next job.
     next_job = c.wait_finished(c.submit(dataset["id"], **TINY)["id"], timeout=90)

@@ -191,6 +191,19 @@ def test_entities_are_the_token_classification_pipeline_s(tagger_dir, max_tokens
     assert e.value.status == 422 and e.value.param == "pairs"
 
 
+def test_bf16_predicts_with_bf16_weights_what_fp32_predicts(classifier, classifier_dir, tagger_dir):
+    """bf16 holds the model's weights in bf16 (no autocast casting every weight per batch) and
+    answers fp32's probabilities up to bf16's rounding; a tagger's entities come through too."""
+    loaded = load_for_inference(classifier_dir, CPU, precision="bf16")
+    assert loaded.precision == "bf16" and {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    got, expected = predict_texts(loaded, TEXTS), predict_texts(classifier, TEXTS)
+    for row, reference in zip(got.rows, expected.rows):
+        assert list(row["probabilities"].values()) == pytest.approx(list(reference["probabilities"].values()), abs=0.02)
+    tagger = load_for_inference(tagger_dir, CPU, precision="bf16")
+    rows = predict_texts(tagger, ["Carol flew to New York."]).rows
+    assert rows and all(isinstance(e["score"], float) for e in rows[0]["entities"])
+
+
 def test_bad_arguments_are_user_errors_naming_the_field(classifier):
     for kwargs, param in [
         ({"max_length": 33}, "max_length"),

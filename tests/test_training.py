@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shared.inference.precision import autocast_dtype
 from shared.schemas.jobs import JobCreate
 from shared.store.rows import Job
 from tests.conftest import TINY_MODEL, RecordingReporter, no_dropout
@@ -316,6 +317,42 @@ def test_cpu_precisions_train_with_finite_losses(engine_env, precision, dtype):
     assert all(math.isfinite(v) for v in metrics.values())
     # Autocast leaves the master weights in fp32.
     assert all(p.dtype == torch.float32 for p in run.model.parameters())
+
+
+@pytest.mark.parametrize(
+    "amx, setting, dtype",
+    [(True, None, torch.bfloat16), (False, None, None), (True, "false", None), (False, "true", torch.bfloat16)],
+)
+def test_auto_precision_is_bf16_on_cpus_with_amx_unless_set(monkeypatch, amx, setting, dtype):
+    """``auto`` is bf16 where the CPU multiplies bf16 on AMX tiles (faster than fp32 there, the same
+    held-out accuracy), fp32 on other CPUs (bf16 is slower there), unless ``TUNEJOB_CPU_BF16`` says
+    which: training and prediction alike. (The suite sets it false: conftest.)"""
+    from shared.settings import get_settings
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    if setting is None:
+        monkeypatch.delenv("TUNEJOB_CPU_BF16")
+    else:
+        monkeypatch.setenv("TUNEJOB_CPU_BF16", setting)
+    get_settings.cache_clear()
+    try:
+        assert autocast_dtype("auto", torch.device("cpu")) == dtype
+        assert autocast_dtype("fp32", torch.device("cpu")) is None
+        assert autocast_dtype("int8", torch.device("cpu")) is None  # prediction's: its model runs its own autocast
+        assert autocast_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    finally:
+        monkeypatch.undo()
+        get_settings.cache_clear()
+
+
+def test_a_job_says_what_precision_auto_chose_and_why(engine_env):
+    reporter = RecordingReporter()
+    run = make_run(make_job(precision="auto"), train_rows=16, reporter=reporter)  # the suite sets TUNEJOB_CPU_BF16
+    assert run.job_setup.dtype is None
+    assert reporter.messages[reporter.events.index("precision")] == "precision auto: fp32 (TUNEJOB_CPU_BF16)"
+    reporter = RecordingReporter()
+    make_run(make_job(precision="bf16"), train_rows=16, reporter=reporter)
+    assert "precision" not in reporter.events  # asked for, nothing chosen
 
 
 def test_bf16_first_step_loss_matches_fp32(engine_env):

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from shared.inference.precision import autocast_dtype
+from shared.inference.precision import autocast_dtype, cpu_has_amx
 from shared.jobs.base_models import BUILTIN, available_models
 from shared.settings import get_settings
 from worker.device import describe, resolve_device
@@ -72,8 +72,8 @@ def build_tiny_bert(path: Path, hidden_size: int = 32, layers: int = 2, seed: in
 
 
 def environment(device: torch.device) -> Check:
-    """Device, versions, bf16 support (a CPU's: ``amx``, where precision bf16 trains and predicts
-    faster than fp32) and free memory."""
+    """Device, versions, bf16 support (a CPU's: ``amx``, where bf16 trains and predicts faster than
+    fp32, so ``precision_auto`` is bf16) and free memory."""
     figures = {
         "device": describe(device),
         "torch": torch.__version__,
@@ -96,7 +96,7 @@ def environment(device: torch.device) -> Check:
         figures.update(
             cpu=platform.processor() or platform.machine(),
             threads=torch.get_num_threads(),
-            amx=torch.cpu._is_amx_tile_supported(),  # private: bf16 and int8 run on AMX tiles (docs/guide/jobs.md, precision)
+            amx=cpu_has_amx(),  # bf16 (precision auto) and int8 run on AMX tiles (docs/guide/jobs.md, precision)
             free_memory_mib=psutil.virtual_memory().available // 2**20,
         )
     return Check("environment", True, figures["device"], figures)

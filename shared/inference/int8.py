@@ -2,7 +2,7 @@
 
 Two ways, one chosen per CPU (their speed and agreement with fp32: docs/benchmarks.md):
 
-- **Compiled** (CPUs with AMX, ``torch.cpu._is_amx_tile_supported()``): torchao's PT2E dynamic
+- **Compiled** (CPUs with AMX, ``shared.inference.precision.cpu_has_amx``): torchao's PT2E dynamic
   int8 quantization (``X86InductorQuantizer``: weights int8 per channel, activations quantized per
   batch) of the model exported with a dynamic number of rows and width (``torch.export``), compiled
   by inductor (``torch.compile(dynamic=True)``: one compile serves every batch shape) and run under
@@ -19,6 +19,8 @@ import logging
 from types import SimpleNamespace
 
 import torch
+
+from shared.inference.precision import cpu_has_amx
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class Int8Model(torch.nn.Module):
         super().__init__()
         self.eager, self.compiled = eager_int8(model), None
         self.fallback: str | None = None
-        if torch.cpu._is_amx_tile_supported():
+        if cpu_has_amx():
             try:
                 self.compiled = compiled_int8(model, example, max_width)
                 with torch.inference_mode():  # inputs made as the prediction loop makes them, or it compiles again

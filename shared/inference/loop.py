@@ -7,8 +7,8 @@ notebooks): texts are tokenized once with the fast tokenizer, without padding; t
 sorted by length and cut into batches by a token budget (``shared.data.batching.token_budget_batches``:
 no gradients and no optimizer state, so batches can be far larger than in training); each batch is
 padded only to its longest member (the CPU) or to the next width of the bucket ladder (CUDA: few
-shapes), run under ``torch.inference_mode`` and autocast (bf16 on CUDA by default), and the
-results are scattered back to input order. Texts longer than ``max_length`` are truncated and
+shapes), run under ``torch.inference_mode`` (with bf16 weights where the precision is bf16, the
+default on CUDA and on CPUs with AMX), and the results are scattered back to input order. Texts longer than ``max_length`` are truncated and
 counted, never refused.
 
 Per-task output is a small function of the logits (``TASK_ROWS``): classification's softmax,
@@ -46,14 +46,13 @@ from shared.data.batching import bucket_width, job_ladder, token_budget_batches
 from shared.errors import UserError, without_paths
 from shared.inference.heads import task_of
 from shared.inference.int8 import Int8Model, eager_int8
-from shared.inference.precision import autocast_dtype
+from shared.inference.precision import PRECISION_NAMES, autocast_dtype
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
 # Default token budget per batch (rows x padded width). CPU: the largest budget not slower than the
 # smaller ones (docs/benchmarks.md, "Measurements behind the defaults"); larger batches pad more.
 # CUDA: sized for a BERT-base forward in bf16.
 DEFAULT_MAX_TOKENS = {"cpu": 4096, "cuda": 65536}
-PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # autocast dtype -> name
 DEFAULT_DECISION_THRESHOLD = 0.5  # multi_label: a model saved without ``decision_threshold`` in its config
 MODEL_CLASSES = {"token_classification": AutoModelForTokenClassification}  # else AutoModelForSequenceClassification
 
@@ -100,11 +99,12 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
     ``model.safetensors``, tokenizer files): safetensors only, no remote code. A multi_label
     model's threshold is its config's ``decision_threshold`` (``DEFAULT_DECISION_THRESHOLD`` if absent).
 
-    ``precision``: ``auto`` (bf16 on CUDA, fp32 on the CPU), ``fp32``, ``bf16`` (bf16 autocast) or
+    ``precision``: ``auto`` (``shared.inference.precision.autocast_dtype``: bf16 on CUDA and on CPUs
+    with AMX, fp32 on other CPUs), ``fp32``, ``bf16`` (the model's weights in bf16) or
     ``int8`` (CPU only: every ``nn.Linear`` in int8, weights quantized once and activations per
     batch: ``shared.inference.int8``, compiled on CPUs with AMX, eager elsewhere and for token
-    classification). bf16 is opt-in on the CPU: it changes a few labels, and is slower than fp32 on
-    a CPU without AMX (the speed and agreement of each precision: docs/benchmarks.md).
+    classification). bf16 may change a few labels; on a CPU without AMX it is slower than fp32 (the
+    speed and agreement of each precision: docs/benchmarks.md).
 
     Returns:
         the model in eval mode on ``device``, with its task, label names and length limit.
@@ -146,6 +146,8 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
     elif precision == "int8":
         example = tokenizer(["an example", "a longer example text"], padding=True, return_tensors="pt")
         model = Int8Model(model, {k: example[k] for k in tokenizer.model_input_names if k in example}, max_length)
+    elif dtype == torch.bfloat16:  # bf16 weights, as training's bf16 copy: no cast of every weight per batch
+        model = model.to(torch.bfloat16)
     return LoadedModel(
         model,
         tokenizer,
@@ -237,9 +239,10 @@ def run_batches(
     computed (rows x padded width, summed over batches). Each batch is padded to its ladder width
     with the tokenizer's own pad id and inputs (``DataCollatorWithPadding``); outputs stay on the
     device until the last batch has run (no synchronisation between batches)."""
-    dtype = autocast_dtype(loaded.precision, loaded.device)
+    autocast = autocast_dtype(loaded.precision, loaded.device)
+    autocast = autocast if autocast == torch.float16 else None  # a bf16 model holds bf16 weights
     outputs, padded = [], 0
-    with torch.inference_mode(), torch.autocast(loaded.device.type, dtype=dtype, enabled=dtype is not None):
+    with torch.inference_mode(), torch.autocast(loaded.device.type, dtype=autocast, enabled=autocast is not None):
         for indices in batches:
             width = bucket_width(ladder, max(len(features[i]["input_ids"]) for i in indices))
             pad = DataCollatorWithPadding(loaded.tokenizer, padding="max_length", max_length=width)

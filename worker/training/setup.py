@@ -17,7 +17,7 @@ from transformers import logging as hf_logging
 from shared.data.batching import BatchPlan
 from shared.data.columns import JobColumns
 from shared.errors import UserError
-from shared.inference.precision import autocast_dtype
+from shared.inference.precision import PRECISION_NAMES, auto_reason, autocast_dtype
 from shared.jobs.base_models import resolve_model
 from shared.schemas.hyperparameters import Hyperparameters, contrastive_hyperparameters
 from shared.store import artifacts
@@ -69,6 +69,9 @@ def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporte
     hp, spec = contrastive_hyperparameters(Hyperparameters(**job.spec["hyperparameters"]), job.task), job.spec
     set_seed(hp.seed)
     model_dir = resolve_model(job.base_model)
+    dtype = autocast_dtype(hp.precision, device)
+    if hp.precision == "auto":  # what auto chose on this worker's device, and why
+        reporter.event("precision", f"precision auto: {PRECISION_NAMES[dtype]} ({auto_reason(device)})")
 
     def encode(df, sha256, training=True):
         if job.task == "embedding":
@@ -131,7 +134,7 @@ def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporte
         hp,
         model_dir,
         device,
-        autocast_dtype(hp.precision, device),
+        dtype,
         tokenizer,
         train_set,
         val_set,
