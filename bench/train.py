@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--precision",
         choices=["auto", "fp32", "bf16", "fp16"],
         default="auto",
-        help="as the engine: auto is fp32 on the CPU, bf16 (or fp16) on a GPU; the peers get the same",
+        help="as the engine: auto is bf16 (or fp16) on a GPU, bf16 on a CPU with AMX, else fp32; the peers get the same",
     )
     p.add_argument("--batch-sizes", default="32", help="comma list")
     p.add_argument("--max-length", type=int, default=None, help="default: 128 for rotten_tomatoes, 512 for bbc")

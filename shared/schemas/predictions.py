@@ -62,7 +62,7 @@ class PredictionCreate(BaseModel):
     precision: Literal["auto", "fp32", "bf16", "int8"] = Field(
         "auto",
         description=(
-            "``auto``: bf16 on a GPU, fp32 on the CPU; ``int8``: CPU workers only, the model's Linear layers "
+            "``auto``: bf16 on a GPU and on a CPU with AMX, fp32 on other CPUs; ``int8``: CPU workers only, the model's Linear layers "
             "dynamically quantized to int8 (compiled on CPUs with AMX, else PyTorch ``quantize_dynamic``): faster, "
             "labels may differ slightly."
         ),
