@@ -8,8 +8,8 @@ sorted by length and cut into batches by a token budget (``shared.data.batching.
 no gradients and no optimizer state, so batches can be far larger than in training); each batch is
 padded only to its longest member (the CPU) or to the next width of the bucket ladder (CUDA: few
 shapes), run under ``torch.inference_mode`` (with bf16 weights where the precision is bf16, the
-default on CUDA and on CPUs with AMX), and the results are scattered back to input order. Texts longer than ``max_length`` are truncated and
-counted, never refused.
+default on CUDA and on CPUs with AMX), and the results are scattered back to input order. Texts
+longer than ``max_length`` are truncated and counted, never refused.
 
 Per-task output is a small function of the logits (``TASK_ROWS``): classification's softmax,
 regression's value, multi-label's sigmoid scores against the decision threshold saved with the model,
