@@ -29,7 +29,9 @@ def test_doctor_on_the_cpu_reports_and_exits_0():
     assert checks["environment"]["figures"]["free_memory_mib"] > 0
     assert checks["environment"]["figures"]["amx"] is torch.cpu._is_amx_tile_supported()
     # no TUNEJOB_CPU_BF16 here: auto follows the CPU
-    assert checks["environment"]["figures"]["precision_auto"] == ("bf16" if torch.cpu._is_amx_tile_supported() else "fp32")
+    assert checks["environment"]["figures"]["precision_auto"] == (
+        "bf16" if torch.cpu._is_amx_tile_supported() else "fp32"
+    )
     assert checks["eager_training"]["ok"] and checks["eager_training"]["figures"]["tokens_per_second"] > 0
     assert checks["cuda_graphs"]["ok"] is None and "does not apply" in checks["cuda_graphs"]["detail"]
 
