@@ -27,7 +27,7 @@ class RunSpec:
     config: str
     model: str
     device: str  # auto, cpu or cuda (``worker.device.resolve_device``)
-    precision: str  # auto, fp32, bf16 or fp16 (``shared.inference.precision.autocast_dtype``)
+    precision: str  # auto, fp32, bf16 or fp16 (``shared.inference.precision.compute_dtype``)
     batch_size: int
     max_length: int
     train_size: int | None  # None: the whole 80% split
@@ -67,7 +67,7 @@ def run(spec: RunSpec) -> list[dict]:
     from bench.engine import run_engine
     from bench.measure import before_job, environment, mfu, peak_memory_mib
     from bench.peers import PEERS, run_peer
-    from shared.inference.precision import autocast_dtype
+    from shared.inference.precision import compute_dtype
     from worker.device import resolve_device, reuse_freed_cpu_memory
 
     hf_logging.set_verbosity_error()
@@ -80,7 +80,7 @@ def run(spec: RunSpec) -> list[dict]:
     task = CORPORA[spec.dataset].task
     # token_classification: tags of both parts, so that a held-out tag absent from training is scored
     labels = CORPORA[spec.dataset].label_names(train, *([val] if task == "token_classification" else []))
-    dtype = autocast_dtype(spec.precision, device)
+    dtype = compute_dtype(spec.precision, device)
     held_out = val if spec.evaluate else None
     import_model_code(spec.model)
     rows = []

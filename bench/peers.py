@@ -206,7 +206,7 @@ def run_peer(
     ``worker.tagging.tagging_metrics``). Load (tokenize, model, ``Trainer``) is timed apart."""
     from transformers import AutoTokenizer, PrinterCallback, Trainer
 
-    from shared.inference.precision import autocast_dtype
+    from shared.inference.precision import compute_dtype
     from shared.jobs.base_models import resolve_model
 
     peer = PEERS[name]
@@ -222,7 +222,7 @@ def run_peer(
     model = load_model(model_dir, labels, spec.seed, task)
     collator = CountingCollator(tokenizer, labels_per_token=tagging)
     marks = epoch_marks(clock, collator, spec.epochs)
-    arguments = training_arguments(spec, device, out_dir, autocast_dtype(spec.precision, device), peer)
+    arguments = training_arguments(spec, device, out_dir, compute_dtype(spec.precision, device), peer)
     trainer = Trainer(
         model=model,
         args=arguments,

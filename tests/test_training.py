@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.inference.precision import autocast_dtype
+from shared.inference.precision import compute_dtype
 from shared.schemas.jobs import JobCreate
 from shared.store.rows import Job
 from tests.conftest import TINY_MODEL, RecordingReporter, no_dropout
@@ -336,10 +336,10 @@ def test_auto_precision_is_bf16_on_cpus_with_amx_unless_set(monkeypatch, amx, se
         monkeypatch.setenv("TUNEJOB_CPU_BF16", setting)
     get_settings.cache_clear()
     try:
-        assert autocast_dtype("auto", torch.device("cpu")) == dtype
-        assert autocast_dtype("fp32", torch.device("cpu")) is None
-        assert autocast_dtype("int8", torch.device("cpu")) is None  # prediction's: its model runs its own autocast
-        assert autocast_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+        assert compute_dtype("auto", torch.device("cpu")) == dtype
+        assert compute_dtype("fp32", torch.device("cpu")) is None
+        assert compute_dtype("int8", torch.device("cpu")) is None  # prediction's: its model runs its own autocast
+        assert compute_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     finally:
         monkeypatch.undo()
         get_settings.cache_clear()

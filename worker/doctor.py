@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from shared.inference.precision import PRECISION_NAMES, autocast_dtype, cpu_has_amx
+from shared.inference.precision import PRECISION_NAMES, compute_dtype, cpu_has_amx
 from shared.jobs.base_models import BUILTIN, available_models
 from shared.settings import get_settings
 from worker.device import describe, resolve_device
@@ -78,7 +78,7 @@ def environment(device: torch.device) -> Check:
         "device": describe(device),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "precision_auto": PRECISION_NAMES[autocast_dtype("auto", device)],  # as a job's precision event names it
+        "precision_auto": PRECISION_NAMES[compute_dtype("auto", device)],  # as a job's precision event names it
     }
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

@@ -59,8 +59,8 @@ def ranking_metrics(queries: list[str], scores: np.ndarray, labels: np.ndarray) 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, job_setup, reporter: Reporter | None = None) -> dict[str, float]:
     """Validation ``loss`` (binary cross-entropy per pair, weighted as in training:
-    ``job_setup.pos_weight``) and ``ranking_metrics`` of ``model`` (the fp32 master weights, under
-    the job's autocast dtype) on ``job_setup.val_set`` (the recipe's
+    ``job_setup.pos_weight``) and ``ranking_metrics`` of ``model`` (the fp32 master weights, autocast to
+    the job's compute dtype) on ``job_setup.val_set`` (the recipe's
     ``worker.training.setup.JobSetup``), whose ``queries`` hold each pair's query text (set by
     ``worker.training.setup.prepare_job``). Leaves ``model`` in eval mode."""
     data, device, dtype = job_setup.val_set, job_setup.device, job_setup.dtype

@@ -46,7 +46,7 @@ from shared.data.batching import bucket_width, job_ladder, token_budget_batches
 from shared.errors import UserError, without_paths
 from shared.inference.heads import task_of
 from shared.inference.int8 import Int8Model, eager_int8
-from shared.inference.precision import PRECISION_NAMES, autocast_dtype
+from shared.inference.precision import PRECISION_NAMES, compute_dtype
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
 # Default token budget per batch (rows x padded width). CPU: the largest budget not slower than the
@@ -99,7 +99,7 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
     ``model.safetensors``, tokenizer files): safetensors only, no remote code. A multi_label
     model's threshold is its config's ``decision_threshold`` (``DEFAULT_DECISION_THRESHOLD`` if absent).
 
-    ``precision``: ``auto`` (``shared.inference.precision.autocast_dtype``: bf16 on CUDA and on CPUs
+    ``precision``: ``auto`` (``shared.inference.precision.auto_precision``: bf16 on CUDA and on CPUs
     with AMX, fp32 on other CPUs), ``fp32``, ``bf16`` (the model's weights in bf16) or
     ``int8`` (CPU only: every ``nn.Linear`` in int8, weights quantized once and activations per
     batch: ``shared.inference.int8``, compiled on CPUs with AMX, eager elsewhere and for token
@@ -123,7 +123,7 @@ def load_for_inference(model_dir: Path, device: torch.device, precision: str = "
             "precision int8 (dynamic quantization) runs on CPU workers only; use auto, fp32 or bf16 on a GPU",
             "precision",
         )
-    dtype = autocast_dtype("fp32" if precision == "int8" else precision, device, param="precision")
+    dtype = compute_dtype("fp32" if precision == "int8" else precision, device, param="precision")
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
         task = task_of(config)
@@ -239,8 +239,7 @@ def run_batches(
     computed (rows x padded width, summed over batches). Each batch is padded to its ladder width
     with the tokenizer's own pad id and inputs (``DataCollatorWithPadding``); outputs stay on the
     device until the last batch has run (no synchronisation between batches)."""
-    autocast = autocast_dtype(loaded.precision, loaded.device)
-    autocast = autocast if autocast == torch.float16 else None  # a bf16 model holds bf16 weights
+    autocast = torch.float16 if loaded.precision == "fp16" else None  # bf16 models hold bf16 weights
     outputs, padded = [], 0
     with torch.inference_mode(), torch.autocast(loaded.device.type, dtype=autocast, enabled=autocast is not None):
         for indices in batches:

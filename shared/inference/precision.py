@@ -1,4 +1,4 @@
-"""The ``torch.autocast`` dtype a precision setting means on a device: one rule for training
+"""The floating dtype a precision setting means on a device: one rule for training
 (``worker.training``) and prediction (``shared.inference``)."""
 
 import torch
@@ -6,7 +6,7 @@ import torch
 from shared.errors import UserError
 from shared.settings import get_settings
 
-PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # autocast dtype -> name
+PRECISION_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # compute dtype -> name
 
 
 def cpu_has_amx() -> bool:
@@ -17,16 +17,14 @@ def cpu_has_amx() -> bool:
     return torch.cpu._is_amx_tile_supported()
 
 
-def autocast_dtype(
-    precision: str, device: torch.device, param: str = "hyperparameters.precision"
-) -> torch.dtype | None:
-    """The ``torch.autocast`` dtype for a precision setting, None for fp32 (and for prediction's
+def compute_dtype(precision: str, device: torch.device, param: str = "hyperparameters.precision") -> torch.dtype | None:
+    """The dtype a model computes in for a precision setting, None for fp32 (and for prediction's
     ``int8``, whose float work around the int8 products is its own: ``shared.inference.int8``).
+    bf16 runs on bf16 weights (training's bf16 copy beside fp32 master weights, prediction's bf16
+    model); fp16 under ``torch.autocast`` (with a GradScaler in training); evaluations of the fp32
+    master weights autocast to either.
 
-    ``auto`` picks bf16 on GPUs that support it, fp16 (with a GradScaler) on older GPUs, bf16 on
-    CPUs with AMX (``cpu_has_amx``) and fp32 on other CPUs, where bf16 trained and predicted slower
-    than fp32 (docs/benchmarks.md, "Measurements behind the defaults"); ``TUNEJOB_CPU_BF16`` sets
-    the CPU's choice.
+    ``auto``: ``auto_precision``.
 
     Raises:
         UserError: ``bf16`` on a GPU without bf16 support (naming ``param``).
@@ -39,16 +37,19 @@ def autocast_dtype(
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise UserError("unsupported_precision", "this GPU does not support bf16; use fp16 or auto", param)
         return torch.bfloat16
+    return auto_precision(device)[0]
+
+
+def auto_precision(device: torch.device) -> tuple[torch.dtype | None, str]:
+    """What ``auto`` means on ``device``, and why in a few words (a job's ``precision`` event): bf16
+    on GPUs that support it, fp16 on older GPUs, bf16 on CPUs with AMX (``cpu_has_amx``) and fp32
+    (None) on other CPUs, where bf16 trained and predicted slower than fp32 (docs/benchmarks.md,
+    "Measurements behind the defaults"); ``TUNEJOB_CPU_BF16`` sets the CPU's choice."""
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        bf16 = torch.cuda.is_bf16_supported()
+        return (torch.bfloat16 if bf16 else torch.float16), "a GPU " + ("with" if bf16 else "without") + " bf16"
     cpu_bf16 = get_settings().cpu_bf16
-    return torch.bfloat16 if (cpu_has_amx() if cpu_bf16 is None else cpu_bf16) else None
-
-
-def auto_reason(device: torch.device) -> str:
-    """Why ``auto`` means what it does on ``device``, in a few words (a job's ``precision`` event)."""
-    if device.type == "cuda":
-        return "a GPU " + ("with" if torch.cuda.is_bf16_supported() else "without") + " bf16"
-    if get_settings().cpu_bf16 is not None:
-        return "TUNEJOB_CPU_BF16"
-    return "a CPU " + ("with" if cpu_has_amx() else "without") + " AMX tiles"
+    if cpu_bf16 is not None:
+        return (torch.bfloat16 if cpu_bf16 else None), "TUNEJOB_CPU_BF16"
+    amx = cpu_has_amx()
+    return (torch.bfloat16 if amx else None), "a CPU " + ("with" if amx else "without") + " AMX tiles"

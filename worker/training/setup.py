@@ -17,7 +17,7 @@ from transformers import logging as hf_logging
 from shared.data.batching import BatchPlan
 from shared.data.columns import JobColumns
 from shared.errors import UserError
-from shared.inference.precision import PRECISION_NAMES, auto_reason, autocast_dtype
+from shared.inference.precision import PRECISION_NAMES, auto_precision, compute_dtype
 from shared.jobs.base_models import resolve_model
 from shared.schemas.hyperparameters import Hyperparameters, contrastive_hyperparameters
 from shared.store import artifacts
@@ -35,7 +35,7 @@ PROBLEM_TYPES = {"classification": "single_label_classification", "multi_label":
 @dataclass(frozen=True)
 class JobSetup:
     """What one job's run is given and keeps for its whole life: the job, its hyperparameters and
-    base model directory, the device and autocast dtype (None: fp32), the tokenized sets, their
+    base model directory, the device and compute dtype (None: fp32; ``compute_dtype``), the tokenized sets, their
     batch plan and collator, the number of optimizer steps, and its checkpoint directory. The parts that change as it trains
     (model, optimizer, schedule, steps, position) belong to the recipe (``worker.training.recipe``)."""
 
@@ -43,7 +43,7 @@ class JobSetup:
     hp: Hyperparameters
     model_dir: Path  # the base model's files
     device: torch.device
-    dtype: torch.dtype | None  # autocast dtype, None for fp32
+    dtype: torch.dtype | None  # compute dtype (``compute_dtype``), None for fp32
     tokenizer: PreTrainedTokenizerBase
     train_set: TokenizedDataset | embedding.PairsDataset
     val_set: TokenizedDataset | embedding.PairsDataset | None
@@ -69,9 +69,9 @@ def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporte
     hp, spec = contrastive_hyperparameters(Hyperparameters(**job.spec["hyperparameters"]), job.task), job.spec
     set_seed(hp.seed)
     model_dir = resolve_model(job.base_model)
-    dtype = autocast_dtype(hp.precision, device)
+    dtype = compute_dtype(hp.precision, device)
     if hp.precision == "auto":  # what auto chose on this worker's device, and why
-        reporter.event("precision", f"precision auto: {PRECISION_NAMES[dtype]} ({auto_reason(device)})")
+        reporter.event("precision", f"precision auto: {PRECISION_NAMES[dtype]} ({auto_precision(device)[1]})")
 
     def encode(df, sha256, training=True):
         if job.task == "embedding":

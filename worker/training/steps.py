@@ -112,7 +112,7 @@ def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def uses_bf16_copy(dtype: torch.dtype | None) -> bool:
-    """Whether training in autocast ``dtype`` trains a bf16 copy of the model: bf16 does; fp16
+    """Whether training in ``dtype`` trains a bf16 copy of the model: bf16 does; fp16
     keeps ``torch.autocast`` and the GradScaler (fp16 activations overflow without autocast's fp32 ops)."""
     return dtype == torch.bfloat16
 
@@ -122,7 +122,7 @@ class Steps:
 
     ``model``: the fp32 (master) weights the optimizer updates; ``forward_model``: what computes
     (the model, its ``torch.compile`` wrapper, or its bf16 copy, ``uses_bf16_copy(dtype)``);
-    ``dtype``: the autocast dtype (None: fp32); ``task``: the job's, which picks the loss
+    ``dtype``: the compute dtype (None: fp32); ``task``: the job's, which picks the loss
     (``example_losses``; reranking's weighs its positive pairs by ``pos_weight``). With ``packing``
     each micro-batch runs laid out without padding (``worker.training.packing``), as the
     DataLoader collated it (``collator``). With ``static_grads``
