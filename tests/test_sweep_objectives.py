@@ -210,9 +210,14 @@ def test_the_sweep_page_draws_the_front_and_a_warm_starts_history_narrow_and_wid
 
     client = stack.client_for("ui-sweeps")
     data = upload(client, labelled_csv(rows=48, seed=5))
-    sweep = wait_for_sweep(client, create(client, multi_body(data["id"], max_trials=2))["id"], timeout=400)
+    # Every trial at batch size 8: a parameter chart draws each trial, whatever x they share.
+    space = {"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}}
+    space["batch_size"] = {"type": "categorical", "choices": [8]}
+    sweep = wait_for_sweep(
+        client, create(client, multi_body(data["id"], max_trials=2, search_space=space))["id"], timeout=400
+    )
     assert sweep["status"] == "succeeded", sweep
-    warm = create(client, multi_body(data["id"], max_trials=1, warm_start_from=[sweep["id"]]))
+    warm = create(client, multi_body(data["id"], max_trials=1, search_space=space, warm_start_from=[sweep["id"]]))
     warm = wait_for_sweep(client, warm["id"], timeout=400)
     assert warm["status"] == "succeeded" and warm["history"]["trials"] == 2, warm
     earlier = [t for t in trials_of(client, sweep["id"]) if t["status"] == "succeeded"]
@@ -225,6 +230,13 @@ def test_the_sweep_page_draws_the_front_and_a_warm_starts_history_narrow_and_wid
             size = "wide" if width > 800 else "narrow"
             w.page.goto(f"/ui/sweeps/{sweep['id']}")
             assert wait_for_points(w.page, "#chart-front", 0) == sweep["trials"]["succeeded"]
+            scored = sum(t["value"] is not None for t in trials_of(client, sweep["id"]))
+            assert wait_for_points(w.page, "#sweep-charts figure:has-text('batch_size') .chart", 0) == scored == 2
+            colours = dict(legend(w.page, "#chart-front"))  # the report's picture's: the front red, the rest blue
+            assert (
+                colours["front"] == "rgb(220, 38, 38)"
+                and colours.get("trials", "rgb(37, 99, 235)") == "rgb(37, 99, 235)"
+            )
             assert w.page.locator("span.tag.front").count() == len(sweep["pareto_trials"]) >= 1
             assert w.page.locator("span.tag", has_text="default").count() == 1  # item 6: the default trial marked
             assert "earlier sweeps" not in [label for label, _ in legend(w.page, "#chart-front")]
@@ -235,8 +247,9 @@ def test_the_sweep_page_draws_the_front_and_a_warm_starts_history_narrow_and_wid
             assert points == len(earlier) + sum(t["status"] == "succeeded" for t in own), (points, earlier, own)
             points = wait_for_points(w.page, "#chart-trials", 0)
             assert points == len(earlier) + sum(t["value"] is not None for t in own), (points, earlier, own)
+            assert wait_for_points(w.page, "#sweep-charts figure:has-text('batch_size') .chart", 0) == points
             grey = w.page.locator(".legend-note").evaluate("e => getComputedStyle(e).color")  # --muted
-            for chart in ("#chart-front", "#chart-trials"):
+            for chart in ("#chart-front", "#chart-trials", "#sweep-charts figure:has-text('batch_size') .chart"):
                 assert legend(w.page, chart)[0] == ("earlier sweeps", grey), legend(w.page, chart)
             assert w.page.locator("span.tag.front").count() == len(warm["pareto_trials"]) == 1  # its own trial
             assert "not trials of this sweep" in w.page.locator(".legend-note").inner_text()

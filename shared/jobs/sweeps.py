@@ -362,8 +362,8 @@ def history_out(s: Session, spec: SweepCreate) -> History | None:
 def history_points(sweep_id: str, caller: Caller) -> list[dict[str, Any]]:
     """The warm start's succeeded trials as the sweep page draws them, grey, beside the sweep's own
     (as the report's pictures do, ``shared.jobs.sweep_report``): each one's ``sweep``, its
-    ``number`` there, ``value`` (the first objective's) and, with several objectives, ``values``
-    (every objective's), in the history's order: the trials the sweep's study holds
+    ``number`` there, ``value`` (the first objective's), with several objectives ``values``
+    (every objective's), and ``params`` (inside this sweep's search space), in the history's order: the trials the sweep's study holds
     (``shared.jobs.search.history``, with every objective's value when there are several, as the
     sampler asks from them; one read); at most TUNEJOB_MAX_TRIALS_PER_SWEEP, as many as the
     sweep's own trials may be. Raises: NotFound, Deleted."""
@@ -377,6 +377,7 @@ def history_points(sweep_id: str, caller: Caller) -> list[dict[str, Any]]:
             "number": t.user_attrs["trial_number"],
             "value": t.values[0],
             "values": t.values if multi else None,
+            "params": t.params,
         }
         for t in past[: get_settings().max_trials_per_sweep]
     ]

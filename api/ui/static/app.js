@@ -56,7 +56,8 @@ class LiveChart {
     this.points = points;      // evaluation series: points joined by lines
     this.marks = marks;        // () => {lines: [steps], stars: [[step, value]]}
     this.names = [];
-    this.byStep = new Map();   // step -> {name: value}
+    this.byStep = new Map();   // step -> {name: value}; a scatter keeps every point instead (dots)
+    this.dots = [];            // a scatter's [x, name, value]: trials may share an x (a batch size, a latency)
     this.count = 0;
     this.plot = null;
     this.pending = false;
@@ -65,6 +66,7 @@ class LiveChart {
   add(name, step, value) {
     if (value === null || value === undefined) return;
     if (!this.names.includes(name)) { this.names.push(name); this.rebuild = true; }
+    if (this.scatter) { this.dots.push([step, name, value]); this.count++; this.schedule(); return; }
     let row = this.byStep.get(step);
     if (!row) { row = {}; this.byStep.set(step, row); }
     if (!(name in row)) this.count++;
@@ -79,6 +81,10 @@ class LiveChart {
   }
 
   data() {
+    if (this.scatter) {  // one row per point, x ascending (repeated where points share it): uPlot's aligned data
+      const dots = [...this.dots].sort((a, b) => a[0] - b[0]);
+      return [dots.map(d => d[0]), ...this.names.map(n => dots.map(d => (d[1] === n ? d[2] : null)))];
+    }
     const steps = [...this.byStep.keys()].sort((a, b) => a - b);
     return [steps, ...this.names.map(n => steps.map(s => { const v = this.byStep.get(s)[n]; return v === undefined ? null : v; }))];
   }
@@ -533,7 +539,9 @@ pages.sweep = () => {
   const series = t => (t.status === "pruned" ? "pruned" : "trials");
   const colors = {[EARLIER]: themeColors().muted};
   if (objectives.length > 1) {  // the Pareto front: the second objective across, the first up
-    const chart = new LiveChart($("#chart-front"), {scatter: true, xLabel: objectives[1], colors});
+    // the report's picture's colours (shared.jobs.sweep_report): the trials blue, the front red
+    const chart = new LiveChart($("#chart-front"), {scatter: true, xLabel: objectives[1],
+                                                    colors: {...colors, trials: PALETTE[0], front: PALETTE[1]}});
     for (const h of history.filter(h => h.values)) chart.add(EARLIER, h.values[1], h.values[0]);
     for (const t of trials.filter(t => t.status === "succeeded" && !t.values.includes(null))) {
       chart.add(front.includes(t.number) ? "front" : "trials", t.values[1], t.values[0]);
@@ -544,9 +552,10 @@ pages.sweep = () => {
   history.forEach((h, i) => byTrial.add(EARLIER, i - history.length, h.value));  // at -n to -1
   for (const t of scored) byTrial.add(series(t), t.number, t.value);
   const box = $("#sweep-charts");
-  for (const name of params) {  // each numeric parameter against the objective
+  for (const name of params) {  // each numeric parameter against the objective, the history's grey beneath
     const points = scored.filter(t => typeof t.params[name] === "number");
-    if (points.length === 0) continue;
+    const earlier = history.filter(h => typeof h.params[name] === "number");
+    if (points.length + earlier.length === 0) continue;
     const figure = document.createElement("figure");
     const caption = document.createElement("figcaption");
     caption.textContent = `${metric} against ${name}`;
@@ -554,7 +563,8 @@ pages.sweep = () => {
     el.className = "chart";
     figure.append(caption, el);
     box.append(figure);
-    const chart = new LiveChart(el, {scatter: true, xLabel: name});
+    const chart = new LiveChart(el, {scatter: true, xLabel: name, colors});
+    for (const h of earlier) chart.add(EARLIER, h.params[name], h.value);
     for (const t of points) chart.add(series(t), t.params[name], t.value);
   }
 };
