@@ -452,6 +452,12 @@ def test_batch_stats_by_hand():
     mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]])
     assert BatchStats.of({"attention_mask": mask}) == BatchStats(real=9, unrounded=15, padded=24)
     assert BatchStats.of({"attention_mask": mask}, padded_to_longest=False) == BatchStats(9, 24, 24)
+    # two columns of width 6 side by side (an embedding job's anchor and positive): each computed at
+    # its own longest, 5 and 4 tokens
+    left = [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0]]
+    right = [[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]
+    pairs = torch.tensor([a + b for a, b in zip(left, right)])
+    assert BatchStats.of({"attention_mask": pairs}, columns=2) == BatchStats(real=18, unrounded=27, padded=27)
 
 
 def test_padding_ladder_defaults():

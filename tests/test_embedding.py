@@ -281,6 +281,36 @@ def test_training_end_to_end_improves_retrieval_and_saves_a_sentence_transformer
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)  # normalized
 
 
+def test_an_embedding_job_reports_the_padding_it_computes(engine_env, tiny_st, monkeypatch):
+    """Short anchors beside long positives: each column runs at its own longest text
+    (``split_columns``), so the job's padding efficiency is its real tokens over the tokens its
+    model computed, not over the columns' shared width (which reported about half of this)."""
+    from worker import embedding
+    from worker.data import JobData
+    from worker.training.recipe import fine_tune
+
+    computed, real, split = [], [], embedding.split_columns
+
+    def counted(batch, columns):
+        pieces = split(batch, columns)
+        computed.append(sum(p["input_ids"].numel() for p in pieces))
+        real.append(sum(int(p["attention_mask"].sum()) for p in pieces))
+        return pieces
+
+    monkeypatch.setattr(embedding, "split_columns", counted)
+    train = pairs(32, seed=3)
+    train["anchor"] = [a + " and so on" * (i % 4) for i, a in enumerate(train["anchor"])]  # 3 to 12 more tokens
+    train["positive"] = train["positive"] + " with many more words" * 5
+    reporter = RecordingReporter()
+    assert (
+        fine_tune(embedding_job("padding", batch_size=8), JobData(train, None), torch.device("cpu"), reporter)
+        == "succeeded"
+    )
+    efficiency = reporter.series("padding_efficiency")
+    assert list(efficiency.values()) == pytest.approx([r / c for r, c in zip(real, computed)])
+    assert 0.8 < min(efficiency.values()) < 1  # the anchors' own padding counted, not the positives' width
+
+
 def test_a_resumed_job_continues_with_the_same_losses(engine_env, tiny_st):
     from tests.conftest import RecordingReporter as Reporter
     from worker.data import JobData

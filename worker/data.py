@@ -266,7 +266,13 @@ class BatchStats:
     padded: int
 
     @classmethod
-    def of(cls, batch: dict[str, torch.Tensor], padded_to_longest: bool = True) -> "BatchStats":
+    def of(cls, batch: dict[str, torch.Tensor], padded_to_longest: bool = True, columns: int = 1) -> "BatchStats":
+        """The counts of ``batch`` (``attention_mask`` ``[rows, columns * width]``). ``columns``: texts
+        laid side by side (``worker.embedding.PairsCollator``), each column computed at its own
+        longest text (``worker.embedding.split_columns``), not at the shared width."""
+        if columns > 1:
+            parts = [cls.of({"attention_mask": m}) for m in batch["attention_mask"].chunk(columns, dim=1)]
+            return cls(sum(p.real for p in parts), sum(p.unrounded for p in parts), sum(p.unrounded for p in parts))
         lengths = batch["attention_mask"].sum(dim=1)
         n, width = batch["attention_mask"].shape
         unrounded = n * int(lengths.max()) if padded_to_longest else n * width

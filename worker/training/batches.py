@@ -63,11 +63,11 @@ def split_batch(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, t
     return [{k: c[i] for k, c in chunks.items()} for i in range(pieces) if len(chunks["labels"][i])]
 
 
-def group_stats(group: list[dict[str, torch.Tensor]], padded_to_longest: bool) -> BatchStats:
+def group_stats(group: list[dict[str, torch.Tensor]], padded_to_longest: bool, columns: int = 1) -> BatchStats:
     """The token counts of a step's planned micro-batches, summed (``BatchStats.of`` each)."""
     stats = BatchStats(0, 0, 0)
     for planned in group:
-        s = BatchStats.of(planned, padded_to_longest=padded_to_longest)
+        s = BatchStats.of(planned, padded_to_longest=padded_to_longest, columns=columns)
         stats = BatchStats(stats.real + s.real, stats.unrounded + s.unrounded, stats.padded + s.padded)
     return stats
 

@@ -315,7 +315,7 @@ class Recipe:
         """
         js = self.job_setup
         n_examples = sum(loss_terms(b["labels"], js.job.task) for b in group)
-        stats = batches.group_stats(group, padded_to_longest=js.hp.batching != "fixed")
+        stats = batches.group_stats(group, padded_to_longest=js.hp.batching != "fixed", columns=js.text_columns)
         pieces = [piece for planned in group for piece in batches.split_batch(planned, self.state.micro_split)]
         values, filler_tokens = self.steps.step(pieces, n_examples)
         self.scheduler.step()

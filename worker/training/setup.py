@@ -54,6 +54,12 @@ class JobSetup:
     data: JobData | None = None  # its tables: the validation rows are the evaluation report's (worker.evaluation)
     pos_weight: float | None = None  # reranking: its positive pairs' weight in the loss (reranking.positive_weight)
 
+    @property
+    def text_columns(self) -> int:
+        """Texts laid side by side in a micro-batch's row: an embedding job's columns (anchor,
+        positive, negatives: ``embedding.PairsCollator``), else 1."""
+        return len(self.train_set.columns) if isinstance(self.train_set, embedding.PairsDataset) else 1
+
 
 def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporter, timer: PhaseTimer) -> JobSetup:
     """Seed every RNG with the job's seed (``transformers.set_seed``), tokenize the job's data
