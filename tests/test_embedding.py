@@ -421,7 +421,7 @@ def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, api_job):
     """A job through the API and the worker; its artifact loads in ``SentenceTransformer`` and
     encodes as ``/models/{id}/embed`` and ``/v1/embeddings`` (the ``openai`` SDK, float and its
     default base64) answer."""
-    from openai import BadRequestError, OpenAI
+    from openai import NotFoundError, OpenAI
     from sentence_transformers import SentenceTransformer
 
     client, job = stack.client, api_job
@@ -461,8 +461,12 @@ def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, api_job):
         assert response.usage.prompt_tokens == r.json()["tokens"]
     default = sdk.embeddings.create(model=TINY_ST, input="football question 3")  # a base model, one string
     assert len(default.data) == 1 and len(default.data[0].embedding) == served.shape[1]
-    with pytest.raises(BadRequestError):
-        sdk.embeddings.create(model="no-such-model", input="x")
+    for unknown in ("no-such-model", "job_0000000000000000"):  # OpenAI's status for a model it lacks
+        with pytest.raises(NotFoundError) as e:
+            sdk.embeddings.create(model=unknown, input="x")
+        assert (e.value.code, e.value.param) == ("unknown_model", "model") and unknown in e.value.message
+        r = client.post(f"/models/{unknown}/embed", json={"inputs": ["x"]})
+        assert (r.status_code, r.json()["error"]["code"]) == (404, "unknown_model"), r.text
     assert client.post(f"/models/{job['id']}/predict", json={"inputs": texts}).status_code == 422
 
 

@@ -51,15 +51,16 @@ def embedding_model(ref: str, caller: Caller) -> Path:
     sentence-transformers directory, or an encoder that gets mean pooling).
 
     Raises:
-        UserError (naming ``model``): as ``trained_model``; ``unknown_model`` (422) for an unknown
-            base model; ``unsupported_task`` (422) for a job of another task.
+        UserError (naming ``model``): as ``trained_model``; ``unknown_model`` (404, as for a job id,
+            and as OpenAI answers ``model_not_found``) for an unknown base model;
+            ``unsupported_task`` (422) for a job of another task.
     """
     ref = ref.rsplit(":", 1)[-1] if ref.startswith("ft:") else ref
     if not ref.startswith("job_"):
         try:
             return resolve_model(ref)
         except UserError as e:
-            raise UserError(e.code, e.message.replace("base_model", "model"), "model") from None
+            raise UserError(e.code, e.message.replace("base_model", "model"), "model", 404) from None
     job, directory = trained_model(ref, caller)
     if job.task != "embedding":
         raise UserError(
