@@ -168,7 +168,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
         first = e.errors()[0]
-        param = ".".join(field_path(first, e.body)) or None
+        # a union's members each report an error on the same field: a wrong type from the members
+        # the value is not, and the one it is says what is wrong with it ([] for ``str | list[str]``
+        # with at least one item: "at least 1 item", not "a valid string")
+        path = field_path(first, e.body)
+        same = [x for x in e.errors() if field_path(x, e.body) == path]
+        first = next((x for x in same if not x["type"].endswith("_type")), first)
+        param = ".".join(path) or None
         value = f" (got {show(first['input'])})" if "input" in first and not isinstance(first["input"], dict) else ""
         message = f"{param}: {first['msg']}{value}" if param else first["msg"]
         return error_response(422, "invalid_request", message, param)

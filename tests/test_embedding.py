@@ -461,6 +461,8 @@ def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, api_job):
         assert response.usage.prompt_tokens == r.json()["tokens"]
     default = sdk.embeddings.create(model=TINY_ST, input="football question 3")  # a base model, one string
     assert len(default.data) == 1 and len(default.data[0].embedding) == served.shape[1]
+    r = client.post("/v1/embeddings", json={"model": TINY_ST, "input": []})  # the list member's error, not the str's
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("input: List should have at least 1 item")
     for unknown in ("no-such-model", "job_0000000000000000"):  # OpenAI's status for a model it lacks
         with pytest.raises(NotFoundError) as e:
             sdk.embeddings.create(model=unknown, input="x")
