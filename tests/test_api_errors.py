@@ -523,6 +523,27 @@ def test_split_train_validation_edges():
     )
 
 
+def test_rows_that_share_a_query_are_held_out_together():
+    """Reranking and embedding rows grouped by their query or anchor text (``text_groups``): a
+    fraction of the distinct texts is held out whole, never a query on both sides."""
+    import numpy as np
+
+    from shared.data.split import split_train_validation, text_groups
+    from shared.errors import UserError
+
+    queries = [f"query {i % 10}" for i in range(37)]  # 10 queries of 3 or 4 rows, interleaved
+    groups = text_groups(queries)
+    assert (groups == text_groups(list(queries))).all() and len(np.unique(groups)) == 10
+    train, val = split_train_validation(37, None, 0.2, 3, groups)
+    held_out = {queries[i] for i in val}
+    assert len(held_out) == 2 and not held_out & {queries[i] for i in train}  # ceil(0.2 x 10) whole queries
+    assert sorted(np.concatenate([train, val]).tolist()) == list(range(37))
+    assert split_train_validation(37, None, 0.2, 3, groups)[1].tolist() == val.tolist()  # seeded
+    with pytest.raises(UserError) as e:  # one query: nothing left to train on once it is held out
+        split_train_validation(4, None, 0.1, 0, text_groups(["q"] * 4))
+    assert e.value.code == "too_few_rows" and "1 distinct query or anchor text" in e.value.message
+
+
 def test_unknown_job_and_dataset_are_404(stack):
     for path in [
         "/jobs/job_0123456789abcdef",

@@ -169,6 +169,27 @@ def upload(client, frame: pd.DataFrame, filename: str = "rerank.csv") -> str:
     return r.json()["id"]
 
 
+def test_without_a_validation_file_whole_queries_are_held_out(stack):
+    """``validation_split`` holds out whole queries (each with all its passages, to be reranked),
+    in the dry run as in the job: 20% of 12 queries is 3 queries, 12 of the 48 rows (a split of
+    rows would hold out 10 rows, passages of several queries, some of them also trained on)."""
+    client = stack.client
+    body = {
+        "base_model": TINY_MODEL,
+        "task": "reranking",
+        "training_dataset": upload(client, rows(12, seed=4)),
+        "validation_split": 0.2,
+        "hyperparameters": {"epochs": 1, "batch_size": 8, "max_length": 32},
+    }
+    plan = client.post("/jobs", json=body, params={"dry_run": "true"})
+    assert plan.status_code == 200 and plan.json()["plan"]["examples"] == 36, plan.text
+    job = wait_for_status(client, client.post("/jobs", json=body).json()["id"], {"succeeded", "failed"})
+    assert job["status"] == "succeeded", job["error"]
+    events = client.get(f"/jobs/{job['id']}/events").json()["data"]
+    assert any(e["message"].startswith("36 training and 12 validation texts") for e in events), events
+    assert 0 <= job["validation_metrics"]["ndcg@10"] <= 1  # every held-out query ranked: no NaN
+
+
 @pytest.mark.parametrize(
     "column, value, message",
     [

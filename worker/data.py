@@ -26,7 +26,7 @@ from transformers import (
 from shared.data.batching import bucket_ladder, bucket_width
 from shared.data.columns import JobColumns
 from shared.data.labels import read_job_table
-from shared.data.split import split_train_validation
+from shared.data.split import split_train_validation, text_groups
 from shared.store import objects
 from shared.store.artifacts import tokenized_cache_dir
 from shared.store.rows import Dataset
@@ -53,7 +53,8 @@ def load_job_data(spec: dict, train: Dataset, validation: Dataset | None) -> Job
     """Read a job's uploaded tables through the API's checks (``shared.data.labels.read_job_table``:
     only the job's columns, labels as class names or float32 targets); without a validation
     dataset, hold out ``validation_split`` of the training table exactly as the API's dry run did
-    (stratified for classification, seeded by ``hyperparameters.seed``).
+    (stratified for classification, whole queries or anchors for reranking and embedding, seeded
+    by ``hyperparameters.seed``).
 
     Raises:
         UserError: bad data (the job fails at once, without retries).
@@ -64,7 +65,11 @@ def load_job_data(spec: dict, train: Dataset, validation: Dataset | None) -> Job
         val_df, _ = read_job_table(objects.dataset_file(validation), validation.format, validation.filename, cols)
         return JobData(train_df, val_df, train.sha256, validation.sha256)
     train_rows, val_rows = split_train_validation(
-        summary.rows, summary.codes, spec.get("validation_split") or 0.0, spec["hyperparameters"]["seed"]
+        summary.rows,
+        summary.codes,
+        spec.get("validation_split") or 0.0,
+        spec["hyperparameters"]["seed"],
+        text_groups(train_df[cols.text].tolist()) if cols.grouped else None,
     )
     val_df = train_df.iloc[val_rows].reset_index(drop=True) if val_rows is not None else None
     return JobData(train_df.iloc[train_rows].reset_index(drop=True), val_df, train.sha256, train.sha256)

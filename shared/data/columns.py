@@ -57,6 +57,12 @@ class JobColumns:
         )
 
     @property
+    def grouped(self) -> bool:
+        """Rows that share their first text (a reranking query's passages, an embedding anchor's
+        positives) belong together: the validation split holds them out whole (``shared.data.split``)."""
+        return self.task in ("embedding", "reranking")
+
+    @property
     def has_classes(self) -> bool:
         """The labels are class names (one per row, or a list of them)."""
         return self.task in ("classification", "multi_label")

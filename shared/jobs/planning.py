@@ -13,7 +13,7 @@ from shared.data.batching import STRATEGIES, BatchPlan, job_ladder
 from shared.data.columns import JobColumns, job_batches
 from shared.data.labels import ClassIndex, LabelSummary, scan_job_data
 from shared.data.problems import Problems
-from shared.data.split import split_train_validation, validation_size
+from shared.data.split import split_train_validation, text_groups, validation_size
 from shared.errors import UserError
 from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
 from shared.schemas.hyperparameters import contrastive_hyperparameters
@@ -254,13 +254,15 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
     as their longest text, no truncation) of the rows the
     job trains on: the training file tokenized ``TOKENIZE_ROWS`` texts at a time, then split as
     the worker splits it (``split_train_validation``). Memory holds one batch of texts and an
-    int32 or two per row (length, class)."""
-    spec, train, parts = checked.spec, checked.train, []
+    int32 or two per row (length, class; reranking and embedding: a uint64 group key)."""
+    spec, train, parts, groups = checked.spec, checked.train, [], []
     cols, problems = checked.columns, Problems(train.filename)
     classes = ClassIndex.of(train.filename, cols)
     for batch in job_batches(objects.dataset_file(train), train.format, train.filename, cols, problems):
         if classes is not None:
             classes.add(batch)
+        if cols.grouped:
+            groups.append(text_groups(batch.texts))
         for a in range(0, len(batch.texts), TOKENIZE_ROWS):
             if cols.task == "embedding":  # each text is encoded alone; a row is as long as its longest
                 assert batch.pairs is not None  # the positives
@@ -274,7 +276,13 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
     problems.raise_if_any()  # the file changed since check_spec read it
     lengths = np.concatenate(parts)
     codes = classes.summary().codes if classes is not None else None
-    train_rows, _ = split_train_validation(len(lengths), codes, spec.validation_split or 0.0, spec.hyperparameters.seed)
+    train_rows, _ = split_train_validation(
+        len(lengths),
+        codes,
+        spec.validation_split or 0.0,
+        spec.hyperparameters.seed,
+        np.concatenate(groups) if cols.grouped else None,
+    )
     return lengths[train_rows]
 
 
