@@ -76,9 +76,12 @@ def job_table(job: JobOut) -> Table:
         "task": job.task,
         "training dataset": job.training_dataset,
         "validation": validation,
-        "columns": f"text {job.text_column!r}"
-        + (f", pair {job.text_pair_column!r}" if job.text_pair_column else "")
-        + f", label {job.label_column!r}",
+        "columns": escape(
+            ", ".join(
+                f"{name.removesuffix('_columns').removesuffix('_column')} {value!r}"
+                for name, value in job.column_fields().items()
+            )
+        ),
         "created": f"{job.created_at.astimezone():%Y-%m-%d %H:%M:%S} ({age(job.created_at)})",
         "progress": progress(job),
         "device": job.device or "",

@@ -555,3 +555,39 @@ def test_shell_completion(tmp_path):
     assert complete("tunejob jobs cr", tmp_path) == ["create"]
     assert "--tenant" in complete("tunejob keys create --", tmp_path)
     assert {"bash", "fish", "zsh"} <= set(complete("tunejob completion ", tmp_path))
+
+
+def test_a_job_shows_the_columns_its_task_reads():
+    """``tunejob jobs get`` names the columns by their role in the job's task: a reranking job its
+    query, passage and label columns, an embedding job its anchor, positive and negative columns
+    (not the text_column default they never read)."""
+    from rich.console import Console
+
+    from client.display import job_table
+    from shared.schemas.jobs import JobOut
+
+    example = JobOut.model_config["json_schema_extra"]["examples"][0]
+    reranking = JobOut.model_validate(
+        {
+            **example,
+            "task": "reranking",
+            "query_column": "question",
+            "passage_column": "doc",
+            "label_column": "relevant",
+        }
+    )
+    embedding = JobOut.model_validate(
+        {**example, "task": "embedding", "anchor_column": "title", "positive_column": "body", "negative_columns": ["x"]}
+    )
+    assert reranking.column_fields() == {
+        "query_column": "question",
+        "passage_column": "doc",
+        "label_column": "relevant",
+    }
+    assert embedding.column_fields() == {"anchor_column": "title", "positive_column": "body", "negative_columns": ["x"]}
+    assert JobOut.model_validate(example).column_fields() == {"text_column": "text", "label_column": "label"}
+    console = Console(width=200, record=True)
+    console.print(job_table(reranking), job_table(embedding))
+    shown = console.export_text()
+    assert "query 'question', passage 'doc', label 'relevant'" in shown
+    assert "anchor 'title', positive 'body', negative ['x']" in shown and "text 'text'" not in shown

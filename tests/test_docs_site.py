@@ -67,6 +67,29 @@ def test_the_reference_presents_the_apps_openapi_document(site):
     assert 'id="errorbody"' in page  # the schemas are there too
 
 
+def test_every_example_of_the_api_reference_is_valid():
+    """Each request and response example the OpenAPI document shows (``json_schema_extra``) is an
+    instance of its own model: an example a client copies works, and a field added to a model
+    without its example fails here (JobOut's lacked ``suffix`` and ``timings``)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from pydantic import BaseModel
+
+    import shared.schemas
+
+    modules = [f"shared.schemas.{m.name}" for m in pkgutil.iter_modules(shared.schemas.__path__)]
+    checked = 0
+    for module in map(importlib.import_module, [*modules, "api.openai_compat", "api.openai_embeddings"]):
+        for _, model in inspect.getmembers(module, inspect.isclass):
+            extra = model.model_config.get("json_schema_extra") if issubclass(model, BaseModel) else None
+            for example in extra.get("examples", []) if isinstance(extra, dict) else []:
+                model.model_validate(example)  # raises, naming the model and the field
+                checked += 1
+    assert checked >= 19
+
+
 def test_the_python_reference_is_generated_from_docstrings(site):
     page = (site / "reference" / "python.html").read_text()
     assert "doc-heading" in page and "shared.settings" in page

@@ -325,6 +325,7 @@ class JobOut(BaseModel):
                     "label_names": ["business", "entertainment", "politics", "sport", "tech"],
                     "hyperparameters": {**Hyperparameters().model_dump(), **HYPERPARAMETERS_EXAMPLE},
                     "metadata": {"project": "news-topics"},
+                    "suffix": None,
                     "created_at": "2026-11-21T09:12:10.118Z",
                     "started_at": "2026-11-21T09:12:11.402Z",
                     "finished_at": "2026-11-21T09:15:02.771Z",
@@ -340,6 +341,16 @@ class JobOut(BaseModel):
                     "device": "cpu (2 threads)",
                     "attempts": 1,
                     "error": None,
+                    "timings": {
+                        "queued": 0.4,
+                        "load": 0.3,
+                        "tokenize": 1.2,
+                        "warmup": 0.0,
+                        "train": 165.2,
+                        "evaluate": 3.1,
+                        "save": 1.4,
+                        "total": 172.3,
+                    },
                 }
             ]
         }
@@ -386,6 +397,16 @@ class JobOut(BaseModel):
     queue: QueuePosition | None = Field(
         None, description="a queued job's place in the queue and estimated start; null once it runs"
     )
+
+    def column_fields(self) -> dict[str, str | list[str]]:
+        """The spec fields naming the columns this job's task reads, with their columns (what the
+        CLI and the dashboard show): ``TASK_FIELDS`` and the label for embedding and reranking,
+        else the text, pair and label columns."""
+        names = {
+            "embedding": TASK_FIELDS["embedding"],
+            "reranking": (*TASK_FIELDS["reranking"], "label_column"),
+        }.get(self.task, ("text_column", "text_pair_column", "label_column"))
+        return {name: value for name in names if (value := getattr(self, name)) is not None}
 
 
 class JobList(BaseModel):

@@ -91,6 +91,7 @@ class DryRunOut(BaseModel):
                             "max": 128,
                         },
                         "truncated_fraction": 0.463,
+                        "truncated_examples": 742,
                         "padding_efficiency": {
                             s: {"unrounded": e, "bucketed": b}
                             for s, e, b in [
