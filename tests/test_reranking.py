@@ -229,6 +229,7 @@ def test_rerank_endpoint_orders_documents_best_first(stack):
     job = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"})
     assert job["status"] == "succeeded", job["error"]
     assert job["query_column"] == "query" and "mrr@10" in job["validation_metrics"]
+    assert_error(client.get(f"/jobs/{job['id']}/evaluation"), 404, "no_evaluation", "job_id", "validation_metrics")
     documents = ["a text about the volcano 3.3", "a text about the chess 3.0", "a text about the bakery 3.2"]
     r = client.post(
         f"/models/{job['id']}/rerank", json={"query": "tell me about chess 3", "documents": documents, "top_n": 2}

@@ -21,9 +21,19 @@ def job_evaluation(job_id: str, caller: Caller) -> dict:
     Raises:
         NotFound, Deleted: see ``shared.jobs.lifecycle.get_job``; ``NotFound`` also for a succeeded
             job without a report (it had no validation rows, or its model was deleted).
+        UserError: ``no_evaluation`` (404) for an embedding or reranking job, whose ranking
+            figures are its validation metrics.
         Conflict: ``job_not_succeeded`` (409), the job has not succeeded (yet).
     """
     job = get_job(job_id, caller)
+    if job.task in ("embedding", "reranking"):
+        raise UserError(
+            "no_evaluation",
+            f"job {job_id!r} is a {job.task} job: it has no evaluation report; its retrieval figures are "
+            "its validation_metrics (and eval_* metric series)",
+            "job_id",
+            404,
+        )
     if job.status != "succeeded":
         raise Conflict(
             "job_not_succeeded", f"job {job_id!r} is {job.status}: its evaluation report is written when it succeeds"
