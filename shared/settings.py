@@ -169,7 +169,7 @@ class Settings(BaseSettings):
 
     @property
     def celery_broker_url(self) -> str:
-        return self.broker_url or "filesystem://"
+        return self.broker_url or "filesystem://localhost//"  # a host named: kombu warns without one
 
     @property
     def uses_filesystem_broker(self) -> bool:
