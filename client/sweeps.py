@@ -218,7 +218,11 @@ def add_commands(commands, command, quiet, read) -> None:
     p = command(sweeps, "create", create_sweep, "create a sweep (or plan it: --dry-run)", quiet)
     add_create_arguments(p)
     p.add_argument(
-        "--space", type=Path, help="JSON or YAML: {name: {type: float|int|categorical, low, high, log, step, choices}}"
+        "--space",
+        type=Path,
+        metavar="FILE",
+        help="a JSON file (or YAML: .yaml, .yml) of {name: {type: float|int|categorical, low, high, log, step, "
+        "choices}}; {name: {}} takes tunejob's range for the model's size",
     )
     p.add_argument(
         "--objective",
