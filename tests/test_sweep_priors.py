@@ -343,7 +343,8 @@ def test_the_pareto_picture_draws_a_warm_starts_history_grey_and_off_the_front()
 
 def test_the_sweep_page_draws_a_warm_starts_succeeded_trials_apart(client, dataset, monkeypatch):  # noqa: F811
     """The sweep page's chart data holds the warm start's succeeded trials that its study holds
-    (``history``: each one's sweep, number there, value and every objective's values; not one
+    (``history``: each one's sweep, number there, value, every objective's values and its
+    parameters, for the parameter charts; not one
     without a latency, which the multi-objective study leaves out), in the history's order, at
     most TUNEJOB_MAX_TRIALS_PER_SWEEP of them; the front stays the sweep's own, though a history
     trial beats it on both objectives."""
@@ -372,10 +373,12 @@ def test_the_sweep_page_draws_a_warm_starts_succeeded_trials_apart(client, datas
         page = browser.get(f"/ui/sweeps/{sweep['id']}").text
         return json.loads(re.search(r'<script type="application/json" id="chart-data">(.*?)</script>', page)[1])
 
-    assert chart()["history"] == [
+    history = chart()["history"]
+    assert [{k: v for k, v in h.items() if k != "params"} for h in history] == [
         {"sweep": source["id"], "number": 0, "value": 0.9, "values": [0.9, 5.0]},
         {"sweep": source["id"], "number": 3, "value": 0.8, "values": [0.8, 50.0]},
     ]
+    assert [h["params"] for h in history] == [fast["params"], slow["params"]]
     assert chart()["front"] == [0]
     monkeypatch.setattr(get_settings(), "max_trials_per_sweep", 1)
     assert [h["number"] for h in chart()["history"]] == [0]
