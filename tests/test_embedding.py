@@ -407,6 +407,21 @@ def test_dry_run_plans_rows_by_their_longest_text(stack, tiny_st):
     assert r.json()["plan"]["micro_batches_per_epoch"] == 1  # GradCache: one micro-batch of 32 per step
 
 
+def test_the_dry_run_estimates_every_text_of_a_row(stack, tiny_st):
+    """The dry run's ``estimated_seconds`` counts each text of a row (anchor and positive, each
+    computed at its own length), as the job computes them: an embedding job planned again after it
+    ran is estimated at about its own training time (its basis), not at the share of its longest texts."""
+    client = stack.client_for("estimates")
+    dataset = upload(client, pairs(64, seed=5))
+    r = submit(client, dataset, validation_split=0)
+    assert r.status_code == 201, r.text
+    job = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job["error"]
+    plan = submit(client, dataset, dry_run=True, validation_split=0).json()["plan"]
+    assert plan["estimate_basis"].startswith(f"job {job['id']}:")
+    assert plan["estimated_seconds"] / job["train_metrics"]["train_seconds"] == pytest.approx(1, abs=0.15)
+
+
 @pytest.fixture(scope="module")
 def api_job(stack, tiny_st) -> dict:
     """An embedding job trained through the stack's API and worker (with hard negatives and a validation set)."""

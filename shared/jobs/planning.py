@@ -186,8 +186,11 @@ def plan_job(checked: CheckedSpec) -> dict:
     hf_logging.set_verbosity_error()  # no warning for texts longer than max_length: we count them
     spec, hp = checked.spec, contrastive_hyperparameters(checked.spec.hyperparameters, checked.spec.task)
     tokenizer = AutoTokenizer.from_pretrained(checked.model_dir)
-    full = training_lengths(tokenizer, checked)
-    lengths = np.minimum(full, hp.max_length)
+    full = training_lengths(tokenizer, checked)  # embedding: [rows, texts] (each text is encoded alone)
+    texts = np.minimum(full, hp.max_length)
+    lengths = texts.max(axis=1) if texts.ndim == 2 else texts  # a row is planned as long as its longest text
+    if full.ndim == 2:
+        full = full.max(axis=1)
     ladder = job_ladder(hp.max_length, hp.pad_to_multiple_of, hp.torch_compile, cuda=True)
 
     def plan_for(strategy: str) -> BatchPlan:
@@ -225,8 +228,9 @@ def plan_job(checked: CheckedSpec) -> dict:
         "micro_batches_per_epoch": micro_batches,
         "steps_per_epoch": math.ceil(micro_batches / hp.gradient_accumulation_steps),
         "total_steps": total_steps,
+        # every text's tokens (an embedding row's texts each computed at their own length), padded as planned
         **estimate_seconds(
-            spec.base_model, int(lengths.sum()) * hp.epochs / efficiency[hp.batching]["unrounded"], checked.caller
+            spec.base_model, int(texts.sum()) * hp.epochs / efficiency[hp.batching]["unrounded"], checked.caller
         ),
         **(multi_label_plan(checked) if spec.task == "multi_label" else {}),
     }
@@ -250,11 +254,12 @@ TOKENIZE_ROWS = 4096  # texts per tokenizer call in a dry run
 
 
 def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
-    """Tokens per example (text pairs as the tokenizer's pair input, word lists as words, embedding rows
-    as their longest text, no truncation) of the rows the
+    """Tokens per example (text pairs as the tokenizer's pair input, word lists as words, no
+    truncation; embedding: ``[rows, texts]``, each text of a row alone) of the rows the
     job trains on: the training file tokenized ``TOKENIZE_ROWS`` texts at a time, then split as
-    the worker splits it (``split_train_validation``). Memory holds one batch of texts and an
-    int32 or two per row (length, class; reranking and embedding: a uint64 group key)."""
+    the worker splits it (``split_train_validation``). Memory holds one batch of texts and, per
+    row, an int32 length (embedding: one per text), its class, and a uint64 group key (reranking,
+    embedding)."""
     spec, train, parts, groups = checked.spec, checked.train, [], []
     cols, problems = checked.columns, Problems(train.filename)
     classes = ClassIndex.of(train.filename, cols)
@@ -264,10 +269,10 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
         if cols.grouped:
             groups.append(text_groups(batch.texts))
         for a in range(0, len(batch.texts), TOKENIZE_ROWS):
-            if cols.task == "embedding":  # each text is encoded alone; a row is as long as its longest
+            if cols.task == "embedding":  # each text is encoded alone: a column of counts per text
                 assert batch.pairs is not None  # the positives
                 columns = [batch.texts, batch.pairs, *batch.negatives.values()]
-                parts.append(np.max([token_counts(tokenizer, c[a : a + TOKENIZE_ROWS], None) for c in columns], axis=0))
+                parts.append(np.stack([token_counts(tokenizer, c[a : a + TOKENIZE_ROWS], None) for c in columns], 1))
                 continue
             pairs = batch.pairs[a : a + TOKENIZE_ROWS] if batch.pairs is not None else None
             parts.append(
