@@ -30,8 +30,10 @@ from client.display import (
     event_line,
     fields_table,
     id_column,
+    job_plan_table,
     job_table,
     pivot,
+    prediction_plan_table,
     prediction_table,
     print_json,
     progress,
@@ -122,7 +124,8 @@ def delete_alias(client: Client, args, out: Console) -> None:
 def create_job(client: Client, args, out: Console) -> int | None:
     spec = job_spec(args)
     if args.dry_run:
-        show_plan(out, args, client.plan_job(spec))
+        batching = (spec.get("hyperparameters") or {}).get("batching", "smart")
+        show_plan(out, args, client.plan_job(spec), job_plan_table(batching))
         return None
     job = client.create_job(spec)
     show(out, args, job, lambda: f"job [bold]{job.id}[/] {job.status}: {job.base_model} on {job.training_dataset}")
@@ -243,7 +246,7 @@ def plot_job(client: Client, args, out: Console) -> None:
 def create_prediction(client: Client, args, out: Console) -> int | None:
     spec = prediction_spec(args)
     if args.dry_run:
-        show_plan(out, args, client.plan_prediction(spec))
+        show_plan(out, args, client.plan_prediction(spec), prediction_plan_table)
         return None
     prediction = client.create_prediction(spec)
     show(

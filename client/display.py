@@ -25,12 +25,57 @@ STATUS_STYLE = {
 }
 
 
-def show_plan(out: Console, args, plan: dict) -> None:
-    """A dry run's plan: JSON on stdout with ``--json`` (for scripts), else highlighted JSON on ``out``."""
+def show_plan(out: Console, args, plan: dict, table: Callable[[dict], Table] | None = None) -> None:
+    """A dry run's plan: JSON on stdout with ``--json`` (for scripts), else ``table(plan)`` (its
+    main figures; the whole plan with ``--json``) or, without one, highlighted JSON on ``out``."""
     if getattr(args, "json", False):
         print_json(plan)
+    elif table is not None:
+        out.print(table(plan))
+        out.print("[dim]dry run: nothing was queued; --json prints the whole plan[/]")
     else:
         out.print_json(data=plan)
+
+
+def estimate(plan: dict) -> str:
+    """A plan's ``estimated_seconds`` and its basis (the newest succeeded job of the same model)."""
+    seconds = plan.get("estimated_seconds")
+    return escape(plan["estimate_basis"] if seconds is None else f"{seconds:,.0f} s ({plan['estimate_basis']})")
+
+
+def job_plan_table(batching: str) -> Callable[[dict], Table]:
+    """The table of a job's plan (``POST /jobs?dry_run=true``) trained with ``batching``."""
+
+    def table(plan: dict) -> Table:
+        lengths, efficiency = plan["token_lengths"], plan["padding_efficiency"]
+        return fields_table(
+            {
+                "examples": f"{plan['examples']:,} ({plan['truncated_examples']:,} cut at max_length)",
+                "tokens per example": f"mean {lengths['mean']:.1f}, max {lengths['max']:,}",
+                "steps": f"{plan['total_steps']:,} ({plan['steps_per_epoch']:,} an epoch, "
+                f"{plan['micro_batches_per_epoch']:,} micro-batches an epoch)",
+                "padding efficiency": f"{efficiency[batching]['unrounded']:.3f} ({batching}; on a CUDA worker's "
+                f"buckets {efficiency[batching]['bucketed']:.3f}); "
+                + ", ".join(f"{name} {e['unrounded']:.3f}" for name, e in efficiency.items() if name != batching),
+                "estimated time": estimate(plan),
+                **({"notes": escape("; ".join(plan["notes"]))} if plan.get("notes") else {}),
+            }
+        )
+
+    return table
+
+
+def prediction_plan_table(plan: dict) -> Table:
+    """The table of a prediction's plan (``POST /predictions?dry_run=true``)."""
+    return fields_table(
+        {
+            "rows": f"{plan['rows']:,} ({plan['truncated']:,} cut at max_length {plan['max_length']:,})",
+            "task": plan["task"],
+            "tokens": f"{plan['tokens']:,} ({plan['padded_tokens']:,} computed with padding: "
+            f"efficiency {plan['padding_efficiency']:.3f})",
+            "estimated time": estimate(plan),
+        }
+    )
 
 
 def show(out: Console, args, value: Any, table: Callable[[], Any]) -> None:

@@ -210,6 +210,8 @@ def test_predict_a_dataset_and_a_few_texts_from_the_command_line(served, tmp_pat
     planned = served.cli("predict", "create", "--model", job_id, "--dataset", to_score, "--dry-run", "--json")
     assert planned.returncode == 0, planned.stderr
     assert json.loads(planned.stdout)["rows"] == 30
+    table = served.cli("predict", "create", "--model", job_id, "--dataset", to_score, "--dry-run")
+    assert table.returncode == 0 and "30 (0 cut at max_length" in table.stdout, table.stdout + table.stderr
 
     created = served.cli("predict", "create", "--model", job_id, "--dataset", to_score, "--id-column", "doc", "--watch")
     assert created.returncode == 0, created.stdout + created.stderr
@@ -591,3 +593,22 @@ def test_a_job_shows_the_columns_its_task_reads():
     shown = console.export_text()
     assert "query 'question', passage 'doc', label 'relevant'" in shown
     assert "anchor 'title', positive 'body', negative ['x']" in shown and "text 'text'" not in shown
+
+
+def test_a_dry_run_prints_the_plan_s_main_figures():
+    """``jobs create`` and ``predict create`` with ``--dry-run``: the plan's main figures in a
+    table (examples and truncation, steps, the chosen batching's padding efficiency, the estimate),
+    drawn from the API reference's own examples of the plans."""
+    from rich.console import Console
+
+    from client.display import job_plan_table, prediction_plan_table
+    from shared.schemas.plans import DryRunOut
+    from shared.schemas.predictions import PredictionDryRunOut
+
+    console = Console(width=200, record=True)
+    console.print(job_plan_table("smart")(DryRunOut.model_config["json_schema_extra"]["examples"][0]["plan"]))
+    console.print(prediction_plan_table(PredictionDryRunOut.model_config["json_schema_extra"]["examples"][0]["plan"]))
+    shown = console.export_text()
+    assert "1,602 (742 cut at max_length)" in shown and "0.993 (smart; on a CUDA worker's buckets 0.947)" in shown
+    assert "token_budget 0.991, dynamic 0.912, fixed 0.878" in shown
+    assert "445 (203 cut at max_length 128)" in shown and "7 s (job job_1c7e9a40d2b35f86" in shown
