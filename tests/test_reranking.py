@@ -188,6 +188,11 @@ def test_without_a_validation_file_whole_queries_are_held_out(stack):
     events = client.get(f"/jobs/{job['id']}/events").json()["data"]
     assert any(e["message"].startswith("36 training and 12 validation texts") for e in events), events
     assert 0 <= job["validation_metrics"]["ndcg@10"] <= 1  # every held-out query ranked: no NaN
+    one_query = {**body, "training_dataset": upload(client, rows(1), "one.csv")}  # 4 rows, all one query
+    queued = client.get("/jobs").json()["data"]
+    r = client.post("/jobs", json=one_query)  # holding out that query would leave nothing to train on
+    assert_error(r, 422, "too_few_rows", "validation_split", "1 distinct query or anchor text")
+    assert client.get("/jobs").json()["data"] == queued  # refused before anything was queued
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,11 @@ import pandas as pd
 
 from shared.data.columns import JobBatch, JobColumns, job_batches
 from shared.data.problems import Problems
+from shared.data.split import text_groups
 from shared.errors import UserError
 from shared.settings import get_settings
+
+GROUPS_COUNTED = 10_000  # distinct query or anchor texts scan_job_data counts up to
 
 
 @dataclass
@@ -28,6 +31,7 @@ class LabelSummary:
     counts: dict[str, int] = field(default_factory=dict)
     first_row: dict[str, int] = field(default_factory=dict)
     empty_rows: int = 0
+    groups: int | None = None  # scan_job_data, reranking and embedding: distinct first texts, up to GROUPS_COUNTED
 
 
 def sort_class_names(names) -> list[str]:
@@ -134,20 +138,27 @@ class TagIndex(ClassIndex):
 
 def scan_job_data(path: Path, fmt: str, filename: str, cols: JobColumns) -> LabelSummary:
     """Check a job's columns in one file, batch by batch, keeping only the row count and, for
-    classification, each class's row count and first row: never the texts, nothing per row.
+    classification, each class's row count and first row: never the texts, nothing per row. For
+    tasks whose validation split holds out whole queries or anchors (``JobColumns.grouped``), the
+    distinct first texts, counted up to ``GROUPS_COUNTED`` (keys of at most that many: enough to
+    tell whether any ``validation_split`` below 1 - 1 / GROUPS_COUNTED leaves one for training).
 
     Raises:
         UserError: the validation report (``missing_value``, ``invalid_text``, ``invalid_label``,
             ``invalid_column``, ...), ``too_many_classes``, or a reader error (see ``read_batches``).
     """
-    problems, rows = Problems(filename), 0
+    problems, rows, groups = Problems(filename), 0, set[int]()
     classes = ClassIndex.of(filename, cols, keep_codes=False)
     for batch in job_batches(path, fmt, filename, cols, problems):
         rows += len(batch.texts)
         if classes is not None:
             classes.add(batch)
+        if cols.grouped and len(groups) < GROUPS_COUNTED:
+            groups.update(text_groups(batch.texts[:GROUPS_COUNTED]).tolist())
     problems.raise_if_any()
-    return classes.summary() if classes is not None else LabelSummary(rows)
+    summary = classes.summary() if classes is not None else LabelSummary(rows)
+    summary.groups = min(len(groups), GROUPS_COUNTED) if cols.grouped else None
+    return summary
 
 
 def read_job_table(path: Path, fmt: str, filename: str, cols: JobColumns) -> tuple[pd.DataFrame, LabelSummary]:

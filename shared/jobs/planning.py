@@ -134,7 +134,10 @@ def check_spec(spec: JobCreate, caller: Caller) -> CheckedSpec:
     if val:
         val_summary = scan_job_data(objects.dataset_file(val), val.format, val.filename, cols)
         _check_validation_labels(summary.names, val_summary, val.filename, cols.label)
-    validation_size(summary.rows, spec.validation_split or 0.0)
+    if summary.groups is None:
+        validation_size(summary.rows, spec.validation_split or 0.0)
+    else:  # whole queries or anchors are held out (shared.data.split)
+        validation_size(summary.groups, spec.validation_split or 0.0, "distinct query or anchor text(s)")
     return CheckedSpec(spec, model_dir, train, val, summary.names, caller, summary.empty_rows)
 
 
