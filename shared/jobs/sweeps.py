@@ -363,10 +363,10 @@ def history_points(sweep_id: str, caller: Caller) -> list[dict[str, Any]]:
     """The warm start's succeeded trials as the sweep page draws them, grey, beside the sweep's own
     (as the report's pictures do, ``shared.jobs.sweep_report``): each one's ``sweep``, its
     ``number`` there, ``value`` (the first objective's), with several objectives ``values``
-    (every objective's), and ``params`` (inside this sweep's search space), in the history's order: the trials the sweep's study holds
-    (``shared.jobs.search.history``, with every objective's value when there are several, as the
-    sampler asks from them; one read); at most TUNEJOB_MAX_TRIALS_PER_SWEEP, as many as the
-    sweep's own trials may be. Raises: NotFound, Deleted."""
+    (every objective's), and ``params`` (inside this sweep's search space), in the history's
+    order: the trials the sweep's study holds (``shared.jobs.search.history``, with every
+    objective's value when there are several, as the sampler asks from them; one read); at most
+    TUNEJOB_MAX_TRIALS_PER_SWEEP, as many as the sweep's own trials may be. Raises: NotFound, Deleted."""
     with read_session() as s:
         spec = spec_of(owned_sweep(s, sweep_id, caller))
         multi = multi_objective(spec)
