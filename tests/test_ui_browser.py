@@ -301,3 +301,6 @@ def test_an_embedding_job_s_chart_draws_its_zero_shot_line(stack, server, watche
             assert float(w.page.locator("#chart-eval").get_attribute("data-zero-shot")) == pytest.approx(zero_shot)
             w.page.locator("#chart-eval").scroll_into_view_if_needed()
             w.page.locator("#chart-eval").screenshot(path=str(shots / f"zero-shot-{width}.png"))
+            # nothing wider than the window (the artifacts' long TensorBoard file name once was)
+            assert w.page.evaluate("document.documentElement.scrollWidth") <= width
+            assert "anchor_column" in w.page.locator("table.kv").first.inner_text()  # the task's own columns
