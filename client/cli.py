@@ -313,7 +313,7 @@ def embed_texts(client: Client, args, out: Console) -> None:
 
 
 def create_webhook(client: Client, args, out: Console) -> None:
-    webhook = client.create_webhook(args.url, args.events, args.description)
+    webhook = client.create_webhook(args.endpoint, args.events, args.description)
     show(
         out,
         args,
@@ -331,7 +331,7 @@ def create_webhook(client: Client, args, out: Console) -> None:
 
 def list_webhooks(client: Client, args, out: Console) -> None:
     hooks = client.list_webhooks()
-    table = Table(id_column(), "url", "events", "age")
+    table = Table(id_column(), Column("url", overflow="fold"), "events", "age")
     for w in hooks:
         table.add_row(w.id, escape(w.url), ", ".join(w.events), age(w.created_at))
     show(out, args, hooks, lambda: table)
@@ -466,7 +466,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         dest="subcommand", required=True
     )
     p = command(hooks, "create", create_webhook, "register an endpoint; prints its secret once", quiet)
-    p.add_argument("url")
+    p.add_argument("endpoint", metavar="URL", help="where deliveries are POSTed (not the server: that is --url)")
     p.add_argument("events", nargs="+", metavar="EVENT", help="e.g. job.succeeded job.failed prediction.succeeded")
     p.add_argument("--description")
     command(hooks, "list", list_webhooks, "the endpoints, newest first", read)

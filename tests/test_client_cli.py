@@ -612,3 +612,31 @@ def test_a_dry_run_prints_the_plan_s_main_figures():
     assert "1,602 (742 cut at max_length)" in shown and "0.993 (smart; on a CUDA worker's buckets 0.947)" in shown
     assert "token_budget 0.991, dynamic 0.912, fixed 0.878" in shown
     assert "445 (203 cut at max_length 128)" in shown and "7 s (job job_1c7e9a40d2b35f86" in shown
+
+
+def test_no_command_option_shares_a_name_with_another():
+    """Each argument of each client command has a name of its own: ``webhooks create URL`` once
+    stored the endpoint's URL under ``url``, the server option's name, so the CLI sent the request,
+    with the API key, to the endpoint instead of the server."""
+    import argparse
+
+    from client import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers())
+
+    def leaves(p: argparse.ArgumentParser):
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            yield p
+        for sub in subs:
+            for child in sub.choices.values():
+                yield from leaves(child)
+
+    for command in leaves(parser):
+        names = [a.dest for a in command._actions if a.dest != "help"]
+        assert len(names) == len(set(names)), (command.prog, sorted(names))
+    args = parser.parse_args(
+        ["webhooks", "create", "https://hooks.example.com/h", "job.succeeded", "--url", "http://tunejob:8000"]
+    )
+    assert (args.url, args.endpoint) == ("http://tunejob:8000", "https://hooks.example.com/h")

@@ -9,7 +9,7 @@ from shared.data.batching import job_ladder
 
 
 def resolve_device(setting: str) -> tuple[torch.device, str | None]:
-    """The training device for ``TUNEJOB_DEVICE`` (``auto``, ``cuda`` or ``cpu``).
+    """The device a job (training or prediction) runs on for ``TUNEJOB_DEVICE`` (``auto``, ``cuda`` or ``cpu``).
 
     Returns:
         (device, note): ``note`` says why ``auto`` fell back to the CPU, else None.
@@ -23,7 +23,7 @@ def resolve_device(setting: str) -> tuple[torch.device, str | None]:
         return torch.device("cuda", 0), None
     if setting == "cuda":
         raise RuntimeError("TUNEJOB_DEVICE=cuda but no CUDA GPU is visible (check CUDA_VISIBLE_DEVICES and drivers)")
-    return torch.device("cpu"), "TUNEJOB_DEVICE=auto found no CUDA GPU: training on the CPU"
+    return torch.device("cpu"), "TUNEJOB_DEVICE=auto found no CUDA GPU: running on the CPU"
 
 
 def describe(device: torch.device) -> str:
