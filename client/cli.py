@@ -339,7 +339,7 @@ def list_webhooks(client: Client, args, out: Console) -> None:
 
 def webhook_deliveries(client: Client, args, out: Console) -> None:
     page = client.webhook_deliveries(args.webhook_id, args.limit, args.cursor)
-    table = Table("event", "type", "status", "attempts", "last answer", "age")
+    table = Table(Column("event", overflow="fold"), "type", "status", "attempts", "last answer", "age")
     for d in page.data:
         answer = str(d.response_status) if d.response_status else escape(d.error or "")
         table.add_row(d.event_id, d.event_type, d.status, str(d.attempts), answer, age(d.created_at))

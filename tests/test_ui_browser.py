@@ -27,6 +27,7 @@ from tests.faults_support import free_port
 from tests.test_api_jobs import labelled_csv
 from tests.test_embedding import tiny_st  # noqa: F401  (the fixture: the tiny BERT as a sentence-transformers model)
 
+LONG_NAME = "bbc_news_titles_to_articles_training_pairs.csv"  # a dataset's file name, as users name them
 CHROMIUM = os.environ.get("TUNEJOB_CHROMIUM", "/usr/bin/chromium")
 TIMEOUT_MS = 60_000
 
@@ -280,9 +281,7 @@ def test_an_embedding_job_s_chart_draws_its_zero_shot_line(stack, server, watche
     with watched("zero-shot") as w:
         key = sign_in(w.page, "ui-embedding")
         with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {key}"}) as api:
-            ds = api.post(
-                "/datasets", files={"file": ("pairs.csv", pairs(48).to_csv(index=False).encode(), "text/csv")}
-            )
+            ds = api.post("/datasets", files={"file": (LONG_NAME, pairs(48).to_csv(index=False).encode(), "text/csv")})
             body = {
                 "base_model": TINY_ST,
                 "task": "embedding",
@@ -304,3 +303,8 @@ def test_an_embedding_job_s_chart_draws_its_zero_shot_line(stack, server, watche
             # nothing wider than the window (the artifacts' long TensorBoard file name once was)
             assert w.page.evaluate("document.documentElement.scrollWidth") <= width
             assert "anchor_column" in w.page.locator("table.kv").first.inner_text()  # the task's own columns
+            # the scoring form's options name the model's task and the dataset's file: a long one
+            # widened the page to 492 px at 390
+            w.page.goto("/ui/predictions")
+            assert LONG_NAME in w.page.locator("#p-dataset").inner_text()
+            assert w.page.evaluate("document.documentElement.scrollWidth") <= width
