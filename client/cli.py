@@ -211,10 +211,33 @@ def job_metrics(client: Client, args, out: Console) -> None:
         for step, (epoch, values) in by_step.items():
             writer.writerow([step, epoch, *(values.get(n, "") for n in names)])
         return
+    if args.metric:
+        if unknown := [m for m in args.metric if m not in names]:
+            raise UsageError(f"--metric {unknown[0]!r}: job {args.job_id} has no such metric; it has {names}")
+        names, left_out = args.metric, []
+    else:  # as many columns as the window holds (rich would cut every one to a few letters), loss and validation first
+        first = sorted(names, key=lambda n: not (n == "train_loss" or n.startswith("eval_")))
+        names, left_out = fitting_columns(first, out.width)
     table = Table("step", "epoch", *names)
     for step, (epoch, values) in by_step.items():
         table.add_row(str(step), f"{epoch:.2f}", *(f"{values[n]:.4g}" if n in values else "" for n in names))
     out.print(table)
+    if left_out:
+        out.print(
+            f"{len(left_out)} more metric(s) than this window ({out.width} columns) shows: {', '.join(left_out)}; "
+            "choose with --metric NAME (repeatable), or print them all with --csv or --json"
+        )
+
+
+def fitting_columns(names: list[str], width: int) -> tuple[list[str], list[str]]:
+    """The first of ``names`` whose columns fit in ``width`` characters beside step and epoch (a
+    column as wide as its name or a ``.4g`` value, plus its borders), and the rest."""
+    used = 2 * (len("epoch") + 3) + 1
+    for i, name in enumerate(names):
+        used += max(len(name), len("-1.234e-05")) + 3
+        if used > width:
+            return names[:i], names[i:]
+    return names, []
 
 
 def cancel_job(client: Client, args, out: Console) -> None:
@@ -448,6 +471,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p = command(jobs, "metrics", job_metrics, "the metric series, one row per step", read)
     p.add_argument("job_id")
     p.add_argument("--csv", action="store_true", help="print CSV")
+    p.add_argument(
+        "--metric",
+        action="append",
+        metavar="NAME",
+        help="only this metric's column (repeatable); default: as many as fit",
+    )
     command(jobs, "cancel", cancel_job, "cancel a job (a running one stops at its next optimizer step)").add_argument(
         "job_id"
     )
@@ -578,9 +607,8 @@ def run(args: argparse.Namespace) -> int:
     except TunejobError as e:
         errors.print(f"[red]error[/]: {escape(str(e))}")
         for problem in e.problems or []:
-            errors.print(
-                f"  row {problem.get('row')}, column {problem.get('column')!r}: {escape(str(problem.get('message')))}"
-            )
+            column = f", column {problem['column']!r}" if problem.get("column") is not None else ""  # a whole line
+            errors.print(f"  row {problem.get('row')}{column}: {escape(str(problem.get('message')))}")
         return EXIT_ERROR
     except UsageError as e:
         errors.print(f"[red]usage[/]: {escape(str(e))}")

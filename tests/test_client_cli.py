@@ -6,6 +6,7 @@ When the server writes ``<data dir>/api_key`` (API keys), the CLI sends it by it
 ``TUNEJOB_DATA_DIR``), and the tests' own HTTP calls send it too (``Served.client``).
 """
 
+import argparse
 import csv
 import io
 import json
@@ -22,6 +23,7 @@ import pandas as pd
 import pytest
 
 from client import Client, TunejobError
+from client.options import UsageError
 from tests.conftest import TINY_MODEL
 from tests.faults_support import ROOT, Process, free_port, wait_for
 
@@ -640,3 +642,41 @@ def test_no_command_option_shares_a_name_with_another():
         ["webhooks", "create", "https://hooks.example.com/h", "job.succeeded", "--url", "http://tunejob:8000"]
     )
     assert (args.url, args.endpoint) == ("http://tunejob:8000", "https://hooks.example.com/h")
+
+
+def test_metrics_show_the_columns_a_window_holds():
+    """``jobs metrics`` in an 80-column window: rich cut all 13 columns to three letters; the
+    table holds the loss and validation columns that fit and names the rest, ``--metric`` chooses."""
+    from rich.console import Console
+
+    from client.cli import job_metrics
+
+    names = ["train_loss", "learning_rate", "grad_norm", "tokens_per_second", "padding_efficiency"]
+    names += ["padding_efficiency_unrounded", "peak_memory_mb", "skipped_steps", "eval_loss", "eval_accuracy"]
+    rows = [
+        {"step": step, "epoch": step / 4, "name": name, "value": 0.123456789, "time": "2026-11-21T09:13:05Z"}
+        for step in (1, 2, 3, 4)
+        for name in names
+        if step == 4 or not name.startswith("eval_")
+    ]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"data": rows})
+
+    def shown(*metrics: str) -> str:
+        console = Console(width=80, record=True)
+        args = argparse.Namespace(job_id="job_x", json=False, csv=False, metric=list(metrics) or None)
+        with Client("http://tunejob.test", api_key="k", transport=httpx.MockTransport(answer)) as client:
+            job_metrics(client, args, console)
+        return console.export_text()
+
+    table, _, note = shown().partition("more metric(s)")
+    header = table.splitlines()[1]
+    assert "train_loss" in header and "eval_loss" in header and "eval_accuracy" in header and "…" not in header
+    assert "0.1235" in table and "peak_memory_mb" in note and "--metric NAME" in note
+    assert all(len(line) <= 80 for line in table.splitlines())
+    chosen = shown("grad_norm", "skipped_steps")
+    assert "grad_norm" in chosen and "skipped_steps" in chosen and "train_loss" not in chosen
+    assert "more metric(s)" not in chosen
+    with pytest.raises(UsageError, match="no such metric"):
+        shown("accuracy")
