@@ -245,8 +245,9 @@ def test_worker_nice_lowers_its_cpu_priority(tmp_path):
 
 @pytest.mark.alone
 def test_workers_stop_when_serve_is_killed(tmp_path):
-    """A SIGKILL of `tunejob serve` (which cannot stop its workers) does not leave them running
-    beside the workers of the next serve: each stops as on SIGTERM (issue 25: kill -9 mid-sweep).
+    """A worker of `tunejob serve` that is killed is started again; a SIGKILL of `tunejob serve`
+    (which cannot stop its workers) does not leave them running beside the workers of the next
+    serve: each stops as on SIGTERM (issue 25: kill -9 mid-sweep).
 
     Marked ``alone``: serve's workers run at nice 10 and load the training stack before they
     consume (about 10 s of CPU each); beside a parallel worker's training they got about a tenth
@@ -269,7 +270,18 @@ def test_workers_stop_when_serve_is_killed(tmp_path):
             )  # both consuming: "celery@<host> ready."
 
         wait_for("serve's two workers", two_workers_up, 60, diagnostics=serve.tail)
+        # a worker killed (as by the out-of-memory killer) is started again, in a session of its own
+        lost = psutil.Process(serve.pid).children()[0]
+        lost.kill()
+        wait_for(
+            "a worker in place of the killed one",
+            lambda: lost.pid not in [c.pid for c in psutil.Process(serve.pid).children()] and two_workers_up(),
+            60,
+            diagnostics=serve.tail,
+        )
+        assert f"(pid {lost.pid}) was killed by SIGKILL" in serve.tail(400), serve.tail()
         workers = psutil.Process(serve.pid).children()
+        assert all(os.getsid(w.pid) == w.pid for w in workers)  # a terminal's Ctrl-C reaches serve only
         serve.kill()
         gone, alive = psutil.wait_procs(workers, timeout=60)
         assert not alive, f"workers still running after serve was killed: {[w.pid for w in alive]}\n{serve.tail()}"
@@ -392,3 +404,49 @@ def test_the_session_cookie_is_secure_as_the_proxy_options_and_tunejob_cookie_se
         assert "secure" not in signed_in_cookie(api.url, key).lower()
     with Api(tmp_path, tunejob_env(data, TUNEJOB_COOKIE_SECURE="true"), "127.0.0.1", "--no-proxy-headers") as api:
         assert "secure" in signed_in_cookie(api.url, key).lower()
+
+
+def test_serve_starts_a_worker_again_when_one_exits(monkeypatch, capfd):
+    """``tunejob.cli.Workers`` with stand-in commands: a worker that exits is started again (it
+    was not: serve kept accepting jobs no worker ran), after a delay that doubles while it keeps
+    exiting at once; ``stop`` SIGTERMs the workers and starts none again."""
+    from tunejob.cli import Workers
+
+    monkeypatch.setattr(Workers, "QUICK_EXIT_SECONDS", 0.0)  # every exit counts as after a long run
+    short = ([sys.executable, "-c", "import sys; sys.exit(3)"], dict(os.environ))
+    long = ([sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ))
+    workers = Workers([short, long], poll_seconds=0.05)
+    try:
+        first = workers.processes[1]
+        assert first is not None and os.getsid(first.pid) == first.pid  # its own session
+        said: list[str] = []
+
+        def exits() -> int:
+            said.append(capfd.readouterr().err)
+            return "".join(said).count("worker 1 (pid")
+
+        wait_for("worker 1 started again twice", lambda: exits() >= 3, 30)
+        assert "exited with code 3 after 0 s; starting another; a job it ran is queued again" in "".join(said)
+    finally:
+        workers.stop()
+    assert first.returncode == -signal.SIGTERM and workers.processes[1] is first  # never restarted
+    stopped = list(workers.processes)
+    time.sleep(0.3)
+    assert workers.processes == stopped  # nothing started after stop
+
+    monkeypatch.setattr(Workers, "QUICK_EXIT_SECONDS", 30.0)
+    quick = Workers([long], poll_seconds=60)
+    try:
+        dead = quick.processes[0]
+        dead.kill()
+        dead.wait()
+        delays = []
+        for _ in range(4):
+            quick._exited(0, dead)
+            delays.append(quick.delays[0])
+        assert delays == [1.0, 2.0, 4.0, 8.0]
+    finally:
+        quick.stop()
+    err = capfd.readouterr().err
+    assert f"worker 1 (pid {dead.pid}) was killed by SIGKILL (the kernel's out-of-memory killer" in err
+    assert "starting another in 8 s" in err

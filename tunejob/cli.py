@@ -147,18 +147,87 @@ def serve(host: str, port: int, workers: int = 1, gpus: str | None = None, api_w
     require_shared_rate_limits(api_workers)
     launches = worker_launches(workers, gpus)
     prepare_api(host)  # before the workers start: they may refuse to start
-    started = [subprocess.Popen(args, env=env) for args, env in launches]
+    supervised = Workers(launches)
     announce_dashboard(host, port, signin_link(host, port))
     try:
         run_api(host, port, api_workers)
     finally:
-        for worker in started:
-            worker.terminate()
-        for worker in started:
+        supervised.stop()
+
+
+class Workers:
+    """The worker processes of ``serve``, started again when one exits while ``serve`` runs: a
+    worker killed by the kernel's out-of-memory killer (a job too large for the machine) or that
+    crashed left ``serve`` accepting jobs that no worker would run. Its job is queued again once
+    its lease (``TUNEJOB_LEASE_SECONDS``) lapses, and resumes from its last checkpoint.
+
+    Each worker runs in a session of its own, so a terminal's Ctrl-C reaches ``serve`` only, which
+    then stops them (``stop``: SIGTERM, each checkpoints its job and queues it again); a worker's
+    exit is then never mistaken for a crash. A worker that exits within ``QUICK_EXIT_SECONDS`` of
+    its start (one that cannot start: a broken install, a GPU gone) is started again after a delay
+    that doubles up to ``MAX_RESTART_DELAY_SECONDS``, not in a busy loop.
+
+    Args:
+        launches: each worker's (command, environment) (``worker_launches``).
+    """
+
+    QUICK_EXIT_SECONDS = 30.0
+    MAX_RESTART_DELAY_SECONDS = 60.0
+
+    def __init__(self, launches: list[tuple[list[str], dict[str, str]]], poll_seconds: float = 1.0):
+        self.launches, self.poll_seconds = launches, poll_seconds
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()  # no worker starts while stop() runs
+        self.processes: list[subprocess.Popen | None] = [self._start(i) for i in range(len(launches))]
+        self.started_at = [time.monotonic()] * len(launches)
+        self.delays = [0.0] * len(launches)  # before the next start, after a quick exit
+        self.due = [0.0] * len(launches)  # when a worker that exited starts again
+        threading.Thread(target=self._watch, name="serve-workers", daemon=True).start()
+
+    def _start(self, i: int) -> subprocess.Popen:
+        args, env = self.launches[i]
+        return subprocess.Popen(args, env=env, start_new_session=True)
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(self.poll_seconds):
+            with self.lock:
+                if self.stopping.is_set():
+                    return
+                for i, process in enumerate(self.processes):
+                    if process is not None and process.poll() is not None:
+                        self._exited(i, process)
+                    elif process is None and time.monotonic() >= self.due[i]:
+                        self.processes[i], self.started_at[i] = self._start(i), time.monotonic()
+
+    def _exited(self, i: int, dead: subprocess.Popen) -> None:
+        """Say that worker ``i`` exited, and when it starts again."""
+        lived = time.monotonic() - self.started_at[i]
+        quick = lived < self.QUICK_EXIT_SECONDS
+        self.delays[i] = min(self.MAX_RESTART_DELAY_SECONDS, max(1.0, 2 * self.delays[i])) if quick else 0.0
+        self.processes[i], self.due[i] = None, time.monotonic() + self.delays[i]
+        code = dead.returncode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        oom = " (the kernel's out-of-memory killer sends SIGKILL)" if code == -signal.SIGKILL else ""
+        print(
+            f"tunejob: worker {i + 1} (pid {dead.pid}) {how}{oom} after {lived:.0f} s; starting another"
+            + (f" in {self.delays[i]:.0f} s" if self.delays[i] else "")
+            + "; a job it ran is queued again once its lease lapses",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def stop(self) -> None:
+        """SIGTERM every worker and wait up to 60 s for each (then SIGKILL); none is started again."""
+        with self.lock:
+            self.stopping.set()
+        running = [p for p in self.processes if p is not None]
+        for process in running:
+            process.terminate()
+        for process in running:
             try:
-                worker.wait(timeout=60)
+                process.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                worker.kill()
+                process.kill()
 
 
 def worker_launches(workers: int, gpus: str | None) -> list[tuple[list[str], dict[str, str]]]:
