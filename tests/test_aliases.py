@@ -138,3 +138,17 @@ def test_predicting_by_alias_reads_the_store_as_often_as_by_job_id(stack, two_jo
     finally:
         client.delete("/models/aliases/counted")
     assert len(reads["counted"]) == len(reads[first]) == 1, reads
+
+
+def test_a_model_an_alias_names_cannot_be_deleted(stack, two_jobs):
+    """Deleting the job an alias names would break every client predicting by the alias: 409
+    ``model_has_alias`` naming it, the job and its model kept; once the alias moves, it can go."""
+    client, (first, _) = stack.client, two_jobs
+    assert client.put("/models/aliases/staging", json={"job_id": first}).status_code == 200
+    try:
+        r = client.delete(f"/jobs/{first}")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "model_has_alias", r.text
+        assert "'staging'" in r.json()["error"]["message"]
+        assert client.post("/models/staging/predict", json={"inputs": ["goal match team"]}).status_code == 200
+    finally:
+        assert client.delete("/models/aliases/staging").status_code == 204

@@ -232,6 +232,11 @@ def test_retention_removes_old_jobs_files_and_leftovers(stack, dataset, monkeypa
     monkeypatch.setenv("TUNEJOB_ARTIFACT_RETENTION_DAYS", "0")
     get_settings.cache_clear()
     try:
+        # a model that an alias names is in use however old it is: its files stay
+        assert client.put("/models/aliases/production", json={"job_id": job["id"]}).status_code == 200
+        retention.clean_up_files()
+        assert client.get(f"/jobs/{job['id']}/artifacts/model.tar").status_code == 200
+        assert client.delete("/models/aliases/production").status_code == 204
         retention.clean_up_files()
     finally:
         monkeypatch.delenv("TUNEJOB_ARTIFACT_RETENTION_DAYS")

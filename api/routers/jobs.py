@@ -76,7 +76,7 @@ async def get_job(job_id: str, caller: CallerDep) -> JobOut:
 @router.delete("/{job_id}", status_code=204, responses=error_responses(409))
 def delete_job(job_id: str, caller: CallerDep) -> Response:
     """Delete a finished job's checkpoints, artifacts, metrics and events. Its id then answers 404
-    (code ``deleted``). A queued or running job answers 409: cancel it first."""
+    (code ``deleted``). A queued or running job answers 409 (cancel it first), and so does one that a running prediction or a model alias uses."""
     lifecycle.delete_job(job_id, caller)
     return Response(status_code=204)
 

@@ -37,6 +37,7 @@ from shared.jobs.trials import ACTIVE, cancel_in, end_job, insert_queued
 from shared.schemas.jobs import TASK_FIELDS, JobCreate, JobOut, Progress, Timings, json_safe
 from shared.settings import get_settings
 from shared.store import artifacts, idempotency, objects, quotas
+from shared.store.alias_rows import ModelAlias
 from shared.store.engine import keyset_page, read_session, session_scope
 from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
 from shared.store.tenancy import Caller, lock_tenant, owned_job, scoped
@@ -485,7 +486,8 @@ def delete_job(job_id: str, caller: Caller, kind: str = "train") -> None:
 
     Raises:
         NotFound, Deleted: see ``get_job``. Conflict (409): the job is queued or running
-            (``job_not_finished``), or it is the model of a queued or running prediction (``model_in_use``).
+            (``job_not_finished``), it is the model of a queued or running prediction (``model_in_use``)
+            or of a model alias (``model_has_alias``).
     """
     now = utcnow()
     with session_scope() as s:
@@ -504,6 +506,15 @@ def delete_job(job_id: str, caller: Caller, kind: str = "train") -> None:
                 "model_in_use",
                 f"job {job_id!r} is the model of {len(predicting)} queued or running "
                 f"prediction(s): {', '.join(predicting[:5])}; wait for them to finish or cancel them",
+            )
+        aliases = s.scalars(
+            select(ModelAlias.alias).where(ModelAlias.job_id == job_id).order_by(ModelAlias.alias)
+        ).all()
+        if aliases:  # deleting it would break every client that predicts by the alias
+            raise Conflict(
+                "model_has_alias",
+                f"job {job_id!r} is the model of alias(es) {', '.join(map(repr, aliases[:5]))}; move them to "
+                f"another job (PUT /models/aliases/{aliases[0]}) or delete them first",
             )
         job.deleted_at, job.files_deleted_at = now, job.files_deleted_at or now
         for child in (JobMetric, JobEvent, Checkpoint):

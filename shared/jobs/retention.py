@@ -9,6 +9,7 @@ from sqlalchemy import delete, or_, select
 from shared.jobs import trials
 from shared.settings import get_settings
 from shared.store import artifacts, objects
+from shared.store.alias_rows import ModelAlias
 from shared.store.engine import read_session, session_scope
 from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobStatus, utcnow
 
@@ -16,7 +17,8 @@ from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobStatus, utc
 def clean_up_files() -> None:
     """Retention and clean-up of files, safe to run from any number of processes at once.
 
-    Marks the files of jobs that finished more than ``artifact_retention_days`` ago as deleted
+    Marks the files of jobs that finished more than ``artifact_retention_days`` ago (but for the
+    models that model aliases name) as deleted
     (with a ``files_deleted`` event; the job itself stays listed), then removes every file the
     store says should be gone: checkpoints and artifacts of jobs whose files were deleted, step
     checkpoints of succeeded jobs, uploads and tokenization caches of deleted datasets. Those are
@@ -31,6 +33,7 @@ def clean_up_files() -> None:
             expired = s.scalars(
                 select(Job)
                 .where(Job.status.in_(JobStatus.FINISHED), Job.finished_at < cutoff, Job.files_deleted_at.is_(None))
+                .where(Job.id.not_in(select(ModelAlias.job_id)))  # a model an alias names is in use, however old
                 .with_for_update(skip_locked=True)
             ).all()
             for job in expired:
