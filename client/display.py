@@ -25,7 +25,7 @@ STATUS_STYLE = {
 }
 
 
-def show_plan(out: Console, args, plan: dict, table: Callable[[dict], Table] | None = None) -> None:
+def show_plan(out: Console, args, plan: dict, table: Callable[[dict], Any] | None = None) -> None:
     """A dry run's plan: JSON on stdout with ``--json`` (for scripts), else ``table(plan)`` (its
     main figures; the whole plan with ``--json``) or, without one, highlighted JSON on ``out``."""
     if getattr(args, "json", False):

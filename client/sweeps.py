@@ -19,10 +19,10 @@ from typing import Any
 from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 
 from client.api import Client
-from client.display import age, id_column, print_json, show, show_plan, styled_status
+from client.display import age, fields_table, id_column, job_plan_table, print_json, show, show_plan, styled_status
 from client.options import UsageError, add_create_arguments, job_spec
 
 EXIT_FOR = {"succeeded": 0, "failed": 3, "cancelled": 4}
@@ -53,7 +53,8 @@ def create_sweep(client: Client, args, out: Console) -> int | None:
     if args.early_stopping:
         spec["early_stopping"] = {**spec.get("early_stopping", {}), "type": args.early_stopping}
     if args.dry_run:
-        show_plan(out, args, client.plan_sweep(spec))
+        batching = (spec.get("hyperparameters") or {}).get("batching", "smart")
+        show_plan(out, args, client.plan_sweep(spec), sweep_plan_table(batching))
         return None
     sweep = client.create_sweep(spec)
     show(
@@ -66,6 +67,25 @@ def create_sweep(client: Client, args, out: Console) -> int | None:
         ),
     )
     return watch(client, sweep.id, out) if args.watch else None
+
+
+def sweep_plan_table(batching: str):
+    """The main figures of a sweep's plan (``POST /sweeps?dry_run=true``), then its trial's plan
+    (``job_plan_table``: the trials share their data, so one trial's plan is each trial's)."""
+
+    def table(plan: dict) -> Group:
+        objective = plan["objective"]
+        sweep = fields_table(
+            {
+                "trials": f"{plan['max_trials']} ({plan['max_parallel_trials']} at a time)",
+                "objective": f"{objective['direction']} {objective['metric']}",
+                "search space": escape("; ".join(f"{k} {v}" for k, v in plan["search_space"].items())),
+                "first trials": escape("; ".join(json.dumps(t) for t in plan["first_trials"])),
+            }
+        )
+        return Group(sweep, "[bold]each trial[/]", job_plan_table(batching)(plan["trial_plan"]))
+
+    return table
 
 
 def read_space(args) -> dict[str, Any]:
@@ -171,17 +191,27 @@ def trials_table(trials, sweep) -> Table:
     names = sorted({name for t in trials for name in t.params})
     metrics = [o.metric for o in sweep.objectives]
     front = {p.trial_number for p in sweep.pareto_trials}
-    table = Table("#", id_column(), "status", *names, *metrics, *(["front"] if len(metrics) > 1 else []), "steps")
-    for t in trials:
-        table.add_row(
-            f"{t.number} default" if t.default else str(t.number),
+    rows = [
+        [
+            str(t.number),
             t.job_id,
-            styled_status(t.status),
+            t.status,
             *(_value(t.params.get(n)) for n in names),
             *(_value(v) for v in t.values),
             *(["*" if t.number in front else ""] if len(metrics) > 1 else []),
             str(t.steps),
-        )
+        ]
+        for t in trials
+    ]
+    headers = ["#", "id", "status", *names, *metrics, *(["front"] if len(metrics) > 1 else []), "steps"]
+    # every value whole (a status, a learning rate); names break after their underscores
+    widths = [max([len(r[i]) for r in rows] + [1]) for i in range(len(headers))]
+    columns = [Column(h.replace("_", "_\n"), overflow="fold", min_width=w) for h, w in zip(headers, widths)]
+    columns[0], columns[1] = Column("#", min_width=1), id_column()
+    defaults = [t.number for t in trials if t.default]
+    table = Table(*columns, caption=f"#{defaults[0]}: the default hyperparameters" if defaults else None)
+    for row in rows:
+        table.add_row(*row[:2], styled_status(row[2]), *row[3:])
     return table
 
 

@@ -680,3 +680,68 @@ def test_metrics_show_the_columns_a_window_holds():
     assert "more metric(s)" not in chosen
     with pytest.raises(UsageError, match="no such metric"):
         shown("accuracy")
+
+
+def test_a_sweep_s_trials_and_plan_read_whole_in_80_columns():
+    """``sweeps trials`` at 80 columns showed ``succe…`` and ``6.824…``: every status and value is
+    whole now, the default trial named in the caption; ``sweeps create --dry-run`` prints the
+    plan's main figures and its trial's (it printed the whole plan as JSON)."""
+    from datetime import datetime
+
+    from rich.console import Console
+
+    from client.display import show_plan
+    from client.sweeps import sweep_plan_table, trials_table
+    from shared.schemas.plans import DryRunOut
+    from shared.schemas.sweeps import SweepOut, TrialOut
+
+    sweep = SweepOut.model_validate(SweepOut.model_config["json_schema_extra"]["examples"][0])
+    now = datetime(2026, 11, 29)
+    trials = [
+        TrialOut(
+            number=0,
+            job_id="job_2e6b4c745afa73f6",
+            status="succeeded",
+            params={"batch_size": 16, "learning_rate": 5e-5},
+            default=True,
+            value=0.25,
+            values=[0.25],
+            steps=12,
+            started_at=now,
+            finished_at=now,
+        ),  # fmt: skip
+        TrialOut(
+            number=1,
+            job_id="job_18662859e9969f96",
+            status="succeeded",
+            params={"batch_size": 8, "learning_rate": 6.8244e-5},
+            value=0.4,
+            values=[0.4],
+            steps=23,
+            started_at=now,
+            finished_at=now,
+        ),  # fmt: skip
+    ]
+    console = Console(width=80, record=True)
+    console.print(trials_table(trials, sweep))
+    shown = console.export_text()
+    assert "succeeded" in shown and "6.824e-05" in shown and "…" not in shown, shown
+    assert all(
+        len(line) <= 80 and line.rstrip().endswith(("┓", "┃", "┩", "│", "┘")) for line in shown.splitlines()[:-1]
+    )
+    assert "#0: the default hyperparameters" in shown
+
+    plan = {
+        "dry_run": True,
+        "max_trials": 12,
+        "max_parallel_trials": 2,
+        "search_space": {"learning_rate": "FloatDistribution(high=0.001, log=True, low=1e-05, step=None)"},
+        "first_trials": [{"learning_rate": 5e-05}],
+        "objective": {"metric": "accuracy", "direction": "maximize"},
+        "trial_plan": DryRunOut.model_config["json_schema_extra"]["examples"][0]["plan"],
+    }
+    console = Console(width=200, record=True)
+    show_plan(console, argparse.Namespace(json=False), plan, sweep_plan_table("smart"))
+    shown = console.export_text()
+    assert "12 (2 at a time)" in shown and "maximize accuracy" in shown and '{"learning_rate": 5e-05}' in shown
+    assert "1,602 (742 cut at max_length)" in shown and "nothing was queued" in shown
