@@ -211,10 +211,11 @@ def job_metrics(client: Client, args, out: Console) -> None:
         for step, (epoch, values) in by_step.items():
             writer.writerow([step, epoch, *(values.get(n, "") for n in names)])
         return
+    left_out: list[str] = []
     if args.metric:
         if unknown := [m for m in args.metric if m not in names]:
             raise UsageError(f"--metric {unknown[0]!r}: job {args.job_id} has no such metric; it has {names}")
-        names, left_out = args.metric, []
+        names = args.metric
     else:  # as many columns as the window holds (rich would cut every one to a few letters), loss and validation first
         first = sorted(names, key=lambda n: not (n == "train_loss" or n.startswith("eval_")))
         names, left_out = fitting_columns(first, out.width)
