@@ -232,6 +232,12 @@ def test_the_sweep_page_draws_the_front_and_a_warm_starts_history_narrow_and_wid
             assert wait_for_points(w.page, "#chart-front", 0) == sweep["trials"]["succeeded"]
             scored = sum(t["value"] is not None for t in trials_of(client, sweep["id"]))
             assert wait_for_points(w.page, "#sweep-charts figure:has-text('batch_size') .chart", 0) == scored == 2
+            # a parameter sampled on a log scale is drawn on a log axis
+            scales = {
+                name: w.page.locator(f"#sweep-charts figure:has-text('{name}') .chart").get_attribute("data-x-scale")
+                for name in ("learning_rate", "batch_size")
+            }
+            assert scales == {"learning_rate": "log", "batch_size": "linear"}
             colours = dict(legend(w.page, "#chart-front"))  # the report's picture's: the front red, the rest blue
             assert (
                 colours["front"] == "rgb(220, 38, 38)"

@@ -389,6 +389,7 @@ def sweep_page(request: Request, sweep_id: str, s: SessionDep):
         chart={
             "metric": sweep.objective.metric,
             "params": params,
+            "log": sweeps.log_scaled(sweep_id, s.caller),  # drawn on log axes
             "front": front,
             "objectives": [o.metric for o in sweep.objectives],
             "trials": [

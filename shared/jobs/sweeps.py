@@ -383,6 +383,14 @@ def history_points(sweep_id: str, caller: Caller) -> list[dict[str, Any]]:
     ]
 
 
+def log_scaled(sweep_id: str, caller: Caller) -> list[str]:
+    """The hyperparameters the sweep samples on a log scale (``log: true``, or a prior's: a
+    learning rate), which the sweep page draws on log axes. Raises: NotFound, Deleted."""
+    with read_session() as s:
+        spec = spec_of(owned_sweep(s, sweep_id, caller))
+    return [name for name, d in distributions(spec).items() if getattr(d, "log", False)]
+
+
 def get_sweep(sweep_id: str, caller: Caller) -> SweepOut:
     """Raises: NotFound (no such sweep, or another tenant's), Deleted."""
     with read_session() as s:

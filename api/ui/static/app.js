@@ -47,8 +47,10 @@ const INTEGER_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 100
 
 // A live line chart: series by name, points (step, value) added at any time, redrawn once per frame.
 class LiveChart {
-  constructor(el, {points = false, marks = null, scatter = false, xLabel = "step", integerX = false, colors = {}} = {}) {
+  constructor(el, {points = false, marks = null, scatter = false, xLabel = "step", integerX = false, logX = false, colors = {}} = {}) {
     this.el = el;
+    this.logX = logX;          // a log-scale x axis (a learning rate sampled on a log scale)
+    el.dataset.xScale = logX ? "log" : "linear";
     this.colors = colors;      // series name -> its colour, its points filled (told apart by shape too); the others take PALETTE's in turn
     this.scatter = scatter;    // points only, no lines (a sweep's trials)
     this.xLabel = xLabel;
@@ -95,10 +97,10 @@ class LiveChart {
     const free = this.names.filter(n => !(n in this.colors));
     return {
       width: Math.max(280, this.el.clientWidth), height: 220,
-      scales: {x: {time: false}},
+      scales: {x: {time: false, ...(this.logX ? {distr: 3, log: 10} : {})}},
       legend: {show: true},
       axes: [{stroke: c.text, grid: {stroke: c.grid}, label: this.xLabel, values: tickLabels,
-              ...(this.integerX ? {incrs: INTEGER_INCRS} : {})},
+              ...(this.integerX ? {incrs: INTEGER_INCRS} : {}), ...(this.logX ? {filter: logTicks} : {})},
              {stroke: c.text, grid: {stroke: c.grid}, size: 64, values: tickLabels}],
       series: [{label: this.xLabel}, ...this.names.map(n => {
         const fill = n in this.colors ? {fill: this.colors[n]} : {};  // its points and legend marker
@@ -124,6 +126,16 @@ class LiveChart {
   }
 
   resize() { if (this.plot) this.plot.setSize({width: Math.max(280, this.el.clientWidth), height: 220}); }
+}
+
+// The labelled ticks of a log axis (uPlot's `filter`; null: a tick without a label): every one where
+// a decade is wide, else the mantissas 1, 2 and 5, else the powers of ten (uPlot's own labels only
+// the powers of ten: a sweep's learning rates, within a decade, had one label).
+function logTicks(u, splits) {
+  const {min, max} = u.scales.x;
+  const perDecade = u.bbox.width / devicePixelRatio / Math.max(Math.log10(max / min), 1e-9);
+  const shown = perDecade >= 300 ? [1, 2, 3, 4, 5, 6, 7, 8, 9] : perDecade >= 120 ? [1, 2, 5] : [1];
+  return splits.map(v => (shown.includes(Math.round(v / 10 ** Math.floor(Math.log10(v) + 1e-9))) ? v : null));
 }
 
 // A value on its own (a reference line's label): 3 significant digits, small values (a learning
@@ -534,7 +546,7 @@ pages.prediction = () => {
 const EARLIER = "earlier sweeps";
 
 pages.sweep = () => {
-  const {metric, params, trials, objectives, front, history} = readJSON("chart-data");
+  const {metric, params, log, trials, objectives, front, history} = readJSON("chart-data");
   const scored = trials.filter(t => t.value !== null);
   const series = t => (t.status === "pruned" ? "pruned" : "trials");
   const colors = {[EARLIER]: themeColors().muted};
@@ -563,7 +575,7 @@ pages.sweep = () => {
     el.className = "chart";
     figure.append(caption, el);
     box.append(figure);
-    const chart = new LiveChart(el, {scatter: true, xLabel: name, colors});
+    const chart = new LiveChart(el, {scatter: true, xLabel: name, logX: log.includes(name), colors});
     for (const h of earlier) chart.add(EARLIER, h.params[name], h.value);
     for (const t of points) chart.add(series(t), t.params[name], t.value);
   }
