@@ -54,8 +54,9 @@ def test_trial_0_runs_the_fixed_hyperparameters_and_is_marked(client, dataset): 
 
     out = Console(record=True, width=200)
     out.print(trials_table([TrialOut.model_validate(t) for t in (first, second)], SweepOut.model_validate(shown)))
-    rows = [line for line in out.export_text().splitlines() if "job_" in line]
-    assert "0 default" in rows[0] and "default" not in rows[1], rows
+    text = out.export_text()
+    rows = [line for line in text.splitlines() if "job_" in line]
+    assert rows[0].startswith("│ 0 ") and "#0: the default hyperparameters" in text, rows
 
 
 def test_include_defaults_false_asks_the_sampler_from_trial_0(client, dataset):  # noqa: F811

@@ -273,7 +273,9 @@ def test_the_client_and_the_cli(stack, receiver, fast_webhooks):
     with Client(BASE_URL, api_key=key, transport=ViaTestClient(stack.client)) as client:
         cli.create_webhook(
             client,
-            argparse.Namespace(url=receiver.url, events=["job.cancelled"], description="ci", json=False, quiet=False),
+            argparse.Namespace(
+                endpoint=receiver.url, events=["job.cancelled"], description="ci", json=False, quiet=False
+            ),
             out,
         )
         [webhook] = [w for w in client.list_webhooks() if w.description == "ci"]
