@@ -121,7 +121,7 @@ def check_count(items: list, param: str) -> None:
     if len(items) > limit:
         raise UserError(
             "too_many_inputs",
-            f"{param} has {len(items)} items; at most {limit} are answered at once (max_sync_inputs)",
+            f"{param} has {len(items)} items; at most {limit} are answered at once (TUNEJOB_MAX_SYNC_INPUTS); score more with a prediction job (POST /predictions)",
             param,
         )
 
