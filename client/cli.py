@@ -61,12 +61,20 @@ def upload_dataset(client: Client, args, out: Console) -> None:
 
 def list_datasets(client: Client, args, out: Console) -> None:
     datasets = client.list_datasets()
-    table = Table(id_column(), Column("filename", overflow="fold"), "format", "rows", "columns", "size", "age")
+    # the file's name whole (up to 32 characters a line) before its columns' names, which `datasets get` lists
+    named = min(32, max([len(d.filename) for d in datasets] + [len("filename")]))
+    table = Table(
+        id_column(),
+        Column("filename", overflow="fold", min_width=named),  # its format: `datasets get`
+        Column("rows", no_wrap=True),
+        "columns",
+        Column("size", no_wrap=True),
+        Column("age", no_wrap=True),
+    )
     for d in datasets:
         table.add_row(
             d.id,
             escape(d.filename),
-            d.format,
             f"{d.rows:,}",
             escape(", ".join(d.columns)),
             decimal(d.bytes),
