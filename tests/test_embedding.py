@@ -112,7 +112,7 @@ def test_spec_defaults_and_refusals():
 def test_no_micro_batch_holds_an_anchor_or_positive_twice(seed, strategy):
     """Property: with texts repeated at random (a query with several positives, a positive shared
     by queries), every row appears once per epoch and no micro-batch repeats a text."""
-    from worker.embedding import DistinctBatchPlan
+    from shared.data.batching import DistinctBatchPlan
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(5, 200))
@@ -129,8 +129,7 @@ def test_no_micro_batch_holds_an_anchor_or_positive_twice(seed, strategy):
 
 
 def test_smart_batches_stay_length_sorted_without_duplicates():
-    from shared.data.batching import BatchPlan
-    from worker.embedding import DistinctBatchPlan
+    from shared.data.batching import BatchPlan, DistinctBatchPlan
 
     lengths = np.arange(400) % 97 + 3
     keys = np.stack([np.arange(400), np.arange(400) + 1000], axis=1)  # no repeats: the plan is BatchPlan's
@@ -420,6 +419,37 @@ def test_the_dry_run_estimates_every_text_of_a_row(stack, tiny_st):
     plan = submit(client, dataset, dry_run=True, validation_split=0).json()["plan"]
     assert plan["estimate_basis"].startswith(f"job {job['id']}:")
     assert plan["estimated_seconds"] / job["train_metrics"]["train_seconds"] == pytest.approx(1, abs=0.15)
+
+
+def test_the_dry_run_plans_the_micro_batches_and_padding_the_job_computes(stack, tiny_st):
+    """An embedding job's dry run plans as the job does: no text twice in a micro-batch (an anchor
+    with several positives: its rows move, so there are more micro-batches) and each column padded
+    to its own longest (short anchors beside long positives). It planned every row at its longest
+    text without moving any: 13 steps against the job's 17."""
+    rng = random.Random(3)
+    rows = (
+        [
+            {
+                "anchor": f"{topic} " + "question " * rng.randint(1, 4),
+                "positive": f"{topic} answer {j} " + "word " * rng.randint(4, 20),
+            }  # fmt: skip
+            for topic in TOPICS[:8]
+            for j in range(4)  # each anchor four times
+        ]
+        * 3
+    )
+    client = stack.client_for("plans")
+    dataset = upload(client, pd.DataFrame(rows).sample(frac=1, random_state=0))
+    plan = submit(client, dataset, dry_run=True, validation_split=0, hyperparameters={"epochs": 1, "batch_size": 8, "max_length": 32}).json()["plan"]  # fmt: skip
+    r = submit(client, dataset, validation_split=0, hyperparameters={"epochs": 1, "batch_size": 8, "max_length": 32})
+    job = wait_for_status(client, r.json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job["error"]
+    assert plan["total_steps"] == job["progress"]["total_steps"] > len(rows) / 8
+    planned = plan["padding_efficiency"]["smart"]["unrounded"]
+    assert planned == pytest.approx(job["train_metrics"]["padding_efficiency"], abs=1e-3), (
+        planned,
+        job["train_metrics"],
+    )
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ bf16, checkpoints and exact resume. What differs lives here:
   columns side by side, each padded to the micro-batch's width (``PairsCollator``), so that the
   loop's row-wise splitting (out-of-memory backoff) keeps rows whole;
 - no false negatives: no micro-batch holds the same anchor or positive text twice
-  (``DistinctBatchPlan``, as sentence-transformers' ``NoDuplicatesBatchSampler``);
+  (``shared.data.batching.DistinctBatchPlan``, as sentence-transformers' ``NoDuplicatesBatchSampler``);
 - the model computes its own loss (``Objective``, whose ``losses`` are what
   ``worker.training.steps.Steps.forward_losses`` returns): sentence-transformers'
   ``MultipleNegativesRankingLoss`` (in-batch negatives plus the hard negatives; van den Oord et
@@ -44,7 +44,7 @@ from sentence_transformers.sentence_transformer.modules import Normalize
 from sentence_transformers.util import cos_sim
 from transformers import DataCollatorWithPadding
 
-from shared.data.batching import BatchPlan, bucket_width
+from shared.data.batching import DistinctBatchPlan, bucket_width
 from shared.errors import UserError
 from shared.schemas.hyperparameters import IR_METRICS, Hyperparameters
 from shared.store.rows import Job
@@ -129,56 +129,6 @@ def split_columns(batch: dict[str, torch.Tensor], columns: int) -> list[dict[str
         for k in piece:
             piece[k] = piece[k][:, :width]
     return pieces
-
-
-class DistinctBatchPlan(BatchPlan):
-    """``BatchPlan`` whose micro-batches never hold the same text twice among their anchors and
-    positives: a repeated anchor (a query with several positives) or positive would be another
-    row's in-batch negative while being its positive (a false negative). As
-    sentence-transformers' ``NoDuplicatesBatchSampler``, but after the plan's own batching, so
-    smart batching keeps its length-sorted micro-batches: a row that collides is moved to the next
-    micro-batch where it does not (a new one at the end if none), which keeps every row exactly
-    once per epoch and every micro-batch at most ``batch_size`` rows.
-
-    Args:
-        keys: ``[n, 2]`` int ids of each row's anchor and positive text, from one id space (a
-            text that is one row's anchor and another's positive has one id).
-    """
-
-    def __init__(
-        self,
-        lengths: np.ndarray,
-        keys: np.ndarray,
-        batch_size: int,
-        strategy: str,
-        seed: int,
-        max_tokens: int | None = None,
-    ):
-        self.keys = keys
-        super().__init__(lengths, batch_size, strategy, seed, max_tokens)
-
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        batches, pending = [], []
-        for planned in super().epoch_batches(epoch):
-            batch, pending = self._fill(pending + planned, len(planned))
-            batches.append(batch)
-        while pending:  # rows no later micro-batch could take: as few more micro-batches as it needs
-            batch, pending = self._fill(pending, self.batch_size)
-            batches.append(batch)
-        return batches
-
-    def _fill(self, rows: list, size: int) -> tuple[list, list]:
-        """A micro-batch of at most ``size`` of ``rows``, in order, none sharing a text (``keys``)
-        with another; and the rows left for later."""
-        batch, seen, deferred = [], set(), []
-        for row in rows:
-            keys = set(self.keys[row].tolist())
-            if len(batch) < size and not keys & seen:
-                batch.append(row)
-                seen |= keys
-            else:
-                deferred.append(row)
-        return batch, deferred
 
 
 def text_keys(data: PairsDataset) -> np.ndarray:

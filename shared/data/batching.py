@@ -169,21 +169,28 @@ class BatchPlan:
         return max(1, sum(per_epoch[:full]) + math.ceil(fraction * per_epoch[full]))
 
     def padding_efficiency(
-        self, epoch: int = 0, max_length: int | None = None, multiple: int = 1, ladder: list[int] | None = None
+        self,
+        epoch: int = 0,
+        max_length: int | None = None,
+        multiple: int = 1,
+        ladder: list[int] | None = None,
+        columns: np.ndarray | None = None,
     ) -> float:
         """Real tokens / padded tokens of an epoch's plan: batches padded to their longest member
         rounded up to ``multiple`` or to the next width of ``ladder``, or to ``max_length`` when given
-        (``fixed`` padding)."""
+        (``fixed`` padding). ``columns``: ``[n, texts]`` real tokens of each text of an example
+        (an embedding pair's anchor, positive, negatives), each text encoded alone and padded to
+        its own column's longest in the micro-batch, as the job computes them."""
         real = padded = 0
         for batch in self.epoch_batches(epoch):
-            lengths = self.lengths[batch]
-            longest = int(lengths.max())
-            if max_length:
-                width = max_length
-            else:
-                width = bucket_width(ladder, longest) if ladder else multiple * math.ceil(longest / multiple)
-            real += int(lengths.sum())
-            padded += len(batch) * width
+            for lengths in [self.lengths[batch]] if columns is None else columns[batch].T:
+                longest = int(lengths.max())
+                if max_length:
+                    width = max_length
+                else:
+                    width = bucket_width(ladder, longest) if ladder else multiple * math.ceil(longest / multiple)
+                real += int(lengths.sum())
+                padded += len(batch) * width
         return real / padded
 
     def width_counts(self, ladder: list[int], epochs: float) -> dict[int, int]:
@@ -195,6 +202,59 @@ class BatchPlan:
                 width = bucket_width(ladder, int(self.lengths[batch].max()))
                 counts[width] = counts.get(width, 0) + 1
         return dict(sorted(counts.items()))
+
+
+class DistinctBatchPlan(BatchPlan):
+    """``BatchPlan`` whose micro-batches never hold the same text twice among their anchors and
+    positives: a repeated anchor (a query with several positives) or positive would be another
+    row's in-batch negative while being its positive (a false negative). As
+    sentence-transformers' ``NoDuplicatesBatchSampler``, but after the plan's own batching, so
+    smart batching keeps its length-sorted micro-batches: a row that collides is moved to the next
+    micro-batch where it does not (a new one at the end if none), which keeps every row exactly
+    once per epoch and every micro-batch at most ``batch_size`` rows.
+
+    Args:
+        keys: ``[n, 2]`` int ids of each row's anchor and positive text, from one id space (a
+            text that is one row's anchor and another's positive has one id).
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        keys: np.ndarray,
+        batch_size: int,
+        strategy: str,
+        seed: int,
+        max_tokens: int | None = None,
+    ):
+        self.keys = keys
+        super().__init__(lengths, batch_size, strategy, seed, max_tokens)
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        batches: list[list[int]] = []
+        pending: list[int] = []
+        for planned in super().epoch_batches(epoch):
+            batch, pending = self._fill(pending + planned, len(planned))
+            batches.append(batch)
+        while pending:  # rows no later micro-batch could take: as few more micro-batches as it needs
+            batch, pending = self._fill(pending, self.batch_size)
+            batches.append(batch)
+        return batches
+
+    def _fill(self, rows: list[int], size: int) -> tuple[list[int], list[int]]:
+        """A micro-batch of at most ``size`` of ``rows``, in order, none sharing a text (``keys``)
+        with another; and the rows left for later."""
+        batch: list[int] = []
+        deferred: list[int] = []
+        seen: set[int] = set()
+        for row in rows:
+            keys = set(self.keys[row].tolist())
+            if len(batch) < size and not keys & seen:
+                batch.append(row)
+                seen |= keys
+            else:
+                deferred.append(row)
+        return batch, deferred
 
 
 def token_budget_batches(lengths: np.ndarray, max_tokens: int, ladder: list[int]) -> list[np.ndarray]:

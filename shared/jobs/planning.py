@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from sqlalchemy import select
 
-from shared.data.batching import STRATEGIES, BatchPlan, job_ladder
+from shared.data.batching import STRATEGIES, BatchPlan, DistinctBatchPlan, job_ladder
 from shared.data.columns import JobColumns, job_batches
 from shared.data.labels import ClassIndex, LabelSummary, scan_job_data
 from shared.data.problems import Problems
@@ -189,14 +189,17 @@ def plan_job(checked: CheckedSpec) -> dict:
     hf_logging.set_verbosity_error()  # no warning for texts longer than max_length: we count them
     spec, hp = checked.spec, contrastive_hyperparameters(checked.spec.hyperparameters, checked.spec.task)
     tokenizer = AutoTokenizer.from_pretrained(checked.model_dir)
-    full = training_lengths(tokenizer, checked)  # embedding: [rows, texts] (each text is encoded alone)
+    full, keys = training_lengths(tokenizer, checked)  # embedding: [rows, texts] (each text is encoded alone)
     texts = np.minimum(full, hp.max_length)
     lengths = texts.max(axis=1) if texts.ndim == 2 else texts  # a row is planned as long as its longest text
+    columns = texts if texts.ndim == 2 else None  # embedding: each text padded in its own column
     if full.ndim == 2:
         full = full.max(axis=1)
     ladder = job_ladder(hp.max_length, hp.pad_to_multiple_of, hp.torch_compile, cuda=True)
 
     def plan_for(strategy: str) -> BatchPlan:
+        if keys is not None:  # embedding: as the job plans it, no text twice in a micro-batch
+            return DistinctBatchPlan(lengths, keys, hp.batch_size, strategy, hp.seed, hp.max_tokens_per_batch)
         return BatchPlan(lengths, hp.batch_size, strategy, hp.seed, hp.max_tokens_per_batch)
 
     efficiency = {}
@@ -204,8 +207,8 @@ def plan_job(checked: CheckedSpec) -> dict:
         plan = plan_for(strategy)
         fixed_width = hp.max_length if strategy == "fixed" else None
         efficiency[strategy] = {
-            "unrounded": plan.padding_efficiency(0, fixed_width, 1),
-            "bucketed": plan.padding_efficiency(0, fixed_width, ladder=ladder),
+            "unrounded": plan.padding_efficiency(0, fixed_width, 1, columns=columns),
+            "bucketed": plan.padding_efficiency(0, fixed_width, ladder=ladder, columns=columns),
         }
     plan = plan_for(hp.batching)
     micro_batches = len(plan.batches)
@@ -256,14 +259,15 @@ def multi_label_plan(checked: CheckedSpec) -> dict:
 TOKENIZE_ROWS = 4096  # texts per tokenizer call in a dry run
 
 
-def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
+def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.ndarray | None]:
     """Tokens per example (text pairs as the tokenizer's pair input, word lists as words, no
     truncation; embedding: ``[rows, texts]``, each text of a row alone) of the rows the
     job trains on: the training file tokenized ``TOKENIZE_ROWS`` texts at a time, then split as
-    the worker splits it (``split_train_validation``). Memory holds one batch of texts and, per
-    row, an int32 length (embedding: one per text), its class, and a uint64 group key (reranking,
-    embedding)."""
-    spec, train, parts, groups = checked.spec, checked.train, [], []
+    the worker splits it (``split_train_validation``); and for embedding the ``[rows, 2]`` ids of
+    each row's anchor and positive text (equal texts, equal ids: ``DistinctBatchPlan``'s keys),
+    else None. Memory holds one batch of texts and, per row, an int32 length (embedding: one per
+    text), its class, and a uint64 group key (reranking, embedding; embedding: and its positive's)."""
+    spec, train, parts, groups, positives = checked.spec, checked.train, [], [], []
     cols, problems = checked.columns, Problems(train.filename)
     classes = ClassIndex.of(train.filename, cols)
     for batch in job_batches(objects.dataset_file(train), train.format, train.filename, cols, problems):
@@ -271,9 +275,12 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
             classes.add(batch)
         if cols.grouped:
             groups.append(text_groups(batch.texts))
+        if cols.task == "embedding":
+            assert batch.pairs is not None  # the positives
+            positives.append(text_groups(batch.pairs))
         for a in range(0, len(batch.texts), TOKENIZE_ROWS):
             if cols.task == "embedding":  # each text is encoded alone: a column of counts per text
-                assert batch.pairs is not None  # the positives
+                assert batch.pairs is not None
                 columns = [batch.texts, batch.pairs, *batch.negatives.values()]
                 parts.append(np.stack([token_counts(tokenizer, c[a : a + TOKENIZE_ROWS], None) for c in columns], 1))
                 continue
@@ -291,7 +298,13 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> np.ndarray:
         spec.hyperparameters.seed,
         np.concatenate(groups) if cols.grouped else None,
     )
-    return lengths[train_rows]
+    if cols.task != "embedding":
+        return lengths[train_rows], None
+    hashes = np.stack([np.concatenate(groups), np.concatenate(positives)], 1)[train_rows]
+    keys = np.unique(hashes, return_inverse=True)[1].reshape(
+        hashes.shape
+    )  # one id space: as worker.embedding.text_keys
+    return lengths[train_rows], keys
 
 
 def token_counts(tokenizer, texts: list, pairs: list[str] | None, words: bool = False) -> np.ndarray:
