@@ -170,8 +170,8 @@ def plan_job(checked: CheckedSpec) -> dict:
     after truncation: ``bin_edges``, ``counts``, ``mean``, ``max``); ``truncated_fraction`` (share of
     examples longer than ``max_length``) and ``truncated_examples`` (how many: their tokens past
     ``max_length`` are not trained on; token_classification: nor are their words' tags scored);
-    ``padding_efficiency`` (real / padded tokens) of each
-    batching strategy, ``unrounded`` (each micro-batch padded to its longest member: smart
+    ``padding_efficiency`` (real / padded tokens; embedding: each text padded in its own column,
+    in micro-batches that hold no text twice, as the job plans them) of each batching strategy, ``unrounded`` (each micro-batch padded to its longest member: smart
     batching's own, and what a CPU worker computes by default) and ``bucketed`` (padded up to the
     CUDA workers' bucket widths); ``buckets`` for the chosen batching on a CUDA worker: the
     ``ladder`` of widths, the ``widths`` its micro-batches use (width, micro-batches over the
