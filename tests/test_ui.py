@@ -105,7 +105,11 @@ def test_the_session_uses_the_api_with_its_csrf_token(stack, job):
     assert created.status_code == 201, created.text
     cancelled = client.post(f"/jobs/{created.json()['id']}/cancel", headers={"X-CSRF-Token": csrf})
     assert cancelled.status_code == 200
-    wait_for_status(stack.client, created.json()["id"], {"cancelled", "succeeded"})
+    ended = wait_for_status(stack.client, created.json()["id"], {"cancelled", "succeeded"})
+    # a job's page offers scoring with its model once it has one (a cancelled job's page offered it)
+    page = client.get(f"/ui/jobs/{ended['id']}").text
+    assert ("Score a dataset" in page) == (ended["status"] == "succeeded")
+    assert "Score a dataset" in client.get(f"/ui/jobs/{job['id']}").text and "no points yet" not in page
 
 
 def test_another_tenants_job_is_a_404_page(stack, job):
