@@ -85,7 +85,10 @@ def test_only_a_succeeded_job_of_the_same_tenant(stack, two_jobs):
     assert r.status_code == 409 and r.json()["error"]["code"] == "job_not_succeeded"
     client.put("/models/aliases/mine", json={"job_id": two_jobs[0]})
     assert other.get("/models/aliases/mine").status_code == 404  # aliases are per tenant
-    assert other.post("/models/mine/predict", json={"inputs": ["goal"]}).status_code == 404
+    assert other.post("/models/mine/predict", json={"inputs": ["goal"]}).status_code == 404  # aliases are per tenant
+    # a base model's name says what to do with it (it said "no such training job")
+    r = client.post(f"/models/{TINY_MODEL}/predict", json={"inputs": ["goal"]})
+    assert r.status_code == 404 and "a base model, not a fine-tuned one" in r.json()["error"]["message"], r.text
     assert [a["alias"] for a in client.get("/models/aliases").json()["data"]] == ["mine"]
     client.delete("/models/aliases/mine")
 

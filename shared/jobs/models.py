@@ -26,7 +26,7 @@ def trained_model(ref: str, caller: Caller) -> tuple[Job, Path]:
     except Deleted as e:
         raise UserError("model_deleted", f"model {e.message}", "model", 404) from None
     except NotFound:
-        raise UserError("unknown_model", f"model {ref!r}: no such training job", "model", 404) from None
+        raise UserError("unknown_model", f"model {ref!r}: {unknown_why(ref)}", "model", 404) from None
     if job.status != JobStatus.SUCCEEDED:
         raise UserError(
             "model_not_ready",
@@ -43,6 +43,16 @@ def trained_model(ref: str, caller: Caller) -> tuple[Job, Path]:
             409,
         )
     return job, directory
+
+
+def unknown_why(ref: str) -> str:
+    """Why ``ref`` names no model here: a base model's name (its head, or its retrieval training,
+    comes from a job) or nothing at all."""
+    try:
+        resolve_model(ref)
+    except UserError:
+        return "no training job or model alias of yours has that name"
+    return "a base model, not a fine-tuned one: fine-tune it first (POST /jobs), then use the job's id or an alias"
 
 
 def embedding_model(ref: str, caller: Caller) -> Path:
