@@ -182,6 +182,13 @@ def test_delete_job_removes_its_files_and_leaves_a_tombstone(stack, dataset):
     r = client.delete(f"/jobs/{job['id']}")
     assert r.status_code == 204 and r.content == b""
     assert job_files(stack.data_dir, job["id"]) == []
+    # a job that never succeeded has no model, and says so (it was a 404 "artifact does not exist")
+    cancelled = submit(client, dataset["id"], **LONG)["id"]
+    client.post(f"/jobs/{cancelled}/cancel")
+    assert wait_for_status(client, cancelled, FINISHED)["status"] == "cancelled"
+    r = client.get(f"/jobs/{cancelled}/artifacts/model.tar")
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "model_not_ready"), r.text
+    assert "is cancelled; only a succeeded job has a model" in r.json()["error"]["message"]
     for path in ["", "/artifacts", "/artifacts/model.tar", "/metrics", "/events", "/checkpoints"]:
         r = client.get(f"/jobs/{job['id']}{path}")
         assert r.status_code == 404, path
@@ -245,6 +252,7 @@ def test_retention_removes_old_jobs_files_and_leftovers(stack, dataset, monkeypa
     kept = client.get(f"/jobs/{job['id']}").json()  # the job stays, with its metrics and events
     assert kept["status"] == "succeeded" and kept["files_deleted_at"] is not None
     assert client.get(f"/jobs/{job['id']}/artifacts").json()["data"] == []
-    assert client.get(f"/jobs/{job['id']}/artifacts/model.tar").status_code == 404
+    gone = client.get(f"/jobs/{job['id']}/artifacts/model.tar")  # 409 saying why (it was a 404 "does not exist")
+    assert (gone.status_code, gone.json()["error"]["code"]) == (409, "model_files_deleted"), gone.text
     assert "files_deleted" in event_codes(client, job["id"])
     assert client.get(f"/jobs/{job['id']}/metrics").json()["data"]

@@ -429,7 +429,7 @@ def test_retention_and_the_storage_quota_see_the_bucket(bucket_env, models_dir, 
             monkeypatch.delenv("TUNEJOB_ARTIFACT_RETENTION_DAYS")
             on_host(tmp_path / "api")
             assert job_objects(job["id"]) == []
-            assert client.get(f"/jobs/{job['id']}/artifacts/model.tar").status_code == 404
+            assert client.get(f"/jobs/{job['id']}/artifacts/model.tar").status_code == 409  # model_files_deleted
             assert client.get(f"/jobs/{job['id']}").json()["files_deleted_at"] is not None
             set_quota(second["bytes"] + 5000)
             upload(client, labelled_csv(rows=10, seed=2), "c.csv")

@@ -149,18 +149,19 @@ def list_artifacts(job_id: str, caller: CallerDep) -> dict[str, list[ArtifactOut
     }
 
 
-@router.get("/{job_id}/artifacts/model/{filename:path}")
+@router.get("/{job_id}/artifacts/model/{filename:path}", responses=error_responses(409))
 def download_model_file(job_id: str, filename: str, caller: CallerDep) -> Response:
     """One file of the model, by its name in the listing (never a path on the server)."""
-    return _file(lifecycle.model_files(job_id, caller), filename, f"model/{filename}")
+    return _file(lifecycle.model_files(job_id, caller, required=True), filename, f"model/{filename}")
 
 
-@router.get("/{job_id}/artifacts/{name}")
+@router.get("/{job_id}/artifacts/{name}", responses=error_responses(409))
 def download_artifact(job_id: str, name: str, caller: CallerDep):
     """Download an artifact by its name in the job's artifact list (never by path). ``model.tar``
     is streamed from the model directory; ``model.tar.gz`` (unlisted, for older clients) is the
-    same tar gzipped on the fly at level 1: no second copy on disk."""
-    files = lifecycle.model_files(job_id, caller)
+    same tar gzipped on the fly at level 1: no second copy on disk. A job without its files (not
+    succeeded, or deleted by retention) answers 409 saying which."""
+    files = lifecycle.model_files(job_id, caller, required=True)
     if files and name == "model.tar":
         return _tar_response(artifacts.TarStream(files), f"{job_id}-model.tar")
     if files and name == "model.tar.gz":

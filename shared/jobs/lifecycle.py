@@ -457,16 +457,24 @@ def get_checkpoint(job_id: str, step: int, caller: Caller) -> dict[str, Path | o
     return files
 
 
-def model_files(job_id: str, caller: Caller) -> dict[str, Path | objects.Remote]:
+def model_files(job_id: str, caller: Caller, required: bool = False) -> dict[str, Path | objects.Remote]:
     """A succeeded job's model files by name, local paths or objects in the bucket
     (``shared.store.artifacts.listing`` names what is downloadable). Empty before the job has
-    succeeded, and after its files were deleted.
+    succeeded, and after its files were deleted, unless ``required`` (a download) makes that an error.
 
     Raises:
-        NotFound, Deleted: see ``get_job``.
+        NotFound, Deleted: see ``get_job``. Conflict (409, ``required`` only): ``model_not_ready``
+            (the job has not succeeded), ``model_files_deleted``.
     """
-    get_job(job_id, caller)
-    return objects.store().files(objects.store().ref(artifacts.model_dir(job_id)))
+    job = get_job(job_id, caller)
+    files = objects.store().files(objects.store().ref(artifacts.model_dir(job_id)))
+    if required and not files:
+        if job.status != JobStatus.SUCCEEDED:
+            raise Conflict("model_not_ready", f"job {job_id!r} is {job.status}; only a succeeded job has a model")
+        raise Conflict(
+            "model_files_deleted", f"job {job_id!r}: its files were deleted (TUNEJOB_ARTIFACT_RETENTION_DAYS)"
+        )
+    return files
 
 
 def discard_checkpoints(job_id: str) -> None:
