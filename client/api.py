@@ -355,7 +355,8 @@ class Client:
         sha256; models from servers older than the manifest are not checked), then renamed into place.
 
         Raises:
-            TunejobError: ``not_found`` (no such job, or no model yet), ``directory_not_empty``,
+            TunejobError: ``not_found`` (no such job), ``model_not_ready`` (it has not succeeded),
+                ``model_files_deleted``, ``directory_not_empty``,
                 ``download_corrupt`` (files missing or differing from the manifest; nothing is kept).
         """
         directory = Path(directory)
