@@ -371,10 +371,14 @@ def list_webhooks(client: Client, args, out: Console) -> None:
 
 def webhook_deliveries(client: Client, args, out: Console) -> None:
     page = client.webhook_deliveries(args.webhook_id, args.limit, args.cursor)
-    table = Table(Column("event", overflow="fold"), "type", "status", "attempts", "last answer", "age")
+    types = max([len(d.event_type) for d in page.data] + [len("type")])
+    table = Table(Column("event", overflow="fold"), Column("type", min_width=types), "status", "tries", "answer", "age")
     for d in page.data:
         answer = str(d.response_status) if d.response_status else escape(d.error or "")
-        table.add_row(d.event_id, d.event_type, d.status, str(d.attempts), answer, age(d.created_at))
+        status = (
+            f"{d.status}, next {age(d.next_attempt_at)}" if d.status == "pending" and d.next_attempt_at else d.status
+        )
+        table.add_row(d.event_id, d.event_type, status, str(d.attempts), answer, age(d.created_at))
     if page.next_cursor:
         table.caption = f"more: tunejob webhooks deliveries {args.webhook_id} --cursor {page.next_cursor}"
     show(out, args, page, lambda: table)

@@ -239,11 +239,16 @@ def queue_line(job: JobOut | PredictionOut) -> str:
 
 
 def age(when: datetime) -> str:
+    """``when`` as time passed: ``3m ago``; a time to come as time left: ``in 4m``."""
     seconds = (datetime.now(UTC) - when.astimezone(UTC)).total_seconds()
+    ahead, seconds = seconds < 0, abs(seconds)
     for unit, length in [("d", 86400), ("h", 3600), ("m", 60)]:
         if seconds >= length:
-            return f"{seconds // length:.0f}{unit} ago"
-    return f"{max(seconds, 0):.0f}s ago"
+            span = f"{seconds // length:.0f}{unit}"
+            break
+    else:
+        span = f"{seconds:.0f}s"
+    return f"in {span}" if ahead else f"{span} ago"
 
 
 def final_summary(table: Table, job: JobOut) -> None:

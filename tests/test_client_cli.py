@@ -745,3 +745,15 @@ def test_a_sweep_s_trials_and_plan_read_whole_in_80_columns():
     shown = console.export_text()
     assert "12 (2 at a time)" in shown and "maximize accuracy" in shown and '{"learning_rate": 5e-05}' in shown
     assert "1,602 (742 cut at max_length)" in shown and "nothing was queued" in shown
+
+
+def test_age_reads_past_and_future_times():
+    """``age`` says how long ago, or (a webhook delivery's next attempt) how long until."""
+    from datetime import UTC, datetime, timedelta
+
+    from client.display import age
+
+    now = datetime.now(UTC)
+    assert age(now - timedelta(minutes=3, seconds=5)) == "3m ago"
+    assert age(now + timedelta(minutes=19, seconds=30)) == "in 19m"
+    assert age(now + timedelta(seconds=40.4)) in ("in 40s", "in 39s")
