@@ -697,30 +697,24 @@ def test_a_sweep_s_trials_and_plan_read_whole_in_80_columns():
 
     sweep = SweepOut.model_validate(SweepOut.model_config["json_schema_extra"]["examples"][0])
     now = datetime(2026, 11, 29)
+
+    def trial(number: int, job_id: str, params: dict, value: float, steps: int) -> TrialOut:
+        return TrialOut(
+            number=number,
+            job_id=job_id,
+            status="succeeded",
+            params=params,
+            default=number == 0,
+            value=value,
+            values=[value],
+            steps=steps,
+            started_at=now,
+            finished_at=now,
+        )
+
     trials = [
-        TrialOut(
-            number=0,
-            job_id="job_2e6b4c745afa73f6",
-            status="succeeded",
-            params={"batch_size": 16, "learning_rate": 5e-5},
-            default=True,
-            value=0.25,
-            values=[0.25],
-            steps=12,
-            started_at=now,
-            finished_at=now,
-        ),  # fmt: skip
-        TrialOut(
-            number=1,
-            job_id="job_18662859e9969f96",
-            status="succeeded",
-            params={"batch_size": 8, "learning_rate": 6.8244e-5},
-            value=0.4,
-            values=[0.4],
-            steps=23,
-            started_at=now,
-            finished_at=now,
-        ),  # fmt: skip
+        trial(0, "job_2e6b4c745afa73f6", {"batch_size": 16, "learning_rate": 5e-5}, 0.25, 12),
+        trial(1, "job_18662859e9969f96", {"batch_size": 8, "learning_rate": 6.8244e-5}, 0.4, 23),
     ]
     console = Console(width=80, record=True)
     console.print(trials_table(trials, sweep))
