@@ -7,6 +7,7 @@ after training).
     python -m bench.evaluation_cost TRAIN_ROWS VALIDATION_ROWS EPOCHS MAX_LENGTH   # e.g. 360 40 1 256
 """
 
+import argparse
 import os
 import sys
 import tempfile
@@ -14,6 +15,10 @@ import time
 
 
 def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name in ("train_rows", "validation_rows", "epochs", "max_length"):
+        parser.add_argument(name, type=int)
+    args = parser.parse_args(argv)
     os.environ.update(TUNEJOB_DATA_DIR=tempfile.mkdtemp(), TUNEJOB_DEVICE="cpu", HF_HUB_OFFLINE="1")
     import torch
 
@@ -26,7 +31,7 @@ def main(argv: list[str]) -> None:
     from worker.reporter import MemoryReporter
     from worker.training.recipe import fine_tune
 
-    train_n, val_n, epochs, max_length = (int(a) for a in argv)
+    train_n, val_n, epochs, max_length = args.train_rows, args.validation_rows, args.epochs, args.max_length
     df = bbc_news().sample(frac=1.0, random_state=0).reset_index(drop=True)
     train, val = df.iloc[:train_n].reset_index(drop=True), df.iloc[train_n : train_n + val_n].reset_index(drop=True)
     spent = {}

@@ -14,12 +14,12 @@ versions better than wall-clock MB/s.
 Prints one JSON object: seconds, MB/s and CPU s/GB of each phase, peak RSS (MiB) before and after.
 """
 
+import argparse
 import json
 import os
 import resource
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -106,4 +106,6 @@ def main(size_mb: int = 1024) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(*(int(a) for a in sys.argv[1:2]))))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("size_mb", type=int, nargs="?", default=1024, help="the weights file's size (default 1024)")
+    print(json.dumps(main(parser.parse_args().size_mb)))
