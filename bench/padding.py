@@ -10,6 +10,8 @@ epochs. Token lengths only: no training.
     python -m bench.padding            # prints a Markdown table
 """
 
+import argparse
+
 import numpy as np
 from transformers import AutoTokenizer
 
@@ -60,4 +62,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options: --help, then nothing
     main()
