@@ -6,6 +6,7 @@ import io
 import logging
 import re
 import sys
+import threading
 
 import pytest
 import uvicorn
@@ -97,3 +98,26 @@ def test_loading_a_model_in_the_worker_prints_no_known_noise():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert "torchao/_C" not in result.stderr and "Enum subclass" not in result.stderr, result.stderr
     assert "Failed to load something else" in result.stderr
+
+
+def test_a_job_handed_back_at_shutdown_is_logged_without_a_traceback(monkeypatch, caplog):
+    """A message delivered while the worker shuts down is rejected back to the queue
+    (``ShutdownReject``): Celery logs it, as every ``Reject``, at WARNING with its traceback, which
+    read as an error at each Ctrl-C of ``tunejob serve``; the line stays, the traceback goes."""
+    from celery.app.task import Context
+    from celery.app.trace import REJECTED, TraceInfo
+
+    from worker import tasks
+
+    monkeypatch.setattr(tasks, "stopping", threading.Event())
+    tasks.stopping.set()
+    request = Context(id="t1", hostname="w@h", args=["job_x"], kwargs={})
+    with caplog.at_level(logging.WARNING, logger="celery.app.trace"):
+        try:
+            tasks.run_job("job_x")
+        except tasks.ShutdownReject as e:
+            assert e.requeue
+            TraceInfo(REJECTED, e).handle_reject(tasks.run_job, request)
+    [record] = [r for r in caplog.records if r.name == "celery.app.trace"]
+    assert "worker shutting down; job job_x left for another worker" in record.getMessage()
+    assert record.exc_info is None and not record.exc_text

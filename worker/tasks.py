@@ -32,6 +32,24 @@ log = logging.getLogger(__name__)
 stopping = threading.Event()  # this worker is shutting down: the running job checkpoints and is re-queued
 
 
+class ShutdownReject(Reject):
+    """A job's message handed back to the queue because this worker is shutting down (warm
+    shutdown: ``serve``'s Ctrl-C, a deploy's SIGTERM). Expected, so logged without the traceback
+    that Celery logs with every ``Reject`` (its ``log_policy_reject``), which read as an error."""
+
+
+class ShutdownRejectWithoutTraceback(logging.Filter):
+    """On ``celery.app.trace``: drops the traceback of a ``ShutdownReject`` record, keeps its line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], ShutdownReject):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("celery.app.trace").addFilter(ShutdownRejectWithoutTraceback())
+
+
 class WorkerRecovery(bootsteps.StartStopStep):
     """A worker's ``RecoveryThread`` as a bootstep, so that it lives exactly as long as the worker:
     Celery starts it with the worker and stops it on a warm shutdown and on a cold one alike (a
@@ -114,7 +132,7 @@ def run_job(job_id: str) -> str:
     """Run job ``job_id`` (either kind) if this worker can claim it; a no-op when another worker holds it or it
     has finished (duplicate or redelivered messages). Returns how it ended."""
     if stopping.is_set():  # Celery may deliver one more message during warm shutdown
-        raise Reject(f"worker shutting down; job {job_id} left for another worker", requeue=True)
+        raise ShutdownReject(f"worker shutting down; job {job_id} left for another worker", requeue=True)
     log_context.set(f"job {job_id}")  # set by every task: the solo pool runs them one after another in one thread
     worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     job = lifecycle.claim(job_id, worker_id)
