@@ -108,9 +108,22 @@ def read_space(args) -> dict[str, Any]:
 
 def list_sweeps(client: Client, args, out: Console) -> None:
     page = client.list_sweeps(args.limit, args.cursor)
-    table = Table(id_column(), "status", "model", "trials", "best", "age")
+    # 80 columns: statuses whole, trials as ended/max, the best without its job (`sweeps get` has both)
+    statuses = max([len(s.status) for s in page.data] + [len("status")])
+    table = Table(
+        Column("id", no_wrap=True, min_width=len("sweep_0123456789abcdef")),
+        Column("status", min_width=statuses),
+        Column("model", overflow="fold"),
+        Column("trials", no_wrap=True),
+        Column("best", no_wrap=True),
+        Column("age", no_wrap=True),
+    )
     for s in page.data:
-        table.add_row(s.id, styled_status(s.status), escape(s.base_model), _counts(s), _best(s), age(s.created_at))
+        ended = sum(n for status, n in s.trials.items() if status not in ("queued", "running"))
+        best = f"#{s.best_trial.trial_number} {s.best_trial.value:.4g}" if s.best_trial else "-"
+        table.add_row(
+            s.id, styled_status(s.status), escape(s.base_model), f"{ended}/{s.max_trials}", best, age(s.created_at)
+        )
     if page.next_cursor:
         table.caption = f"more: tunejob sweeps list --cursor {page.next_cursor}"
     show(out, args, page, lambda: table)

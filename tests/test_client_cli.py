@@ -725,6 +725,15 @@ def test_a_sweep_s_trials_and_plan_read_whole_in_80_columns():
     )
     assert "#0: the default hyperparameters" in shown
 
+    from client.sweeps import list_sweeps
+
+    listed = {"data": [SweepOut.model_config["json_schema_extra"]["examples"][0]], "next_cursor": None}
+    console = Console(width=80, record=True)
+    with Client("http://tunejob.test", api_key="k", transport=httpx.MockTransport(lambda _: httpx.Response(200, json=listed))) as client:  # fmt: skip
+        list_sweeps(client, argparse.Namespace(limit=20, cursor=None, json=False, quiet=False), console)
+    shown = console.export_text()  # "succeed…", "(job_d1…" and "3 succeed…" once
+    assert "running" in shown and "9/12" in shown and "#4 0.871" in shown and "…" not in shown, shown
+
     plan = {
         "dry_run": True,
         "max_trials": 12,
