@@ -292,13 +292,20 @@ def create_prediction(client: Client, args, out: Console) -> int | None:
 
 def list_predictions(client: Client, args, out: Console) -> None:
     page = client.list_predictions(args.status, args.limit, args.cursor)
-    table = Table(id_column(), "status", "model", "dataset", "rows", "age")
+    # 80 columns: the model's id whole (folded, never cut); the dataset is in `predict get`
+    statuses = max([len(p.status) for p in page.data] + [len("status")])
+    table = Table(
+        id_column(),
+        Column("status", min_width=statuses),
+        Column("model", overflow="fold"),
+        "rows",
+        Column("age", no_wrap=True),
+    )
     for p in page.data:
         table.add_row(
             p.id,
             styled_status(p.status),
             escape(p.model),
-            p.dataset,
             queue_line(p) or f"{p.progress.rows_done:,}/{p.progress.total_rows:,}",
             age(p.created_at),
         )
