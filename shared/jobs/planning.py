@@ -171,9 +171,10 @@ def plan_job(checked: CheckedSpec) -> dict:
     examples longer than ``max_length``) and ``truncated_examples`` (how many: their tokens past
     ``max_length`` are not trained on; token_classification: nor are their words' tags scored);
     ``padding_efficiency`` (real / padded tokens; embedding: each text padded in its own column,
-    in micro-batches that hold no text twice, as the job plans them) of each batching strategy, ``unrounded`` (each micro-batch padded to its longest member: smart
-    batching's own, and what a CPU worker computes by default) and ``bucketed`` (padded up to the
-    CUDA workers' bucket widths); ``buckets`` for the chosen batching on a CUDA worker: the
+    in micro-batches that hold no text twice, as the job plans them) of each batching strategy,
+    ``unrounded`` (each micro-batch padded to its longest member: smart batching's own, and what
+    a CPU worker computes by default) and ``bucketed`` (padded up to the CUDA workers' bucket
+    widths); ``buckets`` for the chosen batching on a CUDA worker: the
     ``ladder`` of widths, the ``widths`` its micro-batches use (width, micro-batches over the
     job's epochs), and their ``padding_efficiency``; ``micro_batches_per_epoch``,
     ``steps_per_epoch`` and ``total_steps`` for the chosen batching; ``estimated_seconds`` from the
@@ -276,11 +277,11 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.nd
         if cols.grouped:
             groups.append(text_groups(batch.texts))
         if cols.task == "embedding":
-            assert batch.pairs is not None  # the positives
+            assert batch.pairs is not None
             positives.append(text_groups(batch.pairs))
         for a in range(0, len(batch.texts), TOKENIZE_ROWS):
             if cols.task == "embedding":  # each text is encoded alone: a column of counts per text
-                assert batch.pairs is not None
+                assert batch.pairs is not None  # the positives
                 columns = [batch.texts, batch.pairs, *batch.negatives.values()]
                 parts.append(np.stack([token_counts(tokenizer, c[a : a + TOKENIZE_ROWS], None) for c in columns], 1))
                 continue
@@ -301,9 +302,8 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.nd
     if cols.task != "embedding":
         return lengths[train_rows], None
     hashes = np.stack([np.concatenate(groups), np.concatenate(positives)], 1)[train_rows]
-    keys = np.unique(hashes, return_inverse=True)[1].reshape(
-        hashes.shape
-    )  # one id space: as worker.embedding.text_keys
+    # one id space for anchors and positives, as worker.embedding.text_keys
+    keys = np.unique(hashes, return_inverse=True)[1].reshape(hashes.shape)
     return lengths[train_rows], keys
 
 
