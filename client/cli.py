@@ -61,25 +61,22 @@ def upload_dataset(client: Client, args, out: Console) -> None:
 
 def list_datasets(client: Client, args, out: Console) -> None:
     datasets = client.list_datasets()
-    # the file's name whole (up to 32 characters a line) before its columns' names, which `datasets get` lists
-    named = min(32, max([len(d.filename) for d in datasets] + [len("filename")]))
+    rows = [(d.id, escape(d.filename), f"{d.rows:,}", escape(", ".join(d.columns)), decimal(d.bytes), age(d.created_at)) for d in datasets]  # fmt: skip
+    # the file's name whole (up to 32 characters a line) before its columns' names, which `datasets
+    # get` lists, as far as the window allows: a fixed width, as rich shrinks the widest column first
+    others = sum(max([len(r[i]) for r in rows] + [len(name)]) for i, name in ((2, "rows"), (4, "size"), (5, "age")))
+    room = out.width - (id_column().min_width or 0) - others - len("columns") - 19  # 19: borders and padding
+    named = max(len("filename"), min(32, room, max([len(d.filename) for d in datasets] + [0])))
     table = Table(
         id_column(),
-        Column("filename", overflow="fold", min_width=named),  # its format: `datasets get`
+        Column("filename", overflow="fold", width=named),  # its format: `datasets get`
         Column("rows", no_wrap=True),
-        "columns",
+        Column("columns", overflow="fold"),
         Column("size", no_wrap=True),
         Column("age", no_wrap=True),
     )
-    for d in datasets:
-        table.add_row(
-            d.id,
-            escape(d.filename),
-            f"{d.rows:,}",
-            escape(", ".join(d.columns)),
-            decimal(d.bytes),
-            age(d.created_at),
-        )
+    for row in rows:
+        table.add_row(*row)
     show(out, args, datasets, lambda: table)
 
 

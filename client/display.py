@@ -133,7 +133,9 @@ def job_table(job: JobOut) -> Table:
         "attempts": str(job.attempts),
     }
     table = fields_table(rows)
-    table.add_row("hyperparameters", escape(job.hyperparameters.model_dump_json(exclude_defaults=True)))
+    # name=value pairs, so that a narrow window wraps between them, never inside a number
+    chosen = job.hyperparameters.model_dump(mode="json", exclude_defaults=True)
+    table.add_row("hyperparameters", escape(", ".join(f"{k}={json.dumps(v)}" for k, v in chosen.items())))
     final_summary(table, job)
     return table
 
@@ -261,7 +263,7 @@ def final_summary(table: Table, job: JobOut) -> None:
     train = job.train_metrics or {}
     for name in ("loss", "tokens_per_second", "padding_efficiency", "train_seconds", "skipped_steps"):
         if train.get(name) is not None:
-            table.add_row(f"train {name}", _number(train[name]))
+            table.add_row(f"train {name.removeprefix('train_')}", _number(train[name]))
     timings = getattr(job, "timings", None)  # servers with phase timings
     if isinstance(timings, BaseModel):
         timings = timings.model_dump()
@@ -294,7 +296,10 @@ def styled_status(status: str) -> str:
 
 
 def _number(value) -> str:
-    """Floats to 4 decimals (trailing zeros dropped), or none from 100 on; anything else as it is."""
+    """Floats to 4 decimals (trailing zeros dropped), or none from 100 on; integers with thousands
+    separators; anything else as it is."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
     if not isinstance(value, float):
         return str(value)
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.4f}".rstrip("0").rstrip(".")

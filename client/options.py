@@ -3,6 +3,7 @@ the request's body; ``tunejob sweeps create`` (``client.sweeps``) takes the same
 A usage error (``UsageError``) exits 2 (``client.cli``)."""
 
 import argparse
+import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,21 @@ def add_create_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def setting(text: str) -> tuple[str, Any]:
-    """``key=value`` -> (key, value): the value as JSON (``1``, ``1e-4``, ``true``), else as text."""
+    """``key=value`` -> (key, value): the value as JSON (``1``, ``1e-4``, ``true``), else as text.
+
+    Raises:
+        argparse.ArgumentTypeError: not ``KEY=VALUE``, or ``KEY`` is no hyperparameter (the closest
+            names suggested: the server would refuse it too, without them).
+    """
+    from shared.schemas.hyperparameters import Hyperparameters
+
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    if key not in Hyperparameters.model_fields:
+        close = difflib.get_close_matches(key, list(Hyperparameters.model_fields), n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(close)}?" if close else f"one of {', '.join(Hyperparameters.model_fields)}"
+        raise argparse.ArgumentTypeError(f"{key!r} is not a hyperparameter: {hint}")
     try:
         return key, json.loads(value)
     except ValueError:

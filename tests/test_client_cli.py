@@ -760,3 +760,58 @@ def test_age_reads_past_and_future_times():
     assert age(now - timedelta(minutes=3, seconds=5)) == "3m ago"
     assert age(now + timedelta(minutes=19, seconds=30)) == "in 19m"
     assert age(now + timedelta(seconds=40.4)) in ("in 40s", "in 39s")
+
+
+def test_a_misspelt_hyperparameter_is_refused_with_the_names_near_it():
+    """``--set checkpoint_every_steps=20`` reached the server, whose 422 said only "Extra inputs
+    are not permitted"; the command line refuses it itself and names the close names."""
+    from client.options import setting
+
+    with pytest.raises(argparse.ArgumentTypeError, match="did you mean save_every_steps"):
+        setting("checkpoint_every_steps=20")
+    with pytest.raises(argparse.ArgumentTypeError, match="one of epochs, learning_rate"):
+        setting("lr=1e-4")
+    assert setting("learning_rate=1e-4") == ("learning_rate", 1e-4)
+
+
+def test_datasets_and_a_job_read_whole_in_80_columns():
+    """``datasets list`` at 80 columns was 84 wide, and the terminal cut its last column ("3s "); a
+    long file name folds within the room the window leaves. ``jobs get`` wrapped its
+    hyperparameters' JSON inside a number (``"max_length":12`` / ``8``) and showed ``train
+    train_seconds 99.6268``."""
+    from datetime import UTC, datetime
+
+    from rich.console import Console
+
+    from client.cli import list_datasets
+    from client.display import job_table
+    from shared.schemas.jobs import DatasetOut, JobOut
+
+    example = DatasetOut.model_config["json_schema_extra"]["examples"][0]
+    now = datetime.now(UTC).isoformat()
+    datasets = [
+        {**example, "id": "ds_b0711c0f4740a77e", "filename": "bbc_news_train.csv", "rows": 1780, "created_at": now},
+        {**example, "id": "ds_e5dd989293bad7d9", "filename": "a_" + "very_" * 9 + "long.csv", "created_at": now},
+    ]
+    console = Console(width=80, record=True)
+    answer = httpx.Response(200, json={"data": datasets, "next_cursor": None})
+    with Client("http://tunejob.test", api_key="k", transport=httpx.MockTransport(lambda _: answer)) as client:
+        list_datasets(client, argparse.Namespace(json=False, quiet=False), console)
+    shown = console.export_text()
+    assert all(len(line) <= 80 and line.rstrip().endswith(("┓", "┃", "┩", "│", "┘")) for line in shown.splitlines())
+    assert "ds_b0711c0f4740a77e" in shown and "1,780" in shown and "ago" in shown, shown
+
+    job = JobOut.model_validate(JobOut.model_config["json_schema_extra"]["examples"][0])
+    job = job.model_copy(
+        update={
+            "hyperparameters": job.hyperparameters.model_copy(
+                update={"epochs": 1.0, "learning_rate": 1e-4, "max_length": 128, "save_every_steps": 20}
+            ),
+            "train_metrics": {"train_seconds": 99.6268, "skipped_steps": 0, "tokens_per_second": 2058.3},
+        }
+    )
+    console = Console(width=80, record=True)
+    console.print(job_table(job))
+    shown = console.export_text()
+    assert "max_length=128" in shown and "save_every_steps=20" in shown, shown
+    assert "train seconds" in shown and "train_seconds" not in shown and "2,058" in shown
