@@ -47,3 +47,41 @@ def test_the_recovery_period_is_read_under_its_former_name_too(monkeypatch):
     assert Settings().recovery_seconds == 3
     monkeypatch.setenv("TUNEJOB_RECOVERY_SECONDS", "4")
     assert Settings().recovery_seconds == 4
+
+
+def test_a_job_whose_lease_expired_is_sent_again_at_once(tmp_path, models_dir):
+    """A worker killed mid-job: the recovery loop re-queued its job, then left the message to its
+    next round but one (the grace for jobs never sent: ``updated_at`` had just changed), so the job
+    waited 15-30 s more on an idle worker. ``recover`` returns what it re-queued, to send now."""
+    from datetime import timedelta
+
+    configure_stack("embedded", {"TUNEJOB_DATA_DIR": str(tmp_path), "TUNEJOB_MODELS_DIR": str(models_dir)})
+    from shared.jobs import lifecycle
+    from shared.store.engine import session_scope, upgrade_database
+    from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
+
+    upgrade_database()
+    now = utcnow()
+    dataset = Dataset(filename="d.csv", format="csv", path="uploads/d.csv", rows=1, columns=[], bytes=1, sha256="0")
+    job = Job(
+        id=new_id("job"),
+        tenant="t",
+        base_model="tiny-bert",
+        task="classification",
+        spec={},
+        status=JobStatus.RUNNING,
+        created_at=now - timedelta(minutes=5),
+        enqueued_at=now - timedelta(minutes=5),
+        lease_owner="vm:1:dead",
+        lease_expires_at=now - timedelta(seconds=1),
+    )
+    with session_scope() as s:
+        s.add(dataset)
+        s.flush()
+        job.training_dataset_id = dataset.id
+        s.add(job)
+    assert lifecycle.recover() == [job.id]
+    with session_scope() as s:
+        assert s.get(Job, job.id).status == JobStatus.QUEUED
+    lifecycle.mark_enqueued(job.id)
+    assert lifecycle.recover() == []  # sent: not again until resend_after_seconds

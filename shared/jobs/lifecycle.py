@@ -331,17 +331,20 @@ def recover() -> list[str]:
     """Expired leases and lost messages, safe to run from any number of processes at once.
 
     Re-queues running jobs whose lease expired (``job_restarted``; ``failed`` after
-    ``max_restarts``), and returns the ids of queued jobs whose message must be (re-)sent: never
-    sent, or sent over ``resend_after_seconds`` ago (a broker that lost it). The caller sends
-    them and calls ``mark_enqueued``; a duplicate message is harmless (see ``claim``).
+    ``max_restarts``), and returns the ids of queued jobs whose message must be (re-)sent: those
+    it re-queued, at once, and those never sent (after a grace: their creator is sending them)
+    or sent over ``resend_after_seconds`` ago (a broker that lost it). The caller sends them and
+    calls ``mark_enqueued``; a duplicate message is harmless (see ``claim``).
     """
     settings, now = get_settings(), utcnow()
     with session_scope() as s:
         is_expired = and_(Job.status == JobStatus.RUNNING, Job.lease_expires_at < now)
         trials.lock_sweep_of(s, *s.scalars(select(Job.id).where(is_expired, Job.sweep_id.isnot(None))).all())
         expired = s.scalars(select(Job).where(is_expired).with_for_update(skip_locked=True)).all()
-        for job in expired:
-            _requeue_or_fail(
+        requeued = [
+            job.id
+            for job in expired
+            if _requeue_or_fail(
                 s,
                 job,
                 "job_restarted",
@@ -349,16 +352,16 @@ def recover() -> list[str]:
                 f"resuming from {RESUMES_FROM[job.kind]}",
                 restart=True,
             )
+        ]
         grace = now - timedelta(seconds=settings.recovery_seconds)
         stale = now - timedelta(seconds=settings.resend_after_seconds)
-        return list(
-            s.scalars(
-                select(Job.id).where(
-                    Job.status == JobStatus.QUEUED,
-                    or_(and_(Job.enqueued_at.is_(None), Job.updated_at < grace), Job.enqueued_at < stale),
-                )
+        unsent = s.scalars(
+            select(Job.id).where(
+                Job.status == JobStatus.QUEUED,
+                or_(and_(Job.enqueued_at.is_(None), Job.updated_at < grace), Job.enqueued_at < stale),
             )
         )
+        return requeued + [job_id for job_id in unsent if job_id not in requeued]
 
 
 def record_progress(
