@@ -80,6 +80,11 @@ def test_a_worker_logs_under_the_job_id(stack, log_lines):
 
     wait_until(lambda: skipped(), "the worker logged the skipped message")
     assert {(m["logger"], m["context"]) for m in skipped()} == {("worker.tasks", f"job {job['id']}")}
+    # the next message's "received" line is the worker's, not the job's it ran last
+    send(job["id"])
+    wait_until(lambda: len(skipped()) == 2, "the worker logged the second skipped message")
+    received = [m for line in log_lines() if (m := LINE.match(line)) and "] received" in line]
+    assert [m["context"] for m in received][-1:] == ["-"], log_lines()
 
 
 def test_loading_a_model_in_the_worker_prints_no_known_noise():
@@ -98,6 +103,33 @@ def test_loading_a_model_in_the_worker_prints_no_known_noise():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert "torchao/_C" not in result.stderr and "Enum subclass" not in result.stderr, result.stderr
     assert "Failed to load something else" in result.stderr
+
+
+def test_a_worker_s_log_has_no_progress_bars(tmp_path):
+    """Each model a worker loaded or saved drew transformers' tqdm bars ("Loading weights",
+    "Writing model shards") into its service log; ``preload`` turns them off."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, worker.tasks as tasks\n"
+        "tasks.available_models = lambda: {}\n"
+        "if sys.argv[1] == 'preload': tasks.preload()\n"
+        "from transformers import AutoModelForSequenceClassification, BertConfig\n"
+        "model = AutoModelForSequenceClassification.from_config(BertConfig(hidden_size=32, num_hidden_layers=1, "
+        "num_attention_heads=2, intermediate_size=37))\n"
+        f"model.save_pretrained({str(tmp_path)!r})\n"
+        f"AutoModelForSequenceClassification.from_pretrained({str(tmp_path)!r})\n"
+    )
+
+    def stderr(*args: str) -> str:
+        run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        return run.stderr
+
+    assert "Loading weights" in stderr("no-preload")  # the bar this test looks for
+    quiet = stderr("preload")
+    assert "Loading weights" not in quiet and "it/s]" not in quiet, quiet
 
 
 def test_a_job_handed_back_at_shutdown_is_logged_without_a_traceback(monkeypatch, caplog):

@@ -87,7 +87,8 @@ def preload() -> None:
     SciPy (through ``worker.training.recipe``; ``worker.predict`` for predictions), the model class of each
     available base model, and matplotlib and tensorboardX, which draw every artifact's training
     curves and TensorBoard logs (``worker.run_logs``), so that no job's time counts these imports
-    (seconds on a small CPU: docs/benchmarks.md, "Measurements behind the defaults")."""
+    (seconds on a small CPU: docs/benchmarks.md, "Measurements behind the defaults"). Also turns
+    off transformers' progress bars, for a log."""
     import matplotlib.figure  # noqa: F401
     import tensorboardX  # noqa: F401
     import transformers
@@ -95,12 +96,22 @@ def preload() -> None:
     import worker.predict
     import worker.training.recipe  # noqa: F401
 
+    # a worker's output is a service log (docker logs, journald): transformers' tqdm bars ("Loading
+    # weights", "Writing model shards") drew a carriage-returned line into it at every load and save
+    transformers.utils.logging.disable_progress_bar()
     for path, _ in available_models().values():
         try:
             config = transformers.AutoConfig.from_pretrained(path)
             transformers.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(config)]
         except (OSError, ValueError, KeyError) as e:  # the job that uses it fails with the reason
             log.warning("base model %s not preloaded: %s", path.name, e)
+
+
+@signals.task_postrun.connect
+def _clear_log_context(**_) -> None:
+    """After a task (and Celery's "succeeded in" line, which names the job), no job's context: the
+    worker's next lines ("Task … received") belonged to the job it had run last."""
+    log_context.set("-")
 
 
 @signals.worker_shutting_down.connect  # warm shutdown: SIGTERM or SIGINT
