@@ -378,8 +378,15 @@ def test_on_postgres_processes_starting_at_once_migrate_one_after_the_other(tmp_
             )
             for _ in range(4)
         ]
-        results = [(p.wait(timeout=120), p.stderr.read()) for p in processes]
-        assert all(code == 0 for code, _ in results), [err[-2000:] for code, err in results if code]
+        results = [(p.wait(timeout=120), p.stderr.read(), p.stdout.read()) for p in processes]
+        assert all(code == 0 for code, _, _ in results), [err[-2000:] for code, err, _ in results if code]
+        head = sorted(p.stem for p in (ROOT / "migrations" / "versions").glob("0*.py"))[-1].split("_")[0]
+        # each says what it found and left (it printed "at the latest revision" on an empty database too)
+        assert f"database upgraded from empty to {head}\n" in [out for _, _, out in results]
+        again = subprocess.run(
+            [sys.executable, "-m", "tunejob", "db", "upgrade"], env=env, cwd=ROOT, capture_output=True, text=True
+        )
+        assert again.stdout == f"database already at {head}, the latest revision\n", again
     finally:
         drop()
 

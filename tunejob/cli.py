@@ -378,10 +378,16 @@ def main(argv: list[str] | None = None) -> None:
 
         print(argcomplete.shellcode(["tunejob"], shell=args.shell))
     elif args.command == "db":
-        from shared.store.engine import upgrade_database
+        from shared.store.engine import database_revision, upgrade_database
 
+        before = database_revision()
         upgrade_database()
-        print("database is at the latest revision")
+        after = database_revision()
+        print(
+            f"database upgraded from {before or 'empty'} to {after}"
+            if before != after
+            else f"database already at {after}, the latest revision"
+        )
         if args.db_command == "reseal":
             from shared.jobs.webhooks import reseal_secrets
 

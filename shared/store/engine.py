@@ -147,6 +147,15 @@ def upgrade_database() -> None:
     command.upgrade(config, "head")
 
 
+def database_revision() -> str | None:
+    """The configured database's Alembic revision (``0014_sealed_webhook_secrets``); None before
+    the first migration."""
+    from alembic.runtime.migration import MigrationContext
+
+    with get_engine().connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
 def keyset_page(
     s: Session,
     query: Select,
