@@ -147,9 +147,17 @@ def watch(client: Client, job_id: str, out: Console, kind: Kind = TRAINING) -> i
 
 def list_jobs(client: Client, args, out: Console) -> None:
     page = client.list_jobs(args.status, args.limit, args.cursor)
-    table = Table(id_column(), "status", "model", "progress", "age")
+    # the model's name whole, folded if it must be (it was cut to 'all-MiniLM-L6…' at 80 columns)
+    table = Table(id_column(), "status", Column("model", overflow="fold"), "progress", "age")
     for job in page.data:
-        table.add_row(job.id, styled_status(job.status), escape(job.base_model), progress(job), age(job.created_at))
+        row = (
+            job.id,
+            styled_status(job.status),
+            escape(job.base_model),
+            progress(job, percent=False),
+            age(job.created_at),
+        )
+        table.add_row(*row)
     if page.next_cursor:
         table.caption = f"more: tunejob jobs list --cursor {page.next_cursor}"
     show(out, args, page, lambda: table)

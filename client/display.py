@@ -218,14 +218,14 @@ def pivot(rows: list[MetricOut]) -> tuple[list[str], dict[int, tuple[float, dict
     return list(names), by_step
 
 
-def progress(job: JobOut) -> str:
-    """``12/40 (30%)``; for a queued job its place in the queue (``queue_line``)."""
+def progress(job: JobOut, percent: bool = True) -> str:
+    """``12/40 (30%)`` (``12/40`` without ``percent``); for a queued job its place in the queue (``queue_line``)."""
     p = job.progress
     if job.queue is not None:
         return queue_line(job)
     if not p.total_steps:
         return ""
-    return f"{p.step}/{p.total_steps} ({p.fraction:.0%})"
+    return f"{p.step}/{p.total_steps}" + (f" ({p.fraction:.0%})" if percent else "")
 
 
 def queue_line(job: JobOut | PredictionOut) -> str:

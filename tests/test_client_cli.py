@@ -778,7 +778,7 @@ def test_datasets_and_a_job_read_whole_in_80_columns():
     """``datasets list`` at 80 columns was 84 wide, and the terminal cut its last column ("3s "); a
     long file name folds within the room the window leaves. ``jobs get`` wrapped its
     hyperparameters' JSON inside a number (``"max_length":12`` / ``8``) and showed ``train
-    train_seconds 99.6268``."""
+    train_seconds 99.6268``; ``jobs list`` cut the model's name."""
     from datetime import UTC, datetime
 
     from rich.console import Console
@@ -815,3 +815,13 @@ def test_datasets_and_a_job_read_whole_in_80_columns():
     shown = console.export_text()
     assert "max_length=128" in shown and "save_every_steps=20" in shown, shown
     assert "train seconds" in shown and "train_seconds" not in shown and "2,058" in shown
+
+    from client.cli import list_jobs
+
+    listed = {"data": [job.model_dump(mode="json")], "next_cursor": None}
+    console = Console(width=80, record=True)
+    answer = httpx.Response(200, json=listed)
+    with Client("http://tunejob.test", api_key="k", transport=httpx.MockTransport(lambda _: answer)) as client:
+        list_jobs(client, argparse.Namespace(status=None, limit=20, cursor=None, json=False, quiet=False), console)
+    shown = console.export_text()  # the model was 'all-MiniLM-L6…'
+    assert job.base_model in shown and "…" not in shown, shown
