@@ -209,6 +209,10 @@ def walk(page, server: str, tmp_path: Path) -> None:
     first = wait_for_points(page, "#chart-loss", 0)
     wait_for_points(page, "#chart-loss", first)
     assert page.evaluate("window.notReloaded === true")
+    # the x axis runs to the job's last step from the first point (one evaluation at step 101
+    # drew an axis to 200 beside a loss chart to 101)
+    total = page.evaluate(f"fetch('/jobs/{job_id}').then(r => r.json()).then(j => j.progress.total_steps)")
+    assert total > first and float(page.locator("#chart-loss").get_attribute("data-x-max")) == total
     assert page.locator("#chart-loss canvas").count() == 1
     assert page.locator("#events code", has_text="created").count() == 1, "each event is listed once"
 

@@ -47,8 +47,10 @@ const INTEGER_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 100
 
 // A live line chart: series by name, points (step, value) added at any time, redrawn once per frame.
 class LiveChart {
-  constructor(el, {points = false, marks = null, scatter = false, xLabel = "step", integerX = false, logX = false, colors = {}} = {}) {
+  constructor(el, {points = false, marks = null, scatter = false, xLabel = "step", integerX = false, logX = false, colors = {},
+                   lastStep = null} = {}) {
     this.el = el;
+    this.lastStep = lastStep;  // () => a job's total steps (or null): the x axis runs from 0 to it, on every chart of the job
     this.logX = logX;          // a log-scale x axis (a learning rate sampled on a log scale)
     el.dataset.xScale = logX ? "log" : "linear";
     this.colors = colors;      // series name -> its colour, its points filled (told apart by shape too); the others take PALETTE's in turn
@@ -97,7 +99,11 @@ class LiveChart {
     const free = this.names.filter(n => !(n in this.colors));
     return {
       width: Math.max(280, this.el.clientWidth), height: 220,
-      scales: {x: {time: false, ...(this.logX ? {distr: 3, log: 10} : {})}},
+      scales: {x: {time: false, ...(this.logX ? {distr: 3, log: 10} : {}), ...(this.lastStep ? {range: (u, min, max) => {
+        // one evaluation (at step 101) drew an axis from 0 to 200, beside a loss chart from 1 to 101
+        const last = this.lastStep();
+        return last ? [0, Math.max(max ?? last, last)] : [min, max > min ? max : min + 1];
+      }} : {})}},
       legend: {show: true},
       axes: [{stroke: c.text, grid: {stroke: c.grid}, label: this.xLabel, values: tickLabels,
               ...(this.integerX ? {incrs: INTEGER_INCRS} : {}), ...(this.logX ? {filter: logTicks} : {})},
@@ -123,6 +129,7 @@ class LiveChart {
       this.plot.setData(data);
     }
     this.el.dataset.points = String(this.count);
+    this.el.dataset.xMax = String(this.plot.scales.x.max);
   }
 
   resize() { if (this.plot) this.plot.setSize({width: Math.max(280, this.el.clientWidth), height: 220}); }
@@ -298,12 +305,14 @@ pages.job = () => {
                                        levels: zeroShot === null || onLossChart ? [] : [{
                                          value: zeroShot, label: `zero-shot ${info.best_metric} ${tick(zeroShot)}`,
                                          stroke: PALETTE[Math.max(0, charts.eval.names.indexOf(bestName)) % PALETTE.length]}]});
+  let totalSteps = info.total_steps;  // null until the job has started: its progress events say
+  const lastStep = () => totalSteps;
   const charts = {
-    loss: new LiveChart($("#chart-loss"), {marks: marks(true)}),
-    eval: new LiveChart($("#chart-eval"), {points: true, marks: marks(false)}),
-    lr: new LiveChart($("#chart-lr")),
-    speed: new LiveChart($("#chart-speed")),
-    padding: new LiveChart($("#chart-padding")),
+    loss: new LiveChart($("#chart-loss"), {marks: marks(true), lastStep}),
+    eval: new LiveChart($("#chart-eval"), {points: true, marks: marks(false), lastStep}),
+    lr: new LiveChart($("#chart-lr"), {lastStep}),
+    speed: new LiveChart($("#chart-speed"), {lastStep}),
+    padding: new LiveChart($("#chart-padding"), {lastStep}),
   };
   const chartOf = name => name === "train_loss" || name === "eval_loss" ? charts.loss
     : name.startsWith("eval_") ? charts.eval : name === "learning_rate" ? charts.lr
@@ -332,6 +341,10 @@ pages.job = () => {
   stream.addEventListener("events", e => appendEvents(JSON.parse(e.data).data));
   stream.addEventListener("progress", e => {
     const job = JSON.parse(e.data);
+    if (job.progress.total_steps && job.progress.total_steps !== totalSteps) {
+      totalSteps = job.progress.total_steps;
+      Object.values(charts).forEach(c => c.schedule());
+    }
     $("#job-progress").value = job.progress.fraction;
     $("#job-progress-text").textContent = formatProgress(job);
     showStatus(job.status);
