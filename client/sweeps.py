@@ -79,13 +79,32 @@ def sweep_plan_table(batching: str):
             {
                 "trials": f"{plan['max_trials']} ({plan['max_parallel_trials']} at a time)",
                 "objective": f"{objective['direction']} {objective['metric']}",
-                "search space": escape("; ".join(f"{k} {v}" for k, v in plan["search_space"].items())),
+                "search space": escape(_space_lines(plan["search_space"])),
                 "first trials": escape("; ".join(json.dumps(t) for t in plan["first_trials"])),
             }
         )
         return Group(sweep, "[bold]each trial[/]", job_plan_table(batching)(plan["trial_plan"]))
 
     return table
+
+
+def _space_lines(space: dict[str, dict]) -> str:
+    """A plan's ``search_space`` one range a line, names aligned, each as a reader would write it:
+    ``learning_rate  1e-05 .. 0.001 (log)``, ``batch_size     one of 16, 32``, ``epochs  2 .. 5 (int)``
+    (the whole ranges, exact, are in ``--json``)."""
+    width = max(map(len, space), default=0)
+    return "\n".join(f"{name:<{width}}  {_range(d)}" for name, d in space.items())
+
+
+def _range(d: dict) -> str:
+    """One ``Distribution`` (as JSON) in a few words: ``low .. high`` with ``int``, ``log`` and a
+    step other than an int's 1 in parentheses, or ``one of`` the choices."""
+    if d["type"] == "categorical":
+        return "one of " + ", ".join(v if isinstance(v, str) else json.dumps(v) for v in d["choices"])
+    notes = ["int"] if d["type"] == "int" else []
+    notes += ["log"] if d["log"] else []
+    notes += [f"step {d['step']:g}"] if d["step"] is not None and not (d["type"] == "int" and d["step"] == 1) else []
+    return f"{d['low']:g} .. {d['high']:g}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def read_space(args) -> dict[str, Any]:

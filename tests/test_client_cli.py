@@ -738,7 +738,18 @@ def test_a_sweep_s_trials_and_plan_read_whole_in_80_columns():
         "dry_run": True,
         "max_trials": 12,
         "max_parallel_trials": 2,
-        "search_space": {"learning_rate": "FloatDistribution(high=0.001, log=True, low=1e-05, step=None)"},
+        "search_space": {
+            "learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3, "log": True, "step": None, "choices": None},
+            "batch_size": {
+                "type": "categorical",
+                "low": None,
+                "high": None,
+                "log": False,
+                "step": None,
+                "choices": [16, 32],
+            },
+            "epochs": {"type": "int", "low": 2.0, "high": 10.0, "log": False, "step": 2.0, "choices": None},
+        },
         "first_trials": [{"learning_rate": 5e-05}],
         "objective": {"metric": "accuracy", "direction": "maximize"},
         "trial_plan": DryRunOut.model_config["json_schema_extra"]["examples"][0]["plan"],
@@ -748,6 +759,9 @@ def test_a_sweep_s_trials_and_plan_read_whole_in_80_columns():
     shown = console.export_text()
     assert "12 (2 at a time)" in shown and "maximize accuracy" in shown and '{"learning_rate": 5e-05}' in shown
     assert "1,602 (742 cut at max_length)" in shown and "nothing was queued" in shown
+    # The search space one range a line, as a reader writes it (it was Optuna's reprs).
+    assert "learning_rate  1e-05 .. 0.001 (log)" in shown and "batch_size     one of 16, 32" in shown, shown
+    assert "epochs         2 .. 10 (int, step 2)" in shown and "Distribution" not in shown, shown
 
 
 def test_age_reads_past_and_future_times():

@@ -2,6 +2,7 @@
 the default trial (``include_defaults``), the search space's priors per model size, warm starts
 from earlier sweeps, and the sweep's time budget, with their bad input (a 4xx, nothing queued)."""
 
+import argparse
 import json
 import re
 
@@ -126,9 +127,40 @@ def test_ranges_left_out_take_the_prior_of_the_models_size(client, dataset):  # 
     )
     assert r.status_code == 200, r.text
     plan = r.json()
-    assert plan["search_space"]["learning_rate"] == repr(optuna.distributions.FloatDistribution(3e-5, 3e-4, log=True))
-    assert plan["search_space"]["batch_size"] == repr(optuna.distributions.CategoricalDistribution([16, 32]))
-    assert plan["search_space"]["epochs"] == repr(optuna.distributions.IntDistribution(2, 5))
+
+    # The ranges as understood, in a request's form (they were Optuna's reprs, "FloatDistribution(high=...)"):
+    def d(kind: str, low=None, high=None, log=False, step=None, choices=None) -> dict:
+        return {"type": kind, "low": low, "high": high, "log": log, "step": step, "choices": choices}
+
+    assert plan["search_space"] == {
+        "learning_rate": d("float", 3e-5, 3e-4, log=True),
+        "batch_size": d("categorical", choices=[16, 32]),
+        "warmup_ratio": d("float", 0.0, 0.1),
+        "weight_decay": d("float", 0.0, 0.1),
+        "epochs": d("int", 2, 5, step=1),
+        "max_length": d("categorical", choices=[16, 32]),
+    }
+    # a request takes them back as they are;
+    again = client.post(
+        "/sweeps",
+        json=body(dataset["id"], search_space=plan["search_space"], hyperparameters=fixed),
+        params={"dry_run": "true"},
+    )
+    assert again.status_code == 200 and again.json()["search_space"] == plan["search_space"], again.text
+    # the CLI prints them one a line, readably.
+    from client.display import show_plan
+    from client.sweeps import sweep_plan_table
+
+    out = Console(record=True, width=200)
+    show_plan(out, argparse.Namespace(json=False), plan, sweep_plan_table("smart"))
+    lines = [line.strip() for line in out.export_text().splitlines()]
+    for shown in (
+        "learning_rate  3e-05 .. 0.0003 (log)",
+        "batch_size     one of 16, 32",
+        "warmup_ratio   0 .. 0.1",
+        "epochs         2 .. 5 (int)",
+    ):
+        assert any(line.endswith(shown) for line in lines), (shown, lines)
     # The default trial is tunejob's default job exactly.
     assert plan["first_trials"][0] == {
         "learning_rate": 5e-5,

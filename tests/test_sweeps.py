@@ -243,7 +243,11 @@ def test_dry_run_and_idempotent_retry_queue_nothing_twice(stack, dataset):
     assert r.status_code == 200, r.text
     plan = r.json()
     assert plan["dry_run"] is True and len(plan["first_trials"]) == 2
-    assert plan["search_space"]["learning_rate"].startswith("FloatDistribution(")
+    assert plan["search_space"]["learning_rate"] == {
+        **body["search_space"]["learning_rate"],
+        "step": None,
+        "choices": None,
+    }
     assert plan["trial_plan"]["steps_per_epoch"] == 6
     assert {s["id"] for s in client.get("/sweeps", params={"limit": 100}).json()["data"]} == before
     assert ids(client, "/jobs") == jobs_before

@@ -86,6 +86,17 @@ def distributions(spec: SweepCreate) -> dict[str, BaseDistribution]:
     return out
 
 
+def distribution_of(d: BaseDistribution) -> Distribution:
+    """One of ``distributions``' Optuna distributions back in a request's terms: the dry run's plan
+    shows the search space as understood (priors filled in) in the form ``search_space`` takes, for a
+    reader and a program alike (an ``int`` range's ``step`` is 1 when the request gave none)."""
+    if isinstance(d, CategoricalDistribution):
+        return Distribution(type="categorical", choices=list(d.choices))
+    assert isinstance(d, (FloatDistribution, IntDistribution))  # the only kinds distributions builds
+    kind = "int" if isinstance(d, IntDistribution) else "float"
+    return Distribution(type=kind, low=d.low, high=d.high, log=d.log, step=d.step)
+
+
 def check_models(spec: SweepCreate) -> None:
     """Every base model a trial may get (``search_space.base_model``'s choices, else the spec's) is
     one this server has (``shared.jobs.base_models``: local model directories only, nothing

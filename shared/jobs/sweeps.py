@@ -56,7 +56,7 @@ from shared.jobs.search import (
     trial_template,
     values_of,
 )
-from shared.jobs.search_space import distributions
+from shared.jobs.search_space import distribution_of, distributions
 from shared.jobs.trials import ACTIVE, PAUSED, end_sweep, top_up
 from shared.schemas.sweeps import LATENCY, BestTrial, History, ParetoTrial, SweepCreate, SweepOut, SweepPlan, TrialOut
 from shared.settings import get_settings
@@ -124,7 +124,7 @@ def plan_sweep(spec: SweepCreate, caller: Caller) -> SweepPlan:
     return SweepPlan(
         max_trials=spec.max_trials,
         max_parallel_trials=spec.max_parallel_trials,
-        search_space={name: repr(d) for name, d in space.items()},
+        search_space={name: distribution_of(d) for name, d in space.items()},
         objective=spec.objective,
         first_trials=[params for params, _ in first],
         trial_plan=plan_job(check_spec(trial_template(spec), caller)),

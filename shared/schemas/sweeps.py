@@ -294,7 +294,31 @@ class SweepPlan(BaseModel):
     dry_run: bool = True
     max_trials: int
     max_parallel_trials: int
-    search_space: dict[str, str] = Field(description="Each hyperparameter's Optuna distribution, as understood.")
+    search_space: dict[str, Distribution] = Field(
+        description="Each hyperparameter's range as understood (priors filled in), in the form of "
+        "SweepCreate.search_space (an int range's step is 1 when none was given).",
+        examples=[
+            {
+                "learning_rate": {
+                    "type": "float",
+                    "low": 1e-5,
+                    "high": 1e-3,
+                    "log": True,
+                    "step": None,
+                    "choices": None,
+                },
+                "batch_size": {
+                    "type": "categorical",
+                    "low": None,
+                    "high": None,
+                    "log": False,
+                    "step": None,
+                    "choices": [16, 32],
+                },
+                "epochs": {"type": "int", "low": 2.0, "high": 5.0, "log": False, "step": 1.0, "choices": None},
+            }
+        ],
+    )
     first_trials: list[dict[str, Any]] = Field(description="The parameters of the trials queued first.")
     objective: Objective
     trial_plan: dict[str, Any] = Field(
