@@ -239,7 +239,13 @@ def walk(page, server: str, tmp_path: Path) -> None:
         expect(page.locator(f'tr[data-job="{other}"] .status')).to_have_text("succeeded", timeout=TIMEOUT_MS)
         expect(page.locator(f'tr[data-job="{other}"] .percent')).to_have_text("100%")
         assert page.evaluate("window.notReloaded === true") and fetched.count("/ui/jobs") == 1, fetched
-        wait_for_status(api, other, {"succeeded"})
+        total = wait_for_status(api, other, {"succeeded"})["progress"]["total_steps"]
+    # its one evaluation, at its last step, on an axis to that step (uPlot's padding of a single x
+    # drew one to twice the step)
+    page.goto(f"/ui/jobs/{other}")
+    wait_for_points(page, "#chart-eval", 0)
+    assert float(page.locator("#chart-eval").get_attribute("data-x-max")) == total
+    page.goto("/ui/jobs")
     page.get_by_label(f"select {job_id} to compare").check()
     page.get_by_label(f"select {other} to compare").check()
     page.get_by_role("button", name="Compare selected (2)").click()

@@ -100,9 +100,10 @@ class LiveChart {
     return {
       width: Math.max(280, this.el.clientWidth), height: 220,
       scales: {x: {time: false, ...(this.logX ? {distr: 3, log: 10} : {}), ...(this.lastStep ? {range: (u, min, max) => {
-        // one evaluation (at step 101) drew an axis from 0 to 200, beside a loss chart from 1 to 101
-        const last = this.lastStep();
-        return last ? [0, Math.max(max ?? last, last)] : [min, max > min ? max : min + 1];
+        // one evaluation (at step 101) drew an axis from 0 to 200 (uPlot pads a single x), beside a
+        // loss chart from 1 to 101: the data's own last step, not max, past the job's last
+        const last = this.lastStep(), xs = u.data[0];
+        return last ? [0, Math.max(xs.length ? xs[xs.length - 1] : last, last)] : [min, max];
       }} : {})}},
       legend: {show: true},
       axes: [{stroke: c.text, grid: {stroke: c.grid}, label: this.xLabel, values: tickLabels,
@@ -113,7 +114,8 @@ class LiveChart {
         return {label: n, stroke: this.colors[n] || PALETTE[free.indexOf(n) % PALETTE.length], width: 1.5, spanGaps: true, ...fill,
                 points: {show: this.points || this.scatter, size: 7, ...fill}, ...(this.scatter ? {paths: () => null} : {})};
       })],
-      hooks: marks ? {draw: [u => drawMarks(u, marks(), c.text)]} : {},
+      hooks: {setScale: [(u, key) => { if (key === "x") this.el.dataset.xMax = String(u.scales.x.max); }],
+              ...(marks ? {draw: [u => drawMarks(u, marks(), c.text)]} : {})},
     };
   }
 
@@ -129,7 +131,6 @@ class LiveChart {
       this.plot.setData(data);
     }
     this.el.dataset.points = String(this.count);
-    this.el.dataset.xMax = String(this.plot.scales.x.max);
   }
 
   resize() { if (this.plot) this.plot.setSize({width: Math.max(280, this.el.clientWidth), height: 220}); }
