@@ -315,7 +315,8 @@ def test_empty_text_or_label_cell_is_refused_naming_row(stack):
     r = stack.client.post("/jobs", json=job_body(holes["id"]))
     assert_error(r, 422, "missing_value", "text_column", "holes.csv", "row 3", "'text'")
     r = stack.client.post("/jobs", json=job_body(holes["id"], text_column="label", label_column="text"))
-    assert_error(r, 422, "missing_value", "text_column", "holes.csv", "row 4", "'label'")
+    error = assert_error(r, 422, "missing_value", "label_column", "holes.csv", "row 3", "'text'")
+    assert [(p["row"], p["column"]) for p in error["problems"]] == [(3, "text"), (4, "label")]  # in row order
     before.assert_unchanged()
 
 

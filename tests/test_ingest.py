@@ -196,6 +196,33 @@ def test_report_lists_at_most_20_problems_and_the_first_in_the_message(stack):
     before.assert_unchanged()
 
 
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_report_lists_problems_in_row_order_not_column_by_column(stack, dry_run):
+    """The text column is checked before the label, but users fix files top to bottom: row 1's
+    label problem comes before row 2's text problem, and is the one the message names."""
+    dataset = upload(stack.client, b"text,label\ngoal,\n,business\ncoach,sport\n", "order.csv")
+    before = Snapshot(stack)
+    r = stack.client.post("/jobs", params={"dry_run": dry_run}, json=job_body(dataset["id"]))
+    error = assert_error(r, 422, "missing_value", "label_column", "'order.csv' row 1: column 'label' is empty")
+    assert error["problems"] == [
+        {"row": 1, "column": "label", "value": "", "message": "is empty"},
+        {"row": 2, "column": "text", "value": "", "message": "is empty"},
+    ]
+    before.assert_unchanged()
+
+
+def test_a_full_report_keeps_the_first_rows_problems(stack):
+    """Text problems in 30 rows fill the report before the label is checked; row 1's label problem
+    still makes it, in row 1's place, and row 20's text problem is the one left out."""
+    rows = "".join(f",{'' if i == 0 else 'label'}\n" for i in range(30))
+    dataset = upload(stack.client, f"text,label\n{rows}".encode(), "holes.csv")
+    r = stack.client.post("/jobs", json=job_body(dataset["id"]))
+    error = assert_error(r, 422, "missing_value", "text_column", "'holes.csv' row 1: column 'text' is empty", "19+")
+    assert [(p["row"], p["column"]) for p in error["problems"]] == [(1, "text"), (1, "label")] + [
+        (row, "text") for row in range(2, 20)
+    ]
+
+
 # ----------------------------------------------------------------------------- the six 500s
 
 

@@ -18,5 +18,6 @@ worker (to load the same table the API validated, through the same checks).
   finite numbers with |y| <= ``MAX_REGRESSION_TARGET`` unless the spec opts out), for
   ``multi_label`` lists of class names (JSONL or Parquet lists, or text split on
   ``label_separator``), for token_classification non-empty lists of words with as many tags. A rejection
-  carries a validation report: up to ``MAX_PROBLEMS`` problems, each {row, column, value, message}.
+  carries a validation report: up to ``MAX_PROBLEMS`` problems, each {row, column, value, message},
+  in row order (``shared.data.problems``).
 """

@@ -279,25 +279,6 @@ def job_batches(path: Path, fmt: str, filename: str, cols: JobColumns, problems:
             labels,
             {column: batch.values[column] for column in cols.negatives},
         )
-    # Text problems first (as a job reads its columns), then labels, each in row order.
-    rank = {
-        param: i
-        for i, param in enumerate(
-            [
-                "file",
-                "text_column",
-                "text_pair_column",
-                "anchor_column",
-                "positive_column",
-                "negative_columns",
-                "query_column",
-                "passage_column",
-                "label_column",
-                "score_column",
-            ]
-        )
-    }
-    problems.items.sort(key=lambda p: (rank.get(p.param, 0), p.row or 0))
 
 
 # -- token_classification: a list of words and a list of tags per row

@@ -1,6 +1,7 @@
-"""Validation reports: up to ``MAX_PROBLEMS`` problems, each {row, column, value, message}, raised
-as one ``UserError`` (a 4xx naming the file, row, column and value)."""
+"""Validation reports: up to ``MAX_PROBLEMS`` problems, each {row, column, value, message}, in row
+order, raised as one ``UserError`` (a 4xx naming the file, row, column and value)."""
 
+import bisect
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +28,31 @@ class Problem:
         what = f"column {self.column!r} {self.message}" if self.column is not None else self.message
         return f"{where}: {what}" + (f": {self.value!r}" if self.value is not None else "")
 
+    @property
+    def position(self) -> tuple[bool, int]:
+        """Where the problem sorts in a report: problems without a row (the header, a whole column)
+        first, then by row."""
+        return (self.row is not None, self.row or 0)
+
 
 class Problems:
-    """Collects up to ``MAX_PROBLEMS`` problems in one file; ``full`` tells readers to stop early."""
+    """Collects the first ``MAX_PROBLEMS`` problems of one file in row order; ``full`` tells readers
+    to stop early.
+
+    The checks run column by column over a batch of rows, but users fix a file top to bottom, so the
+    report is kept sorted by row (``Problem.position``), and within a row in the order the problems
+    were found: the row's structure (as the reader parses it), then the job's columns in the job's
+    order (text columns, then the label). Sorting here, as problems arrive, orders every report the
+    same way, whichever check found its problems.
+
+    The cap keeps the first rows' problems, not the first found: once full, a problem in an earlier
+    row than the last one kept takes its place (a comparison per problem, an insertion into at most
+    ``MAX_PROBLEMS`` items when it wins). Otherwise a batch's text problems in rows 1-20 would crowd
+    out a label problem in row 1, and the report would skip a row the user has to fix first.
+    Readers stop at the batch that fills the report and later batches hold later rows, so the report
+    is the file's first ``MAX_PROBLEMS`` problems in row order; the exception is a batch whose rows'
+    structure alone (ragged rows, bad JSON lines) fills it, whose columns are then never checked.
+    """
 
     def __init__(self, filename: str):
         self.filename = filename
@@ -48,12 +71,19 @@ class Problems:
         code: str = "invalid_file",
         param: str = "file",
     ) -> None:
-        if not self.full:
-            self.items.append(Problem(row, column, show_value(value), message, code, param))
+        """Record a problem in its row's place (``Problem.position``); once the report is full, only
+        one in an earlier row than the last one kept, which it replaces."""
+        problem = Problem(row, column, None, message, code, param)
+        if self.full:
+            if problem.position >= self.items[-1].position:
+                return
+            self.items.pop()
+        problem.value = show_value(value)
+        bisect.insort(self.items, problem, key=lambda p: p.position)
 
     def error(self, summary: str | None = None) -> UserError | None:
         """The report as a ``UserError`` (None without problems): code and param are the first
-        problem's, and so is the message unless a ``summary`` replaces it."""
+        problem's (the earliest row's), and so is the message unless a ``summary`` replaces it."""
         if not self.items:
             return None
         first = self.items[0]
