@@ -80,7 +80,9 @@ def sweep_plan_table(batching: str):
                 "trials": f"{plan['max_trials']} ({plan['max_parallel_trials']} at a time)",
                 "objective": f"{objective['direction']} {objective['metric']}",
                 "search space": escape(_space_lines(plan["search_space"])),
-                "first trials": escape("; ".join(json.dumps(t) for t in plan["first_trials"])),
+                "first trials": escape(
+                    "\n".join(", ".join(f"{k}={_value(v)}" for k, v in t.items()) for t in plan["first_trials"])
+                ),
             }
         )
         return Group(sweep, "[bold]each trial[/]", job_plan_table(batching)(plan["trial_plan"]))
@@ -284,13 +286,14 @@ def add_commands(commands, command, quiet, read) -> None:
         type=Path,
         metavar="FILE",
         help="a JSON file (or YAML: .yaml, .yml) of {name: {type: float|int|categorical, low, high, log, step, "
-        "choices}}; {name: {}} takes tunejob's range for the model's size",
+        "choices}}; {name: {}} takes tunejob's range for the model's size; without it: tunejob's ranges for "
+        "learning_rate, batch_size, warmup_ratio, weight_decay and epochs, those --set leaves out",
     )
     p.add_argument(
         "--objective",
         action="append",
-        help="METRIC[:maximize|minimize], e.g. accuracy (default "
-        "direction: the metric's); repeat it for several objectives (the Pareto front), e.g. "
+        help="METRIC[:maximize|minimize], e.g. accuracy (default: the jobs' metric_for_best_model, loss or "
+        "ndcg@10; default direction: the metric's); repeat it for several objectives (the Pareto front), e.g. "
         "--objective accuracy --objective latency_ms",
     )
     p.add_argument(

@@ -757,7 +757,7 @@ def test_a_sweep_s_trials_and_plan_read_whole_in_80_columns():
     console = Console(width=200, record=True)
     show_plan(console, argparse.Namespace(json=False), plan, sweep_plan_table("smart"))
     shown = console.export_text()
-    assert "12 (2 at a time)" in shown and "maximize accuracy" in shown and '{"learning_rate": 5e-05}' in shown
+    assert "12 (2 at a time)" in shown and "maximize accuracy" in shown and "learning_rate=5e-05" in shown
     assert "1,602 (742 cut at max_length)" in shown and "nothing was queued" in shown
     # The search space one range a line, as a reader writes it (it was Optuna's reprs).
     assert "learning_rate  1e-05 .. 0.001 (log)" in shown and "batch_size     one of 16, 32" in shown, shown

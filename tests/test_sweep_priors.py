@@ -198,6 +198,23 @@ BAD_PRIORS = [
 ]
 
 
+def test_a_sweep_without_ranges_or_objective_searches_the_priors_the_spec_leaves_out(client, dataset):  # noqa: F811
+    """``tunejob sweeps create --model M --dataset D`` was a 422 ("search_space: Field required",
+    then "objective (or objectives) is required"): with neither, tunejob searches its priors'
+    hyperparameters that ``hyperparameters`` does not fix, for the jobs' own best metric (as
+    ``Trainer.hyperparameter_search`` searches a default space)."""
+    sweep = body(dataset["id"], hyperparameters={"epochs": 1, "max_length": 32})
+    del sweep["search_space"], sweep["objective"]
+    r = client.post("/sweeps", json=sweep, params={"dry_run": "true"})
+    assert r.status_code == 200, r.text
+    assert list(r.json()["search_space"]) == ["learning_rate", "batch_size", "warmup_ratio", "weight_decay"]
+    assert r.json()["objective"] == {"metric": "loss", "direction": "minimize"}
+    assert client.post("/sweeps", json={**sweep, "search_space": {}}, params={"dry_run": "true"}).json() == r.json()
+    every = {"learning_rate": 1e-4, "batch_size": 8, "warmup_ratio": 0.0, "weight_decay": 0.0, "epochs": 1}
+    error = refused(client, {**sweep, "hyperparameters": every}, 422, "invalid_search_space", "search_space")
+    assert "name the ranges to search" in error["message"]
+
+
 @pytest.mark.parametrize("space,param", BAD_PRIORS, ids=[p for _, p in BAD_PRIORS])
 def test_a_range_tunejob_cannot_fill_is_refused(client, dataset, space, param):  # noqa: F811
     refused(client, body(dataset["id"], search_space=space), 422, "invalid_search_space", param)

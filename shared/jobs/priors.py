@@ -25,6 +25,7 @@ Every range holds tunejob's own defaults (learning rate 5e-5, batch 16, warmup 0
 
 import math
 
+from shared.errors import UserError
 from shared.jobs.base_models import resolve_model
 from shared.schemas.sweeps import Distribution, SweepCreate
 
@@ -75,9 +76,23 @@ def fill(spec: SweepCreate) -> SweepCreate:
     the prior's) given the prior of the base model's size; other ranges as they are (a range
     without a type that is not one of them: ``shared.jobs.search_space.distributions`` refuses it).
 
+    With no search space at all, every field of ``PRIORS`` that ``spec.hyperparameters`` does not
+    set is searched (as ``Trainer.hyperparameter_search`` searches its default space when given none).
+
     Raises:
-        UserError: ``unknown_model`` (only when a range is to be filled).
+        UserError: ``unknown_model`` (only when a range is to be filled); ``invalid_search_space``
+            naming ``search_space`` when it is empty and ``hyperparameters`` sets every field of ``PRIORS``.
     """
+    if not spec.search_space:
+        unset = [name for name in PRIORS["base"] if name not in spec.hyperparameters.model_fields_set]
+        if not unset:
+            raise UserError(
+                "invalid_search_space",
+                f"search_space: none given, and hyperparameters fixes every one tunejob would search "
+                f"({', '.join(PRIORS['base'])}): name the ranges to search",
+                "search_space",
+            )
+        spec = spec.model_copy(update={"search_space": {name: Distribution() for name in unset}})
     names = [
         name
         for name, d in spec.search_space.items()

@@ -107,10 +107,16 @@ class SweepCreate(JobCreate):
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [SWEEP_CREATE_EXAMPLE]})
 
     search_space: dict[str, Distribution] = Field(
-        min_length=1,
-        description="Hyperparameters to search, by name (also base_model: categorical over base models of the task).",
+        default_factory=dict,
+        description="Hyperparameters to search, by name (also base_model: categorical over base models of the task). "
+        "Left out (or {}): tunejob's ranges for learning_rate, batch_size, warmup_ratio, weight_decay and epochs, "
+        "those that hyperparameters leaves unset.",
     )
-    objective: Objective = Field(None, description="The one objective; or give objectives.")  # type: ignore[assignment]  # filled from objectives
+    objective: Objective = Field(
+        None,
+        description="The one objective; or give objectives. Default: hyperparameters.metric_for_best_model "
+        "(loss; ndcg@10 for embedding and reranking), as each job picks its best evaluation.",
+    )  # type: ignore[assignment]  # filled from objectives
     objectives: list[Objective] | None = Field(
         None,
         min_length=1,
@@ -165,8 +171,8 @@ class SweepCreate(JobCreate):
             self.objective = self.objectives[0]
         elif self.objectives and self.objective != self.objectives[0]:
             raise ValueError("give objective or objectives, not both")
-        elif self.objective is None:
-            raise ValueError("objective (or objectives) is required")
+        elif self.objective is None:  # as each job picks its best evaluation (loss; embedding: ndcg@10)
+            self.objective = Objective(metric=self.hyperparameters.metric_for_best_model)
         return self
 
     @property
