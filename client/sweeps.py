@@ -160,7 +160,7 @@ def sweep_trials(client: Client, args, out: Console) -> None:
     if args.json:
         print_json(trials)
     else:
-        out.print(trials_table(trials, client.get_sweep(args.sweep_id)))
+        out.print(trials_table(trials, client.get_sweep(args.sweep_id), out.width))
 
 
 def watch_sweep(client: Client, args, out: Console) -> int:
@@ -182,7 +182,7 @@ def watch(client: Client, sweep_id: str, out: Console) -> int:
     with Live(console=out, auto_refresh=False) as live:
         while True:
             sweep, trials = client.get_sweep(sweep_id), client.sweep_trials(sweep_id)
-            live.update(Group(sweep_table(sweep), trials_table(trials, sweep)), refresh=True)
+            live.update(Group(sweep_table(sweep), trials_table(trials, sweep, out.width)), refresh=True)
             if sweep.finished_at is not None:
                 return EXIT_FOR.get(sweep.status, 1)
             time.sleep(WATCH_SECONDS)
@@ -219,9 +219,10 @@ def sweep_table(sweep) -> Table:
     return table
 
 
-def trials_table(trials, sweep) -> Table:
-    """The trials by number: parameters, each objective's value, steps; with several objectives a
-    ``front`` column marks the Pareto front's trials (``*``)."""
+def trials_table(trials, sweep, width: int | None = None) -> Table:
+    """The trials by number: each objective's value, steps, then the parameters that fit in
+    ``width`` characters (all without it; the others named in the caption); with several
+    objectives a ``front`` column marks the Pareto front's trials (``*``)."""
     names = sorted({name for t in trials for name in t.params})
     metrics = [o.metric for o in sweep.objectives]
     front = {p.trial_number for p in sweep.pareto_trials}
@@ -230,22 +231,31 @@ def trials_table(trials, sweep) -> Table:
             str(t.number),
             t.job_id,
             t.status,
-            *(_value(t.params.get(n)) for n in names),
             *(_value(v) for v in t.values),
             *(["*" if t.number in front else ""] if len(metrics) > 1 else []),
             str(t.steps),
+            *(_value(t.params.get(n)) for n in names),
         ]
         for t in trials
     ]
-    headers = ["#", "id", "status", *names, *metrics, *(["front"] if len(metrics) > 1 else []), "steps"]
+    headers = ["#", "id", "status", *metrics, *(["front"] if len(metrics) > 1 else []), "steps", *names]
     # every value whole (a status, a learning rate); names break after their underscores
-    widths = [max([len(r[i]) for r in rows] + [1]) for i in range(len(headers))]
-    columns = [Column(h.replace("_", "_\n"), overflow="fold", min_width=w) for h, w in zip(headers, widths)]
+    widths = [max([len(r[i]) for r in rows] + [len(max(h.split("_"), key=len))]) for i, h in enumerate(headers)]
+    shown = len(headers)
+    if width is not None:  # the parameters that fit (a column: its width, padding and a border)
+        used = 1 + sum(w + 3 for w in widths[: len(headers) - len(names)])
+        shown = len(headers) - len(names)
+        while shown < len(headers) and used + widths[shown] + 3 <= width:
+            used, shown = used + widths[shown] + 3, shown + 1
+    columns = [Column(h.replace("_", "_\n"), overflow="fold", min_width=w) for h, w in zip(headers[:shown], widths)]
     columns[0], columns[1] = Column("#", min_width=1), id_column()
     defaults = [t.number for t in trials if t.default]
-    table = Table(*columns, caption=f"#{defaults[0]}: the default hyperparameters" if defaults else None)
+    captions = [f"#{defaults[0]}: the default hyperparameters"] if defaults else []
+    if left := headers[shown:]:
+        captions.append(f"not shown: {', '.join(left)} (--json, or a wider window)")
+    table = Table(*columns, caption="; ".join(captions) or None)
     for row in rows:
-        table.add_row(*row[:2], styled_status(row[2]), *row[3:])
+        table.add_row(*row[:2], styled_status(row[2]), *row[3:shown])
     return table
 
 

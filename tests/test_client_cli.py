@@ -717,13 +717,24 @@ def test_a_sweep_s_trials_and_plan_read_whole_in_80_columns():
         trial(1, "job_18662859e9969f96", {"batch_size": 8, "learning_rate": 6.8244e-5}, 0.4, 23),
     ]
     console = Console(width=80, record=True)
-    console.print(trials_table(trials, sweep))
+    console.print(trials_table(trials, sweep, 80))
     shown = console.export_text()
     assert "succeeded" in shown and "6.824e-05" in shown and "…" not in shown, shown
     assert all(
         len(line) <= 80 and line.rstrip().endswith(("┓", "┃", "┩", "│", "┘")) for line in shown.splitlines()[:-1]
     )
-    assert "#0: the default hyperparameters" in shown
+    assert "#0: the default hyperparameters" in shown and "not shown" not in shown
+    # four parameters (the priors' default search): the window cut the objective's value and the
+    # steps off the right edge; they come first now, and the parameters that do not fit are named
+    for t, (warmup, decay) in zip(trials, [(0.1, 0.01), (0.05449, 0.04237)]):
+        t.params.update(warmup_ratio=warmup, weight_decay=decay)
+    console = Console(width=80, record=True)
+    console.print(trials_table(trials, sweep, 80))
+    shown = console.export_text()
+    table = shown.split("#0:")[0]
+    assert all(len(line) <= 80 and line.rstrip().endswith(("┓", "┃", "┩", "│", "┘")) for line in table.splitlines())
+    assert "0.25" in table and "23" in table and "6.824e-05" in table, shown
+    assert "not shown: warmup_ratio, weight_decay" in " ".join(shown.split()), shown
 
     from client.sweeps import list_sweeps
 
