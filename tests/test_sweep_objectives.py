@@ -238,6 +238,18 @@ def test_the_sweep_page_draws_the_front_and_a_warm_starts_history_narrow_and_wid
                 for name in ("learning_rate", "batch_size")
             }
             assert scales == {"learning_rate": "log", "batch_size": "linear"}
+            # a log axis's labels keep apart: 5e-5 to 1e-3 on 400 px labelled all nine mantissas,
+            # 8e-4 and 9e-4 15 px apart (a label takes about 34)
+            gaps = w.page.evaluate(
+                """() => {
+                  const u = {scales: {x: {min: 5e-5, max: 1e-3}}, bbox: {width: 400 * devicePixelRatio}};
+                  const splits = [5e-5, 6e-5, 7e-5, 8e-5, 9e-5, 1e-4, 2e-4, 3e-4, 4e-4, 5e-4, 6e-4, 7e-4, 8e-4, 9e-4, 1e-3];
+                  const px = v => 400 * Math.log10(v / 5e-5) / Math.log10(1e-3 / 5e-5);
+                  const shown = logTicks(u, splits).filter(v => v !== null);
+                  return shown.slice(1).map((v, i) => px(v) - px(shown[i]));
+                }"""
+            )
+            assert len(gaps) >= 2 and min(gaps) >= 34, gaps
             colours = dict(legend(w.page, "#chart-front"))  # the report's picture's: the front red, the rest blue
             assert (
                 colours["front"] == "rgb(220, 38, 38)"

@@ -138,11 +138,13 @@ class LiveChart {
 
 // The labelled ticks of a log axis (uPlot's `filter`; null: a tick without a label): every one where
 // a decade is wide, else the mantissas 1, 2 and 5, else the powers of ten (uPlot's own labels only
-// the powers of ten: a sweep's learning rates, within a decade, had one label).
+// the powers of ten: a sweep's learning rates, within a decade, had one label). A label ("8e-4")
+// takes about 34 px: 8 and 9 lie log10(9/8) of a decade apart, 5 and 10 log10(2), so every
+// mantissa needs 700 px a decade (at 300, 6e-5 to 9e-5 overlapped), 1, 2 and 5 need 120.
 function logTicks(u, splits) {
   const {min, max} = u.scales.x;
   const perDecade = u.bbox.width / devicePixelRatio / Math.max(Math.log10(max / min), 1e-9);
-  const shown = perDecade >= 300 ? [1, 2, 3, 4, 5, 6, 7, 8, 9] : perDecade >= 120 ? [1, 2, 5] : [1];
+  const shown = perDecade >= 700 ? [1, 2, 3, 4, 5, 6, 7, 8, 9] : perDecade >= 120 ? [1, 2, 5] : [1];
   return splits.map(v => (shown.includes(Math.round(v / 10 ** Math.floor(Math.log10(v) + 1e-9))) ? v : null));
 }
 
