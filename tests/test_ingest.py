@@ -84,6 +84,30 @@ def test_unquoted_tsv_keeps_quotes_as_text(stack):
     assert table["text"].tolist() == ['"Great movie" he said', 'say "hi" twice', '"ok"', "plain"]
 
 
+def test_excel_s_semicolon_separated_csv_is_read_exactly(stack):
+    """Excel writes CSV with semicolons where a comma is the decimal separator: the header
+    ``text;label`` read as one column, and every quoted text was refused ("',' expected after
+    '\"'"). A header of one field holding a semicolon means semicolons; a comma in a text stays."""
+    labels = ["a", "b", "a", "b", "a"]
+    content = pd.DataFrame({"text": TEXTS, "label": labels}).to_csv(sep=";", index=False).encode("utf-8-sig")
+    dataset = upload(stack.client, content, "excel.csv")
+    assert dataset["rows"] == 5 and dataset["columns"] == ["text", "label"]
+
+    from shared.data.columns import JobColumns
+    from shared.data.labels import read_job_table
+
+    table, _ = read_job_table(
+        stack.data_dir / "uploads" / f"{dataset['id']}.csv",
+        "csv",
+        "excel.csv",
+        JobColumns("classification", "text", None, "label"),
+    )
+    assert table["text"].tolist() == TEXTS and table["label"].tolist() == labels
+    # a comma-separated file whose header holds a semicolon inside a field is still read by commas
+    dataset = upload(stack.client, b'"a;b",label\nx,1\ny,2\n', "commas.csv")
+    assert dataset["columns"] == ["a;b", "label"]
+
+
 def test_utf8_bom_is_read_and_utf16_refused(stack):
     dataset = upload(stack.client, "\ufefftext,label\nhello,a\nworld,b\n".encode(), "bom.csv")
     assert dataset["columns"] == ["text", "label"]  # not "\ufefftext"

@@ -1,6 +1,7 @@
 """CSV and TSV, streamed with Python's ``csv`` module (strict RFC 4180 quoting; every cell read as
 text, as written; a third of the memory of ``pyarrow.csv``'s streaming reader, which holds several
-blocks)."""
+blocks). A CSV file may be separated by semicolons, as Excel writes it where the decimal
+separator is a comma (``delimiter``)."""
 
 import csv
 from collections.abc import Iterator
@@ -15,12 +16,27 @@ from shared.data.readers.base import Batch, check_names
 csv.field_size_limit(BATCH_BYTES)  # a longer field is a problem of its row, not a MemoryError
 
 
-def _csv_reader(f, fmt: str, quoted: bool):
+def delimiter(path: Path, fmt: str) -> str:
+    """A TSV file's tab; a CSV file's comma, or its semicolon when its header is one field
+    holding a semicolon and no tab (``text;label``: Excel's CSV where a comma is the decimal
+    separator, which a comma read as one column and then failed on every quoted text)."""
+    if fmt == "tsv":
+        return "\t"
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        first = f.readline(1 << 20)
+    try:
+        header = next(csv.reader([first]), [])
+    except csv.Error:  # a header in quotes that spans lines: comma-separated or broken, not Excel's
+        return ","
+    return ";" if len(header) == 1 and ";" in header[0] and "\t" not in header[0] else ","
+
+
+def _csv_reader(f, quoted: bool, sep: str):
     """Python's ``csv`` reader: RFC 4180 quoting, strict (a quote inside an unquoted field, or text
     after a closing quote, is an error, never silently dropped), or no quoting at all."""
     return csv.reader(
         f,
-        delimiter="\t" if fmt == "tsv" else ",",
+        delimiter=sep,
         quotechar='"',
         doublequote=True,
         quoting=csv.QUOTE_MINIMAL if quoted else csv.QUOTE_NONE,
@@ -28,11 +44,11 @@ def _csv_reader(f, fmt: str, quoted: bool):
     )
 
 
-def _csv_rows(path: Path, fmt: str, quoted: bool) -> Iterator[tuple[int, list[str] | csv.Error]]:
+def _csv_rows(path: Path, quoted: bool, sep: str) -> Iterator[tuple[int, list[str] | csv.Error]]:
     """(line number, fields) of each non-blank record after the header, the header first; a record
     the reader refuses comes as its ``csv.Error`` (the reader goes on with the next line)."""
     with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = _csv_reader(f, fmt, quoted)
+        reader = _csv_reader(f, quoted, sep)
         while True:
             try:
                 fields = next(reader)
@@ -45,8 +61,8 @@ def _csv_rows(path: Path, fmt: str, quoted: bool) -> Iterator[tuple[int, list[st
                 yield reader.line_num, fields
 
 
-def _csv_header(path: Path, fmt: str, quoted: bool, filename: str) -> list[str]:
-    for _, header in _csv_rows(path, fmt, quoted):
+def _csv_header(path: Path, fmt: str, quoted: bool, sep: str, filename: str) -> list[str]:
+    for _, header in _csv_rows(path, quoted, sep):
         if isinstance(header, csv.Error):
             raise invalid_file(filename, fmt, f"the header (line 1) {header}")
         check_names(header, filename)
@@ -54,10 +70,10 @@ def _csv_header(path: Path, fmt: str, quoted: bool, filename: str) -> list[str]:
     raise invalid_file(filename, fmt, "it has no header row")
 
 
-def _parses_cleanly(path: Path, fmt: str, quoted: bool) -> bool:
-    """Every record parses and has as many fields as the header."""
+def _parses_cleanly(path: Path, quoted: bool) -> bool:
+    """Every record of a TSV file parses and has as many fields as the header."""
     width = None
-    for _, fields in _csv_rows(path, fmt, quoted):
+    for _, fields in _csv_rows(path, quoted, "\t"):
         if isinstance(fields, csv.Error) or len(fields) != (width := width or len(fields)):
             return False
     return True
@@ -74,17 +90,17 @@ def tsv_is_quoted(path: Path) -> bool:
     with open(path, "rb") as f:
         if not any(b'"' in chunk for chunk in iter(lambda: f.read(1 << 20), b"")):
             return True
-    return _parses_cleanly(path, "tsv", True) or not _parses_cleanly(path, "tsv", False)
+    return _parses_cleanly(path, True) or not _parses_cleanly(path, False)
 
 
 def csv_batches(path: Path, fmt: str, filename: str, columns: list[str] | None, problems: Problems) -> Iterator[Batch]:
-    quoted = fmt == "csv" or tsv_is_quoted(path)
-    header = _csv_header(path, fmt, quoted, filename)
+    quoted, sep = fmt == "csv" or tsv_is_quoted(path), delimiter(path, fmt)
+    header = _csv_header(path, fmt, quoted, sep, filename)
     picks = [(name, header.index(name)) for name in columns or []]
     values: dict[str, list] = {name: [] for name, _ in picks}
     start = size = nbytes = 0
     keys = tuple(header)  # handed out with the first batch
-    rows = _csv_rows(path, fmt, quoted)
+    rows = _csv_rows(path, quoted, sep)
     next(rows)  # the header
     for line, fields in rows:
         row = start + size + 1
@@ -100,10 +116,7 @@ def csv_batches(path: Path, fmt: str, filename: str, columns: list[str] | None, 
                 f"(line {line}) does not parse: {fields}" + "".join(h for key, h in hint.items() if key in str(fields)),
             )
         elif len(fields) != len(header):
-            delimiter = "\t" if fmt == "tsv" else ","
-            problems.add(
-                row, None, delimiter.join(fields), f"has {len(fields)} field(s) where the header has {len(header)}"
-            )
+            problems.add(row, None, sep.join(fields), f"has {len(fields)} field(s) where the header has {len(header)}")
         for name, i in picks:
             cell = fields[i] if isinstance(fields, list) and len(fields) == len(header) else None
             values[name].append(cell)
