@@ -197,6 +197,27 @@ def test_unsupported_extension_is_refused(stack, filename):
         post_file(stack.client, b"text,label\na,b\n", filename), 422, "unsupported_format", "file", filename
     )
     assert ".csv" in error["message"] and ".parquet" in error["message"]  # says what is accepted
+    hint = {"data.xlsx": "save it as CSV"}.get(filename)
+    assert hint is None or hint in error["message"], error
+    before.assert_unchanged()
+
+
+def test_a_compressed_file_is_refused_saying_so(stack):
+    error = assert_error(post_file(stack.client, b"\x1f\x8b", "train.csv.gz"), 422, "unsupported_format", "file")
+    assert "compressed: upload the file inside it" in error["message"]
+
+
+def test_json_lines_named_json_is_read_and_a_json_array_refused_saying_how_to_write_it(stack):
+    """``.json`` was refused outright: JSON Lines named ``.json`` (Hugging Face datasets' json
+    loader reads them) is read; a JSON array is refused with how to write JSON Lines."""
+    lines = b'{"text": "a b", "label": "x"}\n{"text": "c d", "label": "y"}\n'
+    r = post_file(stack.client, lines, "train.json")
+    assert r.status_code == 201 and r.json()["rows"] == 2 and r.json()["columns"] == ["text", "label"], r.text
+    before = Snapshot(stack)
+    error = assert_error(
+        post_file(stack.client, b'[{"text": "a b", "label": "x"}]', "records.json"), 422, "invalid_file", "file"
+    )
+    assert "one JSON array, not JSON Lines" in error["message"] and "lines=True" in error["message"]
     before.assert_unchanged()
 
 

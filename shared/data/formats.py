@@ -11,6 +11,7 @@ FORMATS = {
     ".tsv": "tsv",
     ".jsonl": "jsonl",
     ".ndjson": "jsonl",
+    ".json": "jsonl",  # JSON Lines named .json, as Hugging Face datasets' json loader reads it
     ".parquet": "parquet",
     ".conll": "conll",
 }
@@ -31,11 +32,20 @@ def detect_format(filename: str) -> str:
     Raises:
         UserError: ``unsupported_format`` for any other extension.
     """
-    fmt = FORMATS.get(Path(filename).suffix.lower())
+    suffix = Path(filename).suffix.lower()
+    fmt = FORMATS.get(suffix)
     if fmt is None:
+        hint = next((h for suffixes, h in UNSUPPORTED_HINTS if suffix in suffixes), "")
         raise UserError(
             "unsupported_format",
-            f"{filename!r}: unsupported file type; use one of {', '.join(sorted(FORMATS))}",
+            f"{filename!r}: unsupported file type{hint}; use one of {', '.join(sorted(FORMATS))}",
             "file",
         )
     return fmt
+
+
+# what to do with the files users most often try instead
+UNSUPPORTED_HINTS = [
+    ((".gz", ".zip", ".bz2", ".xz", ".zst", ".tar", ".tgz"), " (compressed: upload the file inside it)"),
+    ((".xlsx", ".xls", ".ods"), " (a spreadsheet: save it as CSV)"),
+]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.data.formats import BATCH_BYTES, BATCH_ROWS
-from shared.data.problems import Problems
+from shared.data.problems import Problems, invalid_file
 from shared.data.readers.base import Batch, too_many_columns
 from shared.settings import get_settings
 
@@ -45,6 +45,13 @@ def jsonl_batches(
     with open(path, "rb") as f:
         while line := f.readline(BATCH_BYTES + 1):
             line_number += 1
+            if line_number == 1 and line.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+                raise invalid_file(
+                    filename,
+                    fmt,
+                    "it is one JSON array, not JSON Lines: write one object per line "
+                    "(pandas: to_json(path, orient='records', lines=True))",
+                )
             if len(line) > BATCH_BYTES and not line.endswith(b"\n"):
                 problems.add(
                     start + size + 1,
