@@ -270,6 +270,8 @@ def test_workers_stop_when_serve_is_killed(tmp_path):
             )  # both consuming: "celery@<host> ready."
 
         wait_for("serve's two workers", two_workers_up, 60, diagnostics=serve.tail)
+        # each a Celery node of its own (both were celery@<host>)
+        assert len(set(re.findall(r"(tunejob-cpu-\d+@\S+) ready\.", serve.tail(400)))) == 2, serve.tail()
         # a worker killed (as by the out-of-memory killer) is started again, in a session of its own
         lost = psutil.Process(serve.pid).children()[0]
         lost.kill()

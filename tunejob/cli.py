@@ -304,7 +304,10 @@ def run_worker(gpu: int | None, niceness: int = 0, parent: int | None = None) ->
     from worker.tasks import app
 
     upgrade_database()
-    app.worker_main(WORKER_ARGS)
+    # a node name of its own (Celery's default, celery@<host>, is every worker's on a host: its
+    # remote control and `celery inspect` would take two workers of one box for one)
+    name = f"tunejob-{'cpu' if gpu is None else f'gpu{gpu}'}-{os.getpid()}@%h"
+    app.worker_main([*WORKER_ARGS, "--hostname", name])
 
 
 def manage_keys(args: argparse.Namespace) -> None:
