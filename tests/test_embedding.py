@@ -280,6 +280,23 @@ def test_training_end_to_end_improves_retrieval_and_saves_a_sentence_transformer
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)  # normalized
 
 
+def test_the_manifest_holds_the_saved_files_hashes(engine_env, tiny_st):
+    """One epoch: the last evaluation is the best, and the artifact takes the final weights hashed
+    as they were written. sentence-transformers saves a tokenizer beside them; the artifact's own
+    tokenizer overwrote it after it was hashed, so the manifest was wrong for tokenizer.json and a
+    bucket's download refused it (a 500 on /v1/embeddings, a cut model.tar)."""
+    from shared.store import artifacts
+    from shared.store.manifest import verify_manifest
+    from worker.data import JobData
+    from worker.training.recipe import fine_tune
+
+    reporter = RecordingReporter()
+    job = embedding_job("manifest", epochs=1, batch_size=16, learning_rate=2e-3)
+    assert fine_tune(job, JobData(pairs(48, seed=1), pairs(16, seed=2)), torch.device("cpu"), reporter) == "succeeded"
+    assert max(reporter.series("eval_ndcg@10")) > 0  # evaluated after its one epoch
+    assert verify_manifest(artifacts.model_dir("manifest")) == []
+
+
 def test_an_embedding_job_reports_the_padding_it_computes(engine_env, tiny_st, monkeypatch):
     """Short anchors beside long positives: each column runs at its own longest text
     (``split_columns``), so the job's padding efficiency is its real tokens over the tokens its

@@ -18,7 +18,7 @@ from worker.evaluation import write_evaluation
 from worker.model_card import write_model_card
 from worker.reporter import PhaseTimer
 from worker.run_logs import write_run_logs
-from worker.training.files import write_atomically
+from worker.training.files import save_tokenizer, write_atomically
 from worker.training.setup import JobSetup
 from worker.training.state import TrainState
 
@@ -95,10 +95,12 @@ def save_model(
         hashed = {name: entry for name, entry in (hashed or {}).items() if name != "config.json"}
 
     def write(tmp: Path) -> None:
+        nonlocal hashed
         artifacts.link_or_copy_files(weights, tmp)
         if threshold is not None:
             write_decision_threshold(tmp, threshold)
-        job_setup.tokenizer.save_pretrained(tmp)
+        written = save_tokenizer(job_setup.tokenizer, tmp)
+        hashed = {name: entry for name, entry in (hashed or {}).items() if name not in written}
         (tmp / "training_args.json").write_text(json.dumps(job.spec, indent=2))
         write_run_logs(tmp, job, metric_rows)  # training_curves.png and runs/ (TensorBoard)
         data = job_setup.data

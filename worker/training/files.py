@@ -1,7 +1,9 @@
-"""Directories written whole or not at all: checkpoints, saved weights and the model artifact."""
+"""Directories written whole or not at all: checkpoints, saved weights and the model artifact;
+a tokenizer's files written as new files into one (``save_tokenizer``)."""
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,3 +31,20 @@ def write_atomically(final_dir: Path, write: Callable[[Path], None]) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def save_tokenizer(tokenizer, directory: Path) -> set[str]:
+    """Write ``tokenizer``'s files into ``directory``, each as a new file, and return their names.
+
+    New files, not writes into the ones there: ``directory`` may hold hard links to another
+    directory's files (a checkpoint's to the best weights, the artifact's to the final ones), and
+    a sentence-transformers model saves its own tokenizer beside its weights, so an in-place write
+    would change the other directory's file, and a hash already taken of it (the artifact's
+    manifest: the caller drops those names' entries and they are hashed again).
+    """
+    with tempfile.TemporaryDirectory(dir=directory) as staging:
+        saved = [Path(p) for p in tokenizer.save_pretrained(staging)]
+        names = {p.name for p in saved if p.is_file()}
+        for name in names:
+            os.replace(Path(staging) / name, directory / name)
+    return names

@@ -12,7 +12,7 @@ import torch
 from shared.store import artifacts, objects
 from worker.data import BatchStats
 from worker.reporter import Reporter
-from worker.training.files import write_atomically
+from worker.training.files import save_tokenizer, write_atomically
 
 
 @dataclass
@@ -144,7 +144,7 @@ def write_checkpoint(path: Path, model: torch.nn.Module, tokenizer, state: dict,
             artifacts.link_or_copy_files(best_dir, tmp)
         else:
             model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)  # new files: never written through a link into best_dir
         torch.save(state, tmp / artifacts.TRAINING_STATE)
 
     write_atomically(path, write)
