@@ -265,11 +265,20 @@ def delete_job(client: Client, args, out: Console) -> None:
     out.print(f"deleted job {args.job_id}")
 
 
+# how each task's model loads (the download's closing line): an embedding model said pipeline("text-classification")
+LOADERS = {
+    "token_classification": 'transformers.pipeline("token-classification", model="{}", aggregation_strategy="simple")',
+    "embedding": 'sentence_transformers.SentenceTransformer("{}")',
+    "reranking": 'sentence_transformers.CrossEncoder("{}")',
+}
+
+
 def download_model(client: Client, args, out: Console) -> None:
+    task = client.get_job(args.job_id).task
     directory = client.download_model(args.job_id, args.output or Path(args.job_id))
+    loader = LOADERS.get(task, 'transformers.pipeline("text-classification", model="{}")').format(directory)
     out.print(
-        f"the model of {args.job_id} is in {directory}/; load it with "
-        f'transformers.pipeline("text-classification", model="{directory}"), '
+        f"the model of {args.job_id} is in {directory}/; load it with {loader}, "
         f"its training curves with tensorboard --logdir {directory}/runs"
     )
 

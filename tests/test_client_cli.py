@@ -775,6 +775,25 @@ def test_a_sweep_s_trials_and_plan_read_whole_in_80_columns():
     assert "epochs         2 .. 10 (int, step 2)" in shown and "Distribution" not in shown, shown
 
 
+def test_sweeps_get_prints_the_search_space_in_80_columns():
+    """``sweeps get`` did not say what the sweep searches: it prints the ranges of ``GET
+    /sweeps/{id}``'s ``search_space`` one a line, as ``--dry-run`` does, each whole in 80 columns."""
+    from rich.console import Console
+
+    from client.sweeps import sweep_table
+    from shared.schemas.sweeps import SweepOut
+
+    sweep = SweepOut.model_validate(SweepOut.model_config["json_schema_extra"]["examples"][0])
+    console = Console(width=80, record=True)
+    console.print(sweep_table(sweep))
+    shown = console.export_text()
+    assert all(len(line) <= 80 for line in shown.splitlines()), shown
+    lines = [line.strip() for line in shown.splitlines()]
+    assert "search space  learning_rate  1e-05 .. 0.001 (log)" in lines, shown
+    for line in ("batch_size     one of 16, 32", "warmup_ratio   0 .. 0.2", "epochs         1 .. 3 (int)"):
+        assert line in lines, (line, shown)
+
+
 def test_age_reads_past_and_future_times():
     """``age`` says how long ago, or (a webhook delivery's next attempt) how long until."""
     from datetime import UTC, datetime, timedelta
@@ -850,3 +869,31 @@ def test_datasets_and_a_job_read_whole_in_80_columns():
         list_jobs(client, argparse.Namespace(status=None, limit=20, cursor=None, json=False, quiet=False), console)
     shown = console.export_text()  # the model was 'all-MiniLM-L6…'
     assert job.base_model in shown and "…" not in shown, shown
+
+
+@pytest.mark.parametrize(
+    "task,loader",
+    [
+        ("classification", 'transformers.pipeline("text-classification", model="m")'),
+        ("token_classification", 'transformers.pipeline("token-classification", model="m"'),
+        ("embedding", 'sentence_transformers.SentenceTransformer("m")'),
+        ("reranking", 'sentence_transformers.CrossEncoder("m")'),
+    ],
+)
+def test_a_downloaded_model_is_loaded_as_its_task_loads(task, loader):
+    """``jobs download`` told every job's user to load the model with ``pipeline("text-classification")``,
+    an embedding model's and a reranker's too."""
+    from rich.console import Console
+
+    from client.cli import download_model
+
+    class Fake:
+        def get_job(self, job_id):
+            return argparse.Namespace(task=task)
+
+        def download_model(self, job_id, directory):
+            return Path(directory)
+
+    console = Console(width=400, record=True)
+    download_model(Fake(), argparse.Namespace(job_id="job_x", output=Path("m")), console)
+    assert loader in console.export_text(), console.export_text()
