@@ -189,13 +189,18 @@ def watch(client: Client, sweep_id: str, out: Console) -> int:
 
 
 def sweep_table(sweep) -> Table:
+    """``sweeps get`` (and ``watch``'s head): the sweep's figures a row each, its search space one
+    range a line (as ``--dry-run`` prints it, ``_space_lines``), the best and default trials, the
+    front, the history and the error."""
     table = Table(show_header=False, box=None)
+    space = {name: d.model_dump() for name, d in sweep.search_space.items()}
     for name, value in [
         ("sweep", sweep.id),
         ("status", styled_status(sweep.status)),
         ("model", escape(sweep.base_model)),
         ("objective", _objectives(sweep)),
         ("search", f"{sweep.algorithm}, pruning {sweep.early_stopping}"),
+        ("search space", escape(_space_lines(space))),
         ("trials", f"{_counts(sweep)} of {sweep.max_trials} ({sweep.max_parallel_trials} at a time)"),
         ("best", _best(sweep)),
         ("default", _default(sweep)),

@@ -238,6 +238,13 @@ def test_the_sweep_page_draws_the_front_and_a_warm_starts_history_narrow_and_wid
                 for name in ("learning_rate", "batch_size")
             }
             assert scales == {"learning_rate": "log", "batch_size": "linear"}
+            # a numeric categorical parameter is ticked at its choices (a linear axis ticked 20, 25, 30
+            # labelled neither choice of 16 and 32), a range at uPlot's ticks
+            ticks = {
+                name: w.page.locator(f"#sweep-charts figure:has-text('{name}') .chart").get_attribute("data-x-ticks")
+                for name in ("learning_rate", "batch_size")
+            }
+            assert ticks == {"learning_rate": None, "batch_size": "8"}, ticks
             # a log axis's labels keep apart: 5e-5 to 1e-3 on 400 px labelled all nine mantissas,
             # 8e-4 and 9e-4 15 px apart (a label takes about 34)
             gaps = w.page.evaluate(

@@ -172,6 +172,8 @@ def test_ranges_left_out_take_the_prior_of_the_models_size(client, dataset):  # 
     }
     sweep = created(client, body(dataset["id"], search_space=space, hyperparameters=fixed))
     assert trials(client, sweep["id"])[0]["params"] == plan["first_trials"][0]
+    # GET /sweeps/{id} says what the sweep searches: the ranges stored, priors filled in, as the dry run's.
+    assert sweep["search_space"] == client.get(f"/sweeps/{sweep['id']}").json()["search_space"] == plan["search_space"]
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from shared.jobs.base_models import available_models
 from shared.jobs.evaluation import read_report
 from shared.schemas.hyperparameters import Hyperparameters
 from shared.schemas.jobs import JobCreate
+from shared.schemas.sweeps import SweepOut
 from shared.settings import get_settings
 from shared.store import artifacts, keys, objects, ui_sessions
 from shared.store.rows import JobStatus
@@ -370,8 +371,9 @@ def sweeps_page(request: Request, s: SessionDep, cursor: str | None = None):
 
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
 def sweep_page(request: Request, sweep_id: str, s: SessionDep):
-    """A sweep's trials: a table, the objective by trial, each parameter against the objective;
-    with several objectives, the Pareto front among every trial's point. A warm start's history is
+    """A sweep's trials: a table, the objective by trial, each parameter against the objective (on
+    a log axis where its range is ``log``, ticked at the choices of a numeric categorical one, both
+    read from ``SweepOut.search_space``); with several objectives, the Pareto front among every trial's point. A warm start's history is
     drawn grey beside them (``history``), on neither the front nor the best."""
     sweep = sweeps.get_sweep(sweep_id, s.caller)
     trials = sweeps.list_trials(sweep_id, s.caller)
@@ -389,7 +391,8 @@ def sweep_page(request: Request, sweep_id: str, s: SessionDep):
         chart={
             "metric": sweep.objective.metric,
             "params": params,
-            "log": sweeps.log_scaled(sweep_id, s.caller),  # drawn on log axes
+            "log": [name for name, d in sweep.search_space.items() if d.log],  # drawn on log axes
+            "choices": numeric_choices(sweep),  # an axis ticked at each choice
             "front": front,
             "objectives": [o.metric for o in sweep.objectives],
             "trials": [
@@ -399,6 +402,19 @@ def sweep_page(request: Request, sweep_id: str, s: SessionDep):
             "history": history,
         },
     )
+
+
+def numeric_choices(sweep: SweepOut) -> dict[str, list[float]]:
+    """Each categorical parameter of numbers only (a ``batch_size`` of 16 or 32) and its choices, in
+    order: the sweep page ticks its chart's x axis at the choices and nowhere else (a linear axis
+    ticked 20, 25, 30 labelled neither 16 nor 32)."""
+    return {
+        name: sorted(set(d.choices))
+        for name, d in sweep.search_space.items()
+        if d.type == "categorical"
+        and d.choices
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in d.choices)
+    }
 
 
 def age(when: datetime | None, until: datetime | None = None) -> str:

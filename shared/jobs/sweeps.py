@@ -251,9 +251,10 @@ def trials_of(s: Session, sweep: Sweep) -> tuple[SweepCreate, list[Job], dict[st
 
 
 def to_out(s: Session, sweep: Sweep) -> SweepOut:
-    """The API view of a sweep: counts by trial status, the best trial (the best value among
-    succeeded trials: their kept weights are their best evaluation's; with several objectives, the
-    front's, ``front_best``), timings."""
+    """The API view of a sweep: its search space (as the dry run's plan shows it: priors filled in,
+    ``distribution_of``), counts by trial status, the best trial (the best value among succeeded
+    trials: their kept weights are their best evaluation's; with several objectives, the front's,
+    ``front_best``), timings."""
     spec, trials, trial_curves = trials_of(s, sweep)
     counts = Counter(t.status for t in trials)
     more = more_curves(s, spec, [t.id for t in trials])
@@ -277,6 +278,7 @@ def to_out(s: Session, sweep: Sweep) -> SweepOut:
         max_parallel_trials=spec.max_parallel_trials,
         objectives=spec.all_objectives,
         serving_precision=spec.serving_precision,
+        search_space={name: distribution_of(d) for name, d in distributions(spec).items()},
         trials={name: counts[name] for name in TRIAL_STATUSES},
         best_trial=best,
         default_trial=default,
@@ -381,14 +383,6 @@ def history_points(sweep_id: str, caller: Caller) -> list[dict[str, Any]]:
         }
         for t in past[: get_settings().max_trials_per_sweep]
     ]
-
-
-def log_scaled(sweep_id: str, caller: Caller) -> list[str]:
-    """The hyperparameters the sweep samples on a log scale (``log: true``, or a prior's: a
-    learning rate), which the sweep page draws on log axes. Raises: NotFound, Deleted."""
-    with read_session() as s:
-        spec = spec_of(owned_sweep(s, sweep_id, caller))
-    return [name for name, d in distributions(spec).items() if getattr(d, "log", False)]
 
 
 def get_sweep(sweep_id: str, caller: Caller) -> SweepOut:

@@ -217,6 +217,9 @@ class TrialOut(BaseModel):
 
 
 class SweepOut(BaseModel):
+    """A sweep as ``GET /sweeps/{id}`` (and each of ``GET /sweeps``) shows it: its spec's main figures,
+    what it searches (``search_space``, the dry run's ranges), its trials by status and its answer."""
+
     model_config = ConfigDict(
         json_schema_extra={
             "examples": [
@@ -232,6 +235,33 @@ class SweepOut(BaseModel):
                     "early_stopping": "asha",
                     "max_trials": 12,
                     "max_parallel_trials": 2,
+                    "search_space": {
+                        "learning_rate": {
+                            "type": "float",
+                            "low": 1e-5,
+                            "high": 1e-3,
+                            "log": True,
+                            "step": None,
+                            "choices": None,
+                        },
+                        "batch_size": {
+                            "type": "categorical",
+                            "low": None,
+                            "high": None,
+                            "log": False,
+                            "step": None,
+                            "choices": [16, 32],
+                        },
+                        "warmup_ratio": {
+                            "type": "float",
+                            "low": 0.0,
+                            "high": 0.2,
+                            "log": False,
+                            "step": None,
+                            "choices": None,
+                        },
+                        "epochs": {"type": "int", "low": 1.0, "high": 3.0, "log": False, "step": 1.0, "choices": None},
+                    },
                     "trials": {"queued": 1, "running": 2, "succeeded": 6, "pruned": 3, "failed": 0, "cancelled": 0},
                     "best_trial": {
                         "job_id": "job_8e2d4c1a9b7f3e05",
@@ -263,6 +293,11 @@ class SweepOut(BaseModel):
     max_parallel_trials: int
     objectives: list[Objective] = Field(description="Every objective (one, unless the sweep has several).")
     serving_precision: str
+    search_space: dict[str, Distribution] = Field(
+        description="What the sweep searches: each hyperparameter's range as stored (tunejob's priors filled "
+        "in), in the form of SweepCreate.search_space, as the dry run's plan shows it (an int range's step is 1 "
+        "when none was given)."
+    )
     trials: dict[str, int] = Field(description="Trials by status.")
     best_trial: BestTrial | None = Field(
         description="The best succeeded trial on the (first) objective; with several objectives, "

@@ -48,11 +48,13 @@ const INTEGER_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 100
 // A live line chart: series by name, points (step, value) added at any time, redrawn once per frame.
 class LiveChart {
   constructor(el, {points = false, marks = null, scatter = false, xLabel = "step", integerX = false, logX = false, colors = {},
-                   lastStep = null} = {}) {
+                   lastStep = null, xTicks = null} = {}) {
     this.el = el;
     this.lastStep = lastStep;  // () => a job's total steps (or null): the x axis runs from 0 to it, on every chart of the job
     this.logX = logX;          // a log-scale x axis (a learning rate sampled on a log scale)
     el.dataset.xScale = logX ? "log" : "linear";
+    this.xTicks = xTicks;      // [x, ...] ascending: the x ticks exactly, the axis spanning them all (a batch size's choices)
+    if (xTicks) el.dataset.xTicks = xTicks.join(",");
     this.colors = colors;      // series name -> its colour, its points filled (told apart by shape too); the others take PALETTE's in turn
     this.scatter = scatter;    // points only, no lines (a sweep's trials)
     this.xLabel = xLabel;
@@ -97,6 +99,9 @@ class LiveChart {
     const c = themeColors();
     const marks = this.marks;
     const free = this.names.filter(n => !(n in this.colors));
+    const ticks = this.xTicks;
+    // labelled with as many decimals as the closest two need (a lone tick: as a value on its own)
+    const gap = ticks && ticks.length > 1 ? Math.min(...ticks.slice(1).map((v, i) => v - ticks[i])) : undefined;
     return {
       width: Math.max(280, this.el.clientWidth), height: 220,
       scales: {x: {time: false, ...(this.logX ? {distr: 3, log: 10} : {}), ...(this.lastStep ? {range: (u, min, max) => {
@@ -104,10 +109,11 @@ class LiveChart {
         // loss chart from 1 to 101: the data's own last step, not max, past the job's last
         const last = this.lastStep(), xs = u.data[0];
         return last ? [0, Math.max(xs.length ? xs[xs.length - 1] : last, last)] : [min, max];
-      }} : {})}},
+      }} : {}), ...(ticks ? {range: () => tickRange(ticks)} : {})}},
       legend: {show: true},
       axes: [{stroke: c.text, grid: {stroke: c.grid}, label: this.xLabel, values: tickLabels,
-              ...(this.integerX ? {incrs: INTEGER_INCRS} : {}), ...(this.logX ? {filter: logTicks} : {})},
+              ...(this.integerX ? {incrs: INTEGER_INCRS} : {}), ...(this.logX ? {filter: logTicks} : {}),
+              ...(ticks ? {splits: () => ticks, values: (u, splits) => tickLabels(u, splits, 0, 0, gap)} : {})},
              {stroke: c.text, grid: {stroke: c.grid}, size: 64, values: tickLabels}],
       series: [{label: this.xLabel}, ...this.names.map(n => {
         const fill = n in this.colors ? {fill: this.colors[n]} : {};  // its points and legend marker
@@ -146,6 +152,14 @@ function logTicks(u, splits) {
   const perDecade = u.bbox.width / devicePixelRatio / Math.max(Math.log10(max / min), 1e-9);
   const shown = perDecade >= 700 ? [1, 2, 3, 4, 5, 6, 7, 8, 9] : perDecade >= 120 ? [1, 2, 5] : [1];
   return splits.map(v => (shown.includes(Math.round(v / 10 ** Math.floor(Math.log10(v) + 1e-9))) ? v : null));
+}
+
+// The x range of an axis ticked at `ticks` (ascending; a numeric categorical parameter's choices):
+// every one of them, though the trials so far took one, and 5% of their span (a lone tick: of its
+// value) either side, so that the points on the first and the last are not cut in half.
+function tickRange(ticks) {
+  const low = ticks[0], high = ticks[ticks.length - 1], pad = 0.05 * (high - low || Math.abs(low) || 1);
+  return [low - pad, high + pad];
 }
 
 // A value on its own (a reference line's label): 3 significant digits, small values (a learning
@@ -562,7 +576,7 @@ pages.prediction = () => {
 const EARLIER = "earlier sweeps";
 
 pages.sweep = () => {
-  const {metric, params, log, trials, objectives, front, history} = readJSON("chart-data");
+  const {metric, params, log, choices, trials, objectives, front, history} = readJSON("chart-data");
   const scored = trials.filter(t => t.value !== null);
   const series = t => (t.status === "pruned" ? "pruned" : "trials");
   const colors = {[EARLIER]: themeColors().muted};
@@ -591,7 +605,8 @@ pages.sweep = () => {
     el.className = "chart";
     figure.append(caption, el);
     box.append(figure);
-    const chart = new LiveChart(el, {scatter: true, xLabel: name, logX: log.includes(name), colors});
+    const chart = new LiveChart(el, {scatter: true, xLabel: name, logX: log.includes(name), xTicks: choices[name] || null,
+                                     colors});
     for (const h of earlier) chart.add(EARLIER, h.params[name], h.value);
     for (const t of points) chart.add(series(t), t.params[name], t.value);
   }
