@@ -36,6 +36,13 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
     check_count(body.inputs, "inputs")
     job, model_dir = trained_model(job_id, caller)
     job_id = job.id  # an alias's job
+    if job.task == "embedding":  # its artifact has no head: "architectures ['BertModel'] are not ..." said only that
+        raise UserError(
+            "unsupported_task",
+            f"job {job_id!r} is an embedding model: it gives vectors, not predictions: "
+            f"POST /models/{job_id}/embed (tunejob predict embed)",
+            "job_id",
+        )
     cached = model_cache().get(job_id, model_dir)
     texts, pairs = split_inputs(body.inputs)
     if pairs is not None and cached.loaded.task == "token_classification":
