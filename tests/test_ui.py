@@ -186,7 +186,14 @@ def test_pages_show_the_tenants_data(stack, job):
     assert '<th scope="col">text</th>' in page and '<th scope="col">label</th>' in page
     assert re.search(r"<td>(sports|business)</td>", page), "sample rows are shown"
     assert 'value="3.0"' in page, "the form shows the hyperparameters' defaults (epochs)"
+    assert "<option selected>classification</option>" in page
     assert dataset in client.get("/ui/datasets").text
+    # the form starts on the task its columns name: a pairs file started on classification
+    from tests.test_api_jobs import upload
+
+    for task, header, row in [("embedding", "anchor,positive", "a {0},b {0}"), ("reranking", "query,passage,label", "a {0},b {0},1")]:  # fmt: skip
+        pairs = upload(stack.client, "\n".join([header, *(row.format(i) for i in range(4))]).encode())
+        assert f"<option selected>{task}</option>" in client.get(f"/ui/datasets/{pairs['id']}").text, task
 
     jobs_page = client.get("/ui/jobs", params={"status": "succeeded", "task": "classification"}).text
     assert job["id"] in jobs_page

@@ -14,6 +14,7 @@ from fastapi.templating import Jinja2Templates
 from markupsafe import Markup
 from sse_starlette import EventSourceResponse
 
+from shared.data.formats import CONLL_COLUMNS
 from shared.data.problems import Problems
 from shared.data.read import read_batches
 from shared.errors import NotFound, UserError
@@ -303,6 +304,20 @@ def datasets_page(request: Request, s: SessionDep):
     return render(request, "datasets.html", s=s, datasets=datasets, max_upload=get_settings().max_upload_bytes)
 
 
+def likely_task(columns: list[str]) -> str:
+    """The task the new-job form starts on: the first whose columns, by their default names, the
+    dataset has (``anchor`` and ``positive``: embedding; ``query`` and ``passage``: reranking;
+    ``tokens`` and ``tags``: token_classification), else classification (a pairs file started on
+    classification, its text and label columns both ``anchor``)."""
+    fields = JobCreate.model_fields
+    named = {
+        "embedding": (fields["anchor_column"].default, fields["positive_column"].default),
+        "reranking": (fields["query_column"].default, fields["passage_column"].default),
+        "token_classification": CONLL_COLUMNS,
+    }
+    return next((task for task, names in named.items() if set(names) <= set(columns)), "classification")
+
+
 @router.get("/datasets/{dataset_id}", response_class=HTMLResponse)
 def dataset_page(request: Request, dataset_id: str, s: SessionDep):
     """A dataset's columns and first rows, and the form that plans and creates a job on it."""
@@ -326,6 +341,7 @@ def dataset_page(request: Request, dataset_id: str, s: SessionDep):
         dataset=dataset,
         sample=sample,
         tasks=TASKS,
+        task=likely_task(dataset.columns),
         models=sorted(available_models()),
         defaults=defaults,
         best_metrics=get_args(Hyperparameters.model_fields["metric_for_best_model"].annotation),
