@@ -693,7 +693,7 @@ def test_a_sweep_s_trials_and_plan_read_whole_in_80_columns():
     from client.display import show_plan
     from client.sweeps import sweep_plan_table, trials_table
     from shared.schemas.plans import DryRunOut
-    from shared.schemas.sweeps import SweepOut, TrialOut
+    from shared.schemas.sweeps import SEARCH_SPACE_EXAMPLE, SweepOut, TrialOut
 
     sweep = SweepOut.model_validate(SweepOut.model_config["json_schema_extra"]["examples"][0])
     now = datetime(2026, 11, 29)
@@ -750,15 +750,7 @@ def test_a_sweep_s_trials_and_plan_read_whole_in_80_columns():
         "max_trials": 12,
         "max_parallel_trials": 2,
         "search_space": {
-            "learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3, "log": True, "step": None, "choices": None},
-            "batch_size": {
-                "type": "categorical",
-                "low": None,
-                "high": None,
-                "log": False,
-                "step": None,
-                "choices": [16, 32],
-            },
+            **SEARCH_SPACE_EXAMPLE,
             "epochs": {"type": "int", "low": 2.0, "high": 10.0, "log": False, "step": 2.0, "choices": None},
         },
         "first_trials": [{"learning_rate": 5e-05}],

@@ -41,6 +41,16 @@ def problems_of(error: dict) -> list[dict]:
 # ----------------------------------------------------------------------------- TSV and CSV
 
 
+def text_column(stack, dataset: dict, fmt: str) -> list:
+    """The ``text`` column of an uploaded classification dataset, as a job reads it."""
+    from shared.data.columns import JobColumns
+    from shared.data.labels import read_job_table
+
+    path = stack.data_dir / "uploads" / f"{dataset['id']}.{fmt}"
+    table, _ = read_job_table(path, fmt, dataset["filename"], JobColumns("classification", "text", None, "label"))
+    return table["text"].tolist()
+
+
 @pytest.mark.parametrize("writer", ["csv_module", "pandas"])
 def test_quoted_tsv_with_tabs_newlines_and_quotes_is_read_exactly(stack, writer):
     labels = ["a", "b", "a", "b", "a"]
@@ -54,34 +64,14 @@ def test_quoted_tsv_with_tabs_newlines_and_quotes_is_read_exactly(stack, writer)
         content = pd.DataFrame({"text": TEXTS, "label": labels}).to_csv(sep="\t", index=False).encode()
     dataset = upload(stack.client, content, "quoted.tsv")
     assert dataset["rows"] == 5 and dataset["columns"] == ["text", "label"]
-
-    from shared.data.columns import JobColumns
-    from shared.data.labels import read_job_table
-
-    table, _ = read_job_table(
-        stack.data_dir / "uploads" / f"{dataset['id']}.tsv",
-        "tsv",
-        "quoted.tsv",
-        JobColumns("classification", "text", None, "label"),
-    )
-    assert table["text"].tolist() == TEXTS
+    assert text_column(stack, dataset, "tsv") == TEXTS
 
 
 def test_unquoted_tsv_keeps_quotes_as_text(stack):
     content = b'text\tlabel\n"Great movie" he said\tpos\nsay "hi" twice\tneg\n"ok"\tpos\nplain\tneg\n'
     dataset = upload(stack.client, content, "unquoted.tsv")
     assert dataset["rows"] == 4
-
-    from shared.data.columns import JobColumns
-    from shared.data.labels import read_job_table
-
-    table, _ = read_job_table(
-        stack.data_dir / "uploads" / f"{dataset['id']}.tsv",
-        "tsv",
-        "unquoted.tsv",
-        JobColumns("classification", "text", None, "label"),
-    )
-    assert table["text"].tolist() == ['"Great movie" he said', 'say "hi" twice', '"ok"', "plain"]
+    assert text_column(stack, dataset, "tsv") == ['"Great movie" he said', 'say "hi" twice', '"ok"', "plain"]
 
 
 def test_excel_s_semicolon_separated_csv_is_read_exactly(stack):
@@ -92,17 +82,7 @@ def test_excel_s_semicolon_separated_csv_is_read_exactly(stack):
     content = pd.DataFrame({"text": TEXTS, "label": labels}).to_csv(sep=";", index=False).encode("utf-8-sig")
     dataset = upload(stack.client, content, "excel.csv")
     assert dataset["rows"] == 5 and dataset["columns"] == ["text", "label"]
-
-    from shared.data.columns import JobColumns
-    from shared.data.labels import read_job_table
-
-    table, _ = read_job_table(
-        stack.data_dir / "uploads" / f"{dataset['id']}.csv",
-        "csv",
-        "excel.csv",
-        JobColumns("classification", "text", None, "label"),
-    )
-    assert table["text"].tolist() == TEXTS and table["label"].tolist() == labels
+    assert text_column(stack, dataset, "csv") == TEXTS
     # a comma-separated file whose header holds a semicolon inside a field is still read by commas
     dataset = upload(stack.client, b'"a;b",label\nx,1\ny,2\n', "commas.csv")
     assert dataset["columns"] == ["a;b", "label"]

@@ -14,6 +14,11 @@ from pydantic.json_schema import JsonDict
 from shared.schemas.hyperparameters import integral_floats
 from shared.schemas.jobs import JOB_CREATE_EXAMPLE, JobCreate
 
+# A search space as the API answers it (every field of a Distribution): the examples of SweepOut and SweepPlan
+SEARCH_SPACE_EXAMPLE: JsonDict = {
+    "learning_rate": {"type": "float", "low": 1e-5, "high": 1e-3, "log": True, "step": None, "choices": None},
+    "batch_size": {"type": "categorical", "low": None, "high": None, "log": False, "step": None, "choices": [16, 32]},
+}
 SWEEP_CREATE_EXAMPLE: JsonDict = {
     **JOB_CREATE_EXAMPLE,
     "hyperparameters": {"max_length": 128},
@@ -236,22 +241,7 @@ class SweepOut(BaseModel):
                     "max_trials": 12,
                     "max_parallel_trials": 2,
                     "search_space": {
-                        "learning_rate": {
-                            "type": "float",
-                            "low": 1e-5,
-                            "high": 1e-3,
-                            "log": True,
-                            "step": None,
-                            "choices": None,
-                        },
-                        "batch_size": {
-                            "type": "categorical",
-                            "low": None,
-                            "high": None,
-                            "log": False,
-                            "step": None,
-                            "choices": [16, 32],
-                        },
+                        **SEARCH_SPACE_EXAMPLE,
                         "warmup_ratio": {
                             "type": "float",
                             "low": 0.0,
@@ -340,22 +330,7 @@ class SweepPlan(BaseModel):
         "SweepCreate.search_space (an int range's step is 1 when none was given).",
         examples=[
             {
-                "learning_rate": {
-                    "type": "float",
-                    "low": 1e-5,
-                    "high": 1e-3,
-                    "log": True,
-                    "step": None,
-                    "choices": None,
-                },
-                "batch_size": {
-                    "type": "categorical",
-                    "low": None,
-                    "high": None,
-                    "log": False,
-                    "step": None,
-                    "choices": [16, 32],
-                },
+                **SEARCH_SPACE_EXAMPLE,
                 "epochs": {"type": "int", "low": 2.0, "high": 5.0, "log": False, "step": 1.0, "choices": None},
             }
         ],
