@@ -15,6 +15,7 @@ import csv
 import os
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console
@@ -115,9 +116,10 @@ def get_alias(client: Client, args, out: Console) -> None:
 
 def list_aliases(client: Client, args, out: Console) -> None:
     aliases = client.list_aliases()
-    table = Table("alias", "job", "by", "updated")
+    table = Table("alias", "job", "by", Column("updated", no_wrap=True))  # as `alias get`: an age, not ISO 8601
     for a in aliases:
-        table.add_row(escape(a["alias"]), a["job_id"], a["updated_by"] or "", a["updated_at"])
+        updated = datetime.fromisoformat(a["updated_at"])
+        table.add_row(escape(a["alias"]), a["job_id"], a["updated_by"] or "", age(updated))
     show(out, args, aliases, lambda: table)
 
 
@@ -463,11 +465,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "the base models that can be fine-tuned; `models alias`: your names for fine-tuned models (client)",
         read,
     )
-    alias = (
-        models.add_subparsers(dest="subcommand")
-        .add_parser("alias", help="names for fine-tuned models that predictions follow")
-        .add_subparsers(dest="alias_command", required=True)
-    )
+    models_commands = models.add_subparsers(dest="subcommand")
+    command(models_commands, "list", list_models, "the base models (as `tunejob models`, the others' way)", read)
+    alias = models_commands.add_parser(
+        "alias", help="names for fine-tuned models that predictions follow"
+    ).add_subparsers(dest="alias_command", required=True)
     p = command(alias, "set", set_alias, "point NAME (a slug) at a succeeded job, creating or moving it", read)
     p.add_argument("name")
     p.add_argument("job_id")

@@ -889,3 +889,29 @@ def test_a_downloaded_model_is_loaded_as_its_task_loads(task, loader):
     console = Console(width=400, record=True)
     download_model(Fake(), argparse.Namespace(job_id="job_x", output=Path("m")), console)
     assert loader in console.export_text(), console.export_text()
+
+
+def test_models_list_and_alias_list_read_as_the_other_lists():
+    """``tunejob models list`` was "invalid choice: 'list'" (every other noun lists with ``list``);
+    ``models alias list`` printed ``updated`` as ISO 8601, cut to ``2026-11-30T00:22:2…`` at 80 columns."""
+    from datetime import UTC, datetime, timedelta
+
+    from rich.console import Console
+
+    from client import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers())
+    assert parser.parse_args(["models", "list"]).handler is cli.list_models
+    assert parser.parse_args(["models"]).handler is cli.list_models
+
+    updated = (datetime.now(UTC) - timedelta(minutes=3, seconds=2)).isoformat()
+    aliases = [{"alias": "prod-emb", "job_id": "job_edd5dc0ffe9f3987", "updated_by": "key_880a6c1574b3b860", "updated_at": updated}]  # fmt: skip
+
+    class Fake:
+        def list_aliases(self):
+            return aliases
+
+    console = Console(width=80, record=True)
+    cli.list_aliases(Fake(), argparse.Namespace(json=False, quiet=False), console)
+    assert "3m ago" in console.export_text() and "…" not in console.export_text(), console.export_text()
