@@ -161,6 +161,13 @@ def test_bad_labels_are_refused_naming_file_row_column_and_value(stack):
     assert_report(r, 422, "invalid_label", 1, "genres", "", "no_sep.csv")  # row 1 has no genre: "" is text
     assert "label_separator" in r.json()["error"]["problems"][0]["message"]
 
+    # pandas' to_csv of a list column: the advice to give label_separator "," would read "['drama'"
+    pandas_csv = pd.DataFrame({"text": [r["text"] for r in rows], "genres": [r["genres"] for r in rows]}).to_csv(index=False)  # fmt: skip
+    listed = upload(client, pandas_csv.encode(), "pandas.csv")
+    r = client.post("/jobs", json=body(listed["id"]))
+    problem = r.json()["error"]["problems"][0]
+    assert r.status_code == 422 and "a list written as text" in problem["message"] and "JSONL" in problem["message"]
+
     float_label = upload(client, jsonl(rows[:5] + [{"text": "x y", "genres": ["drama", 1.5]}]), "floats.jsonl")
     r = client.post("/jobs", json=body(float_label["id"]))
     assert_report(r, 422, "invalid_label", 6, "genres", "['drama', 1.5]", "floats.jsonl")

@@ -183,6 +183,13 @@ def label_list(value: Any, separator: str | None) -> list[str]:
         value = [part.strip() for part in value.split(separator)] if value.strip() else []
     if value is None:
         raise ValueError("is missing")
+    if isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]"):
+        # pandas' to_csv of a list column: split on "," it would read "['Comedy'" as a class
+        raise ValueError(
+            "holds a list written as text (as pandas' to_csv writes one): write the file as JSONL or "
+            "Parquet (df.to_json(path, orient='records', lines=True)), or join each row's labels with a "
+            "separator and give label_separator"
+        )
     if isinstance(value, str):
         raise ValueError('holds text, not a list of labels: give label_separator (e.g. ",") to split it')
     if not isinstance(value, (list, tuple)):
