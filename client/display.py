@@ -257,7 +257,9 @@ def final_summary(table: Table, job: JobOut) -> None:
     """Add the job's outcome to a two-column table: validation metrics (last evaluation), training
     throughput, phase timings (servers that report them) and the error, if any."""
     for name, value in (job.validation_metrics or {}).items():
-        if isinstance(value, dict):  # multi_label's f1_per_label
+        if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()):
+            value = f"tunejob jobs evaluation {job.id}"  # token_classification's per_entity: a table of its own
+        elif isinstance(value, dict):  # multi_label's f1_per_label
             value = escape(", ".join(f"{label} {_number(v)}" for label, v in value.items()))
         table.add_row(f"validation {name}", _number(value))
     train = job.train_metrics or {}

@@ -915,3 +915,20 @@ def test_models_list_and_alias_list_read_as_the_other_lists():
     console = Console(width=80, record=True)
     cli.list_aliases(Fake(), argparse.Namespace(json=False, quiet=False), console)
     assert "3m ago" in console.export_text() and "…" not in console.export_text(), console.export_text()
+
+
+def test_a_token_job_s_per_entity_figures_point_to_the_evaluation():
+    """``jobs get`` of a token_classification job printed per_entity as a dict's repr, cut at the
+    window's edge (``company {'precision': 0.0, 'recall': 0.0, 'f1':``)."""
+    from rich.console import Console
+
+    from client.display import job_table
+    from shared.schemas.jobs import JobOut
+
+    job = JobOut.model_validate(JobOut.model_config["json_schema_extra"]["examples"][0])
+    per_entity = {"company": {"precision": 0.5, "recall": 0.25, "f1": 0.3333, "support": 2}}
+    job = job.model_copy(update={"validation_metrics": {"entity_f1": 0.3333, "per_entity": per_entity}})
+    console = Console(width=80, record=True)
+    console.print(job_table(job))
+    shown = console.export_text()
+    assert f"tunejob jobs evaluation {job.id}" in shown and "{'precision'" not in shown, shown
