@@ -12,7 +12,7 @@ from rich.filesize import decimal
 from rich.markup import escape
 from rich.table import Column, Table
 
-from shared.schemas.jobs import DatasetOut, EventOut, JobOut, MetricOut
+from shared.schemas.jobs import DatasetOut, EventOut, JobOut, MetricOut, metric_text
 from shared.schemas.predictions import PredictionOut
 
 STATUS_STYLE = {
@@ -191,7 +191,7 @@ def prediction_text(text: str, row: dict[str, Any]) -> str:
         return ", ".join(map(str, row["labels"])) or "no label"
     if "label" in row:
         return f"{row['label']} ({row['score']:.3f})"
-    return _number(row.get("value"))
+    return metric_text(row.get("value"))
 
 
 def id_column() -> Column:
@@ -259,13 +259,11 @@ def final_summary(table: Table, job: JobOut) -> None:
     for name, value in (job.validation_metrics or {}).items():
         if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()):
             value = f"tunejob jobs evaluation {job.id}"  # token_classification's per_entity: a table of its own
-        elif isinstance(value, dict):  # multi_label's f1_per_label
-            value = escape(", ".join(f"{label} {_number(v)}" for label, v in value.items()))
-        table.add_row(f"validation {name}", _number(value))
+        table.add_row(f"validation {name}", escape(metric_text(value)))
     train = job.train_metrics or {}
     for name in ("loss", "tokens_per_second", "padding_efficiency", "train_seconds", "skipped_steps"):
         if train.get(name) is not None:
-            table.add_row(f"train {name.removeprefix('train_')}", _number(train[name]))
+            table.add_row(f"train {name.removeprefix('train_')}", metric_text(train[name]))
     timings = getattr(job, "timings", None)  # servers with phase timings
     if isinstance(timings, BaseModel):
         timings = timings.model_dump()
@@ -280,7 +278,7 @@ def prediction_summary(table: Table, p: PredictionOut) -> None:
     to download the results, the error if any."""
     for name, value in (p.result.model_dump() if p.result else {}).items():
         if value is not None:
-            table.add_row(name.replace("_", " "), _number(value))
+            table.add_row(name.replace("_", " "), metric_text(value))
     if p.results_url:
         table.add_row("results", f"tunejob predict download {p.id} --format jsonl|csv|parquet")
     if p.error:
@@ -295,13 +293,3 @@ def event_line(event: EventOut) -> str:
 
 def styled_status(status: str) -> str:
     return f"[{STATUS_STYLE.get(status, 'white')}]{status}[/]"
-
-
-def _number(value) -> str:
-    """Floats to 4 decimals (trailing zeros dropped), or none from 100 on; integers with thousands
-    separators; anything else as it is."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f"{value:,}"
-    if not isinstance(value, float):
-        return str(value)
-    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.4f}".rstrip("0").rstrip(".")

@@ -230,6 +230,12 @@ def test_a_jobs_evaluation_and_aliases_on_its_page_and_per_class_f1_deltas_on_co
     table = page.split('id="mistakes"')[1].split("</table>")[0] if report["mistakes"] else ""
     assert table.count("<tr>") == len(report["mistakes"]) + 1  # and the header
     assert 'id="promote-form"' in page and '<span class="none">none</span>' in page
+    # each class's figures in a table (a token job's per_entity was a dict's repr in the metrics)
+    per_class = page.split('id="per-class"')[1].split("</table>")[0]
+    for name, figures in report["per_class"].items():
+        assert f'<th scope="row">{name}</th><td>{figures["precision"]:.4f}</td>' in per_class
+    metrics = page.split('id="final-metrics"')[1].split("</table>")[0]  # counts read as counts: 16, not 16.0000
+    assert f"<td>{job['train_metrics']['micro_batch_size']:.0f}</td>" in metrics, metrics
 
     r = client.put("/models/aliases/ui-production", json={"job_id": job["id"]})
     assert r.status_code == 403 and r.json()["error"]["code"] == "csrf_token_invalid"

@@ -22,7 +22,7 @@ from shared.jobs import aliases, lifecycle, predictions, sweeps, uploads
 from shared.jobs.base_models import available_models
 from shared.jobs.evaluation import read_report
 from shared.schemas.hyperparameters import Hyperparameters
-from shared.schemas.jobs import JobCreate
+from shared.schemas.jobs import JobCreate, metric_text
 from shared.schemas.sweeps import SweepOut
 from shared.settings import get_settings
 from shared.store import artifacts, keys, objects, ui_sessions
@@ -445,5 +445,6 @@ def age(when: datetime | None, until: datetime | None = None) -> str:
 
 
 templates.env.filters["age"] = age
+templates.env.filters["metric"] = metric_text
 templates.env.globals["csrf_header"] = ui_sessions.CSRF_HEADER
 templates.env.globals["app_css"] = Markup((Path(__file__).parent / "static" / "app.css").read_text())

@@ -11,6 +11,20 @@ from shared.schemas.hyperparameters import HYPERPARAMETERS_EXAMPLE, TASK_METRICS
 from shared.schemas.queue import QueuePosition
 
 
+def metric_text(value: Any) -> str:
+    """A job's metric as the CLI and the dashboard print it: a float to 4 decimals (trailing zeros
+    dropped: a count stored as 16.0 reads 16), or none from 100 on; an integer with thousands
+    separators; a dict of figures (multi_label's f1_per_label) as ``name value, ...``; anything else
+    as it is. (token_classification's per_entity, a dict of dicts, has a table of its own.)"""
+    if isinstance(value, dict):
+        return ", ".join(f"{name} {metric_text(v)}" for name, v in value.items())
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.4f}".rstrip("0").rstrip(".")
+
+
 def json_safe(value: Any) -> Any:
     """``value`` with every non-finite float (NaN, Infinity) replaced by None, for strict JSON
     (and for SQLite, which stores NaN as NULL, and PostgreSQL's json, which has no NaN)."""
