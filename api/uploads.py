@@ -34,7 +34,8 @@ def upload_body(**fields: dict) -> dict:
     file = {
         "type": "string",
         "format": "binary",
-        "description": "The dataset: .csv, .tsv, .jsonl (.ndjson, .json: JSON Lines), .parquet or .conll, UTF-8 text (a byte order mark is fine).",
+        "description": "The dataset: .csv, .tsv, .jsonl (.ndjson, .json: JSON Lines), .parquet or .conll, "
+        "UTF-8 text (a byte order mark is fine).",
     }
     return {
         "requestBody": {

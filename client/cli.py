@@ -62,7 +62,10 @@ def upload_dataset(client: Client, args, out: Console) -> None:
 
 def list_datasets(client: Client, args, out: Console) -> None:
     datasets = client.list_datasets()
-    rows = [(d.id, escape(d.filename), f"{d.rows:,}", escape(", ".join(d.columns)), decimal(d.bytes), age(d.created_at)) for d in datasets]  # fmt: skip
+    rows = [
+        (d.id, escape(d.filename), f"{d.rows:,}", escape(", ".join(d.columns)), decimal(d.bytes), age(d.created_at))
+        for d in datasets
+    ]
     # the file's name whole (up to 32 characters a line) before its columns' names, which `datasets
     # get` lists, as far as the window allows: a fixed width, as rich shrinks the widest column first
     others = sum(max([len(r[i]) for r in rows] + [len(name)]) for i, name in ((2, "rows"), (4, "size"), (5, "age")))

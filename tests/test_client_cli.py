@@ -906,7 +906,8 @@ def test_models_list_and_alias_list_read_as_the_other_lists():
     assert parser.parse_args(["models"]).handler is cli.list_models
 
     updated = (datetime.now(UTC) - timedelta(minutes=3, seconds=2)).isoformat()
-    aliases = [{"alias": "prod-emb", "job_id": "job_edd5dc0ffe9f3987", "updated_by": "key_880a6c1574b3b860", "updated_at": updated}]  # fmt: skip
+    alias = {"alias": "prod-emb", "job_id": "job_edd5dc0ffe9f3987", "updated_by": "key_880a6c1574b3b860"}
+    aliases = [{**alias, "updated_at": updated}]
 
     class Fake:
         def list_aliases(self):

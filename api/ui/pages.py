@@ -389,8 +389,9 @@ def sweeps_page(request: Request, s: SessionDep, cursor: str | None = None):
 def sweep_page(request: Request, sweep_id: str, s: SessionDep):
     """A sweep's trials: a table, the objective by trial, each parameter against the objective (on
     a log axis where its range is ``log``, ticked at the choices of a numeric categorical one, both
-    read from ``SweepOut.search_space``); with several objectives, the Pareto front among every trial's point. A warm start's history is
-    drawn grey beside them (``history``), on neither the front nor the best."""
+    read from ``SweepOut.search_space``); with several objectives, the Pareto front among every
+    trial's point. A warm start's history is drawn grey beside them (``history``), on neither the
+    front nor the best."""
     sweep = sweeps.get_sweep(sweep_id, s.caller)
     trials = sweeps.list_trials(sweep_id, s.caller)
     history = sweeps.history_points(sweep_id, s.caller) if sweep.history else []
