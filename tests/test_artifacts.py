@@ -120,6 +120,10 @@ def test_timings_are_reported_and_sum_to_at_most_the_total(stack, finished):
     events = stack.client.get(f"/jobs/{finished['id']}/events").json()["data"]
     [line] = [e["message"] for e in events if e["code"] == "timings"]
     assert all(f"{p} " in line for p in PHASES + ["total"]), line
+    # the last event says how it ended in a line (it read "succeeded: succeeded")
+    loss = finished["validation_metrics"]["loss"]
+    steps = finished["progress"]["total_steps"]
+    assert events[-1]["message"] == f"after {steps:,} steps; validation loss {loss:.4g}", events[-1]
     # nothing is captured on the CPU (this once asserted a warm-up of exactly 0 s, which building
     # the eager steps on a loaded machine rounds up to 0.001 s)
     assert not [e for e in events if e["code"].startswith("cuda_graphs")]

@@ -136,8 +136,10 @@ def test_predict_with_a_trained_job_writes_every_row_once_in_input_order(stack, 
 
     parts = sorted((stack.data_dir / "artifacts" / prediction["id"] / "predictions").glob("part-*.parquet"))
     assert len(parts) == 4  # 29 rows in parts of 8
-    codes = [e["code"] for e in client.get(f"/predictions/{prediction['id']}/events").json()["data"]]
+    events = client.get(f"/predictions/{prediction['id']}/events").json()["data"]
+    codes = [e["code"] for e in events]
     assert codes[0] == "created" and "started" in codes and "results" in codes and codes[-1] == "succeeded"
+    assert events[-1]["message"] == "29 rows scored"  # it read "succeeded"
 
 
 def test_rows_are_numbered_by_index_without_an_id_column_and_a_base_model_with_a_head_predicts(stack, to_score):

@@ -411,6 +411,18 @@ def latest_checkpoint(job_id: str) -> Checkpoint | None:
         return next((c for c in rows if objects.store().files(c.path)), None)
 
 
+def succeeded_message(job: Job) -> str:
+    """The last event of a succeeded job, its outcome in a line (it read "succeeded: succeeded"): a
+    prediction's rows; a training job's steps and its last validation figure by
+    ``metric_for_best_model``, the figure ``jobs get`` and the dashboard show."""
+    if job.kind == "predict":
+        return f"{job.step:,} rows scored"
+    metric = (job.spec.get("hyperparameters") or {}).get("metric_for_best_model", "loss")
+    value = (job.validation_metrics or {}).get(metric)
+    figure = f"; validation {metric} {value:.4g}" if isinstance(value, (int, float)) else ""
+    return f"after {job.step:,} steps{figure}"
+
+
 def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | None = None) -> bool:
     """End a running job held by ``worker_id`` (a ``timings`` event): a succeeded job's or pruned trial's checkpoints
     are forgotten (the caller deletes them: ``discard_checkpoints``), a trial's sweep goes on. False: not held."""
@@ -426,6 +438,8 @@ def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | Non
         job.eta_seconds = 0.0 if status == JobStatus.SUCCEEDED else None
         level = "info" if status != JobStatus.FAILED else "error"
         message = status if error is None else f"{status}: {error['message']}"
+        if status == JobStatus.SUCCEEDED:
+            message = succeeded_message(job)
         s.add(JobEvent(job_id=job_id, code="timings", level="info", message=describe_timings(job.timings or {})))
         s.add(JobEvent(job_id=job_id, code=status, level=level, message=message))  # the last event: how it ended
         if status in trials.NO_CHECKPOINTS:
