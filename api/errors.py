@@ -4,8 +4,8 @@ data validation report, where there is one); never a stack trace, a server path 
 The OpenAPI schema says so too, from one place: ``api.openapi.install_openapi`` makes the app's
 schema document ``ErrorBody`` for every 4xx an operation can return. Every operation gets 422 when it
 takes parameters or a body, 400 when it takes a body (one that cannot be decoded), and 404 when
-its path names a resource (``{...}``); every operation that needs an API key gets 401, 429 and
-503; a router or route adds its own with ``responses=error_responses(413, ...)``. Routes added
+its path names a resource (``{...}``); every operation that needs an API key gets 401, 429, 502
+and 503; a router or route adds its own with ``responses=error_responses(413, ...)``. Routes added
 later inherit this.
 """
 
@@ -44,6 +44,8 @@ ERROR_STATUSES = {
     422: "The request or its data is invalid: `error.param` names the field, `error.problems` lists up to 20 "
     "problems in the data (row, column, value, message).",
     429: "Too many requests for this API key, or too many active jobs: retry after `Retry-After` seconds.",
+    502: "The object storage (`TUNEJOB_STORAGE_URL`) failed or did not answer, also when tried again "
+    "(`storage_unavailable`).",
     503: "The job store is busy (SQLite's write lock was not free in time): retry after `Retry-After` seconds.",
 }
 STORE_RETRY_AFTER_S = 1
@@ -143,15 +145,17 @@ def install_error_handlers(app: FastAPI) -> None:
             headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
         )
 
-    @app.exception_handler(ObjectStoreError)  # TUNEJOB_STORAGE_URL's bucket failed a request (shared.store.objects)
+    # TUNEJOB_STORAGE_URL's bucket failed a request, already tried again for
+    # TUNEJOB_STORAGE_TIMEOUT_SECONDS (shared.store.objects): a gateway's error, 502, which the
+    # client does not retry (a 503 it would, five times over, each waiting out those retries).
+    @app.exception_handler(ObjectStoreError)
     async def _storage_unavailable(_: Request, e: Exception):
         log.warning("object storage unavailable: %s", e)
         return error_response(
-            503,
+            502,
             "storage_unavailable",
-            "the object storage did not answer; retry shortly",
-            None,
-            headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
+            "the object storage (TUNEJOB_STORAGE_URL) failed or did not answer, also when tried "
+            "again; the API's log says how. Try again once it answers",
         )
 
     @app.exception_handler(DataError)

@@ -116,9 +116,13 @@ class Settings(BaseSettings):
     # the standard AWS_* variables); None: in data_dir. Each host's download cache holds at most
     # storage_cache_bytes (least recently used evicted). storage_presigned_seconds: single-file
     # downloads redirect (307) to a presigned URL valid this long instead of streaming through the API.
+    # storage_timeout_seconds: a request to the bucket that receives nothing for this long fails
+    # (an upload: its part sent and answered within it), and a failed request is tried again for
+    # at most this long; a transfer that keeps moving is never cut short, however long it takes.
     storage_url: str | None = None
     storage_cache_bytes: int = 20 * 1024**3
     storage_presigned_seconds: int | None = None
+    storage_timeout_seconds: float = Field(default=30.0, gt=0)
     broker_polling_seconds: float = 0.1  # filesystem broker: how often an idle worker looks for a message
     # POST /models/{job_id}/predict, answered by the API process on its CPU (api.routers.inference):
     # texts per request, fine-tuned models kept loaded (least recently used evicted), and torch's

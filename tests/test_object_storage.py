@@ -4,12 +4,17 @@ rows, come back checked against the manifest, the host cache stays bounded, dele
 bucket, and a job runs on "hosts" that share nothing but the bucket and the job store."""
 
 import asyncio
+import contextlib
 import io
 import json
 import os
+import socket
 import tarfile
+import threading
+import time
 import uuid
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import pytest
@@ -49,6 +54,11 @@ def bucket_env(s3_server, tmp_path, monkeypatch):
     get_settings.cache_clear()
     yield
     get_settings.cache_clear()
+
+
+def mock_env(env: dict[str, str]):
+    """``os.environ`` with ``env`` set, restored after (obstore reads ``AWS_*`` when a store is made)."""
+    return mock.patch.dict(os.environ, env)
 
 
 def on_host(data_dir: Path, **env: str):
@@ -345,29 +355,141 @@ def test_a_deleted_datasets_leftover_files_are_removed_once(bucket_env, tmp_path
     assert [key for key, _, _ in store.listing("uploads")] == [kept]
 
 
-def test_an_unreachable_bucket_is_a_503_and_leaves_no_row(bucket_env, models_dir, tmp_path, monkeypatch):
-    """An upload while the bucket does not answer: 503 with Retry-After (not a 500), no dataset
-    row and no file left behind."""
+class Silent:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (a hung bucket)."""
+
+    def __enter__(self) -> str:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.accepted.append(self.server.accept()[0])
+
+    def __exit__(self, *_) -> None:
+        for s in [self.server, *self.accepted]:
+            s.close()
+
+
+class Throttled:
+    """A TCP proxy on 127.0.0.1 to ``target`` (``host:port``) that passes at most ``rate`` bytes
+    per second each way and connection, in ``CHUNK``-byte steps (a slow link that keeps moving)."""
+
+    CHUNK = 64 << 10
+
+    def __init__(self, target: str, rate: float):
+        self.target, self.rate = target, rate
+
+    def __enter__(self) -> str:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=self._accept, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client = self.server.accept()[0]
+                host, port = self.target.rsplit(":", 1)
+                upstream = socket.create_connection((host, int(port)))
+                for a, b in ((client, upstream), (upstream, client)):
+                    threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(self.CHUNK):
+                sink.sendall(data)
+                time.sleep(len(data) / self.rate)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def __exit__(self, *_) -> None:
+        self.server.close()
+
+
+class Forward(httpx.BaseTransport):
+    """The Python client's requests, passed to the API in process (a TestClient), counted."""
+
+    def __init__(self, api):
+        self.api, self.sent = api, 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent += 1
+        answer = self.api.request(
+            request.method, str(request.url), headers=dict(request.headers), content=request.read()
+        )
+        return httpx.Response(answer.status_code, headers=answer.headers.multi_items(), content=answer.content)
+
+
+@pytest.mark.parametrize("bucket", ["refuses connections", "accepts and never answers"])
+def test_a_failing_bucket_is_a_502_at_once_and_leaves_no_row(bucket, bucket_env, models_dir, tmp_path, monkeypatch):
+    """An upload while the bucket refuses connections, or accepts them and never answers: within
+    about ``TUNEJOB_STORAGE_TIMEOUT_SECONDS`` (its silence, then its retries), a 502
+    ``storage_unavailable`` (not a 500), which the Python client and the CLI do not send again (a
+    503 they would, five times; a hung bucket kept ``datasets upload`` silent for 3 min 5 s); no
+    dataset row and no file left behind."""
     from fastapi.testclient import TestClient
 
     from api.main import create_app
+    from client import Client
+    from client.api import TunejobError
     from tests.faults_support import free_port
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    env = {k: v for k, v in os.environ.items() if k.startswith("TUNEJOB_STORAGE")}
-    drop = configure_stack(
-        "embedded", {"TUNEJOB_DATA_DIR": str(tmp_path / "api"), "TUNEJOB_MODELS_DIR": str(models_dir), **env}
-    )
-    try:
-        with TestClient(create_app(), base_url=BASE_URL) as client:
-            client.headers.update(auth_header("tenant-a"))
-            r = client.post("/datasets", files={"file": ("train.csv", io.BytesIO(labelled_csv()), "text/csv")})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "storage_unavailable", r.text
-            assert r.headers["Retry-After"]
-            assert client.get("/datasets").json()["data"] == []
-            assert not any(name.startswith("uploads/") for name in files_outside_cache(tmp_path / "api"))
-    finally:
-        drop()
+    with contextlib.ExitStack() as stack:
+        endpoint = (
+            f"http://127.0.0.1:{free_port()}" if bucket == "refuses connections" else stack.enter_context(Silent())
+        )
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        env = {k: v for k, v in os.environ.items() if k.startswith("TUNEJOB_STORAGE")}
+        drop = configure_stack(
+            "embedded",
+            {
+                "TUNEJOB_DATA_DIR": str(tmp_path / "api"),
+                "TUNEJOB_MODELS_DIR": str(models_dir),
+                "TUNEJOB_STORAGE_TIMEOUT_SECONDS": "1",
+                **env,
+            },
+        )
+        stack.callback(drop)
+        api = stack.enter_context(TestClient(create_app(), base_url=BASE_URL))
+        api.headers.update(auth_header("tenant-a"))
+        forward = Forward(api)
+        path = tmp_path / "train.csv"
+        path.write_bytes(labelled_csv())
+        started = time.monotonic()
+        with Client(BASE_URL, api_key=api.headers["Authorization"].removeprefix("Bearer "), transport=forward) as c:
+            with pytest.raises(TunejobError) as raised:
+                c.upload_dataset(path)
+        waited = time.monotonic() - started
+        assert (raised.value.status, raised.value.code) == (502, "storage_unavailable"), raised.value
+        assert forward.sent == 1 and waited < 10, (forward.sent, waited)
+        assert api.get("/datasets").json()["data"] == []
+        assert not any(name.startswith("uploads/") for name in files_outside_cache(tmp_path / "api"))
+
+
+def test_a_slow_download_is_bounded_by_its_silences_not_its_length(s3_server, tmp_path):
+    """A download that keeps moving is not cut short however long it takes: object_store's default
+    bounds a whole request by 30 s (a 100 MiB object at 1.5 MB/s failed at 30.0 s, measured), so a
+    large model on a slow link could not be downloaded. Here a 2 MiB object at 0.5 MB/s (about 4 s)
+    with a 1 s timeout comes whole; the timeout is the longest silence."""
+    import obstore
+
+    from shared.store.objects import Bucket
+
+    prefix = uuid.uuid4().hex[:12]
+    url = f"s3://{s3_support.BUCKET}/{prefix}"
+    env = s3_server.env()
+    payload = os.urandom(2 << 20)
+    with mock_env(env):
+        obstore.put(Bucket(url, tmp_path / "a", 1 << 30).store, "slow", payload)
+    with Throttled(env["AWS_ENDPOINT_URL"].removeprefix("http://"), rate=500_000) as slow:
+        with mock_env({**env, "AWS_ENDPOINT_URL": slow}):
+            bucket = Bucket(url, tmp_path / "b", 1 << 30, timeout_s=1.0)
+        started = time.monotonic()
+        got = b"".join(bytes(c) for c in obstore.get(bucket.store, "slow").stream(min_chunk_size=1 << 20))
+    assert got == payload and time.monotonic() - started > 2  # longer than the timeout, twice over
 
 
 def test_retention_and_the_storage_quota_see_the_bucket(bucket_env, models_dir, tmp_path, monkeypatch):

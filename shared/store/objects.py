@@ -37,15 +37,29 @@ from shared.settings import get_settings
 from shared.store.manifest import MANIFEST
 
 if TYPE_CHECKING:
-    from obstore.store import RetryConfig
+    from obstore.store import ClientConfig, RetryConfig
 
 CACHE = "cache/objects"
 PART_BYTES = 16 << 20  # multipart upload part size
 CHUNK = 1 << 20  # bytes a streamed download yields at a time
 DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
-# A failed request is tried again (object_store's exponential backoff) for at most this long, so
-# that an unreachable bucket fails an upload in seconds, not object_store's default 3 minutes.
-RETRY: "RetryConfig" = {"max_retries": 4, "retry_timeout": timedelta(seconds=30)}
+# object_store bounds a whole request by 30 s by default (``timeout``), which cuts off any
+# download that takes longer: a 1.3 GB model at 40 MB/s. A request is bounded by its silences
+# instead (``read_timeout``); this only stands in for "no limit".
+WHOLE_REQUEST = timedelta(days=1)
+
+
+def client_config(timeout_s: float) -> tuple["ClientConfig", "RetryConfig"]:
+    """obstore's client and retry options for ``TUNEJOB_STORAGE_TIMEOUT_SECONDS``: a request fails
+    when it receives nothing for ``timeout_s`` seconds (reqwest's read timeout also runs while an
+    upload's part is sent, so a part must go up and be answered within it: 16 MiB in 30 s needs
+    about 0.6 MB/s), connecting within 5 s (object_store's default), and a failed request is tried
+    again, with object_store's exponential backoff, for at most ``timeout_s`` (its default, 3
+    minutes, kept an API request waiting on an unreachable bucket)."""
+    return (
+        {"read_timeout": timedelta(seconds=timeout_s), "timeout": WHOLE_REQUEST},
+        {"max_retries": 4, "retry_timeout": timedelta(seconds=timeout_s)},
+    )
 
 
 @dataclass(frozen=True)
@@ -187,12 +201,20 @@ class Bucket:
     A ref that is an absolute path (a row written before the bucket was configured) is read and
     deleted on the disk, as ``LocalDir`` does."""
 
-    def __init__(self, url: str, data_path: Path, cache_bytes: int, presigned_seconds: int | None = None):
+    def __init__(
+        self,
+        url: str,
+        data_path: Path,
+        cache_bytes: int,
+        presigned_seconds: int | None = None,
+        timeout_s: float = 30.0,
+    ):
         from obstore.store import S3Store
 
         endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+        client, retry = client_config(timeout_s)
         self.store = S3Store.from_url(
-            url, client_options={"allow_http": endpoint.startswith("http://")}, retry_config=RETRY
+            url, client_options={**client, "allow_http": endpoint.startswith("http://")}, retry_config=retry
         )
         self.data_path, self.cache_bytes, self.presigned_seconds = data_path, cache_bytes, presigned_seconds
 
@@ -378,14 +400,16 @@ def _remove_local(path: Path) -> None:
 
 
 @lru_cache
-def _store_for(url: str | None, data_path: Path, cache_bytes: int, presigned_seconds: int | None):
-    return LocalDir() if url is None else Bucket(url, data_path, cache_bytes, presigned_seconds)
+def _store_for(url: str | None, data_path: Path, cache_bytes: int, presigned_seconds: int | None, timeout_s: float):
+    return LocalDir() if url is None else Bucket(url, data_path, cache_bytes, presigned_seconds, timeout_s)
 
 
 def store() -> "LocalDir | Bucket":
     """Where files are kept, by the settings (one client per process and configuration)."""
     s = get_settings()
-    return _store_for(s.storage_url, s.data_path, s.storage_cache_bytes, s.storage_presigned_seconds)
+    return _store_for(
+        s.storage_url, s.data_path, s.storage_cache_bytes, s.storage_presigned_seconds, s.storage_timeout_seconds
+    )
 
 
 def remove_job_files(job_id: str, *folders: str) -> None:
