@@ -557,3 +557,31 @@ def test_retention_and_the_storage_quota_see_the_bucket(bucket_env, models_dir, 
             upload(client, labelled_csv(rows=10, seed=2), "c.csv")
     finally:
         drop()
+
+
+@pytest.mark.parametrize("fault, status", [("a wrong secret key", "403"), ("a bucket that does not exist", "404")])
+def test_a_process_refuses_to_start_on_a_bucket_it_cannot_use(fault, status, bucket_env, tmp_path, monkeypatch):
+    """A worker (or the API) whose credentials the bucket refuses would take every job and fail each
+    (seen: a worker with a wrong key, ready, failed each job's download with a 403). It exits at start
+    with the bucket's answer instead, and ``tunejob doctor`` fails its storage check."""
+    from shared.settings import get_settings
+    from shared.store import objects
+    from tunejob.cli import require_bucket
+    from worker import doctor
+
+    monkeypatch.setenv("TUNEJOB_DATA_DIR", str(tmp_path))
+    get_settings.cache_clear()
+    assert doctor.storage().ok is True
+    if fault == "a wrong secret key":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    else:
+        monkeypatch.setenv("TUNEJOB_STORAGE_URL", "s3://no-such-bucket/x")
+    get_settings.cache_clear()
+    objects._store_for.cache_clear()  # the client reads AWS_* when it is made, once per process
+    with pytest.raises(SystemExit) as exited:
+        require_bucket("tunejob worker")
+    message = str(exited.value.code)
+    assert message.startswith(f"tunejob worker: the object storage {get_settings().storage_url} cannot be used")
+    assert f"status code: {status}" in message and "<?xml" not in message, message
+    check = doctor.storage()
+    assert check.ok is False and f"status code: {status}" in check.detail

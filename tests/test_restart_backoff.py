@@ -50,3 +50,31 @@ def test_an_unexpected_failure_is_retried_after_a_growing_countdown(stack, monke
         "retrying in 0.4 s: OSError: No space left on device"
         in [e["message"] for e in events if e["code"] == "job_restarted"][0]
     )
+
+
+def test_an_object_storage_failure_reaches_the_event_without_the_buckets_address(stack, monkeypatch):
+    """obstore's message is a page of Rust debug output that names the bucket's internal address: the
+    tenant's event says the storage failed, the worker's log keeps the rest."""
+    from obstore.exceptions import GenericError
+
+    monkeypatch.setattr(get_settings(), "restart_backoff_seconds", 0.1)
+    monkeypatch.setattr(get_settings(), "max_restarts", 0)
+
+    def broken_recipe(kind: str):
+        def run(job, device, reporter):
+            raise GenericError(
+                "Generic S3 error: Error performing GET http://10.0.0.7:9000/bucket/uploads/ds_1.csv in 30s"
+                '\n\nDebug source:\nGeneric {\n    store: "S3",\n}'
+            )
+
+        return run
+
+    monkeypatch.setattr(worker.tasks, "recipe", broken_recipe)
+    dataset = upload(stack.client, labelled_csv())
+    spec = {"base_model": TINY_MODEL, "training_dataset": dataset["id"], "text_column": "text", "label_column": "label"}
+    job = stack.client.post("/jobs", json=spec).json()
+    ended = wait_for_status(stack.client, job["id"], {"failed", "succeeded"}, timeout=60)
+    events = stack.client.get(f"/jobs/{job['id']}/events").json()["data"]
+    said = " ".join([e["message"] for e in events] + [ended["error"]["message"]])
+    assert worker.tasks.STORAGE_FAILED in said
+    assert "10.0.0.7" not in said and "Debug source" not in said, said

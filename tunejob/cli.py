@@ -28,6 +28,7 @@ def prepare_api(host: str) -> None:
     from shared.store.keys import NoKeyError, ensure_key_for
 
     upgrade_database()
+    require_bucket("tunejob")
     try:
         path = ensure_key_for(host)
     except NoKeyError as e:
@@ -37,6 +38,20 @@ def prepare_api(host: str) -> None:
             f"tunejob: no API key existed; created one for tenant 'default' in {path} (mode 0600). Send it as "
             "`Authorization: Bearer <key>`.",
             flush=True,
+        )
+
+
+def require_bucket(program: str) -> None:
+    """Exit with the reason when ``TUNEJOB_STORAGE_URL``'s bucket does not answer these credentials
+    (``shared.store.objects.bucket_problem``), before the process serves or takes a job."""
+    from shared.settings import get_settings
+    from shared.store.objects import bucket_problem
+
+    problem = bucket_problem()
+    if problem is not None:
+        sys.exit(
+            f"{program}: the object storage {get_settings().storage_url} cannot be used: {problem} (check "
+            "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and that the bucket exists)"
         )
 
 
@@ -304,6 +319,7 @@ def run_worker(gpu: int | None, niceness: int = 0, parent: int | None = None) ->
     from worker.tasks import app
 
     upgrade_database()
+    require_bucket("tunejob worker")
     # a node name of its own (Celery's default, celery@<host>, is every worker's on a host: its
     # remote control and `celery inspect` would take two workers of one box for one)
     name = f"tunejob-{'cpu' if gpu is None else f'gpu{gpu}'}-{os.getpid()}@%h"

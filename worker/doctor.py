@@ -1,7 +1,8 @@
 """``tunejob doctor``: what a worker on this machine trains on, and whether its fast path works here.
 
-Reports the device (``TUNEJOB_DEVICE``), driver, torch and CUDA versions, bf16 support and free
-memory; then trains a tiny BERT (built from a config at run time, with the built-in
+Checks that ``TUNEJOB_STORAGE_URL``'s bucket, where one is set, answers these credentials. Reports
+the device (``TUNEJOB_DEVICE``), driver, torch and CUDA versions, bf16 support and free memory;
+then trains a tiny BERT (built from a config at run time, with the built-in
 all-MiniLM-L6-v2 tokenizer; no weights are read) through the worker's own recipe
 (``worker.training.recipe.Recipe``: ``setup``, ``warm_up``, ``train``) on synthetic texts: once
 eagerly and, on CUDA, once with captured graphs, whose capture is checked against the eager step
@@ -26,6 +27,7 @@ import torch
 from shared.inference.precision import PRECISION_NAMES, compute_dtype, cpu_has_amx
 from shared.jobs.base_models import BUILTIN, available_models
 from shared.settings import get_settings
+from shared.store.objects import bucket_problem
 from worker.device import describe, resolve_device
 from worker.reporter import MemoryReporter
 
@@ -196,18 +198,32 @@ def training_checks(
     return checks
 
 
+def storage() -> Check:
+    """``TUNEJOB_STORAGE_URL``'s bucket answers these credentials (``bucket_problem``); does not
+    apply without one."""
+    url = get_settings().storage_url
+    if url is None:
+        return Check("storage", None, "does not apply: files stay in TUNEJOB_DATA_DIR (no TUNEJOB_STORAGE_URL)")
+    started = time.perf_counter()
+    problem = bucket_problem()
+    if problem is not None:
+        return Check("storage", False, f"{url}: {problem}")
+    return Check("storage", True, f"{url} answers (listed in {(time.perf_counter() - started) * 1000:.0f} ms)")
+
+
 def run_doctor(as_json: bool = False) -> int:
     """Run every check, print the report (lines, or one JSON object), and return the exit status."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     settings = get_settings()
+    checks = [storage()]  # before the data directory is moved aside below
     try:
         device, note = resolve_device(settings.device)
     except RuntimeError as e:
-        checks = [Check("device", False, str(e))]
+        checks.append(Check("device", False, str(e)))
     else:
-        checks = [environment(device)] + ([Check("device", True, note)] if note else [])
+        checks += [environment(device)] + ([Check("device", True, note)] if note else [])
         with tempfile.TemporaryDirectory(prefix="tunejob-doctor-") as tmp:
             settings.models_dir, settings.data_dir = Path(tmp), Path(tmp) / "data"
             try:

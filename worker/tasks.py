@@ -17,6 +17,7 @@ import uuid
 
 from celery import bootsteps, signals
 from celery.exceptions import Reject
+from obstore.exceptions import BaseError as ObjectStoreError
 
 from shared.errors import UserError
 from shared.jobs import lifecycle
@@ -29,6 +30,7 @@ from shared.store.engine import read_session
 from shared.store.rows import Dataset, JobStatus
 
 log = logging.getLogger(__name__)
+STORAGE_FAILED = "the object storage (TUNEJOB_STORAGE_URL) failed; the worker's log says how"
 stopping = threading.Event()  # this worker is shutting down: the running job checkpoints and is re-queued
 
 
@@ -219,7 +221,9 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
         return JobStatus.FAILED
     except Exception as e:
         log.exception("job %s failed unexpectedly", job.id)
-        message = f"{type(e).__name__}: {e}"
+        # obstore's message is a page of Rust debug output naming the bucket's internal address:
+        # for the operator's log, not for the tenant's event
+        message = STORAGE_FAILED if isinstance(e, ObjectStoreError) else f"{type(e).__name__}: {e}"
         countdown = restart_countdown(job.restarts)
         if lifecycle.requeue(
             job.id,

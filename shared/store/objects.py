@@ -404,6 +404,25 @@ def _store_for(url: str | None, data_path: Path, cache_bytes: int, presigned_sec
     return LocalDir() if url is None else Bucket(url, data_path, cache_bytes, presigned_seconds, timeout_s)
 
 
+def bucket_problem() -> str | None:
+    """Why ``TUNEJOB_STORAGE_URL``'s bucket cannot be used, in one line (obstore's first, which
+    names the request and the status: 403 for credentials it refuses, 404 for a bucket that does
+    not exist), or None when it lists the prefix (one request, needing the listing permission that
+    tunejob uses anyway) or no bucket is set. For a process's start and ``tunejob doctor``: a
+    worker with a wrong key would otherwise take every job and fail each."""
+    import obstore
+    from obstore.exceptions import BaseError
+
+    bucket = store()
+    if not isinstance(bucket, Bucket):
+        return None
+    try:
+        next(iter(obstore.list(bucket.store, chunk_size=1)), None)
+    except BaseError as e:
+        return str(e).splitlines()[0].split(": <?xml")[0]  # the status line, without the XML body's first line
+    return None
+
+
 def store() -> "LocalDir | Bucket":
     """Where files are kept, by the settings (one client per process and configuration)."""
     s = get_settings()
