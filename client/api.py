@@ -228,15 +228,32 @@ class Client:
         return response
 
     def _download(self, path: str, dest: Path) -> Path:
-        """Stream ``path`` into the file ``dest``."""
+        """Stream ``path`` into the file ``dest``.
+
+        Raises:
+            TunejobError: ``connection_error`` (no answer), ``download_incomplete`` (the answer was
+                cut short, as the API does on purpose when a stored file does not match its
+                manifest; ``dest`` is removed, so no partial file passes for the whole), or the API's error.
+        """
         try:
             with self.http.stream("GET", path) as response:
                 if response.is_error:
                     response.read()
                     raise TunejobError.from_response(response)
-                with open(dest, "wb") as out:
-                    for chunk in response.iter_bytes(1 << 20):
-                        out.write(chunk)
+                try:
+                    with open(dest, "wb") as out:
+                        for chunk in response.iter_bytes(1 << 20):
+                            out.write(chunk)
+                except httpx.TransportError as e:
+                    dest.unlink(missing_ok=True)
+                    size = response.headers.get("Content-Length")
+                    raise TunejobError(
+                        None,
+                        "download_incomplete",
+                        f"the download of {path} was cut short after {response.num_bytes_downloaded:,} bytes"
+                        + (f" of {int(size):,}" if size and size.isdigit() else "")
+                        + f" ({e or type(e).__name__}); nothing was kept. The server's log says why",
+                    ) from e
         except httpx.TransportError as e:
             raise self._unreachable(e) from e
         return dest
@@ -357,7 +374,8 @@ class Client:
         Raises:
             TunejobError: ``not_found`` (no such job), ``model_not_ready`` (it has not succeeded),
                 ``model_files_deleted``, ``directory_not_empty``,
-                ``download_corrupt`` (files missing or differing from the manifest; nothing is kept).
+                ``download_corrupt`` (files missing or differing from the manifest; nothing is kept),
+                ``download_incomplete`` (the answer was cut short; nothing is kept).
         """
         directory = Path(directory)
         if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):

@@ -174,3 +174,25 @@ def test_a_retried_create_makes_one_job(stack, slept):
         if (j.get("metadata") or {}).get("test") == "retried-create"
     ]
     assert [j["id"] for j in mine] == [job.id]
+
+
+def test_a_download_cut_short_says_so_and_keeps_no_partial_file(tmp_path):
+    """The API cuts a download short on purpose when a stored file does not match its manifest (and
+    a bucket or a proxy may drop it): the client said "cannot reach tunejob" and left the part it had
+    as the file. It names the cut now, and removes the part."""
+
+    class CutShort(httpx.SyncByteStream):
+        def __iter__(self):
+            yield b"x" * 1000
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"Content-Length": "5000"}, stream=CutShort())
+
+    dest = tmp_path / "results.jsonl"
+    with Client("http://tunejob.test", transport=httpx.MockTransport(answer)) as client:
+        with pytest.raises(Exception) as raised:
+            client.download_predictions("pred_1", dest)
+    assert raised.value.code == "download_incomplete", raised.value
+    assert "cut short after 1,000 bytes of 5,000" in str(raised.value)
+    assert not dest.exists()
