@@ -375,13 +375,29 @@ def test_serve_starts_one_worker_per_gpu_each_seeing_only_its_own(monkeypatch):
         args[-5:] == ["worker", "--nice", "10", "--parent", str(os.getpid())] for args, _ in plain
     )
     assert all(env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES") for _, env in plain)
-    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in worker_launches(1, "0,2")] == ["0", "2"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in worker_launches(1, "0,2")] == ["0", "2"]
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in worker_launches(1, "all")] == ["0", "1", "2", "3"]
+    with pytest.raises(SystemExit, match="no CUDA GPU 4 on this machine"):  # it trained on the CPU
+        worker_launches(1, "0,4")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    for gpus in ("all", "0,x", "1,1"):
+    for gpus in ("all", "0,x", "1,1", "0"):
         with pytest.raises(SystemExit):
             worker_launches(1, gpus)
+
+
+def test_a_worker_pinned_to_a_gpu_it_cannot_see_refuses_to_start(monkeypatch):
+    """``tunejob worker --gpu 1`` on a machine without that GPU trained on the CPU, saying so only in
+    each job's events."""
+    import torch
+
+    from tunejob.cli import run_worker
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # run_worker sets it; monkeypatch restores it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--gpu 1: torch sees no such CUDA GPU here"):
+        run_worker(1)
 
 
 @pytest.fixture(scope="module")

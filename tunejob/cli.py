@@ -251,7 +251,8 @@ def worker_launches(workers: int, gpus: str | None) -> list[tuple[list[str], dic
     (``CUDA_VISIBLE_DEVICES``, read by CUDA when torch first touches it). Each runs one job at a time.
 
     Raises:
-        SystemExit: ``gpus`` is not ``all`` or a list of indices, or ``all`` finds no CUDA GPU.
+        SystemExit: ``gpus`` is not ``all`` or a list of indices, ``all`` finds no CUDA GPU, or an
+            index is not a GPU of this machine.
     """
     args = [
         sys.executable,
@@ -265,16 +266,23 @@ def worker_launches(workers: int, gpus: str | None) -> list[tuple[list[str], dic
     ]
     if gpus is None:
         return [(args, dict(os.environ)) for _ in range(workers)]
-    if gpus == "all":
-        import torch
+    import torch
 
-        devices = [str(i) for i in range(torch.cuda.device_count())]
+    count = torch.cuda.device_count()  # the GPUs of this machine, unless CUDA_VISIBLE_DEVICES hides some
+    if gpus == "all":
+        devices = [str(i) for i in range(count)]
         if not devices:
             sys.exit("tunejob serve: --gpus all found no CUDA GPU")
     else:
         devices = [d.strip() for d in gpus.split(",")]
         if not all(d.isdigit() for d in devices) or len(set(devices)) != len(devices):
             sys.exit(f"tunejob serve: --gpus {gpus!r}: give all, or distinct GPU indices such as 0,1")
+        absent = [d for d in devices if int(d) >= count]
+        if absent and "CUDA_VISIBLE_DEVICES" not in os.environ:  # a worker would train on the CPU instead
+            sys.exit(
+                f"tunejob serve: --gpus {gpus}: no CUDA GPU {', '.join(absent)} on this machine "
+                f"(torch sees {count}{f', 0 to {count - 1}' if count else ''}); drop --gpus to train on the CPU"
+            )
     return [(args, {**os.environ, "CUDA_VISIBLE_DEVICES": d}) for d in devices]
 
 
@@ -312,6 +320,8 @@ def run_worker(gpu: int | None, niceness: int = 0, parent: int | None = None) ->
         device, note = resolve_device(settings.device)
     except RuntimeError as e:
         sys.exit(f"tunejob worker: {e}")
+    if gpu is not None and device.type != "cuda":  # pinned to a GPU it cannot see: not a CPU worker
+        sys.exit(f"tunejob worker: --gpu {gpu}: torch sees no such CUDA GPU here (nvidia-smi lists the GPUs)")
     if device.type == "cpu" and settings.cpu_reuse_freed_memory:
         reuse_freed_cpu_memory()
     print(f"tunejob worker: training on {device}" + (f" ({note})" if note else ""), flush=True)
