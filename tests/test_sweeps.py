@@ -377,7 +377,10 @@ def test_serve_starts_one_worker_per_gpu_each_seeing_only_its_own(monkeypatch):
     assert all(env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES") for _, env in plain)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in worker_launches(1, "0,2")] == ["0", "2"]
+    assert [(args[-2:], env["CUDA_VISIBLE_DEVICES"]) for args, env in worker_launches(1, "0,2")] == [
+        (["--gpu", "0"], "0"),
+        (["--gpu", "2"], "2"),
+    ]
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in worker_launches(1, "all")] == ["0", "1", "2", "3"]
     with pytest.raises(SystemExit, match="no CUDA GPU 4 on this machine"):  # it trained on the CPU
         worker_launches(1, "0,4")

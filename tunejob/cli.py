@@ -283,7 +283,8 @@ def worker_launches(workers: int, gpus: str | None) -> list[tuple[list[str], dic
                 f"tunejob serve: --gpus {gpus}: no CUDA GPU {', '.join(absent)} on this machine "
                 f"(torch sees {count}{f', 0 to {count - 1}' if count else ''}); drop --gpus to train on the CPU"
             )
-    return [(args, {**os.environ, "CUDA_VISIBLE_DEVICES": d}) for d in devices]
+    # --gpu too: a worker pinned to a GPU it cannot see refuses to start (``run_worker``)
+    return [([*args, "--gpu", d], {**os.environ, "CUDA_VISIBLE_DEVICES": d}) for d in devices]
 
 
 def exit_with_parent(parent: int) -> None:
