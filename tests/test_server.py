@@ -459,3 +459,17 @@ def test_serve_starts_a_worker_again_when_one_exits(monkeypatch, capfd):
     err = capfd.readouterr().err
     assert f"worker 1 (pid {dead.pid}) was killed by SIGKILL (the kernel's out-of-memory killer" in err
     assert "starting another in 8 s" in err
+
+
+def test_a_job_store_that_cannot_be_reached_is_one_line_without_the_password(tmp_path):
+    """``tunejob db upgrade`` (and ``api``, ``worker``, ``keys``) with a job store that refuses the
+    connection printed a 40-line traceback; it says which store (password hidden) and why."""
+    env = tunejob_env(
+        tmp_path, TUNEJOB_DATABASE_URL=f"postgresql+psycopg://tunejob:s3cret@127.0.0.1:{free_port()}/tunejob"
+    )
+    result = tunejob(env, "db", "upgrade", check=False)
+    assert result.returncode == 1
+    assert result.stderr.startswith("tunejob db: the job store postgresql+psycopg://tunejob:***@127.0.0.1:"), (
+        result.stderr
+    )
+    assert "Connection refused" in result.stderr and "Traceback" not in result.stderr and "s3cret" not in result.stderr

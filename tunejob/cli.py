@@ -384,7 +384,22 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(client_cli.main(argv))
     whole = parser()
     args = whole.parse_args(argv)
+    from sqlalchemy.exc import OperationalError
 
+    try:
+        run_command(whole, args)
+    except OperationalError as e:  # at start (a running API answers 503, a worker retries): one line, no traceback
+        from sqlalchemy.engine import make_url
+
+        from shared.settings import get_settings
+
+        url = make_url(get_settings().sqlalchemy_url).render_as_string(hide_password=True)
+        sys.exit(f"tunejob {args.command}: the job store {url} cannot be used: {str(e.orig).splitlines()[0]}")
+
+
+def run_command(whole: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Run one of the server commands (``serve``, ``api``, ``worker``, ``keys``, ``doctor``,
+    ``completion``, ``db``) as parsed by ``whole``."""
     if args.command in ("serve", "api"):
         proxy_options(args.proxy_headers, args.forwarded_allow_ips)
     if args.command == "serve":
