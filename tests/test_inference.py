@@ -1,7 +1,9 @@
 """shared.inference: a tunejob model folder loads for prediction, and the sorted, token-budgeted
 batches give the same outputs, in input order, as running the model on each text alone; a
 multi-label model's rows are its sigmoid scores against its saved threshold, and a token
-classifier's entities are those of ``pipeline("token-classification", aggregation_strategy="simple")``."""
+classifier's entities are those of ``pipeline("token-classification", aggregation_strategy="simple")``.
+Embeddings (``shared.inference.embed``) are ``SentenceTransformer.encode``'s, in input order, from
+batches of texts sorted by token count, and ``padded_tokens`` is what those batches compute."""
 
 import shutil
 
@@ -18,8 +20,10 @@ from transformers import (
 
 from shared.data.batching import token_budget_batches
 from shared.errors import UserError
+from shared.inference.embed import embed_texts, load_embedder
 from shared.inference.loop import ModelCache, load_for_inference, predict_texts
 from shared.jobs.base_models import BUILTIN, available_models
+from tests.conftest import TINY_MODEL
 
 LABELS = ["business", "sport", "tech"]
 TEXTS = [
@@ -30,6 +34,16 @@ TEXTS = [
     "Injury time winner",
     "Markets rallied.",
     "Rain stopped play for an hour at Lord's.",
+]
+MIXED = [  # character and token order disagree: digits and punctuation are a token each, long words one
+    "Markets rallied on Monday as investors welcomed the results.",  # 60 characters, 12 tokens
+    "Government announces international cooperation agreement",  # 56, 7
+    "understanding responsibilities",  # 30, 4
+    "1,2,3,4,5,6,7,8,9,10,11,12",  # 26, 25
+    "C3PO: #42 @x9 (v2.0)!",  # 21, 18
+    "2:1 (3-0), 4/5; 6.7%",  # 20, 19
+    "Ministers resign",  # 16, 4
+    "a",  # 1, 3
 ]
 TAGS = ["B-LOC", "B-PER", "I-LOC", "O"]
 CPU = torch.device("cpu")
@@ -249,3 +263,47 @@ def test_model_cache_keeps_the_most_recently_used(classifier_dir):
     assert cache.get("a", classifier_dir) is first  # a hit: the same object, now most recent
     cache.get("c", classifier_dir)
     assert cache.keys() == ["a", "c"]  # b was least recently used
+
+
+@pytest.fixture(scope="module")
+def embedder(models_dir):
+    """The tiny BERT as a plain encoder: ``SentenceTransformer`` gives it mean pooling."""
+    return load_embedder(models_dir / TINY_MODEL, CPU)
+
+
+def padding(lengths: list[int], batch_size: int) -> int:
+    """Tokens computed for ``lengths`` in that order, cut into ``batch_size`` batches, each padded to its longest."""
+    return sum(len(b) * max(b) for b in (lengths[a : a + batch_size] for a in range(0, len(lengths), batch_size)))
+
+
+@pytest.mark.parametrize("max_length", [None, 8])
+def test_embeddings_are_sentence_transformers_own_in_input_order(embedder, models_dir, max_length):
+    from sentence_transformers import SentenceTransformer
+
+    texts = TEXTS + MIXED  # 1 to 250 characters, 2 to 60 tokens, in no order
+    got = embed_texts(embedder, texts, max_length=max_length, batch_size=3)
+    reference = SentenceTransformer(str(models_dir / TINY_MODEL), device="cpu", local_files_only=True)
+    reference.max_seq_length = max_length or embedder.max_length
+    expected = reference.encode(texts, normalize_embeddings=True)
+    assert got.vectors.dtype == np.float32 and got.vectors.shape == expected.shape == (len(texts), embedder.dimensions)
+    assert (got.vectors * expected).sum(1).min() >= 0.9999  # both unit length
+    assert ((got.vectors @ expected.T).argmax(1) == np.arange(len(texts))).all()  # each row its own text's
+    assert embedder.model.max_seq_length == embedder.max_length  # restored
+
+
+@pytest.mark.parametrize(("max_length", "batch_size"), [(None, 2), (None, 3), (8, 2), (None, 64)])
+def test_padded_tokens_are_those_of_the_token_sorted_batches_encode_computes(embedder, max_length, batch_size):
+    computed = []  # input_ids.numel() of each forward pass
+    hook = embedder.model.register_forward_pre_hook(lambda _, args: computed.append(args[0]["input_ids"].numel()))
+    try:
+        got = embed_texts(embedder, MIXED, max_length=max_length, batch_size=batch_size)
+    finally:
+        hook.remove()
+    full = [len(ids) for ids in embedder.model.tokenizer(MIXED)["input_ids"]]
+    clipped = [min(n, max_length or embedder.max_length) for n in full]
+    assert (got.tokens, got.truncated) == (sum(full), sum(n > c for n, c in zip(full, clipped)))
+    assert got.padded_tokens == padding(sorted(clipped, reverse=True), batch_size) == sum(computed)
+    assert len(computed) == -(-len(MIXED) // batch_size)  # one forward pass per batch
+    by_characters = padding([clipped[i] for i in sorted(range(len(MIXED)), key=lambda i: -len(MIXED[i]))], batch_size)
+    if (max_length, batch_size) == (None, 2):
+        assert got.padded_tokens < by_characters == 120  # 108: by characters is how encode batches

@@ -1,10 +1,11 @@
 """Embeddings from a sentence-transformers model directory: an embedding job's artifact
 (``worker.embedding``) or a base model (a plain encoder gets mean pooling).
 
-Texts are encoded by ``SentenceTransformer.encode`` itself (length-sorted batches, the model's own
-pooling and normalization), so that ``/models/{id}/embed``, ``/v1/embeddings`` and a user's
-``SentenceTransformer(path).encode`` give the same vectors. torch is imported here: the API imports
-this module only on its first embedding request.
+Texts are batched as tunejob batches them, by token count (``SentenceTransformer.encode`` sorts by
+character length, which pads short texts poorly), and each batch is encoded by ``encode`` itself in
+one forward pass (the model's own pooling and normalization), so that ``/models/{id}/embed``,
+``/v1/embeddings`` and a user's ``SentenceTransformer(path).encode`` give the same vectors. torch is
+imported here: the API imports this module only on its first embedding request.
 """
 
 from dataclasses import dataclass
@@ -34,8 +35,8 @@ class LoadedEmbedder:
 class Embeddings:
     """``vectors`` float32 ``[texts, dimensions]`` in input order; ``tokens`` the texts' tokens
     (special tokens included, before truncation); ``truncated`` texts longer than ``max_length``;
-    ``padded_tokens`` tokens computed, padding included (``SentenceTransformer.encode`` sorts the
-    texts by character length, longest first, and pads each batch to its longest member)."""
+    ``padded_tokens`` tokens computed, padding included: each batch's texts times its longest
+    member's tokens after truncation (``embed_texts`` batches the texts by that count)."""
 
     vectors: np.ndarray
     tokens: int
@@ -97,27 +98,24 @@ def embed_texts(
             "max_length",
         )
     model = loaded.model
-    counts = np.array(
-        [
-            len(ids)
-            for ids in model.tokenizer(texts, truncation=False, add_special_tokens=True, return_attention_mask=False)[
-                "input_ids"
-            ]
-        ],
-        dtype=np.int64,
-    )
+    ids = model.tokenizer(texts, truncation=False, add_special_tokens=True, return_attention_mask=False)["input_ids"]
+    counts = np.fromiter(map(len, ids), dtype=np.int64, count=len(texts))
+    clipped = np.minimum(counts, limit)  # the tokens ``encode`` computes for each text
+    order = np.argsort(-clipped, kind="stable")  # longest first
+    batches = [order[a : a + batch_size] for a in range(0, len(texts), batch_size)]
+    vectors = np.empty((len(texts), loaded.dimensions), dtype=np.float32)
     model.max_seq_length = limit  # the cached model is used under its lock (one call at a time)
     try:
         with torch.inference_mode():
-            vectors = model.encode(
-                texts,
-                batch_size=batch_size,
-                convert_to_numpy=True,
-                normalize_embeddings=normalize,
-                show_progress_bar=False,
-            )
+            for batch in batches:  # one forward pass each: encode's own batching is not used
+                vectors[batch] = model.encode(
+                    [texts[i] for i in batch],
+                    batch_size=len(batch),
+                    convert_to_numpy=True,
+                    normalize_embeddings=normalize,
+                    show_progress_bar=False,
+                )
     finally:
         model.max_seq_length = loaded.max_length
-    clipped = np.minimum(counts, limit)[np.argsort([-len(t) for t in texts], kind="stable")]
-    padded = sum(len(b) * int(b.max()) for b in np.split(clipped, range(batch_size, len(texts), batch_size)) if len(b))
-    return Embeddings(vectors.astype(np.float32, copy=False), int(counts.sum()), int((counts > limit).sum()), padded)
+    padded = sum(len(batch) * int(clipped[batch[0]]) for batch in batches)
+    return Embeddings(vectors, int(counts.sum()), int((counts > limit).sum()), padded)
