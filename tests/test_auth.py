@@ -630,3 +630,39 @@ def test_cross_site_writes_are_refused(stack, owned):
     assert stack.client.post(url, headers={"Origin": "http://localhost:8000"}).status_code == 200
     # Reads are not state-changing; the key still guards them.
     assert stack.client.get(f"/jobs/{owned['job']}", headers={"Origin": "https://attacker.example"}).status_code == 200
+
+
+def test_the_storage_quota_sums_recorded_bytes_of_the_files_kept(stack, monkeypatch):
+    """The job files' share of the quota is summed from the rows (each checkpoint's bytes, each
+    ended job's artifact bytes), as recorded when the files were written, with no walk of the
+    disk or listing of the bucket: a checkpoint rotated away, a job whose files were deleted
+    (retention) or the job itself (DELETE), and other tenants' jobs count nothing."""
+    from shared.jobs import lifecycle
+    from shared.store import objects, quotas
+    from shared.store.engine import read_session, session_scope
+    from shared.store.rows import Job, JobStatus, utcnow
+    from tests.test_queue_position import add_job
+
+    def used() -> int:
+        with read_session() as s:
+            return quotas.job_files_bytes(s, stack.tenant)
+
+    monkeypatch.setattr(objects.LocalDir, "tree_bytes", lambda *_: pytest.fail("walked the disk"))
+    monkeypatch.setattr(stack, "tenant", "tenant-quota")  # no other test's jobs (add_job writes for it)
+    dataset = upload(stack.client, labelled_csv())["id"]
+    failed = add_job(stack, dataset, JobStatus.FAILED, files_bytes=700)
+    kept = add_job(stack, dataset, JobStatus.SUCCEEDED, files_bytes=50_000)
+    assert used() == 50_700
+    for step, size in ((10, 1_000), (20, 2_000), (30, 4_000)):  # the newest two are kept
+        lifecycle.record_checkpoint(failed, step, f"/nowhere/step-{step}", None, keep=2, size=size)
+    assert used() == 50_700 + 6_000
+    with session_scope() as s:
+        s.get(Job, kept).files_deleted_at = utcnow()  # retention removed its files
+    assert used() == 700 + 6_000
+    with session_scope() as s:
+        s.get(Job, failed).deleted_at = utcnow()
+    assert used() == 0
+    monkeypatch.setattr(stack, "tenant", "tenant-elsewhere")
+    add_job(stack, dataset, JobStatus.SUCCEEDED, files_bytes=9_999)
+    monkeypatch.setattr(stack, "tenant", "tenant-quota")
+    assert used() == 0

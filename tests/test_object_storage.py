@@ -502,6 +502,8 @@ def test_retention_and_the_storage_quota_see_the_bucket(bucket_env, models_dir, 
     from shared.jobs import retention
     from shared.settings import get_settings
     from shared.store import objects
+    from shared.store.engine import read_session
+    from shared.store.rows import Job
     from worker import tasks
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("TUNEJOB_STORAGE", "AWS_"))}
@@ -532,12 +534,19 @@ def test_retention_and_the_storage_quota_see_the_bucket(bucket_env, models_dir, 
             on_host(tmp_path / "api")
             model_bytes = sum(size for _, size, _ in objects.store().listing(f"artifacts/{job['id']}/"))
             assert model_bytes > 100_000 and files_outside_cache(tmp_path / "api") == []
+            with read_session() as s:
+                assert s.get(Job, job["id"]).files_bytes == model_bytes  # recorded as the job ended
 
             # Room for the dataset and the model in the bucket, and 1,000 bytes more: a second
-            # upload of the same size does not fit.
+            # upload of the same size does not fit. The check lists no job's objects (it listed every
+            # tenant's checkpoints and artifacts on each upload and job: seconds in a large bucket).
             set_quota(dataset["bytes"] + model_bytes + 1000)
+            listed: list[str] = []
+            listing = objects.Bucket.listing
+            monkeypatch.setattr(objects.Bucket, "listing", lambda self, f: listed.append(f) or listing(self, f))
             r = client.post("/datasets", files={"file": ("b.csv", io.BytesIO(labelled_csv(seed=1)), "text/csv")})
             assert r.status_code == 413 and r.json()["error"]["code"] == "storage_quota_exceeded", r.text
+            assert not [f for f in listed if f.startswith(("checkpoints", "artifacts"))], listed
 
             # Deleting the dataset frees its bytes (its object leaves the bucket): the same upload fits.
             assert client.delete(f"/datasets/{dataset['id']}").status_code == 204

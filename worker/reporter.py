@@ -84,12 +84,14 @@ class Reporter:
         self.event("pruning", f"the sweep's pruner stopped this trial after its evaluation at step {step}")
         return True
 
-    def checkpoint(self, step: int, path: Path | str, metrics: dict | None, keep: int) -> list[str]:
+    def checkpoint(
+        self, step: int, path: Path | str, metrics: dict | None, keep: int, size: int | None = None
+    ) -> list[str]:
         """Point the store at a completely written (and published) checkpoint, ``path`` its ref
-        (``shared.store.objects``); returns the refs of the older checkpoints, beyond the newest
-        ``keep``, that the store no longer lists (to delete)."""
+        (``shared.store.objects``), ``size`` its bytes; returns the refs of the older checkpoints,
+        beyond the newest ``keep``, that the store no longer lists (to delete)."""
         self.flush()  # the steps up to the checkpoint are never trained again: write their metrics first
-        return lifecycle.record_checkpoint(self.job_id, step, str(path), metrics, keep)
+        return lifecycle.record_checkpoint(self.job_id, step, str(path), metrics, keep, size)
 
     def should_stop(self) -> str | None:
         """Why training must stop now, if it must: ``"shutdown"`` (the worker is shutting down),
@@ -199,7 +201,9 @@ class MemoryReporter:
         self.events.append(code)
         self.messages.append(message)
 
-    def checkpoint(self, step: int, path: Path | str, metrics: dict | None, keep: int = 2) -> list[str]:
+    def checkpoint(
+        self, step: int, path: Path | str, metrics: dict | None, keep: int = 2, size: int | None = None
+    ) -> list[str]:
         self.checkpoints.append((step, Path(path)))
         return []
 

@@ -389,16 +389,17 @@ def record_progress(
         return True
 
 
-def record_checkpoint(job_id: str, step: int, path: str, metrics: dict[str, Any] | None, keep: int) -> list[str]:
-    """Point the store at a checkpoint (call only once it is completely written, and published:
-    ``shared.store.objects``) and forget all but the newest ``keep``. Returns the forgotten
-    checkpoints' refs, for the caller to delete (``objects.store().remove``)."""
+def record_checkpoint(
+    job_id: str, step: int, path: str, metrics: dict[str, Any] | None, keep: int, size: int | None = None
+) -> list[str]:
+    """Point the store at a checkpoint (once completely written, and published: ``shared.store.objects``),
+    ``size`` its bytes (the tenant's quota); forget all but the newest ``keep``. Returns the
+    forgotten ones' refs, for the caller to delete (``objects.store().remove``)."""
     with session_scope() as s:
-        s.add(Checkpoint(job_id=job_id, step=step, path=path, metrics=json_safe(metrics)))
+        s.add(Checkpoint(job_id=job_id, step=step, path=path, metrics=json_safe(metrics), bytes=size))
         s.flush()
-        old = s.scalars(
-            select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc()).offset(keep)
-        ).all()
+        newest_first = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
+        old = s.scalars(newest_first.offset(keep)).all()
         for checkpoint in old:
             s.delete(checkpoint)
         return [c.path for c in old]
@@ -428,12 +429,14 @@ def finish(job_id: str, worker_id: str, status: str, error: dict[str, str] | Non
     are forgotten (the caller deletes them: ``discard_checkpoints``), a trial's sweep goes on. False: not held."""
     if error is not None:
         error = {**error, "message": without_paths(error["message"])}
+    files_bytes = quotas.artifacts_bytes(job_id)  # the tenant's quota: its own objects, once
     with session_scope() as s:
         trials.lock_sweep_of(s, job_id)
         job = s.get(Job, job_id, with_for_update=True, populate_existing=True)
         if job is None or job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
             return False
         job.error, job.lease_owner, job.lease_expires_at = error, None, None
+        job.files_bytes = files_bytes
         end_job(s, job, status, utcnow())
         job.eta_seconds = 0.0 if status == JobStatus.SUCCEEDED else None
         level = "info" if status != JobStatus.FAILED else "error"

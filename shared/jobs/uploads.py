@@ -44,13 +44,11 @@ def store_dataset(
     ref = None
     try:
         info = inspect_dataset(tmp, fmt, filename)
-        with read_session() as s:
-            job_files = quotas.job_files_bytes(s, caller.tenant)
         os.replace(tmp, final)
         ref = objects.store().publish(final)  # in the bucket before the row that points at it
         with session_scope() as s:
             lock_tenant(s, caller.tenant)
-            quotas.check_storage(s, caller.tenant, size, job_files)
+            quotas.check_storage(s, caller.tenant, size)
             dataset = Dataset(
                 id=dataset_id,
                 tenant=caller.tenant,

@@ -175,10 +175,9 @@ class LocalDir:
         except FileNotFoundError:
             return []
 
-    def jobs_bytes(self, folder: str, job_ids: list[str]) -> int:
-        """Bytes of the files under ``<data>/<folder>/<id>`` for these job ids."""
-        data = get_settings().data_path
-        return sum(self.tree_bytes(str(data / folder / job_id)) for job_id in job_ids)
+    def folder_bytes(self, folder: str) -> int:
+        """Bytes of the files under ``<data>/<folder>`` (a job's ``artifacts/<id>``)."""
+        return self.tree_bytes(str(get_settings().data_path / folder))
 
     def tree_bytes(self, ref: str) -> int:
         """Bytes of the files under ``ref`` (0 if none). A file gone between listing and ``stat`` counts 0."""
@@ -345,10 +344,9 @@ class Bucket:
         and the files of rows written before the bucket, on the shared disk (``LocalDir``)."""
         return [key for key, _, _ in self.listing("uploads/")] + LocalDir().upload_refs()
 
-    def jobs_bytes(self, folder: str, job_ids: list[str]) -> int:
-        """Bytes of the objects under ``<folder>/<id>/`` for these job ids (one listing of the folder)."""
-        ids = set(job_ids)
-        return sum(size for key, size, _ in self.listing(folder) if key.split("/")[1] in ids)
+    def folder_bytes(self, folder: str) -> int:
+        """Bytes of the objects under ``<folder>/`` (a job's ``artifacts/<id>``: one listing of its own objects)."""
+        return sum(size for _, size, _ in self.listing(f"{folder}/"))
 
     def presigned_url(self, source: "Path | Remote") -> str | None:
         """A URL that downloads ``source`` straight from the bucket for ``presigned_seconds``, when

@@ -14,13 +14,18 @@ naming the limit, the value and the setting:
 The request rate per API key is limited in ``api.auth``.
 """
 
+import logging
+
+from obstore.exceptions import BaseError as ObjectStoreError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from shared.errors import UserError
 from shared.settings import get_settings
 from shared.store import objects
-from shared.store.rows import Dataset, Job, JobStatus
+from shared.store.rows import Checkpoint, Dataset, Job, JobStatus
+
+log = logging.getLogger(__name__)
 
 ACTIVE_JOBS_RETRY_AFTER_S = 60  # a guess at how soon a slot frees: jobs take minutes to hours
 
@@ -76,19 +81,35 @@ def check_active_jobs(session: Session, tenant: str) -> None:
 
 
 def job_files_bytes(session: Session, tenant: str) -> int:
-    """Bytes under the checkpoint and artifact directories of ``tenant``'s jobs (or their objects
-    in the bucket: ``shared.store.objects``). It walks the file system (lists the bucket): call it
-    before a write transaction, not inside one."""
-    job_ids = list(session.scalars(select(Job.id).where(Job.tenant == tenant)))
-    return sum(objects.store().jobs_bytes(kind, job_ids) for kind in ("checkpoints", "artifacts"))
+    """Bytes of the checkpoints and artifacts of ``tenant``'s jobs whose files are kept, as recorded
+    when they were written (``Checkpoint.bytes``, ``Job.files_bytes``): two sums over its rows, so
+    that a check costs the same however many objects the bucket holds (it listed every tenant's
+    checkpoints and artifacts on each upload and job). A running job's artifacts count once it has
+    ended; rows written before revision 0015 count 0."""
+    kept = (Job.tenant == tenant, Job.deleted_at.is_(None), Job.files_deleted_at.is_(None))
+    checkpoints = session.scalar(
+        select(func.coalesce(func.sum(Checkpoint.bytes), 0)).join(Job, Checkpoint.job_id == Job.id).where(*kept)
+    )
+    artifacts = session.scalar(select(func.coalesce(func.sum(Job.files_bytes), 0)).where(*kept))
+    return int(checkpoints or 0) + int(artifacts or 0)
 
 
-def check_storage(session: Session, tenant: str, adding: int = 0, job_files: int | None = None) -> None:
+def artifacts_bytes(job_id: str) -> int | None:
+    """Bytes under the job's ``artifacts/<id>`` (its model, or its prediction's results), recorded
+    as ``Job.files_bytes`` when it ends (one listing of its own objects); None, logged, when the
+    store cannot say (a bucket that fails must not keep a job from ending: it may be why it failed)."""
+    try:
+        return objects.store().folder_bytes(f"artifacts/{job_id}")
+    except (OSError, ObjectStoreError) as e:
+        log.warning("the size of job %s's files is unknown (they count 0 towards its quota): %s", job_id, e)
+        return None
+
+
+def check_storage(session: Session, tenant: str, adding: int = 0) -> None:
     """Raises: UserError 413 ``storage_quota_exceeded`` when ``tenant`` would hold more than its
     quota with ``adding`` more bytes (a job adds its checkpoints and artifacts later: 0).
 
-    ``job_files``: ``job_files_bytes`` taken before the transaction (computed here if None). The
-    dataset bytes are summed in ``session``, so that two uploads checked in transactions serialized by
+    Summed in ``session``, so that two uploads checked in transactions serialized by
     ``shared.store.tenancy.lock_tenant`` cannot both pass on the same free space.
     """
     limit = get_settings().max_storage_bytes_per_tenant
@@ -100,7 +121,7 @@ def check_storage(session: Session, tenant: str, adding: int = 0, job_files: int
         )
         or 0
     )  # a deleted dataset's file is gone
-    used = int(uploads) + (job_files if job_files is not None else job_files_bytes(session, tenant))
+    used = int(uploads) + job_files_bytes(session, tenant)
     if used + adding > limit:
         what = f"; this upload adds {adding:,}" if adding else ""
         raise UserError(

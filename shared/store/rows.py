@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     DateTime,
     Float,
     ForeignKey,
@@ -125,6 +126,9 @@ class Job(Base):
     restarts: Mapped[int] = mapped_column(default=0)  # re-queued after its worker died or failed unexpectedly
     timings: Mapped[dict[str, Any] | None]  # seconds per phase (shared.schemas.jobs.Timings)
     files_deleted_at: Mapped[datetime | None]  # checkpoints and artifacts removed (DELETE or retention)
+    # bytes under artifacts/<job>/ (its model, or its prediction's results) when it ended, for the
+    # tenant's storage quota (shared.store.quotas); None before it ended, or ended before 0015
+    files_bytes: Mapped[int | None] = mapped_column(BigInteger)
     deleted_at: Mapped[datetime | None]  # DELETE /jobs/{id}: the row is a tombstone, the id answers 404
     # A queued job's estimated run time from its dry-run plan (shared.jobs.positions.estimate_queued),
     # computed once in the background; planned_at says it was tried (the estimate may be None).
@@ -181,6 +185,7 @@ class Checkpoint(Base):
     path: Mapped[str] = mapped_column(Text)
     metrics: Mapped[dict[str, Any] | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    bytes: Mapped[int | None] = mapped_column(BigInteger)  # its files' (None: recorded before 0015)
 
 
 class JobEvent(Base):

@@ -155,5 +155,6 @@ def record_checkpoint(reporter: Reporter, step: int, path: Path, metrics: dict |
     into the bucket, before the row that points at it), record it, and delete the older ones the
     store no longer keeps (beyond the newest ``keep``)."""
     store = objects.store()
-    for old in reporter.checkpoint(step, store.publish(path), metrics, keep=keep):
+    size = objects.LocalDir().tree_bytes(str(path))  # for the tenant's quota (shared.store.quotas)
+    for old in reporter.checkpoint(step, store.publish(path), metrics, keep=keep, size=size):
         store.remove(old)
