@@ -613,6 +613,9 @@ def test_a_prediction_job_writes_each_row_s_vector_a_part_at_a_time(stack, api_j
     assert table.column("id").to_pylist() == [f"d{i}" for i in range(21)]
     model.max_seq_length = 12
     local = model.encode(texts, normalize_embeddings=True)
+    # the tokens computed, after truncation (it counted texts before truncation, so its padding
+    # efficiency could read above the truth)
+    assert result["tokens"] == sum(min(len(ids), 12) for ids in model.tokenizer(texts)["input_ids"])
     vectors = np.array(table.column("embedding").to_pylist(), dtype=np.float32)
     assert (vectors * local).sum(1).min() >= 0.9999
 

@@ -302,6 +302,7 @@ def test_padded_tokens_are_those_of_the_token_sorted_batches_encode_computes(emb
     full = [len(ids) for ids in embedder.model.tokenizer(MIXED)["input_ids"]]
     clipped = [min(n, max_length or embedder.max_length) for n in full]
     assert (got.tokens, got.truncated) == (sum(full), sum(n > c for n, c in zip(full, clipped)))
+    assert got.real_tokens == sum(clipped)  # what is computed, without padding
     assert got.padded_tokens == padding(sorted(clipped, reverse=True), batch_size) == sum(computed)
     assert len(computed) == -(-len(MIXED) // batch_size)  # one forward pass per batch
     by_characters = padding([clipped[i] for i in sorted(range(len(MIXED)), key=lambda i: -len(MIXED[i]))], batch_size)

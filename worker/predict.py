@@ -184,7 +184,7 @@ def score_part(run: Scoring, part: PredictionBatch, max_length: int) -> tuple[pa
         return embedding_table(part.ids, embedded.vectors, id_type(run.job.spec)), {
             "rows": len(part.texts),
             "truncated": embedded.truncated,
-            "tokens": embedded.tokens,
+            "tokens": embedded.real_tokens,  # as predict_texts counts them: computed, after truncation
             "padded_tokens": embedded.padded_tokens,
         }
     predictions = predict_texts(

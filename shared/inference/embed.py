@@ -34,13 +34,16 @@ class LoadedEmbedder:
 @dataclass
 class Embeddings:
     """``vectors`` float32 ``[texts, dimensions]`` in input order; ``tokens`` the texts' tokens
-    (special tokens included, before truncation); ``truncated`` texts longer than ``max_length``;
-    ``padded_tokens`` tokens computed, padding included: each batch's texts times its longest
-    member's tokens after truncation (``embed_texts`` batches the texts by that count)."""
+    (special tokens included, before truncation: what the caller sent, a request's usage);
+    ``truncated`` texts longer than ``max_length``; ``real_tokens`` the tokens computed, after
+    truncation, without padding; ``padded_tokens`` tokens computed, padding included: each batch's
+    texts times its longest member's tokens after truncation (``embed_texts`` batches the texts by
+    that count)."""
 
     vectors: np.ndarray
     tokens: int
     truncated: int
+    real_tokens: int
     padded_tokens: int
 
 
@@ -118,4 +121,4 @@ def embed_texts(
     finally:
         model.max_seq_length = loaded.max_length
     padded = sum(len(batch) * int(clipped[batch[0]]) for batch in batches)
-    return Embeddings(vectors, int(counts.sum()), int((counts > limit).sum()), padded)
+    return Embeddings(vectors, int(counts.sum()), int((counts > limit).sum()), int(clipped.sum()), padded)
