@@ -44,8 +44,8 @@ PART_BYTES = 16 << 20  # multipart upload part size
 CHUNK = 1 << 20  # bytes a streamed download yields at a time
 DELETE_BATCH = 1000  # keys per DeleteObjects request (the S3 maximum)
 # object_store bounds a whole request by 30 s by default (``timeout``), which cuts off any
-# download that takes longer: a 1.3 GB model at 40 MB/s. A request is bounded by its silences
-# instead (``read_timeout``); this only stands in for "no limit".
+# download that takes longer (a large model over a slow link). A request is bounded by its
+# silences instead (``read_timeout``); this only stands in for "no limit".
 WHOLE_REQUEST = timedelta(days=1)
 
 
