@@ -15,6 +15,7 @@ does. A state-changing request (not GET/HEAD/OPTIONS) made with the cookie must 
 session's CSRF token in ``X-CSRF-Token``; a request with a key never uses the cookie.
 """
 
+import logging
 import math
 import time
 from functools import lru_cache
@@ -23,6 +24,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from limits import RateLimitItem, aio, parse_many
+from limits.errors import StorageError
 from limits.storage import storage_from_string
 from limits.strategies import SlidingWindowCounterRateLimiter
 
@@ -35,6 +37,8 @@ from shared.store.tenancy import Caller
 
 # Routes anyone may call: they carry no tenant data (liveness, and the documentation pages, which
 # fastapi-offline serves as routes of the app).
+log = logging.getLogger(__name__)
+
 PUBLIC_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 bearer = HTTPBearer(
@@ -128,9 +132,23 @@ def _rate_limits(spec: str) -> list[RateLimitItem]:
     return parse_many(spec)
 
 
+# How long a shared rate-limit store that failed is left alone before it is tried again (seconds),
+# and the longest it may take to connect or answer: a rate check must never hold a request longer.
+SHARED_RETRY_SECONDS = 10.0
+SHARED_TIMEOUT_SECONDS = 2.0
+_shared_failed_at: float | None = None  # time.monotonic() of the last failure; None while it answers
+
+
 @lru_cache
 def _limiter(storage_url: str) -> SlidingWindowCounterRateLimiter:
-    return SlidingWindowCounterRateLimiter(storage_from_string(storage_url))
+    """The shared counters at ``storage_url``; its errors raise ``limits.errors.StorageError``. A
+    Redis connection gives up after ``SHARED_TIMEOUT_SECONDS`` (redis-py waits forever by default,
+    so a Redis that stopped answering held every request, and the thread running it, for good)."""
+    redis = storage_url.startswith(("redis://", "rediss://"))
+    timeouts = {"socket_timeout": SHARED_TIMEOUT_SECONDS, "socket_connect_timeout": SHARED_TIMEOUT_SECONDS}
+    return SlidingWindowCounterRateLimiter(
+        storage_from_string(storage_url, wrap_exceptions=True, **(timeouts if redis else {}))
+    )
 
 
 @lru_cache
@@ -148,10 +166,44 @@ def _hit(limiter: SlidingWindowCounterRateLimiter, item: RateLimitItem, key: str
     return None if limiter.hit(item, key) else limiter.get_window_stats(item, key).reset_time
 
 
+async def _count(storage_url: str, item: RateLimitItem, key: str) -> float | None:
+    """Count a request as ``_hit`` does: in the shared store at ``storage_url`` (in its threads: a
+    network round trip), or in this process's memory (on the event loop) where the store is
+    ``memory://`` or has failed in the last ``SHARED_RETRY_SECONDS``.
+
+    A shared store that fails (Redis down or not answering) is logged once, when it starts and when
+    it ends, and meanwhile each API process counts on its own: a key may then make up to (API
+    processes) x its limit, rather than every request failing because a counter could not be read.
+    Flask-Limiter's ``in_memory_fallback`` does the same."""
+    global _shared_failed_at
+    failed_at = _shared_failed_at
+    if not storage_url.startswith("memory://") and (
+        failed_at is None or time.monotonic() - failed_at >= SHARED_RETRY_SECONDS
+    ):
+        try:
+            reset = await db.in_thread(_hit, _limiter(storage_url), item, key)
+        except StorageError as e:
+            if failed_at is None:
+                log.warning(
+                    "the rate-limit counters (TUNEJOB_RATE_LIMIT_STORAGE_URL) do not answer (%s: %s): each API "
+                    "process counts in its own memory until they do, trying them again every %.0f s",
+                    type(e.storage_error).__name__,
+                    e.storage_error,
+                    SHARED_RETRY_SECONDS,
+                )
+            _shared_failed_at = time.monotonic()
+        else:
+            if failed_at is not None:
+                log.warning("the rate-limit counters (TUNEJOB_RATE_LIMIT_STORAGE_URL) answer again")
+                _shared_failed_at = None
+            return reset
+    local = _local_limiter()
+    return None if await local.hit(item, key) else (await local.get_window_stats(item, key)).reset_time
+
+
 async def check_rate(caller: Caller) -> None:
-    """Count one request against ``caller``'s key (the ``limits`` library, sliding window counter):
-    on the event loop where the counters are in this process's memory (``memory://``), in the
-    store's threads where they are shared (a network round trip to Redis).
+    """Count one request against ``caller``'s key (the ``limits`` library, sliding window counter;
+    ``_count``: shared counters, or this process's).
 
     Raises:
         UserError: 429 ``rate_limited``, ``Retry-After`` = seconds until the window lets one through.
@@ -160,15 +212,7 @@ async def check_rate(caller: Caller) -> None:
         return
     settings = get_settings()
     for item in _rate_limits(settings.rate_limit):
-        if settings.rate_limit_storage_url.startswith("memory://"):
-            local = _local_limiter()
-            reset = (
-                None
-                if await local.hit(item, caller.key_id)
-                else (await local.get_window_stats(item, caller.key_id)).reset_time
-            )
-        else:
-            reset = await db.in_thread(_hit, _limiter(settings.rate_limit_storage_url), item, caller.key_id)
+        reset = await _count(settings.rate_limit_storage_url, item, caller.key_id)
         if reset is not None:
             wait = max(1, math.ceil(reset - time.time()))
             raise UserError(

@@ -145,6 +145,7 @@ def prediction_table(p: PredictionOut) -> Table:
         f"text {p.text_column!r}"
         + (f", pair {p.text_pair_column!r}" if p.text_pair_column else "")
         + (f", id {p.id_column!r}" if p.id_column else "")
+        + (f", label {p.label_column!r}" if p.label_column else "")
     )
     table = fields_table(
         {

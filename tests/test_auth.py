@@ -542,14 +542,7 @@ def test_storage_per_tenant_is_capped(stack, monkeypatch):
     assert_error(client.post("/jobs", json=job_body(dataset["id"])), 413, "storage_quota_exceeded")
 
 
-def test_request_rate_per_key(stack, monkeypatch):
-    import limits.aio.storage.memory
-
-    # limits' sliding window counter weighs the previous minute's count by the part of it still in
-    # the window, and floors the sum: three requests just before a minute's end and a fourth just
-    # after count as 2.99 -> 2, and it passes. Its clock stays mid-minute here.
-    now = time.time()
-    monkeypatch.setattr(limits.aio.storage.memory, "time", SimpleNamespace(time=lambda: now - now % 60 + 30))
+def test_request_rate_per_key(stack, monkeypatch, mid_minute):
     monkeypatch.setattr(get_settings(), "rate_limit", "3/minute")
     client, neighbour = stack.client_for("tenant-l"), stack.client_for("tenant-l")
     assert [client.get("/datasets").status_code for _ in range(3)] == [200] * 3
@@ -557,6 +550,65 @@ def test_request_rate_per_key(stack, monkeypatch):
     assert_error(r, 429, "rate_limited", "Authorization", "3 per 1 minute")
     assert 1 <= int(r.headers["retry-after"]) <= 60
     assert neighbour.get("/datasets").status_code == 200  # per key, not per tenant
+
+
+@pytest.fixture
+def mid_minute(monkeypatch):
+    """Stop ``limits``' in-memory clock mid-minute: its sliding window counter weighs the previous
+    minute's count by the part of it still in the window, and floors the sum, so three requests
+    just before a minute's end and a fourth just after count as 2.99 -> 2, and it passes."""
+    import limits.aio.storage.memory
+
+    now = time.time()
+    monkeypatch.setattr(limits.aio.storage.memory, "time", SimpleNamespace(time=lambda: now - now % 60 + 30))
+
+
+def test_a_shared_rate_store_that_hangs_is_counted_in_memory_instead(stack, monkeypatch, mid_minute, caplog):
+    """Redis holding the rate counts (``TUNEJOB_RATE_LIMIT_STORAGE_URL``, several API processes)
+    stops answering: requests go on, counted in each process's memory (the limit still holds), after
+    one wait of at most the store's timeout, and the outage is logged once. Every request was a 500
+    while Redis was down, and would have waited forever for one that hung."""
+    import socket
+
+    from api import auth
+
+    silent = socket.socket()  # the kernel accepts connections to it; nothing ever answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    monkeypatch.setattr(get_settings(), "rate_limit", "3/minute")
+    monkeypatch.setattr(get_settings(), "rate_limit_storage_url", f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
+    monkeypatch.setattr(auth, "SHARED_TIMEOUT_SECONDS", 0.2)
+    monkeypatch.setattr(auth, "_shared_failed_at", None)
+    client = stack.client_for("tenant-r")
+    try:
+        started = time.monotonic()
+        assert client.get("/datasets").status_code == 200
+        assert time.monotonic() - started < 3  # redis-py retries the read a few times, each 0.2 s
+        assert [client.get("/datasets").status_code for _ in range(2)] == [200] * 2
+        assert_error(client.get("/datasets"), 429, "rate_limited", "Authorization", "3 per 1 minute")
+    finally:
+        silent.close()
+    outage = [r for r in caplog.records if r.name == "api.auth"]
+    assert [r.levelname for r in outage] == ["WARNING"], outage
+    assert "TUNEJOB_RATE_LIMIT_STORAGE_URL" in outage[0].getMessage() and "Timeout" in outage[0].getMessage()
+
+
+def test_the_shared_rate_store_is_used_again_once_it_answers(stack, monkeypatch, caplog):
+    """After a failure the shared counters are tried again (``SHARED_RETRY_SECONDS``): once Redis
+    answers (``_hit``, here without a Redis), requests are counted there again and the end of the
+    outage is logged."""
+    from api import auth
+
+    monkeypatch.setattr(get_settings(), "rate_limit", "1000/minute")
+    monkeypatch.setattr(get_settings(), "rate_limit_storage_url", "redis://127.0.0.1:1/0")
+    monkeypatch.setattr(auth, "_shared_failed_at", time.monotonic() - auth.SHARED_RETRY_SECONDS)
+    hits = []
+    monkeypatch.setattr(auth, "_hit", lambda *args: hits.append(args) or None)
+    assert stack.client_for("tenant-q").get("/datasets").status_code == 200
+    assert len(hits) == 1 and auth._shared_failed_at is None
+    assert [r.getMessage() for r in caplog.records if r.name == "api.auth"] == [
+        "the rate-limit counters (TUNEJOB_RATE_LIMIT_STORAGE_URL) answer again"
+    ]
 
 
 def test_counting_requests_in_memory_starts_no_thread(stack, monkeypatch):
