@@ -131,6 +131,7 @@ def job_table(job: JobOut) -> Table:
         "progress": progress(job),
         "device": job.device or "",
         "attempts": str(job.attempts),
+        **files_deleted(job.files_deleted_at),
     }
     table = fields_table(rows)
     # name=value pairs, so that a narrow window wraps between them, never inside a number
@@ -138,6 +139,11 @@ def job_table(job: JobOut) -> Table:
     table.add_row("hyperparameters", escape(", ".join(f"{k}={json.dumps(v)}" for k, v in chosen.items())))
     final_summary(table, job)
     return table
+
+
+def files_deleted(when: datetime | None) -> dict[str, str]:
+    """A ``files`` row for a job whose model or results were deleted (retention), else nothing."""
+    return {} if when is None else {"files": f"deleted {when.astimezone():%Y-%m-%d %H:%M:%S} ({age(when)})"}
 
 
 def prediction_table(p: PredictionOut) -> Table:
@@ -159,6 +165,7 @@ def prediction_table(p: PredictionOut) -> Table:
             "rows": f"{p.progress.rows_done:,}/{p.progress.total_rows:,} ({p.progress.fraction:.0%})",
             "device": p.device or "",
             "attempts": str(p.attempts),
+            **files_deleted(p.files_deleted_at),
             **({"queue": queue_line(p)} if p.queue else {}),
         }
     )

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tarfile
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -933,3 +934,21 @@ def test_a_token_job_s_per_entity_figures_point_to_the_evaluation():
     console.print(job_table(job))
     shown = console.export_text()
     assert f"tunejob jobs evaluation {job.id}" in shown and "{'precision'" not in shown, shown
+
+
+def test_get_says_when_a_job_s_files_were_deleted():
+    """``jobs get`` and ``predict get`` of a job whose files retention deleted say so (nothing
+    did: the download's 409 was the first a user heard of it)."""
+    from rich.console import Console
+
+    from client.display import job_table, prediction_table
+    from shared.schemas.jobs import JobOut
+    from shared.schemas.predictions import PredictionOut
+
+    deleted = {"files_deleted_at": datetime(2026, 11, 30, 12, tzinfo=UTC)}
+    for schema, table in ((JobOut, job_table), (PredictionOut, prediction_table)):
+        example = schema.model_validate(schema.model_config["json_schema_extra"]["examples"][0])
+        console = Console(width=100, record=True)
+        console.print(table(example), table(example.model_copy(update=deleted)))
+        shown = console.export_text()
+        assert shown.count(" files ") == 1 and "deleted 2026-11-30" in shown, shown
