@@ -9,9 +9,10 @@ and 503; a router or route adds its own with ``responses=error_responses(413, ..
 later inherit this.
 """
 
+import contextlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,6 +22,7 @@ from obstore.exceptions import BaseError as ObjectStoreError
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.concurrency import iterate_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
@@ -49,6 +51,7 @@ ERROR_STATUSES = {
     503: "The job store is busy (SQLite's write lock was not free in time): retry after `Retry-After` seconds.",
 }
 STORE_RETRY_AFTER_S = 1
+SERVER_LOGGER = "uvicorn.error"  # where uvicorn logs an exception that escapes the app
 
 
 class SafeJSONResponse(JSONResponse):
@@ -126,8 +129,59 @@ def error_response(
     return SafeJSONResponse({"error": error}, status_code=status, headers=headers)
 
 
+LOGGED = "_tunejob_logged"  # set (True) on an exception the app has logged: the server need not again
+
+
+class StreamCut(Exception):
+    """A streamed body failed after its response started, and ``stream_body`` has logged why.
+
+    Raised in place of the failure, so that it still escapes the app and the server closes the
+    connection (the client sees an incomplete body: ASGI has no other way to abort a response);
+    ``install_error_handlers`` keeps it out of the log, where it would be a second traceback."""
+
+    _tunejob_logged = True
+
+
+async def stream_body(chunks: Iterable | AsyncIterable, what: str) -> AsyncIterator[Any]:
+    """The body of a streamed download (``what``: "job <id> model.tar"): ``chunks`` (a sync
+    iterator runs in the thread pool, as ``StreamingResponse`` runs it).
+
+    Once the headers are sent, a failure can no longer be an error response. It is logged here,
+    once, with the bytes sent so far: a WARNING line for a failure of the storage (the bucket
+    failed, an object no longer matches its manifest: ``OSError``), a traceback for anything else.
+    Then ``StreamCut`` cuts the connection, which the client reports as an incomplete download.
+    """
+    body = chunks if isinstance(chunks, AsyncIterable) else iterate_in_threadpool(chunks)
+    sent = 0
+    try:
+        async for chunk in body:
+            yield chunk
+            sent += len(chunk)
+    except (ObjectStoreError, OSError) as e:
+        cause = f"storage unavailable: {first_line(e)}" if isinstance(e, ObjectStoreError) else first_line(e)
+        log.warning("download of %s cut after %s bytes: %s", what, f"{sent:,}", cause)
+        raise StreamCut(what) from e
+    except Exception as e:
+        log.exception("download of %s failed after %s bytes: %s: %s", what, f"{sent:,}", type(e).__name__, e)
+        raise StreamCut(what) from e
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message, up to its first line break (obstore's go on with pages of debug output)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def not_logged_already(record: logging.LogRecord) -> bool:
+    """A logging filter for the server's records: drops "Exception in ASGI application" and its
+    traceback for an exception the app has logged already (``LOGGED``: an unhandled error, logged by
+    the handler that answered 500, which Starlette then raises again to the server; a
+    ``StreamCut``), so that one failure is one record."""
+    return not (record.exc_info and getattr(record.exc_info[1], LOGGED, False))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Error handlers for every exception (``api.openapi`` documents them in the app's schema)."""
+    logging.getLogger(SERVER_LOGGER).addFilter(not_logged_already)  # added once however many apps
 
     @app.exception_handler(UserError)
     async def _user_error(_: Request, e: UserError):
@@ -193,7 +247,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        if not getattr(e, LOGGED, False):  # a StreamCut is (and comes too late for a response)
+            log.exception("unhandled error in %s %s", request.method, request.url.path)
+            with contextlib.suppress(AttributeError):  # an exception with __slots__ keeps no mark
+                setattr(e, LOGGED, True)
         request_id = current_request_id()
         return error_response(
             500,

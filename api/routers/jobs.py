@@ -6,7 +6,7 @@ from sqlalchemy import bindparam, select
 
 from api import db
 from api.auth import CallerDep
-from api.errors import SafeJSONResponse, error_responses
+from api.errors import SafeJSONResponse, error_responses, stream_body
 from api.headers import IdempotencyKey, respond
 from shared.errors import NotFound
 from shared.jobs import lifecycle
@@ -134,7 +134,7 @@ def download_checkpoint(
     tar, e.g. of a running job. Checkpoints beyond ``save_total_limit`` are rotated away, and a
     succeeded job's are deleted (its model is in the artifacts)."""
     files = {n: f for n, f in lifecycle.get_checkpoint(job_id, step, caller).items() if n != artifacts.TRAINING_STATE}
-    return _tar_response(artifacts.TarStream(files), f"{job_id}-step-{step}.tar")
+    return _tar_response(artifacts.TarStream(files), f"{job_id}-step-{step}.tar", f"job {job_id} checkpoint {step}")
 
 
 @router.get("/{job_id}/artifacts")
@@ -152,7 +152,7 @@ def list_artifacts(job_id: str, caller: CallerDep) -> dict[str, list[ArtifactOut
 @router.get("/{job_id}/artifacts/model/{filename:path}", responses=error_responses(409))
 def download_model_file(job_id: str, filename: str, caller: CallerDep) -> Response:
     """One file of the model, by its name in the listing (never a path on the server)."""
-    return _file(lifecycle.model_files(job_id, caller, required=True), filename, f"model/{filename}")
+    return _file(job_id, lifecycle.model_files(job_id, caller, required=True), filename, f"model/{filename}")
 
 
 @router.get("/{job_id}/artifacts/{name}", responses=error_responses(409))
@@ -163,17 +163,17 @@ def download_artifact(job_id: str, name: str, caller: CallerDep):
     succeeded, or deleted by retention) answers 409 saying which."""
     files = lifecycle.model_files(job_id, caller, required=True)
     if files and name == "model.tar":
-        return _tar_response(artifacts.TarStream(files), f"{job_id}-model.tar")
+        return _tar_response(artifacts.TarStream(files), f"{job_id}-model.tar", f"job {job_id} model.tar")
     if files and name == "model.tar.gz":
         return StreamingResponse(
-            artifacts.gzip_stream(iter(artifacts.TarStream(files))),
+            stream_body(artifacts.gzip_stream(iter(artifacts.TarStream(files))), f"job {job_id} model.tar.gz"),
             media_type="application/gzip",
             headers={"Content-Disposition": f'attachment; filename="{job_id}-model.tar.gz"'},
         )
-    return _file(files, name if name == artifacts.METRICS else "", name)
+    return _file(job_id, files, name if name == artifacts.METRICS else "", name)
 
 
-def _file(files: dict, filename: str, name: str) -> Response:
+def _file(job_id: str, files: dict, filename: str, name: str) -> Response:
     """One file: from disk, or from the bucket, streamed or (``TUNEJOB_STORAGE_PRESIGNED_SECONDS``)
     a redirect to a presigned URL."""
     if filename not in files:
@@ -184,15 +184,15 @@ def _file(files: dict, filename: str, name: str) -> Response:
     if url := objects.store().presigned_url(source):
         return RedirectResponse(url, status_code=307)
     return StreamingResponse(
-        source.achunks(),
+        stream_body(source.achunks(), f"job {job_id} {name}"),
         media_type="application/octet-stream",
         headers={"Content-Length": str(source.size), "Content-Disposition": f'attachment; filename="{basename}"'},
     )
 
 
-def _tar_response(tar: artifacts.TarStream, filename: str) -> StreamingResponse:
+def _tar_response(tar: artifacts.TarStream, filename: str, what: str) -> StreamingResponse:
     return StreamingResponse(
-        tar,
+        stream_body(tar, what),
         media_type="application/x-tar",
         headers={"Content-Length": str(tar.size), "Content-Disposition": f'attachment; filename="{filename}"'},
     )

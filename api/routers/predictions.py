@@ -9,7 +9,7 @@ from sse_starlette import EventSourceResponse
 
 from api import db
 from api.auth import CallerDep
-from api.errors import SafeJSONResponse, error_responses
+from api.errors import SafeJSONResponse, error_responses, stream_body
 from api.feeds import Cursor
 from api.headers import IdempotencyKey, respond
 from shared.jobs import evaluation, lifecycle, predictions
@@ -116,7 +116,7 @@ def prediction_results(
     before it has succeeded."""
     chunks = results_stream(prediction_id, caller, format)
     return StreamingResponse(
-        chunks,
+        stream_body(chunks, f"prediction {prediction_id} results.{format}"),
         media_type=MEDIA_TYPES[format],
         headers={"Content-Disposition": f'attachment; filename="{prediction_id}.{format}"'},
     )

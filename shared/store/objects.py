@@ -77,15 +77,21 @@ class Remote:
         """The object's bytes, streamed (``CHUNK`` bytes a chunk, each a view of obstore's buffer: no copy).
 
         Raises:
-            OSError: the bytes do not match ``size`` or ``sha256`` (raised after the last chunk:
-                a streamed response is cut short, so the client sees an incomplete download).
+            OSError: the bytes do not match ``size`` or ``sha256``, raised in place of the last
+                chunk, which is held back until they are checked: a streamed response is cut short,
+                so the client sees an incomplete download (were the last chunk sent first, a body
+                of the right length would look whole).
         """
         import obstore
 
-        check = _Check(self)
+        check, held = _Check(self), None
         for chunk in obstore.get(self.bucket.store, self.key).stream(min_chunk_size=CHUNK):
-            yield check(chunk)
+            if held is not None:
+                yield held
+            held = check(chunk)
         check.done()
+        if held is not None:
+            yield held
 
     async def achunks(self) -> AsyncIterator[memoryview]:
         """``chunks`` for the event loop: a StreamingResponse sends them with no thread hop per chunk
@@ -98,10 +104,14 @@ class Remote:
         """
         import obstore
 
-        check = _Check(self)
+        check, held = _Check(self), None
         async for chunk in (await obstore.get_async(self.bucket.store, self.key)).stream(min_chunk_size=CHUNK):
-            yield check(chunk)
+            if held is not None:
+                yield held
+            held = check(chunk)
         check.done()
+        if held is not None:
+            yield held
 
 
 class _Check:
