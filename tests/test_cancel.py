@@ -162,3 +162,55 @@ def test_cancelled_job_keeps_the_progress_and_metrics_of_every_step_it_trained(s
     losses = [m for m in client.get(f"/jobs/{job['id']}/metrics").json()["data"] if m["name"] == "train_loss"]
     assert final["progress"]["step"] >= max(checkpoint_steps) >= 1
     assert sorted(m["step"] for m in losses) == list(range(1, final["progress"]["step"] + 1))
+
+
+def test_a_job_store_that_does_not_answer_for_a_while_does_not_fail_the_running_job(stack, dataset, monkeypatch):
+    """The job store stops answering for a moment while a job trains (a PostgreSQL restart or
+    failover: ``OperationalError``). Training goes on, its metrics buffered, and the job is the same
+    attempt afterwards: no restart, every step's loss recorded once, and a cancel still heard. A
+    2.8 s PostgreSQL restart failed the job (its cancel check fell in it), which then waited out
+    its lease and trained again from its last checkpoint."""
+    import threading
+
+    from sqlalchemy.exc import OperationalError
+
+    from shared.jobs import lifecycle
+    from shared.settings import get_settings
+    from worker.reporter import Reporter
+
+    monkeypatch.setattr(Reporter, "CANCEL_CHECK_SECONDS", 0.05)
+    monkeypatch.setattr(get_settings(), "metrics_flush_seconds", 0.05)
+    down, refused = threading.Event(), {"cancel_requested": 0, "record_progress": 0}
+
+    def unless_down(name: str):
+        real = getattr(lifecycle, name)
+
+        def call(*args, **kwargs):
+            if down.is_set():
+                refused[name] += 1
+                raise OperationalError("SELECT", {}, ConnectionRefusedError("connection refused"))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(lifecycle, name, call)
+
+    for name in refused:
+        unless_down(name)
+    client = stack.client
+    job = submit(client, dataset["id"], **LONG)
+    wait_until_training(client, job["id"])
+    down.set()
+    deadline = time.monotonic() + 60
+    while min(refused.values()) < 3:
+        assert time.monotonic() < deadline, refused
+        time.sleep(0.05)
+    down.clear()
+    step_after_outage = get(client, job["id"])["progress"]["step"]
+    deadline = time.monotonic() + 60
+    while get(client, job["id"])["progress"]["step"] <= step_after_outage:  # written again, going on
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    cancel(client, job["id"])
+    final = assert_cancelled_mid_training(client, job["id"])
+    assert final["attempts"] == 1 and "job_restarted" not in event_codes(client, job["id"])
+    losses = [m["step"] for m in client.get(f"/jobs/{job['id']}/metrics").json()["data"] if m["name"] == "train_loss"]
+    assert sorted(losses) == list(range(1, final["progress"]["step"] + 1))

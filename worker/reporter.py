@@ -2,18 +2,23 @@
 batched writes."""
 
 import functools
+import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+
+from sqlalchemy.exc import OperationalError
 
 from shared.jobs import lifecycle, sweeps
 from shared.jobs.curves import MetricRow, metric_rows
 from shared.schemas.jobs import PHASES
 from shared.settings import get_settings
 from shared.store.rows import utcnow
+
+log = logging.getLogger(__name__)
 
 
 class Reporter:
@@ -22,6 +27,14 @@ class Reporter:
     Metrics are buffered and written together at most every ``metrics_flush_seconds``; each write
     also renews the worker's lease. ``should_stop()`` is asked once per optimizer step; it reads the
     job's cancel flag from the store at most every ``CANCEL_CHECK_SECONDS``, not once per step.
+
+    Those two, asked all through training, let it go on while the store does not answer
+    (``OperationalError``: a PostgreSQL restart or failover, SQLite's write lock not free in time):
+    the metrics stay buffered and both are tried again at their next turn. A restart of a few
+    seconds failed the running job (the cancel check fell in it), which then waited out its lease
+    and started again from its last checkpoint. The lease bounds the wait: once it has lapsed
+    another worker may hold the job, and the first write that reaches the store says so
+    (``lease_lost``).
     """
 
     CANCEL_CHECK_SECONDS = 1.0
@@ -39,6 +52,7 @@ class Reporter:
         self._wrote_metrics = False
         self.lease_lost = False
         self._cancelled, self._next_cancel_check = False, time.monotonic()
+        self._store_down_since: float | None = None  # time.monotonic() of the first failure of an outage
 
     def event(self, code: str, message: str, level: str = "info") -> None:
         lifecycle.add_event(self.job_id, code, message, level)
@@ -52,14 +66,33 @@ class Reporter:
         timings). The first optimizer step's are written at once, so that a user sees training start."""
         self._progress.update(fields)
         if self._metrics and not self._wrote_metrics:
-            self.flush()
+            self._unless_store_down(self.flush)
         else:
             self.heartbeat()
 
     def heartbeat(self) -> None:
-        """Write what is buffered, and so renew the lease, if ``metrics_flush_seconds`` have passed."""
-        if time.monotonic() - self._last_flush >= self.flush_seconds:
-            self.flush()
+        """Write what is buffered, and so renew the lease, if ``metrics_flush_seconds`` have passed
+        (kept for the next turn while the store does not answer)."""
+        if time.monotonic() - self._last_flush >= self.flush_seconds and not self._unless_store_down(self.flush):
+            self._last_flush = time.monotonic()
+
+    def _unless_store_down(self, call: Callable[[], object]) -> bool:
+        """Run ``call``; False if the store did not answer (``OperationalError``), logged once per
+        outage, with its length when it ends."""
+        try:
+            call()
+        except OperationalError as e:
+            if self._store_down_since is None:
+                self._store_down_since = time.monotonic()
+                log.warning(  # the log's context names the job
+                    "the job store does not answer (%s); training goes on, trying again",
+                    str(e.orig or e).strip().splitlines()[0],
+                )
+            return False
+        if self._store_down_since is not None:
+            log.warning("the job store answers again, after %.1f s", time.monotonic() - self._store_down_since)
+            self._store_down_since = None
+        return True
 
     def flush(self) -> None:
         held = lifecycle.record_progress(self.job_id, self.worker_id, self._progress, self._metrics)
@@ -107,11 +140,14 @@ class Reporter:
                 return reason
         now = time.monotonic()
         if not self._cancelled and now >= self._next_cancel_check:
-            self._cancelled = lifecycle.cancel_requested(self.job_id)
+            self._unless_store_down(self._check_cancel)
             self._next_cancel_check = now + self.CANCEL_CHECK_SECONDS
         if self._cancelled:
             return "cancelled"
         return "time_limit" if now > self.deadline else None
+
+    def _check_cancel(self) -> None:
+        self._cancelled = lifecycle.cancel_requested(self.job_id)
 
 
 class PhaseTimer:

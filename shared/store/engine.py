@@ -16,7 +16,8 @@ A write lock that cannot be had within ``TUNEJOB_SQLITE_BUSY_TIMEOUT_SECONDS`` r
 ``sqlalchemy.exc.OperationalError``, which the API answers with 503 and ``Retry-After``.
 PostgreSQL is left as it is (READ COMMITTED; the row locks taken with ``with_for_update``). A
 worker pings a pooled connection before each transaction (``pool_pre_ping``), so that a server
-restart while it trains costs it nothing. The API does not (``PING_CONNECTIONS``, turned off by
+restart while it trains costs it nothing once the server is back (and ``worker.reporter`` trains on
+through the restart itself). The API does not (``PING_CONNECTIONS``, turned off by
 ``api.main``): under polling load that round trip is a third of a request's store work. There,
 when the server has closed a connection (a restart), the first transaction to use it fails with
 ``OperationalError`` (503 with ``Retry-After``), and SQLAlchemy, seeing a disconnect, drops every
