@@ -52,8 +52,13 @@ def logging_config(level: str | None = None) -> dict[str, Any]:
         },
         "root": {"level": level, "handlers": ["stderr"]},
         "loggers": {
-            name: {"level": level, "handlers": [], "propagate": True}
-            for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "celery")
+            **{
+                name: {"level": level, "handlers": [], "propagate": True}
+                for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "celery")
+            },
+            # "setup plugin alembic.autogenerate.…": seven lines at INFO each time a process checks
+            # the store's revision (Alembic 1.17's plugins), twice per API process at its start
+            "alembic.runtime.plugins": {"level": level if level == "DEBUG" else "WARNING"},
         },
     }
 

@@ -14,7 +14,7 @@ import uvicorn
 from api.request_id import HEADER
 from shared.logs import logging_config
 from shared.queue import send
-from tests.conftest import TINY_MODEL, wait_until
+from tests.conftest import TINY_MODEL, service_variables, wait_until
 from tests.test_api_jobs import labelled_csv, upload
 
 LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?P<level>[A-Z]+) (?P<logger>\S+) \[(?P<context>[^]]+)] ")
@@ -153,3 +153,22 @@ def test_a_job_handed_back_at_shutdown_is_logged_without_a_traceback(monkeypatch
     [record] = [r for r in caplog.records if r.name == "celery.app.trace"]
     assert "worker shutting down; job job_x left for another worker" in record.getMessage()
     assert record.exc_info is None and not record.exc_text
+
+
+def test_a_store_check_logs_no_alembic_plugin_lines(tmp_path):
+    """Each process that checks the store's revision (the API twice at its start) logged seven
+    "setup plugin alembic.autogenerate.…" lines at INFO; the migrations themselves still show."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from shared.logs import configure_logging\n"
+        "configure_logging('INFO')\n"
+        "from shared.store.engine import upgrade_database\n"
+        "upgrade_database()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in service_variables()} | {"TUNEJOB_DATA_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "Running upgrade" in run.stderr and "setup plugin" not in run.stderr, run.stderr
