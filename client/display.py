@@ -74,6 +74,7 @@ def prediction_plan_table(plan: dict) -> Table:
             "tokens": f"{plan['tokens']:,} ({plan['padded_tokens']:,} computed with padding: "
             f"efficiency {plan['padding_efficiency']:.3f})",
             "estimated time": estimate(plan),
+            **({"notes": escape("; ".join(plan["notes"]))} if plan.get("notes") else {}),
         }
     )
 

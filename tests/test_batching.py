@@ -489,7 +489,7 @@ def test_dry_run_plan_shows_smart_and_bucket_efficiency_and_the_buckets(models_d
         base_model=TINY_MODEL, training_dataset="ds", hyperparameters={"batch_size": 16, "max_length": 128, "epochs": 2}
     )
     train.to_csv(tmp_path / "train.csv", index=False)
-    dataset = Dataset(id="ds", filename="train.csv", format="csv", path=str(tmp_path / "train.csv"))
+    dataset = Dataset(id="ds", filename="train.csv", format="csv", path=str(tmp_path / "train.csv"), rows=len(train))
     plan = planning.plan_job(
         planning.CheckedSpec(spec, models_dir / TINY_MODEL, dataset, None, ["a", "b"], Caller("tenant-a"))
     )
@@ -502,3 +502,45 @@ def test_dry_run_plan_shows_smart_and_bucket_efficiency_and_the_buckets(models_d
     smart = plan["padding_efficiency"]["smart"]
     assert plan["buckets"]["padding_efficiency"] == smart["bucketed"] < smart["unrounded"] <= 1
     assert plan["padding_efficiency"]["fixed"]["bucketed"] == plan["padding_efficiency"]["fixed"]["unrounded"]
+
+
+def test_a_large_file_is_planned_from_a_sample_close_to_the_whole(models_dir, monkeypatch, tmp_path):
+    """A dry run tokenizes at most ``TUNEJOB_DRY_RUN_ROWS`` rows (it runs in the API: 1.5 million
+    rows took it past the client's 60 s, a CPU of the API's busy meanwhile); a larger file is
+    planned from every k-th row, its counts scaled to the whole, and says so."""
+    from shared.jobs import planning
+    from shared.schemas.jobs import JobCreate
+    from shared.settings import get_settings
+    from shared.store.rows import Dataset
+    from shared.store.tenancy import Caller
+
+    monkeypatch.setattr(planning, "estimate_seconds", lambda model, tokens, caller: {"estimated_seconds": None})
+    rng = np.random.default_rng(2)
+    texts = [" ".join(["market"] * int(n)) for n in rng.integers(1, 200, size=3000)]
+    train = pd.DataFrame({"text": texts, "label": ["a", "b", "c"] * 1000})
+    train.to_csv(tmp_path / "train.csv", index=False)
+    dataset = Dataset(id="ds", filename="train.csv", format="csv", path=str(tmp_path / "train.csv"), rows=len(train))
+    spec = JobCreate(
+        base_model=TINY_MODEL, training_dataset="ds", hyperparameters={"batch_size": 16, "max_length": 128, "epochs": 2}
+    )
+    checked = planning.CheckedSpec(spec, models_dir / TINY_MODEL, dataset, None, ["a", "b", "c"], Caller("tenant-a"))
+    whole = planning.plan_job(checked)
+    assert "sampled_rows" not in whole and whole["notes"] == []
+    monkeypatch.setattr(get_settings(), "dry_run_rows", 500)
+    tokenized = []
+    real_counts = planning.token_counts
+    monkeypatch.setattr(
+        planning, "token_counts", lambda tok, t, *a: tokenized.append(len(t)) or real_counts(tok, t, *a)
+    )
+    sampled = planning.plan_job(checked)
+    assert sum(tokenized) == 500  # every 6th row of 3,000
+    assert sampled["examples"] == whole["examples"] == 2700 and 430 <= sampled["sampled_rows"] <= 470
+    assert sampled["notes"] == [
+        f"planned from {sampled['sampled_rows']} of the 2,700 training examples, evenly spread "
+        "(TUNEJOB_DRY_RUN_ROWS): the counts and the estimate are scaled to the whole"
+    ]
+    for key in ("total_steps", "micro_batches_per_epoch", "truncated_examples"):
+        assert abs(sampled[key] - whole[key]) <= 0.05 * whole[key], (key, sampled[key], whole[key])
+    assert abs(sum(sampled["token_lengths"]["counts"]) - 2700) <= 10
+    for strategy, figures in whole["padding_efficiency"].items():
+        assert abs(sampled["padding_efficiency"][strategy]["unrounded"] - figures["unrounded"]) < 0.03, strategy

@@ -18,6 +18,7 @@ from shared.errors import UserError
 from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
 from shared.schemas.hyperparameters import contrastive_hyperparameters
 from shared.schemas.jobs import JobCreate
+from shared.settings import get_settings
 from shared.store import objects, quotas
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job, JobStatus
@@ -181,7 +182,10 @@ def plan_job(checked: CheckedSpec) -> dict:
     throughput of the newest succeeded job on the same base model (None when there is none);
     multi_label only: ``labels`` (their number) and ``rows_without_labels`` (rows of the training
     file with an empty label list: they train every label towards 0), with a ``notes`` line when
-    there are any.
+    there are any. A file of more than ``TUNEJOB_DRY_RUN_ROWS`` rows is planned from an even sample
+    of them (``sample_stride``): ``sampled_rows`` says how many, the counts (histogram, truncated
+    examples, micro-batches, steps, the estimate's tokens) are scaled to ``examples``, and a
+    ``notes`` line says so.
     """
     with TRANSFORMERS_IMPORT:
         from transformers import AutoTokenizer
@@ -190,7 +194,13 @@ def plan_job(checked: CheckedSpec) -> dict:
     hf_logging.set_verbosity_error()  # no warning for texts longer than max_length: we count them
     spec, hp = checked.spec, contrastive_hyperparameters(checked.spec.hyperparameters, checked.spec.task)
     tokenizer = AutoTokenizer.from_pretrained(checked.model_dir)
-    full, keys = training_lengths(tokenizer, checked)  # embedding: [rows, texts] (each text is encoded alone)
+    # embedding: [rows, texts] (each text is encoded alone); of a sample of the rows if there are many
+    full, keys, examples = training_lengths(tokenizer, checked)
+    scale = examples / len(full)  # 1.0 unless sampled
+
+    def scaled(count: float) -> int:
+        return round(float(count) * scale)
+
     texts = np.minimum(full, hp.max_length)
     lengths = texts.max(axis=1) if texts.ndim == 2 else texts  # a row is planned as long as its longest text
     columns = texts if texts.ndim == 2 else None  # embedding: each text padded in its own column
@@ -212,41 +222,48 @@ def plan_job(checked: CheckedSpec) -> dict:
             "bucketed": plan.padding_efficiency(0, fixed_width, ladder=ladder, columns=columns),
         }
     plan = plan_for(hp.batching)
-    micro_batches = len(plan.batches)
-    total_steps = plan.count_steps(hp.epochs, hp.gradient_accumulation_steps)
+    micro_batches = scaled(len(plan.batches))
     used = plan.width_counts([hp.max_length] if hp.batching == "fixed" else ladder, hp.epochs)
     counts, edges = np.histogram(lengths, bins=min(16, max(1, int(lengths.max()) // 8)))
+    notes = multi_label_notes(checked) if spec.task == "multi_label" else []
+    if scale != 1:
+        notes.append(sample_note(len(full), examples, "training examples"))
     return {
-        "examples": len(lengths),
+        "examples": examples,
         "token_lengths": {
             "bin_edges": [round(float(e), 1) for e in edges],
-            "counts": counts.tolist(),
+            "counts": [scaled(c) for c in counts],
             "mean": float(lengths.mean()),
             "max": int(lengths.max()),
         },
         "truncated_fraction": float((full > hp.max_length).mean()),
-        "truncated_examples": int((full > hp.max_length).sum()),
+        "truncated_examples": scaled((full > hp.max_length).sum()),
         "padding_efficiency": efficiency,
         "buckets": {
             "ladder": ladder,
-            "widths": [{"width": w, "micro_batches": n} for w, n in used.items()],
+            "widths": [{"width": w, "micro_batches": scaled(n)} for w, n in used.items()],
             "padding_efficiency": efficiency[hp.batching]["bucketed"],
         },
         "micro_batches_per_epoch": micro_batches,
         "steps_per_epoch": math.ceil(micro_batches / hp.gradient_accumulation_steps),
-        "total_steps": total_steps,
+        "total_steps": scaled(plan.count_steps(hp.epochs, hp.gradient_accumulation_steps)),
         # every text's tokens (an embedding row's texts each computed at their own length), padded as planned
         **estimate_seconds(
-            spec.base_model, int(texts.sum()) * hp.epochs / efficiency[hp.batching]["unrounded"], checked.caller
+            spec.base_model, scaled(texts.sum()) * hp.epochs / efficiency[hp.batching]["unrounded"], checked.caller
         ),
-        **(multi_label_plan(checked) if spec.task == "multi_label" else {}),
+        **(
+            {"labels": len(checked.label_names or ()), "rows_without_labels": checked.rows_without_labels}
+            if spec.task == "multi_label"
+            else {}
+        ),
+        **({"sampled_rows": len(full)} if scale != 1 else {}),
+        "notes": notes,
     }
 
 
-def multi_label_plan(checked: CheckedSpec) -> dict:
-    """The plan's multi_label fields (see ``plan_job``)."""
+def multi_label_notes(checked: CheckedSpec) -> list[str]:
     empty = checked.rows_without_labels
-    notes = (
+    return (
         [
             f"{empty} row(s) of {checked.train.filename!r} have no label: they are kept, as examples of "
             "none of the labels"
@@ -254,23 +271,40 @@ def multi_label_plan(checked: CheckedSpec) -> dict:
         if empty
         else []
     )
-    return {"labels": len(checked.label_names or ()), "rows_without_labels": empty, "notes": notes}
+
+
+def sample_stride(rows: int) -> int:
+    """Every how many rows a dry run tokenizes one, so that it tokenizes at most
+    ``TUNEJOB_DRY_RUN_ROWS``: a dry run answers in seconds (100,000 short texts take about 7 s on
+    a 2-core CPU), however large the file, and costs the API no more."""
+    return max(1, math.ceil(rows / get_settings().dry_run_rows))
+
+
+def sample_note(sampled: int, total: int, what: str) -> str:
+    return (
+        f"planned from {sampled:,} of the {total:,} {what}, evenly spread (TUNEJOB_DRY_RUN_ROWS): "
+        "the counts and the estimate are scaled to the whole"
+    )
 
 
 TOKENIZE_ROWS = 4096  # texts per tokenizer call in a dry run
 
 
-def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.ndarray | None]:
+def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.ndarray | None, int]:
     """Tokens per example (text pairs as the tokenizer's pair input, word lists as words, no
-    truncation; embedding: ``[rows, texts]``, each text of a row alone) of the rows the
-    job trains on: the training file tokenized ``TOKENIZE_ROWS`` texts at a time, then split as
-    the worker splits it (``split_train_validation``); and for embedding the ``[rows, 2]`` ids of
-    each row's anchor and positive text (equal texts, equal ids: ``DistinctBatchPlan``'s keys),
-    else None. Memory holds one batch of texts and, per row, an int32 length (embedding: one per
-    text), its class, and a uint64 group key (reranking, embedding; embedding: and its positive's)."""
-    spec, train, parts, groups, positives = checked.spec, checked.train, [], [], []
+    truncation; embedding: ``[rows, texts]``, each text of a row alone) of the rows the job trains
+    on, or of an even sample of them (every ``sample_stride``-th row of the file) where the file
+    has more than ``TUNEJOB_DRY_RUN_ROWS``: the file read a batch at a time, its rows tokenized
+    ``TOKENIZE_ROWS`` texts at a time, then split as the worker splits it
+    (``split_train_validation``); for embedding the ``[rows, 2]`` ids of each row's anchor and
+    positive text (equal texts, equal ids: ``DistinctBatchPlan``'s keys), else None; and the
+    number of rows the job trains on. Memory holds one batch of texts and, per row, its class and
+    a uint64 group key (reranking, embedding; embedding: and its positive's), and per sampled row
+    an int32 length (embedding: one per text)."""
+    spec, train, parts, sampled, groups, positives = checked.spec, checked.train, [], [], [], []
     cols, problems = checked.columns, Problems(train.filename)
     classes = ClassIndex.of(train.filename, cols)
+    stride, start = sample_stride(train.rows), 0
     for batch in job_batches(objects.dataset_file(train), train.format, train.filename, cols, problems):
         if classes is not None:
             classes.add(batch)
@@ -279,32 +313,41 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.nd
         if cols.task == "embedding":
             assert batch.pairs is not None
             positives.append(text_groups(batch.pairs))
-        for a in range(0, len(batch.texts), TOKENIZE_ROWS):
+        take = range(-start % stride, len(batch.texts), stride)  # the rows whose index in the file is a multiple
+        sampled.append(np.asarray(take) + start)
+        start += len(batch.texts)
+        texts = [batch.texts[i] for i in take]
+        pairs = [batch.pairs[i] for i in take] if batch.pairs is not None else None
+        for a in range(0, len(texts), TOKENIZE_ROWS):
             if cols.task == "embedding":  # each text is encoded alone: a column of counts per text
-                assert batch.pairs is not None  # the positives
-                columns = [batch.texts, batch.pairs, *batch.negatives.values()]
+                assert pairs is not None  # the positives
+                columns = [texts, pairs, *([c[i] for i in take] for c in batch.negatives.values())]
                 parts.append(np.stack([token_counts(tokenizer, c[a : a + TOKENIZE_ROWS], None) for c in columns], 1))
                 continue
-            pairs = batch.pairs[a : a + TOKENIZE_ROWS] if batch.pairs is not None else None
+            part_pairs = pairs[a : a + TOKENIZE_ROWS] if pairs is not None else None
             parts.append(
-                token_counts(tokenizer, batch.texts[a : a + TOKENIZE_ROWS], pairs, cols.task == "token_classification")
+                token_counts(tokenizer, texts[a : a + TOKENIZE_ROWS], part_pairs, cols.task == "token_classification")
             )
     problems.raise_if_any()  # the file changed since check_spec read it
-    lengths = np.concatenate(parts)
+    lengths, sampled_rows = np.concatenate(parts), np.concatenate(sampled)
     codes = classes.summary().codes if classes is not None else None
     train_rows, _ = split_train_validation(
-        len(lengths),
+        start,
         codes,
         spec.validation_split or 0.0,
         spec.hyperparameters.seed,
         np.concatenate(groups) if cols.grouped else None,
     )
+    position = np.full(start, -1)
+    position[sampled_rows] = np.arange(len(sampled_rows))
+    trained = position[train_rows]  # in the split's order, as the worker plans them
+    trained = trained[trained >= 0]
     if cols.task != "embedding":
-        return lengths[train_rows], None
-    hashes = np.stack([np.concatenate(groups), np.concatenate(positives)], 1)[train_rows]
+        return lengths[trained], None, len(train_rows)
+    hashes = np.stack([np.concatenate(groups), np.concatenate(positives)], 1)[sampled_rows[trained]]
     # one id space for anchors and positives, as worker.embedding.text_keys
     keys = np.unique(hashes, return_inverse=True)[1].reshape(hashes.shape)
-    return lengths[train_rows], keys
+    return lengths[trained], keys, len(train_rows)
 
 
 def token_counts(tokenizer, texts: list, pairs: list[str] | None, words: bool = False) -> np.ndarray:

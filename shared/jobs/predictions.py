@@ -34,6 +34,9 @@ from shared.jobs.planning import (
     TOKENIZE_ROWS,
     estimate_seconds,
     max_input_length,
+    sample_note,
+    sample_stride,
+    token_counts,
     visible_dataset,
 )
 from shared.schemas.jobs import Timings
@@ -356,7 +359,9 @@ def plan_prediction(checked: CheckedPrediction) -> dict:
     tokens after truncation, texts truncated, padded tokens with each part's texts batched as a
     CPU worker batches them (a CUDA worker pads to the bucket ladder: a little more), padding
     efficiency, and an estimated duration from the newest succeeded prediction on the same model
-    (None when there is none)."""
+    (None when there is none). A file of more than ``TUNEJOB_DRY_RUN_ROWS`` rows is planned from
+    an even sample of them (``planning.sample_stride``), the counts scaled to the whole, and the
+    plan says so (``sampled_rows``, ``notes``)."""
     with TRANSFORMERS_IMPORT:
         from transformers import AutoTokenizer
         from transformers import logging as hf_logging
@@ -365,33 +370,38 @@ def plan_prediction(checked: CheckedPrediction) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(checked.model.directory)
     spec, max_length = checked.spec, checked.max_length
     ladder = job_ladder(max_length, None, False, cuda=False)
-    rows = truncated = tokens = padded = 0
+    rows = sampled = truncated = tokens = padded = 0
+    stride = sample_stride(checked.dataset.rows)  # a large file: every stride-th row, the counts scaled
     batches = prediction_batches(checked.dataset, spec, Problems(checked.dataset.filename))
     for part in parts_of(batches, get_settings().predict_part_rows):
+        take = range(-rows % stride, len(part.texts), stride)  # the rows whose index in the file is a multiple
+        rows += len(part.texts)
+        texts = [part.texts[i] for i in take]
+        pairs = [part.pairs[i] for i in take] if part.pairs else None
+        if not texts:
+            continue
         full = np.concatenate(
             [
-                token_lengths(
-                    tokenizer,
-                    part.texts[a : a + TOKENIZE_ROWS],
-                    part.pairs[a : a + TOKENIZE_ROWS] if part.pairs else None,
-                )
-                for a in range(0, len(part.texts), TOKENIZE_ROWS)
+                token_counts(tokenizer, texts[a : a + TOKENIZE_ROWS], pairs[a : a + TOKENIZE_ROWS] if pairs else None)
+                for a in range(0, len(texts), TOKENIZE_ROWS)
             ]
         )
         lengths = np.minimum(full, max_length)
-        rows, tokens = rows + len(full), tokens + int(lengths.sum())
+        sampled, tokens = sampled + len(full), tokens + int(lengths.sum())
         truncated += int((full > max_length).sum())
         padded += padded_tokens(lengths, max_tokens(spec.batch_size, max_length), ladder)
+    scale = rows / sampled if sampled else 1.0
     return {
         "rows": rows,
         "task": checked.model.task,
         "label_names": checked.model.label_names,
         "max_length": max_length,
-        "tokens": tokens,
-        "truncated": truncated,
-        "padded_tokens": padded,
+        "tokens": round(tokens * scale),
+        "truncated": round(truncated * scale),
+        "padded_tokens": round(padded * scale),
         "padding_efficiency": tokens / padded if padded else 1.0,
-        **estimate_seconds(checked.model.ref, padded, checked.caller, kind=KIND, precision=spec.precision),
+        **estimate_seconds(checked.model.ref, padded * scale, checked.caller, kind=KIND, precision=spec.precision),
+        **({"sampled_rows": sampled, "notes": [sample_note(sampled, rows, "rows")]} if sampled < rows else {}),
     }
 
 
@@ -402,12 +412,6 @@ def padded_tokens(lengths: np.ndarray, budget: int, ladder: list[int]) -> int:
         len(batch) * bucket_width(ladder, int(lengths[batch].max()))
         for batch in token_budget_batches(lengths, budget, ladder)
     )
-
-
-def token_lengths(tokenizer, texts: list[str], pairs: list[str] | None) -> np.ndarray:
-    """Tokens of each text (pair), special tokens included, without truncation."""
-    ids = tokenizer(texts, pairs, truncation=False, return_attention_mask=False, return_token_type_ids=False)
-    return np.fromiter(map(len, ids["input_ids"]), dtype=np.int64, count=len(texts))
 
 
 def max_tokens(batch_size: int, max_length: int) -> int:

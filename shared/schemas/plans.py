@@ -54,6 +54,12 @@ class Plan(BaseModel):
         description="from the newest succeeded job on the same base model; null when there is none"
     )
     estimate_basis: str
+    sampled_rows: int | None = Field(
+        None,
+        description="training examples tokenized for this plan, where the file has more rows than "
+        "TUNEJOB_DRY_RUN_ROWS: an even sample, the counts scaled to the whole; null when all were",
+    )
+    notes: list[str] = Field([], description="what a user should know about the plan (a sample, unlabelled rows)")
 
 
 class DryRunOut(BaseModel):

@@ -212,6 +212,12 @@ class PredictionPlan(BaseModel):
         description="from the newest succeeded prediction on the same model; null when there is none"
     )
     estimate_basis: str
+    sampled_rows: int | None = Field(
+        None,
+        description="rows tokenized for this plan, where the file has more than TUNEJOB_DRY_RUN_ROWS: "
+        "an even sample, the counts scaled to the whole; null when all were",
+    )
+    notes: list[str] = Field([], description="what a user should know about the plan")
 
 
 class PredictionDryRunOut(BaseModel):
