@@ -316,7 +316,7 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.nd
         take = range(-start % stride, len(batch.texts), stride)  # the rows whose index in the file is a multiple
         sampled.append(np.asarray(take) + start)
         start += len(batch.texts)
-        texts = [batch.texts[i] for i in take]
+        texts: list = [batch.texts[i] for i in take]  # strings, or word lists (token_classification)
         pairs = [batch.pairs[i] for i in take] if batch.pairs is not None else None
         for a in range(0, len(texts), TOKENIZE_ROWS):
             if cols.task == "embedding":  # each text is encoded alone: a column of counts per text
