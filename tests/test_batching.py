@@ -349,6 +349,26 @@ def check_padding(batch: dict, dataset, indices: list[int], pad_id: int) -> None
             assert (batch["token_type_ids"][row, n:] == 0).all()
 
 
+def test_tokenized_examples_are_the_tokenizer_s_lists_held_in_flat_arrays(tokenizer, monkeypatch):
+    """Each example reads back as exactly what the tokenizer returned, across its batches of
+    ``TOKENIZE_BATCH`` texts, while the dataset holds about 4 bytes a token per input: lists of
+    Python ints took ten times that (5.3 GB of worker memory for 1.35 million short rows)."""
+    import pandas as pd
+
+    from worker import data
+
+    monkeypatch.setattr(data, "TOKENIZE_BATCH", 7)  # several tokenizer calls, joined
+    texts = [" ".join(TEXTS[: 1 + i % len(TEXTS)]) for i in range(50)]
+    frame = pd.DataFrame({"text": texts, "label": ["sports"] * 50})
+    ds = data.tokenize(tokenizer, frame, "text", None, "label", ["sports"], 64)
+    expected = tokenizer(texts, truncation=True, max_length=64)
+    for k in ("input_ids", "token_type_ids", "attention_mask"):
+        assert [ds[i][k] for i in range(50)] == expected[k], k
+    tokens = int(ds.lengths.sum())
+    held = sum(r.values.nbytes + r.offsets.nbytes for r in ds.encodings.values())
+    assert held <= 3 * (4 * tokens + 8 * 51)
+
+
 def test_tokenize_once_without_padding_and_map_labels(tokenizer):
     ds = encode(tokenizer, max_length=12)
     assert len(ds) == len(TEXTS)

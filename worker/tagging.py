@@ -21,7 +21,7 @@ from seqeval.metrics import accuracy_score, classification_report
 from seqeval.scheme import IOB2
 from transformers import PreTrainedTokenizerBase
 
-from worker.data import TOKENIZE_BATCH, TokenizedDataset
+from worker.data import TOKENIZE_BATCH, Ragged, TokenizedDataset, add_encodings
 
 IGNORE = -100  # label of a position the loss and the metrics skip (torch's cross_entropy ignore_index)
 
@@ -74,7 +74,8 @@ def tokenize_words(
     index = {name: i for i, name in enumerate(label_names)}
     inside = inside_tags(label_names) if label_all_subwords else None
     words, tags = df[words_column].tolist(), df[tags_column].tolist()
-    encodings, labels = {}, []
+    parts: dict[str, list[Ragged]] = {}
+    labels = []
     for start in range(0, len(words), TOKENIZE_BATCH):
         enc = tokenizer(
             words[start : start + TOKENIZE_BATCH],
@@ -83,12 +84,10 @@ def tokenize_words(
             max_length=max_length,
             padding=False,
         )
-        for k in tokenizer.model_input_names:
-            if k in enc:
-                encodings.setdefault(k, []).extend(enc[k])
+        add_encodings(parts, enc, tokenizer)
         for i, row_tags in enumerate(tags[start : start + TOKENIZE_BATCH]):
             labels.append(align_labels(enc.word_ids(i), [index[t] for t in row_tags], inside))
-    return TokenizedDataset(encodings, labels)
+    return TokenizedDataset({k: Ragged.join(rows) for k, rows in parts.items()}, labels)
 
 
 def is_iob2(names: list[str]) -> bool:
