@@ -13,6 +13,7 @@ Without chromium or the playwright package these tests skip, with the reason, un
 """
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -173,7 +174,10 @@ def sign_in(page, tenant: str) -> str:
 
 
 @pytest.mark.parametrize("stack", ["embedded"], indirect=True)
-def test_train_watch_cancel_and_compare_in_the_browser(stack, server, watched, tmp_path):
+def test_train_watch_cancel_and_compare_in_the_browser(stack, server, watched, tmp_path, monkeypatch):
+    from shared.settings import get_settings
+
+    monkeypatch.setattr(get_settings(), "dry_run_rows", 100)  # the 400-row upload is planned from a sample
     with watched("walk") as w:
         walk(w.page, server, tmp_path)
 
@@ -199,7 +203,8 @@ def walk(page, server: str, tmp_path: Path) -> None:
     page.get_by_label("max_length (tokens)").fill("32")
     page.get_by_role("button", name="Plan (dry run)").click()
     page.locator("#plan-padding meter").first.wait_for()
-    assert "training examples" in page.locator("#plan-summary").inner_text()
+    summary = page.locator("#plan-summary").inner_text()
+    assert re.search(r"planned from \d+ of the 360 training examples", summary), summary
     page.get_by_role("button", name="Create job").click()
     page.wait_for_url("**/ui/jobs/job_*")
     job_id = page.url.rsplit("/", 1)[-1]

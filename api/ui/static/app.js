@@ -500,9 +500,11 @@ pages.dataset = () => {
       const {plan} = await api("POST", "/jobs?dry_run=true", jobSpec(form));
       say("job-message", "");
       $("#plan").hidden = false;
-      const est = plan.estimated_seconds === null ? "no estimate yet (no finished job on this model)" : `about ${Math.round(plan.estimated_seconds)} s`;
-      $("#plan-summary").textContent = `${plan.examples} training examples · ${plan.steps_per_epoch} steps per epoch, ` +
-        `${plan.total_steps} in all · ${(plan.truncated_fraction * 100).toFixed(1)}% truncated at max_length · ${est}`;
+      const n = x => x.toLocaleString("en-US");
+      const est = plan.estimated_seconds === null ? "no estimate yet (no finished job on this model)" : `about ${n(Math.round(plan.estimated_seconds))} s`;
+      $("#plan-summary").textContent = `${n(plan.examples)} training examples · ${n(plan.steps_per_epoch)} steps per epoch, ` +
+        `${n(plan.total_steps)} in all · ${(plan.truncated_fraction * 100).toFixed(1)}% truncated at max_length · ${est}` +
+        plan.notes.map(note => ` · ${note}`).join("");  // a sampled plan, rows without labels
       const edges = plan.token_lengths.bin_edges, counts = plan.token_lengths.counts;
       const c = themeColors();
       const el = $("#chart-lengths");
@@ -511,7 +513,8 @@ pages.dataset = () => {
       lengthsChart = new uPlot({
         width: Math.max(280, el.clientWidth), height: 220,
         scales: {x: {time: false}, y: {range: (u, min, max) => [0, max * 1.1]}},  // bars start at 0
-        axes: [{stroke: c.text, grid: {stroke: c.grid}, label: "tokens"}, {stroke: c.text, grid: {stroke: c.grid}, label: "examples"}],
+        axes: [{stroke: c.text, grid: {stroke: c.grid}, label: "tokens"},
+               {stroke: c.text, grid: {stroke: c.grid}, label: "examples", size: 80}],  // room for 1,000,000
         series: [{label: "tokens"}, {label: "examples", fill: "#2563eb88", stroke: "#2563eb", points: {show: false},
                                      paths: uPlot.paths.bars({size: [0.9]})}],
       }, [counts.map((_, i) => (edges[i] + edges[i + 1]) / 2), counts], el);  // each bar at its bin's middle
