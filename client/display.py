@@ -228,13 +228,23 @@ def pivot(rows: list[MetricOut]) -> tuple[list[str], dict[int, tuple[float, dict
 
 
 def progress(job: JobOut, percent: bool = True) -> str:
-    """``12/40 (30%)`` (``12/40`` without ``percent``); for a queued job its place in the queue (``queue_line``)."""
+    """``12/40 (30%)`` (``12/40`` without ``percent``); for a queued job its place in the queue
+    (``queue_line``); for a running job before its first step, what it is doing (``starting``)."""
     p = job.progress
     if job.queue is not None:
         return queue_line(job)
     if not p.total_steps:
-        return ""
+        return starting(job) if job.status == "running" else ""
     return f"{p.step}/{p.total_steps}" + (f" ({p.fraction:.0%})" if percent else "")
+
+
+def starting(job: JobOut) -> str:
+    """What a running job does before its first optimizer step, from the phases it has ended
+    (``timings``, each 0 until then): a large training set takes minutes to tokenize, and nothing
+    else said the job was moving."""
+    if not job.timings.load:
+        return "loading the data and the model"
+    return "tokenizing" if not job.timings.tokenize else "starting to train"
 
 
 def queue_line(job: JobOut | PredictionOut) -> str:

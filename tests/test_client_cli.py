@@ -952,3 +952,23 @@ def test_get_says_when_a_job_s_files_were_deleted():
         console.print(table(example), table(example.model_copy(update=deleted)))
         shown = console.export_text()
         assert shown.count(" files ") == 1 and "deleted 2026-11-30" in shown, shown
+
+
+def test_a_running_job_before_its_first_step_says_what_it_is_doing():
+    """Tokenizing 1.35 million rows took two minutes during which ``jobs get`` showed an empty
+    progress; it says which phase the job is in until its first step."""
+    from client.display import progress
+    from shared.schemas.jobs import JobOut
+
+    job = JobOut.model_validate(JobOut.model_config["json_schema_extra"]["examples"][0])
+    running = job.model_copy(
+        update={"status": "running", "progress": job.progress.model_copy(update={"total_steps": None})}
+    )
+
+    def at(**timings) -> str:
+        return progress(running.model_copy(update={"timings": job.timings.model_copy(update=timings)}))
+
+    assert at(load=0.0, tokenize=0.0) == "loading the data and the model"
+    assert at(load=7.5, tokenize=0.0) == "tokenizing"
+    assert at(load=7.5, tokenize=120.7) == "starting to train"
+    assert progress(running.model_copy(update={"status": "failed"})) == ""
