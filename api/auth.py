@@ -35,10 +35,10 @@ from shared.settings import get_settings
 from shared.store import keys, ui_sessions
 from shared.store.tenancy import Caller
 
-# Routes anyone may call: they carry no tenant data (liveness, and the documentation pages, which
-# fastapi-offline serves as routes of the app).
 log = logging.getLogger(__name__)
 
+# Routes anyone may call: they carry no tenant data (liveness, and the documentation pages, which
+# fastapi-offline serves as routes of the app).
 PUBLIC_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 bearer = HTTPBearer(
@@ -142,9 +142,10 @@ _shared_failed_at: float | None = None  # time.monotonic() of the last failure; 
 @lru_cache
 def _limiter(storage_url: str) -> SlidingWindowCounterRateLimiter:
     """The shared counters at ``storage_url``; its errors raise ``limits.errors.StorageError``. A
-    Redis connection gives up after ``SHARED_TIMEOUT_SECONDS`` (redis-py waits forever by default,
-    so a Redis that stopped answering held every request, and the thread running it, for good)."""
-    redis = storage_url.startswith(("redis://", "rediss://"))
+    Redis connection (``redis://``, ``rediss://``, ``redis+unix://``) gives up after
+    ``SHARED_TIMEOUT_SECONDS`` (redis-py waits forever by default, so a Redis that stopped answering
+    held every request, and the thread running it, for good)."""
+    redis = storage_url.startswith(("redis://", "rediss://", "redis+unix://"))
     timeouts = {"socket_timeout": SHARED_TIMEOUT_SECONDS, "socket_connect_timeout": SHARED_TIMEOUT_SECONDS}
     return SlidingWindowCounterRateLimiter(
         storage_from_string(storage_url, wrap_exceptions=True, **(timeouts if redis else {}))
@@ -174,16 +175,21 @@ async def _count(storage_url: str, item: RateLimitItem, key: str) -> float | Non
     A shared store that fails (Redis down or not answering) is logged once, when it starts and when
     it ends, and meanwhile each API process counts on its own: a key may then make up to (API
     processes) x its limit, rather than every request failing because a counter could not be read.
-    Flask-Limiter's ``in_memory_fallback`` does the same."""
+    Flask-Limiter's ``in_memory_fallback`` does the same. One request at a time tries a failed store
+    again (the others count in memory meanwhile), so that an outage holds no more than one of the
+    store's threads. All of this runs on the event loop: no other request runs between the checks
+    and the changes of ``_shared_failed_at`` but at the ``await``."""
     global _shared_failed_at
     failed_at = _shared_failed_at
     if not storage_url.startswith("memory://") and (
         failed_at is None or time.monotonic() - failed_at >= SHARED_RETRY_SECONDS
     ):
+        if failed_at is not None:
+            _shared_failed_at = time.monotonic()  # this request tries it; the others wait for its answer
         try:
             reset = await db.in_thread(_hit, _limiter(storage_url), item, key)
         except StorageError as e:
-            if failed_at is None:
+            if _shared_failed_at is None:  # the first of the requests that were waiting on it
                 log.warning(
                     "the rate-limit counters (TUNEJOB_RATE_LIMIT_STORAGE_URL) do not answer (%s: %s): each API "
                     "process counts in its own memory until they do, trying them again every %.0f s",
@@ -193,7 +199,7 @@ async def _count(storage_url: str, item: RateLimitItem, key: str) -> float | Non
                 )
             _shared_failed_at = time.monotonic()
         else:
-            if failed_at is not None:
+            if _shared_failed_at is not None:
                 log.warning("the rate-limit counters (TUNEJOB_RATE_LIMIT_STORAGE_URL) answer again")
                 _shared_failed_at = None
             return reset

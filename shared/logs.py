@@ -58,7 +58,7 @@ def logging_config(level: str | None = None) -> dict[str, Any]:
             },
             # "setup plugin alembic.autogenerate.…": seven lines at INFO each time a process checks
             # the store's revision (Alembic 1.17's plugins), twice per API process at its start
-            "alembic.runtime.plugins": {"level": level if level == "DEBUG" else "WARNING"},
+            "alembic.runtime.plugins": {"level": level if level in ("DEBUG", "ERROR", "CRITICAL") else "WARNING"},
         },
     }
 

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pandas as pd
@@ -582,14 +583,14 @@ def test_a_shared_rate_store_that_hangs_is_counted_in_memory_instead(stack, monk
     client = stack.client_for("tenant-r")
     try:
         started = time.monotonic()
-        assert client.get("/datasets").status_code == 200
+        with ThreadPoolExecutor(3) as pool:  # three at once, all waiting on the silent store
+            assert list(pool.map(lambda _: client.get("/datasets").status_code, range(3))) == [200] * 3
         assert time.monotonic() - started < 3  # redis-py retries the read a few times, each 0.2 s
-        assert [client.get("/datasets").status_code for _ in range(2)] == [200] * 2
         assert_error(client.get("/datasets"), 429, "rate_limited", "Authorization", "3 per 1 minute")
     finally:
         silent.close()
     outage = [r for r in caplog.records if r.name == "api.auth"]
-    assert [r.levelname for r in outage] == ["WARNING"], outage
+    assert [r.levelname for r in outage] == ["WARNING"], outage  # once, however many requests saw it
     assert "TUNEJOB_RATE_LIMIT_STORAGE_URL" in outage[0].getMessage() and "Timeout" in outage[0].getMessage()
 
 

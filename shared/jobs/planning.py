@@ -182,8 +182,8 @@ def plan_job(checked: CheckedSpec) -> dict:
     throughput of the newest succeeded job on the same base model (None when there is none);
     multi_label only: ``labels`` (their number) and ``rows_without_labels`` (rows of the training
     file with an empty label list: they train every label towards 0), with a ``notes`` line when
-    there are any. A file of more than ``TUNEJOB_DRY_RUN_ROWS`` rows is planned from an even sample
-    of them (``sample_stride``): ``sampled_rows`` says how many, the counts (histogram, truncated
+    there are any. A file of more than ``TUNEJOB_DRY_RUN_ROWS`` rows is planned from a random sample
+    of them (``RowSample``): ``sampled_rows`` says how many, the counts (histogram, truncated
     examples, micro-batches, steps, the estimate's tokens) are scaled to ``examples``, and a
     ``notes`` line says so.
     """
@@ -273,16 +273,28 @@ def multi_label_notes(checked: CheckedSpec) -> list[str]:
     )
 
 
-def sample_stride(rows: int) -> int:
-    """Every how many rows a dry run tokenizes one, so that it tokenizes at most
-    ``TUNEJOB_DRY_RUN_ROWS``: a dry run answers in seconds (100,000 short texts take about 7 s on
-    a 2-core CPU), however large the file, and costs the API no more."""
-    return max(1, math.ceil(rows / get_settings().dry_run_rows))
+class RowSample:
+    """The rows of a file of ``rows`` rows that a dry run tokenizes: every one up to
+    ``TUNEJOB_DRY_RUN_ROWS``, else each with probability ``TUNEJOB_DRY_RUN_ROWS / rows``, drawn in
+    file order from a generator of fixed seed (the same file, the same sample). A dry run then
+    answers in seconds (100,000 short texts take about 7 s on a 2-core CPU), however large the file,
+    and costs the API no more. Random, not every k-th row: a file laid out in a pattern (a reranking
+    file's query with its positive, then nine negatives) would be sampled on one part of it."""
+
+    SEED = 0
+
+    def __init__(self, rows: int):
+        self.p = min(1.0, get_settings().dry_run_rows / max(rows, 1))
+        self.rng = np.random.default_rng(self.SEED)
+
+    def take(self, n: int) -> np.ndarray:
+        """Which of the file's next ``n`` rows to tokenize: indices into them, ascending."""
+        return np.arange(n) if self.p >= 1 else np.flatnonzero(self.rng.random(n) < self.p)
 
 
 def sample_note(sampled: int, total: int, what: str) -> str:
     return (
-        f"planned from {sampled:,} of the {total:,} {what}, evenly spread (TUNEJOB_DRY_RUN_ROWS): "
+        f"planned from {sampled:,} of the {total:,} {what}, a random sample (TUNEJOB_DRY_RUN_ROWS): "
         "the counts and the estimate are scaled to the whole"
     )
 
@@ -293,8 +305,8 @@ TOKENIZE_ROWS = 4096  # texts per tokenizer call in a dry run
 def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.ndarray | None, int]:
     """Tokens per example (text pairs as the tokenizer's pair input, word lists as words, no
     truncation; embedding: ``[rows, texts]``, each text of a row alone) of the rows the job trains
-    on, or of an even sample of them (every ``sample_stride``-th row of the file) where the file
-    has more than ``TUNEJOB_DRY_RUN_ROWS``: the file read a batch at a time, its rows tokenized
+    on, or of a random sample of them (``RowSample``) where the file has more than
+    ``TUNEJOB_DRY_RUN_ROWS``: the file read a batch at a time, its rows tokenized
     ``TOKENIZE_ROWS`` texts at a time, then split as the worker splits it
     (``split_train_validation``); for embedding the ``[rows, 2]`` ids of each row's anchor and
     positive text (equal texts, equal ids: ``DistinctBatchPlan``'s keys), else None; and the
@@ -304,7 +316,7 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.nd
     spec, train, parts, sampled, groups, positives = checked.spec, checked.train, [], [], [], []
     cols, problems = checked.columns, Problems(train.filename)
     classes = ClassIndex.of(train.filename, cols)
-    stride, start = sample_stride(train.rows), 0
+    sample, start = RowSample(train.rows), 0
     for batch in job_batches(objects.dataset_file(train), train.format, train.filename, cols, problems):
         if classes is not None:
             classes.add(batch)
@@ -313,8 +325,8 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.nd
         if cols.task == "embedding":
             assert batch.pairs is not None
             positives.append(text_groups(batch.pairs))
-        take = range(-start % stride, len(batch.texts), stride)  # the rows whose index in the file is a multiple
-        sampled.append(np.asarray(take) + start)
+        take = sample.take(len(batch.texts))
+        sampled.append(take + start)
         start += len(batch.texts)
         texts: list = [batch.texts[i] for i in take]  # strings, or word lists (token_classification)
         pairs = [batch.pairs[i] for i in take] if batch.pairs is not None else None
@@ -338,10 +350,8 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.nd
         spec.hyperparameters.seed,
         np.concatenate(groups) if cols.grouped else None,
     )
-    position = np.full(start, -1)
-    position[sampled_rows] = np.arange(len(sampled_rows))
-    trained = position[train_rows]  # in the split's order, as the worker plans them
-    trained = trained[trained >= 0]
+    found = np.minimum(np.searchsorted(sampled_rows, train_rows), len(sampled_rows) - 1)
+    trained = found[sampled_rows[found] == train_rows]  # the sampled training rows, in the split's order
     if cols.task != "embedding":
         return lengths[trained], None, len(train_rows)
     hashes = np.stack([np.concatenate(groups), np.concatenate(positives)], 1)[sampled_rows[trained]]

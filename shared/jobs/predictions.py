@@ -32,10 +32,10 @@ from shared.jobs.lifecycle import admission, insert_queued
 from shared.jobs.models import trained_model
 from shared.jobs.planning import (
     TOKENIZE_ROWS,
+    RowSample,
     estimate_seconds,
     max_input_length,
     sample_note,
-    sample_stride,
     token_counts,
     visible_dataset,
 )
@@ -360,7 +360,7 @@ def plan_prediction(checked: CheckedPrediction) -> dict:
     CPU worker batches them (a CUDA worker pads to the bucket ladder: a little more), padding
     efficiency, and an estimated duration from the newest succeeded prediction on the same model
     (None when there is none). A file of more than ``TUNEJOB_DRY_RUN_ROWS`` rows is planned from
-    an even sample of them (``planning.sample_stride``), the counts scaled to the whole, and the
+    a random sample of them (``planning.RowSample``), the counts scaled to the whole, and the
     plan says so (``sampled_rows``, ``notes``)."""
     with TRANSFORMERS_IMPORT:
         from transformers import AutoTokenizer
@@ -371,10 +371,10 @@ def plan_prediction(checked: CheckedPrediction) -> dict:
     spec, max_length = checked.spec, checked.max_length
     ladder = job_ladder(max_length, None, False, cuda=False)
     rows = sampled = truncated = tokens = padded = 0
-    stride = sample_stride(checked.dataset.rows)  # a large file: every stride-th row, the counts scaled
+    sample = RowSample(checked.dataset.rows)  # a large file: a sample of its rows, the counts scaled
     batches = prediction_batches(checked.dataset, spec, Problems(checked.dataset.filename))
     for part in parts_of(batches, get_settings().predict_part_rows):
-        take = range(-rows % stride, len(part.texts), stride)  # the rows whose index in the file is a multiple
+        take = sample.take(len(part.texts))
         rows += len(part.texts)
         texts = [part.texts[i] for i in take]
         pairs = [part.pairs[i] for i in take] if part.pairs else None

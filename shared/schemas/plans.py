@@ -57,7 +57,7 @@ class Plan(BaseModel):
     sampled_rows: int | None = Field(
         None,
         description="training examples tokenized for this plan, where the file has more rows than "
-        "TUNEJOB_DRY_RUN_ROWS: an even sample, the counts scaled to the whole; null when all were",
+        "TUNEJOB_DRY_RUN_ROWS: a random sample, the counts scaled to the whole; null when all were",
     )
     notes: list[str] = Field([], description="what a user should know about the plan (a sample, unlabelled rows)")
 

@@ -215,7 +215,7 @@ class PredictionPlan(BaseModel):
     sampled_rows: int | None = Field(
         None,
         description="rows tokenized for this plan, where the file has more than TUNEJOB_DRY_RUN_ROWS: "
-        "an even sample, the counts scaled to the whole; null when all were",
+        "a random sample, the counts scaled to the whole; null when all were",
     )
     notes: list[str] = Field([], description="what a user should know about the plan")
 
