@@ -214,3 +214,50 @@ def test_a_job_store_that_does_not_answer_for_a_while_does_not_fail_the_running_
     assert final["attempts"] == 1 and "job_restarted" not in event_codes(client, job["id"])
     losses = [m["step"] for m in client.get(f"/jobs/{job['id']}/metrics").json()["data"] if m["name"] == "train_loss"]
     assert sorted(losses) == list(range(1, final["progress"]["step"] + 1))
+
+
+def test_a_first_write_that_fails_is_not_tried_again_at_every_step(monkeypatch):
+    """The first step's metrics are written at once; when the store does not answer then, the
+    write waits for the next flush (``metrics_flush_seconds``), not the next step: each try can
+    wait out SQLite's busy timeout or a connect timeout."""
+    from sqlalchemy.exc import OperationalError
+
+    from shared.jobs import lifecycle
+    from shared.settings import get_settings
+    from worker.reporter import Reporter
+
+    monkeypatch.setattr(get_settings(), "metrics_flush_seconds", 3600.0)
+    tries = []
+
+    def down(*_):
+        tries.append(1)
+        raise OperationalError("UPDATE", {}, ConnectionRefusedError("connection refused"))
+
+    monkeypatch.setattr(lifecycle, "record_progress", down)
+    reporter = Reporter("job_down", "worker-1")
+    for step in range(1, 101):
+        reporter.log(step, 0.0, {"train_loss": 1.0})
+        reporter.progress(step=step)
+    assert len(tries) == 1
+
+
+def test_a_job_cancelled_while_it_tokenizes_stops_there(stack, monkeypatch):
+    """Tokenizing a large training set takes minutes (1.35 million rows: two); a cancel (or a
+    SIGTERM) is heard between its batches, not at the first optimizer step after it."""
+    from worker import data
+    from worker.reporter import Reporter
+
+    asked = []
+    monkeypatch.setattr(data, "TOKENIZE_BATCH", 8)  # 48 rows: several batches
+    monkeypatch.setattr(
+        Reporter, "interrupted", lambda self: asked.append(1) or ("cancelled" if len(asked) > 2 else None)
+    )
+    tokenized = []
+    real = data.Ragged.of
+    monkeypatch.setattr(data.Ragged, "of", staticmethod(lambda rows: tokenized.append(len(rows)) or real(rows)))
+    fresh = upload(stack.client, labelled_csv(rows=48, seed=11))  # texts no other test tokenized: no cache hit
+    job = submit(stack.client, fresh["id"], **LONG)
+    final = wait_for_status(stack.client, job["id"], FINISHED, timeout=120)
+    assert final["status"] == "cancelled" and final["progress"]["step"] == 0, final
+    assert "model.tar" not in artifact_names(stack.client, job["id"])
+    assert len(asked) == 3 and len(tokenized) == 2 * 3  # two batches of its three inputs, then it stopped

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from shared.data.split import split_train_validation, text_groups
 from shared.store import objects
 from shared.store.artifacts import tokenized_cache_dir
 from shared.store.rows import Dataset
+from worker.reporter import Interrupted
 
 log = logging.getLogger(__name__)
 TOKENIZE_BATCH = 8192  # texts per call of the fast tokenizer: bounds the memory of its intermediate encodings
@@ -110,15 +111,20 @@ def tokenize(
     label_names: list[str] | None,
     max_length: int,
     dataset_sha256: str | None = None,
+    interrupted: Callable[[], str | None] = lambda: None,
 ) -> TokenizedDataset:
     """Tokenize a table once with the fast tokenizer (pairs as the tokenizer's pair input), in
-    batches of ``TOKENIZE_BATCH`` texts, truncating to ``max_length``, without padding.
+    batches of ``TOKENIZE_BATCH`` texts, truncating to ``max_length``, without padding; before
+    each batch, ``interrupted()`` (``Reporter.interrupted``) says whether to stop.
 
     With ``dataset_sha256`` (the uploaded file's), the encodings are cached under the data
     directory (``shared.store.artifacts.tokenized_cache_dir``) and a later job on the same texts with the
     same tokenizer and ``max_length`` reads them instead (see ``cache_key``).
 
     Labels become training targets as ``label_targets`` makes them.
+
+    Raises:
+        worker.reporter.Interrupted: ``interrupted()`` gave a reason (the job is cancelled, ...).
     """
     texts = df[text_column].astype(str).tolist()
     pairs = df[text_pair_column].astype(str).tolist() if text_pair_column else None
@@ -132,6 +138,8 @@ def tokenize(
     if encodings is None:
         parts: dict[str, list[Ragged]] = {}
         for start in range(0, len(texts), TOKENIZE_BATCH):
+            if reason := interrupted():
+                raise Interrupted(reason)
             end = start + TOKENIZE_BATCH
             enc = tokenizer(
                 texts[start:end],
@@ -178,6 +186,8 @@ class Ragged:
         return len(self.offsets) - 1
 
     def __getitem__(self, i: int) -> list[int]:
+        if not 0 <= i < len(self):  # a negative i would read an empty slice, not the row from the end
+            raise IndexError(f"row {i} of {len(self)}")
         return self.values[self.offsets[i] : self.offsets[i + 1]].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:

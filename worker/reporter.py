@@ -21,6 +21,15 @@ from shared.store.rows import utcnow
 log = logging.getLogger(__name__)
 
 
+class Interrupted(Exception):
+    """Raised between batches of the work before training (tokenizing) when the job must stop
+    (``Reporter.interrupted``); ``reason`` is what ``should_stop`` said."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Reporter:
     """The running worker's line to the job row.
 
@@ -65,8 +74,8 @@ class Reporter:
         """Set job-row fields (step, epoch, total_steps, eta_seconds, train/validation metrics, device,
         timings). The first optimizer step's are written at once, so that a user sees training start."""
         self._progress.update(fields)
-        if self._metrics and not self._wrote_metrics:
-            self._unless_store_down(self.flush)
+        if self._metrics and not self._wrote_metrics and self._store_down_since is None:
+            self._unless_store_down(self.flush)  # failed: ``heartbeat`` tries again, not every step
         else:
             self.heartbeat()
 
@@ -145,6 +154,12 @@ class Reporter:
         if self._cancelled:
             return "cancelled"
         return "time_limit" if now > self.deadline else None
+
+    def interrupted(self) -> str | None:
+        """``should_stop``, asked between batches of the work before training: tokenizing a large
+        training set takes minutes (1.35 million rows: two), and a cancel or a SIGTERM waited for
+        the first optimizer step."""
+        return self.should_stop()
 
     def _check_cancel(self) -> None:
         self._cancelled = lifecycle.cancel_requested(self.job_id)
@@ -255,6 +270,10 @@ class MemoryReporter:
 
     def should_prune(self, step: int, metrics: dict) -> bool:
         return False
+
+    def interrupted(self) -> str | None:
+        """Never: ``stop_after_step`` counts optimizer steps."""
+        return None
 
     def should_stop(self) -> str | None:
         self.steps_run += 1

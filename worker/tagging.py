@@ -14,6 +14,8 @@ subword of every word (the words themselves, whatever ``label_all_subwords`` tra
 without IOB prefixes (the IO scheme) are scored as ``I-`` tags: a run of one type is one entity.
 """
 
+from collections.abc import Callable
+
 import numpy as np
 import pandas as pd
 import torch
@@ -22,6 +24,7 @@ from seqeval.scheme import IOB2
 from transformers import PreTrainedTokenizerBase
 
 from worker.data import TOKENIZE_BATCH, Ragged, TokenizedDataset, add_encodings
+from worker.reporter import Interrupted
 
 IGNORE = -100  # label of a position the loss and the metrics skip (torch's cross_entropy ignore_index)
 
@@ -58,6 +61,7 @@ def tokenize_words(
     label_names: list[str],
     max_length: int,
     label_all_subwords: bool = False,
+    interrupted: Callable[[], str | None] = lambda: None,
 ) -> TokenizedDataset:
     """Tokenize rows of words (``words_column``: lists of strings) with the fast tokenizer, in
     batches of ``TOKENIZE_BATCH`` rows, truncated to ``max_length`` tokens, without padding, and
@@ -68,6 +72,7 @@ def tokenize_words(
 
     Raises:
         ValueError: the tokenizer is not a fast one (only those have ``word_ids()``).
+        worker.reporter.Interrupted: ``interrupted()`` gave a reason, as in ``worker.data.tokenize``.
     """
     if not tokenizer.is_fast:
         raise ValueError("token_classification needs a fast tokenizer (word_ids())")
@@ -77,6 +82,8 @@ def tokenize_words(
     parts: dict[str, list[Ragged]] = {}
     labels = []
     for start in range(0, len(words), TOKENIZE_BATCH):
+        if reason := interrupted():
+            raise Interrupted(reason)
         enc = tokenizer(
             words[start : start + TOKENIZE_BATCH],
             is_split_into_words=True,

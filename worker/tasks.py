@@ -198,7 +198,7 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
     from worker.device import (
         resolve_device,  # imported by ``preload``; the API imports this module without torch
     )
-    from worker.reporter import Reporter
+    from worker.reporter import Interrupted, Reporter
 
     reporter = Reporter(
         job.id,
@@ -211,6 +211,8 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
         if note:
             reporter.event("device", note, level="warning")
         return recipe(job.kind)(job, device, reporter)
+    except Interrupted as e:  # cancelled (or the worker stopping) while it tokenized: nothing trained yet
+        return e.reason
     except UserError as e:  # deterministic: the same input fails the same way, so no retry
         lifecycle.finish(
             job.id,

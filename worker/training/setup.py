@@ -91,9 +91,20 @@ def prepare_job(job: Job, data: JobData, device: torch.device, reporter: Reporte
                 job.label_names,
                 hp.max_length,
                 training and spec.get("label_all_subwords", False),
+                reporter.interrupted,
             )
         cols = JobColumns.of(spec)  # reranking: its query and passage columns as text and text pair
-        encoded = tokenize(tokenizer, df, cols.text, cols.text_pair, cols.label, job.label_names, hp.max_length, sha256)
+        encoded = tokenize(
+            tokenizer,
+            df,
+            cols.text,
+            cols.text_pair,
+            cols.label,
+            job.label_names,
+            hp.max_length,
+            sha256,
+            reporter.interrupted,
+        )
         encoded.queries = df[cols.text].tolist() if job.task == "reranking" else None  # reranking.evaluate groups
         return encoded
 
