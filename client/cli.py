@@ -261,7 +261,10 @@ def fitting_columns(names: list[str], width: int) -> tuple[list[str], list[str]]
 
 def cancel_job(client: Client, args, out: Console) -> None:
     job = client.cancel_job(args.job_id)
-    message = {"cancelled": "cancelled", "running": "cancel requested: it stops at its next optimizer step"}
+    message = {
+        "cancelled": "cancelled",
+        "running": "cancel requested: it stops at its next optimizer step (or batch of tokenizing)",
+    }
     out.print(f"job {job.id}: {message.get(job.status, f'already {job.status}, nothing to cancel')}")
 
 
