@@ -116,6 +116,9 @@ class BenchReporter:
             self.steady_start = self.mark()
         return None
 
+    def interrupted(self) -> str | None:
+        return None
+
     def event(self, code: str, message: str, level: str = "info") -> None:
         self.events.append({"code": code, "message": message, "level": level})
 

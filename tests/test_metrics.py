@@ -56,8 +56,11 @@ def test_metrics_while_a_job_trains(stack):
     try:
         scrape_while_training(client, before, submitted)
     finally:
-        for job_id in submitted:
+        # the queued one first: cancelled after the running one, it could start and end (a few
+        # steps) before its cancel came
+        for job_id in reversed(submitted):
             client.post(f"/jobs/{job_id}/cancel")
+        for job_id in submitted:
             assert wait_for_status(client, job_id, {"succeeded", "failed", "cancelled"})["status"] == "cancelled"
     client.get("/jobs/job_0000000000000000")
 

@@ -137,11 +137,21 @@ class Reporter:
 
     def should_stop(self) -> str | None:
         """Why training must stop now, if it must: ``"shutdown"`` (the worker is shutting down),
-        ``"lease_lost"`` (another worker holds the job), ``"cancelled"`` or ``"time_limit"``.
+        ``"lease_lost"`` (another worker holds the job), ``"cancelled"`` or ``"time_limit"``. Asked
+        once per optimizer step.
 
         The stop flags are in-process events (SIGTERM, the heartbeat thread losing the lease); the
         cancel flag is a store query, made at most every ``CANCEL_CHECK_SECONDS``, so a cancel is
         seen within that time plus one optimizer step."""
+        return self._stop_reason()
+
+    def interrupted(self) -> str | None:
+        """``should_stop``'s answer, asked between batches of the work before training: tokenizing
+        a large training set takes minutes (1.35 million rows: two), and a cancel or a SIGTERM
+        waited for the first optimizer step."""
+        return self._stop_reason()
+
+    def _stop_reason(self) -> str | None:
         if self.lease_lost:
             return "lease_lost"
         for reason, flag in self.stop_flags.items():
@@ -154,12 +164,6 @@ class Reporter:
         if self._cancelled:
             return "cancelled"
         return "time_limit" if now > self.deadline else None
-
-    def interrupted(self) -> str | None:
-        """``should_stop``, asked between batches of the work before training: tokenizing a large
-        training set takes minutes (1.35 million rows: two), and a cancel or a SIGTERM waited for
-        the first optimizer step."""
-        return self.should_stop()
 
     def _check_cancel(self) -> None:
         self._cancelled = lifecycle.cancel_requested(self.job_id)
