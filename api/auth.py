@@ -17,6 +17,7 @@ session's CSRF token in ``X-CSRF-Token``; a request with a key never uses the co
 
 import logging
 import math
+import threading
 import time
 from functools import lru_cache
 from typing import Annotated
@@ -137,6 +138,7 @@ def _rate_limits(spec: str) -> list[RateLimitItem]:
 SHARED_RETRY_SECONDS = 10.0
 SHARED_TIMEOUT_SECONDS = 2.0
 _shared_failed_at: float | None = None  # time.monotonic() of the last failure; None while it answers
+_shared_lock = threading.Lock()
 
 
 @lru_cache
@@ -177,19 +179,22 @@ async def _count(storage_url: str, item: RateLimitItem, key: str) -> float | Non
     processes) x its limit, rather than every request failing because a counter could not be read.
     Flask-Limiter's ``in_memory_fallback`` does the same. One request at a time tries a failed store
     again (the others count in memory meanwhile), so that an outage holds no more than one of the
-    store's threads. All of this runs on the event loop: no other request runs between the checks
-    and the changes of ``_shared_failed_at`` but at the ``await``."""
+    store's threads. ``_shared_failed_at`` is read and changed under ``_shared_lock`` (event loops of
+    other threads, as the test client's, share it)."""
     global _shared_failed_at
-    failed_at = _shared_failed_at
-    if not storage_url.startswith("memory://") and (
-        failed_at is None or time.monotonic() - failed_at >= SHARED_RETRY_SECONDS
-    ):
-        if failed_at is not None:
-            _shared_failed_at = time.monotonic()  # this request tries it; the others wait for its answer
+    tries = not storage_url.startswith("memory://")
+    with _shared_lock:
+        if tries and _shared_failed_at is not None:
+            tries = time.monotonic() - _shared_failed_at >= SHARED_RETRY_SECONDS
+            if tries:
+                _shared_failed_at = time.monotonic()  # this request tries it; the others count in memory
+    if tries:
         try:
             reset = await db.in_thread(_hit, _limiter(storage_url), item, key)
         except StorageError as e:
-            if _shared_failed_at is None:  # the first of the requests that were waiting on it
+            with _shared_lock:
+                first, _shared_failed_at = _shared_failed_at is None, time.monotonic()
+            if first:  # of the requests that were waiting on it
                 log.warning(
                     "the rate-limit counters (TUNEJOB_RATE_LIMIT_STORAGE_URL) do not answer (%s: %s): each API "
                     "process counts in its own memory until they do, trying them again every %.0f s",
@@ -197,11 +202,11 @@ async def _count(storage_url: str, item: RateLimitItem, key: str) -> float | Non
                     e.storage_error,
                     SHARED_RETRY_SECONDS,
                 )
-            _shared_failed_at = time.monotonic()
         else:
-            if _shared_failed_at is not None:
+            with _shared_lock:
+                recovered, _shared_failed_at = _shared_failed_at is not None, None
+            if recovered:
                 log.warning("the rate-limit counters (TUNEJOB_RATE_LIMIT_STORAGE_URL) answer again")
-                _shared_failed_at = None
             return reset
     local = _local_limiter()
     return None if await local.hit(item, key) else (await local.get_window_stats(item, key)).reset_time
