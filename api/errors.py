@@ -28,7 +28,7 @@ from starlette.routing import Match
 
 from api.request_id import HEADER as REQUEST_ID_HEADER
 from api.request_id import current_request_id
-from shared.errors import UserError
+from shared.errors import UserError, first_line
 from shared.schemas.jobs import json_safe
 
 log = logging.getLogger("tunejob.api")
@@ -164,11 +164,6 @@ async def stream_body(chunks: Iterable | AsyncIterable, what: str) -> AsyncItera
     except Exception as e:
         log.exception("download of %s failed after %s bytes: %s: %s", what, f"{sent:,}", type(e).__name__, e)
         raise StreamCut(what) from e
-
-
-def first_line(e: BaseException) -> str:
-    """An exception's message, up to its first line break (obstore's go on with pages of debug output)."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def not_logged_already(record: logging.LogRecord) -> bool:

@@ -8,6 +8,12 @@ from datetime import datetime
 PATH = re.compile(r"(?<![\w.:/])(?:/[^\s/:'\"]+)+/?")  # an absolute POSIX path (not the path part of a URL)
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message up to its first line break, for a log line (obstore's and the
+    database driver's go on with pages of detail); its type's name if it has none."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def without_paths(text: str) -> str:
     """``text`` (a library's error message) with every absolute file path replaced by ``<path>``:
     no response names a file on the server."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from sqlalchemy.exc import OperationalError
 
+from shared.errors import first_line
 from shared.jobs import lifecycle, sweeps
 from shared.jobs.curves import MetricRow, metric_rows
 from shared.schemas.jobs import PHASES
@@ -95,7 +96,7 @@ class Reporter:
                 self._store_down_since = time.monotonic()
                 log.warning(  # the log's context names the job
                     "the job store does not answer (%s); training goes on, trying again",
-                    str(e.orig or e).strip().splitlines()[0],
+                    first_line(e.orig or e),
                 )
             return False
         if self._store_down_since is not None:
