@@ -137,9 +137,15 @@ def job_table(job: JobOut) -> Table:
     table = fields_table(rows)
     # name=value pairs, so that a narrow window wraps between them, never inside a number
     chosen = job.hyperparameters.model_dump(mode="json", exclude_defaults=True)
-    table.add_row("hyperparameters", escape(", ".join(f"{k}={json.dumps(v)}" for k, v in chosen.items())))
+    table.add_row("hyperparameters", escape(", ".join(f"{k}={json.dumps(whole(v))}" for k, v in chosen.items())))
     final_summary(table, job)
     return table
+
+
+def whole(value: Any) -> Any:
+    """A float with no fraction as the integer a user wrote (``epochs`` is a float: ``--set epochs=2``
+    is stored as 2.0); anything else as it is."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def files_deleted(when: datetime | None) -> dict[str, str]:

@@ -149,6 +149,8 @@ def test_create_watch_download_and_the_pictures_of_the_run(served, tmp_path):
     job = served.client().get_job(job_id)
     assert job.status == "succeeded" and job.progress.step == job.progress.total_steps > 0
     steps = job.progress.total_steps
+    shown = served.cli("jobs", "get", job_id).stdout
+    assert "epochs=2" in shown and "epochs=2.0" not in shown, shown  # as given (epochs is a float)
 
     model_dir = tmp_path / "model"
     downloaded = served.cli("jobs", "download", job_id, "-o", str(model_dir))
