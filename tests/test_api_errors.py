@@ -353,7 +353,20 @@ def test_unknown_base_model_is_refused(stack, train_ds):
     r = stack.client.post("/jobs", json=job_body(train_ds["id"], base_model="bert-huge-9000"))
     error = assert_error(r, 422, "unknown_model", "base_model", "'bert-huge-9000'")
     assert TINY_MODEL in error["message"]  # lists what is available
+    r = stack.client.post("/jobs", json=job_body(train_ds["id"], base_model="google-bert/bert-huge-9000"))
+    error = assert_error(r, 422, "unknown_model", "base_model", "TUNEJOB_MODELS_DIR", "'bert-huge-9000')")
     before.assert_unchanged()
+
+
+def test_the_builtin_models_hugging_face_id_names_it(stack, train_ds):
+    """``sentence-transformers/all-MiniLM-L6-v2``, the id users know, was refused (only
+    ``all-MiniLM-L6-v2``): it names the built-in model, stored under tunejob's name."""
+    from shared.schemas.jobs import JobCreate
+
+    body = job_body(train_ds["id"], base_model="sentence-transformers/all-MiniLM-L6-v2")
+    assert JobCreate.model_validate(body).base_model == "all-MiniLM-L6-v2"
+    r = stack.client.post("/jobs", params={"dry_run": "true"}, json=body)
+    assert r.status_code == 200 and r.json()["plan"]["total_steps"] >= 1, r.text
 
 
 def test_single_class_label_is_refused(stack):

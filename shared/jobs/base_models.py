@@ -7,6 +7,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 from shared.errors import UserError
+from shared.schemas.jobs import model_name
 from shared.settings import get_settings
 
 # The API imports transformers on first use, in request threads (it loads torch: not at start-up).
@@ -50,13 +51,26 @@ def model_type(path: Path) -> str | None:
 
 
 def resolve_model(name: str) -> Path:
-    """The directory of base model ``name``.
+    """The directory of base model ``name`` (or of its Hugging Face id, ``shared.schemas.jobs.HUB_IDS``).
 
     Raises:
         UserError: ``unknown_model`` (422) if no such model is available.
     """
     models = available_models()
-    if name not in models:
+    if model_name(name) not in models:
         known = ", ".join(sorted(models)) or "none"
-        raise UserError("unknown_model", f"unknown base_model {name!r}; available: {known}", "base_model")
-    return models[name][0]
+        raise UserError(
+            "unknown_model", f"unknown base_model {name!r}; available: {known}{hub_hint(name)}", "base_model"
+        )
+    return models[model_name(name)][0]
+
+
+def hub_hint(name: str) -> str:
+    """What to do about a Hugging Face id (``org/name``) that is not a model here: tunejob downloads
+    nothing; a model directory under ``TUNEJOB_MODELS_DIR`` is named by its directory name."""
+    if "/" not in name:
+        return ""
+    return (
+        " (tunejob downloads no model: put the model's directory under TUNEJOB_MODELS_DIR and "
+        f"name it by the directory's name, e.g. {name.rsplit('/', 1)[-1]!r})"
+    )

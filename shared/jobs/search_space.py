@@ -20,10 +20,11 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from pydantic import ValidationError
 
 from shared.errors import UserError
-from shared.jobs.base_models import available_models
+from shared.jobs.base_models import available_models, hub_hint
 from shared.jobs.planning import max_input_length
 from shared.jobs.priors import PRIORS
 from shared.schemas.hyperparameters import TASK_ONLY, Hyperparameters, int_fields
+from shared.schemas.jobs import model_name
 from shared.schemas.sweeps import Distribution, SweepCreate
 from shared.settings import get_settings
 
@@ -118,13 +119,14 @@ def check_models(spec: SweepCreate) -> None:
     )
     available = available_models()
     for model in models:
-        if model not in available:
+        if model_name(model) not in available:
             raise UserError(
                 "unknown_model",
-                f"{field}: unknown base model {model!r}; available: {', '.join(sorted(available)) or 'none'}",
+                f"{field}: unknown base model {model!r}; available: {', '.join(sorted(available)) or 'none'}"
+                f"{hub_hint(model)}",
                 field,
             )
-        limit = max_input_length(available[model][0])
+        limit = max_input_length(available[model_name(model)][0])
         if limit and longest > limit:
             raise UserError(
                 "max_length_too_long",

@@ -4,7 +4,7 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, model_validator
 from pydantic.json_schema import JsonDict
 
 from shared.schemas.hyperparameters import HYPERPARAMETERS_EXAMPLE, TASK_METRICS, TASK_ONLY, Hyperparameters
@@ -35,6 +35,17 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
+
+
+# A built-in base model's Hugging Face id, as users know it, -> its name in tunejob
+# (``shared.jobs.base_models.BUILTIN``): the id names the same weights, which ship in a package.
+HUB_IDS = {"sentence-transformers/all-MiniLM-L6-v2": "all-MiniLM-L6-v2"}
+
+
+def model_name(name: str) -> str:
+    """Base model ``name`` as tunejob names it: a built-in model's Hugging Face id (``HUB_IDS``) is
+    its name; any other name as it is."""
+    return HUB_IDS.get(name, name)
 
 
 # Metadata caps: OpenAI's, the defaults of TUNEJOB_MAX_METADATA_* (enforced by shared.store.quotas.check_metadata).
@@ -99,7 +110,7 @@ class JobCreate(BaseModel):
         json_schema_extra={"examples": [JOB_CREATE_EXAMPLE, MULTI_LABEL_EXAMPLE, TOKEN_JOB_CREATE_EXAMPLE]},
     )
 
-    base_model: str
+    base_model: Annotated[str, AfterValidator(model_name)]
     task: Literal["classification", "regression", "multi_label", "token_classification", "embedding", "reranking"] = (
         Field(
             "classification",
