@@ -112,6 +112,26 @@ def test_default_params_lie_in_their_ranges(fixed, space, expected):
 # ----------------------------------------------------------------------------- 2: priors
 
 
+@pytest.mark.parametrize(
+    "task,given,tuned",
+    [
+        ("multi_label", {}, True),  # at the fixed 0.5 short trials all scored micro-F1 0
+        ("multi_label", {"tune_threshold": False}, False),
+        ("multi_label", {"decision_threshold": 0.3}, False),
+        ("classification", {}, False),
+    ],
+)
+def test_a_multi_label_sweep_tunes_its_trials_threshold_unless_the_spec_sets_one(task, given, tuned):
+    from shared.jobs.search import trial_template
+    from shared.schemas.sweeps import SweepCreate
+
+    objective = {"metric": "f1_micro" if task == "multi_label" else "accuracy"}
+    spec = SweepCreate.model_validate(body("ds_x", task=task, objective=objective, **given))
+    assert spec.tune_threshold is tuned and trial_template(spec).tune_threshold is tuned
+    stored = SweepCreate.model_validate(spec.model_dump(mode="json"), strict=False)  # as spec_of reads it back
+    assert stored.tune_threshold is tuned
+
+
 def test_ranges_left_out_take_the_prior_of_the_models_size(client, dataset):  # noqa: F811
     space = {
         "learning_rate": {},
