@@ -20,6 +20,7 @@ from kombu.transport import filesystem
 from kombu.utils.json import dumps, loads
 from pydantic import BaseModel
 
+from shared.errors import first_line
 from shared.jobs import lifecycle, orphans, predictions, retention, sweeps, webhooks
 from shared.schemas.jobs import JobCreate
 from shared.schemas.predictions import PredictionCreate
@@ -275,13 +276,24 @@ def recovery_loop(stop: threading.Event, chores: tuple[Callable[[], object], ...
     (``shared.jobs.sweeps.top_up_all``), apply the artifact retention and remove leftover
     files (``shared.jobs.retention.clean_up_files``) and the bucket's orphans (``shared.jobs.orphans``),
     delete expired idempotency records and old webhook deliveries (``shared.jobs.webhooks.purge_deliveries``).
-    Runs in the API and in every worker; any number of copies may run at once. A sweep that raises
-    is logged and tried again next time."""
+    Runs in the API and in every worker; any number of copies may run at once. A chore that raises
+    is tried again next time; its traceback is logged once per failure, not at every turn while it
+    goes on failing the same way (a database restart: the webhook loop, every second, logged a
+    traceback a second), and a line says when it runs again."""
+    failing: dict[str, str] = {}  # chore -> the first line of the failure logged, while it lasts
     while True:
         for chore in chores:
+            name = chore.__name__
             try:
                 chore()
-            except Exception:
-                log.exception("%s failed; trying again in %ss", chore.__name__, every())
+            except Exception as e:
+                if failing.get(name) != first_line(e):
+                    log.exception(
+                        "%s failed; trying again every %ss, logged again if it fails otherwise", name, every()
+                    )
+                failing[name] = first_line(e)
+            else:
+                if failing.pop(name, None) is not None:
+                    log.warning("%s runs again", name)
         if stop.wait(every()):
             return

@@ -85,3 +85,38 @@ def test_a_job_whose_lease_expired_is_sent_again_at_once(tmp_path, models_dir):
         assert s.get(Job, job.id).status == JobStatus.QUEUED
     lifecycle.mark_enqueued(job.id)
     assert lifecycle.recover() == []  # sent: not again until resend_after_seconds
+
+
+def test_a_chore_that_keeps_failing_logs_its_traceback_once_and_says_when_it_runs_again(caplog):
+    """A store outage made the API's webhook loop (every second) log a traceback a second; now one
+    per failure, another when it fails otherwise, and a line when the chore runs again."""
+    from shared.queue import recovery_loop
+
+    outcomes = [
+        OSError("connection refused\nDETAIL: the server is restarting"),
+        OSError("connection refused"),
+        OSError("connection refused"),
+        OSError("the disk is full"),
+        None,
+        OSError("connection refused"),
+    ]
+
+    def deliver_due() -> None:
+        if outcome := outcomes.pop(0):
+            raise outcome
+
+    class Turns:
+        """The loop's stop event: it ends the loop once every outcome was used."""
+
+        def wait(self, seconds: float) -> bool:
+            return not outcomes
+
+    with caplog.at_level("WARNING", logger="shared.queue"):
+        recovery_loop(Turns(), (deliver_due,), lambda: 0.0)  # type: ignore[arg-type]
+    lines = [(r.levelname, r.getMessage().split(";")[0], r.exc_info is not None) for r in caplog.records]
+    assert lines == [
+        ("ERROR", "deliver_due failed", True),  # connection refused: once for three turns
+        ("ERROR", "deliver_due failed", True),  # the disk is full
+        ("WARNING", "deliver_due runs again", False),
+        ("ERROR", "deliver_due failed", True),  # failing again after it ran
+    ], lines
