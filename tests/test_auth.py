@@ -719,3 +719,20 @@ def test_the_storage_quota_sums_recorded_bytes_of_the_files_kept(stack, monkeypa
     add_job(stack, dataset, JobStatus.SUCCEEDED, files_bytes=9_999)
     monkeypatch.setattr(stack, "tenant", "tenant-quota")
     assert used() == 0
+
+
+def test_a_dataset_over_2_gib_is_recorded_and_counted(stack, monkeypatch):
+    """``datasets.bytes`` was a 4-byte integer, which PostgreSQL caps at 2 GiB - 1, below the default
+    largest upload (``TUNEJOB_MAX_UPLOAD_BYTES``, 2 GiB): recording such an upload failed."""
+    from shared.store.engine import session_scope
+    from shared.store.rows import Dataset
+
+    client = stack.client_for("tenant-big")
+    dataset = upload(client, labelled_csv(rows=20, seed=8))["id"]
+    size = 3 * 1024**3
+    assert size > get_settings().max_upload_bytes
+    with session_scope() as s:
+        s.get(Dataset, dataset).bytes = size
+    monkeypatch.setattr(get_settings(), "max_storage_bytes_per_tenant", size - 1)
+    r = client.post("/jobs", json=job_body(dataset))
+    assert_error(r, 413, "storage_quota_exceeded", None, f"stores {size:,} bytes")

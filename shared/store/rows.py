@@ -74,7 +74,7 @@ class Dataset(Base):
     path: Mapped[str] = mapped_column(Text)  # server-chosen: under the data dir, or a key in the bucket (store.objects)
     rows: Mapped[int] = mapped_column(Integer)
     columns: Mapped[list[Any]]
-    bytes: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     deleted_at: Mapped[datetime | None]  # DELETE /datasets/{id}: the file is gone, the row is a tombstone
