@@ -568,3 +568,23 @@ def test_a_large_file_is_planned_from_a_sample_close_to_the_whole(models_dir, mo
     assert abs(sum(sampled["token_lengths"]["counts"]) - 2700) <= 10
     for strategy, figures in whole["padding_efficiency"].items():
         assert abs(sampled["padding_efficiency"][strategy]["unrounded"] - figures["unrounded"]) < 0.03, strategy
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[128] * 50, [5, 5, 6], list(range(24, 129)) * 3, [1, 512], [7]],
+    ids=["all-equal", "narrow", "spread", "far-apart", "one"],
+)
+def test_the_plans_length_bins_are_whole_tokens_and_hold_every_example(lengths):
+    """Every example equally long (all cut at max_length) drew 16 fractional bins around that length."""
+    from shared.jobs.planning import length_bins
+
+    counts, edges = length_bins(np.array(lengths))
+    widths = np.diff(edges)
+    assert 1 <= len(counts) <= 16 and len(edges) == len(counts) + 1
+    assert all(float(e).is_integer() for e in edges) and len(set(widths)) == 1, edges
+    assert counts.sum() == len(lengths) and edges[0] == min(lengths) and edges[-2] <= max(lengths) < edges[-1]
+    for i, count in enumerate(counts):
+        assert count == sum(edges[i] <= x < edges[i + 1] for x in lengths)
+    if len(set(lengths)) == 1:
+        assert counts.tolist() == [len(lengths)] and edges.tolist() == [lengths[0], lengths[0] + 1]

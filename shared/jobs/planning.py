@@ -164,6 +164,19 @@ def _check_validation_labels(names: list[str] | None, val: LabelSummary, filenam
         raise error
 
 
+def length_bins(lengths: np.ndarray, most: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """The histogram of token ``lengths`` (``[n]``, n >= 1) in at most ``most`` bins of whole tokens,
+    all as wide: ``(counts [bins], edges [bins + 1])``, bin i holding ``edges[i] <= length <
+    edges[i + 1]``. Whole tokens, since lengths are: NumPy's own bins split the range evenly and,
+    when every example has the same length (all truncated at ``max_length``), drew 16 fractional bins
+    around it."""
+    lo, hi = int(lengths.min()), int(lengths.max())
+    width = max(1, math.ceil((hi + 1 - lo) / most))
+    edges = lo + width * np.arange(math.ceil((hi + 1 - lo) / width) + 1)
+    counts, _ = np.histogram(lengths, bins=edges)
+    return counts, edges
+
+
 def plan_job(checked: CheckedSpec) -> dict:
     """What a job will do, computed from its tokenized training split without training.
 
@@ -224,14 +237,14 @@ def plan_job(checked: CheckedSpec) -> dict:
     plan = plan_for(hp.batching)
     micro_batches = scaled(len(plan.batches))
     used = plan.width_counts([hp.max_length] if hp.batching == "fixed" else ladder, hp.epochs)
-    counts, edges = np.histogram(lengths, bins=min(16, max(1, int(lengths.max()) // 8)))
+    counts, edges = length_bins(lengths)
     notes = multi_label_notes(checked) if spec.task == "multi_label" else []
     if scale != 1:
         notes.append(sample_note(len(full), examples, "training examples"))
     return {
         "examples": examples,
         "token_lengths": {
-            "bin_edges": [round(float(e), 1) for e in edges],
+            "bin_edges": [int(e) for e in edges],
             "counts": [scaled(c) for c in counts],
             "mean": float(lengths.mean()),
             "max": int(lengths.max()),

@@ -7,7 +7,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class TokenLengths(BaseModel):
-    bin_edges: list[float]
+    bin_edges: list[int] = Field(
+        description="whole tokens: bin i holds lengths from bin_edges[i] up to, not including, bin_edges[i + 1]"
+    )
     counts: list[int]
     mean: float
     max: int
@@ -73,26 +75,8 @@ class DryRunOut(BaseModel):
                     "plan": {
                         "examples": 1602,
                         "token_lengths": {
-                            "bin_edges": [
-                                24.0,
-                                30.5,
-                                37.0,
-                                43.5,
-                                50.0,
-                                56.5,
-                                63.0,
-                                69.5,
-                                76.0,
-                                82.5,
-                                89.0,
-                                95.5,
-                                102.0,
-                                108.5,
-                                115.0,
-                                121.5,
-                                128.0,
-                            ],
-                            "counts": [3, 5, 9, 14, 22, 31, 40, 51, 60, 72, 85, 97, 110, 121, 140, 742],
+                            "bin_edges": [24, 31, 38, 45, 52, 59, 66, 73, 80, 87, 94, 101, 108, 115, 122, 129],
+                            "counts": [3, 5, 9, 14, 22, 31, 40, 51, 60, 72, 85, 97, 110, 261, 742],
                             "mean": 112.4,
                             "max": 128,
                         },
