@@ -241,6 +241,57 @@ def test_a_first_write_that_fails_is_not_tried_again_at_every_step(monkeypatch):
     assert len(tries) == 1
 
 
+def test_events_checkpoints_and_pruning_go_on_while_the_store_does_not_answer(engine_env, monkeypatch, tmp_path):
+    """The other writes of training, in a store outage: an event waits for the next write, with the
+    time it happened; a checkpoint goes unrecorded and its files are deleted (no row points at
+    them); a trial is not pruned then. Each raised ``OperationalError`` and failed the attempt (a
+    checkpoint falling in a PostgreSQL restart), which then waited out its lease."""
+    from sqlalchemy.exc import OperationalError
+
+    from shared.jobs import lifecycle, sweeps
+    from shared.store import objects
+    from shared.store.engine import upgrade_database
+    from shared.store.rows import utcnow
+    from worker.reporter import Reporter
+    from worker.training.state import record_checkpoint
+
+    upgrade_database()
+    down, written, recorded = [True], [], []
+
+    def unless_down(real):
+        def call(*args, **kwargs):
+            if down[0]:
+                raise OperationalError("INSERT", {}, ConnectionRefusedError("connection refused"))
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(lifecycle, "record_progress", unless_down(lambda *a: True))
+    monkeypatch.setattr(lifecycle, "add_event", unless_down(lambda *a, at: written.append((a[1], at))))
+    monkeypatch.setattr(lifecycle, "record_checkpoint", unless_down(lambda *a: recorded.append(a[1]) or []))
+    monkeypatch.setattr(sweeps, "should_prune", unless_down(lambda *a: True))
+    reporter = Reporter("job_outage", "worker-1", trial=True)
+
+    reporter.event("out_of_memory", "halved the micro-batch")
+    assert written == []  # kept
+    path = tmp_path / "step-00000010"
+    path.mkdir()
+    (path / "model.safetensors").write_bytes(b"x" * 10)
+    record_checkpoint(reporter, 10, path, None, keep=2)
+    assert recorded == [] and not path.exists()  # not recorded: its files gone
+    assert reporter.should_prune(10, {"accuracy": 0.1}) is False
+
+    down[0], back = False, utcnow()
+    later = tmp_path / "step-00000020"
+    later.mkdir()
+    (later / "model.safetensors").write_bytes(b"x" * 10)
+    record_checkpoint(reporter, 20, later, None, keep=2)
+    assert recorded == [20] and objects.store().files(str(later))
+    assert [code for code, _ in written] == ["out_of_memory"]  # written first, with its own time
+    assert written[0][1] <= back
+    assert reporter.should_prune(20, {"accuracy": 0.1}) is True
+
+
 def test_a_job_cancelled_while_it_tokenizes_stops_there(stack, monkeypatch):
     """Tokenizing a large training set takes minutes (1.35 million rows: two); a cancel (or a
     SIGTERM) is heard between its batches, not at the first optimizer step after it."""

@@ -38,13 +38,14 @@ class Reporter:
     also renews the worker's lease. ``should_stop()`` is asked once per optimizer step; it reads the
     job's cancel flag from the store at most every ``CANCEL_CHECK_SECONDS``, not once per step.
 
-    Those two, asked all through training, let it go on while the store does not answer
-    (``OperationalError``: a PostgreSQL restart or failover, SQLite's write lock not free in time):
-    the metrics stay buffered and both are tried again at their next turn. A restart of a few
-    seconds failed the running job (the cancel check fell in it), which then waited out its lease
-    and started again from its last checkpoint. The lease bounds the wait: once it has lapsed
-    another worker may hold the job, and the first write that reaches the store says so
-    (``lease_lost``).
+    Those two, and the other writes of training (events, checkpoints, a trial's pruning check),
+    let it go on while the store does not answer (``OperationalError``: a PostgreSQL restart or
+    failover, SQLite's write lock not free in time): the metrics and events stay buffered and are
+    written at the next turn, a checkpoint goes unrecorded (``checkpoint``), a trial is not pruned
+    then. A restart of a few seconds failed the running job (the cancel check, or a checkpoint,
+    fell in it), which then waited out its lease and started again from its last checkpoint. The
+    lease bounds the wait: once it has lapsed another worker may hold the job, and the first write
+    that reaches the store says so (``lease_lost``).
     """
 
     CANCEL_CHECK_SECONDS = 1.0
@@ -63,9 +64,19 @@ class Reporter:
         self.lease_lost = False
         self._cancelled, self._next_cancel_check = False, time.monotonic()
         self._store_down_since: float | None = None  # time.monotonic() of the first failure of an outage
+        self._events: list[tuple[str, str, str, datetime]] = []  # not written yet: (code, message, level, time)
 
     def event(self, code: str, message: str, level: str = "info") -> None:
-        lifecycle.add_event(self.job_id, code, message, level)
+        """Record an event now, or, while the store does not answer, at the next write (with the
+        time it happened)."""
+        self._events.append((code, message, level, utcnow()))
+        if self._store_down_since is None:
+            self._unless_store_down(self._write_events)
+
+    def _write_events(self) -> None:
+        while self._events:
+            lifecycle.add_event(self.job_id, *self._events[0][:3], at=self._events[0][3])
+            del self._events[0]
 
     def log(self, step: int, epoch: float, values: dict[str, float]) -> None:
         now = utcnow()
@@ -105,6 +116,7 @@ class Reporter:
         return True
 
     def flush(self) -> None:
+        self._write_events()
         held = lifecycle.record_progress(self.job_id, self.worker_id, self._progress, self._metrics)
         self._wrote_metrics = self._wrote_metrics or bool(self._metrics)
         self._metrics, self._progress, self._last_flush = [], {}, time.monotonic()
@@ -121,20 +133,35 @@ class Reporter:
         metrics so far are written first: the other trials' pruners read them."""
         if not self.trial:
             return False
-        self.flush()
-        if not sweeps.should_prune(self.job_id, step, metrics):
-            return False
+        prune: list[bool] = []
+
+        def decide() -> None:
+            self.flush()
+            prune.append(sweeps.should_prune(self.job_id, step, metrics))
+
+        if not self._unless_store_down(decide) or not prune[0]:
+            return False  # not pruned, or the store (the other trials' figures) did not answer
         self.event("pruning", f"the sweep's pruner stopped this trial after its evaluation at step {step}")
         return True
 
     def checkpoint(
         self, step: int, path: Path | str, metrics: dict | None, keep: int, size: int | None = None
-    ) -> list[str]:
+    ) -> list[str] | None:
         """Point the store at a completely written (and published) checkpoint, ``path`` its ref
         (``shared.store.objects``), ``size`` its bytes; returns the refs of the older checkpoints,
-        beyond the newest ``keep``, that the store no longer lists (to delete)."""
-        self.flush()  # the steps up to the checkpoint are never trained again: write their metrics first
-        return lifecycle.record_checkpoint(self.job_id, step, str(path), metrics, keep, size)
+        beyond the newest ``keep``, that the store no longer lists (to delete). None when the store
+        did not answer: the checkpoint is not recorded (a restart resumes from the one before; the
+        next is recorded as usual) and its files are the caller's to delete."""
+        old: list[str] = []
+
+        def record() -> None:
+            self.flush()  # the steps up to the checkpoint are never trained again: write their metrics first
+            old.extend(lifecycle.record_checkpoint(self.job_id, step, str(path), metrics, keep, size))
+
+        if self._unless_store_down(record):
+            return old
+        log.warning("the checkpoint at step %d is not recorded: the job store does not answer", step)
+        return None
 
     def should_stop(self) -> str | None:
         """Why training must stop now, if it must: ``"shutdown"`` (the worker is shutting down),

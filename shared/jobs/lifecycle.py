@@ -205,9 +205,10 @@ def cancel_requested(job_id: str) -> bool:
         return bool(s.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
 
 
-def add_event(job_id: str, code: str, message: str, level: str = "info") -> None:
+def add_event(job_id: str, code: str, message: str, level: str = "info", at: datetime | None = None) -> None:
+    """Record an event of the job, ``at`` the time it happened (default now)."""
     with session_scope() as s:
-        s.add(JobEvent(job_id=job_id, code=code, message=without_paths(message), level=level))
+        s.add(JobEvent(job_id=job_id, code=code, message=without_paths(message), level=level, time=at or utcnow()))
 
 
 def mark_enqueued(job_id: str) -> None:

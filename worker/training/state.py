@@ -153,8 +153,11 @@ def write_checkpoint(path: Path, model: torch.nn.Module, tokenizer, state: dict,
 def record_checkpoint(reporter: Reporter, step: int, path: Path, metrics: dict | None, keep: int) -> None:
     """Publish a completely written checkpoint (``shared.store.objects``: with ``TUNEJOB_STORAGE_URL``
     into the bucket, before the row that points at it), record it, and delete the older ones the
-    store no longer keeps (beyond the newest ``keep``)."""
+    store no longer keeps (beyond the newest ``keep``); or, when the job store does not answer
+    (``Reporter.checkpoint``), this one, which no row points at."""
     store = objects.store()
     size = objects.LocalDir().tree_bytes(str(path))  # for the tenant's quota (shared.store.quotas)
-    for old in reporter.checkpoint(step, store.publish(path), metrics, keep=keep, size=size):
-        store.remove(old)
+    ref = store.publish(path)
+    old = reporter.checkpoint(step, ref, metrics, keep=keep, size=size)
+    for gone in [ref] if old is None else old:
+        store.remove(gone)
