@@ -349,6 +349,21 @@ def test_an_empty_text_is_reported_by_row_and_column(stack, trained):
     assert r.json()["error"]["problems"] == [{"row": 2, "column": "body", "value": "", "message": "is empty"}]
 
 
+def test_a_repeated_id_is_reported_by_row_naming_the_first_and_nothing_is_queued(stack, trained):
+    """Results are named by ``id_column``: a repeated id made two result rows of one name."""
+    client = stack.client
+    before = count_predictions(client)
+    dataset = upload(client, b"doc,body\na,one\nb,two\na,three\nc,four\nb,five\na,six\n", "repeats.csv")
+    r = client.post("/predictions", json=body_for(trained["id"], dataset))
+    assert r.status_code == 422 and r.json()["error"]["code"] == "duplicate_id", r.text
+    problems = r.json()["error"]["problems"]
+    assert [(p["row"], p["column"]) for p in problems] == [(3, "doc"), (5, "doc"), (6, "doc")]
+    assert all(
+        ["row 1:" in problems[0]["message"], "row 2:" in problems[1]["message"], "row 1:" in problems[2]["message"]]
+    )
+    assert count_predictions(client) == before
+
+
 def test_a_job_that_did_not_succeed_or_was_deleted_is_refused(stack, to_score):
     client = stack.client
     dataset = upload(client, labelled_csv(rows=16, seed=9))

@@ -21,6 +21,7 @@ import numpy as np
 
 from shared.data.batching import bucket_width, job_ladder, token_budget_batches
 from shared.data.columns import check_text
+from shared.data.formats import MAX_PROBLEMS
 from shared.data.problems import Problems
 from shared.data.read import read_batches
 from shared.errors import UserError, without_paths
@@ -207,6 +208,39 @@ def prediction_batches(dataset: Dataset, spec: PredictionCreate, problems: Probl
         )
 
 
+class RepeatedIds:
+    """Finds ``id_column`` values that more than one row holds, in bounded memory: each id kept as
+    a 64-bit hash (``pandas.util.hash_array``) with its row, 16 bytes a row (1.5 million rows:
+    24 MB), compared once every batch is read. Results are named by id (OpenAI's batch API refuses
+    a repeated ``custom_id`` too). Two different ids share a hash with odds of about n² / 2^65
+    (6e-8 at 1.5 million rows)."""
+
+    def __init__(self) -> None:
+        self.hashes: list[np.ndarray] = []
+        self.rows: list[np.ndarray] = []
+
+    def add(self, batch: PredictionBatch) -> None:
+        import pandas as pd
+
+        self.hashes.append(pd.util.hash_array(np.asarray(batch.ids, dtype=object)))
+        self.rows.append(np.arange(batch.start, batch.start + len(batch.ids)))
+
+    def report(self, problems: Problems, column: str) -> None:
+        """Each row (the first ``MAX_PROBLEMS``) whose id an earlier row holds, as a problem naming
+        that row (``duplicate_id``, 1-based rows as every report)."""
+        if not self.hashes:
+            return
+        hashes, rows = np.concatenate(self.hashes), np.concatenate(self.rows)
+        order = np.argsort(hashes, kind="stable")  # a hash's rows in row order
+        hashes, rows = hashes[order], rows[order]
+        new = np.r_[True, hashes[1:] != hashes[:-1]]
+        first = rows[new][np.cumsum(new) - 1]  # each row's first row with its id
+        repeats = np.flatnonzero(~new)
+        for i in repeats[np.argsort(rows[repeats], kind="stable")][:MAX_PROBLEMS]:  # the earliest rows
+            message = f"repeats the id of row {first[i] + 1}: results are named by id, so ids must differ"
+            problems.add(int(rows[i]) + 1, column, None, message, "duplicate_id", "id_column")
+
+
 def _text_problem(value) -> str | None:
     """What is wrong with a text cell (``check_text``), a list said to be one (CoNLL's ``tokens``)."""
     if isinstance(value, (list, tuple)):
@@ -271,7 +305,8 @@ def check_prediction(spec: PredictionCreate, caller: Caller) -> CheckedPredictio
         UserError: see ``prediction_model``; ``max_length_too_long`` (422) beyond the model's limit;
             ``invalid_text_pair_column`` (422) for a token_classification model (one text a row);
             ``unknown_dataset`` (422); ``missing_column`` (422, naming the field and the column); a
-            validation report of unusable cells (``missing_value``, ``invalid_text``, ``invalid_id``);
+            validation report of unusable cells (``missing_value``, ``invalid_text``, ``invalid_id``,
+            ``duplicate_id``: ``RepeatedIds``);
             with a ``label_column``, ``shared.jobs.gold.check_gold_labels``'s.
     """
     model = prediction_model(spec.model, caller)
@@ -303,9 +338,11 @@ def check_prediction(spec: PredictionCreate, caller: Caller) -> CheckedPredictio
                 f"column {column!r} ({param}) not found in {dataset.filename!r}; its columns are {dataset.columns}",
                 param,
             )
-    problems = Problems(dataset.filename)
-    for _ in prediction_batches(dataset, spec, problems):
-        pass
+    problems, repeated = Problems(dataset.filename), RepeatedIds()
+    for batch in prediction_batches(dataset, spec, problems):
+        if spec.id_column:
+            repeated.add(batch)
+    repeated.report(problems, spec.id_column or "")
     problems.raise_if_any()
     if spec.label_column is not None:
         check_gold_labels(spec, dataset, model.task, model.ref, model.label_names)

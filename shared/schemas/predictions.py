@@ -35,7 +35,7 @@ class PredictionCreate(BaseModel):
     text_pair_column: str | None = None
     id_column: str | None = Field(
         None,
-        description="A column whose value (as text) names each row in the results; default: the row's 0-based index.",
+        description="A column whose value (as text) names each row in the results (each row its own: a repeated id is refused, duplicate_id); default: the row's 0-based index.",
     )
     label_column: str | None = Field(
         None,
