@@ -271,6 +271,9 @@ def test_a_queued_prediction_is_cancelled_and_never_runs(stack, trained, to_scor
 
 
 def test_a_running_prediction_stops_after_its_part_when_cancelled(stack, small_parts):
+    from shared.store.engine import read_session
+    from shared.store.rows import Job
+
     client = stack.client
     rows = 40_000  # 5,000 parts of 8: far longer than the cancel takes to be seen
     data = pd.DataFrame({"text": [f"goal {i % 13} team" for i in range(rows)]})
@@ -284,6 +287,8 @@ def test_a_running_prediction_stops_after_its_part_when_cancelled(stack, small_p
         return job["progress"]["rows_done"] > 0
 
     wait_until(running_with_a_part, "a first part written", timeout=120)
+    with read_session() as s:  # the tenant's quota counts the parts written so far, not only at the end
+        assert s.get(Job, prediction["id"]).files_bytes > 0
     assert client.post(f"{url}/cancel").json()["status"] == "running"
     done = wait_prediction(client, prediction["id"])
     assert done["status"] == "cancelled" and done["error"] is None, done

@@ -40,7 +40,7 @@ from shared.jobs.prediction_results import (
 from shared.jobs.predictions import PredictionBatch, max_tokens, parts_of, prediction_batches
 from shared.schemas.predictions import PredictionCreate
 from shared.settings import get_settings
-from shared.store import artifacts, objects
+from shared.store import artifacts, objects, quotas
 from shared.store.engine import read_session
 from shared.store.rows import Dataset, Job
 from worker.device import describe
@@ -64,6 +64,7 @@ class Scoring:
     directory: Path  # where its parts are written
     parts: int  # parts written (by earlier attempts, then this one)
     counts: dict[str, int]
+    files_bytes: int  # of the parts written (the tenant's storage quota counts them as they come)
     started: float = 0.0  # perf_counter when this attempt started scoring
     scored: dict[str, int] | None = None  # counts of this attempt (for its rates)
 
@@ -143,7 +144,8 @@ def setup(job: Job, device: torch.device, reporter: Reporter) -> Scoring:
         dataset = s.get(Dataset, job.training_dataset_id)
     directory = results_dir(job.id)
     parts = written_parts(directory)
-    run = Scoring(job, spec, loaded, dataset, directory, len(parts), part_counts(parts))
+    files_bytes = (quotas.artifacts_bytes(job.id) or 0) if parts else 0
+    run = Scoring(job, spec, loaded, dataset, directory, len(parts), part_counts(parts), files_bytes)
     if parts:
         reporter.event("resumed", f"resuming after {run.counts['rows']} rows already written in {len(parts)} parts")
     reporter.progress(
@@ -166,7 +168,7 @@ def score_parts(run: Scoring, reporter: Reporter) -> str:
         if reason := reporter.should_stop():
             return reason
         table, counts = score_part(run, part, max_length)
-        write_part(run.directory, run.parts, table, counts)
+        run.files_bytes += write_part(run.directory, run.parts, table, counts)
         run.parts += 1
         for name in PART_COUNTS:
             run.counts[name] += counts[name]
@@ -217,7 +219,7 @@ def report_progress(run: Scoring, reporter: Reporter) -> None:
     summary = result(run)
     left = (run.job.total_steps or 0) - run.counts["rows"]
     eta = left / summary["rows_per_second"] if summary["rows_per_second"] else None
-    reporter.progress(step=run.counts["rows"], eta_seconds=eta, train_metrics=summary)
+    reporter.progress(step=run.counts["rows"], eta_seconds=eta, train_metrics=summary, files_bytes=run.files_bytes)
 
 
 def finish(run: Scoring, reporter: Reporter) -> None:

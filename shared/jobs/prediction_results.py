@@ -75,17 +75,20 @@ def part_counts(parts: list[str]) -> dict[str, int]:
     return totals
 
 
-def write_part(directory: Path, index: int, table: pa.Table, counts: dict[str, int]) -> str:
+def write_part(directory: Path, index: int, table: pa.Table, counts: dict[str, int]) -> int:
     """Write part ``index`` atomically: a temporary file, renamed once complete (a reader or a
     resumed attempt sees the whole part or none of it), then published (into the bucket, with
-    ``TUNEJOB_STORAGE_URL``). ``counts``: ``PART_COUNTS`` of the part. Returns its ref."""
+    ``TUNEJOB_STORAGE_URL``). ``counts``: ``PART_COUNTS`` of the part. Returns its bytes (the
+    tenant's storage quota counts a running prediction's parts: ``shared.store.quotas``)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"part-{index:06d}.parquet"
     temporary = directory / f".{path.name}.tmp"
     table = table.replace_schema_metadata({"tunejob": json.dumps({n: int(counts[n]) for n in PART_COUNTS})})
     pq.write_table(table, temporary)
     os.replace(temporary, path)
-    return objects.store().publish(path)
+    size = path.stat().st_size
+    objects.store().publish(path)
+    return size
 
 
 def results_table(

@@ -84,8 +84,9 @@ def job_files_bytes(session: Session, tenant: str) -> int:
     """Bytes of the checkpoints and artifacts of ``tenant``'s jobs whose files are kept, as recorded
     when they were written (``Checkpoint.bytes``, ``Job.files_bytes``): two sums over its rows, so
     that a check costs the same however many objects the bucket holds (it listed every tenant's
-    checkpoints and artifacts on each upload and job). A running job's artifacts count once it has
-    ended; rows written before revision 0015 count 0."""
+    checkpoints and artifacts on each upload and job). A running prediction's results count as
+    its parts are written (``worker.predict``), a training job's artifacts once it has ended
+    (both then as listed, ``artifacts_bytes``); rows written before revision 0015 count 0."""
     kept = (Job.tenant == tenant, Job.deleted_at.is_(None), Job.files_deleted_at.is_(None))
     checkpoints = session.scalar(
         select(func.coalesce(func.sum(Checkpoint.bytes), 0)).join(Job, Checkpoint.job_id == Job.id).where(*kept)
