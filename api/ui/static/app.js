@@ -505,19 +505,24 @@ pages.dataset = () => {
       $("#plan-summary").textContent = `${n(plan.examples)} training examples · ${n(plan.steps_per_epoch)} steps per epoch, ` +
         `${n(plan.total_steps)} in all · ${(plan.truncated_fraction * 100).toFixed(1)}% truncated at max_length · ${est}` +
         plan.notes.map(note => ` · ${note}`).join("");  // a sampled plan, rows without labels
-      const edges = plan.token_lengths.bin_edges, counts = plan.token_lengths.counts;
+      let edges = plan.token_lengths.bin_edges, counts = plan.token_lengths.counts;
+      if (counts.length === 1) {  // one length (all cut at max_length): empty bins beside it, or its bar fills the chart
+        edges = [2 * edges[0] - edges[1], ...edges, 2 * edges[1] - edges[0]];
+        counts = [0, counts[0], 0];
+      }
       const c = themeColors();
       const el = $("#chart-lengths");
       if (lengthsChart) lengthsChart.destroy();
       el.textContent = "";
       lengthsChart = new uPlot({
         width: Math.max(280, el.clientWidth), height: 220,
-        scales: {x: {time: false}, y: {range: (u, min, max) => [0, max * 1.1]}},  // bars start at 0
-        axes: [{stroke: c.text, grid: {stroke: c.grid}, label: "tokens"},
+        scales: {x: {time: false, range: () => [edges[0] - 0.5, edges[edges.length - 1] - 0.5]},  // whole bars
+                 y: {range: (u, min, max) => [0, max * 1.1]}},  // bars start at 0
+        axes: [{stroke: c.text, grid: {stroke: c.grid}, label: "tokens", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]},  // whole tokens
                {stroke: c.text, grid: {stroke: c.grid}, label: "examples", size: 80}],  // room for 1,000,000
         series: [{label: "tokens"}, {label: "examples", fill: "#2563eb88", stroke: "#2563eb", points: {show: false},
                                      paths: uPlot.paths.bars({size: [0.9]})}],
-      }, [counts.map((_, i) => (edges[i] + edges[i + 1]) / 2), counts], el);  // each bar at its bin's middle
+      }, [counts.map((_, i) => (edges[i] + edges[i + 1] - 1) / 2), counts], el);  // each bar at the middle of its whole tokens
       const bars = $("#plan-padding");
       bars.textContent = "";
       for (const [strategy, eff] of Object.entries(plan.padding_efficiency)) {
