@@ -70,6 +70,41 @@ def test_the_tokenization_cache_returns_what_tokenizing_returns(engine_env, toke
     assert not run().from_cache and run().from_cache
 
 
+def test_a_full_disk_costs_the_tokenization_cache_not_the_job(engine_env, tokenizer, monkeypatch):
+    """safetensors raises its own ``SafetensorError`` for a full disk, not an ``OSError``: a full
+    cache folder failed every training job (four attempts, then ``too_many_restarts``)."""
+    from safetensors import SafetensorError
+
+    from worker import data
+
+    def full(arrays, path):
+        path.write_bytes(b"half a file")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(data, "save_file", full)
+    df = frame(n=12)
+    tokenized = tokenize(tokenizer, df, "text", None, "label", ["a", "b"], 12, "1" * 64)
+    assert len(tokenized.encodings["input_ids"]) == 12
+    assert list((engine_env / "cache" / "tokenized").rglob("*")) == [engine_env / "cache" / "tokenized" / ("1" * 64)]
+
+
+def test_a_directory_whose_write_fails_leaves_no_part_and_the_old_one_whole(tmp_path):
+    """A full disk kept a failed job's half-written weights (42 MB) in ``.model.tmp``, and the disk
+    full, until the job was deleted."""
+    from worker.training.files import write_atomically
+
+    final = tmp_path / "model"
+    write_atomically(final, lambda d: (d / "weights").write_bytes(b"old"))
+
+    def fails(d):
+        (d / "weights").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_atomically(final, fails)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"] and (final / "weights").read_bytes() == b"old"
+
+
 @pytest.mark.parametrize("sizes", [[0, 1, 511, 512, 513], [10_000], [3 * 1024 * 1024 + 7]])
 def test_tar_stream_is_a_standard_tar_of_the_announced_size(tmp_path, sizes):
     files = {}

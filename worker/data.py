@@ -274,7 +274,7 @@ def write_cached(path: Path, encodings: dict[str, Ragged]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({**arrays, "lengths": encodings["input_ids"].lengths}, tmp)
         os.replace(tmp, path)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # safetensors' own error for a full disk is no OSError
         log.warning("tokenization cache not written to %s: %s", path, e)
         tmp.unlink(missing_ok=True)
 

@@ -11,19 +11,24 @@ from pathlib import Path
 def write_atomically(final_dir: Path, write: Callable[[Path], None]) -> None:
     """Write a directory under a temporary name (``write(tmp)``), fsync its files, then rename it
     into place (replacing ``final_dir``) and fsync its parent, so that a crash leaves either the old
-    directory or the new one, never a part.
+    directory or the new one, never a part. A write that fails removes its part (a full disk kept
+    a failed job's 42 MB of half-written weights, and the disk full, until the job was deleted).
 
     Raises:
-        OSError: the files cannot be written.
+        OSError: the files cannot be written (or what ``write`` raised).
     """
     tmp = final_dir.with_name(f".{final_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write(tmp)
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+    try:
+        write(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(final_dir, ignore_errors=True)
     os.replace(tmp, final_dir)
     dir_fd = os.open(final_dir.parent, os.O_RDONLY)
