@@ -136,7 +136,9 @@ async def attempt(delivery: WebhookDelivery, webhook: Webhook, lease: datetime) 
     timeout = get_settings().webhooks_timeout_seconds
     deadline = min(timeout, (lease - utcnow()).total_seconds() - LEASE_MARGIN_SECONDS / 2)
     try:
-        async with asyncio.timeout(deadline), httpx.AsyncClient(follow_redirects=False) as client:
+        # httpx's own per-operation timeouts at the same bound: its default of 5 s cut every attempt
+        # at 5 s, whatever TUNEJOB_WEBHOOKS_TIMEOUT_SECONDS said
+        async with asyncio.timeout(deadline), httpx.AsyncClient(follow_redirects=False, timeout=deadline) as client:
             return await _post(client, delivery, webhook)
     except TimeoutError:
         return None, f"no complete answer within {timeout:g} s (TUNEJOB_WEBHOOKS_TIMEOUT_SECONDS)"
@@ -171,7 +173,7 @@ async def _post(
                 if read >= MAX_ANSWER_BYTES:
                     break
     except httpx.HTTPError as e:
-        return None, f"{type(e).__name__}: {e}"[:500]
+        return None, (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:500]
     return answer.status_code, None if answer.is_success else f"answered HTTP {answer.status_code}"
 
 
