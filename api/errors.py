@@ -10,6 +10,7 @@ later inherit this.
 """
 
 import contextlib
+import errno
 import json
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
@@ -49,8 +50,11 @@ ERROR_STATUSES = {
     502: "The object storage (`TUNEJOB_STORAGE_URL`) failed or did not answer, also when tried again "
     "(`storage_unavailable`).",
     503: "The job store is busy (SQLite's write lock was not free in time): retry after `Retry-After` seconds.",
+    507: "The server's disk is full (`insufficient_storage`): nothing was stored; retrying helps once space is freed.",
 }
 STORE_RETRY_AFTER_S = 1
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # no space left, disk quota exceeded
+DISK_FULL_SQLITE = "database or disk is full"  # SQLite's SQLITE_FULL
 SERVER_LOGGER = "uvicorn.error"  # where uvicorn logs an exception that escapes the app
 
 
@@ -184,7 +188,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OperationalError)  # SQLite: the write lock was not free within the busy timeout
     @app.exception_handler(PoolTimeout)  # no pooled connection became free in time
-    async def _store_busy(_: Request, e: Exception):
+    async def _store_busy(request: Request, e: Exception):
+        if DISK_FULL_SQLITE in str(e):  # not busy: retrying will not clear it
+            return await _disk_full(request, e)
         log.warning("job store busy or unreachable: %s", e)
         return error_response(
             503,
@@ -205,6 +211,21 @@ def install_error_handlers(app: FastAPI) -> None:
             "storage_unavailable",
             "the object storage (TUNEJOB_STORAGE_URL) failed or did not answer, also when tried "
             "again; the API's log says how. Try again once it answers",
+        )
+
+    @app.exception_handler(OSError)
+    async def _os_error(request: Request, e: OSError):
+        if e.errno not in DISK_FULL_ERRNOS:  # anything else: a 500, logged whole
+            return await _internal_error(request, e)
+        return await _disk_full(request, e)
+
+    async def _disk_full(request: Request, e: Exception):
+        log.error("%s %s: the server's disk is full: %s", request.method, request.url.path, first_line(e))
+        return error_response(
+            507,
+            "insufficient_storage",
+            "the server's disk is full (no space left on device); nothing was stored. Try again "
+            "once its operator has freed space",
         )
 
     @app.exception_handler(DataError)

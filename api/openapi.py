@@ -16,7 +16,7 @@ def install_openapi(app: FastAPI) -> None:
 
 
 def _schema(app: FastAPI) -> dict:
-    """FastAPI's schema, with ``ErrorBody`` for each 4xx (and the bucket's 502, the store's 503) of each operation
+    """FastAPI's schema, with ``ErrorBody`` for each 4xx (and the bucket's 502, the store's 503, a full disk's 507) of each operation
     (``api.errors``' module doc)."""
     if app.openapi_schema:
         return app.openapi_schema
@@ -35,7 +35,13 @@ def _schema(app: FastAPI) -> dict:
             if path in PUBLIC_PATHS:
                 operation["security"] = []  # no key needed (the app-wide dependency lists the scheme everywhere)
             else:
-                statuses += [401, 429, 502, 503]  # no valid key; its rate; the bucket; the store's write lock
+                statuses += [
+                    401,
+                    429,
+                    502,
+                    503,
+                    507,
+                ]  # no valid key; its rate; the bucket; the store's write lock; a full disk
             if operation.get("parameters") or operation.get("requestBody"):
                 statuses.append(422)
             if operation.get("requestBody"):

@@ -759,3 +759,35 @@ def test_max_length_beyond_the_models_positions_is_refused(stack):
     r = stack.client.post("/jobs", params={"dry_run": "true"}, json=body)
     assert r.status_code == 200, r.text
     assert r.json()["plan"]["truncated_fraction"] == 1.0  # 700-word texts are all cut at 512
+
+
+def test_a_full_disk_answers_507_and_stores_nothing(stack, train_ds, monkeypatch):
+    """An upload whose file no longer fits, or a write SQLite finds no room for, was a 500
+    ``internal_error`` (and SQLite's a 503 ``store_busy``, which a client retries in vain)."""
+    import errno
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    from api import uploads
+    from shared.jobs import lifecycle
+
+    class Full(io.BufferedWriter):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(uploads, "open", lambda path, mode: Full(io.FileIO(path, mode)), raising=False)
+    before = Snapshot(stack)
+    content = labelled_csv(rows=20, seed=12)
+    r = stack.client.post("/datasets", files={"file": ("full.csv", io.BytesIO(content), "text/csv")})
+    assert_error(r, 507, "insufficient_storage", None, "disk is full")
+    before.assert_unchanged()
+    monkeypatch.undo()
+
+    def full(*args, **kwargs):
+        raise OperationalError("INSERT", {}, sqlite3.OperationalError("database or disk is full"))
+
+    monkeypatch.setattr(lifecycle, "insert_queued", full)
+    r = stack.client.post("/jobs", json=job_body(train_ds["id"]))
+    assert_error(r, 507, "insufficient_storage", None, "disk is full")
+    before.assert_unchanged()
