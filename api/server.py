@@ -62,7 +62,10 @@ def run(app, host: str, port: int, workers: int = 1) -> None:
     """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM; with ``workers`` > 1, ``app`` is the
     import string of an application, which each of ``workers`` processes imports (uvicorn's
     supervisor restarts one that dies). Proxy headers are trusted as ``TUNEJOB_PROXY_HEADERS`` and
-    ``TUNEJOB_FORWARDED_ALLOW_IPS`` say."""
+    ``TUNEJOB_FORWARDED_ALLOW_IPS`` say. On SIGTERM, requests still running after
+    ``TUNEJOB_SHUTDOWN_GRACE_SECONDS`` are cancelled (an upload's temporary file removed): uvicorn waited
+    for them without end, a slow upload for as long as it took, until a supervisor's SIGKILL left
+    its file behind."""
     settings = get_settings()
     uvicorn.run(
         app,
@@ -75,4 +78,5 @@ def run(app, host: str, port: int, workers: int = 1) -> None:
         timeout_keep_alive=settings.http_keep_alive_seconds,
         proxy_headers=settings.proxy_headers,
         forwarded_allow_ips=settings.forwarded_allow_ips,
+        timeout_graceful_shutdown=settings.shutdown_grace_seconds,
     )

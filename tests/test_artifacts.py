@@ -225,6 +225,26 @@ def test_delete_dataset_removes_its_file_and_cache(stack):
     assert client.get(f"/jobs/{job['id']}/artifacts/model.tar").status_code == 200
 
 
+def test_an_upload_left_by_a_killed_api_is_removed_and_one_in_progress_is_not(engine_env):
+    """``kill -9`` of the API mid-upload left ``uploads/.<uuid>.tmp`` for good (52 MB in a walk);
+    one being written (touched within ``DEAD_UPLOAD_SECONDS``) stays."""
+    import os
+    import time
+
+    from shared.jobs import retention
+
+    folder = engine_env / "uploads"
+    folder.mkdir(parents=True)
+    dead, live, dataset = folder / ".dead.tmp", folder / ".live.tmp", folder / "ds_0123456789abcdef.csv"
+    for f in (dead, live, dataset):
+        f.write_bytes(b"x")
+    old = time.time() - retention.DEAD_UPLOAD_SECONDS - 60
+    for f in (dead, dataset):
+        os.utime(f, (old, old))
+    retention.remove_dead_uploads()
+    assert sorted(p.name for p in folder.iterdir()) == [".live.tmp", "ds_0123456789abcdef.csv"]
+
+
 def test_retention_removes_old_jobs_files_and_leftovers(stack, dataset, monkeypatch):
     from shared.jobs import retention
     from shared.settings import get_settings

@@ -473,3 +473,26 @@ def test_a_job_store_that_cannot_be_reached_is_one_line_without_the_password(tmp
         result.stderr
     )
     assert "Connection refused" in result.stderr and "Traceback" not in result.stderr and "s3cret" not in result.stderr
+
+
+def test_a_stopping_api_cancels_a_slow_upload_after_its_grace_and_removes_its_file(tmp_path):
+    """SIGTERM mid-upload: uvicorn waited for the request without end (a slow client's 300 MB, for
+    minutes), until a supervisor's SIGKILL left the upload's temporary file behind for good. After
+    ``TUNEJOB_SHUTDOWN_GRACE_SECONDS`` the request is cancelled, its file removed, and the API exits."""
+    data = tmp_path / "data"
+    env = tunejob_env(data, TUNEJOB_SHUTDOWN_GRACE_SECONDS="1")
+    with Api(tmp_path, env) as api:
+        key = (data / "api_key").read_text().strip()
+        s = socket.create_connection(("127.0.0.1", api.port), timeout=10)
+        head = (
+            "POST /datasets HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+            "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 100000000\r\n\r\n"
+            '--b\r\nContent-Disposition: form-data; name="file"; filename="slow.csv"\r\n\r\ntext,label\r\n'
+        ).format(key=key)
+        s.sendall(head.encode() + b"a,b\n" * 1000)
+        uploads = data / "uploads"
+        wait_for("the upload's file", lambda: list(uploads.glob(".*.tmp")), 30, diagnostics=api.process.tail)
+        api.process.signal(signal.SIGTERM)
+        assert api.process.wait(15) is not None, "the API waited for the upload\n" + api.process.tail()
+        s.close()
+    assert list(uploads.glob(".*.tmp")) == []

@@ -2,6 +2,7 @@
 the files of jobs past ``artifact_retention_days``, and whatever a process that died between a row's
 change and its files' removal left behind."""
 
+import time
 from datetime import timedelta
 
 from sqlalchemy import delete, or_, select
@@ -13,6 +14,10 @@ from shared.store.alias_rows import ModelAlias
 from shared.store.engine import read_session, session_scope
 from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobStatus, utcnow
 
+# An upload's temporary file (``api.uploads``: ``uploads/.<uuid>.tmp``) is written as the body
+# arrives and removed when the request ends; one untouched for this long is a killed API's.
+DEAD_UPLOAD_SECONDS = 3600
+
 
 def clean_up_files() -> None:
     """Retention and clean-up of files, safe to run from any number of processes at once.
@@ -22,10 +27,12 @@ def clean_up_files() -> None:
     (with a ``files_deleted`` event; the job itself stays listed), then removes every file the
     store says should be gone: checkpoints and artifacts of jobs whose files were deleted, step
     checkpoints of succeeded jobs, uploads and tokenization caches of deleted datasets. Those are
-    normally removed at once; this catches what a process that died in between left behind. What
+    normally removed at once; this catches what a process that died in between left behind, and
+    the temporary file of an upload whose API process was killed (``remove_dead_uploads``). What
     is removed is looked for among the files there are (a listing of the store, and of this host's
     caches), so each is removed once, not again at every turn.
     """
+    remove_dead_uploads()
     settings, now = get_settings(), utcnow()
     if settings.artifact_retention_days is not None:
         cutoff = now - timedelta(days=settings.artifact_retention_days)
@@ -86,3 +93,16 @@ def _jobs_on_disk(folder: str, condition) -> list[str]:
         for i in range(0, len(names), 500):
             found += s.scalars(select(Job.id).where(Job.id.in_(names[i : i + 500]), condition)).all()
     return found
+
+
+def remove_dead_uploads() -> None:
+    """Remove this host's upload temporary files not written for ``DEAD_UPLOAD_SECONDS``: an API
+    process killed mid-upload (``kill -9``, a supervisor's SIGKILL after its grace period) left
+    them for good (52 MB each in a walk)."""
+    folder = get_settings().data_path / "uploads"
+    for tmp in folder.glob(".*.tmp") if folder.is_dir() else []:
+        try:
+            if time.time() - tmp.stat().st_mtime > DEAD_UPLOAD_SECONDS:
+                tmp.unlink()
+        except FileNotFoundError:  # its request ended meanwhile, or another process removed it
+            continue
