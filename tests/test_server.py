@@ -485,10 +485,10 @@ def test_a_stopping_api_cancels_a_slow_upload_after_its_grace_and_removes_its_fi
         key = (data / "api_key").read_text().strip()
         s = socket.create_connection(("127.0.0.1", api.port), timeout=10)
         head = (
-            "POST /datasets HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+            f"POST /datasets HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
             "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 100000000\r\n\r\n"
             '--b\r\nContent-Disposition: form-data; name="file"; filename="slow.csv"\r\n\r\ntext,label\r\n'
-        ).format(key=key)
+        )
         s.sendall(head.encode() + b"a,b\n" * 1000)
         uploads = data / "uploads"
         wait_for("the upload's file", lambda: list(uploads.glob(".*.tmp")), 30, diagnostics=api.process.tail)
