@@ -364,6 +364,23 @@ def test_trials_are_compared_at_the_same_point_of_their_schedules(client, datase
     assert should_prune(new["job_id"], 12, {"accuracy": 0.7}) is True
 
 
+def test_a_trials_value_leaves_out_the_zero_shot_evaluation(client, dataset):  # noqa: F811
+    """An embedding job scores its base model at step 0 (``eval_*`` rows, the zero-shot figures),
+    weights it never keeps: every embedding trial was worth at least the base model, and a
+    sweep's best could be a figure no trial's model reached (0.9562 for models at 0.9558, 0.9482)."""
+    from shared.jobs.sweeps import should_prune
+
+    sweep = created(client, body(dataset["id"], max_trials=2, max_parallel_trials=2, include_defaults=False))
+    worse, better = trials(client, sweep["id"])
+    finish(worse["job_id"], "succeeded", {0: 0.95, 5: 0.60, 10: 0.70})
+    finish(better["job_id"], "succeeded", {0: 0.95, 5: 0.80, 10: 0.90})
+    values = {t["job_id"]: t["value"] for t in trials(client, sweep["id"])}
+    assert values == {worse["job_id"]: 0.70, better["job_id"]: 0.90}, values
+    best = client.get(f"/sweeps/{sweep['id']}").json()["best_trial"]
+    assert (best["job_id"], best["value"]) == (better["job_id"], 0.90), best
+    assert should_prune(worse["job_id"], 10, {"accuracy": 0.7}) is False  # no zero-shot point to meet at step 0
+
+
 def test_the_report_draws_a_warm_starts_history_grey_and_off_the_best_line(client, dataset, monkeypatch):  # noqa: F811
     """``optimization_history.png`` draws the history's completed trials grey as "earlier sweeps",
     before trial 0; the best-so-far line is this sweep's own, as ``GET /sweeps/{id}``'s

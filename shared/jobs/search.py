@@ -234,11 +234,14 @@ def pruner(spec: SweepCreate) -> optuna.pruners.BasePruner:
 
 def curves(s: Session, job_ids: list[str], metric: str) -> dict[str, dict[int, float]]:
     """Each job's objective by optimizer step (its ``eval_<metric>`` rows; the first per step, as
-    Optuna's ``Trial.report`` keeps; non-finite values left out)."""
+    Optuna's ``Trial.report`` keeps; non-finite values left out). Not step 0's: an embedding job's
+    zero-shot figures (``worker.embedding.score_zero_shot``) are the base model's, whose weights no
+    trial keeps; counted, every embedding trial was worth at least the base model."""
     out: dict[str, dict[int, float]] = {job_id: {} for job_id in job_ids}
     rows = s.execute(
         select(JobMetric.job_id, JobMetric.step, JobMetric.value)
         .where(JobMetric.job_id.in_(job_ids), JobMetric.name == f"eval_{metric}", JobMetric.value.isnot(None))
+        .where(JobMetric.step > 0)
         .order_by(JobMetric.id)
     )
     for job_id, step, value in rows:
