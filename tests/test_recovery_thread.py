@@ -53,10 +53,39 @@ def test_a_job_whose_lease_expired_is_sent_again_at_once(tmp_path, models_dir):
     """A worker killed mid-job: the recovery loop re-queued its job, then left the message to its
     next round but one (the grace for jobs never sent: ``updated_at`` had just changed), so the job
     waited 15-30 s more on an idle worker. ``recover`` returns what it re-queued, to send now."""
+    from shared.jobs import lifecycle
+    from shared.store.engine import session_scope
+    from shared.store.rows import Job, JobStatus
+
+    job = dead_workers_job(tmp_path, models_dir)
+    assert lifecycle.recover() == [job.id]
+    with session_scope() as s:
+        assert s.get(Job, job.id).status == JobStatus.QUEUED
+    lifecycle.mark_enqueued(job.id)
+    assert lifecycle.recover() == []  # sent: not again until resend_after_seconds
+
+
+def test_a_job_cancelled_while_its_worker_was_dead_ends_cancelled_not_requeued(tmp_path, models_dir):
+    """A worker killed, its running job then cancelled: at its lease's end the job was re-queued,
+    resumed and trained on by another worker (or failed ``too_many_restarts`` once out of them)."""
+    from shared.jobs import lifecycle
+    from shared.store.engine import session_scope
+    from shared.store.rows import Job, JobEvent, JobStatus
+
+    job = dead_workers_job(tmp_path, models_dir, cancel_requested=True)
+    assert lifecycle.recover() == []
+    with session_scope() as s:
+        ended = s.get(Job, job.id)
+        assert (ended.status, ended.restarts, ended.finished_at is not None) == (JobStatus.CANCELLED, 0, True)
+        codes = [e.code for e in s.query(JobEvent).filter_by(job_id=job.id)]
+    assert codes == ["cancelled"], codes
+
+
+def dead_workers_job(tmp_path, models_dir, **fields):
+    """A running job whose worker's lease expired a second ago, in a fresh embedded store."""
     from datetime import timedelta
 
     configure_stack("embedded", {"TUNEJOB_DATA_DIR": str(tmp_path), "TUNEJOB_MODELS_DIR": str(models_dir)})
-    from shared.jobs import lifecycle
     from shared.store.engine import session_scope, upgrade_database
     from shared.store.rows import Dataset, Job, JobStatus, new_id, utcnow
 
@@ -74,17 +103,14 @@ def test_a_job_whose_lease_expired_is_sent_again_at_once(tmp_path, models_dir):
         enqueued_at=now - timedelta(minutes=5),
         lease_owner="vm:1:dead",
         lease_expires_at=now - timedelta(seconds=1),
+        **fields,
     )
     with session_scope() as s:
         s.add(dataset)
         s.flush()
         job.training_dataset_id = dataset.id
         s.add(job)
-    assert lifecycle.recover() == [job.id]
-    with session_scope() as s:
-        assert s.get(Job, job.id).status == JobStatus.QUEUED
-    lifecycle.mark_enqueued(job.id)
-    assert lifecycle.recover() == []  # sent: not again until resend_after_seconds
+    return job
 
 
 def test_a_chore_that_keeps_failing_logs_its_traceback_once_and_says_when_it_runs_again(caplog):

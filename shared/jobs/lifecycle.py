@@ -314,8 +314,21 @@ def requeue(job_id: str, worker_id: str, code: str, message: str, restart: bool)
 
 
 def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> bool:
+    """Re-queue ``job`` (its row locked), or end it: ``failed`` once out of restarts, ``cancelled``
+    when a cancel was asked for (its worker stopped before it saw it: killed, shut down, out of
+    lease; such a job was re-queued, resumed and trained on, or failed ``too_many_restarts``).
+    Returns True if it was re-queued."""
     message = without_paths(message)  # often a library's exception: no server path in any response
     job.lease_owner, job.lease_expires_at, job.enqueued_at = None, None, None
+    if job.cancel_requested:
+        end_job(s, job, JobStatus.CANCELLED, utcnow())
+        s.add(
+            JobEvent(
+                job_id=job.id, code="cancelled", level="info", message=f"cancelled; its worker stopped first: {message}"
+            )
+        )
+        trials.ended(s, job)
+        return False
     if restart and job.restarts >= get_settings().max_restarts:
         job.error = {"code": "too_many_restarts", "message": f"gave up after {job.restarts} restarts; last: {message}"}
         end_job(s, job, JobStatus.FAILED, utcnow())
