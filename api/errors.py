@@ -25,6 +25,7 @@ from sqlalchemy.exc import DataError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.concurrency import iterate_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from api.request_id import HEADER as REQUEST_ID_HEADER
@@ -211,6 +212,18 @@ def install_error_handlers(app: FastAPI) -> None:
             "storage_unavailable",
             "the object storage (TUNEJOB_STORAGE_URL) failed or did not answer, also when tried "
             "again; the API's log says how. Try again once it answers",
+        )
+
+    # The client closed its connection while its request's body was read (an upload cut short):
+    # nothing of ours failed, and no one reads the answer. Status 499, as nginx logs it ("client
+    # closed request"), so that GET /metrics counts no 5xx for it; it was a 500 with a traceback.
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, _: ClientDisconnect):
+        log.info(
+            "%s %s: the client closed the connection before its whole request came", request.method, request.url.path
+        )
+        return error_response(
+            499, "client_closed_request", "the client closed the connection before its whole request came"
         )
 
     @app.exception_handler(OSError)

@@ -496,3 +496,30 @@ def test_a_stopping_api_cancels_a_slow_upload_after_its_grace_and_removes_its_fi
         assert api.process.wait(15) is not None, "the API waited for the upload\n" + api.process.tail()
         s.close()
     assert list(uploads.glob(".*.tmp")) == []
+
+
+def test_a_client_gone_mid_upload_is_no_server_error(tmp_path):
+    """A client that closed its connection mid-upload was logged as a 500 with a traceback and
+    counted as one in ``GET /metrics`` (tripping 5xx alerts): it is a 499, logged in a line."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    data = tmp_path / "data"
+    with Api(tmp_path, tunejob_env(data)) as api:
+        key = (data / "api_key").read_text().strip()
+        s = socket.create_connection(("127.0.0.1", api.port), timeout=10)
+        s.sendall(
+            f"POST /datasets HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+            "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 1000000\r\n\r\n"
+            '--b\r\nContent-Disposition: form-data; name="file"; filename="cut.csv"\r\n\r\ntext,label\r\na,b\n'.encode()
+        )
+        wait_for("the upload's file", lambda: list((data / "uploads").glob(".*.tmp")), 30, diagnostics=api.process.tail)
+        s.close()
+
+        def counted() -> dict[str, list]:
+            r = httpx.get(f"{api.url}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+            return {f.name: f.samples for f in text_string_to_metric_families(r.text)}
+
+        wait_for("the request to end", lambda: requests_counted(counted(), "/datasets", "POST", "499"), 30)
+        assert requests_counted(counted(), "/datasets", "POST", "500") == 0
+        assert list((data / "uploads").glob(".*.tmp")) == []
+        assert "Traceback" not in api.process.tail(400) and "client closed the connection" in api.process.tail(400)
