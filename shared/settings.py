@@ -103,7 +103,7 @@ class Settings(BaseSettings):
     # A stopping API (SIGTERM) cancels the requests still running this long after (open streams,
     # a slow upload, whose temporary file is then removed): under a supervisor's grace period
     # (docker-compose.yml's stop_grace_period, Kubernetes' 30 s), so that its SIGKILL never comes first.
-    shutdown_grace_seconds: float = Field(20.0, ge=0)
+    shutdown_grace_seconds: int = Field(20, ge=0)
     # uvicorn's line per request on stderr; off by default: it cost about 5% of the API's CPU under
     # polling load, and GET /metrics counts requests by route and status.
     access_log: bool = False
