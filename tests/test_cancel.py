@@ -292,6 +292,39 @@ def test_events_checkpoints_and_pruning_go_on_while_the_store_does_not_answer(en
     assert reporter.should_prune(20, {"accuracy": 0.1}) is True
 
 
+def test_a_store_that_answers_reads_but_takes_no_write_is_one_outage(monkeypatch, caplog):
+    """SQLite on a full disk answers the cancel check's reads and refuses every write: the log said
+    "does not answer" and "answers again" by turns (36 lines in two minutes); one outage now, ended
+    by the first write that gets through."""
+    from sqlalchemy.exc import OperationalError
+
+    from shared.jobs import lifecycle
+    from shared.settings import get_settings
+    from worker.reporter import Reporter
+
+    full = [True]
+
+    def record_progress(*_):
+        if full[0]:
+            raise OperationalError("UPDATE", {}, Exception("database or disk is full"))
+        return True
+
+    monkeypatch.setattr(lifecycle, "record_progress", record_progress)
+    monkeypatch.setattr(lifecycle, "cancel_requested", lambda _: False)
+    monkeypatch.setattr(Reporter, "CANCEL_CHECK_SECONDS", 0.0)
+    monkeypatch.setattr(get_settings(), "metrics_flush_seconds", 0.0)
+    reporter = Reporter("job_full", "worker-1")
+    with caplog.at_level("WARNING", logger="worker.reporter"):
+        for step in range(1, 21):
+            reporter.log(step, 0.0, {"train_loss": 1.0})
+            reporter.progress(step=step)
+            assert reporter.should_stop() is None
+            if step == 15:
+                full[0] = False
+    said = [r.getMessage().split(" (")[0].split(",")[0] for r in caplog.records]
+    assert said == ["the job store does not answer", "the job store answers again"], said
+
+
 def test_a_job_cancelled_while_it_tokenizes_stops_there(stack, monkeypatch):
     """Tokenizing a large training set takes minutes (1.35 million rows: two); a cancel (or a
     SIGTERM) is heard between its batches, not at the first optimizer step after it."""

@@ -97,9 +97,11 @@ class Reporter:
         if time.monotonic() - self._last_flush >= self.flush_seconds and not self._unless_store_down(self.flush):
             self._last_flush = time.monotonic()
 
-    def _unless_store_down(self, call: Callable[[], object]) -> bool:
+    def _unless_store_down(self, call: Callable[[], object], writes: bool = True) -> bool:
         """Run ``call``; False if the store did not answer (``OperationalError``), logged once per
-        outage, with its length when it ends."""
+        outage, with its length when it ends: when a call that ``writes`` gets through (a store that
+        answers reads but takes no write, such as SQLite on a full disk, is still down: the cancel
+        check's reads made the log say "answers again" and "does not answer" by turns)."""
         try:
             call()
         except OperationalError as e:
@@ -110,7 +112,7 @@ class Reporter:
                     first_line(e.orig or e),
                 )
             return False
-        if self._store_down_since is not None:
+        if self._store_down_since is not None and writes:
             log.warning("the job store answers again, after %.1f s", time.monotonic() - self._store_down_since)
             self._store_down_since = None
         return True
@@ -187,7 +189,7 @@ class Reporter:
                 return reason
         now = time.monotonic()
         if not self._cancelled and now >= self._next_cancel_check:
-            self._unless_store_down(self._check_cancel)
+            self._unless_store_down(self._check_cancel, writes=False)
             self._next_cancel_check = now + self.CANCEL_CHECK_SECONDS
         if self._cancelled:
             return "cancelled"
