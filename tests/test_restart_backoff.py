@@ -46,9 +46,12 @@ def test_an_unexpected_failure_is_retried_after_a_growing_countdown(stack, monke
     for countdown, failed_at, next_start in zip(sent, restarted, started[1:]):
         # the message's ETA is set after the event was written: the next attempt cannot start earlier
         assert (next_start - failed_at).total_seconds() >= countdown, (failed_at, next_start)
+    said = [e["message"] for e in events if e["code"] == "job_restarted"][0]
+    assert said.endswith("OSError: No space left on device; retrying in 0.4 s"), said
+    # the job's end says it gave up, not that it was retrying (it read "...; last: unexpected error, retrying in 240 s")
     assert (
-        "retrying in 0.4 s: OSError: No space left on device"
-        in [e["message"] for e in events if e["code"] == "job_restarted"][0]
+        ended["error"]["message"]
+        == "gave up after 3 restarts; last: unexpected error: OSError: No space left on device"
     )
 
 

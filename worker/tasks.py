@@ -240,8 +240,9 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
             job.id,
             worker_id,
             "job_restarted",
-            f"unexpected error, retrying in {countdown:g} s: {message}",
+            f"unexpected error: {message}",
             restart=True,
+            retry_in=countdown,
         ):
             send(job.id, countdown=countdown)
         return "error"

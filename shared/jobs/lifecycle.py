@@ -299,8 +299,9 @@ def discard_metrics_after(job_id: str, step: int) -> None:
         s.execute(delete(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > step))
 
 
-def requeue(job_id: str, worker_id: str, code: str, message: str, restart: bool) -> bool:
-    """Give a running job back to the queue (the caller then enqueues it).
+def requeue(job_id: str, worker_id: str, code: str, message: str, restart: bool, retry_in: float | None = None) -> bool:
+    """Give a running job back to the queue (the caller then enqueues it, ``retry_in`` seconds
+    later: the event says so).
 
     ``restart`` counts it against ``max_restarts`` (the worker failed), as opposed to a deploy's
     SIGTERM. A job out of restarts ends ``failed`` instead. Returns True if it was re-queued.
@@ -310,10 +311,10 @@ def requeue(job_id: str, worker_id: str, code: str, message: str, restart: bool)
         job = s.get(Job, job_id)
         if job is None or job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
             return False
-        return _requeue_or_fail(s, job, code, message, restart)
+        return _requeue_or_fail(s, job, code, message, restart, retry_in)
 
 
-def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> bool:
+def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool, retry_in: float | None = None) -> bool:
     """Re-queue ``job`` (its row locked), or end it: ``failed`` once out of restarts, ``cancelled``
     when a cancel was asked for (its worker stopped before it saw it: killed, shut down, out of
     lease; such a job was re-queued, resumed and trained on, or failed ``too_many_restarts``).
@@ -337,7 +338,8 @@ def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool) -> boo
         return False
     job.status = JobStatus.QUEUED
     job.restarts += restart
-    s.add(JobEvent(job_id=job.id, code=code, level="warning", message=message))
+    then = f"; retrying in {retry_in:g} s" if retry_in is not None else ""  # not said of a job that ended
+    s.add(JobEvent(job_id=job.id, code=code, level="warning", message=message + then))
     return True
 
 
