@@ -245,4 +245,10 @@ def test_rerank_endpoint_orders_documents_best_first(stack):
     assert results[0]["relevance_score"] >= results[1]["relevance_score"]
     assert client.post(f"/models/{job['id']}/embed", json={"inputs": ["x"]}).status_code == 422
     too_many = {"query": "chess", "documents": ["a text"] * 65}  # max_sync_inputs: 64
-    assert_error(client.post(f"/models/{job['id']}/rerank", json=too_many), 422, "too_many_inputs", "documents", "65")
+    error = assert_error(
+        client.post(f"/models/{job['id']}/rerank", json=too_many), 422, "too_many_inputs", "documents", "65"
+    )
+    assert "/predictions" not in error["message"]  # prediction jobs take no reranking model
+    # /predict gave the raw logit, /rerank its sigmoid: one way to score a pair
+    predicted = client.post(f"/models/{job['id']}/predict", json={"inputs": [["chess", "a text"]]})
+    assert_error(predicted, 422, "unsupported_task", "job_id", "/rerank")

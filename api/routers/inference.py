@@ -43,6 +43,12 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
             f"POST /models/{job_id}/embed (tunejob predict embed)",
             "job_id",
         )
+    if job.task == "reranking":  # its raw logit here, a sigmoid from /rerank: two scores for one pair
+        raise UserError(
+            "unsupported_task",
+            f"job {job_id!r} is a reranking model: it scores a query's documents: POST /models/{job_id}/rerank",
+            "job_id",
+        )
     cached = model_cache().get(job_id, model_dir)
     texts, pairs = split_inputs(body.inputs)
     if pairs is not None and cached.loaded.task == "token_classification":
@@ -84,7 +90,7 @@ def rerank(job_id: str, body: RerankIn, caller: CallerDep) -> RerankOut:
     """Order up to ``max_sync_inputs`` documents by a succeeded ``reranking`` job's score of each
     (query, document) pair (the sigmoid of its one logit, as ``CrossEncoder(path).predict``), best
     first; ``top_n`` keeps the best few."""
-    check_count(body.documents, "documents")
+    check_count(body.documents, "documents", "send the rest in further requests: each document's score is its own")
     job, model_dir = trained_model(job_id, caller)
     job_id = job.id  # an alias's job
     if job.task != "reranking":
@@ -118,8 +124,8 @@ def embed_texts_with(ref: str, texts: list[str], normalize: bool, caller: Caller
         return embed_texts(cached.loaded, texts, normalize), cached.loaded
 
 
-def check_count(items: list, param: str) -> None:
-    """A request answers at most ``max_sync_inputs`` items at once.
+def check_count(items: list, param: str, more: str = "score more with a prediction job (POST /predictions)") -> None:
+    """A request answers at most ``max_sync_inputs`` items at once (``more``: what to do instead).
 
     Raises:
         UserError: 422 ``too_many_inputs`` naming ``param`` and the count.
@@ -128,7 +134,7 @@ def check_count(items: list, param: str) -> None:
     if len(items) > limit:
         raise UserError(
             "too_many_inputs",
-            f"{param} has {len(items)} items; at most {limit} are answered at once (TUNEJOB_MAX_SYNC_INPUTS); score more with a prediction job (POST /predictions)",
+            f"{param} has {len(items)} items; at most {limit} are answered at once (TUNEJOB_MAX_SYNC_INPUTS); {more}",
             param,
         )
 
