@@ -263,7 +263,8 @@ def install_error_handlers(app: FastAPI) -> None:
         first = next((x for x in same if not x["type"].endswith("_type")), first)
         param = ".".join(path) or None
         value = f" (got {show(first['input'])})" if "input" in first and not isinstance(first["input"], dict) else ""
-        message = f"{param}: {first['msg']}{value}" if param else first["msg"]
+        # a rule across fields (param null: the message names them) without pydantic's "Value error, "
+        message = f"{param}: {first['msg']}{value}" if param else first["msg"].removeprefix("Value error, ")
         return error_response(422, "invalid_request", message, param)
 
     @app.exception_handler(HTTPException)

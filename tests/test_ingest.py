@@ -331,7 +331,8 @@ def test_float_labels_are_refused_for_classification(stack):
 def test_label_column_must_differ_from_the_text_column(stack):
     dataset = upload(stack.client, b"text,label\na,b\nc,d\n", "same.csv")
     r = stack.client.post("/jobs", json=job_body(dataset["id"], label_column="text"))
-    assert_error(r, 422, "invalid_request", None, "label_column 'text' must differ")
+    error = assert_error(r, 422, "invalid_request", None, "label_column 'text' must differ")
+    assert not error["message"].startswith("Value error"), error  # pydantic's prefix for a check of the whole body
 
 
 def test_huge_targets_with_the_opt_out_fail_the_job_once_with_null_metrics(stack):

@@ -240,7 +240,10 @@ def similarity_score(value: Any) -> float:
     """
     y = regression_target(value)
     if not 0.0 <= y <= 1.0:
-        raise ValueError("is outside [0, 1]; scores are similarities from 0 (unrelated) to 1 (the same meaning)")
+        raise ValueError(
+            "is outside [0, 1]; an embedding pair's score is its similarity, a reranking label its "
+            "relevance, each from 0 (unrelated) to 1 (the same meaning, or relevant)"
+        )
     return y
 
 

@@ -313,7 +313,8 @@ def check_prediction(spec: PredictionCreate, caller: Caller) -> CheckedPredictio
     if spec.text_pair_column and model.task in ("token_classification", "embedding"):
         raise UserError(
             "invalid_text_pair_column",
-            f"model {spec.model!r} is a {model.task} model: it reads one text a row; leave text_pair_column out",
+            f"model {spec.model!r} is {'an' if model.task == 'embedding' else 'a'} {model.task} model: it reads one "
+            "text a row; leave text_pair_column out",
             "text_pair_column",
         )
     if model.task == "embedding" and spec.precision not in ("auto", "fp32"):
