@@ -176,7 +176,7 @@ def prediction_table(p: PredictionOut) -> Table:
             **({"queue": queue_line(p)} if p.queue else {}),
         }
     )
-    prediction_summary(table, p)
+    prediction_summary(table, p, rows=False)  # its "rows" row has them: they were shown twice
     return table
 
 
@@ -288,7 +288,8 @@ def final_summary(table: Table, job: JobOut) -> None:
     train = job.train_metrics or {}
     for name in ("loss", "tokens_per_second", "padding_efficiency", "train_seconds", "skipped_steps"):
         if train.get(name) is not None:
-            table.add_row(f"train {name.removeprefix('train_')}", metric_text(train[name]))
+            value = f"{train[name]:,.1f}" if name.endswith("seconds") else metric_text(train[name])  # not 20.5952
+            table.add_row(f"train {name.removeprefix('train_')}", value)
     timings = getattr(job, "timings", None)  # servers with phase timings
     if isinstance(timings, BaseModel):
         timings = timings.model_dump()
@@ -298,11 +299,11 @@ def final_summary(table: Table, job: JobOut) -> None:
         table.add_row("[red]error[/]", escape(f"{job.error.get('code')}: {job.error.get('message')}"))
 
 
-def prediction_summary(table: Table, p: PredictionOut) -> None:
-    """Add a prediction job's outcome to a two-column table: rows, truncation, throughput, where
-    to download the results, the error if any."""
+def prediction_summary(table: Table, p: PredictionOut, rows: bool = True) -> None:
+    """Add a prediction job's outcome to a two-column table: rows (unless the table has them
+    already: ``rows`` False), truncation, throughput, where to download the results, the error if any."""
     for name, value in (p.result.model_dump() if p.result else {}).items():
-        if value is not None:
+        if value is not None and (rows or name != "rows"):
             table.add_row(name.replace("_", " "), metric_text(value))
     if p.results_url:
         table.add_row("results", f"tunejob predict download {p.id} --format jsonl|csv|parquet")

@@ -854,6 +854,7 @@ def test_datasets_and_a_job_read_whole_in_80_columns():
     shown = console.export_text()
     assert "max_length=128" in shown and "save_every_steps=20" in shown, shown
     assert "train seconds" in shown and "train_seconds" not in shown and "2,058" in shown
+    assert "99.6" in shown and "99.6268" not in shown and "epochs=1," in shown, shown  # as a user reads them
 
     from client.cli import list_jobs
 
@@ -954,6 +955,8 @@ def test_get_says_when_a_job_s_files_were_deleted():
         console.print(table(example), table(example.model_copy(update=deleted)))
         shown = console.export_text()
         assert shown.count(" files ") == 1 and "deleted 2026-11-30" in shown, shown
+        rows = [line for line in shown.splitlines() if line.split()[:1] == ["rows"] and "per second" not in line]
+        assert len(rows) == (2 if schema is PredictionOut else 0), shown  # once a table, not twice
 
 
 def test_a_running_job_before_its_first_step_says_what_it_is_doing():
