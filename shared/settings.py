@@ -57,7 +57,7 @@ class Settings(BaseSettings):
     max_job_seconds: int = 7 * 24 * 3600  # time limit of one training attempt
     predict_part_rows: int = 4096  # rows per results part of a prediction job (each written once, atomically)
     # rows a dry run tokenizes (in the API): a larger file is planned from a random sample, its counts scaled
-    dry_run_rows: int = Field(default=100_000, ge=1000)
+    dry_run_rows: int = Field(default=20_000, ge=1000)
     visibility_timeout: int | None = None  # Redis: redeliver unacked messages after this; default max_job_seconds + 1h
     lease_seconds: int = 120  # a running job's lease; renewed by the worker's heartbeat
     max_restarts: int = 3  # times a job is resumed after its worker died or failed unexpectedly
