@@ -15,7 +15,19 @@ from importlib.metadata import version
 
 from client import cli as client_cli
 
-WORKER_ARGS = ["worker", "--pool=solo", "--concurrency=1", "--loglevel=INFO", "-Q", "tunejob"]
+# No gossip or mingle (Celery's worker-to-worker events and start-up sync, for remote control and
+# revokes, which tunejob never uses: a cancel is a flag on the job row): a solo pool busy training
+# answers no gossip, and its peers logged "Substantial drift ... clocks are out of sync" of it.
+WORKER_ARGS = [
+    "worker",
+    "--pool=solo",
+    "--concurrency=1",
+    "--loglevel=INFO",
+    "-Q",
+    "tunejob",
+    "--without-gossip",
+    "--without-mingle",
+]
 # `serve` runs its worker at a lower CPU priority: on a shared CPU the API's requests (milliseconds
 # each) come first, and training takes every cycle they leave.
 SERVE_WORKER_NICENESS = 10
