@@ -56,6 +56,14 @@ ERROR_STATUSES = {
 STORE_RETRY_AFTER_S = 1
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # no space left, disk quota exceeded
 DISK_FULL_SQLITE = "database or disk is full"  # SQLite's SQLITE_FULL
+DISK_FULL_SQLSTATE = "53100"  # PostgreSQL's disk_full (psycopg.errors.DiskFull)
+
+
+def disk_full(e: Exception) -> bool:
+    """Whether the job store refused a write for want of disk space (SQLite's or PostgreSQL's)."""
+    return DISK_FULL_SQLITE in str(e) or getattr(getattr(e, "orig", None), "sqlstate", None) == DISK_FULL_SQLSTATE
+
+
 SERVER_LOGGER = "uvicorn.error"  # where uvicorn logs an exception that escapes the app
 
 
@@ -190,7 +198,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OperationalError)  # SQLite: the write lock was not free within the busy timeout
     @app.exception_handler(PoolTimeout)  # no pooled connection became free in time
     async def _store_busy(request: Request, e: Exception):
-        if DISK_FULL_SQLITE in str(e):  # not busy: retrying will not clear it
+        if disk_full(e):  # not busy: retrying will not clear it
             return await _disk_full(request, e)
         log.warning("job store busy or unreachable: %s", e)
         return error_response(

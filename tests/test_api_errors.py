@@ -767,6 +767,7 @@ def test_a_full_disk_answers_507_and_stores_nothing(stack, train_ds, monkeypatch
     import errno
     import sqlite3
 
+    import psycopg
     from sqlalchemy.exc import OperationalError
 
     from api import uploads
@@ -784,10 +785,15 @@ def test_a_full_disk_answers_507_and_stores_nothing(stack, train_ds, monkeypatch
     before.assert_unchanged()
     monkeypatch.undo()
 
-    def full(*args, **kwargs):
-        raise OperationalError("INSERT", {}, sqlite3.OperationalError("database or disk is full"))
+    for refusal in (
+        sqlite3.OperationalError("database or disk is full"),
+        psycopg.errors.DiskFull('could not extend file "base/16384/16385": No space left on device'),
+    ):
 
-    monkeypatch.setattr(lifecycle, "insert_queued", full)
-    r = stack.client.post("/jobs", json=job_body(train_ds["id"]))
-    assert_error(r, 507, "insufficient_storage", None, "disk is full")
-    before.assert_unchanged()
+        def full(*args, refusal=refusal, **kwargs):
+            raise OperationalError("INSERT", {}, refusal)
+
+        monkeypatch.setattr(lifecycle, "insert_queued", full)
+        r = stack.client.post("/jobs", json=job_body(train_ds["id"]))
+        assert_error(r, 507, "insufficient_storage", None, "disk is full")
+        before.assert_unchanged()

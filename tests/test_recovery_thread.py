@@ -72,13 +72,14 @@ def test_a_job_cancelled_while_its_worker_was_dead_ends_cancelled_not_requeued(t
     from shared.store.engine import session_scope
     from shared.store.rows import Job, JobEvent, JobStatus
 
-    job = dead_workers_job(tmp_path, models_dir, cancel_requested=True)
+    job = dead_workers_job(tmp_path, models_dir, cancel_requested=True, eta_seconds=12.5)
     assert lifecycle.recover() == []
     with session_scope() as s:
         ended = s.get(Job, job.id)
         assert (ended.status, ended.restarts, ended.finished_at is not None) == (JobStatus.CANCELLED, 0, True)
-        codes = [e.code for e in s.query(JobEvent).filter_by(job_id=job.id)]
-    assert codes == ["cancelled"], codes
+        said = [(e.code, e.message) for e in s.query(JobEvent).filter_by(job_id=job.id)]
+        assert ended.eta_seconds is None
+    assert [code for code, _ in said] == ["cancelled"] and "resum" not in said[0][1], said
 
 
 def dead_workers_job(tmp_path, models_dir, **fields):

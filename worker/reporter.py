@@ -64,19 +64,25 @@ class Reporter:
         self.lease_lost = False
         self._cancelled, self._next_cancel_check = False, time.monotonic()
         self._store_down_since: float | None = None  # time.monotonic() of the first failure of an outage
-        self._events: list[tuple[str, str, str, datetime]] = []  # not written yet: (code, message, level, time)
+        self._events: list[tuple[str, str, str]] = []  # not written yet: (code, message, level)
 
     def event(self, code: str, message: str, level: str = "info") -> None:
-        """Record an event now, or, while the store does not answer, at the next write (with the
-        time it happened)."""
-        self._events.append((code, message, level, utcnow()))
+        """Record an event now, or, while the store does not answer, at the next write (its time is
+        then the write's: listings ordered by time and by id agree)."""
+        self._events.append((code, message, level))
         if self._store_down_since is None:
             self._unless_store_down(self._write_events)
 
     def _write_events(self) -> None:
         while self._events:
-            lifecycle.add_event(self.job_id, *self._events[0][:3], at=self._events[0][3])
+            lifecycle.add_event(self.job_id, *self._events[0])
             del self._events[0]
+
+    def write_pending(self) -> None:
+        """Write the events an outage held back, if the store answers now: the attempt is ending
+        without a flush (a failure), and its cause may be among them."""
+        if self._events:
+            self._unless_store_down(self._write_events)
 
     def log(self, step: int, epoch: float, values: dict[str, float]) -> None:
         now = utcnow()
@@ -160,6 +166,9 @@ class Reporter:
             self.flush()  # the steps up to the checkpoint are never trained again: write their metrics first
             old.extend(lifecycle.record_checkpoint(self.job_id, step, str(path), metrics, keep, size))
 
+        # An OperationalError at COMMIT may come after the row went in (a dropped connection): its
+        # files are deleted all the same, and resuming skips a checkpoint whose files are gone
+        # (lifecycle.latest_checkpoint)
         if self._unless_store_down(record):
             return old
         log.warning("the checkpoint at step %d is not recorded: the job store does not answer", step)

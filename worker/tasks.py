@@ -193,8 +193,9 @@ def record_outcome(job, worker_id: str, outcome: str) -> None:
         job_id,
         worker_id,
         "requeued",
-        f"worker shut down (SIGTERM); resumes from {lifecycle.RESUMES_FROM[job.kind]}",
+        "worker shut down (SIGTERM)",
         restart=False,
+        then=f"; resumes from {lifecycle.RESUMES_FROM[job.kind]}",
     ):
         send(job_id)
     if job.sweep_id is not None:  # the trials its end asked for (shared.jobs.sweeps)
@@ -221,8 +222,10 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
             reporter.event("device", note, level="warning")
         return recipe(job.kind)(job, device, reporter)
     except Interrupted as e:  # cancelled (or the worker stopping) while it tokenized: nothing trained yet
+        reporter.write_pending()
         return e.reason
     except UserError as e:  # deterministic: the same input fails the same way, so no retry
+        reporter.write_pending()
         lifecycle.finish(
             job.id,
             worker_id,
@@ -232,6 +235,7 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
         return JobStatus.FAILED
     except Exception as e:
         log.exception("job %s failed unexpectedly", job.id)
+        reporter.write_pending()
         # obstore's message is a page of Rust debug output naming the bucket's internal address:
         # for the operator's log, not for the tenant's event
         message = STORAGE_FAILED if isinstance(e, ObjectStoreError) else f"{type(e).__name__}: {e}"
@@ -242,7 +246,7 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
             "job_restarted",
             f"unexpected error: {message}",
             restart=True,
-            retry_in=countdown,
+            then=f"; retrying in {countdown:g} s",
         ):
             send(job.id, countdown=countdown)
         return "error"

@@ -205,10 +205,9 @@ def cancel_requested(job_id: str) -> bool:
         return bool(s.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
 
 
-def add_event(job_id: str, code: str, message: str, level: str = "info", at: datetime | None = None) -> None:
-    """Record an event of the job, ``at`` the time it happened (default now)."""
+def add_event(job_id: str, code: str, message: str, level: str = "info") -> None:
     with session_scope() as s:
-        s.add(JobEvent(job_id=job_id, code=code, message=without_paths(message), level=level, time=at or utcnow()))
+        s.add(JobEvent(job_id=job_id, code=code, message=without_paths(message), level=level))
 
 
 def mark_enqueued(job_id: str) -> None:
@@ -299,9 +298,9 @@ def discard_metrics_after(job_id: str, step: int) -> None:
         s.execute(delete(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step > step))
 
 
-def requeue(job_id: str, worker_id: str, code: str, message: str, restart: bool, retry_in: float | None = None) -> bool:
-    """Give a running job back to the queue (the caller then enqueues it, ``retry_in`` seconds
-    later: the event says so).
+def requeue(job_id: str, worker_id: str, code: str, message: str, restart: bool, then: str = "") -> bool:
+    """Give a running job back to the queue (the caller then enqueues it), ``message`` saying why
+    and ``then`` what comes next ("; retrying in 30 s"), said only if it is re-queued.
 
     ``restart`` counts it against ``max_restarts`` (the worker failed), as opposed to a deploy's
     SIGTERM. A job out of restarts ends ``failed`` instead. Returns True if it was re-queued.
@@ -311,10 +310,10 @@ def requeue(job_id: str, worker_id: str, code: str, message: str, restart: bool,
         job = s.get(Job, job_id)
         if job is None or job.status != JobStatus.RUNNING or job.lease_owner != worker_id:
             return False
-        return _requeue_or_fail(s, job, code, message, restart, retry_in)
+        return _requeue_or_fail(s, job, code, message, restart, then)
 
 
-def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool, retry_in: float | None = None) -> bool:
+def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool, then: str = "") -> bool:
     """Re-queue ``job`` (its row locked), or end it: ``failed`` once out of restarts, ``cancelled``
     when a cancel was asked for (its worker stopped before it saw it: killed, shut down, out of
     lease; such a job was re-queued, resumed and trained on, or failed ``too_many_restarts``).
@@ -322,6 +321,7 @@ def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool, retry_
     message = without_paths(message)  # often a library's exception: no server path in any response
     job.lease_owner, job.lease_expires_at, job.enqueued_at = None, None, None
     if job.cancel_requested:
+        job.eta_seconds = None
         end_job(s, job, JobStatus.CANCELLED, utcnow())
         s.add(
             JobEvent(
@@ -338,8 +338,7 @@ def _requeue_or_fail(s, job: Job, code: str, message: str, restart: bool, retry_
         return False
     job.status = JobStatus.QUEUED
     job.restarts += restart
-    then = f"; retrying in {retry_in:g} s" if retry_in is not None else ""  # not said of a job that ended
-    s.add(JobEvent(job_id=job.id, code=code, level="warning", message=message + then))
+    s.add(JobEvent(job_id=job.id, code=code, level="warning", message=message + then))  # then: not said of an end
     return True
 
 
@@ -364,9 +363,9 @@ def recover() -> list[str]:
                 s,
                 job,
                 "job_restarted",
-                f"lease of worker {job.lease_owner} expired at {job.lease_expires_at:%H:%M:%S}; "
-                f"resuming from {RESUMES_FROM[job.kind]}",
+                f"lease of worker {job.lease_owner} expired at {job.lease_expires_at:%H:%M:%S}",
                 restart=True,
+                then=f"; resuming from {RESUMES_FROM[job.kind]}",
             )
         ]
         grace = now - timedelta(seconds=settings.recovery_seconds)

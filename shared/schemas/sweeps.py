@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import JsonDict
 
 from shared.schemas.hyperparameters import integral_floats
-from shared.schemas.jobs import JOB_CREATE_EXAMPLE, JobCreate
+from shared.schemas.jobs import JOB_CREATE_EXAMPLE, JobCreate, model_name
 
 # A search space as the API answers it (every field of a Distribution): the examples of SweepOut and SweepPlan
 SEARCH_SPACE_EXAMPLE: JsonDict = {
@@ -186,8 +186,19 @@ class SweepCreate(JobCreate):
         (``tune_threshold``) unless the spec sets ``tune_threshold`` or ``decision_threshold``: at the
         fixed 0.5, short trials that leave no label's score at 0.5 all score F1 0 and the sweep
         cannot tell them apart (seen on IMDb genres: every trial of a 3-trial sweep at micro-F1 0)."""
-        if self.task == "multi_label" and not {"tune_threshold", "decision_threshold"} & self.model_fields_set:
-            self.tune_threshold = True
+        unset = not {"tune_threshold", "decision_threshold"} & self.model_fields_set
+        if self.task == "multi_label" and unset and (self.validation_dataset or self.validation_split):
+            self.tune_threshold = True  # validation_split 0: no validation set to tune it on
+        return self
+
+    @model_validator(mode="after")
+    def _model_names(self) -> "SweepCreate":
+        """A searched ``base_model``'s choices by tunejob's names (``model_name``), as a job's
+        ``base_model`` is: a trial of a Hugging Face id stored the id, and a warm start naming the
+        model by its name dropped that history."""
+        searched = self.search_space.get("base_model")
+        if searched is not None and searched.choices:
+            searched.choices = list(dict.fromkeys(model_name(c) if isinstance(c, str) else c for c in searched.choices))
         return self
 
     @property
