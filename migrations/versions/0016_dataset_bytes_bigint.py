@@ -1,6 +1,7 @@
 """``datasets.bytes`` as a 64-bit integer: a 4-byte one (PostgreSQL's ``integer``) holds at most
 2 GiB - 1, below the default largest upload (``TUNEJOB_MAX_UPLOAD_BYTES``, 2 GiB). SQLite's
-integers are 64-bit either way.
+integers are 64-bit either way. A downgrade fails on PostgreSQL once a dataset of 2 GiB or more
+is recorded (its size no longer fits).
 
 Revision ID: 0016
 Revises: 0015
