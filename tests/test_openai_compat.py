@@ -176,9 +176,15 @@ def test_fine_tune_retrieve_events_checkpoints(service):
 def test_list_pages_and_cancel(service):
     client = service.client
     train = service.upload(labelled_jsonl(40, seed=3))
-    quick = client.fine_tuning.jobs.create(
-        model=TINY_MODEL, training_file=train.id, hyperparameters={"n_epochs": 1, "batch_size": 8, "max_length": 32}
-    )
+    quick_body = {
+        "model": TINY_MODEL,
+        "training_file": train.id,
+        "hyperparameters": {"n_epochs": 1, "batch_size": 8, "max_length": 32},
+    }
+    quick = client.fine_tuning.jobs.create(**quick_body, extra_headers={"Idempotency-Key": "quick-1"})
+    # the SDK retries a create that timed out: with the same key it gets the same job, not a second
+    again = client.fine_tuning.jobs.create(**quick_body, extra_headers={"Idempotency-Key": "quick-1"})
+    assert (again.id, again.object) == (quick.id, "fine_tuning.job")
     validation = service.upload(labelled_jsonl(12, seed=5), "validation.jsonl")
     slow = client.fine_tuning.jobs.create(
         model=TINY_MODEL,

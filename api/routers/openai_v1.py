@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 
 from api.auth import CallerDep
+from api.headers import IdempotencyKey
 from api.openai_compat import (
     FileDeleted,
     FileList,
@@ -40,7 +41,7 @@ from api.uploads import store_upload, upload_body
 from shared.errors import UserError
 from shared.jobs import lifecycle, uploads
 from shared.jobs.base_models import available_models
-from shared.queue import submit
+from shared.queue import submit_once
 from shared.store.idempotency import Replay
 
 router = APIRouter(prefix="/v1", tags=["openai-compatible"], route_class=OpenAIRoute)
@@ -118,17 +119,22 @@ def create_embeddings(body: EmbeddingCreate, caller: CallerDep) -> EmbeddingList
 
 
 @router.post("/fine_tuning/jobs", responses=error_responses(400))
-def create_fine_tuning_job(body: FineTuningJobCreate, caller: CallerDep) -> FineTuningJob:
+def create_fine_tuning_job(
+    body: FineTuningJobCreate, caller: CallerDep, idempotency_key: IdempotencyKey = None
+) -> FineTuningJob:
     """Check the job against its model and files exactly as ``POST /jobs`` does, store it and
     queue it. ``hyperparameters``: ``n_epochs``, ``batch_size``, ``learning_rate_multiplier``
-    ("auto" = tunejob's default) and any of tunejob's own (``max_length``, ...)."""
+    ("auto" = tunejob's default) and any of tunejob's own (``max_length``, ...). With an
+    ``Idempotency-Key``, a retry with the same key and body (within 24 h) gets the same job back
+    and queues nothing (the ``openai`` SDK retries a create that timed out: it made a second job)."""
     spec, names = job_spec(body, caller)
     try:
-        job = submit(spec, caller)
+        answer = submit_once("POST /v1/fine_tuning/jobs", spec, caller, idempotency_key, lifecycle.to_out)
     except UserError as e:
         e.param = names(e.param)
         raise
-    return fine_tuning_job(job)
+    job_id = answer.body["id"] if isinstance(answer, Replay) else answer.id  # type: ignore[attr-defined]
+    return fine_tuning_job(lifecycle.get_job(job_id, caller))
 
 
 @router.get("/fine_tuning/jobs", responses=error_responses(400))
