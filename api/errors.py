@@ -265,10 +265,12 @@ def install_error_handlers(app: FastAPI) -> None:
         first = e.errors()[0]
         # a union's members each report an error on the same field: a wrong type from the members
         # the value is not, and the one it is says what is wrong with it ([] for ``str | list[str]``
-        # with at least one item: "at least 1 item", not "a valid string")
+        # with at least one item: "at least 1 item", not "a valid string"); a literal's member least
+        # of all (n_epochs -1 of ``"auto" | float > 0`` read "Input should be 'auto'")
         path = field_path(first, e.body)
         same = [x for x in e.errors() if field_path(x, e.body) == path]
-        first = next((x for x in same if not x["type"].endswith("_type")), first)
+        said = [x for x in same if not x["type"].endswith("_type")]
+        first = next((x for x in said if x["type"] != "literal_error"), next(iter(said), first))
         param = ".".join(path) or None
         value = f" (got {show(first['input'])})" if "input" in first and not isinstance(first["input"], dict) else ""
         # a rule across fields (param null: the message names them) without pydantic's "Value error, "

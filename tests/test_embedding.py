@@ -509,6 +509,10 @@ def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, api_job):
     assert cosine.min() >= 0.9999
     too_many = client.post(f"/models/{job['id']}/embed", json={"inputs": ["x"] * 65})  # max_sync_inputs: 64
     assert_error(too_many, 422, "too_many_inputs", "inputs", "65")
+    assert client.put("/models/aliases/search-prod", json={"job_id": job["id"]}).status_code == 200
+    by_alias = client.post("/models/search-prod/embed", json={"inputs": texts}).json()
+    assert by_alias["model"] == job["id"] and by_alias["embeddings"] == r.json()["embeddings"]  # the job, as /predict
+    assert client.delete("/models/aliases/search-prod").status_code == 204
 
     key = client.headers["Authorization"].removeprefix("Bearer ")
     sdk = OpenAI(base_url="http://localhost/v1", api_key=key, http_client=client, max_retries=0)

@@ -247,7 +247,7 @@ def test_errors_are_sdk_errors(service):
     e = refused(method={"type": "dpo", "dpo": {}})
     assert (e.code, e.param) == ("unsupported_method", "method.type")
     e = refused(hyperparameters={"n_epochs": 0})
-    assert e.param == "hyperparameters.n_epochs"
+    assert e.param == "hyperparameters.n_epochs" and "greater than 0" in e.message, e.message  # not "should be 'auto'"
     e = refused(method={"type": "supervised", "supervised": {"hyperparameters": {"max_length": 1024}}})
     assert (e.code, e.param) == ("max_length_too_long", "method.supervised.hyperparameters.max_length")
     e = refused(hyperparameters={"n_epochs": 1, "epochs": 2})

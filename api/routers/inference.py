@@ -73,7 +73,9 @@ def predict(job_id: str, body: PredictIn, caller: CallerDep) -> PredictOut:
 def embed(job_id: str, body: EmbedIn, caller: CallerDep) -> EmbedOut:
     """Embed up to ``max_sync_inputs`` (default 64) texts with the model of a succeeded ``embedding``
     job (or a base model, by name), in input order: the vectors ``SentenceTransformer(path).encode``
-    gives for the job's artifact. Texts longer than the job's ``max_length`` are truncated and counted."""
+    gives for the job's artifact. Texts longer than the job's ``max_length`` are truncated and counted.
+    ``model`` in the answer is the job an alias named, as ``/predict``'s (the alias may move)."""
+    job_id = aliases.resolve(job_id, caller)
     result, loaded = embed_texts_with(job_id, body.inputs, body.normalize, caller, "inputs")
     return EmbedOut(
         model=job_id,

@@ -29,7 +29,7 @@ def job_evaluation(job_id: str, caller: Caller) -> dict:
     if job.task in ("embedding", "reranking"):
         raise UserError(
             "no_evaluation",
-            f"job {job_id!r} is a {job.task} job: it has no evaluation report; its retrieval figures are "
+            f"job {job_id!r} is {'an' if job.task == 'embedding' else 'a'} {job.task} job: it has no evaluation report; its retrieval figures are "
             "its validation_metrics (and eval_* metric series)",
             "job_id",
             404,
