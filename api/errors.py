@@ -126,6 +126,12 @@ def error_responses(*statuses: int) -> dict[int | str, dict]:
     return {status: {"model": ErrorBody, "description": ERROR_STATUSES[status]} for status in statuses}
 
 
+def openai_type(path: str) -> str | None:
+    """OpenAI's error ``type`` for an error outside a ``/v1`` route's own handling (no such route
+    or method, a refused Host or Origin): the facade's errors all carry one (``api.openai_compat``)."""
+    return "invalid_request_error" if path.startswith("/v1/") else None
+
+
 def error_response(
     status: int,
     code: str,
@@ -283,7 +289,9 @@ def install_error_handlers(app: FastAPI) -> None:
             e.status_code, "http_error"
         )  # 413: api.body_limit's (tunejob's other 413s are UserErrors)
         headers = {"Allow": ", ".join(allowed_methods(request))} if e.status_code == 405 else e.headers
-        return error_response(e.status_code, code, str(e.detail), headers=headers)
+        return error_response(
+            e.status_code, code, str(e.detail), headers=headers, error_type=openai_type(request.url.path)
+        )
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):

@@ -18,7 +18,7 @@ from starlette.datastructures import Headers
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.errors import error_response
+from api.errors import error_response, openai_type
 from shared.settings import get_settings
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
@@ -58,6 +58,7 @@ class HostAndOriginCheck(TrustedHostMiddleware):
                 f"Host {host!r} is not served here; the allowed hosts are "
                 f"{self.allowed_hosts} (add names with TUNEJOB_ALLOWED_HOSTS)",
                 "Host",
+                error_type=openai_type(scope.get("path", "")),
             )
         elif (
             origin is not None
@@ -70,6 +71,7 @@ class HostAndOriginCheck(TrustedHostMiddleware):
                 f"requests from the web page at {origin!r} are "
                 "refused (cross-site); call the API from a script, or from an allowed host",
                 "Origin",
+                error_type=openai_type(scope.get("path", "")),
             )
         else:
             await self.app(scope, receive, send)

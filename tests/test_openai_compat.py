@@ -259,6 +259,14 @@ def test_errors_are_sdk_errors(service):
     with pytest.raises(openai.NotFoundError) as not_found:
         client.fine_tuning.jobs.retrieve("job_0000000000000000")
     assert not_found.value.code == "not_found"
+    # every /v1 error carries OpenAI's type: no such route, no such method, a foreign Origin too
+    for method, path, headers, status in (
+        ("GET", "/v1/no-such-thing", {}, 404),
+        ("DELETE", "/v1/fine_tuning/jobs/job_0000000000000000", {}, 405),
+        ("POST", "/v1/embeddings", {"Origin": "http://evil.example"}, 403),
+    ):
+        r = service.native.request(method, path, headers=headers, json={})
+        assert r.status_code == status and r.json()["error"]["type"] == "invalid_request_error", (path, r.text)
     stored = service.native.get("/jobs", params={"limit": 100}).json()["data"]
     assert all(j["training_dataset"] != train.id for j in stored)  # nothing refused was stored
 
