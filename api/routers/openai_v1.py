@@ -138,9 +138,18 @@ def create_fine_tuning_job(
 
 
 @router.get("/fine_tuning/jobs", responses=error_responses(400))
-def list_fine_tuning_jobs(caller: CallerDep, after: str | None = None, limit: Limit = 20) -> FineTuningJobList:
-    """Jobs, newest first, ``limit`` at a time after job ``after``."""
-    page, has_more = lifecycle.list_jobs(caller, limit, after)
+def list_fine_tuning_jobs(
+    request: Request, caller: CallerDep, after: str | None = None, limit: Limit = 20
+) -> FineTuningJobList:
+    """Jobs, newest first, ``limit`` at a time after job ``after``; with ``metadata[key]=value``
+    query parameters (OpenAI's filter, which the ``openai`` SDK sends for ``metadata={...}``), only
+    those whose metadata holds each (it was ignored: every job came back)."""
+    metadata = {
+        key[len("metadata[") : -1]: value
+        for key, value in request.query_params.items()
+        if key.startswith("metadata[") and key.endswith("]")
+    }
+    page, has_more = lifecycle.list_jobs(caller, limit, after, metadata=metadata)
     return FineTuningJobList(data=[fine_tuning_job(j) for j in page], has_more=has_more)
 
 

@@ -160,9 +160,11 @@ def list_jobs(
     kind: str = "train",
     task: str | None = None,
     sweep: str | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> tuple[list[Job], bool]:
     """The caller's jobs of ``kind`` (an admin's: all), newest first, ``limit`` at a time after job
-    ``after``, optionally of one ``status``, one ``task`` and one ``sweep`` (its trials).
+    ``after``, optionally of one ``status``, one ``task``, one ``sweep`` (its trials) and with each
+    key of ``metadata`` at its value (OpenAI's ``metadata[key]=value`` filter).
 
     Returns:
         (jobs, has_more).
@@ -175,6 +177,8 @@ def list_jobs(
         query = mine.where(Job.status == status) if status else mine
         query = query.where(Job.task == task) if task else query
         query = query.where(Job.sweep_id == sweep) if sweep else query
+        for key, value in (metadata or {}).items():
+            query = query.where(Job.spec[("metadata", key)].as_string() == value)
         return keyset_page(s, query, Job, after, limit, param=param, within=mine)
 
 
