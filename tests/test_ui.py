@@ -208,6 +208,7 @@ def test_pages_show_the_tenants_data(stack, job):
     assert compare.status_code == 200
     assert re.search(r'<tr class="differs"><th scope="row">hp.learning_rate', compare.text)
     assert not re.search(r'<tr class="differs"><th scope="row">hp.batch_size', compare.text)
+    assert 'scope="row">ran_s' in compare.text and "duration_s" not in compare.text  # not the wait in the queue
     assert client.get(f"/ui/compare?jobs={job['id']}").status_code == 400
     wait_for_status(stack.client, other["id"], {"succeeded"})
 

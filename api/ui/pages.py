@@ -290,7 +290,9 @@ def _compare_rows(compared: list) -> list[tuple[str, list, bool]]:
             **{f"hp.{k}": v for k, v in job.hyperparameters.model_dump().items()},
         }
         spec.update({f"val.{k}": v for k, v in (job.validation_metrics or {}).items()})
-        spec["duration_s"] = job.timings.total
+        # as the jobs list says how long a job ran (its start to its end); the wait in the queue apart
+        ran = (job.finished_at - job.started_at).total_seconds() if job.finished_at and job.started_at else None
+        spec["ran_s"], spec["queued_s"] = round(ran, 1) if ran is not None else None, job.timings.queued
         return spec
 
     flats = [flat(j) for j in compared]

@@ -48,7 +48,7 @@ const INTEGER_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 100
 // A live line chart: series by name, points (step, value) added at any time, redrawn once per frame.
 class LiveChart {
   constructor(el, {points = false, marks = null, scatter = false, xLabel = "step", integerX = false, logX = false, colors = {},
-                   lastStep = null, xTicks = null} = {}) {
+                   lastStep = null, xTicks = null, order = []} = {}) {
     this.el = el;
     this.lastStep = lastStep;  // () => a job's total steps (or null): the x axis runs from 0 to it, on every chart of the job
     this.logX = logX;          // a log-scale x axis (a learning rate sampled on a log scale)
@@ -56,6 +56,7 @@ class LiveChart {
     this.xTicks = xTicks;      // [x, ...] ascending: the x ticks exactly, the axis spanning them all (a batch size's choices)
     if (xTicks) el.dataset.xTicks = xTicks.join(",");
     this.colors = colors;      // series name -> its colour, its points filled (told apart by shape too); the others take PALETTE's in turn
+    this.order = order;        // series names whose PALETTE colour is their place here, in every chart of a page (compare's jobs)
     this.scatter = scatter;    // points only, no lines (a sweep's trials)
     this.xLabel = xLabel;
     this.integerX = integerX;  // x ticks at whole numbers only
@@ -117,7 +118,8 @@ class LiveChart {
              {stroke: c.text, grid: {stroke: c.grid}, size: 64, values: tickLabels}],
       series: [{label: this.xLabel}, ...this.names.map(n => {
         const fill = n in this.colors ? {fill: this.colors[n]} : {};  // its points and legend marker
-        return {label: n, stroke: this.colors[n] || PALETTE[free.indexOf(n) % PALETTE.length], width: 1.5, spanGaps: true, ...fill,
+        const slot = this.order.includes(n) ? this.order.indexOf(n) : this.order.length + free.indexOf(n);
+        return {label: n, stroke: this.colors[n] || PALETTE[slot % PALETTE.length], width: 1.5, spanGaps: true, ...fill,
                 points: {show: this.points || this.scatter, size: 7, ...fill}, ...(this.scatter ? {paths: () => null} : {})};
       })],
       hooks: {setScale: [(u, key) => { if (key === "x") this.el.dataset.xMax = String(u.scales.x.max); }],
@@ -418,7 +420,8 @@ pages.compare = () => {
       el.dataset.metric = name;
       figure.append(caption, el);
       box.append(figure);
-      charts.set(name, new LiveChart(el, {points: name.startsWith("eval_")}));
+      // one colour per job in every chart (a chart's series took the palette in their own order)
+      charts.set(name, new LiveChart(el, {points: name.startsWith("eval_"), order: jobs}));
     }
     return charts.get(name);
   };
