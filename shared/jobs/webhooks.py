@@ -155,8 +155,8 @@ def create_webhook(caller: Caller, url: str, events: list[str], description: str
         UserError: see ``resolve``; 409 ``too_many_webhooks`` at ``max_webhooks_per_tenant`` endpoints;
             503 ``secret_key_missing`` (``shared.store.sealed.fernet``).
     """
-    resolve(url)  # the request's own fault first: a private URL was a 500 on a full disk (no key file made)
     fernet()  # the key its secret is stored encrypted with
+    resolve(url)
     with session_scope() as s:
         lock_tenant(s, caller.tenant)  # two creations at once count each other
         limit = get_settings().max_webhooks_per_tenant
