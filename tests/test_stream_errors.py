@@ -121,7 +121,7 @@ def api(tmp_path, monkeypatch) -> Iterator[Served]:
 @pytest.fixture
 def files(tmp_path, monkeypatch):
     """Set the fault (``files("storage")``) of the job's model, its checkpoint and the prediction's results."""
-    from shared.jobs import lifecycle
+    from shared.jobs import models
 
     config = tmp_path / "config.json"
     config.write_text('{"model_type": "bert"}')
@@ -129,11 +129,9 @@ def files(tmp_path, monkeypatch):
     def model(fault: str) -> None:
         remote = weights(fault)
         monkeypatch.setattr(
-            lifecycle, "model_files", lambda *_, **__: {"config.json": config, "model.safetensors": remote}
+            models, "model_files", lambda *_, **__: {"config.json": config, "model.safetensors": remote}
         )
-        monkeypatch.setattr(
-            lifecycle, "get_checkpoint", lambda *_: {"config.json": config, "model.safetensors": remote}
-        )
+        monkeypatch.setattr(models, "get_checkpoint", lambda *_: {"config.json": config, "model.safetensors": remote})
 
         def results(*_) -> Iterator[bytes]:
             yield b'{"id": "0", "label": "sports"}\n'
@@ -223,12 +221,12 @@ def test_an_unexpected_error_mid_stream_logs_its_traceback_once(api, files, capl
 def test_an_unhandled_error_before_the_response_is_one_500_and_one_traceback(api, monkeypatch, caplog):
     """Starlette raises the exception again after the handler's 500 has been sent, and uvicorn
     logged it a second time ("Exception in ASGI application"): every 500 was two tracebacks."""
-    from shared.jobs import lifecycle
+    from shared.jobs import models
 
     def broken(*_, **__):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(lifecycle, "model_files", broken)
+    monkeypatch.setattr(models, "model_files", broken)
     with httpx.Client(base_url=api.url, headers=auth_header("tenant-a"), timeout=30) as client:
         r = client.get(f"/jobs/{JOB}/artifacts/model.tar")
     api.settled()

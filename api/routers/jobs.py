@@ -9,7 +9,7 @@ from api.auth import CallerDep
 from api.errors import SafeJSONResponse, error_responses, stream_body
 from api.headers import IdempotencyKey, respond
 from shared.errors import NotFound
-from shared.jobs import lifecycle
+from shared.jobs import lifecycle, models
 from shared.jobs.evaluation import job_evaluation
 from shared.jobs.planning import check_spec, plan_job
 from shared.jobs.positions import with_positions
@@ -133,7 +133,7 @@ def download_checkpoint(
     """A checkpoint's model (weights, config, tokenizer; not the optimizer state) as an uncompressed
     tar, e.g. of a running job. Checkpoints beyond ``save_total_limit`` are rotated away, and a
     succeeded job's are deleted (its model is in the artifacts)."""
-    files = {n: f for n, f in lifecycle.get_checkpoint(job_id, step, caller).items() if n != artifacts.TRAINING_STATE}
+    files = {n: f for n, f in models.get_checkpoint(job_id, step, caller).items() if n != artifacts.TRAINING_STATE}
     return _tar_response(artifacts.TarStream(files), f"{job_id}-step-{step}.tar", f"job {job_id} checkpoint {step}")
 
 
@@ -144,7 +144,7 @@ def list_artifacts(job_id: str, caller: CallerDep) -> dict[str, list[ArtifactOut
     return {
         "data": [
             ArtifactOut(name=name, bytes=size, url=f"/jobs/{job_id}/artifacts/{name}")
-            for name, size in artifacts.listing(lifecycle.model_files(job_id, caller)).items()
+            for name, size in artifacts.listing(models.model_files(job_id, caller)).items()
         ]
     }
 
@@ -152,7 +152,7 @@ def list_artifacts(job_id: str, caller: CallerDep) -> dict[str, list[ArtifactOut
 @router.get("/{job_id}/artifacts/model/{filename:path}", responses=error_responses(409))
 def download_model_file(job_id: str, filename: str, caller: CallerDep) -> Response:
     """One file of the model, by its name in the listing (never a path on the server)."""
-    return _file(job_id, lifecycle.model_files(job_id, caller, required=True), filename, f"model/{filename}")
+    return _file(job_id, models.model_files(job_id, caller, required=True), filename, f"model/{filename}")
 
 
 @router.get("/{job_id}/artifacts/{name}", responses=error_responses(409))
@@ -161,7 +161,7 @@ def download_artifact(job_id: str, name: str, caller: CallerDep):
     is streamed from the model directory; ``model.tar.gz`` (unlisted, for older clients) is the
     same tar gzipped on the fly at level 1: no second copy on disk. A job without its files (not
     succeeded, or deleted by retention) answers 409 saying which."""
-    files = lifecycle.model_files(job_id, caller, required=True)
+    files = models.model_files(job_id, caller, required=True)
     if files and name == "model.tar":
         return _tar_response(artifacts.TarStream(files), f"{job_id}-model.tar", f"job {job_id} model.tar")
     if files and name == "model.tar.gz":

@@ -18,7 +18,7 @@ from shared.data.formats import CONLL_COLUMNS
 from shared.data.problems import Problems
 from shared.data.read import read_batches
 from shared.errors import NotFound, UserError
-from shared.jobs import aliases, lifecycle, predictions, sweeps, uploads
+from shared.jobs import aliases, lifecycle, models, predictions, sweeps, uploads
 from shared.jobs.base_models import available_models
 from shared.jobs.evaluation import read_report
 from shared.schemas.hyperparameters import Hyperparameters
@@ -214,7 +214,7 @@ def _owned(job_id: str, s: Session) -> bool:
 def job_page(request: Request, job_id: str, s: SessionDep):
     job = lifecycle.to_out(lifecycle.get_job(job_id, s.caller))
     checkpoints = lifecycle.list_checkpoints(job_id, s.caller)
-    files = lifecycle.model_files(job_id, s.caller) if job.status == JobStatus.SUCCEEDED else {}
+    files = models.model_files(job_id, s.caller) if job.status == JobStatus.SUCCEEDED else {}
     return render(
         request,
         "job.html",
@@ -354,14 +354,14 @@ def dataset_page(request: Request, dataset_id: str, s: SessionDep):
 @router.get("/predictions", response_class=HTMLResponse)
 def predictions_page(request: Request, s: SessionDep, cursor: str | None = None):
     page, has_more = lifecycle.list_jobs(s.caller, PAGE_SIZE, cursor, param="cursor", kind=predictions.KIND)
-    models, _ = lifecycle.list_jobs(s.caller, 200, status=JobStatus.SUCCEEDED)
+    succeeded, _ = lifecycle.list_jobs(s.caller, 200, status=JobStatus.SUCCEEDED)
     datasets, _ = uploads.list_datasets(s.caller)
     return render(
         request,
         "predictions.html",
         s=s,
         predictions=[predictions.to_out(j) for j in page],
-        models=models,
+        models=succeeded,
         datasets=datasets,
         next_url=f"/ui/predictions?cursor={quote(page[-1].id)}" if has_more else None,
     )

@@ -24,19 +24,18 @@ a process that died between its commit and its clean-up left behind.
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
-from shared.errors import Conflict, NotFound, UserError, without_paths
+from shared.errors import Conflict, UserError, without_paths
 from shared.jobs import trials
 from shared.jobs.planning import check_spec
 from shared.jobs.trials import ACTIVE, cancel_in, end_job, insert_queued
 from shared.schemas.jobs import TASK_FIELDS, JobCreate, JobOut, Progress, Timings, json_safe
 from shared.settings import get_settings
-from shared.store import artifacts, idempotency, objects, quotas
+from shared.store import idempotency, objects, quotas
 from shared.store.alias_rows import ModelAlias
 from shared.store.engine import keyset_page, read_session, session_scope
 from shared.store.rows import Checkpoint, Dataset, Job, JobEvent, JobMetric, JobStatus, new_id, utcnow
@@ -478,42 +477,6 @@ def describe_timings(timings: dict[str, float | None]) -> str:
 
 
 # ----------------------------------------------------------------------------- files
-
-
-def get_checkpoint(job_id: str, step: int, caller: Caller) -> dict[str, Path | objects.Remote]:
-    """The files of a job's checkpoint at ``step`` by name (local paths, or objects in the bucket).
-
-    Raises:
-        NotFound: no such job (or another tenant's), or no checkpoint at that step (never saved,
-            or rotated away). Deleted: the job was deleted.
-    """
-    with read_session() as s:
-        owned_job(s, job_id, caller)
-        path = s.scalar(select(Checkpoint.path).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
-    files = objects.store().files(path) if path is not None else {}
-    if not files:
-        raise NotFound("checkpoint", f"{job_id} step {step}", "step")
-    return files
-
-
-def model_files(job_id: str, caller: Caller, required: bool = False) -> dict[str, Path | objects.Remote]:
-    """A succeeded job's model files by name, local paths or objects in the bucket
-    (``shared.store.artifacts.listing`` names what is downloadable). Empty before the job has
-    succeeded, and after its files were deleted, unless ``required`` (a download) makes that an error.
-
-    Raises:
-        NotFound, Deleted: see ``get_job``. Conflict (409, ``required`` only): ``model_not_ready``
-            (the job has not succeeded), ``model_files_deleted``.
-    """
-    job = get_job(job_id, caller)
-    files = objects.store().files(objects.store().ref(artifacts.model_dir(job_id)))
-    if required and not files:
-        if job.status != JobStatus.SUCCEEDED:
-            raise Conflict("model_not_ready", f"job {job_id!r} is {job.status}; only a succeeded job has a model")
-        raise Conflict(
-            "model_files_deleted", f"job {job_id!r}: its files were deleted (TUNEJOB_ARTIFACT_RETENTION_DAYS)"
-        )
-    return files
 
 
 def discard_checkpoints(job_id: str) -> None:

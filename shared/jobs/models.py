@@ -1,14 +1,18 @@
-"""The model a request names: a succeeded training job of the caller's tenant, or a base model."""
+"""The model a request names: a succeeded training job of the caller's tenant, or a base model;
+and the files of a job's model and checkpoints, as the API serves them."""
 
 from pathlib import Path
 
-from shared.errors import Deleted, NotFound, UserError
+from sqlalchemy import select
+
+from shared.errors import Conflict, Deleted, NotFound, UserError
 from shared.jobs.aliases import owned_model_job
 from shared.jobs.base_models import resolve_model
-from shared.store import artifacts
+from shared.jobs.lifecycle import get_job
+from shared.store import artifacts, objects
 from shared.store.engine import read_session
-from shared.store.rows import Job, JobStatus
-from shared.store.tenancy import Caller
+from shared.store.rows import Checkpoint, Job, JobStatus
+from shared.store.tenancy import Caller, owned_job
 
 
 def trained_model(ref: str, caller: Caller) -> tuple[Job, Path]:
@@ -80,3 +84,39 @@ def embedding_model(ref: str, caller: Caller) -> Path:
             "model",
         )
     return directory
+
+
+def get_checkpoint(job_id: str, step: int, caller: Caller) -> dict[str, Path | objects.Remote]:
+    """The files of a job's checkpoint at ``step`` by name (local paths, or objects in the bucket).
+
+    Raises:
+        NotFound: no such job (or another tenant's), or no checkpoint at that step (never saved,
+            or rotated away). Deleted: the job was deleted.
+    """
+    with read_session() as s:
+        owned_job(s, job_id, caller)
+        path = s.scalar(select(Checkpoint.path).where(Checkpoint.job_id == job_id, Checkpoint.step == step))
+    files = objects.store().files(path) if path is not None else {}
+    if not files:
+        raise NotFound("checkpoint", f"{job_id} step {step}", "step")
+    return files
+
+
+def model_files(job_id: str, caller: Caller, required: bool = False) -> dict[str, Path | objects.Remote]:
+    """A succeeded job's model files by name, local paths or objects in the bucket
+    (``shared.store.artifacts.listing`` names what is downloadable). Empty before the job has
+    succeeded, and after its files were deleted, unless ``required`` (a download) makes that an error.
+
+    Raises:
+        NotFound, Deleted: see ``get_job``. Conflict (409, ``required`` only): ``model_not_ready``
+            (the job has not succeeded), ``model_files_deleted``.
+    """
+    job = get_job(job_id, caller)
+    files = objects.store().files(objects.store().ref(artifacts.model_dir(job_id)))
+    if required and not files:
+        if job.status != JobStatus.SUCCEEDED:
+            raise Conflict("model_not_ready", f"job {job_id!r} is {job.status}; only a succeeded job has a model")
+        raise Conflict(
+            "model_files_deleted", f"job {job_id!r}: its files were deleted (TUNEJOB_ARTIFACT_RETENTION_DAYS)"
+        )
+    return files
