@@ -180,7 +180,7 @@ def test_list_pages_and_cancel(service):
         "model": TINY_MODEL,
         "training_file": train.id,
         "hyperparameters": {"n_epochs": 1, "batch_size": 8, "max_length": 32},
-        "metadata": {"team": "search", "stage": "try"},
+        "metadata": {"team": "ranking", "stage": "try"},
     }
     quick = client.fine_tuning.jobs.create(**quick_body, extra_headers={"Idempotency-Key": "quick-1"})
     # the SDK retries a create that timed out: with the same key it gets the same job, not a second
@@ -200,9 +200,10 @@ def test_list_pages_and_cancel(service):
     native_ids = [j["id"] for j in service.native.get("/jobs", params={"limit": 100}).json()["data"]]
     assert native_ids[:2] == [slow.id, quick.id]
 
-    # OpenAI's metadata filter (the SDK sends metadata[team]=search): it was ignored
-    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"team": "search"})] == [quick.id]
-    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"team": "search", "stage": "done"})] == []
+    # OpenAI's metadata filter (the SDK sends metadata[team]=ranking): it was ignored (the module's
+    # other jobs have other metadata, or none)
+    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"team": "ranking"})] == [quick.id]
+    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"team": "ranking", "stage": "done"})] == []
     first = client.fine_tuning.jobs.list(limit=1)
     assert [j.id for j in first.data] == [slow.id] and first.has_more
     assert [j.id for j in first.get_next_page().data] == [quick.id]
