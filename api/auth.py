@@ -32,6 +32,7 @@ from limits.strategies import SlidingWindowCounterRateLimiter
 from api import db
 from api.security import SAFE_METHODS
 from shared.errors import UserError
+from shared.logs import Outage
 from shared.settings import get_settings
 from shared.store import keys, ui_sessions
 from shared.store.tenancy import Caller
@@ -137,7 +138,8 @@ def _rate_limits(spec: str) -> list[RateLimitItem]:
 # and the longest it may take to connect or answer: a rate check must never hold a request longer.
 SHARED_RETRY_SECONDS = 10.0
 SHARED_TIMEOUT_SECONDS = 2.0
-_shared_failed_at: float | None = None  # time.monotonic() of the last failure; None while it answers
+_shared = Outage(log, "the rate-limit store (TUNEJOB_RATE_LIMIT_STORAGE_URL)", traceback=False, per_error=False)
+_shared_tried_at = 0.0  # time.monotonic() a request last tried the store while it failed
 _shared_lock = threading.Lock()
 
 
@@ -179,34 +181,29 @@ async def _count(storage_url: str, item: RateLimitItem, key: str) -> float | Non
     processes) x its limit, rather than every request failing because a counter could not be read.
     Flask-Limiter's ``in_memory_fallback`` does the same. One request at a time tries a failed store
     again (the others count in memory meanwhile), so that an outage holds no more than one of the
-    store's threads. ``_shared_failed_at`` is read and changed under ``_shared_lock`` (event loops of
-    other threads, as the test client's, share it)."""
-    global _shared_failed_at
+    store's threads. ``_shared`` and ``_shared_tried_at`` are read and changed under ``_shared_lock``
+    (event loops of other threads, as the test client's, share them)."""
+    global _shared_tried_at
     tries = not storage_url.startswith("memory://")
     with _shared_lock:
-        if tries and _shared_failed_at is not None:
-            tries = time.monotonic() - _shared_failed_at >= SHARED_RETRY_SECONDS
+        if tries and _shared.down:
+            tries = time.monotonic() - _shared_tried_at >= SHARED_RETRY_SECONDS
             if tries:
-                _shared_failed_at = time.monotonic()  # this request tries it; the others count in memory
+                _shared_tried_at = time.monotonic()  # this request tries it; the others count in memory
     if tries:
         try:
             reset = await db.in_thread(_hit, _limiter(storage_url), item, key)
         except StorageError as e:
-            with _shared_lock:
-                first, _shared_failed_at = _shared_failed_at is None, time.monotonic()
-            if first:  # of the requests that were waiting on it
-                log.warning(
-                    "the rate-limit counters (TUNEJOB_RATE_LIMIT_STORAGE_URL) do not answer (%s: %s): each API "
-                    "process counts in its own memory until they do, trying them again every %.0f s",
-                    type(e.storage_error).__name__,
+            with _shared_lock:  # logged by the first of the requests that were waiting on it
+                _shared_tried_at = time.monotonic()
+                _shared.failed(
                     e.storage_error,
-                    SHARED_RETRY_SECONDS,
+                    "each API process counts in its own memory until it works, trying it again every "
+                    f"{SHARED_RETRY_SECONDS:.0f} s",
                 )
         else:
             with _shared_lock:
-                recovered, _shared_failed_at = _shared_failed_at is not None, None
-            if recovered:
-                log.warning("the rate-limit counters (TUNEJOB_RATE_LIMIT_STORAGE_URL) answer again")
+                _shared.ended()
             return reset
     local = _local_limiter()
     return None if await local.hit(item, key) else (await local.get_window_stats(item, key)).reset_time

@@ -13,8 +13,10 @@ import contextvars
 import logging
 import logging.config
 import re
+import time
 from typing import Any
 
+from shared.errors import first_line
 from shared.settings import get_settings
 
 log_context: contextvars.ContextVar[str] = contextvars.ContextVar("tunejob_log_context", default="-")
@@ -97,3 +99,52 @@ def drop_known_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, DropKnownNoise) for f in logger.filters):
             logger.addFilter(DropKnownNoise(pattern))
+
+
+class Outage:
+    """A retried operation's failures as the log tells them: a line when it starts failing, none for
+    the tries that fail the same way after it, and one when it works again, with how long it failed.
+    A database restart had the loops that retry every second log a traceback a second.
+
+    One per operation that is tried again: each chore of the recovery loop (``shared.queue``), a
+    job's lease heartbeat (``worker.tasks``), a worker's writes to the job store
+    (``worker.reporter``), the API's shared rate-limit counters (``api.auth``). Not thread-safe: one
+    thread calls it, or callers hold a lock.
+
+    Args:
+        logger: where the lines go.
+        what: the operation, as the lines name it (``"the job store"``, ``"deliver_due"``).
+        traceback: log the failure at ERROR with its traceback (for failures a developer must
+            read), else at WARNING with its message's first line only (an expected outage).
+        per_error: log again, within one outage, when the failure's first line changes (a
+            refused connection becomes a full disk).
+    """
+
+    def __init__(self, logger: logging.Logger, what: str, *, traceback: bool = True, per_error: bool = True):
+        self.logger, self.what, self.traceback, self.per_error = logger, what, traceback, per_error
+        self.since: float | None = None
+        """``time.monotonic()`` of the outage's first failed try; None while the operation works."""
+        self._said: str | None = None  # the first line of the failure logged last
+
+    @property
+    def down(self) -> bool:
+        """Whether the last try failed."""
+        return self.since is not None
+
+    def failed(self, e: BaseException, then: str) -> None:
+        """Count a failed try: log ``"<what> fails (<e's first line>); <then>"`` if it starts an
+        outage, or (``per_error``) fails otherwise than the failure logged last. ``then`` says what
+        happens meanwhile (``"trying again every 5 s"``)."""
+        error = first_line(e)
+        if self.since is None or (self.per_error and error != self._said):
+            level = logging.ERROR if self.traceback else logging.WARNING
+            self.logger.log(level, "%s fails (%s); %s", self.what, error, then, exc_info=e if self.traceback else None)
+            self._said = error
+        if self.since is None:
+            self.since = time.monotonic()
+
+    def ended(self) -> None:
+        """Count a try that worked: log ``"<what> works again, after <s> s"`` if it ends an outage."""
+        if self.since is not None:
+            self.logger.warning("%s works again, after %.1f s", self.what, time.monotonic() - self.since)
+            self.since = self._said = None

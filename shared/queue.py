@@ -20,8 +20,8 @@ from kombu.transport import filesystem
 from kombu.utils.json import dumps, loads
 from pydantic import BaseModel
 
-from shared.errors import first_line
 from shared.jobs import lifecycle, orphans, predictions, retention, sweeps, webhooks
+from shared.logs import Outage
 from shared.schemas.jobs import JobCreate
 from shared.schemas.predictions import PredictionCreate
 from shared.settings import Settings, get_settings
@@ -279,21 +279,15 @@ def recovery_loop(stop: threading.Event, chores: tuple[Callable[[], object], ...
     Runs in the API and in every worker; any number of copies may run at once. A chore that raises
     is tried again next time; its traceback is logged once per failure, not at every turn while it
     goes on failing the same way (a database restart: the webhook loop, every second, logged a
-    traceback a second), and a line says when it runs again."""
-    failing: dict[str, str] = {}  # chore -> the first line of the failure logged, while it lasts
+    traceback a second), and a line says when it works again (``shared.logs.Outage``)."""
+    outages = {chore: Outage(log, chore.__name__) for chore in chores}
     while True:
         for chore in chores:
-            name = chore.__name__
             try:
                 chore()
             except Exception as e:
-                if failing.get(name) != first_line(e):
-                    log.exception(
-                        "%s failed; trying again every %ss, logged again if it fails otherwise", name, every()
-                    )
-                failing[name] = first_line(e)
+                outages[chore].failed(e, f"trying again every {every():g} s, logged again if it fails otherwise")
             else:
-                if failing.pop(name, None) is not None:
-                    log.warning("%s runs again", name)
+                outages[chore].ended()
         if stop.wait(every()):
             return

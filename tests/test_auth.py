@@ -23,6 +23,7 @@ import pandas as pd
 import pytest
 from fastapi.routing import APIRoute, iter_route_contexts
 
+from shared.logs import Outage
 from shared.settings import get_settings
 from tests.conftest import configure_stack, wait_for_status, wait_until
 from tests.test_api_errors import assert_error, job_body
@@ -579,7 +580,7 @@ def test_a_shared_rate_store_that_hangs_is_counted_in_memory_instead(stack, monk
     monkeypatch.setattr(get_settings(), "rate_limit", "3/minute")
     monkeypatch.setattr(get_settings(), "rate_limit_storage_url", f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
     monkeypatch.setattr(auth, "SHARED_TIMEOUT_SECONDS", 0.2)
-    monkeypatch.setattr(auth, "_shared_failed_at", None)
+    monkeypatch.setattr(auth, "_shared", Outage(auth.log, "the rate-limit store", traceback=False, per_error=False))
     client = stack.client_for("tenant-r")
     try:
         started = time.monotonic()
@@ -591,7 +592,8 @@ def test_a_shared_rate_store_that_hangs_is_counted_in_memory_instead(stack, monk
         silent.close()
     outage = [r for r in caplog.records if r.name == "api.auth"]
     assert [r.levelname for r in outage] == ["WARNING"], outage  # once, however many requests saw it
-    assert "TUNEJOB_RATE_LIMIT_STORAGE_URL" in outage[0].getMessage() and "Timeout" in outage[0].getMessage()
+    assert "each API process counts in its own memory" in outage[0].getMessage()
+    assert "Timeout" in outage[0].getMessage(), outage[0].getMessage()
 
 
 def test_the_shared_rate_store_is_used_again_once_it_answers(stack, monkeypatch, caplog):
@@ -602,14 +604,17 @@ def test_the_shared_rate_store_is_used_again_once_it_answers(stack, monkeypatch,
 
     monkeypatch.setattr(get_settings(), "rate_limit", "1000/minute")
     monkeypatch.setattr(get_settings(), "rate_limit_storage_url", "redis://127.0.0.1:1/0")
-    monkeypatch.setattr(auth, "_shared_failed_at", time.monotonic() - auth.SHARED_RETRY_SECONDS)
+    failing = Outage(auth.log, "the rate-limit store", traceback=False, per_error=False)
+    failing.failed(ConnectionError("Connection refused"), "counting in memory")
+    monkeypatch.setattr(auth, "_shared", failing)
+    monkeypatch.setattr(auth, "_shared_tried_at", time.monotonic() - auth.SHARED_RETRY_SECONDS)
+    caplog.clear()
     hits = []
     monkeypatch.setattr(auth, "_hit", lambda *args: hits.append(args) or None)
     assert stack.client_for("tenant-q").get("/datasets").status_code == 200
-    assert len(hits) == 1 and auth._shared_failed_at is None
-    assert [r.getMessage() for r in caplog.records if r.name == "api.auth"] == [
-        "the rate-limit counters (TUNEJOB_RATE_LIMIT_STORAGE_URL) answer again"
-    ]
+    assert len(hits) == 1 and not auth._shared.down
+    said = [r.getMessage() for r in caplog.records if r.name == "api.auth"]
+    assert len(said) == 1 and said[0].startswith("the rate-limit store works again, after "), said
 
 
 def test_counting_requests_in_memory_starts_no_thread(stack, monkeypatch):

@@ -299,7 +299,7 @@ def test_events_checkpoints_and_pruning_go_on_while_the_store_does_not_answer(en
 
 def test_a_store_that_answers_reads_but_takes_no_write_is_one_outage(monkeypatch, caplog):
     """SQLite on a full disk answers the cancel check's reads and refuses every write: the log said
-    "does not answer" and "answers again" by turns (36 lines in two minutes); one outage now, ended
+    "fails" and "works again" by turns (36 lines in two minutes); one outage now, ended
     by the first write that gets through."""
     from sqlalchemy.exc import OperationalError
 
@@ -327,7 +327,7 @@ def test_a_store_that_answers_reads_but_takes_no_write_is_one_outage(monkeypatch
             if step == 15:
                 full[0] = False
     said = [r.getMessage().split(" (")[0].split(",")[0] for r in caplog.records]
-    assert said == ["the job store does not answer", "the job store answers again"], said
+    assert said == ["the job store fails", "the job store works again"], said
 
 
 def test_a_job_cancelled_while_it_tokenizes_stops_there(stack, monkeypatch):

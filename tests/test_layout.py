@@ -38,12 +38,12 @@ MAY_IMPORT = {
     "errors": set(),
     "schemas": set(),
     "settings": {"schemas"},
-    "logs": {"settings"},
+    "logs": {"errors", "settings"},
     "store": FOUNDATION,
     "data": FOUNDATION,
     "inference": FOUNDATION | {"data"},
     "jobs": FOUNDATION | {"store", "data", "inference"},
-    "queue": FOUNDATION | {"store", "data", "inference", "jobs"},
+    "queue": FOUNDATION | {"logs", "store", "data", "inference", "jobs"},
 }
 
 

@@ -172,3 +172,31 @@ def test_a_store_check_logs_no_alembic_plugin_lines(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr
     assert "Running upgrade" in run.stderr and "setup plugin" not in run.stderr, run.stderr
+
+
+def test_an_outage_is_logged_when_it_starts_when_it_fails_otherwise_and_when_it_ends(caplog):
+    """``Outage``: one line for a run of tries failing the same way (a loop retrying every second
+    logged a traceback a second), another when the failure changes (``per_error``), one at the end."""
+    from shared.logs import Outage
+
+    logger = logging.getLogger("tests.outage")
+    chore = Outage(logger, "chore")
+    store = Outage(logger, "the store", traceback=False, per_error=False)
+    with caplog.at_level("WARNING", logger="tests.outage"):
+        for error in ("refused\nDETAIL: restarting", "refused", "disk full", None, "refused"):
+            for outage in (chore, store):
+                if error:
+                    outage.failed(OSError(error), "trying again")
+                else:
+                    outage.ended()
+    said = [(r.levelname, r.getMessage().split(",")[0], r.exc_info is not None) for r in caplog.records]
+    assert said == [
+        ("ERROR", "chore fails (refused); trying again", True),
+        ("WARNING", "the store fails (refused); trying again", False),
+        ("ERROR", "chore fails (disk full); trying again", True),  # the store's outage goes on: not logged
+        ("WARNING", "chore works again", False),
+        ("WARNING", "the store works again", False),
+        ("ERROR", "chore fails (refused); trying again", True),
+        ("WARNING", "the store fails (refused); trying again", False),
+    ], said
+    assert chore.down and store.down

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from sqlalchemy.exc import OperationalError
 
-from shared.errors import first_line
 from shared.jobs import lifecycle, sweeps
 from shared.jobs.curves import MetricRow, metric_rows
+from shared.logs import Outage
 from shared.schemas.jobs import PHASES
 from shared.settings import get_settings
 from shared.store.rows import utcnow
@@ -63,14 +63,14 @@ class Reporter:
         self._wrote_metrics = False
         self.lease_lost = False
         self._cancelled, self._next_cancel_check = False, time.monotonic()
-        self._store_down_since: float | None = None  # time.monotonic() of the first failure of an outage
+        self._store = Outage(log, "the job store", traceback=False, per_error=False)  # its log names the job
         self._events: list[tuple[str, str, str]] = []  # not written yet: (code, message, level)
 
     def event(self, code: str, message: str, level: str = "info") -> None:
         """Record an event now, or, while the store does not answer, at the next write (its time is
         then the write's: listings ordered by time and by id agree)."""
         self._events.append((code, message, level))
-        if self._store_down_since is None:
+        if not self._store.down:
             self._unless_store_down(self._write_events)
 
     def _write_events(self) -> None:
@@ -92,7 +92,7 @@ class Reporter:
         """Set job-row fields (step, epoch, total_steps, eta_seconds, train/validation metrics, device,
         timings). The first optimizer step's are written at once, so that a user sees training start."""
         self._progress.update(fields)
-        if self._metrics and not self._wrote_metrics and self._store_down_since is None:
+        if self._metrics and not self._wrote_metrics and not self._store.down:
             self._unless_store_down(self.flush)  # failed: ``heartbeat`` tries again, not every step
         else:
             self.heartbeat()
@@ -105,22 +105,16 @@ class Reporter:
 
     def _unless_store_down(self, call: Callable[[], object], writes: bool = True) -> bool:
         """Run ``call``; False if the store did not answer (``OperationalError``), logged once per
-        outage, with its length when it ends: when a call that ``writes`` gets through (a store that
-        answers reads but takes no write, such as SQLite on a full disk, is still down: the cancel
-        check's reads made the log say "answers again" and "does not answer" by turns)."""
+        outage (``shared.logs.Outage``), with its length when it ends: when a call that ``writes`` gets
+        through (a store that answers reads but takes no write, such as SQLite on a full disk, is
+        still down: the cancel check's reads made the log say "works again" and "fails" by turns)."""
         try:
             call()
         except OperationalError as e:
-            if self._store_down_since is None:
-                self._store_down_since = time.monotonic()
-                log.warning(  # the log's context names the job
-                    "the job store does not answer (%s); training goes on, trying again",
-                    first_line(e.orig or e),
-                )
+            self._store.failed(e.orig or e, "training goes on, trying again")
             return False
-        if self._store_down_since is not None and writes:
-            log.warning("the job store answers again, after %.1f s", time.monotonic() - self._store_down_since)
-            self._store_down_since = None
+        if writes:
+            self._store.ended()
         return True
 
     def flush(self) -> None:

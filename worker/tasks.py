@@ -19,10 +19,10 @@ from celery import bootsteps, signals
 from celery.exceptions import Reject
 from obstore.exceptions import BaseError as ObjectStoreError
 
-from shared.errors import UserError, first_line
+from shared.errors import UserError
 from shared.jobs import lifecycle
 from shared.jobs.base_models import available_models
-from shared.logs import configure_logging, log_context
+from shared.logs import Outage, configure_logging, log_context
 from shared.queue import RUN_JOB, RecoveryThread, app, send, send_trials
 from shared.settings import get_settings
 from shared.store import objects
@@ -131,22 +131,16 @@ class Heartbeat(threading.Thread):
         self.stopped, self.lease_lost = threading.Event(), threading.Event()
 
     def run(self) -> None:
-        failing = ""  # the first line of the failure logged, while it lasts: a traceback once, not every turn
+        outage = Outage(log, f"the heartbeat of job {self.job_id}")  # a traceback once, not every turn
         while not self.stopped.wait(get_settings().lease_seconds / 4):
             try:
                 if not lifecycle.heartbeat(self.job_id, self.worker_id):
                     self.lease_lost.set()
                     return
             except Exception as e:
-                if first_line(e) != failing:
-                    log.exception(
-                        "heartbeat for job %s failed; retrying, logged again if it fails otherwise", self.job_id
-                    )
-                failing = first_line(e)
+                outage.failed(e, "retrying, logged again if it fails otherwise")
             else:
-                if failing:
-                    log.warning("heartbeat for job %s renews its lease again", self.job_id)
-                failing = ""
+                outage.ended()
 
 
 @app.task(name=RUN_JOB)
