@@ -273,11 +273,12 @@ def install_error_handlers(app: FastAPI) -> None:
         # the value is not, and the one it is says what is wrong with it ([] for ``str | list[str]``
         # with at least one item: "at least 1 item", not "a valid string"); a literal's member least
         # of all (n_epochs -1 of ``"auto" | float > 0`` read "Input should be 'auto'")
+        # (and the member's own error may be deeper: ``input.1`` of ``str | list[str]``)
         path = field_path(first, e.body)
-        same = [x for x in e.errors() if field_path(x, e.body) == path]
+        same = [x for x in e.errors() if field_path(x, e.body)[: len(path)] == path]
         said = [x for x in same if not x["type"].endswith("_type")]
         first = next((x for x in said if x["type"] != "literal_error"), next(iter(said), first))
-        param = ".".join(path) or None
+        param = ".".join(field_path(first, e.body)) or None
         value = f" (got {show(first['input'])})" if "input" in first and not isinstance(first["input"], dict) else ""
         # a rule across fields (param null: the message names them) without pydantic's "Value error, "
         message = f"{param}: {first['msg']}{value}" if param else first["msg"].removeprefix("Value error, ")
@@ -311,8 +312,9 @@ def install_error_handlers(app: FastAPI) -> None:
 def field_path(error: dict, body: Any) -> list[str]:
     """The request field a pydantic error is about, as path parts (``["hyperparameters",
     "n_epochs"]``). Pydantic adds the member's tag to the location of an error in a union
-    (``n_epochs.literal['auto']``): the path stops at the first part that is not in the request's
-    body (a missing field's own name is kept)."""
+    (``n_epochs.literal['auto']``, ``input.list[str].1``): such a tag is skipped where parts of the
+    value follow it, else the path stops at the first part that is not in the request's body (a
+    missing field's own name is kept)."""
     source, *loc = error.get("loc", ()) or ("",)
     if source not in ("body", "query", "path", "header", "cookie"):
         loc = [source, *loc]
@@ -328,6 +330,8 @@ def field_path(error: dict, body: Any) -> list[str]:
             and -len(current) <= part < len(current)
         ):
             current = current[part]
+        elif isinstance(part, str) and not isinstance(current, dict) and i < len(loc) - 1:
+            continue  # a union member's tag before a part of the value (``input.list[str].1``)
         elif not (i == len(loc) - 1 and error.get("type") == "missing"):
             break
         path.append(str(part))

@@ -8,6 +8,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 
+Text = Annotated[str, Field(min_length=1)]  # OpenAI refuses an empty text ("'$.input' is invalid")
+
+
 class EmbeddingCreate(BaseModel):
     """OpenAI's request. ``model``: an embedding job's id or fine-tuned model name, or a base model's
     name. ``input``: a text or a list of texts (token arrays are refused). ``dimensions``, when
@@ -16,8 +19,8 @@ class EmbeddingCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    input: str | Annotated[list[str], Field(min_length=1)] = Field(
-        description="a text or a list of texts; at most max_sync_inputs (default 64)"
+    input: Text | Annotated[list[Text], Field(min_length=1)] = Field(
+        description="a non-empty text or a list of them; at most max_sync_inputs (default 64)"
     )
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)

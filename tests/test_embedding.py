@@ -529,6 +529,11 @@ def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, api_job):
     assert len(default.data) == 1 and len(default.data[0].embedding) == served.shape[1]
     r = client.post("/v1/embeddings", json={"model": TINY_ST, "input": []})  # the list member's error, not the str's
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("input: List should have at least 1 item")
+    for body, param in (({"input": ""}, "input"), ({"input": ["a", ""]}, "input.1")):  # OpenAI refuses them too
+        r = client.post("/v1/embeddings", json={"model": TINY_ST, **body})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+        assert r.json()["error"]["message"].startswith(f"{param}: String should have at least 1 character")
+    assert_error(client.post(f"/models/{job['id']}/embed", json={"inputs": ["a", ""]}), 422, "invalid_request", "inputs.1")
     for unknown in ("no-such-model", "job_0000000000000000"):  # OpenAI's status for a model it lacks
         with pytest.raises(NotFoundError) as e:
             sdk.embeddings.create(model=unknown, input="x")

@@ -285,10 +285,10 @@ class EmbedIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    inputs: list[str] = Field(
+    inputs: list[Annotated[str, Field(min_length=1)]] = Field(
         ...,
         min_length=1,
-        description="texts; at most max_sync_inputs (default 64)",
+        description="non-empty texts (an empty one has no meaning to embed); at most max_sync_inputs (default 64)",
         examples=[["How do volcanoes form?", "Shares fell sharply"]],
     )
     normalize: bool = Field(True, description="unit-length vectors (their dot product is the cosine similarity)")
