@@ -29,6 +29,7 @@ from shared.data.batching import bucket_ladder, bucket_width
 from shared.data.columns import JobColumns
 from shared.data.labels import read_job_table
 from shared.data.split import split_train_validation, text_groups
+from shared.data.texts import head_words
 from shared.store import objects
 from shared.store.artifacts import tokenized_cache_dir
 from shared.store.rows import Dataset
@@ -142,7 +143,7 @@ def tokenize(
                 raise Interrupted(reason)
             end = start + TOKENIZE_BATCH
             enc = tokenizer(
-                texts[start:end],
+                texts[start:end] if pairs else head_words(texts[start:end], max_length),  # the same tokens, faster
                 pairs[start:end] if pairs else None,
                 truncation=True,
                 max_length=max_length,

@@ -20,4 +20,6 @@ worker (to load the same table the API validated, through the same checks).
   ``label_separator``), for token_classification non-empty lists of words with as many tags. A rejection
   carries a validation report: up to ``MAX_PROBLEMS`` problems, each {row, column, value, message},
   in row order (``shared.data.problems``).
+- **Texts cut before tokenizing** (``shared.data.texts``): a long text's words past what
+  ``max_length`` tokens can keep.
 """

@@ -43,6 +43,7 @@ from transformers import (
 from transformers.pipelines.token_classification import AggregationStrategy
 
 from shared.data.batching import bucket_width, job_ladder, token_budget_batches
+from shared.data.texts import head_words
 from shared.errors import UserError, without_paths
 from shared.inference.heads import task_of
 from shared.inference.int8 import Int8Model, eager_int8
@@ -194,7 +195,7 @@ def predict_texts(
         return Predictions([], 0, 0, 0)
     per_token = loaded.task == "token_classification"  # offsets and special tokens, for the entities
     encoded = loaded.tokenizer(
-        texts,
+        texts if pairs else head_words(texts, max_length),  # the same tokens, read faster
         pairs,
         truncation=True,
         max_length=max_length,
