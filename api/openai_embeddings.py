@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-
 Text = Annotated[str, Field(min_length=1)]  # OpenAI refuses an empty text ("'$.input' is invalid")
 
 

@@ -533,7 +533,9 @@ def test_training_through_the_api_then_embed_and_the_openai_sdk(stack, api_job):
         r = client.post("/v1/embeddings", json={"model": TINY_ST, **body})
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
         assert r.json()["error"]["message"].startswith(f"{param}: String should have at least 1 character")
-    assert_error(client.post(f"/models/{job['id']}/embed", json={"inputs": ["a", ""]}), 422, "invalid_request", "inputs.1")
+    assert_error(
+        client.post(f"/models/{job['id']}/embed", json={"inputs": ["a", ""]}), 422, "invalid_request", "inputs.1"
+    )
     for unknown in ("no-such-model", "job_0000000000000000"):  # OpenAI's status for a model it lacks
         with pytest.raises(NotFoundError) as e:
             sdk.embeddings.create(model=unknown, input="x")
