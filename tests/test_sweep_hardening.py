@@ -478,3 +478,35 @@ def test_later_trials_pass_admission_pause_and_resume(client, dataset, monkeypat
     sweep = client.get(f"/sweeps/{sweep_id}").json()
     assert sweep["error"] is None and sweep["status"] in ("queued", "running"), sweep
     client.post(f"/sweeps/{sweep_id}/cancel")
+
+
+def test_a_sweep_that_cannot_be_topped_up_holds_up_no_other(client, dataset, monkeypatch):
+    """``top_up_all`` stopped at the first sweep whose top-up raised (a multi-objective TPE study did
+    after a pruned trial), so the recovery loop topped up no sweep after it and sent none of the
+    trials asked before it. Now every other sweep is topped up and its trials sent, and the failure
+    still reaches the loop, which logs it."""
+    from types import SimpleNamespace
+
+    import shared.queue
+    from shared.jobs import sweeps
+    from shared.store.engine import session_scope
+    from shared.store.rows import Sweep
+
+    broken, fine = (client.post("/sweeps", json=body(dataset["id"])).json()["id"] for _ in range(2))
+    with session_scope() as s:
+        for sweep_id in (broken, fine):
+            s.get(Sweep, sweep_id).status = "running"
+
+    def top_up(s, sweep):
+        if sweep.id == broken:
+            raise RuntimeError("A single direction cannot be retrieved from a multi-objective study")
+        return [SimpleNamespace(id=f"trial of {sweep.id}")] if sweep.id == fine else []
+
+    sent = []
+    monkeypatch.setattr(sweeps, "top_up", top_up)
+    monkeypatch.setattr(shared.queue, "send", sent.append)
+    with pytest.raises(sweeps.SweepsFailed, match=f"sweep {broken}: RuntimeError: A single direction"):
+        shared.queue.top_up_sweeps()
+    assert sent == [f"trial of {fine}"]
+    for sweep_id in (broken, fine):
+        client.post(f"/sweeps/{sweep_id}/cancel")

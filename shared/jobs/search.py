@@ -305,8 +305,12 @@ def frozen(
 ) -> FrozenTrial:
     """Trial ``job`` as Optuna sees it: with ``more`` (the other objectives' curves, ``more_curves``)
     a trial of a multi-objective study, else of a study of the first objective; its intermediate
-    values ``schedule_curve``'s. Its job id is its user attribute ``job_id``."""
+    values ``schedule_curve``'s. Its job id is its user attribute ``job_id``. A pruned trial of a
+    multi-objective study has no intermediate values: Optuna's TPE ranks pruned trials by their
+    last one in the study's one ``direction``, and raises for a study of several (the pruner, which
+    reads the curves, runs on the first objective's study)."""
     state = state or STATES[job.status]
+    kept_curve = more is None or state != TrialState.PRUNED
     found = values_of(curve, more or [], spec) if state == TrialState.COMPLETE else []
     values = [v for v in found if v is not None] if None not in found else []
     if state == TrialState.COMPLETE and not values:  # succeeded without a finite evaluation (or latency)
@@ -316,7 +320,7 @@ def frozen(
         values=values or None,
         params=params_of(job, spec),
         distributions=space,
-        intermediate_values=schedule_curve(curve, job.total_steps),
+        intermediate_values=schedule_curve(curve, job.total_steps) if kept_curve else {},
         system_attrs=job.trial_attrs or {},
         user_attrs={"job_id": job.id},
     )
@@ -356,7 +360,10 @@ def history(s: Session, spec: SweepCreate, space: dict, multi: bool = False) -> 
                     state=state,
                     values=values or None,
                     distributions=space,
-                    intermediate_values=schedule_curve(curve, job.total_steps),
+                    # as ``frozen``: no curve for a pruned trial of a multi-objective study
+                    intermediate_values={}
+                    if multi and state == TrialState.PRUNED
+                    else schedule_curve(curve, job.total_steps),
                     params={
                         name: job.base_model
                         if name == search_space.BASE_MODEL

@@ -32,9 +32,11 @@ from typing import Any
 
 from optuna.trial import TrialState
 from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
-from shared.errors import Conflict, Deleted, NotFound, UserError
+from shared.errors import Conflict, Deleted, NotFound, UserError, first_line
 from shared.jobs import lifecycle
 from shared.jobs.planning import check_spec, plan_job
 from shared.jobs.search import (
@@ -156,15 +158,41 @@ def check_warm_start(s: Session, spec: SweepCreate, caller: Caller) -> None:
 
 
 def top_up_all() -> list[str]:
-    """For the recovery loop: ``top_up`` every running sweep; returns the new trials' ids to send."""
+    """For the recovery loop: ``top_up`` every running sweep; returns the new trials' ids to send.
+
+    Raises:
+        SweepsFailed: one or more sweeps could not be topped up (tried again next turn); the
+            others were, and its ``new`` holds their trials, to send all the same.
+    """
     with read_session() as s:
         ids = s.scalars(select(Sweep.id).where(Sweep.status == RUNNING, Sweep.deleted_at.is_(None))).all()
-    new = []
+    new: list[str] = []
+    failed: list[tuple[str, Exception]] = []
     for sweep_id in ids:
-        with session_scope() as s:
-            sweep = s.get(Sweep, sweep_id, with_for_update=True, populate_existing=True)
-            new += [job.id for job in top_up(s, sweep)] if sweep is not None else []
+        try:
+            with session_scope() as s:
+                sweep = s.get(Sweep, sweep_id, with_for_update=True, populate_existing=True)
+                asked = [job.id for job in top_up(s, sweep)] if sweep is not None else []
+        except (OperationalError, PoolTimeout):  # the store, not the sweep: every other sweep would wait on it too
+            raise
+        except Exception as e:  # one sweep's failure (an Optuna error, a bad spec) holds up no other
+            failed.append((sweep_id, e))
+        else:
+            new += asked  # committed: a trial whose commit failed is never sent
+    if failed:
+        raise SweepsFailed(new, failed) from failed[0][1]
     return new
+
+
+class SweepsFailed(Exception):
+    """``top_up_all`` could not top up ``failed`` (sweep id, exception); ``new``: the trials it asked
+    for the other sweeps."""
+
+    def __init__(self, new: list[str], failed: list[tuple[str, Exception]]):
+        sweep_id, e = failed[0]
+        more = f" (and {len(failed) - 1} more sweeps)" if len(failed) > 1 else ""
+        super().__init__(f"sweep {sweep_id}: {type(e).__name__}: {first_line(e)}{more}")
+        self.new, self.failed = new, failed
 
 
 def unsent_trials(sweep_id: str) -> list[str]:
