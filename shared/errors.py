@@ -10,7 +10,12 @@ PATH = re.compile(r"(?<![\w.:/])(?:/[^\s/:'\"]+)+/?")  # an absolute POSIX path 
 
 def first_line(e: BaseException) -> str:
     """An exception's message up to its first line break, for a log line (obstore's and the
-    database driver's go on with pages of detail); its type's name if it has none."""
+    database driver's go on with pages of detail); its type's name if it has none. For an error
+    SQLAlchemy wraps (``orig``), the driver's own: SQLAlchemy's first line may be its own remark
+    ("(raised as a result of Query-invoked autoflush; ...)") instead of the cause ("No space left")."""
+    orig = getattr(e, "orig", None)
+    if isinstance(orig, BaseException):
+        return first_line(orig)
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 

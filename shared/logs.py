@@ -101,6 +101,9 @@ def drop_known_noise() -> None:
             logger.addFilter(DropKnownNoise(pattern))
 
 
+DURATIONS = re.compile(r"\d+(?:\.\d+)?\s?(?:ms|s)\b")  # "in 515.080873ms": obstore's retries' time
+
+
 class Outage:
     """A retried operation's failures as the log tells them: a line when it starts failing, none for
     the tries that fail the same way after it, and one when it works again, with how long it failed.
@@ -117,14 +120,15 @@ class Outage:
         traceback: log the failure at ERROR with its traceback (for failures a developer must
             read), else at WARNING with its message's first line only (an expected outage).
         per_error: log again, within one outage, when the failure's first line changes (a
-            refused connection becomes a full disk).
+            refused connection becomes a full disk), durations aside (obstore's names the
+            milliseconds its retries took, different every time).
     """
 
     def __init__(self, logger: logging.Logger, what: str, *, traceback: bool = True, per_error: bool = True):
         self.logger, self.what, self.traceback, self.per_error = logger, what, traceback, per_error
         self.since: float | None = None
         """``time.monotonic()`` of the outage's first failed try; None while the operation works."""
-        self._said: str | None = None  # the first line of the failure logged last
+        self._said: str | None = None  # the first line of the failure logged last, durations as "#"
 
     @property
     def down(self) -> bool:
@@ -136,10 +140,11 @@ class Outage:
         outage, or (``per_error``) fails otherwise than the failure logged last. ``then`` says what
         happens meanwhile (``"trying again every 5 s"``)."""
         error = first_line(e)
-        if self.since is None or (self.per_error and error != self._said):
+        kind = DURATIONS.sub("#", error)
+        if self.since is None or (self.per_error and kind != self._said):
             level = logging.ERROR if self.traceback else logging.WARNING
             self.logger.log(level, "%s fails (%s); %s", self.what, error, then, exc_info=e if self.traceback else None)
-            self._said = error
+            self._said = kind
         if self.since is None:
             self.since = time.monotonic()
 

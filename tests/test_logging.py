@@ -200,3 +200,31 @@ def test_an_outage_is_logged_when_it_starts_when_it_fails_otherwise_and_when_it_
         ("WARNING", "the store fails (refused); trying again", False),
     ], said
     assert chore.down and store.down
+
+
+def test_an_outage_whose_message_differs_only_in_its_duration_is_logged_once(caplog):
+    """obstore's first line names the milliseconds its retries took: a bucket outage logged a
+    traceback at every turn of the recovery loop (47 in two minutes). Other numbers still tell
+    failures apart (a status 503 that becomes a 403)."""
+    from shared.logs import Outage
+
+    outage = Outage(logging.getLogger("tests.outage"), "clean_up_files")
+    with caplog.at_level("WARNING", logger="tests.outage"):
+        for ms in ("515.080873", "612.5", "1003"):
+            outage.failed(OSError(f"Generic S3 error: GET http://127.0.0.1:19303/b in {ms}ms, after 4 retries"), "")
+        outage.failed(OSError("Generic S3 error: access denied"), "")
+        for status in (503, 503, 403):
+            outage.failed(OSError(f"Generic S3 error: HTTP status {status} in 20ms"), "")
+    assert len(caplog.records) == 4, [r.getMessage() for r in caplog.records]
+
+
+def test_first_line_of_a_wrapped_database_error_is_the_drivers():
+    """SQLAlchemy's first line was its own remark on autoflush: a full disk's log lines never said
+    "No space left on device"."""
+    from sqlalchemy.exc import OperationalError
+
+    from shared.errors import first_line
+
+    wrapped = OperationalError("INSERT", {}, OSError("could not extend file: No space left on device\nHINT: free"))
+    wrapped.args = ("(raised as a result of Query-invoked autoflush; consider using a session.no_autoflush block)\n",)
+    assert first_line(wrapped) == "could not extend file: No space left on device"

@@ -111,7 +111,7 @@ class Reporter:
         try:
             call()
         except OperationalError as e:
-            self._store.failed(e.orig or e, "training goes on, trying again")
+            self._store.failed(e, "training goes on, trying again")
             return False
         if writes:
             self._store.ended()
