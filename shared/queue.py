@@ -54,10 +54,16 @@ class FilesystemChannel(filesystem.Channel):
     5.7; ``tests/test_broker.py`` runs one bind inside another's window). Here each change holds an
     exclusive lock on a lock file of its own (``.<exchange>.exchange.lock``, never replaced) from
     its read to its write, and the table is written under another name and renamed into place, so
-    a reader (``get_table``) sees the old table or the new one, whole."""
+    a reader (``get_table``) sees the old table or the new one, whole.
+
+    Messages are taken oldest first (their names sort by the wall-clock time they were sent; a
+    message left under kombu's own unpadded name, from before an upgrade, sorts after them)."""
 
     def _put(self, queue, payload, **kwargs):
-        name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"  # kombu's own name
+        # kombu's name, but its time zero-padded and the wall clock's: kombu's ``_get`` takes the
+        # first name in string order, and its unpadded monotonic milliseconds put a message sent
+        # after the counter gained a digit (1,000 s after boot, then 10,000 s) first in the queue
+        name = f"{time.time_ns() // 1_000_000:015d}_{uuid.uuid4()}.{queue}.msg"
         partial = os.path.join(self.data_folder_out, f".{name}.part")
         try:
             with open(partial, "wb") as f:
@@ -111,6 +117,9 @@ class FilesystemTransport(filesystem.Transport):
     Channel = FilesystemChannel
 
 
+BROKER_TIMEOUT_SECONDS = 3.0  # the longest a Redis broker may take to connect or answer
+
+
 def celery_config(settings: Settings) -> dict:
     """Celery settings for long, single-GPU training tasks (names checked against Celery 5.7)."""
     hard_limit = settings.max_job_seconds
@@ -126,11 +135,18 @@ def celery_config(settings: Settings) -> dict:
         )
     elif settings.broker_key_prefix:
         transport_options["global_keyprefix"] = settings.broker_key_prefix
+    if settings.celery_broker_url.startswith(("redis://", "rediss://", "redis+socket://")):
+        # redis-py waits forever by default: a Redis that took connections but did not answer (stopped,
+        # overloaded) held POST /jobs until the client gave up, the job stored but unsent. A worker's
+        # BRPOP returns within its polling interval (1 s), well inside these.
+        transport_options.update(socket_timeout=BROKER_TIMEOUT_SECONDS, socket_connect_timeout=BROKER_TIMEOUT_SECONDS)
     return {
         "broker_url": settings.celery_broker_url,
         "broker_transport": f"{__name__}:FilesystemTransport" if settings.uses_filesystem_broker else None,
         "broker_transport_options": transport_options,
         "broker_connection_retry_on_startup": True,
+        # one retry (a pooled connection that Redis closed meanwhile), then the recovery loop sends it
+        "task_publish_retry_policy": {"max_retries": 1, "interval_start": 0, "interval_step": 0.5, "interval_max": 0.5},
         "task_serializer": "json",
         "accept_content": ["json"],
         "result_serializer": "json",
@@ -223,7 +239,13 @@ def resend_recovered() -> None:
 
 
 def top_up_sweeps() -> None:
-    for job_id in sweeps.top_up_all():
+    try:
+        new = sweeps.top_up_all()
+    except sweeps.SweepsFailed as e:  # the other sweeps' trials go out; the loop logs the failure
+        for job_id in e.new:
+            send(job_id)
+        raise
+    for job_id in new:
         send(job_id)
 
 

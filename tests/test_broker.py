@@ -77,3 +77,48 @@ def test_a_table_that_is_not_json_is_written_anew_by_the_next_bind(tmp_path, no_
         assert channel.get_table("tunejob") == [("tunejob", "", "tunejob")]
         channel._delete("tunejob", "tunejob", "tunejob", "")
         assert channel.get_table("tunejob") == []
+
+
+def test_messages_are_taken_in_the_order_they_were_sent(tmp_path, monkeypatch, no_tunejob_env):
+    """kombu names a message by unpadded milliseconds and takes the first name in string order: a
+    job sent when the counter had one more digit ("1066...") ran before one sent earlier ("894...")."""
+    config = shared.queue.celery_config(Settings(data_dir=tmp_path))
+    with Connection(
+        "filesystem://", transport=config.get("broker_transport"), transport_options=config["broker_transport_options"]
+    ) as connection:
+        channel = connection.default_channel
+        for job, ns in (("job_1", 999_000_000), ("job_2", 1_000_000_000), ("job_3", 2_000_000_000)):  # 999 ms, 1 s, 2 s
+            with monkeypatch.context() as m:
+                m.setattr(shared.queue.time, "time_ns", lambda ns=ns: ns)
+                m.setattr(shared.queue.time, "monotonic", lambda ns=ns: ns / 1e9)  # kombu's clock
+                channel._put("q", {"body": job})
+        assert [channel._get("q")["body"] for _ in range(3)] == ["job_1", "job_2", "job_3"]
+
+
+def test_a_redis_broker_that_does_not_answer_fails_a_send_in_seconds(no_tunejob_env):
+    """A Redis that takes connections and never answers (stopped with SIGSTOP, overloaded) held a
+    send, and so ``POST /jobs``, forever (redis-py waits without end by default); the job, stored,
+    waits for the recovery loop instead."""
+    import socket
+    import threading
+    import time
+
+    silent = socket.socket()  # the kernel accepts connections to it; nothing ever answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    app = shared.queue.make_celery(Settings(broker_url=f"redis://127.0.0.1:{silent.getsockname()[1]}/0"))
+    outcome: list = []
+
+    def send() -> None:
+        started = time.monotonic()
+        try:
+            app.send_task(shared.queue.RUN_JOB, args=["job_x"], queue=shared.queue.QUEUE)
+        except Exception as e:
+            outcome.append((type(e).__name__, time.monotonic() - started))
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    thread.join(30)
+    silent.close()
+    assert not thread.is_alive(), "the send still waits after 30 s"
+    assert outcome and outcome[0][1] < 4 * shared.queue.BROKER_TIMEOUT_SECONDS + 2, outcome
