@@ -64,6 +64,43 @@ def disk_full(e: Exception) -> bool:
     return DISK_FULL_SQLITE in str(e) or getattr(getattr(e, "orig", None), "sqlstate", None) == DISK_FULL_SQLSTATE
 
 
+def service_failure(request: Request, e: Exception) -> UserError | None:
+    """What the caller is told when a service the API depends on failed (logged here, one line):
+    the job store busy or unreachable (503 ``store_busy``: SQLite's write lock not free within its
+    busy timeout, no pooled connection free in time), a full disk, the job store's or the data
+    directory's (507 ``insufficient_storage``: retrying will not clear it), the bucket
+    (``TUNEJOB_STORAGE_URL``) failed, already tried again for ``TUNEJOB_STORAGE_TIMEOUT_SECONDS``
+    (502 ``storage_unavailable``: a gateway's error, which the client does not retry, where a 503
+    it would, five times over, each waiting out those retries). None for any other exception (a
+    bug: a 500). The API answers it as JSON, the dashboard as a page."""
+    where = f"{request.method} {request.url.path}"
+    if disk_full(e) or isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+        log.error("%s: the server's disk is full: %s", where, first_line(e))
+        return UserError(
+            "insufficient_storage",
+            "the server's disk is full (no space left on device); nothing was stored. Try again "
+            "once its operator has freed space",
+            status=507,
+        )
+    if isinstance(e, OperationalError | PoolTimeout):
+        log.warning("%s: job store busy or unreachable: %s", where, first_line(e))
+        return UserError(
+            "store_busy",
+            "the job store is busy or unreachable; retry shortly",
+            status=503,
+            headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
+        )
+    if isinstance(e, ObjectStoreError):
+        log.warning("%s: object storage unavailable: %s", where, first_line(e))
+        return UserError(
+            "storage_unavailable",
+            "the object storage (TUNEJOB_STORAGE_URL) failed or did not answer, also when tried "
+            "again; the API's log says how. Try again once it answers",
+            status=502,
+        )
+    return None
+
+
 SERVER_LOGGER = "uvicorn.error"  # where uvicorn logs an exception that escapes the app
 
 
@@ -201,32 +238,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _user_error(_: Request, e: UserError):
         return error_response(e.status, e.code, e.message, e.param, e.problems, e.headers)
 
-    @app.exception_handler(OperationalError)  # SQLite: the write lock was not free within the busy timeout
-    @app.exception_handler(PoolTimeout)  # no pooled connection became free in time
-    async def _store_busy(request: Request, e: Exception):
-        if disk_full(e):  # not busy: retrying will not clear it
-            return await _disk_full(request, e)
-        log.warning("job store busy or unreachable: %s", e)
-        return error_response(
-            503,
-            "store_busy",
-            "the job store is busy or unreachable; retry shortly",
-            None,
-            headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
-        )
-
-    # TUNEJOB_STORAGE_URL's bucket failed a request, already tried again for
-    # TUNEJOB_STORAGE_TIMEOUT_SECONDS (shared.store.objects): a gateway's error, 502, which the
-    # client does not retry (a 503 it would, five times over, each waiting out those retries).
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(PoolTimeout)
     @app.exception_handler(ObjectStoreError)
-    async def _storage_unavailable(_: Request, e: Exception):
-        log.warning("object storage unavailable: %s", e)
-        return error_response(
-            502,
-            "storage_unavailable",
-            "the object storage (TUNEJOB_STORAGE_URL) failed or did not answer, also when tried "
-            "again; the API's log says how. Try again once it answers",
-        )
+    @app.exception_handler(OSError)
+    async def _service_failed(request: Request, e: Exception):
+        if (failure := service_failure(request, e)) is None:  # anything else: a 500, logged whole
+            return await _internal_error(request, e)
+        return error_response(failure.status, failure.code, failure.message, headers=failure.headers)
 
     # The client closed its connection while its request's body was read (an upload cut short):
     # nothing of ours failed, and no one reads the answer. Status 499, as nginx logs it ("client
@@ -238,21 +257,6 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return error_response(
             499, "client_closed_request", "the client closed the connection before its whole request came"
-        )
-
-    @app.exception_handler(OSError)
-    async def _os_error(request: Request, e: OSError):
-        if e.errno not in DISK_FULL_ERRNOS:  # anything else: a 500, logged whole
-            return await _internal_error(request, e)
-        return await _disk_full(request, e)
-
-    async def _disk_full(request: Request, e: Exception):
-        log.error("%s %s: the server's disk is full: %s", request.method, request.url.path, first_line(e))
-        return error_response(
-            507,
-            "insufficient_storage",
-            "the server's disk is full (no space left on device); nothing was stored. Try again "
-            "once its operator has freed space",
         )
 
     @app.exception_handler(DataError)
@@ -267,8 +271,15 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError):
+    async def _validation_error(request: Request, e: RequestValidationError):
         first = e.errors()[0]
+        media = request.headers.get("content-type", "").split(";")[0].strip()
+        if tuple(first.get("loc", ())) == ("body",) and first["type"] != "missing" and not media.endswith("json"):
+            # curl -d sends a form (a missing body is "Field required", whatever its type)
+            message = (
+                f"the body must be JSON, sent with Content-Type: application/json (it came as {media or 'no type'})"
+            )
+            return error_response(422, "invalid_request", message, "Content-Type")
         # a union's members each report an error on the same field: a wrong type from the members
         # the value is not, and the one it is says what is wrong with it ([] for ``str | list[str]``
         # with at least one item: "at least 1 item", not "a valid string"); a literal's member least

@@ -797,3 +797,17 @@ def test_a_full_disk_answers_507_and_stores_nothing(stack, train_ds, monkeypatch
         r = stack.client.post("/jobs", json=job_body(train_ds["id"]))
         assert_error(r, 507, "insufficient_storage", None, "disk is full")
         before.assert_unchanged()
+
+
+def test_a_json_body_sent_as_a_form_names_the_content_type(stack):
+    """``curl -d '{...}'`` without ``-H 'content-type: application/json'`` (as two examples of the
+    docs did) answered "Input should be a valid dictionary or object to extract fields from" with
+    no field named."""
+    body = json.dumps({"inputs": ["a"]})
+    for headers in ({"Content-Type": "application/x-www-form-urlencoded"}, {"Content-Type": "text/plain"}):
+        r = stack.client.post("/jobs", content=body, headers=headers)
+        assert_error(r, 422, "invalid_request", "Content-Type", "must be JSON", headers["Content-Type"])
+    r = stack.client.post("/jobs", content=body, headers={"Content-Type": "application/json"})
+    assert r.json()["error"]["param"] != "Content-Type"  # JSON, only not a job's
+    r = stack.client.post("/jobs")  # no body at all: that is what it says, whatever the type
+    assert r.status_code == 422 and r.json()["error"]["param"] != "Content-Type", r.text

@@ -373,3 +373,34 @@ def test_without_a_terminal_serve_writes_the_sign_in_link_to_a_private_file(stac
     path = get_settings().data_path / "signin_link"
     assert "secret-token" not in printed and str(path) in printed, printed
     assert path.read_text().strip() == link and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_page_tells_a_full_disk_or_a_failed_store_or_bucket_as_the_api_does(stack, monkeypatch):
+    """The dashboard had none of the API's handlers for failures of the services it depends on: a
+    full PostgreSQL at sign-in, or the bucket down under a dataset's page, was a 500 "Internal Server
+    Error" with two tracebacks. Now the API's status and words, as a page."""
+    import errno
+
+    import psycopg
+    from obstore.exceptions import GenericError
+    from sqlalchemy.exc import OperationalError
+
+    from shared.jobs import uploads
+
+    client, _ = sign_in(stack)
+    for failure, status, words in (
+        (OperationalError("INSERT", {}, psycopg.errors.DiskFull("could not extend file")), 507, "disk is full"),
+        (OSError(errno.ENOSPC, "No space left on device"), 507, "disk is full"),
+        (OperationalError("SELECT", {}, psycopg.OperationalError("connection refused")), 503, "job store is busy"),
+        (GenericError("Generic S3 error: connection refused"), 502, "object storage"),
+    ):
+
+        def fail(*_, failure=failure, **__):
+            raise failure
+
+        monkeypatch.setattr(uploads, "list_datasets", fail)
+        r = client.get("/ui/datasets")
+        assert r.status_code == status and words in r.text and "text/html" in r.headers["content-type"], r.text
+    monkeypatch.setattr(uploads, "list_datasets", lambda *_: (_ for _ in ()).throw(KeyError("a bug")))
+    with pytest.raises(KeyError):  # anything else is still a 500 (the test client raises it)
+        client.get("/ui/datasets")

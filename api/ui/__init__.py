@@ -15,7 +15,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
+from obstore.exceptions import BaseError as ObjectStoreError
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from api.errors import service_failure
 from api.feeds import Feeds
 from api.ui import pages
 from shared.errors import UserError
@@ -48,6 +52,18 @@ def create_ui(feeds: Feeds) -> FastAPI:
     async def _invalid(request: Request, e: RequestValidationError):
         first = e.errors()[0]
         return pages.error_page(request, 400, f"{'.'.join(map(str, first['loc'][1:]))}: {first['msg']}")
+
+    @ui.exception_handler(OperationalError)
+    @ui.exception_handler(PoolTimeout)
+    @ui.exception_handler(ObjectStoreError)
+    @ui.exception_handler(OSError)
+    async def _service_failed(request: Request, e: Exception):
+        # a full disk, the job store or the bucket down: the API's status, words and headers, as a page
+        if (failure := service_failure(request, e)) is None:
+            raise e  # a 500
+        page = pages.error_page(request, failure.status, failure.message)
+        page.headers.update(failure.headers or {})
+        return page
 
     @ui.exception_handler(404)
     async def _not_found(request: Request, _: Exception):
