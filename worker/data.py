@@ -143,8 +143,8 @@ def tokenize(
                 raise Interrupted(reason)
             end = start + TOKENIZE_BATCH
             enc = tokenizer(
-                texts[start:end] if pairs else head_words(texts[start:end], max_length),  # the same tokens, faster
-                pairs[start:end] if pairs else None,
+                head_words(texts[start:end], max_length),  # the tokens kept, read faster
+                head_words(pairs[start:end], max_length) if pairs else None,
                 truncation=True,
                 max_length=max_length,
                 padding=False,

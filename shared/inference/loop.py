@@ -195,8 +195,8 @@ def predict_texts(
         return Predictions([], 0, 0, 0)
     per_token = loaded.task == "token_classification"  # offsets and special tokens, for the entities
     encoded = loaded.tokenizer(
-        texts if pairs else head_words(texts, max_length),  # the same tokens, read faster
-        pairs,
+        head_words(texts, max_length),  # the tokens kept, read faster (a huge query: no huge cost)
+        head_words(pairs, max_length) if pairs is not None else None,
         truncation=True,
         max_length=max_length,
         padding=False,

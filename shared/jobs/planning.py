@@ -14,6 +14,7 @@ from shared.data.columns import JobColumns, job_batches
 from shared.data.labels import ClassIndex, LabelSummary, scan_job_data
 from shared.data.problems import Problems
 from shared.data.split import split_train_validation, text_groups, validation_size
+from shared.data.texts import head_words
 from shared.errors import UserError
 from shared.jobs.base_models import TRANSFORMERS_IMPORT, resolve_model
 from shared.schemas.hyperparameters import contrastive_hyperparameters
@@ -328,6 +329,7 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.nd
     a uint64 group key (reranking, embedding; embedding: and its positive's), and per sampled row
     an int32 length (embedding: one per text)."""
     spec, train, parts, sampled, groups, positives = checked.spec, checked.train, [], [], [], []
+    max_length = spec.hyperparameters.max_length
     cols, problems = checked.columns, Problems(train.filename)
     classes = ClassIndex.of(train.filename, cols)
     sample, start = RowSample(train.rows), 0
@@ -348,11 +350,15 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.nd
             if cols.task == "embedding":  # each text is encoded alone: a column of counts per text
                 assert pairs is not None  # the positives
                 columns = [texts, pairs, *([c[i] for i in take] for c in batch.negatives.values())]
-                parts.append(np.stack([token_counts(tokenizer, c[a : a + TOKENIZE_ROWS], None) for c in columns], 1))
+                parts.append(
+                    np.stack([token_counts(tokenizer, c[a : a + TOKENIZE_ROWS], None, max_length) for c in columns], 1)
+                )
                 continue
             part_pairs = pairs[a : a + TOKENIZE_ROWS] if pairs is not None else None
             parts.append(
-                token_counts(tokenizer, texts[a : a + TOKENIZE_ROWS], part_pairs, cols.task == "token_classification")
+                token_counts(
+                    tokenizer, texts[a : a + TOKENIZE_ROWS], part_pairs, max_length, cols.task == "token_classification"
+                )
             )
     problems.raise_if_any()  # the file changed since check_spec read it
     lengths, sampled_rows = np.concatenate(parts), np.concatenate(sampled)
@@ -374,8 +380,13 @@ def training_lengths(tokenizer, checked: CheckedSpec) -> tuple[np.ndarray, np.nd
     return lengths[trained], keys, len(train_rows)
 
 
-def token_counts(tokenizer, texts: list, pairs: list[str] | None, words: bool = False) -> np.ndarray:
-    """Tokens of each text (with its pair; ``words``: lists of words), untruncated, as int32 ``[len(texts)]``."""
+def token_counts(tokenizer, texts: list, pairs: list[str] | None, max_length: int, words: bool = False) -> np.ndarray:
+    """Tokens of each text (with its pair; ``words``: lists of words), as int32 ``[len(texts)]``:
+    exact where they fit ``max_length``, above it where a job truncates. Texts are cut first
+    (``head_words``: a 100 KB passage cost the dry run as much as a whole one), so a count above
+    ``max_length`` may be below the text's own."""
+    if not words:
+        texts, pairs = head_words(texts, max_length), head_words(pairs, max_length) if pairs is not None else None
     ids = tokenizer(
         texts,
         pairs,

@@ -420,7 +420,9 @@ def plan_prediction(checked: CheckedPrediction) -> dict:
             continue
         full = np.concatenate(
             [
-                token_counts(tokenizer, texts[a : a + TOKENIZE_ROWS], pairs[a : a + TOKENIZE_ROWS] if pairs else None)
+                token_counts(
+                    tokenizer, texts[a : a + TOKENIZE_ROWS], pairs[a : a + TOKENIZE_ROWS] if pairs else None, max_length
+                )
                 for a in range(0, len(texts), TOKENIZE_ROWS)
             ]
         )
