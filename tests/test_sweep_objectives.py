@@ -257,6 +257,9 @@ def test_the_sweep_page_draws_the_front_and_a_warm_starts_history_narrow_and_wid
                 }"""
             )
             assert len(gaps) >= 2 and min(gaps) >= 34, gaps
+            # a log axis's decades read as themselves: uPlot's step there (0.1) labelled 0.01 "0"
+            labels = w.page.evaluate("() => tickLabels(null, [1e-4, 1e-3, 1e-2, 0.1, 1], 0, 0, 0.1)")
+            assert labels == ["1e-4", "1e-3", "0.01", "0.1", "1"], labels
             colours = dict(legend(w.page, "#chart-front"))  # the report's picture's: the front red, the rest blue
             assert (
                 colours["front"] == "rgb(220, 38, 38)"
@@ -321,3 +324,38 @@ def test_the_cli_prints_the_front_and_marks_its_trials():
     assert "#1 accuracy 0.8, latency_ms 2.5" in text and "maximize accuracy, minimize latency_ms" in text
     rows = {job: line for line in text.splitlines() for job in ("job_a", "job_b") if f" {job} " in line}
     assert "*" in rows["job_b"] and "*" not in rows["job_a"]  # the front's trial marked, the other not
+
+
+def test_a_multi_objective_tpe_sweep_asks_on_after_a_pruned_trial():
+    """Optuna's TPE scores a pruned trial by its last intermediate value in the study's one
+    ``direction``, which a multi-objective study has not: once a trial was pruned, every ask raised
+    ("A single direction cannot be retrieved from a multi-objective study") and the sweep stayed
+    ``running`` with no trial to run. A multi-objective study holds pruned trials without their curves."""
+    from optuna.distributions import FloatDistribution
+
+    from shared.jobs.search import ask
+    from shared.schemas.sweeps import SweepCreate
+    from shared.store.rows import Job
+
+    spec = SweepCreate.model_validate(
+        multi_body("ds_x", algorithm="tpe", max_trials=12, early_stopping={"type": "median", "min_trials": 1})
+    )
+    space = {"learning_rate": FloatDistribution(1e-4, 1e-2, log=True)}
+    jobs, curves, more = [], {}, {}
+    for number, (status, curve) in enumerate(
+        [("succeeded", {2: 0.6, 4: 0.7}), ("succeeded", {2: 0.7, 4: 0.8}), ("succeeded", {2: 0.5, 4: 0.9})]
+        + [("succeeded", {2: 0.6, 4: 0.65}), ("pruned", {2: 0.2})]
+    ):
+        job = Job(
+            id=f"job_{number}",
+            status=status,
+            trial_number=number,
+            total_steps=4,
+            base_model=TINY_MODEL,
+            spec={"hyperparameters": {"learning_rate": 10 ** -(2 + number / 3)}},
+        )
+        jobs.append(job)
+        curves[job.id] = curve
+        more[job.id] = [{4: 100.0 + number}] if status == "succeeded" else [{}]
+    ((params, _),) = ask(spec, space, jobs, curves, 1, more=more)
+    assert 1e-4 <= params["learning_rate"] <= 1e-2

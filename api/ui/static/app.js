@@ -181,7 +181,9 @@ function tickLabels(u, splits, axisIdx, space, step) {
   while (decimals < 20 && Math.abs(step * 10 ** decimals - Math.round(step * 10 ** decimals)) > 1e-6 * step * 10 ** decimals) decimals++;
   return splits.map(v => {
     if (v === null || v === undefined) return "";
-    if (v === 0 || Math.abs(v) >= 1e-2) return String(+v.toFixed(decimals));
+    // at least the value's own first digit: a log axis's steps are its decades' (0.01 read "0" at step 0.1)
+    if (v === 0) return "0";
+    if (Math.abs(v) >= 1e-2) return String(+v.toFixed(Math.max(decimals, -Math.floor(Math.log10(Math.abs(v))))));
     const digits = Math.min(20, Math.max(0, decimals + Math.floor(Math.log10(Math.abs(v)))));
     return (+v.toExponential(digits)).toExponential();
   });
