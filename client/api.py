@@ -485,6 +485,13 @@ class Client:
         (``{"embeddings": [[...], ...], "dimensions", "tokens", "truncated", ...}``, unit length)."""
         return self.request("POST", f"/models/{job_id}/embed", json={"inputs": inputs}).json()
 
+    def rerank(self, job_id: str, query: str, documents: list[str], top_n: int | None = None) -> dict[str, Any]:
+        """``POST /models/{job_id}/rerank``: ``documents`` ordered by a reranking job's relevance to
+        ``query`` (``{"results": [{"index", "relevance_score"}, ...]}``, best first; the best
+        ``top_n`` only, when given)."""
+        body = {"query": query, "documents": documents, **({"top_n": top_n} if top_n is not None else {})}
+        return self.request("POST", f"/models/{job_id}/rerank", json=body).json()
+
     def job_evaluation(self, job_id: str) -> dict[str, Any]:
         """``GET /jobs/{id}/evaluation``: the evaluation report of a succeeded job's model."""
         return self.request("GET", f"/jobs/{job_id}/evaluation").json()

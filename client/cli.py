@@ -39,6 +39,7 @@ from client.display import (
     print_json,
     progress,
     queue_line,
+    reranked_table,
     show,
     show_plan,
     styled_status,
@@ -373,6 +374,11 @@ def embed_texts(client: Client, args, out: Console) -> None:
     show(out, args, answer, lambda: vectors_table(args.texts, answer["embeddings"]))
 
 
+def rerank_texts(client: Client, args, out: Console) -> None:
+    answer = client.rerank(args.job_id, args.query, args.documents, args.top_n)
+    show(out, args, answer, lambda: reranked_table(args.documents, answer["results"]))
+
+
 def create_webhook(client: Client, args, out: Console) -> None:
     webhook = client.create_webhook(args.endpoint, args.events, args.description)
     show(
@@ -497,7 +503,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "watch",
         watch_job,
         "follow a job with a live progress bar until it ends; exit 0 if it "
-        "succeeded, 3 if it failed, 4 if it was cancelled",
+        "succeeded, 3 if it failed, 4 if it was cancelled, 5 if its sweep pruned it",
     ).add_argument("job_id")
     command(
         jobs,
@@ -554,7 +560,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def add_predict_commands(commands: argparse._SubParsersAction, command, quiet, read) -> None:
-    """``tunejob predict create|list|get|watch|events|download|evaluation|cancel|delete|texts|embed``."""
+    """``tunejob predict create|list|get|watch|events|download|evaluation|cancel|delete|texts|embed|rerank``."""
     predict = commands.add_parser(
         "predict", help="score datasets or texts with a trained model (client)"
     ).add_subparsers(dest="subcommand", required=True)
@@ -628,6 +634,17 @@ def add_predict_commands(commands: argparse._SubParsersAction, command, quiet, r
     )
     p.add_argument("job_id")
     p.add_argument("texts", nargs="+")
+    p = command(
+        predict,
+        "rerank",
+        rerank_texts,
+        "order a few documents by their relevance to a query with a reranking job",
+        read,
+    )
+    p.add_argument("job_id")
+    p.add_argument("query")
+    p.add_argument("documents", nargs="+")
+    p.add_argument("--top-n", type=int, help="only the best N documents")
 
 
 def main(argv: list[str]) -> int:
@@ -657,6 +674,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except BrokenPipeError:  # e.g. `tunejob jobs metrics ID --csv | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error as Python exits
+        return EXIT_ERROR
+    except OSError as e:  # a local file: an upload that is not there, `-o` into a folder that is not
+        errors.print(f"[red]error[/]: {escape(str(e))}")
         return EXIT_ERROR
     except KeyboardInterrupt:
         job, prediction = getattr(args, "job_id", None), getattr(args, "prediction_id", None)

@@ -196,6 +196,16 @@ def vectors_table(texts: list[str], vectors: list[list[float]]) -> Table:
     return table
 
 
+def reranked_table(documents: list[str], results: list[dict[str, Any]]) -> Table:
+    """One row per result, best first: its rank, the document's position in the request, its
+    relevance score and the document."""
+    table = Table("rank", "document", "relevance", Column("text", overflow="fold"))
+    for rank, result in enumerate(results, 1):
+        i = result["index"]
+        table.add_row(str(rank), str(i), f"{result['relevance_score']:.4f}", escape(documents[i]))
+    return table
+
+
 def prediction_text(text: str, row: dict[str, Any]) -> str:
     """A prediction in a few words: classification's label and score, multi_label's labels,
     token_classification's entities (``PER carol, LOC New York``: the text at their offsets), or

@@ -19,7 +19,7 @@ def add_create_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="base_model, e.g. all-MiniLM-L6-v2 (tunejob models lists them)")
     p.add_argument("--dataset", help="training_dataset: a dataset id (tunejob datasets upload FILE)")
     p.add_argument("--validation", help="validation_dataset id (default: validation_split 0.1 of the training set)")
-    p.add_argument("--validation-split", type=float)
+    p.add_argument("--validation-split", type=float, help="the share of the training rows held out (0.1)")
     p.add_argument(
         "--task",
         choices=["classification", "regression", "multi_label", "token_classification", "embedding", "reranking"],
@@ -38,12 +38,15 @@ def add_create_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--score-column", help="embedding: a similarity in [0, 1] per pair (CoSENT)")
     p.add_argument("--query-column", help="reranking: the queries (default query)")
     p.add_argument("--passage-column", help="reranking: the passage scored against each query (default passage)")
-    p.add_argument("--text-column")
-    p.add_argument("--text-pair-column")
-    p.add_argument("--label-column")
+    p.add_argument("--text-column", help="the texts (default text)")
+    p.add_argument("--text-pair-column", help="a second text per row, read as the tokenizer's pair (default none)")
+    p.add_argument("--label-column", help="the labels (default label)")
     p.add_argument("--label-separator", help="multi_label: split text labels on this, e.g. '|' (CSV needs it)")
-    p.add_argument("--decision-threshold", type=float, help="multi_label: predict a label from this score (0.5)")
-    p.add_argument(
+    threshold = p.add_mutually_exclusive_group()
+    threshold.add_argument(
+        "--decision-threshold", type=float, help="multi_label: predict a label from this score (0.5)"
+    )
+    threshold.add_argument(
         "--tune-threshold",
         action="store_const",
         const=True,

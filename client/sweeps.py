@@ -11,6 +11,7 @@ the fixed hyperparameters, ...) plus the search: ``--space`` (a JSON or YAML fil
 succeeded, 3 if it failed, 4 if it was cancelled.
 """
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from rich.table import Column, Table
 from client.api import Client
 from client.display import age, fields_table, id_column, job_plan_table, print_json, show, show_plan, styled_status
 from client.options import UsageError, add_create_arguments, job_spec
+from client.watch import PLAIN_EVERY_SECONDS
 
 EXIT_FOR = {"succeeded": 0, "failed": 3, "cancelled": 4}
 WATCH_SECONDS = 2.0
@@ -178,12 +180,26 @@ def delete_sweep(client: Client, args, out: Console) -> None:
 
 
 def watch(client: Client, sweep_id: str, out: Console) -> int:
-    """Redraw the sweep and its trials every ``WATCH_SECONDS`` until it ends; the exit code of its end."""
-    with Live(console=out, auto_refresh=False) as live:
+    """Redraw the sweep and its trials every ``WATCH_SECONDS`` until it ends; the exit code of its
+    end. Without a terminal (a CI log, a pipe: a redrawn table would print nothing until the end),
+    a line when the sweep's status or trial counts change and at most every
+    ``PLAIN_EVERY_SECONDS``, then the tables once it ends (as ``client.watch`` does for a job)."""
+    live = Live(console=out, auto_refresh=False) if out.is_terminal else None
+    said, said_at = "", float("-inf")
+    with live or contextlib.nullcontext():
         while True:
             sweep, trials = client.get_sweep(sweep_id), client.sweep_trials(sweep_id)
-            live.update(Group(sweep_table(sweep), trials_table(trials, sweep, out.width)), refresh=True)
+            tables = Group(sweep_table(sweep), trials_table(trials, sweep, out.width))
+            if live is not None:
+                live.update(tables, refresh=True)
+            elif (line := f"sweep {sweep.id} {sweep.status} · {_counts(sweep)}") != said or (
+                time.monotonic() - said_at >= PLAIN_EVERY_SECONDS
+            ):
+                out.print(f"{line} of {sweep.max_trials} · best {_best(sweep)}")
+                said, said_at = line, time.monotonic()
             if sweep.finished_at is not None:
+                if live is None:
+                    out.print(tables)
                 return EXIT_FOR.get(sweep.status, 1)
             time.sleep(WATCH_SECONDS)
 

@@ -523,6 +523,9 @@ def test_webhooks_reach_the_server_and_bad_files_are_a_usage_error(tmp_path):
         "jobs", "create", "--spec", str(tmp_path / "list.json"), "--url", "http://127.0.0.1:9", cwd=tmp_path
     )
     assert r.returncode == 2 and "expected a JSON object" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for command in (("datasets", "upload", str(tmp_path / "missing.csv")), ("datasets", "upload", str(tmp_path))):
+        r = run_tunejob(*command, "--url", "http://127.0.0.1:9", cwd=tmp_path)  # a traceback before
+        assert r.returncode == 1 and r.stderr.startswith("error: [Errno") and "Traceback" not in r.stderr, r.stderr
 
 
 def test_version():

@@ -243,6 +243,30 @@ def test_rerank_endpoint_orders_documents_best_first(stack):
     results = r.json()["results"]
     assert len(results) == 2 and results[0]["index"] == 1
     assert results[0]["relevance_score"] >= results[1]["relevance_score"]
+    # the CLI and the Python client (`tunejob predict rerank`): none had a way to call it
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    from client import Client, cli
+    from tests.conftest import BASE_URL
+    from tests.test_webhooks import ViaTestClient
+
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser.add_subparsers(dest="command", required=True))
+    screen = io.StringIO()
+    key = client.headers["Authorization"].removeprefix("Bearer ")
+    with Client(BASE_URL, api_key=key, transport=ViaTestClient(client)) as python_client:
+        assert python_client.rerank(job["id"], "tell me about chess 3", documents, top_n=2)["results"] == results
+        args = parser.parse_args(["predict", "rerank", job["id"], "tell me about chess 3", *documents, "--top-n", "1"])
+        args.handler(python_client, args, Console(file=screen, width=200))
+    table = screen.getvalue()
+    assert (
+        "a text about the chess 3.0" in table
+        and "volcano" not in table
+        and f"{results[0]['relevance_score']:.4f}" in table
+    )
     assert client.post(f"/models/{job['id']}/embed", json={"inputs": ["x"]}).status_code == 422
     too_many = {"query": "chess", "documents": ["a text"] * 65}  # max_sync_inputs: 64
     error = assert_error(

@@ -452,6 +452,8 @@ def test_cli_sweep_runs_two_trials_at_once_on_serve_with_two_workers(served_by_t
     assert created.returncode == 0, created.stdout + created.stderr
     sweep_id = created.stdout.split()[1]
     assert "succeeded" in created.stdout and "best" in created.stdout
+    # not a terminal: plain lines as the trials go (a redrawn table printed nothing until the end)
+    assert f"sweep {sweep_id} running · " in created.stdout and " of 2 · best " in created.stdout, created.stdout
 
     trials = json.loads(served.cli("sweeps", "trials", sweep_id, "--json").stdout)
     assert [t["number"] for t in trials] == [0, 1] and {t["status"] for t in trials} == {"succeeded"}
