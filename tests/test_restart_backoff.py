@@ -81,3 +81,26 @@ def test_an_object_storage_failure_reaches_the_event_without_the_buckets_address
     said = " ".join([e["message"] for e in events] + [ended["error"]["message"]])
     assert worker.tasks.STORAGE_FAILED in said
     assert "10.0.0.7" not in said and "Debug source" not in said, said
+
+
+def test_a_job_whose_reporter_cannot_be_made_is_restarted_at_once_and_says_why(stack, monkeypatch):
+    """The job's ``Reporter`` was made outside the error handling: when it raised (a worker upgraded
+    under its feet: a ``NameError``), the job stayed claimed, its error unsaid, until its lease
+    expired (minutes, three times over). It is restarted as any unexpected error now."""
+    import worker.reporter
+
+    monkeypatch.setattr(get_settings(), "restart_backoff_seconds", 0.1)
+    monkeypatch.setattr(get_settings(), "max_restarts", 1)
+
+    def broken(*args, **kwargs):
+        raise NameError("name 'Outage' is not defined")
+
+    monkeypatch.setattr(worker.reporter.Reporter, "__init__", broken)
+    dataset = upload(stack.client, labelled_csv())
+    spec = {"base_model": TINY_MODEL, "training_dataset": dataset["id"], "text_column": "text", "label_column": "label"}
+    job = stack.client.post("/jobs", json=spec).json()
+    ended = wait_for_status(stack.client, job["id"], {"failed", "succeeded"}, timeout=30)
+    assert ended["error"]["message"].endswith("NameError: name 'Outage' is not defined"), ended["error"]
+    events = stack.client.get(f"/jobs/{job['id']}/events").json()["data"]
+    restarted = [e["message"] for e in events if e["code"] == "job_restarted"]
+    assert len(restarted) == 1 and "NameError" in restarted[0], events  # restarted once, then out of restarts

@@ -204,12 +204,15 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
     )
     from worker.reporter import Interrupted, Reporter
 
-    reporter = Reporter(
-        job.id,
-        worker_id,
-        stop_flags={"shutdown": stopping, "lease_lost": heartbeat.lease_lost},
-        trial=job.sweep_id is not None,
-    )
+    try:
+        reporter = Reporter(
+            job.id,
+            worker_id,
+            stop_flags={"shutdown": stopping, "lease_lost": heartbeat.lease_lost},
+            trial=job.sweep_id is not None,
+        )
+    except Exception as e:  # the job stayed claimed, its error unsaid, until its lease expired
+        return restart_after(job, worker_id, e)
     try:
         device, note = resolve_device(get_settings().device)
         if note:
@@ -228,22 +231,30 @@ def run_claimed_job(job, worker_id: str, heartbeat: Heartbeat) -> str:
         )
         return JobStatus.FAILED
     except Exception as e:
-        log.exception("job %s failed unexpectedly", job.id)
         reporter.write_pending()
-        # obstore's message is a page of Rust debug output naming the bucket's internal address:
-        # for the operator's log, not for the tenant's event
-        message = STORAGE_FAILED if isinstance(e, ObjectStoreError) else f"{type(e).__name__}: {e}"
-        countdown = restart_countdown(job.restarts)
-        if lifecycle.requeue(
-            job.id,
-            worker_id,
-            "job_restarted",
-            f"unexpected error: {message}",
-            restart=True,
-            then=f"; retrying in {countdown:g} s",
-        ):
-            send(job.id, countdown=countdown)
-        return "error"
+        return restart_after(job, worker_id, e)
+
+
+def restart_after(job, worker_id: str, e: Exception) -> str:
+    """Log an unexpected error ``e`` of ``job`` and restart the job after its backoff
+    (``restart_countdown``): ``"restarted"``; else ``"failed"`` (its ``max_restarts`` used up, the
+    job failed; or its lease lost: another worker holds it; ``lifecycle.requeue``)."""
+    log.exception("job %s failed unexpectedly", job.id, exc_info=e)
+    # obstore's message is a page of Rust debug output naming the bucket's internal address:
+    # for the operator's log, not for the tenant's event
+    message = STORAGE_FAILED if isinstance(e, ObjectStoreError) else f"{type(e).__name__}: {e}"
+    countdown = restart_countdown(job.restarts)
+    if lifecycle.requeue(
+        job.id,
+        worker_id,
+        "job_restarted",
+        f"unexpected error: {message}",
+        restart=True,
+        then=f"; retrying in {countdown:g} s",
+    ):
+        send(job.id, countdown=countdown)
+        return "restarted"  # what Celery's log line says the task returned ("succeeded in 73.3s: 'error'" misled)
+    return JobStatus.FAILED
 
 
 def restart_countdown(restarts: int) -> float:
