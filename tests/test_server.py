@@ -523,3 +523,13 @@ def test_a_client_gone_mid_upload_is_no_server_error(tmp_path):
         assert requests_counted(counted(), "/datasets", "POST", "500") == 0
         assert list((data / "uploads").glob(".*.tmp")) == []
         assert "Traceback" not in api.process.tail(400) and "client closed the connection" in api.process.tail(400)
+
+
+def test_a_malformed_secret_key_stops_the_api_and_db_reseal_in_one_line(tmp_path):
+    """A ``TUNEJOB_SECRET_KEY`` that is no Fernet key: the API started, and every webhook request
+    answered 500; ``tunejob db reseal`` printed a traceback."""
+    env = tunejob_env(tmp_path, TUNEJOB_SECRET_KEY="not-a-key")
+    for command in (("db", "reseal"), ("api", "--port", str(free_port()))):
+        result = tunejob(env, *command, check=False)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert "TUNEJOB_SECRET_KEY: not a comma-separated list of Fernet keys" in result.stderr, result.stderr

@@ -1,6 +1,6 @@
 # PYTHON_ARGCOMPLETE_OK (argcomplete's global activation completes the commands this module parses)
 """The ``tunejob`` command: ``serve`` (API + workers, the embedded default), ``api``, ``worker``,
-``db upgrade``, ``keys create|list|revoke``, ``doctor``, ``completion``, and the HTTP client's ``datasets``,
+``db upgrade|reseal``, ``keys create|list|revoke``, ``doctor``, ``completion``, and the HTTP client's ``datasets``,
 ``models``, ``jobs``, ``sweeps``, ``predict``, ``webhooks`` and ``health`` (``client.cli``); ``--version``."""
 
 import argparse
@@ -41,6 +41,7 @@ def prepare_api(host: str) -> None:
 
     upgrade_database()
     require_bucket("tunejob")
+    require_secret_key("tunejob")
     try:
         path = ensure_key_for(host)
     except NoKeyError as e:
@@ -65,6 +66,19 @@ def require_bucket(program: str) -> None:
             f"{program}: the object storage {get_settings().storage_url} cannot be used: {problem} (check "
             "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and that the bucket exists)"
         )
+
+
+def require_secret_key(program: str) -> None:
+    """Exit with the reason when ``TUNEJOB_SECRET_KEY`` is set but is no list of Fernet keys: the
+    API started, and every webhook request answered 500."""
+    from shared.settings import get_settings
+    from shared.store.sealed import fernet
+
+    if get_settings().secret_key:
+        try:
+            fernet()
+        except ValueError as e:
+            sys.exit(f"{program}: {e}")
 
 
 def announce_dashboard(host: str, port: int, link: str | None) -> None:
@@ -448,7 +462,11 @@ def run_command(whole: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if args.db_command == "reseal":
             from shared.jobs.webhooks import reseal_secrets
 
-            print(f"{reseal_secrets()} webhook endpoints' secrets encrypted with the first key")
+            require_secret_key("tunejob db reseal")  # with no endpoint to read, a malformed key went unnoticed
+            try:
+                print(f"{reseal_secrets()} webhook endpoints' secrets encrypted with the first key")
+            except ValueError as e:  # not the key the secrets were sealed with
+                sys.exit(f"error: {e}")
 
 
 def parser() -> argparse.ArgumentParser:
