@@ -183,7 +183,7 @@ def test_bad_labels_are_refused_naming_file_row_column_and_value(stack):
     assert r.status_code == 422 and r.json()["error"]["code"] == "no_labels", r.text
 
     r = client.post("/jobs", json={**body(train["id"], label_separator="|"), "task": "classification"})
-    assert r.status_code == 422 and "apply to task 'multi_label' only" in r.text, r.text
+    assert r.status_code == 422 and "label_separator applies to task 'multi_label' only" in r.text, r.text
     assert {j["id"] for j in client.get("/jobs").json()["data"]} == jobs_before  # nothing stored
 
 

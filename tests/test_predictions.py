@@ -645,3 +645,23 @@ def test_a_worker_stopped_mid_prediction_is_resumed_and_every_row_is_written_onc
     assert written >= stopped["progress"]["rows_done"] and written % KILL_PART_ROWS == 0, resumed
     rows = [json.loads(line) for line in cluster.request("GET", f"{url}/results").content.splitlines()]
     assert [row["id"] for row in rows] == ids
+
+
+def test_a_part_the_bucket_did_not_take_leaves_no_copy_on_the_workers_disk(tmp_path, monkeypatch):
+    """A part written and renamed into place, then refused by the bucket, stayed in the worker's
+    data directory for good (outside its bounded cache; the attempt that resumed wrote it anew)."""
+    import pyarrow as pa
+    from obstore.exceptions import GenericError
+
+    from shared.jobs import prediction_results
+    from shared.store import objects
+
+    class Refusing:
+        def publish(self, path):
+            raise GenericError("Generic S3 error: connection refused")
+
+    monkeypatch.setattr(objects, "store", Refusing)
+    table = pa.table({"id": [1, 2], "label": ["a", "b"]})
+    with pytest.raises(GenericError):
+        prediction_results.write_part(tmp_path, 1, table, dict.fromkeys(prediction_results.PART_COUNTS, 2))
+    assert list(tmp_path.iterdir()) == []

@@ -29,8 +29,9 @@ def check_task(spec: PredictionCreate, task: str) -> None:
     if spec.label_column is not None and task not in REPORTED:
         raise UserError(
             "unsupported_task",
-            f"model {spec.model!r} is a {task} model: a label_column is scored for "
-            f"{', '.join(REPORTED)} models only (predictions read raw text, not tagged words)",
+            f"model {spec.model!r} is {'an' if task[0] in 'aeiou' else 'a'} {task} model: a label_column is scored for "
+            f"{', '.join(REPORTED)} models only"
+            + (" (predictions read raw text, not tagged words)" if task == "token_classification" else ""),
             "label_column",
         )
 

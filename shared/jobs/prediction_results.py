@@ -87,7 +87,11 @@ def write_part(directory: Path, index: int, table: pa.Table, counts: dict[str, i
     pq.write_table(table, temporary)
     os.replace(temporary, path)
     size = path.stat().st_size
-    objects.store().publish(path)
+    try:
+        objects.store().publish(path)
+    except BaseException:  # not in the bucket: the attempt that resumes writes it again; no copy is left here
+        path.unlink(missing_ok=True)
+        raise
     return size
 
 

@@ -216,7 +216,9 @@ class JobCreate(BaseModel):
             "decision_threshold": self.decision_threshold != 0.5,
         }
         if self.task != "multi_label" and (given := [name for name, set_ in multi_label_only.items() if set_]):
-            raise ValueError(f"{', '.join(given)} apply to task 'multi_label' only")
+            raise ValueError(
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to task 'multi_label' only"
+            )
         if self.tune_threshold and not (self.validation_dataset or self.validation_split):
             raise ValueError("tune_threshold needs a validation set")
         if self.task == "token_classification" and self.text_pair_column:
@@ -242,7 +244,9 @@ class JobCreate(BaseModel):
         reranking = {"query_column": self.query_column != "query", "passage_column": self.passage_column != "passage"}
         for task, fields in (("embedding", given), ("reranking", reranking)):
             if self.task != task and (names := [name for name, set_ in fields.items() if set_]):
-                raise ValueError(f"{', '.join(names)} apply to task {task!r} only")
+                raise ValueError(
+                    f"{', '.join(names)} {'applies' if len(names) == 1 else 'apply'} to task {task!r} only"
+                )
         if self.task == "reranking" and (
             self.text_pair_column
             or self.query_column == self.passage_column
