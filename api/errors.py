@@ -288,7 +288,8 @@ def install_error_handlers(app: FastAPI) -> None:
         path = field_path(first, e.body)
         same = [x for x in e.errors() if field_path(x, e.body)[: len(path)] == path]
         said = [x for x in same if not x["type"].endswith("_type")]
-        first = next((x for x in said if x["type"] != "literal_error"), next(iter(said), first))
+        deepest = max(same, key=lambda x: len(field_path(x, e.body)))  # all wrong types: the member that got furthest
+        first = next((x for x in said if x["type"] != "literal_error"), next(iter(said), deepest))
         param = ".".join(field_path(first, e.body)) or None
         value = f" (got {show(first['input'])})" if "input" in first and not isinstance(first["input"], dict) else ""
         # a rule across fields (param null: the message names them) without pydantic's "Value error, "

@@ -811,3 +811,13 @@ def test_a_json_body_sent_as_a_form_names_the_content_type(stack):
     assert r.json()["error"]["param"] != "Content-Type"  # JSON, only not a job's
     r = stack.client.post("/jobs")  # no body at all: that is what it says, whatever the type
     assert r.status_code == 422 and r.json()["error"]["param"] != "Content-Type", r.text
+
+
+def test_a_wrong_type_inside_a_union_names_the_item(stack):
+    """``input: str | list[str]`` given ``["a", 3]``: every member's error is a wrong type, and the
+    answer named ``input`` ("a valid string") instead of the item the list member stopped at."""
+    r = stack.client.post("/v1/embeddings", json={"model": TINY_MODEL, "input": ["a", 3]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.1", r.text
+    assert r.json()["error"]["message"].startswith("input.1: Input should be a valid string"), r.text
+    r = stack.client.post("/v1/embeddings", json={"model": TINY_MODEL, "input": 3})  # neither member: the field
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text

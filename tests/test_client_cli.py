@@ -565,6 +565,15 @@ def test_shell_completion(tmp_path):
     assert complete("tunejob jobs cr", tmp_path) == ["create"]
     assert "--tenant" in complete("tunejob keys create --", tmp_path)
     assert {"bash", "fish", "zsh"} <= set(complete("tunejob completion ", tmp_path))
+    # `tunejob completion bash | head`: a reader that leaves early (a BrokenPipeError traceback before)
+    reader_gone = subprocess.Popen(
+        [sys.executable, "-m", "tunejob", "completion", "bash"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    reader_gone.stdout.close()
+    assert "Traceback" not in reader_gone.communicate(timeout=60)[1].decode()
 
 
 def test_a_job_shows_the_columns_its_task_reads():

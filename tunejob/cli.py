@@ -421,6 +421,9 @@ def main(argv: list[str] | None = None) -> None:
 
         url = make_url(get_settings().sqlalchemy_url).render_as_string(hide_password=True)
         sys.exit(f"tunejob {args.command}: the job store {url} cannot be used: {str(e.orig).splitlines()[0]}")
+    except BrokenPipeError:  # `tunejob completion bash | head`: the reader left (as the client commands)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error as Python exits
+        sys.exit(1)
 
 
 def run_command(whole: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -447,7 +450,7 @@ def run_command(whole: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     elif args.command == "completion":
         import argcomplete
 
-        print(argcomplete.shellcode(["tunejob"], shell=args.shell))
+        print(argcomplete.shellcode(["tunejob"], shell=args.shell), flush=True)  # a closed pipe raises here
     elif args.command == "db":
         from shared.store.engine import database_revision, upgrade_database
 
